@@ -1,0 +1,4 @@
+from experiments.run import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""Main job: `python -m experiments.run --layout fsdp --mesh 4x8`.
+
+Everything the user typed is checked before a run directory exists, so bad input leaves
+nothing behind: a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.config import RunConfig, add_arguments, from_namespace
+from jaxdist.devices import configure_host_devices, select_devices
+from jaxdist.errors import UsageError
+from jaxdist.mesh import MeshShape, parse_mesh
+from models import get_model, model_names, parse_overrides
+from sharding import describe_layouts, get_layout
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m experiments.run",
+        description="Train one model under one layout on a device mesh and measure step "
+                    "latency, throughput, MFU and memory. Without an accelerator the mesh is "
+                    "simulated on host CPU devices.")
+    add_arguments(parser, extra_help={
+        "layout": f". Layouts: {describe_layouts()}",
+        "model": f". Models: {', '.join(model_names())}",
+    })
+    return parser
+
+
+def validate(cfg: RunConfig) -> MeshShape:
+    """Every check that needs no device. Returns the parsed mesh."""
+    get_layout(cfg.train.layout)
+    get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
+    shape = parse_mesh(cfg.mesh.mesh)
+    for name, value in (("--steps", cfg.loop.steps), ("--batch-size", cfg.train.batch_size)):
+        if value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}")
+    if cfg.loop.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {cfg.loop.warmup}")
+    if not cfg.train.lr > 0:
+        raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
+    return shape
+
+
+def check_batch(cfg: RunConfig, num_devices: int, mesh_label: str) -> None:
+    b = cfg.train.batch_size
+    if b % num_devices:
+        fit = (b // num_devices + 1) * num_devices
+        raise UsageError(f"global batch {b} is not divisible by the {num_devices} devices of "
+                         f"mesh {mesh_label}; use a multiple of {num_devices}, e.g. "
+                         f"--batch-size {fit}")
+
+
+def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
+    """Create the run directory. Returns (run dir, topmost directory this call created),
+    so a failed run can remove exactly what it made."""
+    if cfg.output.logdir:
+        path = Path(cfg.output.logdir)
+        if (path / "results.json").exists():
+            raise UsageError(f"--logdir {path} already holds a finished run; choose another")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = path.with_name(f"{stamp}-{cfg.train.layout}-{mesh_label}-"
+                                  f"{cfg.model.model}-{suffix}")
+    top = path.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    created = top if not top.exists() else None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        if created is not None and created.exists():
+            shutil.rmtree(created, ignore_errors=True)
+        raise UsageError(f"cannot write to --logdir {path}: {e.strerror or e}") from None
+    return path, created
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = from_namespace(args)
+    try:
+        shape = validate(cfg)
+        configure_host_devices(shape, cfg.mesh.platform)
+        platform = select_devices(shape)
+        check_batch(cfg, len(platform.devices), platform.shape.label)
+        logdir, created = make_logdir(cfg, platform.shape.label)
+    except UsageError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        return 2
+
+    from jaxdist import loop  # after device setup: importing it must not pick the backend
+    from jaxdist.writers import format_summary
+
+    if platform.simulated:
+        print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
+              f"{len(platform.devices)} host CPU devices. Step times are functional, not "
+              f"performance figures; memory figures (shard bytes, compiler) are exact.")
+    try:
+        results = loop.run(cfg, platform, logdir)
+    except BaseException as e:
+        shutil.rmtree(created or logdir, ignore_errors=True)
+        if isinstance(e, UsageError):
+            print(f"run: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    print()
+    print(format_summary(results))
+    if platform.simulated:
+        print("  (simulated devices: times above are not performance figures)")
+    print(f"\nresults:     {logdir / 'results.json'}")
+    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

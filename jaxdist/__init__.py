@@ -1,0 +1,1 @@
+"""jaxdist runtime: config, devices and mesh, train step, loop, metrics, writers."""

@@ -1,0 +1,98 @@
+"""Run configuration: one frozen dataclass per concern; the command line is a view of them.
+
+Each field's metadata carries its help text (and choices where fixed), so `experiments.run`
+builds its parser from these classes and `results.json` records `RunConfig.to_dict()`,
+which is everything needed to rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default, help, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    mesh: str = _opt("4x8", "device mesh: DATAxFSDP (4x8), axis:size pairs (data:4,fsdp:8), "
+                     "N (data N, fsdp 1) or -1 (every device on data)")
+    platform: str = _opt("auto", "auto: use GPUs if present, else simulate the mesh on host "
+                         "CPU devices; cpu: always simulate", choices=("auto", "cpu"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt("gpt-tiny", "registered model name (see --help for the list)")
+    model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
+    dtype: str = _opt("float32", "compute dtype (parameters stay float32)",
+                      choices=("float32", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    layout: str = _opt("fsdp", "how state is laid out over the mesh (see --help for the list)")
+    optimizer: str = _opt("adamw", "optax optimizer", choices=("adamw", "sgd"))
+    lr: float = _opt(1e-3, "learning rate")
+    batch_size: int = _opt(64, "global batch size, divisible by the number of devices")
+    seed: int = _opt(0, "seed for parameters and synthetic data")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    warmup: int = _opt(2, "untimed steps after compilation (compile time is reported apart)")
+    steps: int = _opt(10, "timed steps")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)")
+    progress: bool = _opt(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        return cls(**{name: kind(**data.get(name, {})) for name, kind in _SECTIONS.items()})
+
+
+_SECTIONS = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig,
+             "loop": LoopConfig, "output": OutputConfig}
+
+
+def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):
+    """One flag per field (`batch_size` -> `--batch-size`), grouped by section."""
+    extra_help = extra_help or {}
+    for name, kind in _SECTIONS.items():
+        group = parser.add_argument_group(name)
+        for f in dataclasses.fields(kind):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata["help"] + extra_help.get(f.name, "")
+            if f.type == "bool":
+                group.add_argument(flag, dest=f.name, default=f.default,
+                                   action=argparse.BooleanOptionalAction, help=help_text)
+                continue
+            parse = {"int": int, "float": float, "str": str}[f.type]
+            group.add_argument(flag, dest=f.name, type=parse, default=f.default,
+                               choices=f.metadata.get("choices"),
+                               help=f"{help_text} (default: {f.default})")
+
+
+def from_namespace(ns: argparse.Namespace) -> RunConfig:
+    return RunConfig(**{
+        name: kind(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(kind)})
+        for name, kind in _SECTIONS.items()})

@@ -1,0 +1,71 @@
+"""Which devices a run gets: real accelerators, or a mesh simulated on host CPU devices.
+
+`configure_host_devices` must run before anything touches a JAX backend: the CPU device
+count cannot change once a backend exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from jaxdist.errors import UsageError
+from jaxdist.mesh import MeshShape
+
+_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+@dataclass(frozen=True)
+class Platform:
+    backend: str          # "gpu", "tpu" or "cpu"
+    simulated: bool       # True: the mesh lives on host CPU devices, timings are not performance
+    devices: tuple        # every device of the run, all processes
+    shape: MeshShape      # the mesh with -1 resolved
+
+    @property
+    def device_kind(self) -> str:
+        return self.devices[0].device_kind
+
+
+def configure_host_devices(shape: MeshShape, platform: str) -> None:
+    """Before backend init: force CPU if asked, and give the CPU backend one device per mesh
+    slot so that, without an accelerator, the mesh can be simulated."""
+    import jax
+
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    if _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", "")):
+        return  # the user chose a count explicitly; a mismatch is reported by select_devices
+    if shape.size is not None:
+        jax.config.update("jax_num_cpu_devices", shape.size)
+
+
+def select_devices(shape: MeshShape) -> Platform:
+    import jax
+
+    devices = tuple(jax.devices())
+    backend = jax.default_backend()
+    resolved = shape.resolve(len(devices))
+    if resolved.size != len(devices):
+        where = (f"{len(devices)} {backend} devices are present" if backend != "cpu" else
+                 f"{len(devices)} simulated CPU devices are present (XLA_FLAGS sets "
+                 f"--xla_force_host_platform_device_count)")
+        raise UsageError(f"mesh {shape.label} needs {resolved.size} devices but {where}; "
+                         f"use a mesh of {len(devices)} devices (e.g. --mesh {len(devices)} "
+                         f"or --mesh -1)")
+    return Platform(backend=backend, simulated=backend == "cpu", devices=devices,
+                    shape=resolved)
+
+
+def env_info(platform: Platform) -> dict:
+    import jax
+
+    return {
+        "jax_version": jax.__version__,
+        "backend": platform.backend,
+        "device_kind": platform.device_kind,
+        "num_devices": len(platform.devices),
+        "num_processes": jax.process_count(),
+        "simulated": platform.simulated,
+    }

@@ -1,0 +1,108 @@
+"""The experiment loop, shared by every layout: build, compile, warm up, time, measure, write.
+
+Read top to bottom: this is the whole life of a run once its devices are chosen.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxdist import metrics
+from jaxdist.config import RunConfig
+from jaxdist.devices import Platform, env_info
+from jaxdist.mesh import build_mesh
+from jaxdist.results import SCHEMA_VERSION
+from jaxdist.timing import StepTimer, timed
+from jaxdist.train_step import build_program, make_optimizer, put_batch
+from jaxdist.writers import RunWriter
+from models import get_model, parse_overrides
+from sharding import get_layout
+
+NUM_BATCHES = 8  # distinct synthetic batches, cycled: enough to see the loss move
+
+
+def synthetic_batches(model_cfg, seed: int, batch_size: int, count: int) -> list[dict]:
+    return [model_cfg.synthetic_batch(np.random.default_rng([seed, i]), batch_size)
+            for i in range(count)]
+
+
+def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
+    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
+    layout = get_layout(cfg.train.layout)
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    mesh = build_mesh(platform.shape, platform.devices)
+    program = build_program(model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed)
+
+    total_steps = cfg.loop.warmup + cfg.loop.steps
+    batches = [put_batch(b, program.batch_sharding) for b in synthetic_batches(
+        model_cfg, cfg.train.seed, cfg.train.batch_size, min(total_steps, NUM_BATCHES))]
+
+    state = program.init()
+    compiled, compile_s = timed(lambda: program.step.lower(state, batches[0]).compile())
+    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+
+    writer = RunWriter(logdir, cfg.to_dict())
+    try:
+        timer = StepTimer(cfg.loop.warmup)
+        losses = []
+        bar = tqdm(range(total_steps), desc=f"{cfg.train.layout} {platform.shape.label}",
+                   unit="step", file=sys.stderr, disable=not cfg.output.progress)
+        for i in bar:
+            timed_step = not timer.in_warmup
+            (state, loss), step_s = timer.run(compiled, state, batches[i % len(batches)])
+            losses.append(float(loss))
+            writer.step(i, losses[-1], step_s, timed_step)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        bar.close()
+
+        results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
+                                   timer, losses, state)
+        writer.summary(results)
+    finally:
+        writer.close()
+    return results
+
+
+def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, timer, losses,
+                     state) -> dict:
+    steps = metrics.latency_stats(timer.timed_s)
+    batch = cfg.train.batch_size
+    n = len(platform.devices)
+    tokens = model_cfg.tokens_per_sample
+    analytic_step_flops = model_cfg.flops_per_sample() * batch
+    by_device = metrics.state_bytes_by_device(state)
+    measured, measured_reason = metrics.measured_peak(platform.devices)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "framework": "jax",
+        "layout": cfg.train.layout,
+        "mesh": dict(program.batch_sharding.mesh.shape),
+        "model": {"name": cfg.model.model, "params": metrics.param_count(program.abstract_state),
+                  "flops_per_sample": model_cfg.flops_per_sample(),
+                  "tokens_per_sample": tokens},
+        "config": cfg.to_dict(),
+        "env": env_info(platform),
+        "compile_s": compile_s,
+        "step_time_s": steps,
+        "warmup_step_time_s": timer.warmup_s,
+        "throughput": {"samples_per_s": batch / steps["mean"],
+                       "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
+        "mfu": metrics.mfu(platform.device_kind, cfg.model.dtype, n, steps["mean"],
+                           metrics.compiled_flops(compiled), analytic_step_flops),
+        "memory": {
+            "state_bytes_per_device": max(d["bytes"] for d in by_device),
+            "state_bytes_by_device": by_device,
+            "compiled": metrics.compiled_memory(compiled),
+            "measured_peak_bytes": measured,
+            "measured_peak_reason": measured_reason,
+        },
+        "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
+        "loss": losses,
+        "power": {"available": False,
+                  "reason": "power telemetry is not implemented yet"},
+        "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
+    }

@@ -1,0 +1,96 @@
+"""Model registry: name -> a frozen config that knows how to build, feed and score its model.
+
+Every model family is one frozen dataclass implementing `ModelConfig`. Named sizes
+(`gpt-tiny`, `resnet18`, ...) are instances registered here; `--model-opts key=value,...`
+overrides fields of the chosen size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxdist.errors import UsageError, choices
+
+
+class ModelConfig(Protocol):
+    family: str
+
+    def build(self, rngs, dtype) -> Any:
+        """An nnx.Module with float32 parameters computing in `dtype`."""
+
+    def synthetic_batch(self, rng: np.random.Generator, batch_size: int) -> dict[str, np.ndarray]:
+        """Random inputs and targets (never zeros) for `batch_size` samples."""
+
+    def loss(self, model, batch) -> Any:
+        """Mean training loss of `model` (in train mode) on `batch`, a float32 scalar."""
+
+    def flops_per_sample(self) -> float:
+        """Analytic training FLOPs per sample: forward + backward (3x forward)."""
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens per sample for token models, 0 otherwise."""
+
+
+_REGISTRY: dict[str, ModelConfig] = {}
+
+
+def register(name: str, config: ModelConfig) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"model {name!r} registered twice")
+    _REGISTRY[name] = config
+
+
+def model_names() -> list[str]:
+    _load_families()
+    return sorted(_REGISTRY)
+
+
+def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig:
+    """The registered config `name`, with `overrides` (strings, as typed on the CLI) applied."""
+    _load_families()
+    if name not in _REGISTRY:
+        raise UsageError(f"unknown model {name!r}; choose from {choices(_REGISTRY)}")
+    config = _REGISTRY[name]
+    if not overrides:
+        return config
+    fields = {f.name: f for f in dataclasses.fields(config) if f.name != "family"}
+    changes = {}
+    for key, text in overrides.items():
+        if key not in fields:
+            raise UsageError(
+                f"model {name!r} has no option {key!r}; choose from {choices(fields)}")
+        current = getattr(config, key)
+        try:
+            value = type(current)(text) if not isinstance(current, bool) else text.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise UsageError(
+                f"model option {key}={text!r} is not a valid {type(current).__name__}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise UsageError(f"model option {key}={text!r} must be positive")
+        changes[key] = value
+    new = dataclasses.replace(config, **changes)
+    check = getattr(new, "validate", None)
+    if check:
+        check()
+    return new
+
+
+def parse_overrides(text: str) -> dict[str, str]:
+    """`depth=2,width=64` -> {'depth': '2', 'width': '64'}."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise UsageError(f"--model-opts item {item!r} is not key=value (e.g. depth=2,width=64)")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def _load_families() -> None:
+    # Importing a family module registers its sizes; done lazily so `models.registry` stays
+    # importable without flax for argument parsing.
+    from models import gpt, mlp, resnet  # noqa: F401

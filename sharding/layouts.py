@@ -1,0 +1,63 @@
+"""The mesh layouts: DDP, ZeRO-1, FSDP (ZeRO-3) and HSDP as spec tables.
+
+A sharded leaf is split on its largest dimension divisible by the shard count (ties: the
+first such dimension); a leaf with no such dimension stays replicated, and the metrics count
+it, because a layout that silently replicates most of a model is not the layout it claims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from sharding.registry import register_layout
+
+
+def shard_dim(shape: tuple[int, ...], shards: int) -> int | None:
+    """Index of the dimension to split `shards` ways, or None to replicate."""
+    best = None
+    for i, size in enumerate(shape):
+        if size % shards == 0 and (best is None or size > shape[best]):
+            best = i
+    return None if shards == 1 else best
+
+
+def sharded(tree, mesh: Mesh, axes: tuple[str, ...]):
+    """Specs splitting every leaf of `tree` over the mesh axes `axes` taken together."""
+    shards = math.prod(mesh.shape[a] for a in axes)
+    axis = axes if len(axes) > 1 else axes[0]
+
+    def spec(leaf):
+        dim = shard_dim(tuple(leaf.shape), shards)
+        if dim is None:
+            return P()
+        return P(*([None] * dim + [axis]))
+    return jax.tree.map(spec, tree)
+
+
+def replicated(tree):
+    return jax.tree.map(lambda _: P(), tree)
+
+
+@register_layout("ddp", "parameters and optimizer state replicated; gradients all-reduced")
+def ddp(state, mesh: Mesh):
+    return replicated(state)
+
+
+@register_layout("zero1", "parameters replicated; optimizer state sharded over all devices")
+def zero1(state, mesh: Mesh):
+    return {"params": replicated(state["params"]),
+            "model_state": replicated(state["model_state"]),
+            "opt": sharded(state["opt"], mesh, tuple(mesh.axis_names))}
+
+
+@register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices")
+def fsdp(state, mesh: Mesh):
+    return sharded(state, mesh, tuple(mesh.axis_names))
+
+
+@register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis")
+def hsdp(state, mesh: Mesh):
+    return sharded(state, mesh, ("fsdp",))
