@@ -9,7 +9,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models.registry import register
+from models.registry import register, teacher_labels
 
 
 class MLP(nnx.Module):
@@ -39,8 +39,8 @@ class MLPConfig:
         return MLP(self.in_dim, self.width, self.depth, self.num_classes, dtype=dtype, rngs=rngs)
 
     def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
-        return {"x": rng.standard_normal((batch_size, self.in_dim), dtype=np.float32),
-                "y": rng.integers(0, self.num_classes, (batch_size,), dtype=np.int32)}
+        x_BD = rng.standard_normal((batch_size, self.in_dim), dtype=np.float32)
+        return {"x": x_BD, "y": teacher_labels(x_BD, self.num_classes)}
 
     def loss(self, model, batch):
         logits_BC = model(batch["x"])

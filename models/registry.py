@@ -79,6 +79,14 @@ def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig
     return new
 
 
+def teacher_labels(x: np.ndarray, num_classes: int) -> np.ndarray:
+    """Labels from a fixed random linear teacher on the flattened input: synthetic data that
+    is learnable, so the loss falls across fresh batches (random labels are only memorised)."""
+    x_BD = x.reshape(x.shape[0], -1)
+    teacher_DC = np.random.default_rng(0).standard_normal((x_BD.shape[1], num_classes))
+    return np.argmax(x_BD @ teacher_DC, axis=1).astype(np.int32)
+
+
 def parse_overrides(text: str) -> dict[str, str]:
     """`depth=2,width=64` -> {'depth': '2', 'width': '64'}."""
     out = {}

@@ -1,0 +1,134 @@
+"""A decoder-only GPT: pre-LayerNorm blocks, learned positions, untied LM head.
+
+Attention is written with plain nnx.Linear projections and jax.nn.dot_product_attention so
+every parameter is an ordinary 2-D kernel (or 1-D bias) that the sharding rules can place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.errors import UsageError
+from models.registry import register
+
+
+def _linear(a, b, *, dtype, rngs):
+    return nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def _norm(d, *, dtype, rngs):
+    return nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, width: int, heads: int, *, dtype, rngs):
+        self.heads = heads
+        # One fused projection: a single larger matmul instead of three.
+        self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs)
+        self.out = _linear(width, width, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        B, L, D = x_BLD.shape
+        qkv_BL3NH = self.qkv(x_BLD).reshape(B, L, 3, self.heads, D // self.heads)
+        q_BLNH, k_BLNH, v_BLNH = (qkv_BL3NH[:, :, i] for i in range(3))
+        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLNH, v_BLNH, is_causal=True)
+        return self.out(y_BLNH.reshape(B, L, D))
+
+
+class MLPBlock(nnx.Module):
+    def __init__(self, width: int, hidden: int, *, dtype, rngs):
+        self.up = _linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.down = _linear(hidden, width, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        return self.down(nnx.gelu(self.up(x_BLD)))
+
+
+class Block(nnx.Module):
+    def __init__(self, width: int, heads: int, hidden: int, *, dtype, rngs):
+        self.ln1 = _norm(width, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(width, heads, dtype=dtype, rngs=rngs)
+        self.ln2 = _norm(width, dtype=dtype, rngs=rngs)
+        self.mlp = MLPBlock(width, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        return x_BLD + self.mlp(self.ln2(x_BLD))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: "GPTConfig", *, dtype, rngs):
+        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
+                             rngs=rngs)
+        self.pos = nnx.Embed(cfg.seq_len, cfg.width, dtype=dtype, param_dtype=jnp.float32,
+                             rngs=rngs)
+        self.blocks = nnx.List(
+            Block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs)
+            for _ in range(cfg.depth))
+        self.ln_f = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.head = _linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens_BL):
+        L = tokens_BL.shape[1]
+        x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
+        for block in self.blocks:
+            x_BLD = block(x_BLD)
+        return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 8192
+    seq_len: int = 128
+    depth: int = 4
+    width: int = 256
+    heads: int = 8
+    mlp_ratio: int = 4
+    family: str = "gpt"
+
+    def validate(self) -> None:
+        if self.width % self.heads:
+            raise UsageError(f"gpt width={self.width} is not divisible by heads={self.heads}")
+
+    def build(self, rngs, dtype):
+        self.validate()
+        return GPT(self, dtype=dtype, rngs=rngs)
+
+    def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
+        # Each sequence counts from a random start by a random stride (mod vocab): random,
+        # yet learnable from context, so the loss falls. One extra token so inputs and
+        # shifted targets are both seq_len long.
+        start_B1 = rng.integers(0, self.vocab, (batch_size, 1))
+        stride_B1 = rng.integers(1, 8, (batch_size, 1))
+        steps_L = np.arange(self.seq_len + 1)
+        return {"tokens": ((start_B1 + stride_B1 * steps_L) % self.vocab).astype(np.int32)}
+
+    def loss(self, model, batch):
+        tokens_BL1 = batch["tokens"]
+        logits_BLV = model(tokens_BL1[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits_BLV, tokens_BL1[:, 1:]).mean()
+
+    def flops_per_sample(self) -> float:
+        d = self.width
+        # Weight matrices only: qkv (3d^2) + out (d^2) + MLP up/down (2 * ratio * d^2).
+        block = (4 + 2 * self.mlp_ratio) * d * d
+        matmul_params = self.depth * block + d * self.vocab
+        # QK^T and attention-weighted V, each 2*L*d per token per layer, no causal discount.
+        attention = 4 * self.depth * self.seq_len * d
+        return 3.0 * (2 * matmul_params + attention) * self.seq_len
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
+
+
+register("gpt-tiny", GPTConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4))
+register("gpt-small", GPTConfig(vocab=8192, seq_len=128, depth=4, width=256, heads=8))
+register("gpt", GPTConfig(vocab=8192, seq_len=128, depth=4, width=256, heads=8))

@@ -1,0 +1,169 @@
+"""ResNet-18/34/50 for CIFAR-sized images: the BatchNorm model, i.e. the one with mutable state.
+
+The stem is the CIFAR variant (3x3 conv, stride 1, no max-pool) rather than ImageNet's
+7x7/stride-2 conv + max-pool, so 32x32 inputs keep 32x32 activations into stage 1 and stage 4
+still sees 4x4. Downsampling is stride 2 at the first block of stages 2-4, with a 1x1 conv + BN
+projection shortcut whenever the shape changes. Bottleneck blocks put the stride on the 3x3 conv
+(torchvision's "v1.5").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.errors import UsageError, choices
+from models.registry import register, teacher_labels
+
+# depth -> (bottleneck?, blocks per stage)
+_LAYOUTS = {18: (False, (2, 2, 2, 2)), 34: (False, (3, 4, 6, 3)), 50: (True, (3, 4, 6, 3))}
+_EXPANSION = 4  # bottleneck output channels / inner channels
+
+
+def _conv(cin, cout, k, stride, *, dtype, rngs):
+    # No bias: every conv is followed by BN, whose shift makes a bias redundant.
+    return nnx.Conv(cin, cout, (k, k), strides=stride, padding="SAME", use_bias=False,
+                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def _bn(c, *, dtype, rngs):
+    # use_running_average=False so a freshly built model normalises with batch statistics;
+    # model.train()/model.eval() flip it afterwards.
+    return nnx.BatchNorm(c, use_running_average=False, momentum=0.9, epsilon=1e-5,
+                         dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class Shortcut(nnx.Module):
+    """Identity, or 1x1 conv + BN when stride or channel count changes."""
+
+    def __init__(self, cin, cout, stride, *, dtype, rngs):
+        self.project = stride != 1 or cin != cout
+        if self.project:
+            self.conv = _conv(cin, cout, 1, stride, dtype=dtype, rngs=rngs)
+            self.bn = _bn(cout, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BHWC):
+        return self.bn(self.conv(x_BHWC)) if self.project else x_BHWC
+
+
+class Block(nnx.Module):
+    """Basic block (two 3x3 convs) or bottleneck (1x1 reduce, 3x3, 1x1 expand)."""
+
+    def __init__(self, cin, inner, stride, bottleneck, *, dtype, rngs):
+        if bottleneck:
+            cout = inner * _EXPANSION
+            specs = [(cin, inner, 1, 1), (inner, inner, 3, stride), (inner, cout, 1, 1)]
+        else:
+            cout = inner
+            specs = [(cin, inner, 3, stride), (inner, inner, 3, 1)]
+        self.convs = nnx.List(_conv(a, b, k, s, dtype=dtype, rngs=rngs) for a, b, k, s in specs)
+        self.bns = nnx.List(_bn(b, dtype=dtype, rngs=rngs) for _, b, _, _ in specs)
+        self.shortcut = Shortcut(cin, cout, stride, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BHWC):
+        y_BHWC = x_BHWC
+        for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+            y_BHWC = bn(conv(y_BHWC))
+            if i < len(self.convs) - 1:  # the last ReLU comes after the residual add
+                y_BHWC = nnx.relu(y_BHWC)
+        return nnx.relu(y_BHWC + self.shortcut(x_BHWC))
+
+
+class ResNet(nnx.Module):
+    def __init__(self, cfg: "ResNetConfig", *, dtype, rngs):
+        self.stem = _conv(cfg.channels, cfg.width, 3, 1, dtype=dtype, rngs=rngs)
+        self.stem_bn = _bn(cfg.width, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List(Block(cin, inner, stride, cfg.bottleneck, dtype=dtype, rngs=rngs)
+                               for cin, inner, stride in cfg.block_specs())
+        self.head = nnx.Linear(cfg.features, cfg.num_classes, dtype=dtype,
+                               param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x_BHWC):
+        x_BHWC = nnx.relu(self.stem_bn(self.stem(x_BHWC)))
+        for block in self.blocks:
+            x_BHWC = block(x_BHWC)
+        x_BC = x_BHWC.mean(axis=(1, 2))
+        return self.head(x_BC).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    depth: int = 18
+    width: int = 64
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    family: str = "resnet"
+
+    def validate(self) -> None:
+        if self.depth not in _LAYOUTS:
+            raise UsageError(f"resnet depth={self.depth} is not supported; "
+                             f"choose from {choices(map(str, _LAYOUTS))}")
+
+    @property
+    def bottleneck(self) -> bool:
+        return _LAYOUTS[self.depth][0]
+
+    @property
+    def features(self) -> int:
+        return self.width * 8 * (_EXPANSION if self.bottleneck else 1)
+
+    def block_specs(self) -> list[tuple[int, int, int]]:
+        """(input channels, inner channels, stride) of every block, in order."""
+        self.validate()
+        bottleneck, counts = _LAYOUTS[self.depth]
+        specs, cin = [], self.width
+        for stage, count in enumerate(counts):
+            inner = self.width * 2 ** stage
+            for i in range(count):
+                specs.append((cin, inner, 2 if stage > 0 and i == 0 else 1))
+                cin = inner * _EXPANSION if bottleneck else inner
+        return specs
+
+    def build(self, rngs, dtype):
+        self.validate()
+        return ResNet(self, dtype=dtype, rngs=rngs)
+
+    def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
+        shape = (batch_size, self.image_size, self.image_size, self.channels)
+        x_BHWC = rng.standard_normal(shape, dtype=np.float32)
+        return {"x": x_BHWC, "y": teacher_labels(x_BHWC, self.num_classes)}
+
+    def loss(self, model, batch):
+        logits_BC = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["y"]).mean()
+
+    def flops_per_sample(self) -> float:
+        def conv(k, cin, cout, hw):
+            return 2 * k * k * cin * cout * hw * hw
+
+        hw = self.image_size
+        forward = conv(3, self.channels, self.width, hw)
+        for cin, inner, stride in self.block_specs():
+            out_hw = -(-hw // stride)  # SAME padding: ceil(hw / stride)
+            if self.bottleneck:
+                cout = inner * _EXPANSION
+                forward += conv(1, cin, inner, hw) + conv(3, inner, inner, out_hw)
+                forward += conv(1, inner, cout, out_hw)
+            else:
+                cout = inner
+                forward += conv(3, cin, inner, out_hw) + conv(3, inner, inner, out_hw)
+            if stride != 1 or cin != cout:
+                forward += conv(1, cin, cout, out_hw)
+            hw = out_hw
+        forward += 2 * self.features * self.num_classes
+        return 3.0 * forward
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return 0
+
+
+register("resnet18", ResNetConfig(depth=18, width=64))
+register("resnet50", ResNetConfig(depth=50, width=64))
+# A BatchNorm model small enough for CPU tests (~0.18M params).
+register("resnet-tiny", ResNetConfig(depth=18, width=8))

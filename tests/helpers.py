@@ -1,0 +1,64 @@
+"""Shared test helpers: run the step for a few iterations, read TensorBoard files back,
+call the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxdist.loop import synthetic_batches
+from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.train_step import build_program, make_optimizer, put_batch
+from models import get_model
+from sharding import get_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="adamw",
+          batch_size: int = 16, seed: int = 0, dtype="float32"):
+    """(losses, final state, program) of `steps` steps on the first shape.size devices."""
+    devices = jax.devices()[: shape.size]
+    mesh = build_mesh(shape, devices)
+    cfg = get_model(model)
+    program = build_program(cfg, dtype, make_optimizer(optimizer, 1e-2), get_layout(layout),
+                            mesh, seed)
+    state = program.init()
+    losses = []
+    for batch in synthetic_batches(cfg, seed, batch_size, steps):
+        state, loss = program.step(state, put_batch(batch, program.batch_sharding))
+        losses.append(float(loss))
+    return np.array(losses), state, program
+
+
+def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] from every event file under logdir, read through the TFRecord
+    framing (u64 length, u32 crc, payload, u32 crc) without the tensorboard package."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list] = {}
+    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            payload = data[pos + 12:pos + 12 + length]
+            pos += 12 + length + 4
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: str = ""):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags)
+    return subprocess.run([sys.executable, "-m", "experiments.run", *args, "--no-progress"],
+                          cwd=cwd or ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)

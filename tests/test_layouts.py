@@ -1,0 +1,99 @@
+"""Golden PartitionSpecs, and the memory each layout leaves on a device."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import metrics
+from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.train_step import build_program, make_optimizer
+from models import get_model
+from sharding import get_layout, layout_names
+from sharding.layouts import shard_dim
+
+ALL = ("data", "fsdp")
+
+
+def program(layout, shape=MeshShape(2, 4), model="mlp-tiny"):
+    mesh = build_mesh(shape, jax.devices()[: shape.size])
+    return build_program(get_model(model), "float32", make_optimizer("adamw", 1e-3),
+                         get_layout(layout), mesh, seed=0)
+
+
+def mlp_specs(layout):
+    """{path: spec} for the MLP's parameters and Adam's first moment."""
+    specs = program(layout).state_specs
+    flat = lambda tree: {jax.tree_util.keystr(k): v for k, v in  # noqa: E731
+                         jax.tree_util.tree_flatten_with_path(
+                             tree, is_leaf=lambda x: isinstance(x, P))[0]}
+    adam = specs["opt"][0]  # (ScaleByAdamState, AddDecayedWeights, ScaleByLearningRate)
+    return flat(specs["params"]), flat(adam.mu), adam.count
+
+
+def test_registered_layouts():
+    assert layout_names() == ["ddp", "fsdp", "hsdp", "zero1"]
+
+
+def test_shard_dim_rule():
+    assert shard_dim((32, 64), 8) == 1      # largest divisible
+    assert shard_dim((64, 10), 8) == 0      # 10 is not divisible
+    assert shard_dim((64, 64), 8) == 0      # ties: first
+    assert shard_dim((10,), 8) is None      # replicated
+    assert shard_dim((), 8) is None
+    assert shard_dim((64,), 1) is None      # one shard: nothing to split
+
+
+# mlp-tiny: Linear 32->64, 64->64, head 64->10; 8 shards for fsdp, 4 for hsdp.
+GOLDEN_FSDP = {
+    "['hidden'][0]['kernel']": P(None, ALL), "['hidden'][0]['bias']": P(ALL),
+    "['hidden'][1]['kernel']": P(ALL), "['hidden'][1]['bias']": P(ALL),
+    "['head']['kernel']": P(ALL), "['head']['bias']": P(),
+}
+GOLDEN_HSDP = {k: P(*[None if a is None else "fsdp" for a in v]) for k, v in GOLDEN_FSDP.items()}
+GOLDEN_HSDP["['head']['bias']"] = P()  # 10 is not divisible by 4 either
+
+
+def _strip(flat):
+    """Drop the NNX Variable suffix from key paths: "['head']['bias'].value" -> "['head']['bias']"."""
+    return {k.removesuffix(".value"): v for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("layout, params, mu", [
+    ("ddp", {k: P() for k in GOLDEN_FSDP}, {k: P() for k in GOLDEN_FSDP}),
+    ("zero1", {k: P() for k in GOLDEN_FSDP}, GOLDEN_FSDP),
+    ("fsdp", GOLDEN_FSDP, GOLDEN_FSDP),
+    ("hsdp", GOLDEN_HSDP, GOLDEN_HSDP),
+])
+def test_golden_specs(layout, params, mu):
+    got_params, got_mu, count = mlp_specs(layout)
+    assert _strip(got_params) == params
+    assert _strip(got_mu) == mu
+    assert count == P()  # Adam's step count is a scalar: always replicated
+
+
+def _total_and_replicated(p):
+    summary = metrics.sharding_summary(p.abstract_state, p.state_specs)
+    return summary["sharded_bytes"] + summary["replicated_bytes"], summary["replicated_bytes"]
+
+
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
+def test_state_bytes_per_device(model):
+    per_device = {}
+    for layout in ("ddp", "fsdp", "hsdp", "zero1"):
+        p = program(layout, model=model)
+        state = p.init()
+        by_device = metrics.state_bytes_by_device(state)
+        assert len(by_device) == 8
+        per_device[layout] = max(d["bytes"] for d in by_device)
+        total, replicated = _total_and_replicated(p)
+        if layout == "ddp":
+            assert per_device[layout] == total
+            assert replicated == total
+        if layout == "fsdp":
+            assert per_device[layout] <= total / 8 * 1.02 + replicated
+            assert per_device[layout] >= total / 8
+        if layout == "hsdp":  # 2x4: sharded 4 ways, replicated twice
+            assert per_device[layout] <= total / 4 * 1.02 + replicated
+            assert per_device[layout] >= total / 4
+    # zero1 keeps whole parameters, shards only the optimizer state
+    assert per_device["fsdp"] < per_device["hsdp"] < per_device["zero1"] < per_device["ddp"]

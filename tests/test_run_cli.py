@@ -1,0 +1,107 @@
+"""`python -m experiments.run` as a user runs it: end to end on a simulated 4x8 mesh, and
+every kind of bad input (exit 2, one line, no traceback, no run directory)."""
+
+import json
+
+import pytest
+
+from jaxdist.results import check
+from tests.helpers import read_scalars, run_cli
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("runs") / "fsdp-4x8"
+    proc = run_cli("--layout", "fsdp", "--mesh", "4x8", "--model", "mlp-tiny",
+                   "--batch-size", "64", "--warmup", "2", "--steps", "5",
+                   "--logdir", str(logdir))
+    return proc, logdir
+
+
+def test_end_to_end_results_json(e2e):
+    proc, logdir = e2e
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((logdir / "results.json").read_text())
+    assert check(results) == []
+    assert results["layout"] == "fsdp"
+    assert results["mesh"] == {"data": 4, "fsdp": 8}
+    assert results["env"]["simulated"] is True
+    assert results["env"]["num_devices"] == 32
+    assert len(results["loss"]) == 7          # warm-up steps included
+    assert results["step_time_s"]["n"] == 5
+    assert len(results["warmup_step_time_s"]) == 2
+    assert results["power"] == {"available": False, "reason": results["power"]["reason"]}
+    assert results["memory"]["measured_peak_bytes"] is None
+    assert len(results["memory"]["state_bytes_by_device"]) == 32
+    assert results["mfu"]["value"] is None and results["mfu"]["reason"]
+    assert results["model"]["params"] == 6922
+    assert results["config"]["train"]["layout"] == "fsdp"
+
+
+def test_end_to_end_console(e2e):
+    proc, logdir = e2e
+    assert "simulating mesh 4x8 on 32 host CPU devices" in proc.stdout
+    assert "not performance figures" in proc.stdout
+    assert "step time p50 / p90 / p99" in proc.stdout
+    assert f"tensorboard --logdir {logdir}" in proc.stdout
+
+
+def test_end_to_end_tensorboard(e2e):
+    _, logdir = e2e
+    results = json.loads((logdir / "results.json").read_text())
+    scalars = read_scalars(logdir)
+    loss = scalars["train/loss"]
+    assert [step for step, _ in loss] == list(range(7))  # one per step
+    assert [v for _, v in loss] == pytest.approx(results["loss"], rel=1e-6)
+    assert [s for s, _ in scalars["train/step_time_s"]] == list(range(2, 7))
+    assert scalars["summary/samples_per_s"][0][1] == pytest.approx(
+        results["throughput"]["samples_per_s"], rel=1e-6)
+    assert scalars["summary/state_bytes_per_device"][0][1] == pytest.approx(
+        results["memory"]["state_bytes_per_device"])
+
+
+BAD = [
+    (["--layout", "zero9"], "unknown layout 'zero9'; choose from ddp, fsdp, hsdp, zero1"),
+    (["--model", "gpt-huge"], "unknown model 'gpt-huge'; choose from"),
+    (["--mesh", "4x"], "axis size ''"),
+    (["--mesh", "0x8"], "axis size '0'"),
+    (["--mesh", "axb"], "axis size 'a'"),
+    (["--mesh", "4x8x2x9x9"], "has 5 axes"),
+    (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 devices"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--batch-size", "-4"], "--batch-size must be a positive integer"),
+    (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--steps", "many"], "invalid int value: 'many'"),
+    (["--model-opts", "depth=2,colour=blue"], "has no option 'colour'"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input(tmp_path, args, message):
+    proc = run_cli("--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "16", *args,
+                   cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no runs/ directory, nothing half-written
+
+
+def test_unwritable_logdir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
+                   "--logdir", str(blocker / "run"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "cannot write to --logdir" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_mesh_that_does_not_match_the_devices(tmp_path):
+    proc = run_cli("--mesh", "4x8", "--model", "mlp-tiny", cwd=tmp_path,
+                   xla_flags="--xla_force_host_platform_device_count=8")
+    assert proc.returncode == 2
+    assert "mesh 4x8 needs 32 devices but 8 simulated CPU devices are present" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
