@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import configure_host_devices, select_devices
+from jaxdist.data import adapt_model, load_dataset
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from models import get_model, model_names, parse_overrides
@@ -43,8 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(cfg: RunConfig) -> MeshShape:
     """Every check that needs no device. Returns the parsed mesh."""
     get_layout(cfg.train.layout)
-    get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
+    adapt_model(get_model(cfg.model.model, parse_overrides(cfg.model.model_opts)),
+                load_dataset(cfg.data.dataset))
     shape = parse_mesh(cfg.mesh.mesh)
+    if cfg.data.eval_every < 0:
+        raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
+    if cfg.data.eval_every and cfg.data.dataset == "synthetic":
+        raise UsageError("--eval-every needs a real dataset: add --dataset digits")
     for name, value in (("--steps", cfg.loop.steps), ("--batch-size", cfg.train.batch_size)):
         if value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value}")
@@ -98,6 +104,8 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
+    if cfg.train.layout == "ps":
+        return main_ps(cfg)
     try:
         shape = validate(cfg)
         configure_host_devices(shape, cfg.mesh.platform)
@@ -127,6 +135,37 @@ def main(argv=None) -> int:
     print(format_summary(results))
     if platform.simulated:
         print("  (simulated devices: times above are not performance figures)")
+    print(f"\nresults:     {logdir / 'results.json'}")
+    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    return 0
+
+
+def main_ps(cfg: RunConfig) -> int:
+    """--layout ps: this process only launches; shard servers and workers (which own the
+    devices) are processes of their own, so no JAX backend is started here."""
+    from ps.driver import run_ps, validate_ps
+    from jaxdist.writers import format_summary
+
+    try:
+        shape = validate(cfg)
+        if shape.size is None:
+            raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+        validate_ps(cfg, shape)
+        check_batch(cfg, shape.size, shape.label)
+        logdir, created = make_logdir(cfg, shape.label)
+    except UsageError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = run_ps(cfg, shape, logdir)
+    except BaseException as e:
+        shutil.rmtree(created or logdir, ignore_errors=True)
+        if isinstance(e, UsageError):
+            print(f"run: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    print()
+    print(format_summary(results))
     print(f"\nresults:     {logdir / 'results.json'}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0

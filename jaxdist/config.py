@@ -43,9 +43,40 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    dataset: str = _opt("synthetic", "synthetic (random, fixed seed) or digits (scikit-learn's "
+                        "8x8 handwritten digits, fixed train/test split)",
+                        choices=("synthetic", "digits"))
+    eval_every: int = _opt(0, "test accuracy every N steps and at the end (0: never; needs a "
+                           "real dataset)")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """Parameter-server options; used only with --layout ps."""
+    ps_shards: int = _opt(2, "number of shard server processes")
+    ps_mode: str = _opt("sync", "sync (BSP), async (ASP) or ssp (bounded staleness)",
+                        choices=("sync", "async", "ssp"))
+    staleness: int = _opt(2, "ssp bound: a worker may run this many steps ahead of the slowest")
+    ps_staleness_lr: bool = _opt(False, "scale each applied gradient by 1/(1+staleness) "
+                                 "(async and ssp)")
+    ps_drop_dead_workers: bool = _opt(False, "sync: after --ps-timeout-s continue without a "
+                                      "dead worker instead of stopping")
+    ps_checkpoint_every: int = _opt(0, "shard snapshot every N applied versions; a dead shard "
+                                    "restarts from it (0: off)")
+    ps_timeout_s: float = _opt(30.0, "deadline of a PS call and of waiting for a worker")
+    ps_bind: str = _opt("127.0.0.1", "address the shard servers bind; another address needs "
+                        "the token in JAXDIST_PS_TOKEN")
+    ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers")
+    ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
+    ps_max_message_mb: int = _opt(64, "gRPC message limit, set on both ends; tensors are "
+                                  "chunked below it")
+
+
+@dataclass(frozen=True)
 class LoopConfig:
-    warmup: int = _opt(2, "untimed steps after compilation (compile time is reported apart)")
-    steps: int = _opt(10, "timed steps")
+    warmup: int = _opt(3, "untimed steps after compilation (compile time is reported apart)")
+    steps: int = _opt(20, "timed steps")
 
 
 @dataclass(frozen=True)
@@ -59,6 +90,8 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -71,7 +104,7 @@ class RunConfig:
 
 
 _SECTIONS = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig,
-             "loop": LoopConfig, "output": OutputConfig}
+             "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "output": OutputConfig}
 
 
 def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):

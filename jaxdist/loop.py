@@ -6,13 +6,14 @@ Read top to bottom: this is the whole life of a run once its devices are chosen.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from jaxdist import metrics
 from jaxdist.config import RunConfig
+from jaxdist.data import TrainStream, adapt_model, eval_batches, load_dataset
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION
@@ -22,49 +23,65 @@ from jaxdist.writers import RunWriter
 from models import get_model, parse_overrides
 from sharding import get_layout
 
-NUM_BATCHES = 8  # distinct synthetic batches, cycled: enough to see the loss move
 
-
-def synthetic_batches(model_cfg, seed: int, batch_size: int, count: int) -> list[dict]:
-    return [model_cfg.synthetic_batch(np.random.default_rng([seed, i]), batch_size)
-            for i in range(count)]
+def build_model(cfg: RunConfig):
+    """(model config adapted to the dataset, dataset or None)."""
+    dataset = load_dataset(cfg.data.dataset)
+    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
+    return adapt_model(model_cfg, dataset), dataset
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
-    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
-    layout = get_layout(cfg.train.layout)
+    model_cfg, dataset = build_model(cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
-    program = build_program(model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed)
-
+    program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
+                            mesh, cfg.train.seed)
+    stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     total_steps = cfg.loop.warmup + cfg.loop.steps
-    batches = [put_batch(b, program.batch_sharding) for b in synthetic_batches(
-        model_cfg, cfg.train.seed, cfg.train.batch_size, min(total_steps, NUM_BATCHES))]
 
     state = program.init()
-    compiled, compile_s = timed(lambda: program.step.lower(state, batches[0]).compile())
+    first = put_batch(stream.batch(0), program.batch_sharding)
+    compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
 
     writer = RunWriter(logdir, cfg.to_dict())
     try:
         timer = StepTimer(cfg.loop.warmup)
-        losses = []
+        losses, accuracy = [], []
+        started = time.perf_counter()
         bar = tqdm(range(total_steps), desc=f"{cfg.train.layout} {platform.shape.label}",
                    unit="step", file=sys.stderr, disable=not cfg.output.progress)
         for i in bar:
             timed_step = not timer.in_warmup
-            (state, loss), step_s = timer.run(compiled, state, batches[i % len(batches)])
+            batch = put_batch(stream.next(), program.batch_sharding)
+            (state, loss), step_s = timer.run(compiled, state, batch)
             losses.append(float(loss))
             writer.step(i, losses[-1], step_s, timed_step)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            every = cfg.data.eval_every
+            if dataset is not None and every and ((i + 1) % every == 0 or i + 1 == total_steps):
+                accuracy.append({"step": i + 1, "wall_s": time.perf_counter() - started,
+                                 "accuracy": evaluate(program, state, dataset, cfg)})
+                writer.scalar("eval/accuracy", accuracy[-1]["accuracy"], i + 1)
         bar.close()
 
         results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
                                    timer, losses, state)
+        results["accuracy"] = accuracy
         writer.summary(results)
     finally:
         writer.close()
     return results
+
+
+def evaluate(program, state, dataset, cfg: RunConfig) -> float:
+    """Test-split accuracy; evaluation time is outside every timed step."""
+    hits = 0.0
+    devices = program.batch_sharding.mesh.devices.size
+    for batch in eval_batches(dataset, cfg.train.batch_size, devices):
+        hits += float(program.correct(state, put_batch(batch, program.batch_sharding)))
+    return hits / len(dataset.test_y)
 
 
 def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, timer, losses,

@@ -42,6 +42,7 @@ class Program:
     batch_sharding: NamedSharding
     init: Callable[[], Any]   # -> sharded train state
     step: Callable            # jitted (state, batch) -> (state, loss)
+    correct: Callable         # jitted (state, batch with mask) -> number of correct rows
 
 
 def _split_model(model_cfg, dtype, seed):
@@ -79,10 +80,19 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int)
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "model_state": model_state, "opt": opt}, loss
 
+    def correct_fn(state, batch):
+        model = nnx.merge(graphdef, state["params"], state["model_state"], copy=True)
+        model.eval()  # BatchNorm: running statistics, not the test batch's
+        hit_B = jnp.argmax(model(batch["x"]), axis=-1) == batch["y"]
+        return jnp.sum(hit_B * batch["mask"])
+
     step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, replicated), donate_argnums=0)
     init = jax.jit(init_fn, out_shardings=shardings)
-    return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step)
+    correct = jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
+                      out_shardings=replicated)
+    return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step,
+                   correct)
 
 
 def put_batch(batch_np: dict, sharding: NamedSharding) -> dict:

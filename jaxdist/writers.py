@@ -10,7 +10,15 @@ from tensorboardX.summary import hparams
 
 from jaxdist.results import write_json
 
-MiB = 2 ** 20
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 class RunWriter:
@@ -26,6 +34,9 @@ class RunWriter:
         self.tb.add_scalar("train/loss", loss, index)
         self.tb.add_scalar("train/step_time_s" if timed else "train/warmup_step_time_s",
                            step_s, index)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.tb.add_scalar(tag, value, step)
 
     def summary(self, results: dict) -> None:
         scalars = summary_scalars(results)
@@ -75,7 +86,7 @@ def format_summary(results: dict) -> str:
     shard = results["sharding"]
     env = results["env"]
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    mib = lambda b: "n/a" if b is None else f"{b / MiB:.3f} MiB"  # noqa: E731
+    mib = human_bytes
     mfu = results["mfu"]
     rows = [
         ("layout / mesh", f"{results['layout']} on " +
@@ -99,5 +110,8 @@ def format_summary(results: dict) -> str:
                                        f"({shard['replicated_leaves']} replicated leaves)"),
         ("loss first -> last", f"{results['loss'][0]:.4f} -> {results['loss'][-1]:.4f}"),
     ]
+    if results.get("accuracy"):
+        last = results["accuracy"][-1]
+        rows.append(("test accuracy", f"{last['accuracy']:.2%} at step {last['step']}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

@@ -22,6 +22,7 @@ class MLP(nnx.Module):
                                rngs=rngs)
 
     def __call__(self, x_BD):
+        x_BD = x_BD.reshape(x_BD.shape[0], -1)  # images (a real dataset) arrive unflattened
         for layer in self.hidden:
             x_BD = nnx.relu(layer(x_BD))
         return self.head(x_BD).astype(jnp.float32)

@@ -61,3 +61,9 @@ def fsdp(state, mesh: Mesh):
 @register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis")
 def hsdp(state, mesh: Mesh):
     return sharded(state, mesh, ("fsdp",))
+
+
+@register_layout("ps", "parameter server: gRPC shard servers hold parameters and optimizer "
+                 "state; inside each worker the state is replicated")
+def ps(state, mesh: Mesh):
+    return replicated(state)

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist.loop import synthetic_batches
+from jaxdist.data import TrainStream
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
@@ -31,8 +31,9 @@ def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="
                             mesh, seed)
     state = program.init()
     losses = []
-    for batch in synthetic_batches(cfg, seed, batch_size, steps):
-        state, loss = program.step(state, put_batch(batch, program.batch_sharding))
+    stream = TrainStream(cfg, None, batch_size, seed)
+    for _ in range(steps):
+        state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
         losses.append(float(loss))
     return np.array(losses), state, program
 
