@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import configure_host_devices, select_devices
 from jaxdist.data import adapt_model, load_dataset
@@ -108,10 +109,15 @@ def main(argv=None) -> int:
         return main_ps(cfg)
     try:
         shape = validate(cfg)
-        configure_host_devices(shape, cfg.mesh.platform)
+        topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
+                                   cfg.dist.process_id)
+        configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
+        distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
         check_batch(cfg, len(platform.devices), platform.shape.label)
-        logdir, created = make_logdir(cfg, platform.shape.label)
+        # Process 0 writes the outputs; the others only compute.
+        logdir, created = (make_logdir(cfg, platform.shape.label) if topo.process_id == 0
+                           else (None, None))
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
@@ -126,11 +132,14 @@ def main(argv=None) -> int:
     try:
         results = loop.run(cfg, platform, logdir)
     except BaseException as e:
-        shutil.rmtree(created or logdir, ignore_errors=True)
+        if logdir is not None:
+            shutil.rmtree(created or logdir, ignore_errors=True)
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2
         raise
+    if logdir is None:
+        return 0
     print()
     print(format_summary(results))
     if platform.simulated:

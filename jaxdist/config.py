@@ -26,6 +26,17 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    """Multi-process (multi-host) runs on jax.distributed. Unset: flags, then the
+    JAXDIST_COORDINATOR / JAXDIST_NUM_PROCESSES / JAXDIST_PROCESS_ID environment, then
+    cluster auto-detection (SLURM, Open MPI, Kubernetes), else one process."""
+    coordinator: str = _opt("", "HOST:PORT of process 0 (PORT+1 is used for the join check)")
+    num_processes: int = _opt(0, "number of processes (one per host)")
+    process_id: int = _opt(-1, "this process's index, 0..N-1")
+    init_timeout: int = _opt(60, "seconds to wait for every process to join")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str = _opt("gpt-tiny", "registered model name (see --help for the list)")
     model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
@@ -88,6 +99,7 @@ class OutputConfig:
 @dataclass(frozen=True)
 class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -103,7 +115,7 @@ class RunConfig:
         return cls(**{name: kind(**data.get(name, {})) for name, kind in _SECTIONS.items()})
 
 
-_SECTIONS = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig,
+_SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "model": ModelConfig, "train": TrainConfig,
              "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "output": OutputConfig}
 
 

@@ -28,9 +28,10 @@ class Platform:
         return self.devices[0].device_kind
 
 
-def configure_host_devices(shape: MeshShape, platform: str) -> None:
+def configure_host_devices(shape: MeshShape, platform: str, num_processes: int = 1) -> None:
     """Before backend init: force CPU if asked, and give the CPU backend one device per mesh
-    slot so that, without an accelerator, the mesh can be simulated."""
+    slot (split evenly over the processes) so that, without an accelerator, the mesh can be
+    simulated."""
     import jax
 
     if platform == "cpu":
@@ -38,7 +39,10 @@ def configure_host_devices(shape: MeshShape, platform: str) -> None:
     if _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", "")):
         return  # the user chose a count explicitly; a mismatch is reported by select_devices
     if shape.size is not None:
-        jax.config.update("jax_num_cpu_devices", shape.size)
+        if shape.size % num_processes:
+            raise UsageError(f"mesh {shape.label} ({shape.size} devices) does not split evenly "
+                             f"over {num_processes} processes")
+        jax.config.update("jax_num_cpu_devices", shape.size // num_processes)
 
 
 def select_devices(shape: MeshShape) -> Platform:

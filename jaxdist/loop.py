@@ -19,7 +19,7 @@ from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, make_optimizer, put_batch
-from jaxdist.writers import RunWriter
+from jaxdist.writers import NullWriter, RunWriter
 from models import get_model, parse_overrides
 from sharding import get_layout
 
@@ -58,7 +58,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
     compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
 
-    writer = RunWriter(logdir, cfg.to_dict())
+    writer = RunWriter(logdir, cfg.to_dict()) if logdir is not None else NullWriter()
     try:
         timer = StepTimer(cfg.loop.warmup)
         losses, accuracy = [], []
@@ -68,7 +68,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
         for i in bar:
             timed_step = not timer.in_warmup
             (state, loss), step_s = timer.run(compiled, state, next_batch())
-            losses.append(float(loss))
+            losses.append(metrics.scalar(loss))
             writer.step(i, losses[-1], step_s, timed_step)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
             every = cfg.data.eval_every
@@ -92,7 +92,7 @@ def evaluate(program, state, dataset, cfg: RunConfig) -> float:
     hits = 0.0
     devices = program.batch_sharding.mesh.devices.size
     for batch in eval_batches(dataset, cfg.train.batch_size, devices):
-        hits += float(program.correct(state, put_batch(batch, program.batch_sharding)))
+        hits += metrics.scalar(program.correct(state, put_batch(batch, program.batch_sharding)))
     return hits / len(dataset.test_y)
 
 

@@ -34,14 +34,24 @@ def latency_stats(seconds) -> dict:
     }
 
 
+def scalar(x) -> float:
+    """A replicated scalar as a Python float, also when other processes hold copies too."""
+    return float(x.addressable_data(0)) if isinstance(x, jax.Array) else float(x)
+
+
 def state_bytes_by_device(state) -> list[dict]:
-    """Exact bytes of the train state's shards held by each addressable device."""
+    """Exact bytes of the train state's shards held by each device, gathered from every
+    process (each process sees only its own devices' shards)."""
     per_device: dict = defaultdict(int)
     for leaf in jax.tree.leaves(state):
         for shard in leaf.addressable_shards:
             per_device[shard.device] += shard.data.nbytes
-    return [{"device": d.id, "process": d.process_index, "bytes": b}
-            for d, b in sorted(per_device.items(), key=lambda kv: kv[0].id)]
+    rows = np.array([[d.id, d.process_index, b] for d, b in per_device.items()], np.int64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        rows = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, 3)
+    return [{"device": int(i), "process": int(p), "bytes": int(b)}
+            for i, p, b in sorted(rows.tolist())]
 
 
 def _nbytes(leaf) -> int:

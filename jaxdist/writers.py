@@ -54,6 +54,15 @@ class RunWriter:
         self.tb.close()
 
 
+class NullWriter:
+    """What processes other than 0 write: nothing."""
+
+    def step(self, *args) -> None: ...
+    def scalar(self, *args) -> None: ...
+    def summary(self, *args) -> None: ...
+    def close(self) -> None: ...
+
+
 def _hparam_value(value):
     return value if isinstance(value, (bool, int, float, str)) else str(value)
 

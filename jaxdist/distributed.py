@@ -1,0 +1,144 @@
+"""Joining a multi-process run (one process per host) on JAX's multi-controller runtime.
+
+`jax.distributed.initialize` aborts the whole process (SIGABRT, no Python exception) when a
+peer never arrives. So before it, the processes meet at a small TCP join point on the
+coordinator's PORT+1: process 0 learns exactly which processes are missing and every process
+gets a one-line error within --init-timeout instead of an unexplained abort.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from jaxdist.errors import UsageError
+
+ENV = ("JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
+
+
+@dataclass(frozen=True)
+class Topology:
+    coordinator: str | None  # None: single process, or left to JAX's cluster auto-detection
+    num_processes: int
+    process_id: int
+    auto: bool = False       # a cluster environment (SLURM, Open MPI, k8s) was detected
+
+    @property
+    def multi(self) -> bool:
+        return self.num_processes > 1
+
+
+def resolve(coordinator: str, num_processes: int, process_id: int) -> Topology:
+    """Flags first, then JAXDIST_* environment variables, then cluster detection."""
+    coordinator = coordinator or os.environ.get(ENV[0], "")
+    num = num_processes or int(os.environ.get(ENV[1], "0") or 0)
+    pid = process_id if process_id >= 0 else int(os.environ.get(ENV[2], "-1") or -1)
+    if coordinator or num > 1:
+        if not coordinator or num < 1 or pid < 0:
+            raise UsageError("a multi-process run needs all of --coordinator HOST:PORT, "
+                             "--num-processes N and --process-id I (or JAXDIST_COORDINATOR, "
+                             "JAXDIST_NUM_PROCESSES, JAXDIST_PROCESS_ID)")
+        if pid >= num:
+            raise UsageError(f"--process-id {pid} is out of range for {num} processes (0..{num - 1})")
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"--coordinator {coordinator!r} is not HOST:PORT")
+        return Topology(coordinator, num, pid)
+    detected = _detect_cluster()
+    if detected:
+        return Topology(None, detected[0], detected[1], auto=True)
+    return Topology(None, 1, 0)
+
+
+def _detect_cluster() -> tuple[int, int] | None:
+    """(processes, this index) when launched by SLURM or Open MPI with several tasks."""
+    for size, rank in (("SLURM_NTASKS", "SLURM_PROCID"),
+                       ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")):
+        if int(os.environ.get(size, "1")) > 1:
+            return int(os.environ[size]), int(os.environ.get(rank, "0"))
+    return None
+
+
+def initialize(topo: Topology, timeout_s: int) -> None:
+    """Join every process, then start jax.distributed. Single process: nothing to do."""
+    if not topo.multi:
+        return
+    import jax
+
+    if topo.auto:
+        jax.distributed.initialize(initialization_timeout=timeout_s)
+        return
+    join(topo, timeout_s)
+    jax.distributed.initialize(topo.coordinator, topo.num_processes, topo.process_id,
+                               initialization_timeout=timeout_s)
+
+
+def join(topo: Topology, timeout_s: float) -> None:
+    host, _, port = topo.coordinator.rpartition(":")
+    address = (host, int(port) + 1)
+    deadline = time.monotonic() + timeout_s
+    if topo.process_id == 0:
+        _host_join(address, topo.num_processes, deadline, timeout_s)
+    else:
+        _reach_join(address, topo.process_id, deadline, timeout_s)
+
+
+def _host_join(address, num_processes: int, deadline: float, timeout_s: float) -> None:
+    joined: dict[int, socket.socket] = {}
+    with socket.create_server(address, reuse_port=False) as server:
+        while len(joined) < num_processes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, num_processes)) - set(joined))
+                _tell(joined, {"ok": False, "missing": missing})
+                raise UsageError(f"process(es) {', '.join(map(str, missing))} of "
+                                 f"{num_processes} did not join within {timeout_s:g} s "
+                                 f"(--init-timeout); is every process started?")
+            server.settimeout(min(left, 1.0))
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            conn.settimeout(5)
+            try:
+                joined[json.loads(conn.recv(64))["process"]] = conn
+            except (OSError, ValueError, KeyError):
+                conn.close()
+        _tell(joined, {"ok": True})
+
+
+def _tell(conns: dict, message: dict) -> None:
+    for conn in conns.values():
+        try:
+            conn.sendall(json.dumps(message).encode())
+        except OSError:
+            pass
+        conn.close()
+
+
+def _reach_join(address, process_id: int, deadline: float, timeout_s: float) -> None:
+    while True:
+        try:
+            conn = socket.create_connection(address, timeout=1.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise UsageError(f"process 0 (the coordinator, join point {address[0]}:"
+                                 f"{address[1]}) did not answer within {timeout_s:g} s "
+                                 f"(--init-timeout)") from None
+            time.sleep(0.2)
+    with conn:
+        conn.sendall(json.dumps({"process": process_id}).encode())
+        conn.settimeout(max(deadline - time.monotonic(), 0) + 2)
+        try:
+            reply = json.loads(conn.recv(4096) or b"{}")
+        except (OSError, ValueError):
+            reply = {}
+    if not reply.get("ok"):
+        missing = reply.get("missing")
+        what = (f"process(es) {', '.join(map(str, missing))} did not join" if missing else
+                "process 0 gave up or stopped")
+        raise UsageError(f"{what} within {timeout_s:g} s (--init-timeout)")

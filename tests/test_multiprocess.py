@@ -1,0 +1,71 @@
+"""Multi-host on one machine: 2 processes x 4 CPU devices under jax.distributed (gloo) must
+equal 1 process x 8 devices, and a peer that never starts gives a one-line error in time."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+
+COMMON = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3"]
+
+
+def launch(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    return subprocess.run([sys.executable, "-m", "experiments.launch", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp"])
+def test_two_processes_equal_one(tmp_path, layout):
+    one = run_cli("--layout", layout, "--mesh", "2x4", *COMMON, "--logdir", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    two = launch("--processes", "2", "--", "--layout", layout, "--mesh", "2x4", *COMMON,
+                 "--logdir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout + two.stderr
+    a = json.loads((tmp_path / "one" / "results.json").read_text())
+    b = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert b["env"]["num_processes"] == 2 and a["env"]["num_processes"] == 1
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    # Every device's shard bytes, gathered from both processes, labelled by process.
+    assert [d["bytes"] for d in b["memory"]["state_bytes_by_device"]] == \
+           [d["bytes"] for d in a["memory"]["state_bytes_by_device"]]
+    assert sorted({d["process"] for d in b["memory"]["state_bytes_by_device"]}) == [0, 1]
+    assert "[1]" in two.stdout  # output of each process is prefixed with its id
+
+
+def test_missing_peer_is_named_within_the_timeout(tmp_path):
+    code = (
+        "import sys; from experiments.launch import launch; "
+        "sys.exit(launch(2, ['--mesh', '2x4', '--model', 'mlp-tiny', '--batch-size', '16', "
+        f"'--init-timeout', '4', '--logdir', {str(tmp_path / 'run')!r}], start=[0]))")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=""))
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert "[0] run: error: process(es) 1 of 2 did not join within 4 s" in proc.stdout
+    assert "launch: process 0 exited with status 2" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert elapsed < 30
+    assert not (tmp_path / "run").exists()
+
+
+def test_worker_without_coordinator_names_it(tmp_path):
+    proc = run_cli("--mesh", "2x4", "--model", "mlp-tiny", "--batch-size", "16",
+                   "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1",
+                   "--init-timeout", "2", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "process 0 (the coordinator" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_incomplete_distributed_flags(tmp_path):
+    proc = run_cli("--mesh", "2x4", "--model", "mlp-tiny", "--num-processes", "2", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "needs all of --coordinator" in proc.stderr
