@@ -57,6 +57,11 @@ def validate(cfg: RunConfig) -> MeshShape:
             raise UsageError(f"{name} must be a positive integer, got {value}")
     if cfg.loop.warmup < 0:
         raise UsageError(f"--warmup must be 0 or more, got {cfg.loop.warmup}")
+    ck = cfg.checkpoint
+    if ck.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be 0 or more, got {ck.checkpoint_every}")
+    if (ck.resume or ck.checkpoint_every) and not ck.checkpoint_dir:
+        raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if not cfg.train.lr > 0:
         raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
     return shape

@@ -91,6 +91,14 @@ class LoopConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    checkpoint_dir: str = _opt("", "Orbax checkpoint directory (shared by all processes)")
+    checkpoint_every: int = _opt(0, "save the train state every N steps, asynchronously (0: never)")
+    resume: bool = _opt(False, "continue from the latest complete checkpoint in "
+                        "--checkpoint-dir (any layout or mesh); start afresh if there is none")
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)")
     progress: bool = _opt(True, "show a progress bar")
@@ -105,6 +113,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +125,8 @@ class RunConfig:
 
 
 _SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "model": ModelConfig, "train": TrainConfig,
-             "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "output": OutputConfig}
+             "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "checkpoint": CheckpointConfig,
+             "output": OutputConfig}
 
 
 def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):

@@ -12,7 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxdist import metrics
+from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig
+from jaxdist.errors import UsageError
 from jaxdist.data import TrainStream, adapt_model, eval_batches, load_dataset
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
@@ -53,17 +55,36 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
         stream.position += 1
         return on_device[key]
 
-    state = program.init()
+    ckpt = (Checkpointer(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.checkpoint_every,
+                         dict(identity(cfg), layout=cfg.train.layout, mesh=platform.shape.label,
+                              seed=cfg.train.seed, batch_size=cfg.train.batch_size))
+            if cfg.checkpoint.checkpoint_dir else None)
+    state, start_step = None, 0
+    if cfg.checkpoint.resume:
+        latest = ckpt.latest()
+        if latest is None:
+            log(f"--resume: no complete checkpoint in {ckpt.directory}; starting afresh")
+        else:
+            state, meta = ckpt.restore(latest, program.abstract_state, program.state_shardings)
+            start_step, stream.position = meta["step"], meta["data_position"]
+            log(f"resumed from checkpoint {latest} (saved under {meta.get('layout')} on "
+                f"{meta.get('mesh')}), continuing at step {start_step}")
+    if start_step >= total_steps:
+        raise UsageError(f"checkpoint {start_step} already covers the {total_steps} steps asked "
+                         f"for (--warmup + --steps); ask for more steps")
+    if state is None:
+        state = program.init()
     first = put_batch(stream.batch(0), program.batch_sharding)
     compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
 
     writer = RunWriter(logdir, cfg.to_dict()) if logdir is not None else NullWriter()
     try:
-        timer = StepTimer(cfg.loop.warmup)
+        # A resumed run warms up again (fresh compile), keeping at least one timed step.
+        timer = StepTimer(min(cfg.loop.warmup, total_steps - start_step - 1))
         losses, accuracy = [], []
         started = time.perf_counter()
-        bar = tqdm(range(total_steps), desc=f"{cfg.train.layout} {platform.shape.label}",
+        bar = tqdm(range(start_step, total_steps), desc=f"{cfg.train.layout} {platform.shape.label}",
                    unit="step", file=sys.stderr, disable=not cfg.output.progress)
         for i in bar:
             timed_step = not timer.in_warmup
@@ -71,6 +92,8 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
             losses.append(metrics.scalar(loss))
             writer.step(i, losses[-1], step_s, timed_step)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            if ckpt:
+                ckpt.maybe_save(i + 1, state, stream.position)
             every = cfg.data.eval_every
             if dataset is not None and every and ((i + 1) % every == 0 or i + 1 == total_steps):
                 accuracy.append({"step": i + 1, "wall_s": time.perf_counter() - started,
@@ -81,6 +104,8 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
         results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
                                    timer, losses, state)
         results["accuracy"] = accuracy
+        results["start_step"] = start_step
+        results["checkpoint"] = ckpt.finish() if ckpt else None
         writer.summary(results)
     finally:
         writer.close()

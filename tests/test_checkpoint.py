@@ -1,0 +1,122 @@
+"""Checkpoints: reshard on restore, exact resume after kill -9, interrupted saves, and
+checkpoints from another model."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.checkpoint import Checkpointer
+from jaxdist.mesh import MeshShape
+from tests.helpers import ROOT, run_cli, train
+
+META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
+        "dtype": "float32"}
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("layout, shape", [("ddp", MeshShape(8, 1)), ("fsdp", MeshShape(4, 2))])
+def test_restore_reshards(tmp_path, layout, shape):
+    _, saved, _ = train("mlp-tiny", "fsdp", MeshShape(2, 4), steps=2)
+    ckpt = Checkpointer(str(tmp_path), 1, META)
+    ckpt.maybe_save(2, saved, data_position=2)
+    ckpt.finish()
+
+    _, _, target = train("mlp-tiny", layout, shape, steps=0)
+    restored, meta = Checkpointer(str(tmp_path), 0, META).restore(
+        2, target.abstract_state, target.state_shardings)
+    assert meta["step"] == 2 and meta["data_position"] == 2
+    for a, b in zip(_host(saved), _host(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(target.state_shardings)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+ARGS = ["--mesh", "2x4", "--layout", "fsdp", "--model", "mlp-tiny", "--batch-size", "16",
+        "--warmup", "1", "--steps", "799"]
+
+
+def _complete_steps(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_resume_after_kill_9_continues_exactly(tmp_path):
+    reference = run_cli(*ARGS, "--logdir", str(tmp_path / "ref"))
+    assert reference.returncode == 0, reference.stderr
+    ref_loss = json.loads((tmp_path / "ref" / "results.json").read_text())["loss"]
+
+    ck = tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *ARGS, "--checkpoint-dir", str(ck),
+         "--checkpoint-every", "50", "--logdir", str(tmp_path / "victim"), "--no-progress"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck.exists() and any(s >= 100 for s in _complete_steps(ck))):
+            assert victim.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.killpg(victim.pid, signal.SIGKILL)
+    finally:
+        victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    k = _complete_steps(ck)[-1]
+    assert 100 <= k < 800
+
+    resumed = run_cli(*ARGS, "--checkpoint-dir", str(ck), "--resume",
+                      "--logdir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from checkpoint {k}" in resumed.stdout
+    results = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert results["start_step"] == k
+    assert results["loss"] == ref_loss[k:]  # bit for bit: same program, data position, state
+
+
+def test_interrupted_save_never_replaces_the_last_good_one(tmp_path):
+    ck = tmp_path / "ck"
+    first = run_cli(*ARGS[:-1], "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
+                    "--logdir", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    assert _complete_steps(ck) == [3, 6]
+    # A save of step 9 killed mid-write: Orbax's temporary directory, half the files.
+    partial = ck / "9.orbax-checkpoint-tmp-1796000000000000"
+    shutil.copytree(ck / "6", partial)
+    for f in list(partial.rglob("*"))[::2]:
+        if f.is_file():
+            f.unlink()
+    resumed = run_cli(*ARGS[:-1], "20", "--checkpoint-dir", str(ck), "--resume",
+                      "--logdir", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint 6" in resumed.stdout
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    made = run_cli(*ARGS[:-1], "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+                   "--logdir", str(tmp_path / "a"))
+    assert made.returncode == 0, made.stderr
+    other = run_cli("--mesh", "2x4", "--model", "gpt-tiny", "--batch-size", "16",
+                    "--checkpoint-dir", str(ck), "--resume", "--logdir", str(tmp_path / "b"))
+    assert other.returncode == 2
+    assert "incompatible run (model 'mlp-tiny' vs 'gpt-tiny')" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_resume_needs_a_directory(tmp_path):
+    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4", "--resume",
+                   cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "need --checkpoint-dir" in proc.stderr
