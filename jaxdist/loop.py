@@ -11,7 +11,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxdist import metrics
+import jax
+
+from jaxdist import comm, metrics
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
@@ -155,8 +157,23 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
             "measured_peak_reason": measured_reason,
         },
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
+        "comm": comm_block(cfg.train.layout, compiled, program),
         "loss": losses,
         "power": {"available": False,
                   "reason": "power telemetry is not implemented yet"},
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
+
+
+def comm_block(layout: str, compiled, program) -> dict:
+    """Collectives of the compiled step (bytes per device per step, by kind and mesh axis)
+    beside the layout's analytic parameter/gradient traffic."""
+    mesh_shape = dict(program.batch_sharding.mesh.shape)
+    summary = comm.summarize(comm.collectives(compiled.as_text(), mesh_shape))
+    param_bytes = sum(leaf.size * leaf.dtype.itemsize
+                      for leaf in jax.tree.leaves(program.abstract_state["params"]))
+    analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes)
+    summary["analytic_ring_bytes"] = analytic
+    summary["measured_over_analytic"] = (summary["total_ring_bytes"] / analytic
+                                         if analytic else None)
+    return summary

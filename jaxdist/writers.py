@@ -85,6 +85,10 @@ def summary_scalars(results: dict) -> dict[str, float]:
         out["summary/measured_peak_bytes"] = mem["measured_peak_bytes"]
     if results["mfu"]["value"] is not None:
         out["summary/mfu"] = results["mfu"]["value"]
+    for kind, row in results.get("comm", {}).get("by_kind", {}).items():
+        out[f"comm/{kind}_bytes"] = row["bytes"]
+    if "comm" in results:
+        out["comm/total_ring_bytes"] = results["comm"]["total_ring_bytes"]
     return {k: float(v) for k, v in out.items()}
 
 
@@ -117,6 +121,7 @@ def format_summary(results: dict) -> str:
         ("state sharded / replicated", f"{mib(shard['sharded_bytes'])} / "
                                        f"{mib(shard['replicated_bytes'])} "
                                        f"({shard['replicated_leaves']} replicated leaves)"),
+        ("collectives per step", _comm_line(results.get("comm"))),
         ("loss first -> last", f"{results['loss'][0]:.4f} -> {results['loss'][-1]:.4f}"),
     ]
     if results.get("accuracy"):
@@ -124,3 +129,13 @@ def format_summary(results: dict) -> str:
         rows.append(("test accuracy", f"{last['accuracy']:.2%} at step {last['step']}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _comm_line(block: dict | None) -> str:
+    if not block:
+        return "n/a"
+    kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in block["by_kind"].items())
+    line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
+    if block.get("analytic_ring_bytes"):
+        line += f" vs analytic {human_bytes(int(block['analytic_ring_bytes']))}"
+    return line
