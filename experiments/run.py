@@ -15,10 +15,10 @@ from pathlib import Path
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import configure_host_devices, select_devices
-from jaxdist.data import adapt_model, load_dataset
+from jaxdist.data import build_model
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
-from models import get_model, model_names, parse_overrides
+from models import model_names
 from sharding import describe_layouts, get_layout
 
 
@@ -45,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(cfg: RunConfig) -> MeshShape:
     """Every check that needs no device. Returns the parsed mesh."""
     get_layout(cfg.train.layout)
-    adapt_model(get_model(cfg.model.model, parse_overrides(cfg.model.model_opts)),
-                load_dataset(cfg.data.dataset))
+    build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     if cfg.data.eval_every < 0:
         raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
@@ -68,12 +67,16 @@ def validate(cfg: RunConfig) -> MeshShape:
 
 
 def check_batch(cfg: RunConfig, num_devices: int, mesh_label: str) -> None:
-    b = cfg.train.batch_size
-    if b % num_devices:
-        fit = (b // num_devices + 1) * num_devices
-        raise UsageError(f"global batch {b} is not divisible by the {num_devices} devices of "
-                         f"mesh {mesh_label}; use a multiple of {num_devices}, e.g. "
-                         f"--batch-size {fit}")
+    b, m = cfg.train.batch_size, cfg.train.microbatches
+    if m < 1:
+        raise UsageError(f"--microbatches must be a positive integer, got {m}")
+    unit = num_devices * m
+    if b % unit:
+        fit = (b // unit + 1) * unit
+        what = (f"the {num_devices} devices of mesh {mesh_label}" if m == 1 else
+                f"{num_devices} devices x {m} micro-batches")
+        raise UsageError(f"global batch {b} is not divisible by {what}; use a multiple of "
+                         f"{unit}, e.g. --batch-size {fit}")
 
 
 def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:

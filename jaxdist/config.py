@@ -51,6 +51,10 @@ class TrainConfig:
     lr: float = _opt(1e-3, "learning rate")
     batch_size: int = _opt(64, "global batch size, divisible by the number of devices")
     seed: int = _opt(0, "seed for parameters and synthetic data")
+    microbatches: int = _opt(1, "gradient accumulation: split each device's batch into N "
+                             "micro-batches inside the jitted step (same result as one batch)")
+    remat: str = _opt("none", "activation recomputation per block (gpt models)",
+                      choices=("none", "full", "dots"))
 
 
 @dataclass(frozen=True)

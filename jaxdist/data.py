@@ -109,3 +109,17 @@ def eval_batches(dataset: Dataset, batch_size: int, multiple: int):
         yield {"x": np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]),
                "y": np.concatenate([y, np.zeros(pad, y.dtype)]),
                "mask": np.concatenate([np.ones(len(y), np.float32), np.zeros(pad, np.float32)])}
+
+
+def build_model(cfg):
+    """(model config for a RunConfig: size overrides, remat, adapted to the dataset; the
+    dataset or None)."""
+    from models import get_model, parse_overrides
+
+    dataset = load_dataset(cfg.data.dataset)
+    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
+    if cfg.train.remat != "none":
+        if not hasattr(model_cfg, "remat"):
+            raise UsageError(f"--remat applies to gpt models, not {cfg.model.model!r}")
+        model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
+    return adapt_model(model_cfg, dataset), dataset

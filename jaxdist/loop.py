@@ -17,22 +17,14 @@ from jaxdist import comm, metrics
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
-from jaxdist.data import TrainStream, adapt_model, eval_batches, load_dataset
+from jaxdist.data import TrainStream, build_model, eval_batches
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
-from models import get_model, parse_overrides
 from sharding import get_layout
-
-
-def build_model(cfg: RunConfig):
-    """(model config adapted to the dataset, dataset or None)."""
-    dataset = load_dataset(cfg.data.dataset)
-    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
-    return adapt_model(model_cfg, dataset), dataset
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
@@ -40,7 +32,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
     program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
-                            mesh, cfg.train.seed)
+                            mesh, cfg.train.seed, cfg.train.microbatches)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     total_steps = cfg.loop.warmup + cfg.loop.steps
 

@@ -51,7 +51,8 @@ def _split_model(model_cfg, dtype, seed):
     return nnx.split(model, nnx.Param, ...)
 
 
-def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int) -> Program:
+def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
+                  microbatches: int = 1) -> Program:
     dtype = DTYPES[dtype_name]
 
     def init_fn():
@@ -66,13 +67,36 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
 
-    def step_fn(state, batch):
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params, state["model_state"], copy=True)
-            loss = model_cfg.loss(model, batch)
-            return loss, nnx.split(model, nnx.Param, ...)[2]
+    def loss_fn(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state, copy=True)
+        loss = model_cfg.loss(model, batch)
+        return loss, nnx.split(model, nnx.Param, ...)[2]
 
-        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(params, model_state, batch):
+        """Mean loss and gradients over `microbatches` slices of the batch, one at a time
+        (scan), so activations of only one slice are live."""
+        def split(x):
+            # Micro-batch m takes rows m, m+M, ...: every device keeps feeding only its own
+            # rows, so no data moves between devices.
+            return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+        def body(carry, mb):
+            loss_sum, grad_sum, ms = carry
+            (loss, ms), grads = grad_fn(params, ms, mb)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), ms), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads, model_state), _ = jax.lax.scan(
+            body, (jnp.zeros((), jnp.float32), zeros, model_state), jax.tree.map(split, batch))
+        return (loss / microbatches, model_state), jax.tree.map(lambda g: g / microbatches, grads)
+
+    def step_fn(state, batch):
+        if microbatches > 1:
+            (loss, model_state), grads = accumulate(state["params"], state["model_state"], batch)
+        else:
+            (loss, model_state), grads = grad_fn(state["params"], state["model_state"], batch)
         # Gradients take the parameters' layout: reduce-scattered under fsdp, all-reduced
         # under ddp and zero1 (ZeRO-1 keeps full gradients; sharding them would be ZeRO-2).
         grads = jax.lax.with_sharding_constraint(grads, shardings["params"])

@@ -18,6 +18,10 @@ from jaxdist.errors import UsageError
 from models.registry import register
 
 
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.checkpoint_dots}
+
+
 def _linear(a, b, *, dtype, rngs):
     return nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
@@ -72,13 +76,19 @@ class GPT(nnx.Module):
             Block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs)
             for _ in range(cfg.depth))
         self.ln_f = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.remat = cfg.remat
         self.head = _linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
         x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
+        run_block = Block.__call__
+        if self.remat != "none":
+            # Recompute each block's activations in the backward pass instead of keeping
+            # them: "full" keeps only block inputs, "dots" also keeps matmul outputs.
+            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
         for block in self.blocks:
-            x_BLD = block(x_BLD)
+            x_BLD = run_block(block, x_BLD)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
 
 
@@ -90,9 +100,12 @@ class GPTConfig:
     width: int = 256
     heads: int = 8
     mlp_ratio: int = 4
+    remat: str = "none"
     family: str = "gpt"
 
     def validate(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise UsageError(f"remat {self.remat!r}: choose from {', '.join(REMAT_POLICIES)}")
         if self.width % self.heads:
             raise UsageError(f"gpt width={self.width} is not divisible by heads={self.heads}")
 
