@@ -19,7 +19,7 @@ from jaxdist.data import build_model
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from models import model_names
-from sharding import describe_layouts, get_layout
+from sharding import check_layout, describe_layouts, get_layout
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(cfg: RunConfig) -> MeshShape:
     """Every check that needs no device. Returns the parsed mesh."""
     get_layout(cfg.train.layout)
-    build_model(cfg)
+    model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
+    check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
     if cfg.data.eval_every < 0:
         raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
@@ -66,15 +67,17 @@ def validate(cfg: RunConfig) -> MeshShape:
     return shape
 
 
-def check_batch(cfg: RunConfig, num_devices: int, mesh_label: str) -> None:
+def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
+    """The batch is split over every device but the tensor axis, then into micro-batches."""
     b, m = cfg.train.batch_size, cfg.train.microbatches
+    num_devices, mesh_label = shape.size // shape.tensor, shape.label
     if m < 1:
         raise UsageError(f"--microbatches must be a positive integer, got {m}")
     unit = num_devices * m
     if b % unit:
         fit = (b // unit + 1) * unit
-        what = (f"the {num_devices} devices of mesh {mesh_label}" if m == 1 else
-                f"{num_devices} devices x {m} micro-batches")
+        what = (f"the {num_devices} batch shards of mesh {mesh_label}" if m == 1 else
+                f"{num_devices} batch shards x {m} micro-batches")
         raise UsageError(f"global batch {b} is not divisible by {what}; use a multiple of "
                          f"{unit}, e.g. --batch-size {fit}")
 
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
         distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
-        check_batch(cfg, len(platform.devices), platform.shape.label)
+        check_batch(cfg, platform.shape)
         # Process 0 writes the outputs; the others only compute.
         logdir, created = (make_logdir(cfg, platform.shape.label) if topo.process_id == 0
                            else (None, None))
@@ -168,7 +171,7 @@ def main_ps(cfg: RunConfig) -> int:
         if shape.size is None:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         validate_ps(cfg, shape)
-        check_batch(cfg, shape.size, shape.label)
+        check_batch(cfg, shape)
         logdir, created = make_logdir(cfg, shape.label)
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)

@@ -1,46 +1,58 @@
-"""Mesh specs (`4x8`, `data:4,fsdp:8`, `32`, `-1`) and the device mesh built from them.
+"""Mesh specs (`4x8`, `data:4,fsdp:8`, `2x2x2`, `data:1,fsdp:4,tensor:8`, `32`, `-1`) and the
+device mesh built from them.
 
-Axis `data` is outer and `fsdp` inner. On several hosts the inner axis must stay inside a
-host, where the links are fast (NVLink vs InfiniBand): devices are grouped by process first
-(hybrid device mesh), so hsdp shards within a node and replicates across nodes.
+Axes, outer to inner: `data`, `fsdp`, then `tensor` and `expert` when given. On several hosts
+only `data` may cross hosts; the inner axes stay inside a host, where the links are fast
+(NVLink vs InfiniBand): devices are grouped by process first (hybrid device mesh), so hsdp
+shards within a node and replicates across nodes, and tensor parallelism never leaves a node.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
 
-AXES = ("data", "fsdp")
-_FORMS = "DATAxFSDP (4x8), data:4,fsdp:8, N, or -1"
+AXES = ("data", "fsdp", "tensor", "expert")
+_FORMS = ("DATAxFSDP[xTENSOR[xEXPERT]] (4x8, 2x2x2), axis:size pairs "
+          "(data:1,fsdp:4,tensor:8), N, or -1")
 
 
 @dataclass(frozen=True)
 class MeshShape:
     data: int  # -1: every device on `data`, resolved once devices are known
     fsdp: int = 1
-
-    @property
-    def size(self) -> int | None:
-        return None if self.data == -1 else self.data * self.fsdp
+    tensor: int = 1
+    expert: int = 1
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp}
+        """The mesh's axes: data and fsdp always, tensor and expert when larger than 1."""
+        sizes = {"data": self.data, "fsdp": self.fsdp}
+        if self.tensor > 1 or self.expert > 1:
+            sizes["tensor"] = self.tensor
+        if self.expert > 1:
+            sizes["expert"] = self.expert
+        return sizes
+
+    @property
+    def size(self) -> int | None:
+        return None if self.data == -1 else math.prod(self.axis_sizes.values())
 
     @property
     def label(self) -> str:
-        return f"{self.data}x{self.fsdp}"
+        return "x".join(str(v) for v in self.axis_sizes.values())
 
     def resolve(self, num_devices: int) -> "MeshShape":
-        return MeshShape(num_devices, 1) if self.data == -1 else self
+        return MeshShape(num_devices) if self.data == -1 else self
 
 
 def parse_mesh(text: str) -> MeshShape:
     spec = text.strip()
     if spec == "-1":
-        return MeshShape(-1, 1)
+        return MeshShape(-1)
     if ":" in spec:
         sizes = {}
         for item in spec.split(","):
@@ -52,13 +64,12 @@ def parse_mesh(text: str) -> MeshShape:
             if name in sizes:
                 raise UsageError(f"mesh {text!r}: axis {name!r} given twice")
             sizes[name] = _size(value, text)
-        return MeshShape(sizes.get("data", 1), sizes.get("fsdp", 1))
+        return MeshShape(**sizes) if "data" in sizes else MeshShape(1, **sizes)
     parts = spec.lower().split("x")
     if len(parts) > len(AXES):
         raise UsageError(f"mesh {text!r} has {len(parts)} axes; at most {len(AXES)} are "
                          f"supported ({', '.join(AXES)}); forms: {_FORMS}")
-    sizes = [_size(p, text) for p in parts]
-    return MeshShape(*sizes)
+    return MeshShape(*[_size(p, text) for p in parts])
 
 
 def _size(value: str, text: str) -> int:
@@ -80,24 +91,27 @@ def build_mesh(shape: MeshShape, devices=None):
     if shape.size != len(devices):
         raise UsageError(f"mesh {shape.label} needs {shape.size} devices but "
                          f"{len(devices)} are present")
-    device_array = hybrid_device_array(shape, devices)
-    return Mesh(device_array, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    names = tuple(shape.axis_sizes)
+    return Mesh(hybrid_device_array(shape, devices), names,
+                axis_types=(AxisType.Auto,) * len(names))
 
 
 def hybrid_device_array(shape: MeshShape, devices):
-    """Devices as a (data, fsdp) array whose fsdp rows never cross a process (host)."""
+    """Devices as an array over the mesh axes whose inner axes never cross a process (host)."""
+    import numpy as np
     from jax.experimental import mesh_utils
 
+    dims = list(shape.axis_sizes.values())
     processes = sorted({d.process_index for d in devices})
     if len(processes) == 1:
-        import numpy as np
-        return np.array(sorted(devices, key=lambda d: d.id)).reshape(shape.data, shape.fsdp)
+        return np.array(sorted(devices, key=lambda d: d.id)).reshape(dims)
     per_process = len(devices) // len(processes)
-    if per_process % shape.fsdp or shape.data % len(processes):
+    inner = math.prod(dims[1:])
+    if per_process % inner or shape.data % len(processes):
         raise UsageError(
-            f"mesh {shape.label}: the fsdp axis ({shape.fsdp}) must divide the devices of one "
-            f"host ({per_process}) and data ({shape.data}) must be a multiple of the hosts "
-            f"({len(processes)}), so that fsdp stays inside a host")
+            f"mesh {shape.label}: the inner axes ({inner} devices) must divide the devices "
+            f"of one host ({per_process}) and data ({shape.data}) must be a multiple of the "
+            f"hosts ({len(processes)}), so that only data crosses hosts")
     return mesh_utils.create_hybrid_device_mesh(
-        (shape.data // len(processes), shape.fsdp), (len(processes), 1), devices,
-        process_is_granule=True)
+        [shape.data // len(processes), *dims[1:]], [len(processes)] + [1] * (len(dims) - 1),
+        devices, process_is_granule=True)

@@ -33,14 +33,17 @@ def _norm(d, *, dtype, rngs):
 class CausalSelfAttention(nnx.Module):
     def __init__(self, width: int, heads: int, *, dtype, rngs):
         self.heads = heads
-        # One fused projection: a single larger matmul instead of three.
-        self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs)
+        # Separate q, k, v projections (not one fused qkv): splitting each one's output over
+        # the `tensor` axis then gives every device whole heads (Megatron column parallel).
+        self.q = _linear(width, width, dtype=dtype, rngs=rngs)
+        self.k = _linear(width, width, dtype=dtype, rngs=rngs)
+        self.v = _linear(width, width, dtype=dtype, rngs=rngs)
         self.out = _linear(width, width, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BLD):
         B, L, D = x_BLD.shape
-        qkv_BL3NH = self.qkv(x_BLD).reshape(B, L, 3, self.heads, D // self.heads)
-        q_BLNH, k_BLNH, v_BLNH = (qkv_BL3NH[:, :, i] for i in range(3))
+        q_BLNH, k_BLNH, v_BLNH = (proj(x_BLD).reshape(B, L, self.heads, D // self.heads)
+                                  for proj in (self.q, self.k, self.v))
         y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLNH, v_BLNH, is_causal=True)
         return self.out(y_BLNH.reshape(B, L, D))
 
@@ -130,7 +133,7 @@ class GPTConfig:
 
     def flops_per_sample(self) -> float:
         d = self.width
-        # Weight matrices only: qkv (3d^2) + out (d^2) + MLP up/down (2 * ratio * d^2).
+        # Weight matrices only: q, k, v (3d^2) + out (d^2) + MLP up/down (2 * ratio * d^2).
         block = (4 + 2 * self.mlp_ratio) * d * d
         matmul_params = self.depth * block + d * self.vocab
         # QK^T and attention-weighted V, each 2*L*d per token per layer, no causal discount.

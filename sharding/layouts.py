@@ -12,6 +12,7 @@ import math
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from sharding.logical import rule_specs
 from sharding.registry import register_layout
 
 
@@ -67,3 +68,17 @@ def hsdp(state, mesh: Mesh):
                  "state; inside each worker the state is replicated")
 def ps(state, mesh: Mesh):
     return replicated(state)
+
+
+@register_layout("tp", "Megatron tensor parallel: attention heads, MLP hidden and vocabulary "
+                 "split over the tensor axis; batch over data and fsdp",
+                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"))
+def tp(state, mesh: Mesh):
+    return rule_specs(state, mesh, "tp")
+
+
+@register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
+                 "dimension sharded over data and fsdp",
+                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"))
+def fsdp_tp(state, mesh: Mesh):
+    return rule_specs(state, mesh, "fsdp_tp")

@@ -13,6 +13,9 @@ from jaxdist.mesh import MeshShape, hybrid_device_array, parse_mesh
     ("fsdp:8", MeshShape(1, 8)),
     ("32", MeshShape(32, 1)),
     ("-1", MeshShape(-1, 1)),
+    ("2x2x2", MeshShape(2, 2, 2)),
+    ("data:1,fsdp:4,tensor:8", MeshShape(1, 4, 8)),
+    ("tensor:2,expert:4", MeshShape(1, 1, 2, 4)),
     (" 2X4 ", MeshShape(2, 4)),
 ])
 def test_mesh_forms(text, shape):
@@ -24,6 +27,7 @@ def test_mesh_forms(text, shape):
     ("0x8", "axis size '0'"),
     ("axb", "axis size 'a'"),
     ("4x8x2x9x9", "has 5 axes"),
+    ("pipeline:4", "unknown axis 'pipeline'"),
     ("data:4,model:8", "unknown axis 'model'"),
     ("data:4,data:2", "given twice"),
     ("-2", "axis size '-2'"),
@@ -33,6 +37,13 @@ def test_mesh_errors_name_the_problem(text, words):
         parse_mesh(text)
     assert words in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_axes_and_labels():
+    assert MeshShape(4, 8).axis_sizes == {"data": 4, "fsdp": 8}
+    assert MeshShape(1, 4, 8).label == "1x4x8"
+    assert MeshShape(2, 1, 1, 4).axis_sizes == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 4}
+    assert MeshShape(2, 2, 2, 2).size == 16
 
 
 def test_minus_one_resolves_to_every_device():
@@ -59,5 +70,5 @@ def test_fsdp_axis_stays_inside_a_host():
 
 def test_hsdp_groups_across_hosts_rejected_when_fsdp_spans_hosts():
     devices = [FakeGPU(p * 8 + i, p) for p in range(4) for i in range(8)]
-    with pytest.raises(UsageError, match="fsdp stays inside a host"):
+    with pytest.raises(UsageError, match="only data crosses hosts"):
         hybrid_device_array(MeshShape(2, 16), devices)

@@ -61,18 +61,22 @@ def test_end_to_end_tensorboard(e2e):
 
 
 BAD = [
-    (["--layout", "zero9"], "unknown layout 'zero9'; choose from ddp, fsdp, hsdp, ps, zero1"),
+    (["--layout", "zero9"], "unknown layout 'zero9'; choose from ddp, fsdp, fsdp_tp, hsdp, ps, tp, zero1"),
     (["--model", "gpt-huge"], "unknown model 'gpt-huge'; choose from"),
     (["--mesh", "4x"], "axis size ''"),
     (["--mesh", "0x8"], "axis size '0'"),
     (["--mesh", "axb"], "axis size 'a'"),
     (["--mesh", "4x8x2x9x9"], "has 5 axes"),
-    (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 devices"),
+    (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 batch shards of mesh 3x1"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--batch-size", "-4"], "--batch-size must be a positive integer"),
     (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--model-opts", "depth=2,colour=blue"], "has no option 'colour'"),
+    (["--layout", "tp", "--mesh", "2x2x2"], "layout 'tp' applies to gpt, moe models, not 'mlp'"),
+    (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp; the "
+                                              "mesh has tensor=2 (layouts for this mesh: "),
+    (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
 ]
 
 

@@ -1,0 +1,80 @@
+"""Tensor-parallel layouts of the decoder: golden specs from the logical-axis rules, the same
+losses as one device, and collectives on the tensor axis."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.data import TrainStream
+from jaxdist.errors import UsageError
+from jaxdist.loop import comm_block
+from jaxdist.mesh import MeshShape
+from jaxdist.train_step import put_batch
+from models import get_model
+from sharding import check_layout
+from tests.helpers import train
+
+MESH = MeshShape(2, 2, 2)
+DF = ("data", "fsdp")
+
+
+def _param_specs(program):
+    flat = jax.tree_util.tree_flatten_with_path(program.state_specs["params"],
+                                                is_leaf=lambda x: isinstance(x, P))[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path
+                     if getattr(k, "key", None) != "value" and not str(k).endswith(".value")): s
+            for path, s in flat}
+
+
+def test_golden_decoder_specs():
+    _, _, tp = train("gpt-tiny", "tp", MESH, steps=0)
+    _, _, fsdp_tp = train("gpt-tiny", "fsdp_tp", MESH, steps=0)
+    got_tp, got_2d = _param_specs(tp), _param_specs(fsdp_tp)
+    expect = {  # gpt-tiny: vocab 256, seq 32, width 64, heads 4, mlp 256
+        "tok/embedding": (P("tensor", None), P("tensor", DF)),
+        "pos/embedding": (P(None, None), P(None, DF)),
+        "blocks/0/attn/q/kernel": (P(None, "tensor"), P(DF, "tensor")),
+        "blocks/0/attn/q/bias": (P("tensor"), P("tensor")),
+        "blocks/0/attn/out/kernel": (P("tensor", None), P("tensor", DF)),
+        "blocks/0/attn/out/bias": (P(None), P(DF)),
+        "blocks/0/mlp/up/kernel": (P(None, "tensor"), P(DF, "tensor")),
+        "blocks/0/mlp/down/kernel": (P("tensor", None), P("tensor", DF)),
+        "blocks/1/ln1/scale": (P(None), P(DF)),
+        "head/kernel": (P(None, "tensor"), P(DF, "tensor")),
+        "head/bias": (P("tensor"), P("tensor")),
+    }
+    for path, (spec_tp, spec_2d) in expect.items():
+        assert got_tp[path] == spec_tp, path
+        assert got_2d[path] == spec_2d, path
+
+
+@pytest.fixture(scope="module")
+def single():
+    return train("gpt-tiny", "ddp", MeshShape(1), steps=3)[0]
+
+
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_tensor_parallel_matches_single_device(layout, single):
+    losses = train("gpt-tiny", layout, MESH, steps=3)[0]
+    np.testing.assert_allclose(losses, single, rtol=1e-5)
+
+
+def test_tp_collectives_run_on_the_tensor_axis():
+    _, state, program = train("gpt-tiny", "tp", MESH, steps=1)
+    batch = put_batch(TrainStream(get_model("gpt-tiny"), None, 16, 0).batch(0),
+                      program.batch_sharding)
+    block = comm_block("tp", program.step.lower(state, batch).compile(), program)
+    on_tensor = block["by_axis"].get("tensor")
+    assert on_tensor and on_tensor["count"] >= 4  # >= one all-reduce per attention and MLP
+    assert block["by_kind"]["all-reduce"]["count"] >= 4
+    # The data-parallel gradient reduction runs over data and fsdp, never mixing in tensor.
+    assert "data+fsdp" in block["by_axis"]
+
+
+def test_bad_combinations():
+    with pytest.raises(UsageError, match="applies to gpt, moe models, not 'resnet'"):
+        check_layout("tp", {"data": 2, "fsdp": 2, "tensor": 2}, "resnet")
+    with pytest.raises(UsageError, match="the mesh has tensor=2"):
+        check_layout("hsdp", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")
+    check_layout("tp", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")  # fine
