@@ -17,6 +17,9 @@ from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import configure_host_devices, select_devices
 from jaxdist.data import build_model
 from jaxdist.errors import UsageError
+from jaxdist import loop
+from jaxdist.loop import parse_profile_steps
+from jaxdist.writers import format_summary
 from jaxdist.mesh import MeshShape, parse_mesh
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
@@ -62,6 +65,11 @@ def validate(cfg: RunConfig) -> MeshShape:
         raise UsageError(f"--checkpoint-every must be 0 or more, got {ck.checkpoint_every}")
     if (ck.resume or ck.checkpoint_every) and not ck.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    cfg.power.validate()
+    profile = parse_profile_steps(cfg.output.profile_steps)
+    if profile and profile[1] >= cfg.loop.warmup + cfg.loop.steps:
+        raise UsageError(f"--profile-steps {cfg.output.profile_steps}: the run has steps 0.."
+                         f"{cfg.loop.warmup + cfg.loop.steps - 1}")
     if not cfg.train.lr > 0:
         raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
     return shape
@@ -133,9 +141,6 @@ def main(argv=None) -> int:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
 
-    from jaxdist import loop  # after device setup: importing it must not pick the backend
-    from jaxdist.writers import format_summary
-
     if platform.simulated:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
@@ -164,7 +169,6 @@ def main_ps(cfg: RunConfig) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
     from ps.driver import run_ps, validate_ps
-    from jaxdist.writers import format_summary
 
     try:
         shape = validate(cfg)

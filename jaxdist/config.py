@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxdist.telemetry import PowerConfig
+
 
 def _opt(default, help, **extra):
     return field(default=default, metadata={"help": help, **extra})
@@ -106,6 +108,8 @@ class CheckpointConfig:
 class OutputConfig:
     logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)")
     progress: bool = _opt(True, "show a progress bar")
+    profile_steps: str = _opt("", "capture a jax.profiler trace of steps A:B (inclusive) into "
+                              "the run directory, for TensorBoard's profile tab or Perfetto")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class RunConfig:
     ps: PSConfig = field(default_factory=PSConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    power: PowerConfig = field(default_factory=PowerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,7 +135,7 @@ class RunConfig:
 
 _SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "model": ModelConfig, "train": TrainConfig,
              "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "checkpoint": CheckpointConfig,
-             "output": OutputConfig}
+             "power": PowerConfig, "output": OutputConfig}
 
 
 def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):

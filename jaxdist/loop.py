@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 import jax
 
-from jaxdist import comm, metrics
+from jaxdist import comm, metrics, telemetry
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
@@ -27,83 +27,135 @@ from jaxdist.writers import NullWriter, RunWriter
 from sharding import get_layout
 
 
-def run(cfg: RunConfig, platform: Platform, logdir: Path, log=print) -> dict:
+def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> dict:
     model_cfg, dataset = build_model(cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
     program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
                             mesh, cfg.train.seed, cfg.train.microbatches)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
+    next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps
-
-    # Synthetic batches are a fixed pool: place each on the devices once, so the loop does
-    # not pay a host-to-device copy per step that a bare benchmark loop would not.
-    on_device: dict[int, dict] = {}
-
-    def next_batch():
-        if dataset is not None:
-            return put_batch(stream.next(), program.batch_sharding)
-        key = stream.position % stream.batches_per_epoch
-        if key not in on_device:
-            on_device[key] = put_batch(stream.batch(key), program.batch_sharding)
-        stream.position += 1
-        return on_device[key]
 
     ckpt = (Checkpointer(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.checkpoint_every,
                          dict(identity(cfg), layout=cfg.train.layout, mesh=platform.shape.label,
                               seed=cfg.train.seed, batch_size=cfg.train.batch_size))
             if cfg.checkpoint.checkpoint_dir else None)
-    state, start_step = None, 0
+    state, start_step = restore_or_init(cfg, ckpt, program, stream, total_steps, log)
+    first = put_batch(stream.batch(0), program.batch_sharding)
+    compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
+    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+
+    # A resumed run warms up again (fresh compile), keeping at least one timed step.
+    warmup = min(cfg.loop.warmup, total_steps - start_step - 1)
+    timer = StepTimer(warmup)
+    window_open, window_close = (start_step + i for i in telemetry.window_steps(
+        cfg.power.power_window, warmup, total_steps - start_step - warmup))
+    profile = parse_profile_steps(cfg.output.profile_steps)
+    monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)
+    writer = RunWriter(logdir, cfg.to_dict()) if logdir is not None else NullWriter()
+    losses, accuracy = [], []
+    try:
+        with monitor:
+            started = time.perf_counter()
+            bar = tqdm(range(start_step, total_steps), unit="step", file=sys.stderr,
+                       desc=f"{cfg.train.layout} {platform.shape.label}",
+                       disable=not cfg.output.progress)
+            for i in bar:
+                if profile and i == profile[0] and logdir is not None:
+                    jax.profiler.start_trace(str(logdir))
+                if i == window_open:
+                    monitor.open_window()
+                timed_step = not timer.in_warmup
+                with jax.profiler.StepTraceAnnotation(cfg.train.layout, step_num=i):
+                    (state, loss), step_s = timer.run(compiled, state, next_batch())
+                if i == window_close:
+                    monitor.close_window()
+                if profile and i == profile[1] and logdir is not None:
+                    jax.profiler.stop_trace()
+                losses.append(metrics.scalar(loss))
+                writer.step(i, losses[-1], step_s, timed_step)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                if ckpt:
+                    ckpt.maybe_save(i + 1, state, stream.position)
+                every = cfg.data.eval_every
+                if dataset is not None and every and ((i + 1) % every == 0
+                                                      or i + 1 == total_steps):
+                    accuracy.append({"step": i + 1, "wall_s": time.perf_counter() - started,
+                                     "accuracy": evaluate(program, state, dataset, cfg)})
+                    writer.scalar("eval/accuracy", accuracy[-1]["accuracy"], i + 1)
+            bar.close()
+
+        results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
+                                   timer, losses, state)
+        # Each process measures its own GPUs, so it is credited with its share of the samples.
+        share = len([d for d in platform.devices if d.process_index == jax.process_index()])
+        window_samples = ((window_close - window_open + 1) * cfg.train.batch_size * share
+                          // len(platform.devices))
+        tokens = model_cfg.tokens_per_sample
+        results["power"] = monitor.result(window_close - window_open + 1, window_samples,
+                                          window_samples * tokens if tokens else None)
+        results["memory"]["devices"] = telemetry.memory_snapshot(platform.devices, monitor)
+        measured, estimate = (results["memory"]["measured_peak_bytes"],
+                              (results["memory"]["compiled"] or {}).get("peak_bytes"))
+        results["memory"]["measured_over_estimate"] = (measured / estimate
+                                                       if measured and estimate else None)
+        results["accuracy"] = accuracy
+        results["start_step"] = start_step
+        results["checkpoint"] = ckpt.finish() if ckpt else None
+        results["profile"] = ({"steps": list(profile), "dir": str(Path(logdir) / "plugins")}
+                              if profile and logdir is not None else None)
+        if logdir is not None:
+            monitor.write_outputs(Path(logdir), writer.tb)
+        writer.summary(results)
+    finally:
+        writer.close()
+    return results
+
+
+def batch_feed(stream: TrainStream, real_data: bool, sharding):
+    """A function returning the next global batch on the devices. Synthetic batches are a
+    fixed pool, each placed on the devices once, so the loop does not pay a host-to-device
+    copy per step that a bare benchmark loop would not."""
+    on_device: dict[int, dict] = {}
+
+    def next_batch():
+        if real_data:
+            return put_batch(stream.next(), sharding)
+        key = stream.position % stream.batches_per_epoch
+        if key not in on_device:
+            on_device[key] = put_batch(stream.batch(key), sharding)
+        stream.position += 1
+        return on_device[key]
+    return next_batch
+
+
+def restore_or_init(cfg: RunConfig, ckpt, program, stream, total_steps: int, log):
+    """(train state, first step): from the latest checkpoint with --resume, else fresh."""
     if cfg.checkpoint.resume:
         latest = ckpt.latest()
         if latest is None:
             log(f"--resume: no complete checkpoint in {ckpt.directory}; starting afresh")
         else:
             state, meta = ckpt.restore(latest, program.abstract_state, program.state_shardings)
-            start_step, stream.position = meta["step"], meta["data_position"]
+            if meta["step"] >= total_steps:
+                raise UsageError(f"checkpoint {meta['step']} already covers the {total_steps} "
+                                 f"steps asked for (--warmup + --steps); ask for more steps")
+            stream.position = meta["data_position"]
             log(f"resumed from checkpoint {latest} (saved under {meta.get('layout')} on "
-                f"{meta.get('mesh')}), continuing at step {start_step}")
-    if start_step >= total_steps:
-        raise UsageError(f"checkpoint {start_step} already covers the {total_steps} steps asked "
-                         f"for (--warmup + --steps); ask for more steps")
-    if state is None:
-        state = program.init()
-    first = put_batch(stream.batch(0), program.batch_sharding)
-    compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
-    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+                f"{meta.get('mesh')}), continuing at step {meta['step']}")
+            return state, meta["step"]
+    return program.init(), 0
 
-    writer = RunWriter(logdir, cfg.to_dict()) if logdir is not None else NullWriter()
-    try:
-        # A resumed run warms up again (fresh compile), keeping at least one timed step.
-        timer = StepTimer(min(cfg.loop.warmup, total_steps - start_step - 1))
-        losses, accuracy = [], []
-        started = time.perf_counter()
-        bar = tqdm(range(start_step, total_steps), desc=f"{cfg.train.layout} {platform.shape.label}",
-                   unit="step", file=sys.stderr, disable=not cfg.output.progress)
-        for i in bar:
-            timed_step = not timer.in_warmup
-            (state, loss), step_s = timer.run(compiled, state, next_batch())
-            losses.append(metrics.scalar(loss))
-            writer.step(i, losses[-1], step_s, timed_step)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            if ckpt:
-                ckpt.maybe_save(i + 1, state, stream.position)
-            every = cfg.data.eval_every
-            if dataset is not None and every and ((i + 1) % every == 0 or i + 1 == total_steps):
-                accuracy.append({"step": i + 1, "wall_s": time.perf_counter() - started,
-                                 "accuracy": evaluate(program, state, dataset, cfg)})
-                writer.scalar("eval/accuracy", accuracy[-1]["accuracy"], i + 1)
-        bar.close()
 
-        results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
-                                   timer, losses, state)
-        results["accuracy"] = accuracy
-        results["start_step"] = start_step
-        results["checkpoint"] = ckpt.finish() if ckpt else None
-        writer.summary(results)
-    finally:
-        writer.close()
-    return results
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """`--profile-steps A:B` -> (A, B), inclusive step indices; "" -> None."""
+    if not text:
+        return None
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) > int(b):
+        raise UsageError(f"--profile-steps {text!r} is not A:B with 0 <= A <= B (e.g. 5:7)")
+    return int(a), int(b)
 
 
 def evaluate(program, state, dataset, cfg: RunConfig) -> float:
@@ -151,8 +203,6 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
         "comm": comm_block(cfg.train.layout, compiled, program),
         "loss": losses,
-        "power": {"available": False,
-                  "reason": "power telemetry is not implemented yet"},
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
 

@@ -85,6 +85,10 @@ def summary_scalars(results: dict) -> dict[str, float]:
         out["summary/measured_peak_bytes"] = mem["measured_peak_bytes"]
     if results["mfu"]["value"] is not None:
         out["summary/mfu"] = results["mfu"]["value"]
+    power = results.get("power") or {}
+    if power.get("available"):
+        out["summary/avg_power_w"] = power["avg_w"]
+        out["summary/energy_per_sample_j"] = power["energy_per_sample_j"]
     for kind, row in results.get("comm", {}).get("by_kind", {}).items():
         out[f"comm/{kind}_bytes"] = row["bytes"]
     if "comm" in results:
@@ -122,6 +126,7 @@ def format_summary(results: dict) -> str:
                                        f"{mib(shard['replicated_bytes'])} "
                                        f"({shard['replicated_leaves']} replicated leaves)"),
         ("collectives per step", _comm_line(results.get("comm"))),
+        ("power / energy", _power_line(results.get("power"))),
         ("loss first -> last", f"{results['loss'][0]:.4f} -> {results['loss'][-1]:.4f}"),
     ]
     if results.get("accuracy"):
@@ -138,4 +143,14 @@ def _comm_line(block: dict | None) -> str:
     line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
     if block.get("analytic_ring_bytes"):
         line += f" vs analytic {human_bytes(int(block['analytic_ring_bytes']))}"
+    return line
+
+
+def _power_line(power: dict | None) -> str:
+    if not power or not power.get("available"):
+        return f"n/a ({(power or {}).get('reason', 'not measured')})"
+    line = (f"avg {power['avg_w']:.0f} W, {power['energy_per_sample_j']:.4g} J/sample, "
+            f"{power['samples_per_s_per_mj']:.4g} samples/(s*MJ)")
+    if power.get("flags"):
+        line += " [" + ", ".join(f["code"] for f in power["flags"]) + "]"
     return line

@@ -30,7 +30,8 @@ def test_end_to_end_results_json(e2e):
     assert len(results["loss"]) == 7          # warm-up steps included
     assert results["step_time_s"]["n"] == 5
     assert len(results["warmup_step_time_s"]) == 2
-    assert results["power"] == {"available": False, "reason": results["power"]["reason"]}
+    assert results["power"]["available"] is False
+    assert "NVML" in results["power"]["reason"]  # the exact reason, never zeros
     assert results["memory"]["measured_peak_bytes"] is None
     assert len(results["memory"]["state_bytes_by_device"]) == 32
     assert results["mfu"]["value"] is None and results["mfu"]["reason"]
