@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
-from jaxdist.devices import configure_host_devices, select_devices
+from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
 from jaxdist.data import build_model
 from jaxdist.errors import UsageError
 from jaxdist import loop
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         shape = validate(cfg)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
+        configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
         distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
 
+    if cfg.compiler.overlap and platform.backend != "gpu":
+        print(f"--overlap: no effect on {platform.backend} (its flags are for XLA:GPU)")
     if platform.simulated:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "

@@ -28,6 +28,13 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class CompilerConfig:
+    overlap: bool = _opt(False, "overlap communication with compute on GPU: XLA's latency-"
+                         "hiding scheduler and async collectives (no effect on CPU)")
+    xla_flags: str = _opt("", "extra XLA flags, appended to XLA_FLAGS before JAX starts")
+
+
+@dataclass(frozen=True)
 class DistConfig:
     """Multi-process (multi-host) runs on jax.distributed. Unset: flags, then the
     JAXDIST_COORDINATOR / JAXDIST_NUM_PROCESSES / JAXDIST_PROCESS_ID environment, then
@@ -116,6 +123,7 @@ class OutputConfig:
 class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    compiler: CompilerConfig = field(default_factory=CompilerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -133,7 +141,7 @@ class RunConfig:
         return cls(**{name: kind(**data.get(name, {})) for name, kind in _SECTIONS.items()})
 
 
-_SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "model": ModelConfig, "train": TrainConfig,
+_SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "compiler": CompilerConfig, "model": ModelConfig, "train": TrainConfig,
              "data": DataConfig, "ps": PSConfig, "loop": LoopConfig, "checkpoint": CheckpointConfig,
              "power": PowerConfig, "output": OutputConfig}
 

@@ -28,6 +28,37 @@ class Platform:
         return self.devices[0].device_kind
 
 
+# XLA GPU flags for compute/communication overlap (the "overlap" runs of Go et al.).
+OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
+                 "--xla_gpu_enable_highest_priority_async_stream=true")
+
+
+def configure_xla_flags(extra: str, overlap: bool) -> str:
+    """Append the user's flags (and the overlap set) to XLA_FLAGS before any backend starts.
+    Returns the flags added."""
+    added = " ".join(f for f in (extra.strip(), OVERLAP_FLAGS if overlap else "") if f)
+    if extra.strip():
+        _check_xla_flags(extra.strip())
+    if added:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {added}".strip()
+    return added
+
+
+def _check_xla_flags(flags: str) -> None:
+    """XLA aborts the whole process on an unknown flag; try the flags in a child first so a
+    typo is a one-line error instead."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                           env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, text=True,
+                           timeout=120)
+    if probe.returncode != 0:
+        unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", probe.stderr)
+        raise UsageError(f"--xla-flags rejected by XLA: "
+                         f"{unknown.group(1).strip() if unknown else probe.stderr.strip()[-200:]}")
+
+
 def configure_host_devices(shape: MeshShape, platform: str, num_processes: int = 1) -> None:
     """Before backend init: force CPU if asked, and give the CPU backend one device per mesh
     slot (split evenly over the processes) so that, without an accelerator, the mesh can be
@@ -72,4 +103,5 @@ def env_info(platform: Platform) -> dict:
         "num_devices": len(platform.devices),
         "num_processes": jax.process_count(),
         "simulated": platform.simulated,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

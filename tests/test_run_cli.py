@@ -78,6 +78,7 @@ BAD = [
     (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp; the "
                                               "mesh has tensor=2 (layouts for this mesh: "),
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
+    (["--xla-flags=--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
 ]
 
 
