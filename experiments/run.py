@@ -124,6 +124,8 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
+    if cfg.output.dry_run:
+        return main_dry_run(cfg)
     if cfg.train.layout == "ps":
         return main_ps(cfg)
     try:
@@ -165,6 +167,29 @@ def main(argv=None) -> int:
         print("  (simulated devices: times above are not performance figures)")
     print(f"\nresults:     {logdir / 'results.json'}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
+    return 0
+
+
+def main_dry_run(cfg: RunConfig) -> int:
+    """--dry-run: plan the layout's memory from shapes; only the CPU backend is touched (no
+    accelerator memory is claimed), and -1 is not a mesh one can plan for."""
+    from jaxdist import dryrun
+    from jaxdist.results import write_json
+
+    try:
+        shape = validate(cfg)
+        if shape.size is None:
+            raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
+        configure_host_devices(MeshShape(1), "cpu")
+        plan = dryrun.plan(cfg, shape)
+        logdir, _ = make_logdir(cfg, shape.label) if cfg.output.logdir else (None, None)
+    except UsageError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        return 2
+    print(dryrun.format_plan(plan))
+    if logdir is not None:
+        write_json(logdir / "dry_run.json", plan)
+        print(f"\nplan: {logdir / 'dry_run.json'}")
     return 0
 
 

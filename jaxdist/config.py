@@ -115,6 +115,8 @@ class CheckpointConfig:
 class OutputConfig:
     logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)")
     progress: bool = _opt(True, "show a progress bar")
+    dry_run: bool = _opt(False, "only plan: per-device train-state bytes of the layout on the "
+                         "mesh, from shapes (no allocation, no devices; any model size)")
     profile_steps: str = _opt("", "capture a jax.profiler trace of steps A:B (inclusive) into "
                               "the run directory, for TensorBoard's profile tab or Perfetto")
 

@@ -51,14 +51,22 @@ def _split_model(model_cfg, dtype, seed):
     return nnx.split(model, nnx.Param, ...)
 
 
-def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
-                  microbatches: int = 1) -> Program:
-    dtype = DTYPES[dtype_name]
-
+def _init_fn(model_cfg, dtype, tx, seed):
     def init_fn():
         _, params, model_state = _split_model(model_cfg, dtype, seed)
         return {"params": params, "model_state": model_state, "opt": tx.init(params)}
+    return init_fn
 
+
+def abstract_train_state(model_cfg, dtype_name: str, tx, seed: int = 0):
+    """Shapes and dtypes of the whole train state, without allocating it (any model size)."""
+    return jax.eval_shape(_init_fn(model_cfg, DTYPES[dtype_name], tx, seed))
+
+
+def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
+                  microbatches: int = 1) -> Program:
+    dtype = DTYPES[dtype_name]
+    init_fn = _init_fn(model_cfg, dtype, tx, seed)
     graphdef = nnx.eval_shape(lambda: _split_model(model_cfg, dtype, seed))[0]
     abstract_state = jax.eval_shape(init_fn)
     specs = layout(abstract_state, mesh)

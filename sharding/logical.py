@@ -24,6 +24,7 @@ LOGICAL = {
     ("v", "kernel"): ("embed", "heads"), ("v", "bias"): ("heads",),
     ("out", "kernel"): ("heads", "embed"), ("out", "bias"): ("embed",),
     ("up", "kernel"): ("embed", "mlp"), ("up", "bias"): ("mlp",),
+    ("gate", "kernel"): ("embed", "mlp"),
     ("down", "kernel"): ("mlp", "embed"), ("down", "bias"): ("embed",),
     ("ln", "scale"): ("embed",), ("ln", "bias"): ("embed",),
     ("head", "kernel"): ("embed", "vocab"), ("head", "bias"): ("vocab",),

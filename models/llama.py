@@ -1,0 +1,135 @@
+"""A Llama-style decoder: RMSNorm, SwiGLU MLP, rotary position embeddings (RoPE) and grouped-
+query attention (GQA), untied LM head. Go et al. 2025's Llama3-70B is `llama3-70b`, for
+`--dry-run` memory analysis; `llama-tiny` runs on CPU.
+
+Module and parameter names (q, k, v, out, gate, up, down, ln1, ln2, ln_f, tok, head) are the
+ones sharding/logical.py names, so the tp, fsdp_tp and fsdp layouts apply unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdist.errors import UsageError
+from models.gpt import GPTConfig, REMAT_POLICIES
+from models.registry import register
+
+
+def _linear(a, b, *, dtype, rngs):
+    return nnx.Linear(a, b, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def rope(x_BLNH, theta: float):
+    """Rotate pairs of channels by position-dependent angles (Su et al. 2021)."""
+    L, H = x_BLNH.shape[1], x_BLNH.shape[3]
+    freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angle_LF = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_F[None]
+    cos, sin = jnp.cos(angle_LF)[None, :, None], jnp.sin(angle_LF)[None, :, None]
+    x1, x2 = x_BLNH[..., 0::2].astype(jnp.float32), x_BLNH[..., 1::2].astype(jnp.float32)
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.reshape(x_BLNH.shape).astype(x_BLNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
+        head_dim = cfg.width // cfg.heads
+        self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
+        self.q = _linear(cfg.width, cfg.heads * head_dim, dtype=dtype, rngs=rngs)
+        self.k = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
+        self.v = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
+        self.out = _linear(cfg.heads * head_dim, cfg.width, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        B, L, D = x_BLD.shape
+        hd = D // self.heads
+        q_BLNH = rope(self.q(x_BLD).reshape(B, L, self.heads, hd), self.theta)
+        k_BLKH = rope(self.k(x_BLD).reshape(B, L, self.kv_heads, hd), self.theta)
+        v_BLKH = self.v(x_BLD).reshape(B, L, self.kv_heads, hd)
+        # dot_product_attention takes fewer key/value heads than query heads (GQA) directly.
+        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True)
+        return self.out(y_BLNH.reshape(B, L, D))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, width: int, hidden: int, *, dtype, rngs):
+        self.gate = _linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.up = _linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.down = _linear(hidden, width, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        return self.down(nnx.silu(self.gate(x_BLD)) * self.up(x_BLD))
+
+
+def _norm(width, *, dtype, rngs):
+    return nnx.RMSNorm(width, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
+        self.ln1 = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.ln2 = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        return x_BLD + self.mlp(self.ln2(x_BLD))
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
+        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
+                             rngs=rngs)
+        self.blocks = nnx.List(Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
+        self.ln_f = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.head = _linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+        self.remat = cfg.remat
+
+    def __call__(self, tokens_BL):
+        x_BLD = self.tok(tokens_BL)
+        run_block = Block.__call__
+        if self.remat != "none":
+            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
+        for block in self.blocks:
+            x_BLD = run_block(block, x_BLD)
+        return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(GPTConfig):
+    """GPTConfig's data, loss and tokens; Llama's architecture and FLOPs."""
+    kv_heads: int = 8
+    mlp_hidden: int = 1024
+    rope_theta: float = 500000.0
+    family: str = "gpt"  # a decoder: the layouts and data of the gpt family apply
+
+    def validate(self) -> None:
+        super().validate()
+        if self.heads % self.kv_heads:
+            raise UsageError(f"llama heads={self.heads} is not a multiple of "
+                             f"kv_heads={self.kv_heads}")
+
+    def build(self, rngs, dtype):
+        self.validate()
+        return Llama(self, dtype=dtype, rngs=rngs)
+
+    def flops_per_sample(self) -> float:
+        d, hd = self.width, self.width // self.heads
+        attn = 2 * d * d + 2 * d * self.kv_heads * hd  # q, out; k, v (fewer heads)
+        block = attn + 3 * d * self.mlp_hidden
+        matmul_params = self.depth * block + d * self.vocab
+        attention = 4 * self.depth * self.seq_len * d
+        return 3.0 * (2 * matmul_params + attention) * self.seq_len
+
+
+# Go et al. 2025's models, full size (for --dry-run; far too large to run here).
+register("llama3-70b", LlamaConfig(vocab=128256, seq_len=8192, depth=80, width=8192, heads=64,
+                                   kv_heads=8, mlp_hidden=28672))
+register("gpt3-175b", GPTConfig(vocab=50257, seq_len=2048, depth=96, width=12288, heads=96))
+register("llama-tiny", LlamaConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4,
+                                   kv_heads=2, mlp_hidden=128))
