@@ -118,13 +118,29 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         hit_B = jnp.argmax(model(batch["x"]), axis=-1) == batch["y"]
         return jnp.sum(hit_B * batch["mask"])
 
-    step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, replicated), donate_argnums=0)
+    step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
+                           out_shardings=(shardings, replicated), donate_argnums=0), mesh)
     init = jax.jit(init_fn, out_shardings=shardings)
     correct = jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
                       out_shardings=replicated)
     return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step,
                    correct)
+
+
+class MeshJit:
+    """A jitted function traced with `mesh` as the ambient mesh, so model code can pin
+    intermediate shardings by axis name (the MoE dispatch does)."""
+
+    def __init__(self, fn, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)
 
 
 def put_batch(batch_np: dict, sharding: NamedSharding) -> dict:

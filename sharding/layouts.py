@@ -82,3 +82,10 @@ def tp(state, mesh: Mesh):
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"))
 def fsdp_tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "fsdp_tp")
+
+
+@register_layout("ep", "expert parallel: whole experts per device of the expert axis, tokens "
+                 "dispatched to them (all-to-all); the rest replicated, batch over all axes",
+                 mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",))
+def ep(state, mesh: Mesh):
+    return rule_specs(state, mesh, "ep")

@@ -30,6 +30,7 @@ LOGICAL = {
     ("head", "kernel"): ("embed", "vocab"), ("head", "bias"): ("vocab",),
     ("router", "kernel"): ("embed", None),
     ("moe", "up"): ("experts", "embed", "mlp"),
+    ("moe", "gate"): ("experts", "embed", "mlp"),
     ("moe", "down"): ("experts", "mlp", "embed"),
 }
 

@@ -78,3 +78,26 @@ def test_bad_combinations():
     with pytest.raises(UsageError, match="the mesh has tensor=2"):
         check_layout("hsdp", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")
     check_layout("tp", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")  # fine
+
+
+EP_MESH = MeshShape(2, 1, 1, 4)  # data 2 x expert 4
+
+
+def test_expert_parallel_matches_single_device_and_uses_all_to_all():
+    reference = train("moe-tiny", "ddp", MeshShape(1), steps=3)[0]
+    losses, state, program = train("moe-tiny", "ep", EP_MESH, steps=3)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)  # same routing, same loss
+    specs = _param_specs(program)
+    assert specs["blocks/0/moe/up"] == P("expert", None, None)
+    assert specs["blocks/0/moe/down"] == P("expert", None, None)
+    assert specs["blocks/0/attn/q/kernel"] == P(None, None)
+    batch = put_batch(TrainStream(get_model("moe-tiny"), None, 16, 0).batch(0),
+                      program.batch_sharding)
+    block = comm_block("ep", program.step.lower(state, batch).compile(), program)
+    assert block["by_kind"]["all-to-all"]["count"] >= 2  # tokens to experts and back
+    assert "expert" in block["by_axis"]
+
+
+def test_llama_under_tp_matches_single_device():
+    reference = train("llama-tiny", "ddp", MeshShape(1), steps=3)[0]
+    np.testing.assert_allclose(train("llama-tiny", "tp", MESH, steps=3)[0], reference, rtol=1e-5)

@@ -1,0 +1,149 @@
+"""A Mixtral-style mixture-of-experts decoder: Llama blocks whose MLP is a set of SwiGLU
+experts with top-2 routing, a capacity limit per expert, and the auxiliary load-balancing
+loss of Switch/GShard. `mixtral-8x7b` (full size, for --dry-run) and `moe-tiny` (runs here).
+
+Routing is GShard-style with dense dispatch and combine tensors, so the whole layer is a few
+einsums: with experts sharded over the `expert` mesh axis (layout `ep`) and tokens over the
+batch axes, XLA moves the tokens to their experts and back (all-to-all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.errors import UsageError
+from models import llama
+from models.gpt import REMAT_POLICIES
+from models.registry import register
+
+
+def _to_experts(x_EBCD):
+    """Under an `expert` mesh axis, pin expert-major activations to it (and their batch to
+    the other batch axes): the move from token-sharded to expert-sharded is then XLA's
+    all-to-all, as in GShard, instead of gathering every token everywhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if "expert" not in mesh.axis_names or mesh.shape["expert"] == 1:
+        return x_EBCD
+    batch = tuple(a for a in mesh.axis_names if a not in ("tensor", "expert"))
+    return jax.lax.with_sharding_constraint(x_EBCD, P("expert", batch or None))
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
+        E, D, H = cfg.experts, cfg.width, cfg.mlp_hidden
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.router = nnx.Linear(D, E, use_bias=False, param_dtype=jnp.float32, rngs=rngs)
+        self.gate = nnx.Param(init(rngs.params(), (E, D, H), jnp.float32))
+        self.up = nnx.Param(init(rngs.params(), (E, D, H), jnp.float32))
+        self.down = nnx.Param(init(rngs.params(), (E, H, D), jnp.float32))
+        self.top_k, self.capacity_factor, self.dtype = cfg.top_k, cfg.capacity_factor, dtype
+
+    def __call__(self, x_BLD):
+        B, L, D = x_BLD.shape
+        E, k = self.gate.shape[0], self.top_k
+        capacity = max(1, math.ceil(self.capacity_factor * k * L / E))
+        probs_BLE = jax.nn.softmax(self.router(x_BLD.astype(jnp.float32)), axis=-1)
+        top_BLk, idx_BLk = jax.lax.top_k(probs_BLE, k)
+        gates_BLk = top_BLk / jnp.sum(top_BLk, axis=-1, keepdims=True)  # Mixtral renormalises
+        # Slots per expert, first choices of every token before second choices (GShard), so a
+        # full expert drops second choices first. Each sequence is its own routing group.
+        choice_BkLE = jax.nn.one_hot(idx_BLk, E, dtype=jnp.float32).transpose(0, 2, 1, 3)
+        slot_BkLE = (jnp.cumsum(choice_BkLE.reshape(B, k * L, E), axis=1).reshape(B, k, L, E)
+                     - 1) * choice_BkLE
+        kept_BkLE = choice_BkLE * (slot_BkLE < capacity)
+        slot_onehot_BkLEC = jax.nn.one_hot(slot_BkLE.astype(jnp.int32), capacity)
+        dispatch_BkLEC = kept_BkLE[..., None] * slot_onehot_BkLEC
+        dispatch_BLEC = dispatch_BkLEC.sum(axis=1)
+        combine_BLEC = jnp.einsum("bkl,bklec->blec", gates_BLk.transpose(0, 2, 1),
+                                  dispatch_BkLEC)
+        cast = lambda t: t.astype(self.dtype)  # noqa: E731
+        in_EBCD = _to_experts(jnp.einsum("blec,bld->ebcd", cast(dispatch_BLEC), cast(x_BLD)))
+        h_EBCH = (nnx.silu(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.gate[...])))
+                  * jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.up[...])))
+        out_EBCD = _to_experts(jnp.einsum("ebch,ehd->ebcd", h_EBCH, cast(self.down[...])))
+        y_BLD = jnp.einsum("blec,ebcd->bld", cast(combine_BLEC), out_EBCD)
+        # Switch Transformer's balance loss: E * sum_e (fraction of tokens whose first choice
+        # is e) x (mean router probability of e); 1 when perfectly balanced.
+        first_BLE = jax.nn.one_hot(idx_BLk[..., 0], E, dtype=jnp.float32)
+        aux = E * jnp.sum(first_BLE.mean(axis=(0, 1)) * probs_BLE.mean(axis=(0, 1)))
+        return y_BLD.astype(x_BLD.dtype), aux
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
+        self.ln1 = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.attn = llama.Attention(cfg, dtype=dtype, rngs=rngs)
+        self.ln2 = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BLD):
+        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        y_BLD, aux = self.moe(self.ln2(x_BLD))
+        return x_BLD + y_BLD, aux
+
+
+class MoEDecoder(nnx.Module):
+    def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
+        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
+                             rngs=rngs)
+        self.blocks = nnx.List(Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
+        self.ln_f = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.head = llama._linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+        self.remat = cfg.remat
+
+    def __call__(self, tokens_BL):
+        """(logits, mean auxiliary balance loss over layers)."""
+        x_BLD = self.tok(tokens_BL)
+        run_block = Block.__call__
+        if self.remat != "none":
+            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
+        aux_total = 0.0
+        for block in self.blocks:
+            x_BLD, aux = run_block(block, x_BLD)
+            aux_total = aux_total + aux
+        return self.head(self.ln_f(x_BLD)).astype(jnp.float32), aux_total / len(self.blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(llama.LlamaConfig):
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_weight: float = 0.01
+    family: str = "moe"
+
+    def validate(self) -> None:
+        super().validate()
+        if not 1 <= self.top_k <= self.experts:
+            raise UsageError(f"moe top_k={self.top_k} must be 1..experts={self.experts}")
+
+    def build(self, rngs, dtype):
+        self.validate()
+        return MoEDecoder(self, dtype=dtype, rngs=rngs)
+
+    def loss(self, model, batch):
+        tokens_BL1 = batch["tokens"]
+        logits_BLV, aux = model(tokens_BL1[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BL1[:, 1:])
+        return ce.mean() + self.aux_weight * aux
+
+    def flops_per_sample(self) -> float:
+        """Active FLOPs: each token runs top_k experts (dispatch einsums not counted)."""
+        d, hd = self.width, self.width // self.heads
+        attn = 2 * d * d + 2 * d * self.kv_heads * hd
+        block = attn + self.top_k * 3 * d * self.mlp_hidden + d * self.experts
+        matmul_params = self.depth * block + d * self.vocab
+        return 3.0 * (2 * matmul_params + 4 * self.depth * self.seq_len * d) * self.seq_len
+
+
+register("mixtral-8x7b", MoEConfig(vocab=32000, seq_len=4096, depth=32, width=4096, heads=32,
+                                   kv_heads=8, mlp_hidden=14336, rope_theta=1e6))
+register("moe-tiny", MoEConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4, kv_heads=2,
+                               mlp_hidden=64, experts=4, capacity_factor=2.0))
