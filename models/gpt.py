@@ -22,6 +22,15 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
                   "dots": jax.checkpoint_policies.checkpoint_dots}
 
 
+def block_runner(block_cls, remat: str):
+    """`block_cls.__call__`, or with remat its nnx.remat: the backward pass recomputes each
+    block's activations instead of keeping them ("full" keeps only block inputs, "dots" also
+    keeps matmul outputs)."""
+    if remat == "none":
+        return block_cls.__call__
+    return nnx.remat(block_cls.__call__, policy=REMAT_POLICIES[remat])
+
+
 def _linear(a, b, *, dtype, rngs):
     return nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
@@ -85,11 +94,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
         x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
-        run_block = Block.__call__
-        if self.remat != "none":
-            # Recompute each block's activations in the backward pass instead of keeping
-            # them: "full" keeps only block inputs, "dots" also keeps matmul outputs.
-            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
+        run_block = block_runner(Block, self.remat)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)

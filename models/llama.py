@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdist.errors import UsageError
-from models.gpt import GPTConfig, REMAT_POLICIES
+from models.gpt import GPTConfig, block_runner
 from models.registry import register
 
 
@@ -92,9 +92,7 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BL):
         x_BLD = self.tok(tokens_BL)
-        run_block = Block.__call__
-        if self.remat != "none":
-            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
+        run_block = block_runner(Block, self.remat)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
 from models import llama
-from models.gpt import REMAT_POLICIES
+from models.gpt import block_runner
 from models.registry import register
 
 
@@ -101,9 +101,7 @@ class MoEDecoder(nnx.Module):
     def __call__(self, tokens_BL):
         """(logits, mean auxiliary balance loss over layers)."""
         x_BLD = self.tok(tokens_BL)
-        run_block = Block.__call__
-        if self.remat != "none":
-            run_block = nnx.remat(Block.__call__, policy=REMAT_POLICIES[self.remat])
+        run_block = block_runner(Block, self.remat)
         aux_total = 0.0
         for block in self.blocks:
             x_BLD, aux = run_block(block, x_BLD)
