@@ -143,5 +143,7 @@ class MoEConfig(llama.LlamaConfig):
 
 register("mixtral-8x7b", MoEConfig(vocab=32000, seq_len=4096, depth=32, width=4096, heads=32,
                                    kv_heads=8, mlp_hidden=14336, rope_theta=1e6))
+register("moe-small", MoEConfig(vocab=8192, seq_len=128, depth=4, width=256, heads=8,
+                                kv_heads=4, mlp_hidden=512, experts=8))
 register("moe-tiny", MoEConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4, kv_heads=2,
                                mlp_hidden=64, experts=4, capacity_factor=2.0))
