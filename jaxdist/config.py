@@ -68,9 +68,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = _opt("synthetic", "synthetic (random, fixed seed) or digits (scikit-learn's "
-                        "8x8 handwritten digits, fixed train/test split)",
-                        choices=("synthetic", "digits"))
+    dataset: str = _opt("synthetic", "synthetic (random, fixed seed), digits (scikit-learn's "
+                        "8x8 handwritten digits, fixed train/test split), cifar10 or mnist "
+                        "(read from --data-dir)",
+                        choices=("synthetic", "digits", "cifar10", "mnist"))
+    data_dir: str = _opt("", "directory with the CIFAR-10 python batches or the MNIST IDX files")
     eval_every: int = _opt(0, "test accuracy every N steps and at the end (0: never; needs a "
                            "real dataset)")
 

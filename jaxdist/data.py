@@ -16,8 +16,9 @@ import numpy as np
 
 from jaxdist.errors import UsageError
 
-DATASETS = ("synthetic", "digits")
+DATASETS = ("synthetic", "digits", "cifar10", "mnist")
 NUM_SYNTHETIC_BATCHES = 8  # distinct synthetic batches, cycled
+IMAGE_FAMILIES = ("resnet", "vgg", "densenet", "efficientnetv2", "convnext")
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,18 @@ class Dataset:
         return self.train_x.shape[1:]
 
 
-def load_dataset(name: str) -> Dataset | None:
-    """The named dataset, or None for synthetic data."""
+def load_dataset(name: str, data_dir: str = "") -> Dataset | None:
+    """The named dataset, or None for synthetic data. cifar10 and mnist are read from
+    `data_dir` in their standard distribution formats (jaxdist/dataset_files.py)."""
     if name == "synthetic":
         return None
+    if name in ("cifar10", "mnist"):
+        from jaxdist.dataset_files import load_files
+
+        if not data_dir:
+            raise UsageError(f"--dataset {name} needs --data-dir DIR (the directory holding "
+                             f"the standard {name} files; nothing is downloaded)")
+        return load_files(name, data_dir)
     if name == "digits":
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
@@ -58,11 +67,15 @@ def adapt_model(model_cfg, dataset: Dataset | None):
     h, w, c = dataset.image_shape
     if model_cfg.family == "mlp":
         return dataclasses.replace(model_cfg, in_dim=h * w * c, num_classes=dataset.num_classes)
-    if model_cfg.family == "resnet":
-        return dataclasses.replace(model_cfg, image_size=h, channels=c,
-                                   num_classes=dataset.num_classes)
+    if model_cfg.family in IMAGE_FAMILIES:
+        adapted = dataclasses.replace(model_cfg, image_size=h, channels=c,
+                                      num_classes=dataset.num_classes)
+        if hasattr(adapted, "validate"):
+            adapted.validate()  # e.g. an ImageNet stem cannot take 28x28 MNIST
+        return adapted
     raise UsageError(f"dataset {dataset.name!r} is images; model family "
-                     f"{model_cfg.family!r} cannot read it (use an mlp or resnet model)")
+                     f"{model_cfg.family!r} cannot read it (use an mlp or a CNN: "
+                     f"{', '.join(IMAGE_FAMILIES)})")
 
 
 class TrainStream:
@@ -116,7 +129,7 @@ def build_model(cfg):
     dataset or None)."""
     from models import get_model, parse_overrides
 
-    dataset = load_dataset(cfg.data.dataset)
+    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
     if cfg.train.remat != "none":
         if not hasattr(model_cfg, "remat"):

@@ -101,4 +101,4 @@ def parse_overrides(text: str) -> dict[str, str]:
 def _load_families() -> None:
     # Importing a family module registers its sizes; done lazily so `models.registry` stays
     # importable without flax for argument parsing.
-    from models import gpt, mlp, resnet  # noqa: F401
+    from models import convnext, densenet, efficientnet, gpt, llama, mlp, moe, resnet, vgg  # noqa: F401
