@@ -13,13 +13,10 @@ import time
 from pathlib import Path
 
 from jaxdist import distributed
-from jaxdist.config import RunConfig, add_arguments, from_namespace
+from jaxdist.config import RunConfig, add_arguments, from_namespace, parse_profile_steps
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
 from jaxdist.data import build_model
 from jaxdist.errors import UsageError
-from jaxdist import loop
-from jaxdist.loop import parse_profile_steps
-from jaxdist.writers import format_summary
 from jaxdist.mesh import MeshShape, parse_mesh
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
@@ -144,6 +141,11 @@ def main(argv=None) -> int:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
 
+    # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
+    # input should not wait for.
+    from jaxdist import loop
+    from jaxdist.writers import format_summary
+
     if cfg.compiler.overlap and platform.backend != "gpu":
         print(f"--overlap: no effect on {platform.backend} (its flags are for XLA:GPU)")
     if platform.simulated:
@@ -196,6 +198,8 @@ def main_dry_run(cfg: RunConfig) -> int:
 def main_ps(cfg: RunConfig) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
+    from jaxdist.writers import format_summary
+    from ps.client import PSError
     from ps.driver import run_ps, validate_ps
 
     try:
@@ -215,6 +219,9 @@ def main_ps(cfg: RunConfig) -> int:
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2
+        if isinstance(e, PSError):  # a dead worker or shard: named, not a traceback
+            print(f"run: error: {e}", file=sys.stderr)
+            return 1
         raise
     print()
     print(format_summary(results))

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxdist.errors import UsageError
 from jaxdist.telemetry import PowerConfig
 
 
@@ -91,6 +92,7 @@ class PSConfig:
     ps_checkpoint_every: int = _opt(0, "shard snapshot every N applied versions; a dead shard "
                                     "restarts from it (0: off)")
     ps_timeout_s: float = _opt(30.0, "deadline of a PS call and of waiting for a worker")
+    ps_port: int = _opt(0, "shard k listens on PS_PORT + k (0: free ports chosen at start)")
     ps_bind: str = _opt("127.0.0.1", "address the shard servers bind; another address needs "
                         "the token in JAXDIST_PS_TOKEN")
     ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers")
@@ -172,3 +174,13 @@ def from_namespace(ns: argparse.Namespace) -> RunConfig:
     return RunConfig(**{
         name: kind(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(kind)})
         for name, kind in _SECTIONS.items()})
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """`--profile-steps A:B` -> (A, B), inclusive step indices; "" -> None."""
+    if not text:
+        return None
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) > int(b):
+        raise UsageError(f"--profile-steps {text!r} is not A:B with 0 <= A <= B (e.g. 5:7)")
+    return int(a), int(b)

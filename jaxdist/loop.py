@@ -15,7 +15,7 @@ import jax
 
 from jaxdist import comm, metrics, telemetry
 from jaxdist.checkpoint import Checkpointer, identity
-from jaxdist.config import RunConfig
+from jaxdist.config import RunConfig, parse_profile_steps
 from jaxdist.errors import UsageError
 from jaxdist.data import TrainStream, build_model, eval_batches
 from jaxdist.devices import Platform, env_info
@@ -146,16 +146,6 @@ def restore_or_init(cfg: RunConfig, ckpt, program, stream, total_steps: int, log
                 f"{meta.get('mesh')}), continuing at step {meta['step']}")
             return state, meta["step"]
     return program.init(), 0
-
-
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-    """`--profile-steps A:B` -> (A, B), inclusive step indices; "" -> None."""
-    if not text:
-        return None
-    a, sep, b = text.partition(":")
-    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) > int(b):
-        raise UsageError(f"--profile-steps {text!r} is not A:B with 0 <= A <= B (e.g. 5:7)")
-    return int(a), int(b)
 
 
 def evaluate(program, state, dataset, cfg: RunConfig) -> float:

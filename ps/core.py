@@ -1,0 +1,448 @@
+"""One shard's state machine: parameters, optimizer state, versions, modes, dedup,
+staleness, barriers. Plain Python with a Condition; the gRPC servicer is a thin layer over it.
+
+Vocabulary:
+- version: number of optimizer applies this shard has made (its parameter version).
+- step: a worker's own iteration counter; (worker, step) identifies a gradient, so a retried
+  push is recognised and counted as deduplicated, never applied twice.
+- staleness of an applied gradient: version at apply time - version it was computed on.
+- clock (ssp): a worker's clock is the step it is about to compute; a worker may pull for
+  step c only while c - min(clock of live workers) <= s.
+- epoch: the shard's life count. A shard restarted from a snapshot has a higher epoch and
+  an older version than its clients remember; requests carrying an older epoch are from
+  before the restart and are reconciled (see `push`), never rejected as "from the future".
+
+Modes:
+- sync (BSP): gradients of step t are held until every live worker sent one, then their mean
+  (summed in worker order, so runs are reproducible) is applied once; pulls for version t+1
+  wait on that barrier.
+- async (ASP): each gradient is applied on arrival.
+- ssp: async applies, plus the clock bound on pulls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ps import snapshot
+
+
+class PSFault(Exception):
+    """A request the shard refuses. `kind` maps to a gRPC status in the servicer:
+    invalid (INVALID_ARGUMENT), precondition (FAILED_PRECONDITION), restarted
+    (FAILED_PRECONDITION, the client re-pushes and retries), aborted (ABORTED), deadline
+    (DEADLINE_EXCEEDED)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def make_apply(tx):
+    """Jitted (params, opt state, gradient, scale) -> (params, opt state) on a flat vector.
+    Elementwise optimizers make a flat slice of the model exact. `scale` multiplies the
+    update (i.e. the learning rate): for adam, scaling the gradient instead would cancel out
+    in m / sqrt(v)."""
+    import jax
+
+    def apply(params, opt, grad, scale):
+        updates, opt = tx.update(grad, opt, params)
+        return params + scale * updates, opt
+    return jax.jit(apply)
+
+
+class ShardCore:
+    def __init__(self, params: np.ndarray, tx, *, mode: str, num_workers: int,
+                 staleness: int = 0, staleness_lr: bool = False, drop_dead: bool = False,
+                 timeout_s: float = 30.0, checkpoint_every: int = 0,
+                 snapshot_dir: Path | None = None, epoch: int = 0, log=None):
+        import jax
+        import jax.numpy as jnp
+
+        if mode not in ("sync", "async", "ssp"):
+            raise ValueError(f"unknown mode {mode!r}")
+        self.mode, self.num_workers = mode, num_workers
+        self.bound, self.staleness_lr = staleness, staleness_lr
+        self.drop_dead, self.timeout_s = drop_dead, timeout_s
+        self.checkpoint_every, self.snapshot_dir = checkpoint_every, snapshot_dir
+        self.log = log or (lambda msg: None)
+        self.size = int(params.size)
+        self._tx = tx
+        self._apply = make_apply(tx)
+        self._params = jnp.asarray(params, dtype=jnp.float32)
+        self._opt = jax.jit(tx.init)(self._params)
+        self._opt_treedef = jax.tree.structure(self._opt)
+        self._serve = np.asarray(self._params)
+        self.cond = threading.Condition()
+        self.epoch = epoch
+        self.version = 0
+        self.resync = False             # restored: adopt the workers' step at the next push
+        self.alive = set(range(num_workers))
+        self.retired: dict[int, str] = {}
+        self.last_step = {w: -1 for w in range(num_workers)}
+        self.clock = {w: 0 for w in range(num_workers)}
+        self.started: set[int] = set()  # workers that said hello (see `hello`)
+        self.last_seen: dict[int, float] = {}
+        self.pending: dict[int, np.ndarray] = {}
+        self.barrier_opened = 0.0
+        self.failure: str | None = None
+        self.pull_clock: dict[int, tuple[int, int]] = {}
+        self.counts = Counter()         # applied, rejected, deduplicated, applies
+        self.staleness_hist = Counter()
+        self.step_staleness_hist = Counter()
+        self.wait_s = {"barrier": 0.0, "bound": 0.0}
+        self.wait_s_by_worker = {w: 0.0 for w in range(num_workers)}
+        self.lr_scale_sum, self.lr_scale_min = 0.0, 1.0
+        self.events: list[str] = []
+        # Gradient buffers are reused: a fresh array per push means page-faulting the whole
+        # shard every time (~1 s per 400 MB here); at most one per worker plus a spare.
+        self._buffers: list[np.ndarray] = []
+        self._warm()
+
+    def _warm(self) -> None:
+        # Compile now, not inside the first push: the first step would otherwise time XLA.
+        self._apply.lower(self._params, self._opt, self._params, np.float32(1)).compile()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def push(self, worker: int, step: int, version: int, epoch: int, grad: np.ndarray) -> dict:
+        with self.cond:
+            try:
+                return self._push(worker, step, version, epoch, grad)
+            except PSFault:
+                self.counts["rejected"] += 1
+                raise
+
+    def _push(self, worker, step, version, epoch, grad) -> dict:
+        self._check_worker(worker)
+        if grad.shape != (self.size,) or grad.dtype != np.float32:
+            raise PSFault("invalid", f"gradient of shape {grad.shape} {grad.dtype}, "
+                                     f"expected ({self.size},) float32")
+        if epoch > self.epoch:
+            raise PSFault("invalid", f"epoch {epoch} is from the future (shard is in "
+                                     f"epoch {self.epoch})")
+        self.last_seen[worker] = time.monotonic()
+        if step <= self.last_step[worker]:
+            self.counts["deduplicated"] += 1
+            return self._reply("deduplicated")
+        if epoch == self.epoch and version > self.version:
+            raise PSFault("invalid", f"version {version} is from the future (shard is at "
+                                     f"version {self.version})")
+        if not np.isfinite(grad).all():
+            raise PSFault("invalid", "gradient has non-finite values")
+        if self.mode == "sync":
+            return self._push_sync(worker, step, grad)
+        if epoch < self.epoch and version > self.version:
+            # A gradient from before this shard's restart: its version counts the lost life.
+            # Move the counter forward so versions keep increasing for every client.
+            self.events.append(f"epoch {self.epoch}: version {self.version} -> {version} "
+                               f"(resumed from a snapshot)")
+            self.version = version
+        stale = self.version - version
+        scale = 1.0 / (1.0 + stale) if self.staleness_lr else 1.0
+        self._apply_update(grad, scale)
+        self.last_step[worker] = step
+        self.clock[worker] = max(self.clock[worker], step + 1)
+        self.counts["applied"] += 1
+        self.staleness_hist[stale] += 1
+        self.lr_scale_sum += scale
+        self.lr_scale_min = min(self.lr_scale_min, scale)
+        pulled = self.pull_clock.get(worker)
+        if pulled and pulled[0] == step:
+            self.step_staleness_hist[pulled[1]] += 1
+        self._after_apply()
+        return self._reply("applied", staleness=stale)
+
+    def _push_sync(self, worker, step, grad) -> dict:
+        if self.resync and not self.pending:
+            if step > self.version:
+                self.events.append(f"epoch {self.epoch}: version {self.version} -> {step} "
+                                   f"(resumed from a snapshot)")
+                self.version = step
+            self.resync = False
+        if step != self.version:
+            raise PSFault("precondition", f"worker {worker} pushed step {step} but the sync "
+                                          f"barrier is at step {self.version}")
+        if worker in self.pending:
+            self.counts["deduplicated"] += 1
+            return self._reply("deduplicated")
+        if not self.pending:
+            self.barrier_opened = time.monotonic()
+        self.pending[worker] = grad
+        self._maybe_complete_barrier()
+        return self._reply("applied" if worker not in self.pending else "pending")
+
+    def pull(self, worker: int, step: int, min_version: int, epoch: int,
+             timeout_s: float | None = None):
+        """(version, epoch, params, waited seconds, what was waited on or None). Blocks on the
+        sync barrier or the ssp bound, never past the deadline."""
+        limit = self.timeout_s + 1.0 if timeout_s is None else timeout_s
+        start = time.monotonic()
+        deadline = start + limit
+        kind = None
+        with self.cond:
+            self._check_worker(worker)
+            if epoch < self.epoch:
+                raise PSFault("restarted", f"shard restarted (epoch {self.epoch}); re-push "
+                                           f"your last gradient")
+            if epoch > self.epoch:
+                raise PSFault("invalid", f"epoch {epoch} is from the future")
+            if self.mode == "sync" and min_version > self.version + 1:
+                raise PSFault("invalid", f"version {min_version} is from the future (shard "
+                                         f"is at version {self.version})")
+            self.last_seen[worker] = time.monotonic()
+            if self.mode != "sync":
+                if epoch == self.epoch and step > self.last_step[worker] + 1:
+                    raise PSFault("invalid", f"step {step} is from the future (worker {worker} "
+                                             f"last pushed step {self.last_step[worker]})")
+                self.clock[worker] = max(self.clock[worker], step)
+            while True:
+                if self.failure:
+                    raise PSFault("aborted", self.failure)
+                self._check_worker(worker)
+                now = time.monotonic()
+                if self.mode == "sync":
+                    if self.version >= min_version:
+                        break
+                    kind = "barrier"
+                    self._check_barrier(now)
+                    if self.version >= min_version or self.failure:
+                        continue
+                    waiting_on = (f"the sync barrier of step {self.version} (missing workers "
+                                  f"{sorted(self.alive - set(self.pending))})")
+                elif self.mode == "ssp":
+                    if step - self._min_clock() <= self.bound:
+                        break
+                    kind = "bound"
+                    self._retire_silent(now)
+                    if step - self._min_clock() <= self.bound:
+                        continue
+                    slow = min(self.alive, key=lambda w: (self.clock[w], w))
+                    waiting_on = (f"the ssp bound: worker {worker} at step {step} is more than "
+                                  f"{self.bound} ahead of worker {slow} at step "
+                                  f"{self.clock[slow]}")
+                else:
+                    break
+                if now >= deadline:
+                    raise PSFault("deadline", f"waited {limit:g} s for {waiting_on}")
+                self.cond.wait(min(0.2, deadline - now))
+            waited = time.monotonic() - start
+            if kind:
+                self.wait_s[kind] += waited
+                self.wait_s_by_worker[worker] += waited
+            if self.mode != "sync":
+                self.pull_clock[worker] = (step, step - self._min_clock())
+            return self.version, self.epoch, self._serve, waited, kind
+
+    def hello(self, worker: int) -> dict:
+        """A worker is ready to train. Workers start together (each waits until `waiting`
+        is empty): a worker still compiling is neither silent (ssp) nor late (sync)."""
+        with self.cond:
+            self._check_worker(worker)
+            self.started.add(worker)
+            self.last_seen[worker] = time.monotonic()
+            self.cond.notify_all()
+            return {"waiting": sorted(self.alive - self.started)}
+
+    def waiting(self) -> list[int]:
+        with self.cond:
+            return sorted(self.alive - self.started)
+
+    def retire(self, worker: int, reason: str) -> None:
+        """Stop waiting for `worker` (it died or finished): barriers and bounds go on
+        without it."""
+        with self.cond:
+            if 0 <= worker < self.num_workers and worker not in self.retired:
+                self._retire(worker, reason)
+                self._maybe_complete_barrier()
+                self.cond.notify_all()
+
+    def take_buffer(self) -> np.ndarray:
+        """A float32 buffer of the shard's size to receive a gradient into."""
+        with self.cond:
+            if self._buffers:
+                return self._buffers.pop()
+        return np.empty(self.size, np.float32)
+
+    def give_buffer(self, buf: np.ndarray) -> None:
+        """Return a buffer the core does not hold (anything but a pending sync gradient)."""
+        with self.cond:
+            held = list(self.pending.values()) + self._buffers
+            if not any(buf is g for g in held) and len(self._buffers) <= self.num_workers:
+                self._buffers.append(buf)
+
+    def count_rejected(self) -> None:
+        """A push refused before it reached the core (malformed on the wire)."""
+        with self.cond:
+            self.counts["rejected"] += 1
+
+    def params(self) -> tuple[int, np.ndarray]:
+        with self.cond:
+            return self.version, self._serve
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_worker(self, worker: int) -> None:
+        if type(worker) is not int or not 0 <= worker < self.num_workers:
+            raise PSFault("invalid", f"worker {worker!r} is outside 0..{self.num_workers - 1}")
+        if worker in self.retired:
+            raise PSFault("aborted", f"worker {worker} was retired: {self.retired[worker]}")
+
+    def _reply(self, status: str, staleness: int = 0) -> dict:
+        return {"status": status, "version": self.version, "epoch": self.epoch,
+                "staleness": staleness}
+
+    def _apply_update(self, grad: np.ndarray, scale: float) -> None:
+        self._params, self._opt = self._apply(self._params, self._opt, grad, np.float32(scale))
+        self._serve = np.asarray(self._params)  # a new array: pulls in flight keep the old one
+        self.version += 1
+        self.counts["applies"] += 1
+
+    def _after_apply(self) -> None:
+        if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+            self.save_snapshot()
+        self.cond.notify_all()
+
+    def _maybe_complete_barrier(self) -> None:
+        if self.mode != "sync" or not self.pending or not self.alive <= set(self.pending):
+            return
+        workers = sorted(self.pending)
+        total = np.zeros(self.size, np.float32)
+        for w in workers:  # fixed order: float sums do not depend on arrival order
+            total += self.pending[w]
+        step = self.version
+        self._apply_update(total / np.float32(len(workers)), 1.0)
+        for w in workers:
+            self.last_step[w] = step
+        self.counts["applied"] += len(workers)
+        self.staleness_hist[0] += len(workers)
+        self.lr_scale_sum += len(workers)
+        held = list(self.pending.values())
+        self.pending.clear()
+        for buf in held:
+            if len(self._buffers) <= self.num_workers and not any(buf is b for b in
+                                                                  self._buffers):
+                self._buffers.append(buf)
+        self._after_apply()
+
+    def _check_barrier(self, now: float) -> None:
+        if not self.pending or now - self.barrier_opened < self.timeout_s:
+            return
+        missing = sorted(self.alive - set(self.pending))
+        if self.drop_dead:
+            for w in missing:
+                self._retire(w, f"no gradient for step {self.version} within "
+                                f"{self.timeout_s:g} s")
+            self._maybe_complete_barrier()
+        else:
+            self.failure = (f"sync barrier of step {self.version}: no gradient from worker(s) "
+                            f"{missing} within {self.timeout_s:g} s (--ps-timeout-s); sync "
+                            f"mode stops (--ps-drop-dead-workers continues without them)")
+        self.cond.notify_all()
+
+    def _min_clock(self) -> int:
+        return min((self.clock[w] for w in self.alive), default=0)
+
+    def _retire_silent(self, now: float) -> None:
+        lo = self._min_clock()
+        for w in sorted(self.alive):
+            seen = self.last_seen.get(w)
+            if self.clock[w] == lo and seen is not None and now - seen >= self.timeout_s:
+                self._retire(w, f"silent for {now - seen:.1f} s at step "
+                                f"{self.clock[w]} (ssp bound)")
+
+    def _retire(self, worker: int, reason: str) -> None:
+        self.alive.discard(worker)
+        self.retired[worker] = reason
+        self.pending.pop(worker, None)
+        self.events.append(f"worker {worker} retired: {reason}")
+        self.log(f"worker {worker} retired: {reason}")
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def _meta(self) -> dict:
+        return {
+            "version": self.version, "epoch": self.epoch, "mode": self.mode,
+            "num_workers": self.num_workers, "size": self.size,
+            "last_step": [self.last_step[w] for w in range(self.num_workers)],
+            "clock": [self.clock[w] for w in range(self.num_workers)],
+            "retired": {str(w): r for w, r in self.retired.items()},
+            "counts": dict(self.counts),
+            "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+            "step_staleness_hist": {str(k): v for k, v in self.step_staleness_hist.items()},
+            "lr_scale_sum": self.lr_scale_sum, "lr_scale_min": self.lr_scale_min,
+        }
+
+    def save_snapshot(self) -> None:
+        import jax
+
+        if self.snapshot_dir is None:
+            return
+        arrays = {"params": np.asarray(self._params)}
+        for i, leaf in enumerate(jax.tree.leaves(self._opt)):
+            arrays[f"opt_{i:03d}"] = np.asarray(leaf)
+        snapshot.save(self.snapshot_dir, arrays, self._meta())
+        self.counts["snapshots"] += 1
+
+    def restore(self, arrays: dict, meta: dict) -> None:
+        """Continue from a snapshot (this object's epoch is already the new one)."""
+        import jax
+        import jax.numpy as jnp
+
+        with self.cond:
+            if meta["size"] != self.size or meta["num_workers"] != self.num_workers:
+                raise ValueError("snapshot does not match this shard (size or workers)")
+            template = jax.tree.leaves(self._opt)
+            saved = sorted(k for k in arrays if k.startswith("opt_"))
+            if len(saved) != len(template):
+                raise ValueError(f"snapshot optimizer state has {len(saved)} arrays, the "
+                                 f"optimizer {len(template)}")
+            leaves = [arrays[k] for k in saved]
+            for new, old in zip(leaves, template):
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise ValueError("snapshot optimizer state does not match the optimizer")
+            self._params = jnp.asarray(arrays["params"])
+            self._opt = jax.tree.unflatten(self._opt_treedef, [jnp.asarray(x) for x in leaves])
+            self._serve = np.asarray(self._params)
+            self.version = meta["version"]
+            self.last_step = dict(enumerate(meta["last_step"]))
+            self.clock = dict(enumerate(meta["clock"]))
+            self.retired = {int(w): r for w, r in meta["retired"].items()}
+            self.alive = set(range(self.num_workers)) - set(self.retired)
+            self.started = set(self.alive)  # they were training when the snapshot was taken
+            self.counts = Counter(meta["counts"])
+            self.staleness_hist = Counter({int(k): v for k, v in meta["staleness_hist"].items()})
+            self.step_staleness_hist = Counter(
+                {int(k): v for k, v in meta["step_staleness_hist"].items()})
+            self.lr_scale_sum, self.lr_scale_min = meta["lr_scale_sum"], meta["lr_scale_min"]
+            self.resync = True
+            self.events.append(f"epoch {self.epoch}: restored version {self.version} from a "
+                               f"snapshot written in epoch {meta['epoch']}")
+
+    def stats(self) -> dict:
+        import jax
+
+        with self.cond:
+            applied = self.counts["applied"]
+            return {
+                "version": self.version, "epoch": self.epoch, "mode": self.mode,
+                "applied": applied, "rejected": self.counts["rejected"],
+                "deduplicated": self.counts["deduplicated"], "applies": self.counts["applies"],
+                "snapshots": self.counts["snapshots"],
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "step_staleness_hist": {str(k): v for k, v in
+                                        sorted(self.step_staleness_hist.items())},
+                "wait_s": dict(self.wait_s),
+                "wait_s_by_worker": [self.wait_s_by_worker[w] for w in range(self.num_workers)],
+                "lr_scale_mean": self.lr_scale_sum / applied if applied else None,
+                "lr_scale_min": self.lr_scale_min,
+                "retired": {str(w): r for w, r in sorted(self.retired.items())},
+                "events": list(self.events[-50:]),
+                "params_bytes": self.size * 4,
+                "opt_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self._opt))),
+            }

@@ -1,0 +1,68 @@
+"""Shard snapshots on disk: raw .npy arrays plus one meta.json, made visible atomically.
+
+A snapshot is written into `snap-<version>.tmp/`, fsynced, renamed to `snap-<version>/`, and
+only then named in `LATEST` (a small file replaced with os.replace). A crash at any point
+leaves the previous LATEST intact; a reader never sees half a snapshot. `EPOCH` counts the
+lives of the shard so a restarted server can tell requests of an earlier life apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"snap-{meta['version']:012d}"
+    tmp = directory / (name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for key, value in arrays.items():
+        with open(tmp / f"{key}.npy", "wb") as f:
+            np.save(f, np.asarray(value), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+    _write_atomic(tmp / "meta.json", json.dumps(meta))
+    final = directory / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(directory / "LATEST", name)
+    for old in directory.glob("snap-*"):  # keep only the one LATEST names
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(directory: Path) -> tuple[dict[str, np.ndarray], dict] | None:
+    """(arrays, meta) of the latest complete snapshot, or None if there is none."""
+    latest = directory / "LATEST"
+    if not latest.exists():
+        return None
+    snap = directory / latest.read_text().strip()
+    meta = json.loads((snap / "meta.json").read_text())
+    arrays = {p.stem: np.load(p, allow_pickle=False) for p in snap.glob("*.npy")}
+    return arrays, meta
+
+
+def next_epoch(directory: Path) -> int:
+    """Bump and return this shard's life count (0 for the first life)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "EPOCH"
+    epoch = int(path.read_text()) + 1 if path.exists() else 0
+    _write_atomic(path, str(epoch))
+    return epoch

@@ -1,0 +1,282 @@
+"""A PS worker: `python -m ps.worker --worker w --servers HOST:PORT,... <run flags>`.
+
+A JAX process that owns its local devices (data-parallel inside: the worker's rows of the
+batch are split over them and XLA all-reduces the gradient) and loops: pull parameters from
+every shard, compute the gradient of its rows, push it. With --mesh WxD, worker w takes rows
+[w*B/W, (w+1)*B/W) of the same global batch `TrainStream(...).batch(t)` that every other
+layout trains on, so sync mode is DDP's arithmetic.
+
+On CPU the worker simulates D devices (set before JAX starts). On GPU it takes the GPUs it
+can see: launch each worker with its own CUDA_VISIBLE_DEVICES (the launcher does this on
+one node; a scheduler does it on a cluster).
+
+The parameters travel as one flat float32 vector (ps.shardmap): pulled into a host buffer,
+put on the devices once, unflattened inside the jitted step; the gradient comes back flat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+FAULT_ENV = "JAXDIST_PS_FAULT"
+# Shards start at the same time as the workers (or later, under a scheduler): waiting for
+# them the first time is allowed longer than one call's --ps-timeout-s.
+CONNECT_TIMEOUT_S = 120.0
+
+
+def build_parser():
+    from jaxdist.config import add_arguments
+    from ps.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m ps.worker",
+                           description="One parameter-server worker. Give it the same run "
+                                       "flags as the shard servers.")
+    own = parser.add_argument_group("worker")
+    own.add_argument("--worker", type=int, required=True, help="this worker's index, 0..W-1")
+    own.add_argument("--servers", required=True,
+                     help="comma-separated HOST:PORT of shards 0..K-1, in order")
+    own.add_argument("--out", default="", help="directory for worker<w>.json (metrics)")
+    add_arguments(parser)
+    return parser
+
+
+def faults(worker: int) -> dict:
+    """JAXDIST_PS_FAULT (tests only): kill-worker:W:STEP (SIGKILL after pushing STEP),
+    dup-push:W:STEP (send STEP's gradient twice, as a retry would), slow-worker:W:SECONDS."""
+    out = {}
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        kind, who, value = (spec.split(":") + ["", "", ""])[:3]
+        if kind in ("kill-worker", "dup-push", "slow-worker") and who == str(worker):
+            out[kind] = float(value) if kind == "slow-worker" else int(value)
+    return out
+
+
+class Program:
+    """The worker's compiled functions over a flat parameter vector."""
+
+    def __init__(self, cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jaxdist.train_step import DTYPES, _split_model
+        from sharding import batch_spec
+
+        dtype = DTYPES[cfg.model.dtype]
+        seed = cfg.train.seed
+        self.treedef = jax.tree.structure(abstract)
+        self.leaves = shard_map.leaves
+        self.total = shard_map.total
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+
+        # Parameters go in and gradients come out as trees: slicing a flat vector inside
+        # the step (or concatenating the gradients there) made XLA's CPU backend fuse the
+        # slices into the matmuls and run 50-100x slower. Flattening on the host costs one
+        # copy of the model per step.
+        def grad_fn(params, model_state, batch):
+            def loss_fn(params):
+                model = nnx.merge(graphdef, params, model_state, copy=True)
+                loss = model_cfg.loss(model, batch)
+                return loss, nnx.split(model, nnx.Param, ...)[2]
+            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            return loss, grads, new_state
+
+        def correct_fn(params, model_state, batch):
+            model = nnx.merge(graphdef, params, model_state, copy=True)
+            model.eval()
+            hit_B = jnp.argmax(model(batch["x"]), axis=-1) == batch["y"]
+            return jnp.sum(hit_B * batch["mask"])
+
+        r, b = self.replicated, self.batch_sharding
+        self.grad = jax.jit(grad_fn, in_shardings=(r, r, b), out_shardings=(r, r, r))
+        self.correct = jax.jit(correct_fn, in_shardings=(r, r, b), out_shardings=r)
+        init_state = jax.jit(lambda: _split_model(model_cfg, dtype, seed)[2], out_shardings=r)
+        # Most models keep no state besides parameters: skip compiling a whole init for it.
+        self.init_model_state = (init_state if jax.tree.leaves(abstract_state)
+                                 else lambda: abstract_state)
+        self.num_devices = mesh.devices.size
+
+    def params(self, flat):
+        """The flat host vector as a parameter tree on the devices (replicated)."""
+        import jax
+
+        views = [flat[l.offset:l.offset + l.size].reshape(l.shape) for l in self.leaves]
+        return jax.device_put(jax.tree.unflatten(self.treedef, views), self.replicated)
+
+    def flatten(self, grads):
+        """A gradient tree back to one flat host vector (waits for the devices)."""
+        import jax
+        import numpy as np
+
+        out = np.empty(self.total, np.float32)
+        for leaf, g in zip(self.leaves, jax.tree.leaves(grads)):
+            out[leaf.offset:leaf.offset + leaf.size] = np.asarray(g).reshape(-1)
+        return out
+
+    def put(self, batch_np: dict) -> dict:
+        import jax
+        return {k: jax.device_put(v, self.batch_sharding) for k, v in batch_np.items()}
+
+
+def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platform,
+               log=print) -> dict:
+    import numpy as np
+
+    from jaxdist import metrics
+    from jaxdist.data import TrainStream, eval_batches, load_dataset
+    from jaxdist.devices import env_info
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.timing import timed
+    from ps.client import PSClient
+    from ps.shardmap import abstract_model, build_shard_map, leaves_of
+
+    num_workers = parse_mesh(cfg.mesh.mesh).data
+    model_cfg, graphdef, abstract, abstract_state = abstract_model(cfg)
+    dataset = load_dataset(cfg.data.dataset)
+    mesh = build_mesh(platform.shape, platform.devices)
+    shard_map = build_shard_map(leaves_of(abstract), len(servers))
+    program = Program(cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh)
+    fault = faults(worker)
+
+    client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
+                      max_message_bytes=cfg.ps.ps_max_message_mb << 20,
+                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                      tls_cert=cfg.ps.ps_tls_cert)
+    client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
+
+    stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
+    rows = cfg.train.batch_size // num_workers
+    lo, hi = worker * rows, (worker + 1) * rows
+
+    def local_batch(t):
+        return program.put({k: v[lo:hi] for k, v in stream.batch(t).items()})
+
+    flat = np.zeros(shard_map.total, np.float32)
+    model_state = program.init_model_state()
+    params = program.params(flat)
+    compiled, compile_s = timed(
+        lambda: program.grad.lower(params, model_state, local_batch(0)).compile())
+    log(f"compiled the gradient step in {compile_s:.2f} s; {shard_map.describe()}")
+    waited = client.start_together(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
+    log(f"all workers ready (waited {waited:.2f} s)")
+
+    def evaluate(dev_params, model_state) -> float:
+        hits = 0.0
+        for batch in eval_batches(dataset, cfg.train.batch_size, program.num_devices):
+            hits += float(program.correct(dev_params, model_state, program.put(batch)))
+        return hits / len(dataset.test_y)
+
+    total = cfg.loop.warmup + cfg.loop.steps
+    losses, step_s, compute_s, waits, accuracy = [], [], [], [], []
+    prefetched = False
+    started = time.perf_counter()
+    window = [None, None]
+    every = cfg.data.eval_every
+    report_every = max(1, total // 10)
+    for t in range(total):
+        if t == cfg.loop.warmup:
+            window[0] = time.time()
+        t0 = time.perf_counter()
+        waited = 0.0 if prefetched else client.pull(t, flat)
+        prefetched = False
+        c0 = time.perf_counter()
+        params = program.params(flat)
+        loss, grads, model_state = compiled(params, model_state, local_batch(t))
+        grad = program.flatten(grads)
+        compute_s.append(time.perf_counter() - c0)
+        if "slow-worker" in fault:
+            time.sleep(fault["slow-worker"])
+        client.push(t, grad, repeat=2 if fault.get("dup-push") == t else 1)
+        step_s.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        waits.append(waited)
+        if fault.get("kill-worker") == t:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if worker == 0 and (t + 1) % report_every == 0:
+            log(f"step {t + 1}/{total} loss {losses[-1]:.4f} step {step_s[-1] * 1e3:.1f} ms")
+        if (worker == 0 and dataset is not None and every
+                and ((t + 1) % every == 0 or t + 1 == total)):
+            client.pull(t + 1, flat)  # the parameters after this step; reused by step t+1
+            prefetched = True
+            acc = evaluate(program.params(flat), model_state)
+            accuracy.append({"step": t + 1, "wall_s": time.perf_counter() - started,
+                             "accuracy": acc})
+            log(f"step {t + 1}: test accuracy {acc:.4f}")
+    window[1] = time.time()
+
+    state = {"params": params, "model_state": model_state}
+    by_device = metrics.state_bytes_by_device(state)
+    measured, measured_reason = metrics.measured_peak(platform.devices)
+    result = {
+        "worker": worker, "pid": os.getpid(), "steps_done": len(losses),
+        "losses": losses, "step_s": step_s, "compute_s": compute_s, "pull_wait_s": waits,
+        "push_s": client.push_s, "pull_s": client.pull_s,
+        "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
+        "restarts_seen": client.restarts_seen, "compile_s": compile_s,
+        "accuracy": accuracy, "env": env_info(platform),
+        "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
+        "memory": {"state_bytes_by_device": by_device,
+                   "state_bytes_per_device": max(d["bytes"] for d in by_device),
+                   "compiled": metrics.compiled_memory(compiled),
+                   "measured_peak_bytes": measured, "measured_peak_reason": measured_reason},
+        "compiled_flops": metrics.compiled_flops(compiled),
+    }
+    client.close()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"worker{worker}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+    return result
+
+
+def main(argv=None) -> int:
+    from jaxdist.config import from_namespace
+    from jaxdist.errors import UsageError
+    from jaxdist.mesh import MeshShape, parse_mesh
+    from ps import procs
+    from ps.client import PSError
+
+    procs.parent_watchdog()
+    args = build_parser().parse_args(argv)
+    cfg = from_namespace(args)
+    log = lambda msg: print(f"[worker {args.worker}] {msg}", flush=True)  # noqa: E731
+    try:
+        shape = parse_mesh(cfg.mesh.mesh)
+        if shape.size is None:
+            raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+        if not 0 <= args.worker < shape.data:
+            raise UsageError(f"--worker {args.worker} is outside 0..{shape.data - 1}")
+        if cfg.train.batch_size % shape.size:
+            raise UsageError(f"global batch {cfg.train.batch_size} is not divisible by the "
+                             f"{shape.size} devices of mesh {shape.label}")
+        servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+        if not servers:
+            raise UsageError("--servers needs at least one HOST:PORT")
+        from jaxdist.devices import configure_host_devices, select_devices
+
+        local = MeshShape(shape.fsdp, 1)  # this worker's devices, data-parallel
+        configure_host_devices(local, cfg.mesh.platform)
+        platform = select_devices(local)
+    except UsageError as e:
+        print(f"ps.worker: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run_worker(cfg, args.worker, servers, Path(args.out) if args.out else None, platform,
+                   log)
+    except PSError as e:
+        print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Parameter-server transport and step-time benchmark.
+
+1. Push + pull throughput of 4, 40 and 400 MB of float32 across 1, 2 and 4 shard processes
+   (the real wire: ps.wire frames over gRPC streams, ps.client on the worker side, the real
+   servicer on the server side with a no-op core, so only transport is timed), beside a raw
+   loopback TCP transfer of the same bytes there and back, measured in the same run.
+2. ps-sync step time / ddp step time for the same model, workers and global batch, both
+   through `python -m experiments.run`.
+
+    python scripts/bench_ps.py                 # everything (400 MB x 4 shards: ~2.5 GB RAM)
+    python scripts/bench_ps.py --sizes 4,40 --shards 1,2 --repeats 2 --skip-step
+Prints a table, then the ratios last. Targets: throughput >= 0.5 x raw for >= 40 MB;
+ps-sync / ddp step time <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no INFO lines when servers stop
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MB = 1 << 20
+CHUNK = 1 << 20
+
+
+# -- raw TCP baseline: the same bytes to a process and back, 1 MiB sends ------------------
+
+def _raw_server(port_q, nbytes):
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:], min(CHUNK, nbytes - got))
+            if n == 0:
+                return
+            got += n
+        for start in range(0, nbytes, CHUNK):
+            conn.sendall(view[start:start + CHUNK])
+
+
+def raw_roundtrip(nbytes: int, repeats: int) -> float:
+    """Best seconds to send nbytes to another process and receive them back."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_raw_server, args=(q, nbytes), daemon=True)
+    proc.start()
+    port = q.get(timeout=60)
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = memoryview(np.ones(nbytes // 4, np.float32)).cast("B")
+    back = bytearray(nbytes)
+    view = memoryview(back)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sender = threading.Thread(target=lambda: [sock.sendall(data[s:s + CHUNK])
+                                                  for s in range(0, nbytes, CHUNK)])
+        sender.start()
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], min(CHUNK, nbytes - got))
+        sender.join()
+        best = min(best, time.perf_counter() - start)
+    sock.close()
+    proc.join(5)
+    if proc.is_alive():
+        proc.terminate()
+    return best
+
+
+# -- PS transport: real servicer and client, a core that stores and serves only ----------
+
+class TransportCore:
+    """Duck-types ps.core.ShardCore for the servicer: keeps the last push, serves params."""
+    mode, epoch, version = "async", 0, 0
+
+    def __init__(self, size: int):
+        self.size, self.num_workers = size, 1
+        self.params = np.ones(size, np.float32)
+
+    def push(self, worker, step, version, epoch, grad):
+        self.version += 1
+        return {"status": "applied", "version": self.version, "epoch": 0, "staleness": 0}
+
+    def pull(self, worker, step, min_version, epoch):
+        return self.version, 0, self.params, 0.0, None
+
+    def count_rejected(self):
+        pass
+
+    def waiting(self):
+        return []
+
+    def take_buffer(self):
+        if not hasattr(self, "_buf"):
+            self._buf = np.empty(self.size, np.float32)
+        return self._buf
+
+    def give_buffer(self, buf):
+        pass
+
+    def stats(self):
+        return {}
+
+
+def _ps_server(shard, num_shards, total, ready_q, max_bytes):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from ps.server import ShardServicer, start_grpc
+    from ps.shardmap import Leaf, build_shard_map
+    from ps import wire
+
+    smap = build_shard_map([Leaf("w", (total,), "float32", 0, total)], num_shards,
+                           chunk_elems=max(1, -(-total // num_shards)))
+    core = TransportCore(smap.shard_size(shard))
+    servicer = ShardServicer(core, smap, shard, frame_bytes=wire.frame_bytes(max_bytes))
+    server, port = start_grpc(servicer, "127.0.0.1", 0, max_bytes, 1)
+    ready_q.put((shard, port))
+    servicer.stop_event.wait()
+    server.stop(0)
+
+
+def ps_roundtrip(nbytes: int, num_shards: int, repeats: int) -> tuple[float, float, float]:
+    """Best (push s, pull s, push+pull s) of nbytes over num_shards shard processes."""
+    from ps.client import PSClient
+    from ps.shardmap import Leaf, build_shard_map
+
+    total = nbytes // 4
+    max_bytes = 64 * MB
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ps_server, args=(k, num_shards, total, q, max_bytes),
+                         daemon=True) for k in range(num_shards)]
+    for p in procs:
+        p.start()
+    ports = dict(q.get(timeout=120) for _ in procs)
+    smap = build_shard_map([Leaf("w", (total,), "float32", 0, total)], num_shards,
+                           chunk_elems=max(1, -(-total // num_shards)))
+    client = PSClient([f"127.0.0.1:{ports[k]}" for k in range(num_shards)], smap, 0, "async",
+                      max_message_bytes=max_bytes, timeout_s=60)
+    client.connect()
+    grad = np.ones(total, np.float32)
+    dest = np.empty(total, np.float32)
+    best = (float("inf"),) * 3
+    try:
+        for step in range(repeats):
+            t0 = time.perf_counter()
+            client.push(step, grad)
+            t1 = time.perf_counter()
+            client.pull(step + 1, dest)
+            t2 = time.perf_counter()
+            if t2 - t0 < best[2]:
+                best = (t1 - t0, t2 - t1, t2 - t0)
+        assert np.array_equal(dest, grad)
+    finally:
+        for k in range(num_shards):
+            try:
+                client.shards[k].control("shutdown")
+            except Exception:
+                pass
+        client.close()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return best
+
+
+# -- step time: ps sync vs ddp through the CLI --------------------------------------------
+
+def cli_step_time(args: list[str]) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        logdir = Path(tmp) / "run"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, "-m", "experiments.run", *args, "--logdir",
+                               str(logdir), "--no-progress"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-2000:])
+        return json.loads((logdir / "results.json").read_text())["step_time_s"]["p50"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4,40,400", help="MB, comma-separated")
+    parser.add_argument("--shards", default="1,2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-step", action="store_true", help="skip the step-time part")
+    parser.add_argument("--model", default="mlp-tiny,mlp",
+                        help="models of the step-time comparison, comma-separated")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    shard_counts = [int(s) for s in args.shards.split(",")]
+
+    rows, ratios = [], []
+    print(f"{'MB':>6} {'shards':>6} {'push s':>8} {'pull s':>8} {'ps MB/s':>9} "
+          f"{'raw MB/s':>9} {'ps/raw':>7}", flush=True)
+    for size in sizes:
+        nbytes = size * MB
+        raw = raw_roundtrip(nbytes, args.repeats)
+        raw_rate = 2 * size / raw
+        for k in shard_counts:
+            push, pull, both = ps_roundtrip(nbytes, k, args.repeats)
+            rate = 2 * size / both
+            rows.append((size, k, push, pull, rate, raw_rate))
+            print(f"{size:>6} {k:>6} {push:>8.3f} {pull:>8.3f} {rate:>9.0f} {raw_rate:>9.0f} "
+                  f"{rate / raw_rate:>7.2f}", flush=True)
+            ratios.append((size, k, rate / raw_rate))
+
+    step_ratios = []
+    if not args.skip_step:
+        mesh = f"{args.workers}x1"
+        print(f"\nstep time p50, {args.workers} workers x 1 device, batch {args.batch_size}, "
+              f"adamw ({args.steps} timed steps):")
+        for model in args.model.split(","):
+            common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup", "3",
+                      "--steps", str(args.steps), "--optimizer", "adamw"]
+            ddp = cli_step_time(["--layout", "ddp", "--mesh", mesh, *common])
+            ps = cli_step_time(["--layout", "ps", "--mesh", mesh, "--ps-shards", "2",
+                                "--ps-mode", "sync", *common])
+            step_ratios.append((model, ps / ddp))
+            print(f"  {model:<10} ddp {ddp * 1e3:8.2f} ms   ps sync (2 shards) "
+                  f"{ps * 1e3:8.2f} ms", flush=True)
+
+    print("\nratios (push+pull throughput / raw loopback TCP; target >= 0.5 for >= 40 MB):")
+    for size, k, r in ratios:
+        flag = "" if size < 40 else ("  ok" if r >= 0.5 else "  below target")
+        print(f"  {size:>4} MB x {k} shard(s): {r:.2f}{flag}")
+    for model, ratio in step_ratios:
+        print(f"ps-sync / ddp step time ({model}): {ratio:.2f} (target <= 1.5)"
+              f"{'  ok' if ratio <= 1.5 else '  above target'}")
+
+
+if __name__ == "__main__":
+    main()

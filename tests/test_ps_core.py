@@ -1,0 +1,332 @@
+"""The parameter server without processes or gRPC: shard map, wire frames, and the shard
+state machine (modes, dedup, staleness, barriers, bounds, snapshots)."""
+
+import random
+import threading
+import time
+
+import numpy as np
+import optax
+import pytest
+
+from jaxdist.errors import UsageError
+from ps import wire
+from ps.core import PSFault, ShardCore
+from ps.shardmap import Leaf, build_shard_map
+
+
+def leaves(*sizes):
+    out, offset = [], 0
+    for i, size in enumerate(sizes):
+        out.append(Leaf(f"l{i}", (size,), "float32", offset, size))
+        offset += size
+    return out
+
+
+# -- shard map ----------------------------------------------------------------------------
+
+def test_shard_map_is_deterministic_balanced_and_exact():
+    ls = leaves(10_000, 64, 4096, 64, 640, 10)
+    a, b = build_shard_map(ls, 3), build_shard_map(ls, 3)
+    assert a == b and a.fingerprint == b.fingerprint
+    assert a.fingerprint != build_shard_map(ls, 2).fingerprint
+    covered = np.zeros(a.total, int)
+    for p in a.pieces:
+        covered[p.offset:p.offset + p.length] += 1
+    assert (covered == 1).all()  # every element owned by exactly one shard
+    sizes = a.bytes_per_shard
+    assert sum(sizes) == a.total * 4
+    assert max(sizes) - min(sizes) <= a.chunk_elems * 4  # balanced within one piece
+    big = {p.shard for p in a.pieces if p.leaf == "l0"}
+    assert len(big) > 1  # the leaf larger than a chunk is split across shards
+    for k in range(3):  # a shard's own vector is its pieces back to back
+        pos = 0
+        for p in a.shard_pieces(k):
+            assert p.shard_offset == pos
+            pos += p.length
+
+
+def test_shard_map_gather_and_one_shard():
+    ls = leaves(3000, 7)
+    flat = np.arange(3007, dtype=np.float32)
+    one = build_shard_map(ls, 1)
+    np.testing.assert_array_equal(one.gather(flat, 0), flat)
+    two = build_shard_map(ls, 2)
+    assert sorted(np.concatenate([two.gather(flat, k) for k in range(2)])) == list(flat)
+
+
+def test_too_many_shards_is_a_usage_error():
+    with pytest.raises(UsageError, match="exceeds the 2 pieces"):
+        build_shard_map(leaves(100, 10), 3)
+    with pytest.raises(UsageError, match="must be 1 or more"):
+        build_shard_map(leaves(100), 0)
+
+
+def test_real_model_map_names_its_leaves():
+    from jaxdist.config import ModelConfig, RunConfig
+    from ps.shardmap import shard_map_for
+
+    m = shard_map_for(RunConfig(model=ModelConfig(model="mlp-tiny")), 2)
+    assert m.total == 6922
+    assert {l.name for l in m.leaves} >= {"head/kernel", "hidden/0/kernel"}
+
+
+# -- wire ---------------------------------------------------------------------------------
+
+def test_frames_round_trip_in_chunks():
+    m = build_shard_map(leaves(5000, 30), 2)
+    src = np.random.default_rng(0).standard_normal(m.total).astype(np.float32)
+    for k in range(2):
+        pieces = m.shard_pieces(k)
+        dest = np.zeros(m.total, np.float32)
+        asm = wire.Assembler("push", {p.name: (p.length, p.offset) for p in pieces}, dest,
+                             fixed=("worker", "step"))
+        frames = list(wire.frames("push", pieces, src, 1024, {"worker": 1, "step": 7}))
+        assert len(frames) > len(pieces)  # chunked
+        for f in frames:
+            asm.add(f)
+        assert asm.finish() == {"worker": 1, "step": 7}
+        for p in pieces:
+            np.testing.assert_array_equal(dest[p.offset:p.offset + p.length],
+                                          src[p.offset:p.offset + p.length])
+
+
+def _one_piece_frames():
+    m = build_shard_map(leaves(2048), 1)
+    src = np.ones(m.total, np.float32)
+    frames = list(wire.frames("push", m.pieces, src, 2048, {"worker": 0, "step": 0}))
+    layout = {p.name: (p.length, p.offset) for p in m.pieces}
+    return frames, layout, m.pieces[0]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f[:3], "shorter than its prefix"),
+    (lambda f: b"XXXX" + f[4:], "bad magic"),
+    (lambda f: f[:4] + (10 ** 6).to_bytes(4, "little") + f[8:], "header length"),
+    (lambda f: f[:-1], "payload is"),
+    (lambda f: f + b"\0", "shorter than its prefix"),  # a second, broken frame
+    (lambda f: f[:8] + b"\xff" + f[9:], "not JSON"),
+])
+def test_malformed_frames(mutate, message):
+    frames, layout, _ = _one_piece_frames()
+    asm = wire.Assembler("push", layout, np.zeros(2048, np.float32), fixed=("worker",))
+    with pytest.raises(wire.WireError, match=message):
+        asm.add(mutate(frames[0]))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("name", "nope[0:1]", "unknown tensor"),
+    ("dtype", "float64", "dtype"),
+    ("shape", [3], "shape"),
+    ("offset", 4, "chunk at byte 4"),
+    ("worker", True, "must be an integer"),
+    ("worker", -1, "outside"),
+    ("op", "pull", "expected op"),
+])
+def test_bad_header_fields(field, value, message):
+    _, layout, piece = _one_piece_frames()
+    header = {"op": "push", "name": piece.name, "dtype": "float32", "shape": [piece.length],
+              "offset": 0, "worker": 0, field: value}
+    asm = wire.Assembler("push", layout, np.zeros(2048, np.float32), fixed=("worker",))
+    with pytest.raises(wire.WireError, match=message):
+        asm.add(wire.encode(header, np.ones(8, np.float32)))
+
+
+def test_truncated_stream_and_changed_fields():
+    frames, layout, _ = _one_piece_frames()
+    asm = wire.Assembler("push", layout, np.zeros(2048, np.float32), fixed=("worker", "step"))
+    asm.add(frames[0])
+    with pytest.raises(wire.WireError, match="truncated"):
+        asm.finish()
+    m = build_shard_map(leaves(2048), 1)
+    a, b = (list(wire.frames("push", m.pieces, np.ones(2048, np.float32), 4096,
+                             {"worker": 0, "step": s})) for s in (0, 1))
+    asm = wire.Assembler("push", layout, np.zeros(2048, np.float32), fixed=("worker", "step"))
+    asm.add(a[0])
+    with pytest.raises(wire.WireError, match="differ"):
+        asm.add(b[1])
+
+
+# -- core ---------------------------------------------------------------------------------
+
+def core(mode, workers=2, size=8, **kw):
+    return ShardCore(np.ones(size, np.float32), optax.sgd(0.1), mode=mode, num_workers=workers,
+                     **kw)
+
+
+def g(value, size=8):
+    return np.full(size, value, np.float32)
+
+
+def test_sync_applies_the_mean_once_and_dedups_retries():
+    c = core("sync")
+    assert c.push(0, 0, 0, 0, g(1.0))["status"] == "pending"
+    assert c.push(0, 0, 0, 0, g(1.0))["status"] == "deduplicated"   # retry inside barrier
+    assert c.version == 0
+    assert c.push(1, 0, 0, 0, g(3.0))["status"] == "applied"
+    assert c.version == 1
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 * 2.0)           # mean of 1 and 3
+    assert c.push(1, 0, 0, 0, g(3.0))["status"] == "deduplicated"   # retry after apply
+    s = c.stats()
+    assert (s["applied"], s["deduplicated"], s["rejected"], s["applies"]) == (2, 2, 0, 1)
+    assert s["staleness_hist"] == {"0": 2}
+
+
+def test_future_versions_and_bad_input_never_change_parameters():
+    c = core("async")
+    before = c.params()[1].copy()
+    for args in [(0, 0, 5, 0, g(1.0)),          # version from the future
+                 (0, 0, 0, 3, g(1.0)),          # epoch from the future
+                 (7, 0, 0, 0, g(1.0)),          # unknown worker
+                 (0, 0, 0, 0, g(np.nan)),       # non-finite
+                 (0, 0, 0, 0, g(1.0, size=4))]:  # wrong size
+        with pytest.raises(PSFault):
+            c.push(*args)
+    np.testing.assert_array_equal(c.params()[1], before)
+    assert c.version == 0 and c.stats()["rejected"] == 5
+    with pytest.raises(PSFault, match="future"):
+        core("sync").pull(0, 5, 5, 0)
+
+
+def test_async_staleness_and_staleness_lr():
+    c = core("async", staleness_lr=True)
+    c.push(0, 0, 0, 0, g(1.0))                   # computed on version 0, applied at 0
+    r = c.push(1, 0, 0, 0, g(1.0))               # computed on 0, applied at 1: stale by 1
+    assert r["staleness"] == 1
+    # sgd(momentum 0): first update 0.1, second scaled by 1/(1+1)
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 - 0.05, rtol=1e-6)
+    s = c.stats()
+    assert s["staleness_hist"] == {"0": 1, "1": 1}
+    assert s["lr_scale_min"] == pytest.approx(0.5)
+
+
+def test_sync_barrier_failure_names_the_missing_worker():
+    c = core("sync", workers=3, timeout_s=0.3)
+    c.push(0, 0, 0, 0, g(1.0))
+    c.push(2, 0, 0, 0, g(1.0))
+    with pytest.raises(PSFault, match=r"no gradient from worker\(s\) \[1\]"):
+        c.pull(0, 1, 1, 0)
+
+
+def test_sync_drop_dead_workers_goes_on_without_them():
+    c = core("sync", workers=3, timeout_s=0.3, drop_dead=True)
+    c.push(0, 0, 0, 0, g(1.0))
+    c.push(2, 0, 0, 0, g(3.0))
+    version, *_ = c.pull(0, 1, 1, 0)
+    assert version == 1
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 * 2.0)
+    assert "1" in c.stats()["retired"]
+    with pytest.raises(PSFault, match="retired"):
+        c.push(1, 0, 0, 0, g(1.0))
+
+
+def test_ssp_bound_holds_under_random_delays():
+    workers, bound, steps = 3, 1, 25
+    c = core("ssp", workers=workers, staleness=bound, timeout_s=10)
+    rng = random.Random(0)
+    delays = [[rng.uniform(0, 0.004) * (3 if w == 2 else 1) for _ in range(steps)]
+              for w in range(workers)]
+    ahead = []
+
+    def work(w):
+        for t in range(steps):
+            version, epoch, _, _, _ = c.pull(w, t, 0, 0)
+            ahead.append(t - min(c.clock.values()))
+            time.sleep(delays[w][t])
+            c.push(w, t, version, epoch, g(0.01))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    s = c.stats()
+    assert s["applied"] == workers * steps
+    step_stale = {int(k) for k in s["step_staleness_hist"]}
+    assert max(step_stale) <= bound                       # the ssp guarantee
+    assert max(int(k) for k in s["staleness_hist"]) <= (workers - 1) * (2 * bound + 1)
+    assert s["wait_s"]["bound"] > 0                       # the slow worker made others wait
+
+
+def test_ssp_retire_unblocks_a_waiting_worker():
+    c = core("ssp", workers=2, staleness=0, timeout_s=5)
+    c.push(0, 0, 0, 0, g(0.0))
+    done = []
+    t = threading.Thread(target=lambda: done.append(c.pull(0, 1, 0, 0)))
+    t.start()
+    time.sleep(0.3)
+    assert not done                                       # worker 1 is at step 0
+    c.retire(1, "died")
+    t.join(2)
+    assert done
+
+
+def test_snapshot_restore_and_epoch_reconciliation(tmp_path):
+    c = core("async", checkpoint_every=2, snapshot_dir=tmp_path)
+    for step in range(3):
+        c.push(0, step, c.version, 0, g(1.0))
+    from ps import snapshot
+    arrays, meta = snapshot.load(tmp_path)
+    assert meta["version"] == 2
+    fresh = ShardCore(np.zeros(8, np.float32), optax.sgd(0.1, momentum=0.9), mode="async",
+                      num_workers=2, epoch=1)
+    with pytest.raises(ValueError, match="optimizer"):
+        fresh.restore(arrays, meta)                       # momentum adds state: mismatch
+    restored = core("async", epoch=1)
+    restored.restore(arrays, meta)
+    assert restored.version == 2
+    np.testing.assert_allclose(restored.params()[1], 1 - 0.2, rtol=1e-6)
+    with pytest.raises(PSFault) as e:                     # a pull from the old life
+        restored.pull(0, 3, 0, 0)
+    assert e.value.kind == "restarted"
+    # A push from epoch 0 computed on version 3 moves the counter forward, not "future".
+    assert restored.push(0, 3, 3, 0, g(1.0))["status"] == "applied"
+    assert restored.version == 4
+    assert restored.push(0, 1, 0, 0, g(1.0))["status"] == "deduplicated"
+
+
+def test_sync_restore_adopts_the_workers_step(tmp_path):
+    c = core("sync", workers=1, checkpoint_every=1, snapshot_dir=tmp_path)
+    c.push(0, 0, 0, 0, g(1.0))
+    from ps import snapshot
+    restored = core("sync", workers=1, epoch=1)
+    restored.restore(*snapshot.load(tmp_path))
+    restored.push(0, 5, 5, 0, g(1.0))                     # workers were at step 5
+    assert restored.version == 6
+    assert restored.pull(0, 6, 6, 1)[0] == 6
+
+
+def test_hello_and_steps_from_the_future():
+    c = core("ssp", workers=2, staleness=1)
+    assert c.hello(0) == {"waiting": [1]}
+    assert c.hello(1) == {"waiting": []}
+    c.push(0, 0, 0, 0, g(0.0))
+    with pytest.raises(PSFault, match="step 5 is from the future"):
+        c.pull(0, 5, 0, 0)                                 # would fake a clock far ahead
+    assert c.pull(0, 1, 0, 0)[0] == 1
+    c.retire(1, "gone")
+    assert c.waiting() == []
+
+
+def test_gradient_buffers_are_reused_but_never_shared():
+    c = core("sync", workers=2)
+    a, b = c.take_buffer(), c.take_buffer()
+    a[:], b[:] = 1.0, 3.0
+    c.push(0, 0, 0, 0, a)
+    c.give_buffer(a)                      # still pending in the barrier: not taken back
+    assert c.take_buffer() is not a
+    c.push(1, 0, 0, 0, b)                 # completes the barrier: both come back once
+    c.give_buffer(b)
+    c.give_buffer(a)
+    got = [c.take_buffer() for _ in range(3)]
+    assert len({id(x) for x in got}) == 3
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 * 2.0)
+
+
+def test_frames_stay_under_the_message_limit():
+    limit = 1 << 20                                         # --ps-max-message-mb 1
+    m = build_shard_map(leaves(1_000_000), 1, chunk_elems=1_000_000)
+    src = np.zeros(m.total, np.float32)
+    frames = list(wire.frames("push", m.pieces, src, wire.frame_bytes(limit),
+                              {"worker": 0, "step": 0}))
+    assert len(frames) == 4 and max(len(f) for f in frames) < limit

@@ -1,0 +1,268 @@
+"""A real shard server process (`python -m ps.server`): token checks, a fuzz of malformed
+messages, deduplicated retries, TLS, and its usage errors."""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
+from ps import wire
+from ps.client import PSClient, PSError, ShardClient
+from ps.shardmap import shard_map_for
+from tests.helpers import ROOT
+
+TOKEN = "a-test-token-of-32-characters!!!"
+CFG = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
+                ps=PSConfig(ps_shards=1, ps_mode="async", ps_timeout_s=5.0))
+FLAGS = ["--model", "mlp-tiny", "--mesh", "2x1", "--ps-mode", "async", "--ps-timeout-s", "5"]
+ACCEPTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.ABORTED}
+
+
+def server_env(**extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_backend_optimization_level=0")
+    env.pop("JAXDIST_PS_TOKEN", None)
+    env.update(extra)
+    return env
+
+
+def start_server(tmp, *extra, env=None):
+    ready = tmp / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "ps.server", "--shard", "0", "--of", "1",
+                             "--port", "0", "--ready-file", str(ready), *FLAGS, *extra],
+                            cwd=ROOT, env=env or server_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())["port"]
+
+
+def stop_server(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    proc.wait(10)
+    proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, port = start_server(tmp_path_factory.mktemp("srv"),
+                              env=server_env(JAXDIST_PS_TOKEN=TOKEN))
+    yield proc, f"127.0.0.1:{port}"
+    stop_server(proc)
+
+
+def shard_client(address, token=TOKEN, timeout_s=5.0, **kw):
+    return ShardClient(0, address, max_message_bytes=64 << 20, timeout_s=timeout_s,
+                       token=token, **kw)
+
+
+@pytest.mark.parametrize("token", ["", "wrong-token-wrong-token-wrong!!!", TOKEN[:-1]])
+def test_missing_or_wrong_token_is_rejected(server, token):
+    client = shard_client(server[1], token=token)
+    with pytest.raises(PSError, match="UNAUTHENTICATED"):
+        client.control("ping")
+    client.close()
+
+
+def test_right_token_is_accepted(server):
+    client = shard_client(server[1])
+    assert client.control("ping") == {"ok": True}
+    info = client.control("info")
+    assert info["fingerprint"] == shard_map_for(CFG, 1).fingerprint
+    client.close()
+
+
+def _pull(address):
+    smap = shard_map_for(CFG, 1)
+    client = PSClient([address], smap, 0, "async", max_message_bytes=64 << 20, timeout_s=5,
+                      token=TOKEN)
+    client.connect()
+    flat = np.empty(smap.total, np.float32)
+    client.pull(0, flat)
+    version = client.version[0]
+    client.close()
+    return flat, version
+
+
+def _fuzz_calls(rng, smap):
+    """(method, payload) pairs, every one malformed in a different way."""
+    pieces = smap.shard_pieces(0)
+    good_meta = {"worker": 0, "step": 10_000, "version": 0, "epoch": 0}
+    src = np.ones(smap.total, np.float32)
+
+    def stream(meta=good_meta, chunk=2048, values=src):
+        return list(wire.frames("push", pieces, values, chunk, meta))
+
+    kinds = []
+    kinds.append(lambda: ("Push", [rng.randbytes(rng.randrange(0, 300))]))
+    kinds.append(lambda: ("Push", stream()[:-1]))                       # truncated stream
+    kinds.append(lambda: ("Push", []))                                   # empty stream
+
+    def cut():
+        frames = stream()
+        i = rng.randrange(len(frames))
+        frames[i] = frames[i][:rng.randrange(len(frames[i]))]             # truncated chunk
+        return "Push", frames
+    kinds.append(cut)
+
+    def field():
+        key, value = rng.choice([
+            ("name", "hidden/9/kernel[0:4]"), ("dtype", "float16"), ("dtype", 7),
+            ("shape", [1]), ("shape", "x"), ("offset", 12), ("offset", -4),
+            ("worker", 2), ("worker", True), ("worker", "0"), ("step", -1),
+            ("version", 10 ** 6), ("epoch", 5), ("op", "param"), ("nbytes", 1)])
+        frames = stream()
+        i = rng.randrange(len(frames))
+        header, payload = wire.decode(frames[i])
+        header[key] = value
+        head = json.dumps(header).encode()
+        frames[i] = b"JDP1" + len(head).to_bytes(4, "little") + head + bytes(payload)
+        return "Push", frames
+    kinds.append(field)
+    kinds.append(lambda: ("Push", stream()[::-1] if len(stream()) > 1 else [b"JDP1"]))
+    kinds.append(lambda: ("Push", stream(values=np.full(smap.total, np.nan, np.float32))))
+    kinds.append(lambda: ("Push", stream(meta=dict(good_meta, version=99))))  # future
+    kinds.append(lambda: ("Push", stream() + stream()[:1]))                # chunk past end
+    kinds.append(lambda: ("Pull", rng.randbytes(rng.randrange(0, 200))))
+    kinds.append(lambda: ("Pull", wire.encode({"op": "pull", "worker": 0, "step": 0,
+                                               "min_version": 0, "epoch": 9})))
+    kinds.append(lambda: ("Pull", wire.encode({"op": "pull", "worker": 5, "step": 0,
+                                               "min_version": 0, "epoch": 0})))
+    kinds.append(lambda: ("Control", rng.randbytes(rng.randrange(0, 200))))
+    kinds.append(lambda: ("Control", wire.encode({"op": "retire", "worker": 99})))
+    kinds.append(lambda: ("Control", wire.encode({"op": "format-disk"})))
+    # The single-message variants take bundles of frames: the same checks apply.
+    kinds.append(lambda: ("PushOne", b"".join(stream()[:-1])))
+    kinds.append(lambda: ("PushOne", b"".join(stream()) + rng.randbytes(rng.randrange(1, 64))))
+    kinds.append(lambda: ("PushOne", rng.randbytes(rng.randrange(0, 300))))
+    kinds.append(lambda: ("PullOne", rng.randbytes(rng.randrange(0, 200))))
+    return kinds
+
+
+def test_fuzz_leaves_the_server_up_and_parameters_unchanged(server):
+    proc, address = server
+    before, version = _pull(address)
+    smap = shard_map_for(CFG, 1)
+    rng = random.Random(1234)
+    kinds = _fuzz_calls(rng, smap)
+    channel = grpc.insecure_channel(address)
+    md = (("x-jaxdist-token", TOKEN),)
+    calls = {"Push": channel.stream_unary("/jaxdist.ps.Shard/Push"),
+             "Pull": channel.unary_stream("/jaxdist.ps.Shard/Pull"),
+             "PushOne": channel.unary_unary("/jaxdist.ps.Shard/PushOne"),
+             "PullOne": channel.unary_unary("/jaxdist.ps.Shard/PullOne"),
+             "Control": channel.unary_unary("/jaxdist.ps.Shard/Control")}
+    stats0 = shard_client(address).control("stats")
+    codes, pushes = {}, 0
+    for i in range(600):
+        method, payload = kinds[i % len(kinds)]()
+        with pytest.raises(grpc.RpcError) as e:
+            if method == "Push":
+                pushes += 1
+                calls[method](iter(payload), timeout=10, metadata=md)
+            elif method == "PushOne":
+                pushes += 1
+                calls[method](payload, timeout=10, metadata=md)
+            elif method == "Pull":
+                list(calls[method](payload, timeout=10, metadata=md))
+            else:
+                calls[method](payload, timeout=10, metadata=md)
+        assert e.value.code() in ACCEPTED, (i, method, e.value.code(), e.value.details())
+        codes[e.value.code().name] = codes.get(e.value.code().name, 0) + 1
+    channel.close()
+    assert proc.poll() is None                      # still up
+    after, version_after = _pull(address)
+    np.testing.assert_array_equal(after, before)     # nothing applied
+    assert version_after == version
+    stats = shard_client(address).control("stats")
+    assert stats["applied"] == stats0["applied"]
+    assert stats["rejected"] - stats0["rejected"] == pushes
+    assert codes["INVALID_ARGUMENT"] > 300
+
+
+def test_a_retried_push_is_deduplicated(server):
+    _, address = server
+    smap = shard_map_for(CFG, 1)
+    client = PSClient([address], smap, 1, "async", max_message_bytes=64 << 20, timeout_s=5,
+                      token=TOKEN)
+    client.connect()
+    before = client.control_all("stats")[0]
+    flat = np.empty(smap.total, np.float32)
+    client.pull(0, flat)
+    replies = client.push(0, np.zeros(smap.total, np.float32), repeat=3)
+    after = client.control_all("stats")[0]
+    client.close()
+    assert replies[0]["status"] == "applied"
+    assert after["applied"] - before["applied"] == 1
+    assert after["deduplicated"] - before["deduplicated"] == 2
+
+
+def test_unreachable_shard_fails_within_the_deadline():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = shard_client(f"127.0.0.1:{port}", timeout_s=1.0)
+    smap = shard_map_for(CFG, 1)
+    start = time.monotonic()
+    with pytest.raises(PSError, match=rf"shard 0 at 127.0.0.1:{port} unreachable for 1 s"):
+        client.push(smap.pieces, np.zeros(smap.total, np.float32),
+                    {"worker": 0, "step": 0, "version": 0, "epoch": 0})
+    assert time.monotonic() - start < 4
+    client.close()
+
+
+def _server_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "ps.server", "--shard", "0", "--of", "1",
+                           *FLAGS, *args], cwd=ROOT, env=env or server_env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_port_in_use_is_a_usage_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        proc = _server_cli("--port", str(s.getsockname()[1]))
+    assert proc.returncode == 2
+    assert "is in use" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_binding_beyond_loopback_needs_a_token():
+    proc = _server_cli("--ps-bind", "0.0.0.0")
+    assert proc.returncode == 2
+    assert "JAXDIST_PS_TOKEN" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = _server_cli("--ps-bind", "0.0.0.0", env=server_env(JAXDIST_PS_TOKEN="short"))
+    assert proc.returncode == 2 and "at least 16 characters" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    proc, port = start_server(tmp_path, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key))
+    try:
+        secure = shard_client(f"127.0.0.1:{port}", token="", tls_cert=str(cert))
+        assert secure.control("ping") == {"ok": True}
+        secure.close()
+        plain = shard_client(f"127.0.0.1:{port}", token="", timeout_s=1.0)
+        with pytest.raises(PSError):
+            plain.control("ping")
+        plain.close()
+    finally:
+        stop_server(proc)
