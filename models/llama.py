@@ -39,6 +39,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
         head_dim = cfg.width // cfg.heads
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
+        self.implementation = None if cfg.attention == "default" else cfg.attention
         self.q = _linear(cfg.width, cfg.heads * head_dim, dtype=dtype, rngs=rngs)
         self.k = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
         self.v = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
@@ -51,7 +52,8 @@ class Attention(nnx.Module):
         k_BLKH = rope(self.k(x_BLD).reshape(B, L, self.kv_heads, hd), self.theta)
         v_BLKH = self.v(x_BLD).reshape(B, L, self.kv_heads, hd)
         # dot_product_attention takes fewer key/value heads than query heads (GQA) directly.
-        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True)
+        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True,
+                                              implementation=self.implementation)
         return self.out(y_BLNH.reshape(B, L, D))
 
 
@@ -104,10 +106,16 @@ class LlamaConfig(GPTConfig):
     kv_heads: int = 8
     mlp_hidden: int = 1024
     rope_theta: float = 500000.0
+    # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
+    # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16).
+    attention: str = "default"
     family: str = "gpt"  # a decoder: the layouts and data of the gpt family apply
 
     def validate(self) -> None:
         super().validate()
+        if self.attention not in ("default", "xla", "cudnn"):
+            raise UsageError(f"llama attention={self.attention!r}: choose from default, xla, "
+                             f"cudnn")
         if self.heads % self.kv_heads:
             raise UsageError(f"llama heads={self.heads} is not a multiple of "
                              f"kv_heads={self.kv_heads}")
@@ -129,5 +137,8 @@ class LlamaConfig(GPTConfig):
 register("llama3-70b", LlamaConfig(vocab=128256, seq_len=8192, depth=80, width=8192, heads=64,
                                    kv_heads=8, mlp_hidden=28672))
 register("gpt3-175b", GPTConfig(vocab=50257, seq_len=2048, depth=96, width=12288, heads=96))
+# ~1.1B parameters: the single-GPU speed check (scripts/gpu_perf.sh).
+register("llama-1b", LlamaConfig(vocab=32000, seq_len=2048, depth=20, width=2048, heads=16,
+                                 kv_heads=8, mlp_hidden=5632))
 register("llama-tiny", LlamaConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4,
                                    kv_heads=2, mlp_hidden=128))
