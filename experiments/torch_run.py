@@ -1,0 +1,531 @@
+"""Live PyTorch reference: `python -m experiments.torch_run --strategy ddp|fsdp --nproc N`.
+
+The same model (models.torch_ref twins of models/), the same synthetic batches (the JAX model
+config's `synthetic_batch` with the same seeds), the same initial weights (by default the
+JAX run's, converted), the same optimizer settings, global batch, dtype, warm-up and timed
+steps as `python -m experiments.run`, under PyTorch DDP or FSDP2 (`fully_shard`) with N
+processes on this host: gloo on CPU, NCCL on GPUs. Writes the same results.json schema
+(`framework: "pytorch"`), so `experiments.compare` can line the two up.
+
+This process only launches: it validates, prepares the inputs (the JAX initial weights and
+the synthetic batches, in one .npz), spawns N ranks, waits, and assembles results.json from
+what the ranks report. The ranks import only torch and numpy.
+
+Fairness rules (docs/compare.md): on CPU every rank gets `--threads` intra-op threads
+(default: the cores divided by N); every step starts after a barrier (untimed) and ends
+after the step's loss is all-reduced (the JAX step returns the global loss too) and, on
+GPU, after torch.cuda.synchronize(); a step's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+STRATEGIES = {
+    "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
+           "all-reduced in buckets during backward",
+    "fsdp": "FSDP2 (torch.distributed.fsdp.fully_shard) per block and at the root: "
+            "parameters, gradients and optimizer state sharded on dim 0",
+}
+TORCH_INSTALL = "pip install -e '.[torch]' (CPU build: pip install torch==2.13.0)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m experiments.torch_run",
+        description="Train the PyTorch twin of a jaxdist model under DDP or FSDP2 with N "
+                    "processes on this host, and write results.json in jaxdist's schema.")
+    p.add_argument("--strategy", choices=tuple(STRATEGIES), default="ddp",
+                   help="; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()))
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks), one device each "
+                   "(default: 2)")
+    p.add_argument("--model", default="gpt-tiny", help="registered model name, as for "
+                   "experiments.run (default: gpt-tiny)")
+    p.add_argument("--model-opts", default="", help="model size overrides, e.g. depth=4")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype; parameters stay float32 (bfloat16: torch.autocast)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="adamw (optax defaults: betas 0.9/0.999, eps 1e-8, weight decay "
+                   "1e-4) or sgd (momentum 0.9)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 0.001)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch size, divisible "
+                   "by --nproc (default: 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and synthetic data")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (default: 3)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    p.add_argument("--logdir", default="", help="run directory (default runs/<time>-"
+                   "<strategy>-torch<N>-<model>)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA if it has N GPUs, else CPU (default: auto)")
+    p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads per process "
+                   "(default 0: the host's cores divided by --nproc, at least 1)")
+    p.add_argument("--init", choices=("jax", "torch"), default="jax",
+                   help="initial weights: jax (the JAX run's with the same seed, converted; "
+                   "losses then match step for step) or torch (PyTorch's own init)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and stop every "
+                   "rank) after this long (default: 900)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="print a line now and then from rank 0")
+    return p
+
+
+class UsageError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------- launcher
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print(f"torch_run: error: PyTorch is not installed; install the extra: "
+              f"{TORCH_INSTALL}", file=sys.stderr)
+        return 2
+    from jaxdist.errors import UsageError as JaxdistUsageError
+
+    try:
+        model_cfg, device = validate(args)
+        cfg = run_config(args)
+        from experiments.run import make_logdir
+        logdir, created = make_logdir(cfg, f"torch{args.nproc}")
+    except (UsageError, JaxdistUsageError) as e:
+        print(f"torch_run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        results = launch(args, cfg, model_cfg, device, logdir)
+    except BaseException as e:
+        shutil.rmtree(created or logdir, ignore_errors=True)
+        if isinstance(e, RankFailure):
+            print(f"torch_run: error: {e}", file=sys.stderr)
+            return 1
+        raise
+    from jaxdist.writers import format_summary
+
+    print()
+    print(format_summary(results))
+    t = results["torch"]
+    print(f"  {'pytorch':<26}  {results['env']['torch_version']}, {t['implementation']}, "
+          f"{t['backend']}, {t['threads_per_process']} thread(s) per process")
+    print(f"\nresults:     {logdir / 'results.json'}")
+    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    return 0
+
+
+def validate(args) -> tuple:
+    """Every check that needs no process. Returns (model config, "cpu" or "cuda")."""
+    import torch
+
+    from models import get_model, parse_overrides
+
+    model_cfg = get_model(args.model, parse_overrides(args.model_opts))
+    if model_cfg.family not in ("mlp", "resnet", "gpt"):
+        raise UsageError(f"model {args.model!r} (family {model_cfg.family}) has no PyTorch "
+                         f"twin in models/torch_ref.py")
+    for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--nproc", args.nproc)):
+        if value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be 0 (automatic) or more, got {args.threads}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
+    if args.batch_size % args.nproc:
+        fit = (args.batch_size // args.nproc + 1) * args.nproc
+        raise UsageError(f"global batch {args.batch_size} is not divisible by --nproc "
+                         f"{args.nproc}; use a multiple of {args.nproc}, e.g. "
+                         f"--batch-size {fit}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and gpus < args.nproc:
+        raise UsageError(f"--device cuda with --nproc {args.nproc} needs {args.nproc} GPUs; "
+                         f"{gpus} are visible")
+    device = args.device if args.device != "auto" else ("cuda" if gpus >= args.nproc else "cpu")
+    return model_cfg, device
+
+
+def run_config(args):
+    """The jaxdist RunConfig this run corresponds to (what results.json records as
+    `config`; `compare` matches on it)."""
+    from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig,
+                                TrainConfig)
+
+    return RunConfig(
+        mesh=MeshConfig(mesh=str(args.nproc), platform="auto"),
+        model=ModelConfig(model=args.model, model_opts=args.model_opts, dtype=args.dtype),
+        train=TrainConfig(layout=args.strategy, optimizer=args.optimizer, lr=args.lr,
+                          batch_size=args.batch_size, seed=args.seed),
+        loop=LoopConfig(warmup=args.warmup, steps=args.steps),
+        output=OutputConfig(logdir=args.logdir, progress=args.progress))
+
+
+class RankFailure(Exception):
+    """A rank crashed or the run timed out (not bad input: exit status 1)."""
+
+
+def threads_per_process(args) -> int:
+    return args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+
+
+def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
+    import multiprocessing as mp
+
+    from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream
+    from models import torch_ref
+
+    spec = torch_ref.arch_spec(model_cfg)
+    work = Path(tempfile.mkdtemp(prefix="torch_run-"))
+    try:
+        inputs = {}
+        stream = TrainStream(model_cfg, None, args.batch_size, args.seed)
+        for i in range(NUM_SYNTHETIC_BATCHES):  # the very batches the JAX run trains on
+            for key, value in stream.batch(i).items():
+                inputs[f"batch{i}/{key}"] = value
+        if args.init == "jax":
+            for key, value in torch_ref.jax_initial_state(model_cfg, args.seed).items():
+                inputs[f"init/{key}"] = value
+        np.savez(work / "inputs.npz", **inputs)
+        job = {
+            "spec": spec, "strategy": args.strategy, "world": args.nproc, "device": device,
+            "port": free_port(), "threads": threads_per_process(args),
+            "dtype": args.dtype, "optimizer": args.optimizer, "lr": args.lr,
+            "batch_size": args.batch_size, "seed": args.seed, "warmup": args.warmup,
+            "steps": args.steps, "num_batches": NUM_SYNTHETIC_BATCHES, "init": args.init,
+            "work": str(work), "timeout_s": args.timeout_s, "progress": args.progress,
+        }
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(rank, job), daemon=False)
+                 for rank in range(args.nproc)]
+        started = time.perf_counter()
+        for p in procs:
+            p.start()
+        wait_all(procs, args.timeout_s + 60, started)
+        reports = [json.loads((work / f"rank{r}.json").read_text())
+                   for r in range(args.nproc)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = assemble_results(cfg, model_cfg, job, reports)
+    write_outputs(cfg, logdir, results)
+    return results
+
+
+def wait_all(procs, limit_s: float, started: float) -> None:
+    """Join every rank; if one fails or time runs out, stop the rest (by their pids)."""
+    while True:
+        codes = [p.exitcode for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed or time.perf_counter() - started > limit_s:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join(5)
+            if failed:
+                rank, code = failed[0]
+                raise RankFailure(f"rank {rank} exited with status {code} (its traceback, "
+                                  f"if any, is above); the other ranks were stopped")
+            raise RankFailure(f"the ranks did not finish within {limit_s:.0f} s "
+                              f"(--timeout-s); they were stopped")
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
+    from jaxdist import metrics
+    from jaxdist.results import SCHEMA_VERSION
+
+    world, warmup = job["world"], job["warmup"]
+    # A step takes as long as its slowest rank (every rank started it after a barrier).
+    step_s = np.max(np.array([r["step_s"] for r in reports]), axis=0).tolist()
+    steps = metrics.latency_stats(step_s[warmup:])
+    batch = job["batch_size"]
+    tokens = model_cfg.tokens_per_sample
+    first = reports[0]
+    device_kind = first["device_kind"]
+    by_device = [{"device": r["rank"], "process": r["rank"], "bytes": r["state_bytes"]}
+                 for r in reports]
+    peaks = [r["peak_bytes"] for r in reports]
+    cuda = job["device"] == "cuda"
+    threads = sorted({r["threads"] for r in reports})
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "framework": "pytorch",
+        "layout": job["strategy"],
+        "mesh": {"data": world, "fsdp": 1} if job["strategy"] == "ddp"
+        else {"data": 1, "fsdp": world},
+        "model": {"name": cfg.model.model, "params": first["params"],
+                  "flops_per_sample": model_cfg.flops_per_sample(),
+                  "tokens_per_sample": tokens},
+        "config": cfg.to_dict(),
+        "env": {"jax_version": first["torch_version"], "torch_version": first["torch_version"],
+                "backend": job["device"], "device_kind": device_kind, "num_devices": world,
+                "num_processes": world, "simulated": False,
+                "threads_per_process": threads[0] if len(threads) == 1 else threads,
+                "host_cpus": os.cpu_count()},
+        "compile_s": 0.0,
+        "compile_note": "eager PyTorch: nothing is compiled; one-off costs (lazy optimizer "
+                        "state, FSDP lazy init) fall in the warm-up steps",
+        "step_time_s": steps,
+        "warmup_step_time_s": step_s[:warmup],
+        "step_time_by_rank_s": [r["step_s"][warmup:] for r in reports],
+        "throughput": {"samples_per_s": batch / steps["mean"],
+                       "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
+        "mfu": metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
+                           model_cfg.flops_per_sample() * batch),
+        "memory": {
+            "state_bytes_per_device": max(d["bytes"] for d in by_device),
+            "state_bytes_by_device": by_device,
+            "compiled": None,
+            "measured_peak_bytes": max(peaks) if cuda else None,
+            "measured_peak_reason": None if cuda else
+            "torch on CPU has no allocator peak counter (process RSS is in "
+            "memory.process_peak_rss_bytes, not comparable to a device peak)",
+            "measured_peak_definition": "torch.cuda.max_memory_allocated over the whole run, "
+                                        "max over ranks" if cuda else None,
+            "reserved_peak_bytes": max(r["reserved_bytes"] for r in reports) if cuda else None,
+            "process_peak_rss_bytes": [r["max_rss_bytes"] for r in reports],
+        },
+        "sharding": first["sharding"],
+        "loss": first["loss"],
+        "power": {"available": False,
+                  "reason": "power telemetry is not implemented for the PyTorch reference"},
+        "window": {"start_unix_s": min(r["window"][0] for r in reports),
+                   "end_unix_s": max(r["window"][1] for r in reports)},
+        "torch": {"strategy": job["strategy"], "implementation": first["implementation"],
+                  "backend": first["backend"], "threads_per_process": job["threads"],
+                  "init": job["init"], "optimizer_impl": first["optimizer_impl"],
+                  "autocast": job["dtype"] if job["dtype"] != "float32" else None,
+                  "sync": "barrier before each step (untimed); the step ends after the loss "
+                          "all-reduce" + (" and torch.cuda.synchronize()" if cuda else ""),
+                  "step_time_rule": "max over ranks per step"},
+    }
+
+
+def write_outputs(cfg, logdir: Path, results: dict) -> None:
+    from jaxdist.results import check
+    from jaxdist.writers import RunWriter
+
+    problems = check(results)
+    if problems:  # a bug here, not bad input
+        raise AssertionError(f"results.json does not match the schema: {problems}")
+    writer = RunWriter(logdir, cfg.to_dict())
+    try:
+        warm = len(results["warmup_step_time_s"])
+        for i, (loss, step_s) in enumerate(zip(results["loss"], step_times(results))):
+            writer.step(i, loss, step_s, i >= warm)
+        writer.summary(results)  # also writes results.json
+    finally:
+        writer.close()
+
+
+def step_times(results: dict) -> list[float]:
+    """Every step's time (warm-up included): the slowest rank's."""
+    timed = np.array(results["step_time_by_rank_s"]).max(axis=0).tolist()
+    return results["warmup_step_time_s"] + timed
+
+
+# ---------------------------------------------------------------------------- one rank
+
+def _rank_main(rank: int, job: dict) -> None:
+    """Entry point of a spawned rank. Always ends with os._exit: an FSDP process that
+    returns normally sometimes aborts in teardown (shared/notes/jax-on-cpu.md)."""
+    code = 0
+    try:
+        report = run_rank(rank, job)
+        path = Path(job["work"]) / f"rank{rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(report))
+        os.replace(path.with_suffix(".tmp"), path)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_rank(rank: int, job: dict) -> dict:
+    import datetime
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from models import torch_ref
+
+    world, spec, cuda = job["world"], job["spec"], job["device"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(job["threads"])
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{job['port']}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=job["timeout_s"]))
+    try:
+        inputs = np.load(Path(job["work"]) / "inputs.npz")
+        torch.manual_seed(job["seed"])
+        model = torch_ref.build(spec)
+        if job["init"] == "jax":
+            torch_ref.load_state(model, {k[len("init/"):]: inputs[k] for k in inputs.files
+                                         if k.startswith("init/")})
+        model.to(device).train()
+        params = torch_ref.param_count(model)
+        model, implementation = wrap(model, spec, job["strategy"], world, device)
+        opt = make_optimizer(model, job["optimizer"], job["lr"])
+
+        local = job["batch_size"] // world
+        rows = slice(rank * local, (rank + 1) * local)
+        batches = []
+        for i in range(job["num_batches"]):
+            keys = sorted(k for k in inputs.files if k.startswith(f"batch{i}/"))
+            batch_np = {k.split("/", 1)[1]: inputs[k][rows] for k in keys}
+            batches.append(torch_ref.to_torch_batch(spec, batch_np, device))
+
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                    if job["dtype"] == "bfloat16" else None)
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            if autocast is not None:
+                with autocast:
+                    loss = torch_ref.loss(spec, model, batch)
+            else:
+                loss = torch_ref.loss(spec, model, batch)
+            loss.backward()
+            opt.step()
+            global_loss = loss.detach().clone()
+            dist.all_reduce(global_loss)  # SUM: gloo has no AVG
+            if cuda:
+                torch.cuda.synchronize(device)
+            return global_loss
+
+        total = job["warmup"] + job["steps"]
+        step_s, losses = [], []
+        window = [None, None]
+        every = max(1, total // 5)
+        for i in range(total):
+            dist.barrier()
+            if i == job["warmup"]:
+                window[0] = time.time()
+            start = time.perf_counter()
+            global_loss = step(batches[i % len(batches)])
+            step_s.append(time.perf_counter() - start)
+            window[1] = time.time()
+            losses.append(global_loss.item() / world)
+            if rank == 0 and job["progress"] and ((i + 1) % every == 0 or i + 1 == total):
+                print(f"[torch {job['strategy']} x{world}] step {i + 1}/{total} "
+                      f"loss {losses[-1]:.4f} {step_s[-1] * 1e3:.1f} ms", file=sys.stderr,
+                      flush=True)
+
+        state_bytes, sharding = state_report(model, opt, world)
+        report = {
+            "rank": rank, "step_s": step_s, "loss": losses, "window": window,
+            "params": params, "state_bytes": state_bytes, "sharding": sharding,
+            "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+            "device_kind": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "implementation": implementation, "backend": backend,
+            "optimizer_impl": type(opt).__name__ + (" (foreach)" if opt.defaults.get("foreach")
+                                                    else " (PyTorch default impl)"),
+            "peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+            "reserved_bytes": int(torch.cuda.max_memory_reserved(device)) if cuda else None,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        dist.barrier()
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def wrap(model, spec: dict, strategy: str, world: int, device):
+    from models import torch_ref
+
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids), "DistributedDataParallel"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    units = torch_ref.shard_units(spec, model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, f"FSDP2 fully_shard ({len(units)} units + root)"
+
+
+def make_optimizer(model, name: str, lr: float):
+    import torch
+
+    if name == "adamw":  # optax.adamw's defaults (PyTorch's weight decay default is 1e-2)
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                 weight_decay=1e-4)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # optax.sgd(lr, 0.9)
+
+
+def state_report(model, opt, world: int) -> tuple[int, dict]:
+    """(bytes of train state this rank holds, sharding summary in jaxdist's form: global
+    bytes of sharded vs replicated leaves per part)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local_and_global(t):
+        if isinstance(t, DTensor):
+            loc = t.to_local()
+            sharded = world > 1 and any(p.is_shard() for p in t.placements)
+            return loc.numel() * loc.element_size(), t.numel() * t.element_size(), sharded
+        return t.numel() * t.element_size(), t.numel() * t.element_size(), False
+
+    parts = {"params": list(model.parameters()), "model_state": list(model.buffers()),
+             "opt": [v for s in opt.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor)]}
+    held = 0
+    summary = {"sharded_bytes": 0, "replicated_bytes": 0, "replicated_leaves": 0, "parts": {}}
+    for part, tensors in parts.items():
+        sharded = replicated = 0
+        for t in tensors:
+            loc, glob, is_sharded = local_and_global(t)
+            held += loc
+            if is_sharded:
+                sharded += glob
+            else:
+                replicated += glob
+                summary["replicated_leaves"] += 1 if t.dim() else 0
+        summary["parts"][part] = {"sharded_bytes": sharded, "replicated_bytes": replicated}
+        summary["sharded_bytes"] += sharded
+        summary["replicated_bytes"] += replicated
+    return held, summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The PyTorch twins (models/torch_ref.py) and the live reference launcher
+(experiments/torch_run.py): equal parameter counts, equal losses from the same weights and
+batches, and a 2-process DDP / FSDP2 run on CPU that writes a schema-valid results.json."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxdist.results import check
+from models import get_model
+from tests.helpers import ROOT
+
+torch = pytest.importorskip("torch")
+from models import torch_ref  # noqa: E402
+
+SIZES = ["mlp-tiny", "mlp-10m", "gpt-tiny", "gpt-small", "gpt", "resnet-tiny", "resnet18",
+         "resnet50"]
+
+
+def jax_param_count(cfg) -> int:
+    abstract = nnx.eval_shape(lambda: cfg.build(nnx.Rngs(0), jnp.float32))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_equal_parameter_counts(name):
+    cfg = get_model(name)
+    with torch.device("meta"):  # shapes only: resnet50 costs nothing to build
+        model = torch_ref.build(torch_ref.arch_spec(cfg))
+    assert torch_ref.param_count(model) == jax_param_count(cfg)
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "resnet-tiny"])
+def test_same_weights_same_loss(name):
+    """The JAX initial state loads into the twin (every key, every shape) and both
+    frameworks compute the same training-mode loss on the same synthetic batch."""
+    cfg = get_model(name)
+    spec = torch_ref.arch_spec(cfg)
+    jax_model = cfg.build(nnx.Rngs(3), jnp.float32)  # as torch_ref.jax_initial_state does
+    state = torch_ref.state_from_nnx(jax_model)
+    model = torch_ref.build(spec)
+    expected = {k for k in model.state_dict() if not k.endswith("num_batches_tracked")}
+    assert set(state) == expected
+    torch_ref.load_state(model, state)
+    model.train()
+
+    jax_model.train()
+    batch = cfg.synthetic_batch(np.random.default_rng([0, 0]), 8)
+    jax_loss = float(nnx.jit(cfg.loss)(jax_model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    with torch.no_grad():
+        torch_loss = torch_ref.loss(spec, model, torch_ref.to_torch_batch(spec, batch)).item()
+    assert torch_loss == pytest.approx(jax_loss, abs=2e-5)
+
+
+def test_same_padding_matches_jax_output_shape():
+    spec = torch_ref.arch_spec(get_model("resnet-tiny"))
+    model = torch_ref.build(spec)
+    x = torch.zeros(2, 3, 32, 32)
+    assert model(x).shape == (2, 10)
+
+
+def torch_run(*args, timeout=240, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "experiments.torch_run", *args,
+                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("torch")
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        logdir = base / strategy
+        proc = torch_run("--strategy", strategy, "--nproc", "2", "--model", "mlp-tiny",
+                         "--batch-size", "32", "--warmup", "1", "--steps", "3",
+                         "--logdir", str(logdir))
+        out[strategy] = (proc, logdir)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torch_run_writes_schema_valid_results(runs, strategy):
+    proc, logdir = runs[strategy]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((logdir / "results.json").read_text())
+    assert check(results) == []
+    assert results["framework"] == "pytorch"
+    assert results["layout"] == strategy
+    assert results["env"]["backend"] == "cpu" and results["env"]["simulated"] is False
+    assert results["env"]["torch_version"].startswith("2.")
+    assert results["env"]["num_processes"] == 2
+    assert results["env"]["threads_per_process"] >= 1
+    assert results["torch"]["threads_per_process"] == results["env"]["threads_per_process"]
+    assert results["memory"]["compiled"] is None
+    assert results["memory"]["measured_peak_bytes"] is None
+    assert results["memory"]["measured_peak_reason"]
+    assert results["power"]["available"] is False
+    assert results["model"]["params"] == 6922
+    assert results["step_time_s"]["n"] == 3 and len(results["warmup_step_time_s"]) == 1
+    assert len(results["loss"]) == 4
+    assert results["config"]["train"]["batch_size"] == 32
+    shard = results["sharding"]
+    if strategy == "ddp":
+        assert shard["sharded_bytes"] == 0 and shard["replicated_leaves"] > 0
+    else:
+        assert shard["parts"]["params"]["replicated_bytes"] == 0
+        assert shard["sharded_bytes"] > 0
+    by_device = results["memory"]["state_bytes_by_device"]
+    assert len(by_device) == 2
+
+
+def test_ddp_and_fsdp_agree_and_fsdp_halves_state(runs):
+    ddp = json.loads((runs["ddp"][1] / "results.json").read_text())
+    fsdp = json.loads((runs["fsdp"][1] / "results.json").read_text())
+    assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
+    # Same weights, same data: the first loss is the JAX model's (see test_compare too).
+    assert fsdp["memory"]["state_bytes_per_device"] < 0.6 * ddp["memory"]["state_bytes_per_device"]
+
+
+BAD = [
+    (["--batch-size", "33"], "global batch 33 is not divisible by --nproc 2"),
+    (["--model", "gpt-huge"], "unknown model 'gpt-huge'"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--strategy", "zero9"], "invalid choice: 'zero9'"),
+    (["--device", "cuda"], "needs 2 GPUs"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input(tmp_path, capsys, args, message):
+    if "--device" in args and torch.cuda.device_count() >= 2:
+        pytest.skip("this host has the GPUs")
+    from experiments.torch_run import main
+
+    logdir = tmp_path / "run"
+    try:
+        code = main(["--model", "mlp-tiny", "--logdir", str(logdir), "--no-progress", *args])
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not logdir.exists()
+
+
+def test_torch_missing_names_the_extra(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from experiments.torch_run import main; sys.exit(main(['--model', 'mlp-tiny']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "pip install -e '.[torch]'" in lines[0] and "torch==2.13.0" in lines[0]
