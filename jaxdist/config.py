@@ -22,8 +22,8 @@ def _opt(default, help, **extra):
 
 @dataclass(frozen=True)
 class MeshConfig:
-    mesh: str = _opt("4x8", "device mesh: DATAxFSDP (4x8), axis:size pairs (data:4,fsdp:8), "
-                     "N (data N, fsdp 1) or -1 (every device on data)")
+    mesh: str = _opt("4x8", "device mesh: DATAxFSDP[xTENSOR[xEXPERT]] (4x8, 2x2x2), axis:size "
+                     "pairs (data:1,fsdp:4,tensor:8), N (data N) or -1 (every device on data)")
     platform: str = _opt("auto", "auto: use GPUs if present, else simulate the mesh on host "
                          "CPU devices; cpu: always simulate", choices=("auto", "cpu"))
 
