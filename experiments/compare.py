@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxdist.errors import UsageError
+from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.results import check
 
 GiB = 2 ** 30
@@ -37,11 +37,6 @@ MATCH_FIELDS = (("model", "model"), ("layout", "layout"), ("devices", "devices")
                 ("batch", "global batch"), ("dtype", "dtype"), ("optimizer", "optimizer"),
                 ("backend", "backend"), ("device_kind", "device"),
                 ("step_options", "step options"))
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

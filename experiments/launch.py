@@ -9,7 +9,6 @@ exercise multi-host runs; on a cluster use SLURM (scripts/slurm/).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket

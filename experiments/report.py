@@ -33,16 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxdist.errors import UsageError
+from jaxdist.errors import OneLineParser, UsageError
 
 LAYOUT_ORDER = ("ddp", "zero1", "fsdp", "hsdp", "tp", "fsdp_tp", "ep", "ps-sync", "ps-async",
                 "ps-ssp")
 SIMULATED_NOTE = "simulated devices: functional only, not a performance figure"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 # ---------------------------------------------------------------------------- reading

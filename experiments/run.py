@@ -16,17 +16,10 @@ from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace, parse_profile_steps
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
 from jaxdist.data import build_model
-from jaxdist.errors import UsageError
+from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump) and exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

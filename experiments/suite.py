@@ -34,7 +34,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxdist.errors import UsageError
+from jaxdist.errors import OneLineParser, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -657,11 +657,6 @@ class Suite:
 
 
 # ---------------------------------------------------------------------------- CLI
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist.errors import OneLineParser
+
 STRATEGIES = {
     "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
            "all-reduced in buckets during backward",
@@ -39,11 +41,6 @@ STRATEGIES = {
             "parameters, gradients and optimizer state sharded on dim 0",
 }
 TORCH_INSTALL = "pip install -e '.[torch]' (CPU build: pip install torch==2.13.0)"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

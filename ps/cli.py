@@ -4,15 +4,8 @@ options the user typed, so every process computes the same model, map and optimi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+from jaxdist.errors import OneLineParser  # noqa: F401  (re-exported for the PS entry points)
 
 
 def config_argv(cfg) -> list[str]:
