@@ -5,6 +5,7 @@ options the user typed, so every process computes the same model, map and optimi
 from __future__ import annotations
 
 import dataclasses
+
 from jaxdist.errors import OneLineParser  # noqa: F401  (re-exported for the PS entry points)
 
 
