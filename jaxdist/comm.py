@@ -1,8 +1,9 @@
 """Communication accounting from the optimized HLO of the compiled step.
 
 Every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
-and their async -start forms) with its buffer bytes per device per step, its group size, and
-the mesh axes its replica groups span, mapped from device ids to mesh coordinates; plus an
+and their async -start forms) with its buffer bytes per device per step — counted as often as
+it runs: inside a while loop such as the micro-batch scan, times the loop's known trip
+count — its group size, and the mesh axes its replica groups span, mapped from device ids to mesh coordinates; plus an
 estimate of the bytes each device sends on a ring (all-reduce 2(n-1)/n x bytes, all-gather
 and reduce-scatter (n-1)/n x the full buffer, all-to-all (n-1)/n, permute 1x), which is what
 the analytic volume of a layout is compared with.
@@ -83,12 +84,55 @@ def _ring_factor(kind: str, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"(?:body|to_apply|calls|condition)=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs per step: a while loop's body (e.g. the scan
+    over micro-batches) runs its known trip count times, and so do the collectives in it."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            entry = current if m.group(1) else entry
+            continue
+        if current is None:
+            continue
+        trip = _TRIP.search(line)
+        for callee in _CALLS.findall(line):
+            repeat = int(trip.group(1)) if trip and f"body=%{callee}" in line else 1
+            calls[current].append((callee, repeat))
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if depth > 50:  # a malformed or recursive graph: count what we have
+            return
+        runs[name] += times
+        for callee, repeat in calls.get(name, ()):
+            visit(callee, times * repeat, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    return dict(runs)
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
-    """One entry per collective in the optimized HLO."""
+    """One entry per collective in the optimized HLO; `times` is how often it runs per step
+    and `bytes` counts every run."""
     names = list(mesh_shape)
     sizes = [mesh_shape[a] for a in names]
+    runs = executions(hlo_text)
     out = []
+    current = None
     for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            continue
         m = _OP.match(line)
         if not m or "-done(" in line:
             continue
@@ -100,8 +144,9 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
             buffer *= n  # the operand is n times the scattered result
         coords = np.array([np.unravel_index(d, sizes) for d in groups[0]])
         axes = [a for i, a in enumerate(names) if len(set(coords[:, i])) > 1]
-        out.append({"kind": kind, "bytes": buffer, "group_size": n, "axes": axes,
-                    "ring_bytes": buffer * _ring_factor(kind, n)})
+        times = max(runs.get(current, 1), 1)
+        out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
+                    "axes": axes, "ring_bytes": buffer * times * _ring_factor(kind, n)})
     return out
 
 
@@ -111,7 +156,7 @@ def summarize(ops: list[dict]) -> dict:
     by_axis: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0.0})
     for op in ops:
         for table, key in ((by_kind, op["kind"]), (by_axis, "+".join(op["axes"]) or "none")):
-            table[key]["count"] += 1
+            table[key]["count"] += op.get("times", 1)
             table[key]["bytes"] += op["bytes"]
             table[key]["ring_bytes"] += op["ring_bytes"]
     return {"by_kind": dict(by_kind), "by_axis": dict(by_axis),

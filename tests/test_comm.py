@@ -64,3 +64,31 @@ def test_hsdp_talks_within_fsdp_groups_and_across_data():
     block, _ = _comm("hsdp")
     assert "fsdp" in block["by_axis"] and "data" in block["by_axis"]
     assert block["by_axis"]["fsdp"]["bytes"] > 0
+
+
+def test_collectives_in_the_microbatch_loop_count_every_iteration():
+    def tp_block(microbatches):
+        _, state, program = train("gpt-tiny", "tp", MeshShape(2, 1, 2), steps=1, batch_size=32,
+                                  microbatches=microbatches)
+        batch = put_batch(TrainStream(get_model("gpt-tiny"), None, 32, 0).batch(0),
+                          program.batch_sharding)
+        return comm_block("tp", program.step.lower(state, batch).compile(), program)
+
+    whole, split = tp_block(1), tp_block(4)
+    # The tensor-axis all-reduces move activations: 4 slices of a quarter of the rows each
+    # send the same bytes in all as one full batch, in 4 times as many collectives.
+    assert split["by_axis"]["tensor"]["bytes"] == pytest.approx(
+        whole["by_axis"]["tensor"]["bytes"], rel=0.01)
+    assert split["by_axis"]["tensor"]["count"] == 4 * whole["by_axis"]["tensor"]["count"]
+
+
+def test_executions_follow_while_trip_counts():
+    hlo = ("%body (p: f32[]) -> f32[] {\n"
+           "  %a = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n}\n"
+           "%add (x: f32[], y: f32[]) -> f32[] {\n}\n"
+           "ENTRY %main (p: f32[]) -> f32[] {\n"
+           '  %w = (s32[]) while(%t), condition=%cond, body=%body, '
+           'backend_config={"known_trip_count":{"n":"3"}}\n'
+           "  %b = f32[4]{0} all-reduce(%y), replica_groups={{0,1}}, to_apply=%add\n}\n")
+    ops = comm.collectives(hlo, {"data": 2})
+    assert [(o["bytes"], o["times"]) for o in ops] == [(32 * 3, 3), (16, 1)]
