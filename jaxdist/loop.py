@@ -9,15 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 import jax
+from tqdm import tqdm
 
 from jaxdist import comm, metrics, telemetry
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
-from jaxdist.errors import UsageError
 from jaxdist.data import TrainStream, build_model, eval_batches
+from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION
