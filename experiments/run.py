@@ -18,6 +18,7 @@ from jaxdist.devices import configure_host_devices, configure_xla_flags, select_
 from jaxdist.data import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
+from jaxdist.results import ensure_writable_dir
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
 
@@ -100,14 +101,11 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
         top = top.parent
     created = top if not top.exists() else None
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
+        ensure_writable_dir(path, "--logdir")
+    except UsageError:
         if created is not None and created.exists():
             shutil.rmtree(created, ignore_errors=True)
-        raise UsageError(f"cannot write to --logdir {path}: {e.strerror or e}") from None
+        raise
     return path, created
 
 

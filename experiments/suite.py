@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.results import ensure_writable_dir, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -468,10 +469,6 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(kept[-lines:])
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _child_env(preset_env: dict[str, str]) -> dict[str, str]:
@@ -550,7 +547,7 @@ class Suite:
         counts = {}
         for r in ordered:
             counts[r.get("status", "pending")] = counts.get(r.get("status", "pending"), 0) + 1
-        _write_json(self.out / "suite.json", dict(
+        write_json(self.out / "suite.json", dict(
             self.meta, suite_version=SUITE_VERSION, updated_unix_s=time.time(), counts=counts,
             runs=ordered + others))
 
@@ -595,7 +592,7 @@ class Suite:
                                              if rc != 0 or timed_out else
                                              "exit 0 but no results.json")}
         rec = self.record(p, **fields)
-        _write_json(self.logs / f"{p.name}.status.json", rec)
+        write_json(self.logs / f"{p.name}.status.json", rec)
         self.save()
         return rec
 
@@ -750,13 +747,7 @@ def main(argv=None) -> int:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} is a file, not a directory")
         if not args.dry_run:
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-                probe = out / ".write-test"
-                probe.write_text("")
-                probe.unlink()
-            except OSError as e:
-                raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
+            ensure_writable_dir(out, "--out")
     except UsageError as e:
         print(f"suite: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.errors import OneLineParser
+from jaxdist.results import write_json
 
 STRATEGIES = {
     "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
@@ -356,9 +357,7 @@ def _rank_main(rank: int, job: dict) -> None:
     code = 0
     try:
         report = run_rank(rank, job)
-        path = Path(job["work"]) / f"rank{rank}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(report))
-        os.replace(path.with_suffix(".tmp"), path)
+        write_json(Path(job["work"]) / f"rank{rank}.json", report)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -70,7 +70,21 @@ def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
     return problems
 
 
-def write_json(path: Path, data: dict) -> None:
+def ensure_writable_dir(path: Path, flag: str) -> None:
+    """Create `path` and prove a file can be written in it, or a one-line UsageError naming
+    the flag (root bypasses permission bits, so only an actual write tells)."""
+    from jaxdist.errors import UsageError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to {flag} {path}: {e.strerror or e}") from None
+
+
+def write_json(path: Path, data) -> None:
     """Write via a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

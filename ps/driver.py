@@ -31,6 +31,7 @@ from jaxdist.errors import UsageError
 from ps import procs
 from ps.client import PSError, ShardClient
 from ps.cli import config_argv
+from jaxdist.results import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RESTARTS = 3
@@ -157,10 +158,7 @@ class Launch:
 
     def _record_pid(self, child):
         self.all_pids.append(child.pid)
-        path = self.psdir / "pids.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.all_pids))
-        os.replace(tmp, path)
+        write_json(self.psdir / "pids.json", self.all_pids)
 
     def start_server(self, k: int, port: int = 0, restore: bool = False) -> procs.Child:
         ready = self.psdir / f"shard{k}.ready.json"

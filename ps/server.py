@@ -40,6 +40,7 @@ from jaxdist.errors import UsageError  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.client import FAULT_KEY, TOKEN_KEY  # noqa: E402
 from ps.core import PSFault, ShardCore  # noqa: E402
+from jaxdist.results import write_json
 
 TOKEN_ENV = "JAXDIST_PS_TOKEN"
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md
@@ -346,11 +347,8 @@ def main(argv=None) -> int:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
     if args.ready_file:
-        path = Path(args.ready_file)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), "epoch": epoch,
-                                   "fingerprint": shard_map.fingerprint}))
-        os.replace(tmp, path)
+        write_json(Path(args.ready_file), {"port": port, "pid": os.getpid(), "epoch": epoch,
+                                           "fingerprint": shard_map.fingerprint})
     log(f"serving on {cfg.ps.ps_bind}:{port} (mode {cfg.ps.ps_mode}, {workers} workers, "
         f"epoch {epoch}, token {'required' if token else 'off'}, "
         f"tls {'on' if cfg.ps.ps_tls_cert else 'off'})")

@@ -16,12 +16,12 @@ put on the devices once, unflattened inside the jitted step; the gradient comes 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from jaxdist.results import write_json
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
 # Shards start at the same time as the workers (or later, under a scheduler): waiting for
@@ -231,10 +231,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     client.close()
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"worker{worker}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, path)
+        write_json(out_dir / f"worker{worker}.json", result)
     return result
 
 
