@@ -1,12 +1,17 @@
 """Communication accounting from the optimized HLO of the compiled step.
 
-Every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute,
-and their async -start forms) with its buffer bytes per device per step — counted as often as
-it runs: inside a while loop such as the micro-batch scan, times the loop's known trip
-count — its group size, and the mesh axes its replica groups span, mapped from device ids to mesh coordinates; plus an
-estimate of the bytes each device sends on a ring (all-reduce 2(n-1)/n x bytes, all-gather
-and reduce-scatter (n-1)/n x the full buffer, all-to-all (n-1)/n, permute 1x), which is what
-the analytic volume of a layout is compared with.
+Every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute)
+counted once, whichever form XLA printed it in: sync, XLA:GPU's async `-start`/`-done` pair
+(the `-start` is counted), an `async-start` wrapping the collective in a `calls=`
+computation (the wrapped collective is counted), or a combined op moving several arrays (the
+sum of its arrays). Each gets its buffer bytes per device per step (all-gather: the gathered
+result; reduce-scatter: the operand), counted as often as it runs (inside a while loop such
+as the micro-batch scan, times the loop's known trip count), its group size, and the mesh
+axes it spans: replica groups, or a collective-permute's source-target pairs, mapped from
+device ids to mesh coordinates. Plus an estimate of the bytes each device sends on a ring
+(all-reduce 2(n-1)/n x bytes, all-gather and reduce-scatter (n-1)/n x the full buffer,
+all-to-all (n-1)/n, permute 1x), which is what the analytic volume of a layout is compared
+with; `analytic_basis` says what that volume assumes, per layout.
 """
 
 from __future__ import annotations
@@ -18,16 +23,68 @@ from collections import defaultdict
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-                 r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                 r"(?P<start>-start)?\(")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([0-9,]*)\]")
-_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+# `%name = <shape> <opcode>(`: the shape may be a (nested) tuple with spaces in it.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+                          r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")
+_BITS = {"pred": 8, "token": 0}
+
+
+def _bits(dtype: str) -> int:
+    if dtype in _BITS:
+        return _BITS[dtype]
+    small_float = re.fullmatch(r"f(\d)e\w+", dtype)  # f8e4m3fn, f4e2m1fn, ...
+    if small_float:
+        return int(small_float.group(1))
+    return int(re.search(r"\d+", dtype).group())
 
 
 def _bytes(dtype: str, dims: str) -> int:
-    bits = _BITS.get(dtype) or int(dtype[1:])
-    return math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    elements = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
+    return -(-elements * _bits(dtype) // 8)
+
+
+def _shape_tree(shape: str):
+    """An HLO shape as bytes: an int for an array, a list (of trees) for a tuple."""
+    shape = re.sub(r"/\*.*?\*/", "", shape)  # /*index=5*/ markers in long tuples
+    while True:  # layouts, e.g. {1,0:T(8,128)}, hold parentheses of their own
+        stripped = re.sub(r"\{[^{}]*\}", "", shape)
+        if stripped == shape:
+            break
+        shape = stripped
+    stack: list[list] = [[]]
+    for token in re.finditer(r"\(|\)|" + _ARRAY.pattern, shape):
+        if token.group() == "(":
+            stack.append([])
+        elif token.group() == ")" and len(stack) > 1:
+            done = stack.pop()
+            stack[-1].append(done)
+        elif token.group(1):
+            stack[-1].append(_bytes(token.group(1), token.group(2)))
+    top = stack[0]
+    return top[0] if len(top) == 1 else top
+
+
+def _total(tree) -> int:
+    return sum(_total(t) for t in tree) if isinstance(tree, list) else tree
+
+
+def _operand_count(rest: str) -> int:
+    """Operands of `op(a, b), attrs...` given the text after `op(`; shapes printed with the
+    operands (`f32[2,3]{1,0} %p`) hold commas of their own."""
+    depth, count, seen = 0, 0, False
+    for ch in rest:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            count += 1
+            continue
+        seen = seen or not ch.isspace()
+    return count + 1 if seen else 0
 
 
 def _iota(spec: str) -> np.ndarray:
@@ -69,13 +126,26 @@ def replica_groups(line: str) -> list[list[int]] | None:
     return None
 
 
-def _buffer_bytes(kind: str, start: bool, shape: str) -> int:
-    arrays = [_bytes(t, d) for t, d in _ARRAY.findall(shape)]
-    arrays = [b for b in arrays if b > 0] or [0]
-    if start and kind in ("all-gather", "collective-permute"):
-        # Async forms return (operand(s), result(s), [context]): count the result once.
-        return arrays[1] if kind == "all-gather" and len(arrays) > 1 else arrays[0]
-    return sum(arrays)
+def _payload(kind: str, op: str, shape: str, rest: str) -> tuple[int | None, int]:
+    """(operand bytes or None where the text does not show them, result bytes) of one
+    collective. XLA:GPU's async forms print different shapes for the same collective:
+
+    - `all-reduce-start`: the result itself (a tuple of results when combined); before
+      2023 it was (operand, result[, u32 contexts]), told apart by the operand count;
+    - `all-gather-start`, `collective-permute-start`: (operand(s), result(s)[, contexts]);
+    - `X-start` printed for an `async-start` wrapping X (XLA's default syntax sugar, e.g.
+      reduce-scatter-start, all-to-all-start): ((operands), result[, contexts]);
+    - a plain collective, also the one inside an async-start's `calls=` computation: its
+      result."""
+    tree = _shape_tree(shape)
+    if op == kind:
+        return None, _total(tree)
+    if not isinstance(tree, list) or not tree:
+        return None, _total(tree)  # all-reduce-start of one array
+    if kind == "all-reduce" and not isinstance(tree[0], list) and \
+            len(tree) == _operand_count(rest):
+        return _total(tree), _total(tree)  # combined all-reduce-start: its results
+    return _total(tree[0]), (_total(tree[1]) if len(tree) > 1 else _total(tree[0]))
 
 
 def _ring_factor(kind: str, n: int) -> float:
@@ -84,27 +154,69 @@ def _ring_factor(kind: str, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+def _statements(hlo_text: str):
+    """One HLO instruction or computation header per item. XLA prints one per line; HLO
+    written by hand (XLA's own tests) wraps long ones: a line that does not open an
+    instruction (`name = `), a computation or its closing brace continues the one before,
+    as does every line while a bracket is open (e.g. a multi-line backend_config)."""
+    pending: list[str] = []
+    depth = 0
+    for line in hlo_text.splitlines():
+        bare = _QUOTED.sub("", line)
+        delta = sum(bare.count(c) for c in "([{") - sum(bare.count(c) for c in ")]}")
+        header = _header(line)
+        opens = header or _IS_INSTRUCTION.match(line)
+        if pending and depth > 0 and not opens:
+            pending.append(line.strip())
+            depth += delta
+            continue
+        stands_alone = header or line.lstrip().startswith("}") or not line.strip()
+        if opens or stands_alone or not pending:
+            if pending:
+                yield " ".join(pending)
+            pending, depth = [], 0
+            if stands_alone:
+                yield line
+                continue
+        pending.append(line.strip())
+        depth += delta
+    if pending:
+        yield " ".join(pending)
+
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_IS_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s+=\s")
 _CALLS = re.compile(r"(?:body|to_apply|calls|condition)=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
+def _header(line: str) -> re.Match | None:
+    return None if _IS_INSTRUCTION.match(line) else _COMPUTATION.match(line)
+
+
 def executions(hlo_text: str) -> dict[str, int]:
     """How many times each computation runs per step: a while loop's body (e.g. the scan
-    over micro-batches) runs its known trip count times, and so do the collectives in it."""
+    over micro-batches) runs its known trip count times, and so do the collectives in it;
+    an async-start's wrapped computation runs once per run of the async-start."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     entry, current = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
+    for line in _statements(hlo_text):
+        m = _header(line)
         if m:
             current = m.group(2)
             entry = current if m.group(1) else entry
             continue
-        if current is None:
+        instruction = _INSTRUCTION.match(line)
+        # The -update and -done halves of an async op name the same computation as its
+        # -start; following them too would count the wrapped collective two or three times.
+        if current is None or instruction and \
+                instruction.group("op").endswith(("-done", "-update")):
             continue
         trip = _TRIP.search(line)
         for callee in _CALLS.findall(line):
-            repeat = int(trip.group(1)) if trip and f"body=%{callee}" in line else 1
+            body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
+            repeat = int(trip.group(1)) if trip and body else 1
             calls[current].append((callee, repeat))
     runs: dict[str, int] = defaultdict(int)
 
@@ -120,33 +232,70 @@ def executions(hlo_text: str) -> dict[str, int]:
     return dict(runs)
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")
+
+
+def _permute_pairs(line: str) -> list[tuple[int, int]] | None:
+    m = _PAIRS.search(line)
+    if not m:
+        return None
+    return [(int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", m.group(1))]
+
+
+def _spanned_axes(names: list[str], sizes: list[int], devices_by_link) -> list[str]:
+    """Mesh axes along which some link (a group, or a source-target pair) changes
+    coordinate."""
+    axes = set()
+    for devices in devices_by_link:
+        coords = np.array([np.unravel_index(d, sizes) for d in devices])
+        axes |= {i for i in range(len(sizes)) if len(set(coords[:, i])) > 1}
+    return [a for i, a in enumerate(names) if i in axes]
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
-    """One entry per collective in the optimized HLO; `times` is how often it runs per step
-    and `bytes` counts every run."""
+    """One entry per collective in the optimized HLO, each counted once: a sync op, the
+    `-start` of an async pair (never its `-done`), or the collective inside an async-start's
+    wrapped computation (never the async-start/-done around it). `bytes` is the collective's
+    buffer (all-gather: the gathered result; reduce-scatter: the operand; all-reduce,
+    all-to-all, collective-permute: the array moved; a combined op: the sum of its arrays)
+    times `times`, how often it runs per step."""
     names = list(mesh_shape)
     sizes = [mesh_shape[a] for a in names]
+    everyone = list(range(math.prod(sizes)))
     runs = executions(hlo_text)
     out = []
     current = None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
+    for line in _statements(hlo_text):
+        header = _header(line)
         if header:
             current = header.group(2)
             continue
-        m = _OP.match(line)
-        if not m or "-done(" in line:
+        m = _INSTRUCTION.match(line)
+        if not m:
             continue
-        kind, start = m.group("kind"), bool(m.group("start"))
-        groups = replica_groups(line) or [list(range(math.prod(sizes)))]
-        n = len(groups[0])
-        buffer = _buffer_bytes(kind, start, m.group("shape"))
+        op = m.group("op")
+        kind = op[:-len("-start")] if op.endswith("-start") else op
+        if kind not in KINDS:
+            continue
+        operand, result = _payload(kind, op, m.group("shape"), m.group("rest"))
+        if kind == "collective-permute":
+            pairs = _permute_pairs(line)
+            moving = [p for p in pairs if p[0] != p[1]] if pairs is not None else [everyone]
+            n = len({d for p in moving for d in p})
+            links = moving
+        else:
+            groups = replica_groups(line) or [everyone]
+            n = len(groups[0])
+            links = groups[:1]
         if kind == "reduce-scatter":
-            buffer *= n  # the operand is n times the scattered result
-        coords = np.array([np.unravel_index(d, sizes) for d in groups[0]])
-        axes = [a for i, a in enumerate(names) if len(set(coords[:, i])) > 1]
+            # The operand; where the text shows only the scattered result, n times it.
+            buffer = operand if operand is not None else result * n
+        else:
+            buffer = result
         times = max(runs.get(current, 1), 1)
         out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
-                    "axes": axes, "ring_bytes": buffer * times * _ring_factor(kind, n)})
+                    "axes": _spanned_axes(names, sizes, links),
+                    "ring_bytes": buffer * times * _ring_factor(kind, n)})
     return out
 
 
@@ -164,18 +313,39 @@ def summarize(ops: list[dict]) -> dict:
             "total_ring_bytes": sum(op["ring_bytes"] for op in ops)}
 
 
+# What each layout's analytic figure counts: the collectives this harness's implementation
+# of the layout needs, on ring algorithms, for parameters and gradients only.
+ANALYTIC_BASIS = {
+    "ddp": "ring all-reduce of the gradients: 2(N-1)/N x parameter bytes",
+    "zero1": "this implementation of ZeRO-1 (gradients all-reduced, each device updates its "
+             "optimizer shard, updated parameters all-gathered): all-reduce 2(N-1)/N + "
+             "all-gather (N-1)/N = 3(N-1)/N x parameter bytes; not the ZeRO paper's 2(N-1)/N "
+             "(reduce-scatter + all-gather)",
+    "fsdp": "all-gather of the parameters + reduce-scatter of the gradients, each once: "
+            "2(N-1)/N x parameter bytes",
+    "hsdp": "inside an fsdp group of F: all-gather + reduce-scatter, 2(F-1)/F x parameter "
+            "bytes; across the D = N/F groups: all-reduce of the gradient shard, "
+            "2(D-1)/D x parameter bytes / F",
+}
+
+
+def analytic_basis(layout: str) -> str:
+    return ANALYTIC_BASIS.get(layout, f"no analytic formula for layout {layout!r}")
+
+
 def analytic_ring_bytes(layout: str, mesh_shape: dict[str, int], param_bytes: int) -> float | None:
-    """Textbook bytes each device sends per step for a layout's parameter/gradient traffic
-    (ring algorithms, activations and scalars ignored); None where no formula applies."""
+    """Bytes each device sends per step for a layout's parameter/gradient traffic, as
+    ANALYTIC_BASIS describes (ring algorithms, activations and scalars ignored); None where
+    no formula applies."""
     n = math.prod(mesh_shape.values())
     f = mesh_shape.get("fsdp", 1)
     d = n // f
-    if layout == "ddp":  # all-reduce of the gradients
+    if layout == "ddp":
         return 2 * (n - 1) / n * param_bytes
-    if layout == "zero1":  # all-reduce of the gradients, all-gather of the updated parameters
+    if layout == "zero1":  # all-reduce + all-gather, as implemented here (not ZeRO's 2(N-1)/N)
         return 3 * (n - 1) / n * param_bytes
-    if layout == "fsdp":  # all-gather of parameters (forward) + reduce-scatter of gradients
+    if layout == "fsdp":
         return 2 * (n - 1) / n * param_bytes
-    if layout == "hsdp":  # fsdp inside a group, then all-reduce of the gradient shard across groups
+    if layout == "hsdp":
         return 2 * (f - 1) / f * param_bytes + 2 * (d - 1) / d * param_bytes / f
     return None

@@ -205,6 +205,7 @@ def comm_block(layout: str, compiled, program) -> dict:
                       for leaf in jax.tree.leaves(program.abstract_state["params"]))
     analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes)
     summary["analytic_ring_bytes"] = analytic
+    summary["analytic_basis"] = comm.analytic_basis(layout)
     summary["measured_over_analytic"] = (summary["total_ring_bytes"] / analytic
                                          if analytic else None)
     return summary

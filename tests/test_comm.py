@@ -1,5 +1,8 @@
-"""Communication accounting: replica-group notations, and what each layout's compiled step
-actually sends."""
+"""Communication accounting: replica-group notations, XLA:GPU's async and combined
+collective forms (real HLO text in tests/fixtures/hlo_gpu), the analytic volumes, and what
+each layout's compiled step actually sends."""
+
+from pathlib import Path
 
 import jax
 import pytest
@@ -61,9 +64,14 @@ def test_ddp_is_one_gradient_all_reduce_over_every_device():
 
 
 def test_hsdp_talks_within_fsdp_groups_and_across_data():
-    block, _ = _comm("hsdp")
-    assert "fsdp" in block["by_axis"] and "data" in block["by_axis"]
-    assert block["by_axis"]["fsdp"]["bytes"] > 0
+    block, program = _comm("hsdp")
+    param_bytes = sum(x.size * 4 for x in jax.tree.leaves(program.abstract_state["params"]))
+    # Gradient shards cross the 2 groups on 'data'; activations and the gradients of the
+    # leaves too small to shard move inside a group ('fsdp') or across all devices.
+    assert set(block["by_axis"]) == {"fsdp", "data", "data+fsdp"}
+    # F = 4, D = 2, worked by hand: 2(F-1)/F x P inside a group + 2(D-1)/D x P/F across.
+    assert block["analytic_ring_bytes"] == 2 * 3 / 4 * param_bytes + 2 * 1 / 2 * param_bytes / 4
+    assert block["analytic_basis"] == comm.ANALYTIC_BASIS["hsdp"]
 
 
 def test_collectives_in_the_microbatch_loop_count_every_iteration():
@@ -92,3 +100,85 @@ def test_executions_follow_while_trip_counts():
            "  %b = f32[4]{0} all-reduce(%y), replica_groups={{0,1}}, to_apply=%add\n}\n")
     ops = comm.collectives(hlo, {"data": 2})
     assert [(o["bytes"], o["times"]) for o in ops] == [(32 * 3, 3), (16, 1)]
+
+
+@pytest.mark.parametrize("layout, mesh, expected", [
+    # P = 4096 parameter bytes; N devices; F = the fsdp axis, D = N / F. Worked by hand.
+    ("ddp", {"data": 2, "fsdp": 4}, 2 * 7 / 8 * 4096),                      # 7168
+    ("zero1", {"data": 2, "fsdp": 4}, 2 * 7 / 8 * 4096 + 7 / 8 * 4096),    # 10752
+    ("fsdp", {"data": 2, "fsdp": 4}, 7 / 8 * 4096 + 7 / 8 * 4096),         # 7168
+    ("hsdp", {"data": 2, "fsdp": 4}, 2 * 3 / 4 * 4096 + 2 * 1 / 2 * 1024),  # 6144 + 1024
+    ("hsdp", {"data": 8, "fsdp": 1}, 0 + 2 * 7 / 8 * 4096),                # no fsdp group
+    ("ddp", {"data": 1, "fsdp": 1}, 0.0),
+    ("tp", {"data": 2, "tensor": 4}, None),
+])
+def test_analytic_ring_bytes_per_layout(layout, mesh, expected):
+    assert comm.analytic_ring_bytes(layout, mesh, 4096) == expected
+
+
+def test_analytic_basis_says_zero1_is_this_implementation_not_the_paper():
+    assert "all-reduce 2(N-1)/N + all-gather (N-1)/N = 3(N-1)/N" in comm.analytic_basis("zero1")
+    assert "not the ZeRO paper's 2(N-1)/N" in comm.analytic_basis("zero1")
+    assert comm.analytic_basis("tp") == "no analytic formula for layout 'tp'"
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hlo_gpu"
+
+
+def _gpu_hlo(name: str) -> str:
+    """A fixture's HLO text without its `#` provenance header."""
+    text = (FIXTURES / f"{name}.hlo").read_text()
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+# Real XLA:GPU HLO, one async/combined form per fixture (sources in each file's header):
+# (kind, bytes per step, times, group size, mesh axes) for every collective.
+@pytest.mark.parametrize("fixture, mesh, expected", [
+    ("all_reduce_start", {"data": 2, "fsdp": 4},
+     [("all-reduce", 32768 * 4, 1, 8, ["data", "fsdp"])]),
+    ("all_reduce_start_combined", {"data": 2, "fsdp": 2},
+     [("all-reduce", 2 * 2 * 3 * 4, 1, 4, ["data", "fsdp"])]),
+    # The gathered results, both arrays (was: the second operand only, 2048).
+    ("all_gather_start_combined", {"fsdp": 4},
+     [("all-gather", (4096 + 2048) * 4, 1, 4, ["fsdp"])]),
+    # async-start ((operands), result) + calls=: the wrapped tuple reduce-scatter, once.
+    ("reduce_scatter_async_start", {"fsdp": 4},
+     [("reduce-scatter", (4096 + 2048) * 4, 1, 4, ["fsdp"])]),
+    # async-done naming the wrapped computation too (was: counted twice, 64).
+    ("reduce_scatter_async_done_calls", {"data": 2},
+     [("reduce-scatter", 8 * 4, 1, 2, ["data"])]),
+    # reduce-scatter-start ((operand), result): the operand (was: (n+1)x, 48).
+    ("reduce_scatter_start", {"fsdp": 2},
+     [("reduce-scatter", 4 * 4, 1, 2, ["fsdp"])]),
+    ("all_to_all_async_start", {"data": 2, "fsdp": 4},
+     [("all-to-all", 4 * 8 * 128 * 4, 1, 8, ["data", "fsdp"])]),
+    # all-to-all-start ((operand), result) from a JAX GPU dump (was: twice the bytes).
+    ("all_to_all_start", {"z": 2, "y": 4},
+     [("all-to-all", 128 * 64 * 256 * 8, 1, 2, ["z"]),
+      ("all-to-all", 64 * 128 * 256 * 8, 1, 4, ["y"])]),
+    # Pairs {i, i+8} cross only 'data' (was: every axis).
+    ("collective_permute_start", {"data": 2, "fsdp": 8},
+     [("collective-permute", 262144 * 1024 * 4, 1, 16, ["data"])]),
+    # Four arrays; pairs 0->2->4, 1->3->5 step along 'data' (was: one array, every axis).
+    ("collective_permute_start_combined", {"data": 4, "tensor": 2},
+     [("collective-permute", 4 * 2 * 128 * 4, 1, 6, ["data"])]),
+])
+def test_xla_gpu_async_and_combined_collectives_count_once(fixture, mesh, expected):
+    ops = comm.collectives(_gpu_hlo(fixture), mesh)
+    assert [(o["kind"], o["bytes"], o["times"], o["group_size"], o["axes"])
+            for o in ops] == expected
+    summary = comm.summarize(ops)
+    assert summary["total_bytes"] == sum(e[1] for e in expected)
+    assert sum(k["count"] for k in summary["by_kind"].values()) == len(expected)
+
+
+def test_async_start_in_a_loop_counts_each_iteration_once():
+    # reduce_scatter_async_start's module with its async pair moved into a while body that
+    # runs 3 times: the wrapped reduce-scatter runs 3 times, not 3 per async op.
+    hlo = _gpu_hlo("reduce_scatter_async_done_calls").replace(
+        "ENTRY main (data: u32[8]) -> u32[4] {", "body (data: u32[8]) -> u32[4] {") + (
+        "\nENTRY e (p: u32[8]) -> u32[4] {\n"
+        '  w = u32[4] while(p), condition=c, body=body, '
+        'backend_config={"known_trip_count":{"n":"3"}}\n}\n')
+    ops = comm.collectives(hlo, {"data": 2})
+    assert [(o["kind"], o["bytes"], o["times"]) for o in ops] == [("reduce-scatter", 96, 3)]
