@@ -33,15 +33,16 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*/results.json")):
     r = json.loads(path.read_text())
     m = r["mfu"]
     rows.append((path.parent.name, r["step_time_s"]["p50"], r["throughput"]["tokens_per_s"],
-                 m["analytic_value"], m["value"], r["memory"]["measured_peak_bytes"]))
-print(f"\n{'config':<16}{'step p50 ms':>12}{'tokens/s':>12}{'MFU (model)':>13}"
-      f"{'MFU (XLA)':>11}{'peak GiB':>10}")
+                 m["value"], m.get("hfu"), r["memory"]["measured_peak_bytes"]))
+print(f"\n{'config':<16}{'step p50 ms':>12}{'tokens/s':>12}{'mfu':>13}"
+      f"{'hfu':>11}{'peak GiB':>10}")
 for name, p50, tps, mfu_a, mfu_c, peak in rows:
     fmt = lambda x: "n/a" if x is None else f"{x:.1%}"
+    fmt2 = lambda b: "n/a" if b is None else f"{b / 2**30:.1f}"
     print(f"{name:<16}{p50 * 1e3:>12.1f}{tps:>12,.0f}{fmt(mfu_a):>13}{fmt(mfu_c):>11}"
-          f"{(peak or 0) / 2**30:>10.1f}")
+          f"{fmt2(peak):>10}")
 if rows:
     best = max(rows, key=lambda r: r[2])
-    print(f"\nbest: {best[0]}: {best[2]:,.0f} tokens/s, model-FLOPs MFU "
-          f"{best[3]:.1%} (goal >= 50% on one H200)")
+    print(f"\nbest: {best[0]}: {best[2]:,.0f} tokens/s, mfu (model FLOPs) "
+          f"{fmt(best[3])} (goal >= 50% on one H200)")
 PYEOF
