@@ -5,14 +5,15 @@ RUNS are run directories (holding results.json) or folders containing them, from
 line-up of mismatched numbers:
 
 1. JAX vs live PyTorch: runs matched on (model, layout/strategy, devices, global batch,
-   dtype, optimizer, backend); step p50/p99, samples/s, peak memory and train state per
-   device, energy per sample where measured, and JAX/PyTorch ratios. Runs with no
+   dtype, matmul precision, optimizer, backend); step p50/p99, samples/s, peak memory and
+   train state per device, energy per sample where measured, and JAX/PyTorch ratios. Runs with no
    counterpart are listed with the closest candidate and every field that differs.
 2. Ovi 2025's claims as ratios (FSDP vs DDP memory and throughput; async vs sync parameter
    server time and accuracy), when the runs needed are present.
 3. With --published: for each JAX run, the closest published records (experiments/baselines)
-   with each mismatch named and the verdict "not comparable", a per-GPU normalised ratio, or
-   a ratio when everything the comparison depends on matches.
+   with each mismatch named and the verdict "not comparable", a per-GPU normalised
+   throughput ratio, or a ratio when everything the comparison depends on matches. A run on
+   CPU devices (simulated or not) is never set against a GPU figure.
 
 Writes compare.md, compare.csv and compare.png under --out.
 """
@@ -34,9 +35,18 @@ from jaxdist.results import check
 GiB = 2 ** 30
 # The fields a JAX run and a PyTorch run must share to be compared, with their labels.
 MATCH_FIELDS = (("model", "model"), ("layout", "layout"), ("devices", "devices"),
-                ("batch", "global batch"), ("dtype", "dtype"), ("optimizer", "optimizer"),
+                ("batch", "global batch"), ("dtype", "dtype"),
+                ("matmul_precision", "matmul precision"), ("optimizer", "optimizer"),
                 ("backend", "backend"), ("device_kind", "device"),
                 ("step_options", "step options"))
+
+
+PYTORCH_UNRECORDED = "not recorded (PyTorch's default: float32 matmuls, TF32 convolutions)"
+# GPUs without TF32 tensor cores: float32 stays float32 at every precision.
+PRE_AMPERE = ("V100", "T4", "P100", "P40", "K80")
+# The published quantities that a per-GPU normalisation makes comparable across GPU counts:
+# throughput per device. Step time, peak memory and MFU depend on the GPU count and kind.
+PER_GPU_KINDS = ("tokens_per_dev", "samples_per_dev")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +99,26 @@ class Run:
     @property
     def dtype(self) -> str:
         return self.cfg("model", "dtype")
+
+    @property
+    def matmul_precision(self) -> str:
+        """--matmul-precision. Runs made before it was recorded ran at their framework's
+        default: XLA's (what "default" selects) for JAX; PyTorch's own (float32 matmuls, TF32
+        convolutions), which no value of the flag reproduces, for PyTorch."""
+        recorded = self.cfg("model", "matmul_precision")
+        if recorded:
+            return recorded
+        return "default" if self.framework == "jax" else PYTORCH_UNRECORDED
+
+    def precision_class(self) -> str:
+        """The arithmetic of float32 matmuls as published records name it: float32 compute at
+        default/high precision on an Ampere or newer GPU is TF32."""
+        if (self.dtype == "float32" and self.backend == "gpu" and
+                self.matmul_precision in ("default", "high") and
+                not any(old in self.results["env"]["device_kind"].upper()
+                        for old in PRE_AMPERE)):
+            return "tf32"
+        return self.dtype
 
     @property
     def optimizer(self) -> str:
@@ -260,7 +290,8 @@ def fmt_num(x, digits=1):
 def live_section(groups) -> tuple[list[str], list[dict], list[dict]]:
     """(markdown lines, csv rows, chart rows)."""
     lines = ["## JAX vs PyTorch (live, same machine)", "",
-             "Matched on model, layout, devices, global batch, dtype, optimizer and backend. "
+             "Matched on model, layout, devices, global batch, dtype, matmul precision, "
+             "optimizer and backend. "
              "Times are medians over the runs of each side; ratios are JAX / PyTorch "
              "(throughput > 1: JAX faster; time and memory < 1: JAX smaller).", "",
              "| model | layout | devices | batch | dtype | framework | runs | step p50 (ms) | "
@@ -317,7 +348,8 @@ def live_section(groups) -> tuple[list[str], list[dict], list[dict]]:
         l0j, l0p = jax_s.value("loss0"), pt_s.value("loss0")
         if l0j is not None and l0p is not None:
             extra.append(f"first loss JAX {l0j:.4f}, PyTorch {l0p:.4f}")
-        notes.append(f"- {model} {layout} x{devices}: JAX on {j.where()}; PyTorch on "
+        notes.append(f"- {model} {layout} x{devices}, matmul precision "
+                     f"{j.matmul_precision}: JAX on {j.where()}; PyTorch on "
                      f"{p.where()}" + ("; " + "; ".join(extra) if extra else "") + ".")
     if not matched:
         lines.append("| (no JAX run matches a PyTorch run) | | | | | | | | | | | | |")
@@ -358,7 +390,8 @@ def ovi_section(runs: list[Run], records: dict) -> tuple[list[str], list[dict]]:
     lines, rows = [], []
     by_key: dict[tuple, dict[str, list[Run]]] = {}
     for r in runs:
-        key = (r.framework, r.model, r.devices, r.batch, r.dtype, r.optimizer, r.backend)
+        key = (r.framework, r.model, r.devices, r.batch, r.dtype, r.optimizer, r.backend,
+               r.matmul_precision, r.cfg("data", "dataset"))
         by_key.setdefault(key, {}).setdefault(r.layout, []).append(r)
 
     def claim(rid, fallback):
@@ -525,9 +558,12 @@ def record_mismatches(run: Run, rec: dict) -> tuple[list[str], list[str]]:
     image = _image_size(run)
     if (rec.get("image_size") or image) and rec.get("image_size") != image:
         hard.append(f"image {rec.get('image_size') or 'not stated'} vs {image or 'none'} px")
-    if rec.get("dtype") != run.dtype:
+    ours_precision = run.precision_class()
+    if rec.get("dtype") != ours_precision:
+        shown = (f"tf32 (float32 at matmul precision {run.matmul_precision})"
+                 if ours_precision != run.dtype else ours_precision)
         hard.append(f"precision {rec.get('dtype') or rec.get('precision') or 'not stated'} "
-                    f"vs {run.dtype}")
+                    f"vs {shown}")
     cap = f" {rec['power_cap_w']:g} W cap" if rec.get("power_cap_w") else ""
     kind = run.results["env"]["device_kind"]
     theirs = rec.get("device") or rec["hardware"]
@@ -559,9 +595,11 @@ def published_section(runs: list[Run], records: list[dict], top: int):
     lines = ["## JAX vs published figures", "",
              "Closest published records per JAX run (fewest mismatches first). A ratio is "
              "shown only when model, layout, per-device batch, sequence/image size and "
-             "precision all match; when only the hardware or GPU count differs it is a "
-             "per-GPU normalised ratio, labelled so; otherwise \"not comparable\" with every "
-             "mismatch named.", "",
+             "precision (float32 at matmul precision default/high on an Ampere or newer GPU "
+             "counts as tf32) all match; when only the hardware or GPU count differs, a "
+             "throughput per device becomes a per-GPU normalised ratio, labelled so; "
+             "otherwise \"not comparable\" with every mismatch named. A run on CPU devices is "
+             "never set against a GPU figure.", "",
              "| JAX run | record | source | metric | published | ours | verdict | mismatches |"
              " their read-out |", "|---|---|---|---|---|---|---|---|---|"]
     rows, shown = [], 0
@@ -593,14 +631,7 @@ def published_section(runs: list[Run], records: list[dict], top: int):
         for _, rid, rec, (kind, scale), hard, hw in scored[:top]:
             theirs = rec["value"] * scale
             mine, why = ours(run, kind)
-            if mine is None:
-                verdict = f"n/a: ours not measured ({why})"
-            elif hard:
-                verdict = "not comparable"
-            else:
-                x = ratio(mine, theirs)
-                verdict = (f"per-GPU normalised ratio {fmt_ratio(x)}" if hw
-                           else f"comparable: ratio {fmt_ratio(x)}")
+            verdict = published_verdict(run, rec, kind, mine, theirs, why, hard, hw)
             src = rec["source"]
             where = (f"{src['repo']}@{src['commit'][:8]} {src.get('path') or ''}".strip()
                      if src.get("repo") and src.get("commit") else src.get("url") or src["title"])
@@ -620,6 +651,21 @@ def published_section(runs: list[Run], records: list[dict], top: int):
                          f"with at least as many mismatches; --top to list them) | | | | | | "
                          f"| |")
     return (lines + [""] if shown or len(lines) > 6 else []), rows, shown
+
+
+def published_verdict(run: Run, rec: dict, kind: str, mine, theirs, why, hard, hw) -> str:
+    """A ratio only where it means something: never a CPU run against a (GPU) figure; a
+    per-GPU normalised ratio only for throughput per device; a plain ratio only when nothing
+    the comparison depends on differs."""
+    if run.backend == "cpu":
+        what = "simulated CPU devices" if run.results["env"].get("simulated") else "CPU"
+        return f"not comparable ({what} vs {rec.get('device') or rec['hardware']})"
+    if mine is None:
+        return f"n/a: ours not measured ({why})"
+    if hard or (hw and kind not in PER_GPU_KINDS):
+        return "not comparable"
+    x = ratio(mine, theirs)
+    return f"per-GPU normalised ratio {fmt_ratio(x)}" if hw else f"comparable: ratio {fmt_ratio(x)}"
 
 
 def _fmt_ours(kind, v):

@@ -14,8 +14,9 @@ is one, and writes DIR/report.md with PNG figures beside it:
 
 and one table over all runs, Ovi 2025's comparisons as ratios beside the published figures
 (labelled by paper version; timing ratios from simulated devices labelled as such), and the
-runs that failed. The report is built in a temporary directory and renamed into place, so a
-bad input leaves nothing half-written. Contents: docs/suite.md.
+runs that failed or did not finish (by name: a run directory without results.json, or one
+with status "interrupted"). The report is built in a temporary directory and renamed into
+place, so a bad input leaves nothing half-written. Contents: docs/suite.md.
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ class Run:
         return "x".join(str(v) for v in mesh.values()) or "?"
 
     @property
+    def bar(self) -> str:
+        """A figure's label for the run: `layout @ mesh` (variant included)."""
+        return f"{self.group} @ {self.mesh}"
+
+    @property
+    def devices(self):
+        n = (self.results.get("env") or {}).get("num_devices")
+        if n is None and self.results.get("mesh"):
+            n = math.prod(self.results["mesh"].values())
+        return n
+
+    @property
+    def framework(self) -> str:
+        return self.results.get("framework", "jax")
+
+    @property
+    def matmul_precision(self) -> str:
+        return self.cfg("model", "matmul_precision") or "default"
+
+    @property
     def simulated(self) -> bool:
         return bool((self.results.get("env") or {}).get("simulated"))
 
@@ -134,9 +155,12 @@ class Run:
         return self.cfg("model", "dtype", "float32")
 
     def compare_key(self) -> tuple:
-        """Runs compared in a ratio share these."""
+        """Runs compared in a ratio share these: like with like, on as many devices (an FSDP
+        run over 32 devices against a DDP run over 8 measures the device count, not the
+        layout)."""
         return (self.model, self.variant, self.batch, self.dtype,
-                self.cfg("data", "dataset"), self.cfg("train", "optimizer"))
+                self.cfg("data", "dataset"), self.cfg("train", "optimizer"), self.devices,
+                self.framework, self.matmul_precision)
 
     # -- figures of a run
     def step_p(self, q: str):
@@ -193,7 +217,9 @@ def _layout_rank(group: str) -> tuple:
 
 
 def collect(root: Path, skip: Path | None) -> tuple[list[Run], list[Failure], list[str], dict]:
-    """(finished runs, failed or unfinished runs from suite.json, problems, suite meta)."""
+    """(finished runs, failed or unfinished runs, problems, suite meta). Unfinished: the
+    suite's records, results.json with status "interrupted" (a missing status is a complete
+    run), and run directories without a results.json (a run killed with SIGKILL)."""
     if not root.exists():
         raise UsageError(f"runs directory {root} does not exist")
     if not root.is_dir():
@@ -205,17 +231,22 @@ def collect(root: Path, skip: Path | None) -> tuple[list[Run], list[Failure], li
         raise UsageError(f"cannot read runs directory {root}: {e.strerror or e}") from None
     if not os.access(root, os.R_OK | os.X_OK):
         raise UsageError(f"cannot read runs directory {root}: permission denied")
-    runs, problems = [], []
+    runs, problems, unfinished = [], [], []
     for path in found:
+        run_dir = path.parent
+        name = _name(root, run_dir)
         try:
             results = json.loads(path.read_text())
+            if isinstance(results, dict) and results.get("status") == "interrupted":
+                steps = len(results.get("loss") or [])
+                unfinished.append(Failure(name, "interrupted", "results.json has status "
+                                          f"\"interrupted\" ({steps} steps recorded)", "", ""))
+                continue
             if not isinstance(results, dict) or "step_time_s" not in results:
                 raise ValueError("not a run's results.json")
         except (OSError, ValueError) as e:
             problems.append(f"{path}: unreadable ({e})")
             continue
-        run_dir = path.parent
-        name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
         run = Run(run_dir, name, results)
         timed = read_scalars(run_dir).get("train/step_time_s", [])
         if timed:
@@ -244,11 +275,51 @@ def collect(root: Path, skip: Path | None) -> tuple[list[Run], list[Failure], li
                                     rec.get("reason") or ("not run yet" if status == "pending"
                                                           else status),
                                     rec.get("stderr_tail") or "", rec.get("command", "")))
+    named = {f.name for f in failures}
+    unfinished += [Failure(name, "unfinished", "no results.json: the run was killed, or is "
+                           "still running", "", "")
+                   for name in _dirs_without_results(root, skip, found)]
+    failures += sorted((f for f in unfinished if f.name not in named), key=lambda f: f.name)
     if not runs and not failures:
         raise UsageError(f"no runs in {root}: no results.json below it and no suite.json "
                          f"(run python -m experiments.suite or experiments.run first)")
     runs.sort(key=lambda r: (r.model, _layout_rank(r.group), r.name))
     return runs, failures, problems, meta
+
+
+def _name(root: Path, run_dir: Path) -> str:
+    return str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+
+
+def _dirs_without_results(root: Path, skip: Path | None, found: list[Path]) -> list[str]:
+    """Run directories that never got a results.json: those holding TensorBoard event files
+    (a run writes them from its first step) and empty ones (a run killed while compiling),
+    unless they sit inside a run that has a results.json. Hidden directories and the
+    report's own output are not runs."""
+    finished = {p.parent.resolve() for p in found}
+    names = []
+    try:
+        dirs = sorted([root, *(p for p in root.rglob("*") if p.is_dir())])
+    except OSError:
+        return []
+    for d in dirs:
+        rel = d.relative_to(root).parts
+        if any(part.startswith(".") for part in rel) or (
+                skip is not None and (d.resolve() == skip.resolve() or
+                                      skip.resolve() in d.resolve().parents)):
+            continue
+        try:
+            entries = list(d.iterdir())
+        except OSError:
+            continue
+        has_events = any(e.name.startswith("events.out.tfevents.") for e in entries)
+        if not has_events and (entries or d == root):
+            continue
+        resolved = d.resolve()
+        if resolved in finished or finished & set(resolved.parents):
+            continue
+        names.append(_name(root, d))
+    return names
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -331,8 +402,11 @@ class Ratio:
 
 
 def _context(key: tuple) -> str:
-    _, variant, batch, dtype, dataset, _ = key
-    bits = [b for b in (variant, f"batch {batch}" if batch else "", dtype, dataset) if b]
+    _, variant, batch, dtype, dataset, _, devices, framework, precision = key
+    bits = [b for b in (variant, f"{devices} devices" if devices else "",
+                        f"batch {batch}" if batch else "", dtype,
+                        f"matmul precision {precision}" if precision != "default" else "",
+                        dataset, "PyTorch" if framework == "pytorch" else "") if b]
     return ", ".join(bits)
 
 
@@ -407,8 +481,8 @@ def ratios(runs: list[Run]) -> list[Ratio]:
 
 def ratio_lines(rs: list[Ratio]) -> list[str]:
     if not rs:
-        return ["No comparison could be formed: it needs ddp and fsdp runs of the same model "
-                "and settings, or ps-sync with ps-async / ps-ssp.", ""]
+        return ["No comparison could be formed: it needs ddp and fsdp runs of the same model, "
+                "settings and device count, or ps-sync with ps-async / ps-ssp.", ""]
     lines = ["| comparison | model | settings | this study | basis | Ovi v1 (May 2025) | "
              "v1 | Ovi v2 (Jan 2026) | v2 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
@@ -498,7 +572,9 @@ def _save(fig, path: Path) -> None:
 
 
 def _groups(runs: list[Run]) -> list[str]:
-    return sorted({r.group for r in runs}, key=_layout_rank)
+    """The bar labels (`layout @ mesh`) of these runs: by layout, then device count."""
+    order = {r.bar: (_layout_rank(r.group), r.devices or 0) for r in runs}
+    return sorted(order, key=lambda bar: (order[bar], bar))
 
 
 def plot_step_times(runs: list[Run], path: Path) -> bool:
@@ -509,7 +585,7 @@ def plot_step_times(runs: list[Run], path: Path) -> bool:
     fig, axes = _figure(len(models), max(len(_groups(rs)) for rs in models.values()))
     for ax, (model, rs) in zip(axes, models.items()):
         groups = _groups(rs)
-        data = [[t * 1e3 for r in rs if r.group == g for t in r.step_times] for g in groups]
+        data = [[t * 1e3 for r in rs if r.bar == g for t in r.step_times] for g in groups]
         ax.boxplot(data, showfliers=True, widths=0.6)
         ax.set_xticks(range(1, len(groups) + 1), groups, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("step time (ms)")
@@ -535,7 +611,7 @@ def plot_memory(runs: list[Run], path: Path) -> bool:
         x = np.arange(len(groups))
         w = 0.8 / max(1, len(series))
         for i, (label, get) in enumerate(series):
-            vals = [_median(get(r) for r in rs if r.group == g) for g in groups]
+            vals = [_median(get(r) for r in rs if r.bar == g) for g in groups]
             ax.bar(x + (i - (len(series) - 1) / 2) * w, [v or 0 for v in vals], w,
                    label=label)
         ax.set_xticks(x, groups, rotation=30, ha="right", fontsize=8)
@@ -558,7 +634,7 @@ def plot_energy(runs: list[Run], path: Path) -> bool:
     fig, axes = _figure(len(models), max(len(_groups(rs)) for rs in models.values()))
     for ax, (model, rs) in zip(axes, models.items()):
         groups = _groups(rs)
-        vals = [_median(r.energy_per_sample for r in rs if r.group == g) for g in groups]
+        vals = [_median(r.energy_per_sample for r in rs if r.bar == g) for g in groups]
         ax.bar(range(len(groups)), vals)
         ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("J per sample")
@@ -579,7 +655,7 @@ def plot_accuracy(runs: list[Run], path: Path) -> bool:
         for r in sorted(rs, key=lambda r: (_layout_rank(r.group), r.name)):
             pts = r.results["accuracy"]
             ax.plot([p["wall_s"] for p in pts], [p["accuracy"] * 100 for p in pts],
-                    marker="o", ms=3, label=f"{r.group} ({r.name})" if len(rs) > 6 else r.group)
+                    marker="o", ms=3, label=f"{r.bar} ({r.name})" if len(rs) > 6 else r.bar)
         ax.set_xlabel("wall time since the first step (s)")
         ax.set_ylabel("test accuracy (%)")
         sim = " (simulated)" if any(r.simulated for r in rs) else ""
@@ -604,7 +680,7 @@ def plot_comm(runs: list[Run], path: Path) -> bool:
         bottom = np.zeros(len(groups))
         for kind in kinds:
             vals = np.array([_median(r.results["comm"]["by_kind"].get(kind, {}).get("bytes", 0)
-                                     for r in rs if r.group == g) or 0
+                                     for r in rs if r.bar == g) or 0
                              for g in groups], dtype=float) / 2 ** 20
             ax.bar(range(len(groups)), vals, bottom=bottom, label=kind)
             bottom += vals
@@ -680,7 +756,9 @@ def build_markdown(root: Path, runs, failures, problems, meta, figures, rs) -> s
               "Published figures are the abstracts' claims (arXiv 2505.12832 v1 May 2025, v2 "
               "Jan 2026; A100 and A10G clusters, CNNs on CIFAR-10/MNIST, batch sizes not "
               "published): a shape check, not a like-for-like number. v1's \">60%\" and v2's "
-              "\"4-6x\" memory claims disagree and are kept apart. Repeats: median. "
+              "\"4-6x\" memory claims disagree and are kept apart. A ratio pairs runs of "
+              "the same model, batch, dtype, dataset, optimizer, framework, matmul precision "
+              "and device count. Repeats: median. "
               "\"within\"/\"outside\": whether this study's ratio falls in the claim's range.",
               "", *ratio_lines(rs)]
     lines += ["## All runs", "", *runs_table(runs)]

@@ -42,6 +42,13 @@ STRATEGIES = {
             "parameters, gradients and optimizer state sharded on dim 0",
 }
 TORCH_INSTALL = "pip install -e '.[torch]' (CPU build: pip install torch==2.13.0)"
+# --matmul-precision -> PyTorch's float32 setting for matmuls (cuBLAS) and convolutions
+# (cuDNN), through the fp32_precision API of torch >= 2.9: "tf32" is what
+# set_float32_matmul_precision("high") and cudnn.allow_tf32 = True select, "ieee" what
+# "highest" and allow_tf32 = False select. XLA:GPU runs JAX's DEFAULT and HIGH float32 dots
+# and convolutions as TF32 on Ampere and newer, HIGHEST as float32 (docs/compare.md). CPU
+# matmuls (oneDNN) are left at float32 on both sides.
+TORCH_FP32_PRECISION = {"default": "tf32", "high": "tf32", "highest": "ieee"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-opts", default="", help="model size overrides, e.g. depth=4")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype; parameters stay float32 (bfloat16: torch.autocast)")
+    p.add_argument("--matmul-precision", choices=tuple(TORCH_FP32_PRECISION),
+                   default="default",
+                   help="float32 matmul and convolution precision, set as experiments.run's "
+                   "flag of that name behaves on GPU: default and high: TF32 (torch "
+                   "fp32_precision 'tf32'), highest: float32 ('ieee'). PyTorch's own default "
+                   "(float32 matmuls, TF32 convolutions) matches neither (default: default)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="adamw (optax defaults: betas 0.9/0.999, eps 1e-8, weight decay "
                    "1e-4) or sgd (momentum 0.9)")
@@ -170,7 +183,8 @@ def run_config(args):
 
     return RunConfig(
         mesh=MeshConfig(mesh=str(args.nproc), platform="auto"),
-        model=ModelConfig(model=args.model, model_opts=args.model_opts, dtype=args.dtype),
+        model=ModelConfig(model=args.model, model_opts=args.model_opts, dtype=args.dtype,
+                          matmul_precision=args.matmul_precision),
         train=TrainConfig(layout=args.strategy, optimizer=args.optimizer, lr=args.lr,
                           batch_size=args.batch_size, seed=args.seed),
         loop=LoopConfig(warmup=args.warmup, steps=args.steps),
@@ -206,7 +220,8 @@ def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
         job = {
             "spec": spec, "strategy": args.strategy, "world": args.nproc, "device": device,
             "port": free_port(), "threads": threads_per_process(args),
-            "dtype": args.dtype, "optimizer": args.optimizer, "lr": args.lr,
+            "dtype": args.dtype, "matmul_precision": args.matmul_precision,
+            "optimizer": args.optimizer, "lr": args.lr,
             "batch_size": args.batch_size, "seed": args.seed, "warmup": args.warmup,
             "steps": args.steps, "num_batches": NUM_SYNTHETIC_BATCHES, "init": args.init,
             "work": str(work), "timeout_s": args.timeout_s, "progress": args.progress,
@@ -287,7 +302,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
                 "num_processes": world, "simulated": False,
                 "threads_per_process": threads[0] if len(threads) == 1 else threads,
                 "host_cpus": os.cpu_count()},
-        "compile_s": 0.0,
+        "compile_s": None,  # not measured: there is no compilation step to time
         "compile_note": "eager PyTorch: nothing is compiled; one-off costs (lazy optimizer "
                         "state, FSDP lazy init) fall in the warm-up steps",
         "step_time_s": steps,
@@ -296,7 +311,8 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
         "throughput": {"samples_per_s": batch / steps["mean"],
                        "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
         "mfu": metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
-                           model_cfg.flops_per_sample() * batch),
+                           model_cfg.flops_per_sample() * batch,
+                           matmul_precision=job["matmul_precision"]),
         "memory": {
             "state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device,
@@ -319,6 +335,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
         "torch": {"strategy": job["strategy"], "implementation": first["implementation"],
                   "backend": first["backend"], "threads_per_process": job["threads"],
                   "init": job["init"], "optimizer_impl": first["optimizer_impl"],
+                  "fp32_precision": first["fp32_precision"],
                   "autocast": job["dtype"] if job["dtype"] != "float32" else None,
                   "sync": "barrier before each step (untimed); the step ends after the loss "
                           "all-reduce" + (" and torch.cuda.synchronize()" if cuda else ""),
@@ -382,6 +399,7 @@ def run_rank(rank: int, job: dict) -> dict:
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    fp32_precision = set_fp32_precision(job["matmul_precision"])
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{job['port']}",
                             rank=rank, world_size=world,
@@ -445,6 +463,7 @@ def run_rank(rank: int, job: dict) -> dict:
         state_bytes, sharding = state_report(model, opt, world)
         report = {
             "rank": rank, "step_s": step_s, "loss": losses, "window": window,
+            "fp32_precision": fp32_precision,
             "params": params, "state_bytes": state_bytes, "sharding": sharding,
             "threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "device_kind": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -459,6 +478,17 @@ def run_rank(rank: int, job: dict) -> dict:
         return report
     finally:
         dist.destroy_process_group()
+
+
+def set_fp32_precision(name: str) -> dict:
+    """Apply --matmul-precision; returns the settings read back from torch."""
+    import torch
+
+    value = TORCH_FP32_PRECISION[name]
+    torch.backends.cuda.matmul.fp32_precision = value
+    torch.backends.cudnn.conv.fp32_precision = value
+    return {"cuda_matmul": torch.backends.cuda.matmul.fp32_precision,
+            "cudnn_conv": torch.backends.cudnn.conv.fp32_precision}
 
 
 def wrap(model, spec: dict, strategy: str, world: int, device):

@@ -52,6 +52,13 @@ class ModelConfig:
     model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
     dtype: str = _opt("float32", "compute dtype (parameters stay float32)",
                       choices=("float32", "bfloat16"))
+    matmul_precision: str = _opt(
+        "default", "precision of float32 matmuls and convolutions (no effect with --dtype "
+        "bfloat16). default: each backend's default: TF32 on Ampere and newer GPUs, float32 "
+        "on CPU; high: JAX's HIGH, which XLA:GPU also runs as TF32; highest: true float32 "
+        "(JAX's HIGHEST). PyTorch's own default is float32 matmuls ('highest') but TF32 "
+        "convolutions; experiments.torch_run sets both to match this flag (docs/compare.md)",
+        choices=("default", "high", "highest"))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
     program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
-                            mesh, cfg.train.seed, cfg.train.microbatches)
+                            mesh, cfg.train.seed, cfg.train.microbatches,
+                            matmul_precision=cfg.model.matmul_precision)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps

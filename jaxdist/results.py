@@ -22,7 +22,7 @@ SCHEMA = {
     "config": dict,
     "env": {"jax_version": str, "backend": str, "device_kind": str, "num_devices": int,
             "num_processes": int, "simulated": bool},
-    "compile_s": NUM,
+    "compile_s": OPT_NUM,  # null where nothing is compiled (eager PyTorch): not 0.0
     "step_time_s": {"n": int, "mean": NUM, "std": NUM, "p50": NUM, "p90": NUM, "p99": NUM,
                     "min": NUM, "max": NUM, "ci95": OPT_NUM},
     "warmup_step_time_s": list,

@@ -22,6 +22,17 @@ from sharding import batch_spec
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def jax_matmul_precision(dtype_name: str, name: str) -> str | None:
+    """`--matmul-precision` as a `jax_default_matmul_precision` value (None: XLA's default).
+    Only float32 compute takes it: on bfloat16 operands a non-default precision makes XLA:GPU
+    upcast the dot to float32 (DotPrecisionEliminator), whereas PyTorch's setting governs
+    float32 matmuls only."""
+    if name not in ("default", "high", "highest"):
+        raise UsageError(f"unknown --matmul-precision {name!r}; choose from default, high, "
+                         f"highest")
+    return None if name == "default" or dtype_name != "float32" else name
+
+
 def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     if lr <= 0:
         raise UsageError(f"--lr must be positive, got {lr}")
@@ -64,8 +75,9 @@ def abstract_train_state(model_cfg, dtype_name: str, tx, seed: int = 0):
 
 
 def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
-                  microbatches: int = 1) -> Program:
+                  microbatches: int = 1, matmul_precision: str = "default") -> Program:
     dtype = DTYPES[dtype_name]
+    precision = jax_matmul_precision(dtype_name, matmul_precision)
     init_fn = _init_fn(model_cfg, dtype, tx, seed)
     graphdef = nnx.eval_shape(lambda: _split_model(model_cfg, dtype, seed))[0]
     abstract_state = jax.eval_shape(init_fn)
@@ -120,10 +132,11 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         return jnp.sum(hit_B * batch["mask"])
 
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                           out_shardings=(shardings, replicated), donate_argnums=0), mesh)
+                           out_shardings=(shardings, replicated), donate_argnums=0), mesh,
+                   precision)
     init = jax.jit(init_fn, out_shardings=shardings)
-    correct = jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
-                      out_shardings=replicated)
+    correct = MeshJit(jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
+                              out_shardings=replicated), mesh, precision)
     return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step,
                    correct)
 
@@ -154,17 +167,19 @@ def _explicit_all_reduce(gradients, mesh: Mesh):
 
 class MeshJit:
     """A jitted function traced with `mesh` as the ambient mesh, so model code can pin
-    intermediate shardings by axis name (the MoE dispatch does)."""
+    intermediate shardings by axis name (the MoE dispatch does), and under the run's default
+    matmul precision (None: XLA's), which jit reads when it traces, so it must hold at every
+    call and lowering."""
 
-    def __init__(self, fn, mesh: Mesh):
-        self.fn, self.mesh = fn, mesh
+    def __init__(self, fn, mesh: Mesh, matmul_precision: str | None = None):
+        self.fn, self.mesh, self.matmul_precision = fn, mesh, matmul_precision
 
     def __call__(self, *args):
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), jax.default_matmul_precision(self.matmul_precision):
             return self.fn(*args)
 
     def lower(self, *args):
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), jax.default_matmul_precision(self.matmul_precision):
             return self.fn.lower(*args)
 
 

@@ -74,9 +74,10 @@ def summary_scalars(results: dict) -> dict[str, float]:
         "summary/step_time_p50_s": t["p50"],
         "summary/step_time_p99_s": t["p99"],
         "summary/samples_per_s": results["throughput"]["samples_per_s"],
-        "summary/compile_s": results["compile_s"],
         "summary/state_bytes_per_device": mem["state_bytes_per_device"],
     }
+    if results["compile_s"] is not None:
+        out["summary/compile_s"] = results["compile_s"]
     if results["throughput"]["tokens_per_s"] is not None:
         out["summary/tokens_per_s"] = results["throughput"]["tokens_per_s"]
     if mem["compiled"]:
@@ -111,7 +112,8 @@ def format_summary(results: dict) -> str:
         ("model", f"{results['model']['name']} ({results['model']['params']:,} params)"),
         ("devices", f"{env['num_devices']} x {env['device_kind']} ({env['backend']}"
                     f"{', simulated' if env['simulated'] else ''})"),
-        ("compile", f"{results['compile_s']:.2f} s"),
+        ("compile", f"{results['compile_s']:.2f} s" if results["compile_s"] is not None
+         else f"n/a ({results.get('compile_note') or 'not measured'})"),
         ("step time p50 / p90 / p99", f"{ms(t['p50'])} / {ms(t['p90'])} / {ms(t['p99'])}"),
         ("step time mean ± ci95", f"{ms(t['mean'])} ± {ms(t['ci95'] or 0.0)} (n={t['n']})"),
         ("throughput", f"{results['throughput']['samples_per_s']:.1f} samples/s" + (

@@ -65,7 +65,7 @@ class Program:
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from jaxdist.train_step import DTYPES, _split_model
+        from jaxdist.train_step import DTYPES, MeshJit, _split_model, jax_matmul_precision
         from sharding import batch_spec
 
         dtype = DTYPES[cfg.model.dtype]
@@ -95,8 +95,11 @@ class Program:
             return jnp.sum(hit_B * batch["mask"])
 
         r, b = self.replicated, self.batch_sharding
-        self.grad = jax.jit(grad_fn, in_shardings=(r, r, b), out_shardings=(r, r, r))
-        self.correct = jax.jit(correct_fn, in_shardings=(r, r, b), out_shardings=r)
+        precision = jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision)
+        self.grad = MeshJit(jax.jit(grad_fn, in_shardings=(r, r, b), out_shardings=(r, r, r)),
+                            mesh, precision)
+        self.correct = MeshJit(jax.jit(correct_fn, in_shardings=(r, r, b), out_shardings=r),
+                               mesh, precision)
         init_state = jax.jit(lambda: _split_model(model_cfg, dtype, seed)[2], out_shardings=r)
         # Most models keep no state besides parameters: skip compiling a whole init for it.
         self.init_model_state = (init_state if jax.tree.leaves(abstract_state)

@@ -279,6 +279,100 @@ def test_report_measured_memory_and_energy(tmp_path):
     assert "| 3.5 |" in table and "| 3.91 KiB |" in table
 
 
+def _runs(*specs):
+    """report.Run objects from (name, layout, mesh, peak bytes) tuples."""
+    return [report.Run(Path(name), name, _result(layout, mesh, state=peak, peak=peak, sps=100.0,
+                                                 window=1.0, acc=0.5))
+            for name, layout, mesh, peak in specs]
+
+
+def test_ratios_pair_only_runs_on_as_many_devices():
+    runs = _runs(("ddp8", "ddp", {"data": 8}, 1000),
+                 ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250),
+                 ("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40))
+    mem = [r for r in report.ratios(runs) if r.what == "FSDP/DDP peak memory"]
+    # fsdp over 32 devices has no ddp run over 32: it is paired with nothing
+    assert [(r.value, r.context) for r in mem] == [
+        (0.25, "8 devices, batch 8, float32, digits")]
+
+
+def test_runs_of_another_framework_or_precision_are_not_paired():
+    runs = _runs(("ddp", "ddp", {"data": 8}, 1000), ("fsdp", "fsdp", {"fsdp": 8}, 250))
+    runs[1].results["framework"] = "pytorch"
+    assert report.ratios(runs) == []
+    runs[1].results["framework"] = "jax"
+    runs[1].results["config"]["model"]["matmul_precision"] = "highest"
+    assert report.ratios(runs) == []
+
+
+def test_bars_are_labelled_layout_at_mesh(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig))
+    runs = _runs(("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40),
+                 ("ddp8", "ddp", {"data": 8}, 1000),
+                 ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250))
+    assert report.plot_memory(runs, tmp_path / "memory.png")
+    (ax,) = [a for a in figures[0].axes if a.get_visible()]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ddp @ 8", "fsdp @ 1x8",
+                                                           "fsdp @ 4x8"]
+
+
+def test_unfinished_runs_are_listed_by_name(tmp_path):
+    from jaxdist.writers import RunWriter
+
+    done = _result("ddp", {"data": 2}, state=400, peak=1000, sps=200.0, window=5.0, acc=0.9)
+    for name, extra in (("done", {"status": "complete"}), ("legacy", {}),
+                        ("stopped", {"status": "interrupted", "loss": [2.0, 1.9, 1.8]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({**done, **extra}))
+    # what a run killed mid-training leaves: its event files and no results.json
+    writer = RunWriter(tmp_path / "killed", {"model": {"model": "mlp-tiny"}})
+    writer.step(0, 2.3, 0.01, False)
+    writer.tb.flush()
+    (tmp_path / "killed-compiling").mkdir()        # killed before its first step
+    (tmp_path / "done" / "plugins").mkdir()         # empty, but inside a finished run
+    rep = tmp_path / "rep"
+    assert report.main([str(tmp_path), "--out", str(rep)]) == 0
+    text = (rep / "report.md").read_text()
+    table = text.split("## Failed and unfinished runs", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == [
+        "| run | status | reason |",
+        "| killed | unfinished | no results.json: the run was killed, or is still running |",
+        "| killed-compiling | unfinished | no results.json: the run was killed, or is still "
+        "running |",
+        "| stopped | interrupted | results.json has status \"interrupted\" (3 steps recorded) |"]
+    assert "2 finished, 0 failed, 3 not finished" in text
+    runs = text.split("## All runs", 1)[1].split("\n## ", 1)[0]
+    assert "| done |" in runs and "| legacy |" in runs and "stopped" not in runs
+
+
+def test_a_run_killed_with_sigkill_is_listed_unfinished(tmp_path, capsys):
+    import signal
+    import time
+
+    logdir = tmp_path / "runs" / "killed-ddp"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.run", "--layout", "ddp",
+                             "--mesh", "2", "--platform", "cpu", "--model", "mlp-tiny",
+                             "--batch-size", "8", "--warmup", "0", "--steps", "1000000",
+                             "--no-progress", "--logdir", str(logdir)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(logdir.glob("events.out.tfevents.*")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (logdir / "results.json").exists()
+    assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    assert "0 runs, 0 failed, 1 not finished" in capsys.readouterr().out
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| killed-ddp | unfinished | no results.json" in text
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def _one_line_error(capsys, code, expected):

@@ -4,6 +4,7 @@ batches, and a 2-process DDP / FSDP2 run on CPU that writes a schema-valid resul
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ from jaxdist.results import check
 from models import get_model
 from tests.helpers import ROOT
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: make test installs "
+                            "torch==2.13.0 (pip install torch==2.13.0 by hand)")
 from models import torch_ref  # noqa: E402
 
 SIZES = ["mlp-tiny", "mlp-10m", "gpt-tiny", "gpt-small", "gpt", "resnet-tiny", "resnet18",
@@ -78,11 +80,13 @@ def torch_run(*args, timeout=240, env_extra=None):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("torch")
     out = {}
-    for strategy in ("ddp", "fsdp"):
+    # fsdp at --matmul-precision highest: on CPU it changes nothing (it sets cuBLAS and cuDNN
+    # modes), so the two runs' losses still agree.
+    for strategy, precision in (("ddp", "default"), ("fsdp", "highest")):
         logdir = base / strategy
         proc = torch_run("--strategy", strategy, "--nproc", "2", "--model", "mlp-tiny",
                          "--batch-size", "32", "--warmup", "1", "--steps", "3",
-                         "--logdir", str(logdir))
+                         "--matmul-precision", precision, "--logdir", str(logdir))
         out[strategy] = (proc, logdir)
     return out
 
@@ -108,6 +112,13 @@ def test_torch_run_writes_schema_valid_results(runs, strategy):
     assert results["step_time_s"]["n"] == 3 and len(results["warmup_step_time_s"]) == 1
     assert len(results["loss"]) == 4
     assert results["config"]["train"]["batch_size"] == 32
+    # eager PyTorch compiles nothing: no compile time, and a reason instead of 0.0
+    assert results["compile_s"] is None and "nothing is compiled" in results["compile_note"]
+    assert re.search(r"\n  compile +n/a \(eager PyTorch: nothing is compiled", proc.stdout)
+    # the precision as recorded, and torch's settings as read back in the ranks
+    precision, setting = {"ddp": ("default", "tf32"), "fsdp": ("highest", "ieee")}[strategy]
+    assert results["config"]["model"]["matmul_precision"] == precision
+    assert results["torch"]["fp32_precision"] == {"cuda_matmul": setting, "cudnn_conv": setting}
     shard = results["sharding"]
     if strategy == "ddp":
         assert shard["sharded_bytes"] == 0 and shard["replicated_leaves"] > 0
@@ -132,6 +143,7 @@ BAD = [
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--strategy", "zero9"], "invalid choice: 'zero9'"),
     (["--device", "cuda"], "needs 2 GPUs"),
+    (["--matmul-precision", "tf32"], "--matmul-precision: invalid choice: 'tf32'"),
 ]
 
 
