@@ -7,7 +7,7 @@ What a run shows in TensorBoard:
 - Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run.
 - HParams: one row per run named `<layout>@<mesh> <model> <time>`, with the settings that
   define the run as columns and its run-level figures as metrics. TensorBoard reads metric
-  values from scalars, so each metric is also a one-point scalar under `run/`.
+  values from scalars, so each metric is also a one-point scalar under `trial/`.
 - Text: `summary` (the printed table, as markdown) and `config` (the whole RunConfig).
 """
 
@@ -19,7 +19,9 @@ from pathlib import Path
 
 from jaxdist.results import write_json
 
-METRIC_PREFIX = "run/"
+# After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
+# on the training curves, not on these one-point charts ("trial" as in HParams' Trial ID).
+METRIC_PREFIX = "trial/"
 # (tag without the prefix, column title): the run-level figures, in HParams column order.
 METRICS = (
     ("step_time_p50_s", "step p50 (s)"),
@@ -49,7 +51,7 @@ HPARAMS = {
 }
 # Marked as differing so TensorBoard shows these columns first (it shows 5 by default,
 # differing ones first, then by name): without them no row says which run it is.
-IDENTITY = ("layout", "mesh", "model")
+IDENTITY = ("devices", "layout", "mesh", "model")
 CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
 

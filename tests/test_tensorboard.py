@@ -131,6 +131,10 @@ def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(ser
         assert [step for _, step, _ in points] == list(range(WARMUP + STEPS))
         per_step = {t for t in tags[run] if not t.startswith(METRIC_PREFIX)}
         assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s"}
+    # Time Series lays tag groups out alphabetically: the one-point run figures come after
+    # the training curves, so the first thing TensorBoard shows is train/.
+    groups = sorted({t.split("/")[0] for run in LAYOUTS for t in tags[run]})
+    assert groups == ["train", METRIC_PREFIX.rstrip("/")]
 
 
 def test_summary_table_and_custom_scalars(server):
