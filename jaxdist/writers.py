@@ -38,6 +38,9 @@ METRICS = (
     ("energy_per_sample_j", "energy/sample (J)"),
     ("accuracy", "test accuracy"),
     ("final_loss", "final loss"),
+    ("ps_push_p50_s", "ps push p50 (s)"),
+    ("ps_pull_p50_s", "ps pull p50 (s)"),
+    ("ps_bytes_per_step", "ps bytes/step"),
 )
 # name -> type of the settings that define a run. Left out on purpose: flags that do not
 # change what is measured (checkpointing, multi-process wiring, output paths, telemetry
@@ -212,6 +215,13 @@ def run_metrics(results: dict) -> dict[str, float]:
         "accuracy": accuracy[-1]["accuracy"] if accuracy else None,
         "final_loss": results["loss"][-1] if results.get("loss") else None,
     }
+    ps = results.get("ps")
+    if ps:
+        out["ps_push_p50_s"] = (ps.get("push_latency_s") or {}).get("p50")
+        out["ps_pull_p50_s"] = (ps.get("pull_latency_s") or {}).get("p50")
+        moved = ps.get("bytes_per_step") or {}
+        if moved:
+            out["ps_bytes_per_step"] = moved.get("push", 0) + moved.get("pull", 0)
     return {k: float(v) for k, v in out.items() if v is not None}
 
 

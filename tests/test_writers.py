@@ -132,3 +132,12 @@ def test_trial_name_is_readable_and_markdown_escapes_pipes():
     assert trial_name(results(framework="pytorch"), 0.0).startswith("pytorch fsdp@2x4 ")
     md = format_markdown(results(model={"name": "a|b", "params": 1}))
     assert "| model | a\\|b (1 params) |" in md.splitlines()
+
+
+def test_ps_figures_are_metrics_not_one_point_charts():
+    r = results(layout="ps", mesh={"workers": 2, "devices_per_worker": 1},
+                ps={"push_latency_s": {"p50": 0.001}, "pull_latency_s": {"p50": 0.004},
+                    "bytes_per_step": {"push": 1000.0, "pull": 1500.0}})
+    m = run_metrics(r)
+    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"]) == \
+        (0.001, 0.004, 2500.0)
