@@ -2,8 +2,8 @@
 
 What a run shows in TensorBoard:
 - Time Series / Scalars: the per-step curves, `train/loss` and `train/step_time_s`
-  (`train/warmup_step_time_s` for warm-up steps), `eval/accuracy`, the power telemetry
-  under `power/` (jaxdist/telemetry/outputs.py) and, for ps runs, `ps/`.
+  (`train/warmup_step_time_s` for warm-up steps; ps runs add `train/worker<w>/step_time_s`),
+  `eval/accuracy` and the power telemetry under `power/` (jaxdist/telemetry/outputs.py).
 - Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run.
 - HParams: one row per run named `<layout>@<mesh> <model> <time>`, with the settings that
   define the run as columns and its run-level figures as metrics. TensorBoard reads metric
@@ -41,6 +41,8 @@ METRICS = (
     ("ps_push_p50_s", "ps push p50 (s)"),
     ("ps_pull_p50_s", "ps pull p50 (s)"),
     ("ps_bytes_per_step", "ps bytes/step"),
+    ("ps_staleness_mean", "ps staleness mean"),
+    ("ps_staleness_max", "ps staleness max"),
 )
 # name -> type of the settings that define a run. Left out on purpose: flags that do not
 # change what is measured (checkpointing, multi-process wiring, output paths, telemetry
@@ -222,6 +224,8 @@ def run_metrics(results: dict) -> dict[str, float]:
         moved = ps.get("bytes_per_step") or {}
         if moved:
             out["ps_bytes_per_step"] = moved.get("push", 0) + moved.get("pull", 0)
+        out["ps_staleness_mean"] = (ps.get("staleness") or {}).get("mean")
+        out["ps_staleness_max"] = (ps.get("staleness") or {}).get("max")
     return {k: float(v) for k, v in out.items() if v is not None}
 
 

@@ -510,11 +510,9 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
             writer.step(t, loss, step_s, t >= warmup)
             for w, r in workers.items():
                 if t < len(r["step_s"]):
-                    writer.scalar(f"ps/worker{w}/step_time_s", r["step_s"][t], t)
+                    writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
         for point in ref["accuracy"]:
             writer.scalar("eval/accuracy", point["accuracy"], point["step"])
-        for k, v in ps_block["staleness"]["histogram"].items():
-            writer.scalar("ps/staleness_count", v, int(k))
         writer.summary(results)
     finally:
         writer.close()

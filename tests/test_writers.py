@@ -137,7 +137,8 @@ def test_trial_name_is_readable_and_markdown_escapes_pipes():
 def test_ps_figures_are_metrics_not_one_point_charts():
     r = results(layout="ps", mesh={"workers": 2, "devices_per_worker": 1},
                 ps={"push_latency_s": {"p50": 0.001}, "pull_latency_s": {"p50": 0.004},
-                    "bytes_per_step": {"push": 1000.0, "pull": 1500.0}})
+                    "bytes_per_step": {"push": 1000.0, "pull": 1500.0},
+                    "staleness": {"mean": 0.5, "max": 2}})
     m = run_metrics(r)
-    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"]) == \
-        (0.001, 0.004, 2500.0)
+    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"],
+            m["ps_staleness_mean"], m["ps_staleness_max"]) == (0.001, 0.004, 2500.0, 0.5, 2.0)
