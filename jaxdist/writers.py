@@ -1,15 +1,64 @@
-"""Run outputs: TensorBoard events (tensorboardX), results.json and the console summary."""
+"""Run outputs: TensorBoard events (tensorboardX), results.json and the console summary.
+
+What a run shows in TensorBoard:
+- Time Series / Scalars: the per-step curves, `train/loss` and `train/step_time_s`
+  (`train/warmup_step_time_s` for warm-up steps; ps runs add `train/worker<w>/step_time_s`),
+  `eval/accuracy` and the power telemetry under `power/` (jaxdist/telemetry/outputs.py).
+- Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run.
+- HParams: one row per run named `<layout>@<mesh> <model> <time>`, with the settings that
+  define the run as columns and its run-level figures as metrics. TensorBoard reads metric
+  values from scalars, so each metric is also a one-point scalar under `trial/`.
+- Text: `summary` (the printed table, as markdown) and `config` (the whole RunConfig).
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-
-from tensorboardX import SummaryWriter
-from tensorboardX.summary import hparams
 
 from jaxdist.results import write_json
 
+# After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
+# on the training curves, not on these one-point charts ("trial" as in HParams' Trial ID).
+METRIC_PREFIX = "trial/"
+# (tag without the prefix, column title): the run-level figures, in HParams column order.
+METRICS = (
+    ("step_time_p50_s", "step p50 (s)"),
+    ("step_time_p99_s", "step p99 (s)"),
+    ("samples_per_s", "samples/s"),
+    ("tokens_per_s", "tokens/s"),
+    ("mfu", "MFU"),
+    ("hfu", "HFU"),
+    ("state_bytes_per_device", "state bytes/device"),
+    ("compiler_bound_bytes", "compiler bound bytes/device"),
+    ("measured_peak_bytes", "measured peak bytes/device"),
+    ("comm_ring_bytes", "ring bytes/device/step"),
+    ("energy_per_step_j", "energy/step (J)"),
+    ("energy_per_sample_j", "energy/sample (J)"),
+    ("accuracy", "test accuracy"),
+    ("final_loss", "final loss"),
+    ("ps_push_p50_s", "ps push p50 (s)"),
+    ("ps_pull_p50_s", "ps pull p50 (s)"),
+    ("ps_bytes_per_step", "ps bytes/step"),
+    ("ps_staleness_mean", "ps staleness mean"),
+    ("ps_staleness_max", "ps staleness max"),
+)
+# name -> type of the settings that define a run. Left out on purpose: flags that do not
+# change what is measured (checkpointing, multi-process wiring, output paths, telemetry
+# knobs) and, for runs other than ps, the ps settings.
+HPARAMS = {
+    "layout": str, "mesh": str, "devices": float, "device_kind": str, "model": str,
+    "params": float, "batch": float, "dtype": str, "matmul_precision": str,
+    "optimizer": str, "lr": float, "microbatches": float, "remat": str, "overlap": bool,
+    "dataset": str, "seed": float, "framework": str, "backend": str, "simulated": bool,
+    "ps_mode": str, "ps_shards": float, "ps_staleness": float,
+}
+# Marked as differing so TensorBoard shows these columns first (it shows 5 by default,
+# differing ones first, then by name): without them no row says which run it is.
+IDENTITY = ("devices", "layout", "mesh", "model")
+CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
+                            "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
 
 
 def human_bytes(n: int | None) -> str:
@@ -25,10 +74,15 @@ class RunWriter:
     """Everything a run writes under its directory."""
 
     def __init__(self, logdir: Path, config: dict):
+        # Imported here: tensorboardX imports torch when it is installed (~3 s), which a
+        # --dry-run (human_bytes) or bad input should not wait for.
+        from tensorboardX import SummaryWriter
+
         self.logdir = logdir
+        self.started = time.time()
         self.tb = SummaryWriter(logdir=str(logdir), flush_secs=5)
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
-        self._config = config
+        self.tb.add_custom_scalars(CUSTOM_SCALARS)
 
     def step(self, index: int, loss: float, step_s: float, timed: bool) -> None:
         self.tb.add_scalar("train/loss", loss, index)
@@ -39,15 +93,12 @@ class RunWriter:
         self.tb.add_scalar(tag, value, step)
 
     def summary(self, results: dict) -> None:
-        scalars = summary_scalars(results)
-        for name, value in scalars.items():
+        for name, value in summary_scalars(results).items():
             self.tb.add_scalar(name, value, 0)
-        # The hparams plugin: one session whose metrics are the summary scalars above.
-        flat = {f"{section}.{key}": _hparam_value(value)
-                for section, fields in self._config.items() for key, value in fields.items()}
-        file_writer = self.tb.file_writer
-        for summary in hparams(flat, {name: scalars[name] for name in scalars}):
-            file_writer.add_summary(summary)
+        for event in hparams_summaries(results, trial_name(results, self.started),
+                                       self.started):
+            self.tb.file_writer.add_summary(event)
+        self.tb.add_text("summary", format_markdown(results), 0)
         write_json(self.logdir / "results.json", results)
 
     def close(self) -> None:
@@ -63,79 +114,230 @@ class NullWriter:
     def close(self) -> None: ...
 
 
-def _hparam_value(value):
-    return value if isinstance(value, (bool, int, float, str)) else str(value)
+# ---------------------------------------------------------------------- HParams
+
+def mesh_label(mesh: dict) -> str:
+    """{"data": 4, "fsdp": 8} -> "4x8" (ps: workers x devices per worker)."""
+    return "x".join(str(v) for v in mesh.values())
+
+
+def trial_name(results: dict, started: float) -> str:
+    """`fsdp@4x8 gpt-tiny 11-30 13:34:12`: what the run is first, so a narrow column cuts
+    the time, not the identity."""
+    framework = results.get("framework", "jax")
+    prefix = "" if framework == "jax" else f"{framework} "
+    stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(started))
+    return (f"{prefix}{results['layout']}@{mesh_label(results['mesh'])} "
+            f"{results['model']['name']} {stamp}")
+
+
+def run_hparams(results: dict) -> dict:
+    """The settings that define a run (HPARAMS), from results.json; absent ones left out."""
+    cfg = results.get("config") or {}
+    train, model = cfg.get("train") or {}, cfg.get("model") or {}
+    env = results.get("env") or {}
+    hp = {
+        "layout": results["layout"], "mesh": mesh_label(results["mesh"]),
+        "devices": env.get("num_devices"), "device_kind": env.get("device_kind"),
+        "model": results["model"]["name"], "params": results["model"].get("params"),
+        "batch": train.get("batch_size"), "dtype": model.get("dtype"),
+        # Runs from before --matmul-precision existed ran at XLA's default.
+        "matmul_precision": model.get("matmul_precision", "default"),
+        "optimizer": train.get("optimizer"), "lr": train.get("lr"),
+        "microbatches": train.get("microbatches"), "remat": train.get("remat"),
+        "overlap": (cfg.get("compiler") or {}).get("overlap"),
+        "dataset": (cfg.get("data") or {}).get("dataset"), "seed": train.get("seed"),
+        "framework": results.get("framework"), "backend": env.get("backend"),
+        "simulated": env.get("simulated"),
+    }
+    if results["layout"] == "ps":
+        ps = cfg.get("ps") or {}
+        hp.update(ps_mode=ps.get("ps_mode"), ps_shards=ps.get("ps_shards"),
+                  ps_staleness=ps.get("staleness") if ps.get("ps_mode") == "ssp" else None)
+    return {k: v for k, v in hp.items() if v is not None}
+
+
+def hparams_summaries(results: dict, name: str, started: float) -> list:
+    """The hparams plugin's three summaries: the experiment (the same in every run, so
+    whichever run TensorBoard reads it from lists every column), this session's start
+    (its values and its name) and its end."""
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+    types = {str: api_pb2.DATA_TYPE_STRING, float: api_pb2.DATA_TYPE_FLOAT64,
+             bool: api_pb2.DATA_TYPE_BOOL}
+    experiment = api_pb2.Experiment(
+        hparam_infos=[api_pb2.HParamInfo(name=k, type=types[t], differs=k in IDENTITY)
+                      for k, t in HPARAMS.items()],
+        metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=METRIC_PREFIX + tag),
+                                         display_name=title) for tag, title in METRICS])
+    start = plugin_data_pb2.SessionStartInfo(group_name=name, start_time_secs=started)
+    for key, value in run_hparams(results).items():
+        kind = HPARAMS[key]
+        if kind is str:
+            start.hparams[key].string_value = str(value)
+        elif kind is bool:
+            start.hparams[key].bool_value = bool(value)
+        else:
+            start.hparams[key].number_value = float(value)
+    status = (api_pb2.STATUS_SUCCESS if results.get("status", "complete") == "complete"
+              else api_pb2.STATUS_ABORTED)
+    end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
+
+    def summary(tag, **data):
+        content = plugin_data_pb2.HParamsPluginData(version=0, **data).SerializeToString()
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+            plugin_name=metadata.PLUGIN_NAME, content=content))
+        return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
+
+    return [summary(metadata.EXPERIMENT_TAG, experiment=experiment),
+            summary(metadata.SESSION_START_INFO_TAG, session_start_info=start),
+            summary(metadata.SESSION_END_INFO_TAG, session_end_info=end)]
+
+
+def run_metrics(results: dict) -> dict[str, float]:
+    """METRICS of a run by tag (no prefix); a figure the run does not have is absent."""
+    t = results.get("step_time_s") or {}
+    mem = results.get("memory") or {}
+    mfu = results.get("mfu") or {}
+    power = results.get("power") or {}
+    accuracy = results.get("accuracy") or []
+    out = {
+        "step_time_p50_s": t.get("p50"), "step_time_p99_s": t.get("p99"),
+        "samples_per_s": (results.get("throughput") or {}).get("samples_per_s"),
+        "tokens_per_s": (results.get("throughput") or {}).get("tokens_per_s"),
+        "mfu": mfu.get("value"), "hfu": mfu.get("hfu"),
+        "state_bytes_per_device": mem.get("state_bytes_per_device"),
+        "compiler_bound_bytes": (mem.get("compiled") or {}).get("peak_bytes"),
+        "measured_peak_bytes": mem.get("measured_peak_bytes"),
+        "comm_ring_bytes": (results.get("comm") or {}).get("total_ring_bytes"),
+        "energy_per_step_j": power.get("energy_per_step_j") if power.get("available") else None,
+        "energy_per_sample_j": (power.get("energy_per_sample_j") if power.get("available")
+                                else None),
+        "accuracy": accuracy[-1]["accuracy"] if accuracy else None,
+        "final_loss": results["loss"][-1] if results.get("loss") else None,
+    }
+    ps = results.get("ps")
+    if ps:
+        out["ps_push_p50_s"] = (ps.get("push_latency_s") or {}).get("p50")
+        out["ps_pull_p50_s"] = (ps.get("pull_latency_s") or {}).get("p50")
+        moved = ps.get("bytes_per_step") or {}
+        if moved:
+            out["ps_bytes_per_step"] = moved.get("push", 0) + moved.get("pull", 0)
+        out["ps_staleness_mean"] = (ps.get("staleness") or {}).get("mean")
+        out["ps_staleness_max"] = (ps.get("staleness") or {}).get("max")
+    return {k: float(v) for k, v in out.items() if v is not None}
 
 
 def summary_scalars(results: dict) -> dict[str, float]:
-    t = results["step_time_s"]
-    mem = results["memory"]
-    out = {
-        "summary/step_time_p50_s": t["p50"],
-        "summary/step_time_p99_s": t["p99"],
-        "summary/samples_per_s": results["throughput"]["samples_per_s"],
-        "summary/state_bytes_per_device": mem["state_bytes_per_device"],
-    }
-    if results["compile_s"] is not None:
-        out["summary/compile_s"] = results["compile_s"]
-    if results["throughput"]["tokens_per_s"] is not None:
-        out["summary/tokens_per_s"] = results["throughput"]["tokens_per_s"]
-    if mem["compiled"]:
-        out["summary/compiled_peak_bytes"] = mem["compiled"]["peak_bytes"]
-    if mem["measured_peak_bytes"] is not None:
-        out["summary/measured_peak_bytes"] = mem["measured_peak_bytes"]
-    if results["mfu"]["value"] is not None:
-        out["summary/mfu"] = results["mfu"]["value"]
-    power = results.get("power") or {}
-    if power.get("available"):
-        out["summary/avg_power_w"] = power["avg_w"]
-        out["summary/energy_per_sample_j"] = power["energy_per_sample_j"]
-    for kind, row in results.get("comm", {}).get("by_kind", {}).items():
-        out[f"comm/{kind}_bytes"] = row["bytes"]
-    if "comm" in results:
-        out["comm/total_ring_bytes"] = results["comm"]["total_ring_bytes"]
-    return {k: float(v) for k, v in out.items()}
+    """The run-level scalars written at the end (the HParams metrics' values)."""
+    return {METRIC_PREFIX + k: v for k, v in run_metrics(results).items()}
 
 
-def format_summary(results: dict) -> str:
-    """The table printed at the end of a run."""
-    t = results["step_time_s"]
-    mem = results["memory"]
-    shard = results["sharding"]
-    env = results["env"]
-    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-    mib = human_bytes
-    mfu = results["mfu"]
+# ---------------------------------------------------------------- printed summary
+
+def replicated_text(sharding: dict) -> str:
+    """Replicated bytes and what they are. `replicated_leaves` counts non-scalar leaves
+    only, while the bytes include scalars (step counters, replicated by design)."""
+    size, leaves = sharding["replicated_bytes"], sharding["replicated_leaves"]
+    if not size:
+        return "nothing replicated"
+    if not leaves:
+        return f"{human_bytes(size)} (scalars only: step counters)"
+    return f"{human_bytes(size)} ({leaves} non-scalar leaves, plus any scalar counters)"
+
+
+def summary_rows(results: dict) -> list[tuple[str, str]]:
+    """(label, value) rows of the summary; a value the run does not have reads 'n/a'."""
+    t = results.get("step_time_s") or {}
+    mem = results.get("memory") or {}
+    env = results.get("env") or {}
+    throughput = results.get("throughput") or {}
+    compiled = mem.get("compiled") or {}
+    loss = results.get("loss") or []
     rows = [
         ("layout / mesh", f"{results['layout']} on " +
          " x ".join(f"{k}={v}" for k, v in results["mesh"].items())),
-        ("model", f"{results['model']['name']} ({results['model']['params']:,} params)"),
-        ("devices", f"{env['num_devices']} x {env['device_kind']} ({env['backend']}"
-                    f"{', simulated' if env['simulated'] else ''})"),
-        ("compile", f"{results['compile_s']:.2f} s" if results["compile_s"] is not None
-         else f"n/a ({results.get('compile_note') or 'not measured'})"),
-        ("step time p50 / p90 / p99", f"{ms(t['p50'])} / {ms(t['p90'])} / {ms(t['p99'])}"),
-        ("step time mean ± ci95", f"{ms(t['mean'])} ± {ms(t['ci95'] or 0.0)} (n={t['n']})"),
-        ("throughput", f"{results['throughput']['samples_per_s']:.1f} samples/s" + (
-            f", {results['throughput']['tokens_per_s']:.0f} tokens/s"
-            if results["throughput"]["tokens_per_s"] is not None else "")),
-        ("MFU", f"{mfu['value']:.1%}" if mfu["value"] is not None else f"n/a ({mfu['reason']})"),
-        ("state per device (shards)", mib(mem["state_bytes_per_device"])),
-        ("compiler peak per device", mib((mem["compiled"] or {}).get("peak_bytes"))),
-        ("measured peak per device", mib(mem["measured_peak_bytes"]) if
-         mem["measured_peak_bytes"] is not None else f"n/a ({mem['measured_peak_reason']})"),
-        ("state sharded / replicated", f"{mib(shard['sharded_bytes'])} / "
-                                       f"{mib(shard['replicated_bytes'])} "
-                                       f"({shard['replicated_leaves']} replicated leaves)"),
+        ("model", f"{results['model']['name']} ({_num(results['model'].get('params'), '{:,}')}"
+                  f" params)"),
+        ("devices", f"{env.get('num_devices', 'n/a')} x {env.get('device_kind', 'n/a')} "
+                    f"({env.get('backend', 'n/a')}"
+                    f"{', simulated' if env.get('simulated') else ''})"),
+    ]
+    if results.get("status", "complete") != "complete":
+        rows.append(("status", str(results["status"])))
+    rows += [
+        ("compile", _num(results.get("compile_s"), "{:.2f} s") + (
+            f" ({results['compile_note']})" if results.get("compile_s") is None
+            and results.get("compile_note") else "")),
+        ("step time p50 / p90 / p99", " / ".join(_ms(t.get(k)) for k in ("p50", "p90", "p99"))),
+        ("step time mean ± ci95", _mean_line(t)),
+        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s") + (
+            f", {throughput['tokens_per_s']:.0f} tokens/s"
+            if throughput.get("tokens_per_s") is not None else "")),
+        ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
+        ("state per device (shards)", human_bytes(mem.get("state_bytes_per_device"))),
+        ("compiler bound per device",
+         f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
+         f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
+         is not None else "n/a"),
+        ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
+         mem.get("measured_peak_bytes") is not None else
+         f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
+    ]
+    shard = results.get("sharding")
+    if shard:
+        rows.append(("state sharded / replicated",
+                     f"{human_bytes(shard['sharded_bytes'])} / {replicated_text(shard)}"))
+    rows += [
         ("collectives per step", _comm_line(results.get("comm"))),
         ("power / energy", _power_line(results.get("power"))),
-        ("loss first -> last", f"{results['loss'][0]:.4f} -> {results['loss'][-1]:.4f}"),
+        ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
     ]
     if results.get("accuracy"):
         last = results["accuracy"][-1]
         rows.append(("test accuracy", f"{last['accuracy']:.2%} at step {last['step']}"))
+    return rows
+
+
+def format_summary(results: dict) -> str:
+    """The table printed at the end of a run."""
+    rows = summary_rows(results)
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def format_markdown(results: dict) -> str:
+    """The same table for TensorBoard's Text tab."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    lines = ["| | |", "|---|---|"]
+    lines += [f"| {cell(name)} | {cell(value)} |" for name, value in summary_rows(results)]
+    return "\n".join(lines)
+
+
+def _num(value, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _ms(seconds) -> str:
+    return _num(None if seconds is None else seconds * 1e3, "{:.2f} ms")
+
+
+def _mean_line(t: dict) -> str:
+    if t.get("mean") is None:
+        return "n/a"
+    ci = (f" ± {_ms(t['ci95'])}" if t.get("ci95") is not None
+          else " ± n/a (one step: no interval)")
+    return f"{_ms(t['mean'])}{ci} (n={t.get('n', 'n/a')})"
+
+
+def _mfu_line(mfu: dict) -> str:
+    value, hfu = mfu.get("value"), mfu.get("hfu")
+    if value is None and hfu is None:
+        return f"n/a ({mfu.get('reason') or 'not computed'})"
+    line = f"mfu {_num(value, '{:.1%}')}, hfu {_num(hfu, '{:.1%}')}"
+    return line + (f" ({mfu['reason']})" if mfu.get("reason") else "")
 
 
 def _comm_line(block: dict | None) -> str:
@@ -151,8 +353,10 @@ def _comm_line(block: dict | None) -> str:
 def _power_line(power: dict | None) -> str:
     if not power or not power.get("available"):
         return f"n/a ({(power or {}).get('reason', 'not measured')})"
-    line = (f"avg {power['avg_w']:.0f} W, {power['energy_per_sample_j']:.4g} J/sample, "
-            f"{power['samples_per_s_per_mj']:.4g} samples/(s*MJ)")
+    line = (f"avg {_num(power.get('avg_w'), '{:.0f} W')}, "
+            f"{_num(power.get('energy_per_step_j'), '{:.4g} J/step')}, "
+            f"{_num(power.get('energy_per_sample_j'), '{:.4g} J/sample')}, "
+            f"{_num(power.get('samples_per_s_per_mj'), '{:.4g} samples/(s*MJ)')}")
     if power.get("flags"):
         line += " [" + ", ".join(f["code"] for f in power["flags"]) + "]"
     return line

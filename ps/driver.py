@@ -510,18 +510,9 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
             writer.step(t, loss, step_s, t >= warmup)
             for w, r in workers.items():
                 if t < len(r["step_s"]):
-                    writer.scalar(f"ps/worker{w}/step_time_s", r["step_s"][t], t)
+                    writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
         for point in ref["accuracy"]:
             writer.scalar("eval/accuracy", point["accuracy"], point["step"])
-        for name, block in (("push_latency", ps_block["push_latency_s"]),
-                            ("pull_latency", ps_block["pull_latency_s"])):
-            if block:
-                writer.scalar(f"ps/{name}_p50_s", block["p50"], 0)
-                writer.scalar(f"ps/{name}_p99_s", block["p99"], 0)
-        for k, v in ps_block["staleness"]["histogram"].items():
-            writer.scalar("ps/staleness_count", v, int(k))
-        writer.scalar("ps/bytes_per_step", ps_block["bytes_per_step"]["push"]
-                      + ps_block["bytes_per_step"]["pull"], 0)
         writer.summary(results)
     finally:
         writer.close()

@@ -2,8 +2,14 @@
 
 import json
 
+import jax
 import pytest
 
+from jaxdist import dryrun
+from jaxdist.config import ModelConfig, RunConfig, TrainConfig
+from jaxdist.data import build_model
+from jaxdist.mesh import parse_mesh
+from jaxdist.train_step import abstract_train_state, make_optimizer
 from tests.helpers import run_cli
 
 
@@ -26,3 +32,48 @@ def test_dry_run_needs_an_explicit_mesh(tmp_path):
     proc = run_cli("--dry-run", "--model", "gpt-tiny", "--mesh", "-1", cwd=tmp_path)
     assert proc.returncode == 2
     assert "--dry-run needs an explicit mesh" in proc.stderr
+
+
+
+# Plans are computed from a decoder's depth-1 and depth-2 shapes stacked to full depth
+# (jaxdist/dryrun.py). These bytes are the ones the whole-model trace gives
+# (scripts/bench_dryrun.py --compare-full-trace): 24.64 GiB and 64.30 GiB (README).
+PLANS = {
+    ("llama3-70b", "fsdp", "4x8"): (70_553_706_496, {
+        "params": 8_819_213_312, "model_state": 0, "opt": 17_638_426_628,
+        "total": 26_457_639_940}),
+    ("gpt3-175b", "fsdp_tp", "1x4x8"): (175_221_867_601, {
+        "params": 23_014_986_052, "model_state": 0, "opt": 46_029_972_108,
+        "total": 69_044_958_160}),
+}
+
+
+@pytest.mark.parametrize("model,layout,mesh", list(PLANS))
+def test_full_size_plans_are_exact(model, layout, mesh):
+    cfg = RunConfig(model=ModelConfig(model=model), train=TrainConfig(layout=layout))
+    plan = dryrun.plan(cfg, parse_mesh(mesh))
+    params, per_device = PLANS[model, layout, mesh]
+    assert plan["model"]["params"] == params
+    assert plan["state_bytes_per_device"] == per_device
+
+
+@pytest.mark.parametrize("model,opts", [("gpt-small", ""), ("llama-tiny", "depth=5"),
+                                        ("moe-small", ""), ("gpt-tiny", "depth=3")])
+def test_stacked_state_is_the_whole_model_trace(model, opts):
+    """Same paths, Variable types, shapes and dtypes as tracing the whole constructor, so
+    every layout sees the same input."""
+    cfg = RunConfig(model=ModelConfig(model=model, model_opts=opts))
+    model_cfg, _ = build_model(cfg)
+    tx = make_optimizer("adamw", 1e-3)
+    assert dryrun._stacked_model_state(model_cfg, "float32") is not None  # the fast path
+    stacked = dryrun.planning_state(model_cfg, "float32", tx)
+    whole = abstract_train_state(model_cfg, "float32", tx)
+    assert jax.tree.structure(stacked) == jax.tree.structure(whole)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(stacked)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(whole)]
+
+
+def test_models_that_are_not_a_stack_are_traced_whole():
+    for model in ("mlp-tiny", "resnet-tiny", "gpt-tiny"):  # gpt-tiny: depth 2, nothing to gain
+        model_cfg, _ = build_model(RunConfig(model=ModelConfig(model=model)))
+        assert dryrun._stacked_model_state(model_cfg, "float32") is None

@@ -115,7 +115,7 @@ def test_sync_results_and_tensorboard(sync_run):
     scalars = read_scalars(logdir)
     assert [v for _, v in scalars["train/loss"]] == pytest.approx(r["loss"], rel=1e-6)
     assert len(scalars["train/step_time_s"]) == 4
-    assert "ps/worker1/step_time_s" in scalars
+    assert "train/worker1/step_time_s" in scalars
     assert "shard map" in proc.stdout and "tensorboard --logdir" in proc.stdout
 
 

@@ -55,9 +55,9 @@ def test_end_to_end_tensorboard(e2e):
     assert [step for step, _ in loss] == list(range(7))  # one per step
     assert [v for _, v in loss] == pytest.approx(results["loss"], rel=1e-6)
     assert [s for s, _ in scalars["train/step_time_s"]] == list(range(2, 7))
-    assert scalars["summary/samples_per_s"][0][1] == pytest.approx(
+    assert scalars["trial/samples_per_s"][0][1] == pytest.approx(
         results["throughput"]["samples_per_s"], rel=1e-6)
-    assert scalars["summary/state_bytes_per_device"][0][1] == pytest.approx(
+    assert scalars["trial/state_bytes_per_device"][0][1] == pytest.approx(
         results["memory"]["state_bytes_per_device"])
 
 

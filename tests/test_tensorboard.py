@@ -1,0 +1,150 @@
+"""What a user sees in TensorBoard, read back from a real `tensorboard` server over its HTTP
+data API: two tiny runs (ddp and fsdp) in one logdir, the HParams table with the columns
+and metrics that tell the runs apart, and one `train/loss` point per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from jaxdist import loop
+from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
+from jaxdist.devices import select_devices
+from jaxdist.mesh import MeshShape
+from jaxdist.writers import METRIC_PREFIX, run_hparams
+
+try:
+    import tensorboard  # noqa: F401
+except ImportError:  # the check needs the server itself, not only the event writer
+    pytest.skip("tensorboard is not installed (pip install -e '.[dev]')", allow_module_level=True)
+
+STEPS, WARMUP = 3, 1
+LAYOUTS = ("ddp", "fsdp")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(base: str, path: str, **query):
+    url = f"{base}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("tb")
+    for layout in LAYOUTS:
+        cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                        train=TrainConfig(layout=layout, batch_size=16),
+                        loop=LoopConfig(warmup=WARMUP, steps=STEPS),
+                        output=OutputConfig(progress=False))
+        loop.run(cfg, select_devices(MeshShape(2, 4)), logdir / layout, log=lambda *_: None)
+    port = _free_port()
+    exe = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or "tensorboard"
+    # --load_fast=false: the pure-Python reader (the Rust one is a separate download).
+    proc = subprocess.Popen([exe, "--logdir", str(logdir), "--host", "127.0.0.1",
+                             "--port", str(port), "--load_fast=false", "--reload_interval=1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=""), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:  # up, and done loading both runs
+                tags = _get(base, "/data/plugin/scalars/tags")
+                if all("train/loss" in tags.get(run, {}) for run in LAYOUTS):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tensorboard did not serve both runs: "
+                                   f"{proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        yield base, logdir
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and nothing else
+        proc.wait(timeout=30)
+
+
+def test_hparams_table_has_identity_columns_and_run_metrics(server):
+    base, logdir = server
+    experiment = _get(base, "/data/plugin/hparams/experiment",
+                      request=json.dumps({"experimentName": ""}))
+    columns = {h["name"] for h in experiment["hparamInfos"]}
+    assert {"layout", "mesh", "model", "devices", "params", "batch", "dtype",
+            "matmul_precision", "optimizer", "lr", "microbatches", "remat", "overlap",
+            "dataset", "seed", "backend", "simulated"} <= columns
+    assert not any(c.startswith(("checkpoint", "dist", "compiler.", "output")) for c in columns)
+    metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+    assert {METRIC_PREFIX + m for m in (
+        "step_time_p50_s", "step_time_p99_s", "samples_per_s", "mfu", "hfu",
+        "state_bytes_per_device", "compiler_bound_bytes", "measured_peak_bytes",
+        "comm_ring_bytes", "energy_per_step_j", "energy_per_sample_j", "accuracy")} <= metrics
+
+    request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
+               "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                   "STATUS_RUNNING"],
+               "colParams": [{"hparam": "layout"}]}
+    groups = _get(base, "/data/plugin/hparams/session_groups", request=json.dumps(request))
+    rows = {g["hparams"]["layout"]: g for g in groups["sessionGroups"]}
+    assert sorted(rows) == sorted(LAYOUTS)
+    for layout, group in rows.items():
+        results = json.loads((logdir / layout / "results.json").read_text())
+        assert group["name"].startswith(f"{layout}@2x4 mlp-tiny ")  # readable trial name
+        assert group["hparams"]["mesh"] == "2x4"
+        assert group["hparams"]["model"] == "mlp-tiny"
+        assert group["hparams"]["devices"] == 8
+        assert group["hparams"]["params"] == 6922
+        assert set(group["hparams"]) == set(run_hparams(results))  # ps_* absent
+        values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+        assert values[METRIC_PREFIX + "state_bytes_per_device"] == \
+            results["memory"]["state_bytes_per_device"]
+        assert values[METRIC_PREFIX + "comm_ring_bytes"] == pytest.approx(
+            results["comm"]["total_ring_bytes"])
+        assert values[METRIC_PREFIX + "step_time_p50_s"] == pytest.approx(
+            results["step_time_s"]["p50"], rel=1e-6)
+        # Not measured on CPU: no value at all rather than a zero.
+        assert METRIC_PREFIX + "mfu" not in values
+        assert METRIC_PREFIX + "energy_per_step_j" not in values
+
+
+def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(server):
+    base, _ = server
+    tags = _get(base, "/data/plugin/scalars/tags")
+    for run in LAYOUTS:
+        points = _get(base, "/data/plugin/scalars/scalars", run=run, tag="train/loss")
+        assert [step for _, step, _ in points] == list(range(WARMUP + STEPS))
+        per_step = {t for t in tags[run] if not t.startswith(METRIC_PREFIX)}
+        assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s"}
+    # Time Series lays tag groups out alphabetically: the one-point run figures come after
+    # the training curves, so the first thing TensorBoard shows is train/.
+    groups = sorted({t.split("/")[0] for run in LAYOUTS for t in tags[run]})
+    assert groups == ["train", METRIC_PREFIX.rstrip("/")]
+
+
+def test_summary_table_and_custom_scalars(server):
+    base, _ = server
+    text_tags = _get(base, "/data/plugin/text/tags")
+    # tensorboardX adds "/text_summary" to a text tag.
+    assert sorted(text_tags["ddp"]) == ["config/text_summary", "summary/text_summary"]
+    summary = _get(base, "/data/plugin/text/text", run="ddp", tag="summary/text_summary")
+    assert "state per device (shards)" in summary[0]["text"]
+    layout = _get(base, "/data/plugin/custom_scalars/layout")
+    charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"]
+              for c in cat["chart"]}
+    assert charts == {"loss": ["^train/loss$"], "step time (s)": ["^train/step_time_s$"]}

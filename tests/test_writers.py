@@ -1,0 +1,144 @@
+"""The printed summary and the HParams row of a run, from results.json dicts: missing
+values read 'n/a', the summary never contradicts itself, old and new `mfu` blocks."""
+
+from __future__ import annotations
+
+import copy
+
+from jaxdist.writers import (format_markdown, format_summary, run_hparams, run_metrics,
+                             summary_rows, trial_name)
+
+
+def results(**changes) -> dict:
+    """A results.json of a simulated fsdp run, before the `status` / `hfu` contract."""
+    r = {
+        "framework": "jax", "layout": "fsdp", "mesh": {"data": 2, "fsdp": 4},
+        "model": {"name": "mlp-tiny", "params": 6922},
+        "config": {"train": {"layout": "fsdp", "batch_size": 16, "optimizer": "adamw",
+                             "lr": 0.001, "seed": 0, "microbatches": 1, "remat": "none"},
+                   "model": {"model": "mlp-tiny", "dtype": "float32"},
+                   "compiler": {"overlap": False, "xla_flags": ""},
+                   "data": {"dataset": "synthetic"},
+                   "checkpoint": {"checkpoint_dir": "", "checkpoint_every": 0},
+                   "ps": {"ps_mode": "sync", "ps_shards": 2, "staleness": 2}},
+        "env": {"backend": "cpu", "device_kind": "cpu", "num_devices": 8, "simulated": True},
+        "compile_s": 1.5,
+        "step_time_s": {"n": 1, "mean": 0.002, "std": 0.0, "p50": 0.002, "p90": 0.002,
+                        "p99": 0.002, "min": 0.002, "max": 0.002, "ci95": None},
+        "throughput": {"samples_per_s": 8000.0, "tokens_per_s": None},
+        "mfu": {"value": None, "analytic_value": None, "peak_flops_per_device": None,
+                "compiled_flops_per_step": 1e6, "analytic_flops_per_step": 9e5,
+                "reason": "peak FLOP/s unknown for device kind 'cpu'"},
+        "memory": {"state_bytes_per_device": 10496, "measured_peak_bytes": None,
+                   "measured_peak_reason": "cpu backend reports no memory_stats()",
+                   "compiled": {"peak_bytes": 27494}},
+        "sharding": {"sharded_bytes": 82944, "replicated_bytes": 4, "replicated_leaves": 0},
+        "comm": {"by_kind": {}, "total_ring_bytes": 0.0, "analytic_ring_bytes": 0},
+        "power": {"available": False, "reason": "NVML library not found"},
+        "loss": [2.5, 2.4],
+        "accuracy": [],
+    }
+    for key, value in changes.items():
+        r[key] = value
+    return r
+
+
+def row(r: dict, label: str) -> str:
+    return dict(summary_rows(r))[label]
+
+
+def test_one_step_has_no_interval_rather_than_zero():
+    assert row(results(), "step time mean ± ci95") == "2.00 ms ± n/a (one step: no interval) (n=1)"
+    assert "± 0.00" not in format_summary(results())
+
+
+def test_missing_figures_read_na_never_zero():
+    r = results(compile_s=None, loss=[], memory={"state_bytes_per_device": None,
+                                                 "compiled": None,
+                                                 "measured_peak_bytes": None})
+    r["step_time_s"] = {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None,
+                        "ci95": None}
+    r["throughput"] = {"samples_per_s": None, "tokens_per_s": None}
+    assert row(r, "compile") == "n/a"
+    assert row(r, "step time p50 / p90 / p99") == "n/a / n/a / n/a"
+    assert row(r, "step time mean ± ci95") == "n/a"
+    assert row(r, "throughput") == "n/a"
+    assert row(r, "state per device (shards)") == "n/a"
+    assert row(r, "compiler bound per device") == "n/a"
+    assert row(r, "measured peak per device") == "n/a (not measured)"
+    assert row(r, "loss first -> last") == "n/a"
+
+
+def test_replicated_scalars_are_not_contradicted_by_a_zero_leaf_count():
+    assert row(results(), "state sharded / replicated") == \
+        "81.00 KiB / 4 B (scalars only: step counters)"
+    r = results(sharding={"sharded_bytes": 82944, "replicated_bytes": 124,
+                          "replicated_leaves": 3})
+    assert row(r, "state sharded / replicated") == \
+        "81.00 KiB / 124 B (3 non-scalar leaves, plus any scalar counters)"
+    r = results(sharding={"sharded_bytes": 82944, "replicated_bytes": 0,
+                          "replicated_leaves": 0})
+    assert row(r, "state sharded / replicated") == "81.00 KiB / nothing replicated"
+
+
+def test_compiler_figure_is_labelled_an_upper_bound():
+    assert row(results(), "compiler bound per device") == (
+        "<= 26.85 KiB (argument + output - alias + temp: an allocation upper bound, not a "
+        "measured peak)")
+
+
+def test_mfu_and_hfu_of_the_new_block_and_the_reason_when_null():
+    assert row(results(), "MFU / HFU") == "n/a (peak FLOP/s unknown for device kind 'cpu')"
+    new = {"value": 0.412, "hfu": 0.5, "peak_flops_per_device": 989e12,
+           "model_flops_per_step": 1e15, "compiled_flops_per_step": 1.2e15, "reason": None}
+    assert row(results(mfu=new), "MFU / HFU") == "mfu 41.2%, hfu 50.0%"
+    assert run_metrics(results(mfu=new))["hfu"] == 0.5
+    partial = dict(new, value=None, reason="model FLOPs unknown for this model")
+    assert row(results(mfu=partial), "MFU / HFU") == \
+        "mfu n/a, hfu 50.0% (model FLOPs unknown for this model)"
+
+
+def test_interrupted_run_says_so():
+    assert "status" not in dict(summary_rows(results()))
+    assert row(results(status="interrupted"), "status") == "interrupted"
+
+
+def test_hparams_are_the_settings_that_define_a_run():
+    hp = run_hparams(results())
+    assert hp == {"layout": "fsdp", "mesh": "2x4", "devices": 8, "device_kind": "cpu",
+                  "model": "mlp-tiny", "params": 6922, "batch": 16, "dtype": "float32",
+                  "matmul_precision": "default", "optimizer": "adamw", "lr": 0.001,
+                  "microbatches": 1, "remat": "none", "overlap": False,
+                  "dataset": "synthetic", "seed": 0, "framework": "jax", "backend": "cpu",
+                  "simulated": True}
+    r = results(layout="ps", mesh={"workers": 2, "devices_per_worker": 1})
+    r["config"] = copy.deepcopy(r["config"])
+    r["config"]["model"]["matmul_precision"] = "highest"
+    r["config"]["ps"]["ps_mode"] = "ssp"
+    hp = run_hparams(r)
+    assert (hp["mesh"], hp["matmul_precision"]) == ("2x1", "highest")
+    assert (hp["ps_mode"], hp["ps_shards"], hp["ps_staleness"]) == ("ssp", 2, 2)
+
+
+def test_metrics_leave_out_what_was_not_measured():
+    assert run_metrics(results()) == {
+        "step_time_p50_s": 0.002, "step_time_p99_s": 0.002, "samples_per_s": 8000.0,
+        "state_bytes_per_device": 10496.0, "compiler_bound_bytes": 27494.0,
+        "comm_ring_bytes": 0.0, "final_loss": 2.4}
+
+
+def test_trial_name_is_readable_and_markdown_escapes_pipes():
+    assert trial_name(results(), 0.0).startswith("fsdp@2x4 mlp-tiny ")
+    assert trial_name(results(framework="pytorch"), 0.0).startswith("pytorch fsdp@2x4 ")
+    md = format_markdown(results(model={"name": "a|b", "params": 1}))
+    assert "| model | a\\|b (1 params) |" in md.splitlines()
+
+
+def test_ps_figures_are_metrics_not_one_point_charts():
+    r = results(layout="ps", mesh={"workers": 2, "devices_per_worker": 1},
+                ps={"push_latency_s": {"p50": 0.001}, "pull_latency_s": {"p50": 0.004},
+                    "bytes_per_step": {"push": 1000.0, "pull": 1500.0},
+                    "staleness": {"mean": 0.5, "max": 2}})
+    m = run_metrics(r)
+    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"],
+            m["ps_staleness_mean"], m["ps_staleness_max"]) == (0.001, 0.004, 2500.0, 0.5, 2.0)
