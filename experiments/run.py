@@ -107,6 +107,8 @@ class RunDir:
 
 
 def _remove_except(path: Path, kept: set[Path]) -> None:
+    if not path.exists() and not path.is_symlink():
+        return
     if not any(k == path or path in k.parents for k in kept):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
