@@ -144,7 +144,7 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
             monitor.write_outputs(Path(logdir), writer.tb)
             if timer.timed_s:
                 writer.summary(results)
-            else:  # no step-time figures to summarise in TensorBoard; the record still
+            else:  # stopped in warm-up: no step-time figures for TensorBoard's summary
                 write_json(Path(logdir) / "results.json", results)
     finally:
         writer.close()
