@@ -6,7 +6,11 @@ nothing behind: a one-line error and exit status 2.
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # Ctrl-C while JAX is imported: noted, then handled like any other
+    from jaxdist.stop import defer_signals
+    defer_signals()
+
+import argparse  # noqa: E402
 import json
 import os
 import shutil
@@ -22,6 +26,7 @@ from jaxdist.data import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.results import ensure_writable_dir
+from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
 
@@ -160,8 +165,6 @@ def _status(results_json: Path) -> str | None:
 
 def report_interrupt(results: dict, logdir: Path | None) -> int:
     """The one line an interrupted run prints; its exit status (130 SIGINT, 143 SIGTERM)."""
-    from jaxdist.stop import EXIT_CODES
-
     info = results["interrupted"]
     ck = results.get("checkpoint")
     if ck and ck["saved_steps"]:
@@ -179,10 +182,19 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
-    if cfg.output.dry_run:
-        return main_dry_run(cfg)
-    if cfg.train.layout == "ps":
-        return main_ps(cfg)
+    if cfg.output.dry_run or cfg.train.layout == "ps":
+        release_deferred()
+        return main_dry_run(cfg) if cfg.output.dry_run else main_ps(cfg)
+    # From here on SIGINT/SIGTERM ask the run to stop; they never raise inside JAX's setup
+    # (a KeyboardInterrupt there can crash the process at exit).
+    stop = StopRequest().install()
+    try:
+        return main_mesh(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     try:
         shape = validate(cfg)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
@@ -197,10 +209,16 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C twice
         print("run: interrupted before the first step; nothing was written", file=sys.stderr)
         return 130
     logdir = run_dir.path if run_dir else None
+    if stop.signal and not topo.multi:  # several processes stop together, in the loop
+        if run_dir is not None:
+            run_dir.discard()
+        print(f"run: interrupted by {stop.signal} before the first step; nothing was kept",
+              file=sys.stderr)
+        return EXIT_CODES[stop.signal]
 
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
@@ -213,10 +231,8 @@ def main(argv=None) -> int:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
-    from jaxdist.stop import HardStop
-
     try:
-        results = loop.run(cfg, platform, logdir)
+        results = loop.run(cfg, platform, logdir, stop=stop)
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
         where = f"; {logdir} is left unfinished (no results.json)" if logdir else ""
         print(f"run: interrupted again while stopping: stopped at once{where}",
@@ -228,10 +244,6 @@ def main(argv=None) -> int:
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2
-        if isinstance(e, KeyboardInterrupt):  # before the loop took over the signal
-            print("run: interrupted before the first step; nothing was kept",
-                  file=sys.stderr)
-            return 130
         raise
     if results["status"] == "interrupted":
         return report_interrupt(results, logdir)

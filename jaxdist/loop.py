@@ -27,7 +27,10 @@ from jaxdist.writers import NullWriter, RunWriter
 from sharding import get_layout
 
 
-def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> dict:
+def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
+        stop: StopRequest | None = None) -> dict:
+    """One run; `stop` is the entry point's StopRequest (installed early), else the loop
+    installs its own for its duration."""
     model_cfg, dataset = build_model(cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
@@ -42,13 +45,15 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
                               seed=cfg.train.seed, batch_size=cfg.train.batch_size))
             if cfg.checkpoint.checkpoint_dir else None)
     state, start_step = restore_or_init(cfg, ckpt, program, stream, total_steps, log)
-    # From here on SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
-    stop = StopRequest().install(start_step)
+    # SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
+    own = stop is None
+    stop = (StopRequest().install() if own else stop).attach(start_step)
     try:
         return _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream,
                       next_batch, ckpt, state, start_step, total_steps, stop)
     finally:
-        stop.restore()
+        if own:
+            stop.restore()
 
 
 def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next_batch, ckpt,

@@ -26,6 +26,30 @@ import signal
 import threading
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+_early: list[str] = []  # signals caught by defer_signals() before a StopRequest existed
+
+
+def defer_signals() -> None:
+    """Record SIGINT/SIGTERM instead of acting on them, until a StopRequest is installed:
+    for the seconds an entry point spends importing JAX, where a KeyboardInterrupt would be
+    a traceback (or a crash at exit)."""
+    def record(signum, frame):
+        _early.append(signal.Signals(signum).name)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, record)
+
+
+def release_deferred() -> None:
+    """Back to Python's usual handling (for entry points with no StopRequest); a signal
+    recorded meanwhile is delivered now."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for signum, handler in defaults.items():
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, handler)
+    for name in _early:
+        os.kill(os.getpid(), signal.Signals[name])
+    _early.clear()
 
 
 class HardStop(KeyboardInterrupt):
@@ -33,9 +57,13 @@ class HardStop(KeyboardInterrupt):
 
 
 class StopRequest:
+    """Install it as early as possible (a KeyboardInterrupt raised inside JAX's C++ setup
+    can leave the process to crash at exit); `attach(first_step)` once the run knows its
+    first step and jax.distributed is up."""
+
     def __init__(self):
         self.signal: str | None = None  # what this process received (None: a peer's notice)
-        self._sync = _preemption_sync()
+        self._sync = None
         self._previous: dict[int, object] = {}
 
     @property
@@ -43,16 +71,30 @@ class StopRequest:
         """Stops are agreed with the other processes (JAX's preemption sync point)."""
         return self._sync is not None
 
-    def install(self, first_step: int) -> "StopRequest":
-        """Take over SIGINT (and SIGTERM on one process). Only the main thread may; elsewhere
-        (a test calling the loop from a thread) the signals keep their usual meaning."""
+    def install(self) -> "StopRequest":
+        """Take over SIGINT and SIGTERM. Only the main thread may; elsewhere (a test calling
+        the loop from a thread) the signals keep their usual meaning."""
         if threading.current_thread() is not threading.main_thread():
             return self
-        if self._sync is not None:
-            self._sync(first_step)  # every process reports the same first step
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # An ignored signal stays ignored (a shell starts background jobs so, nohup-like).
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        if _early:
+            self.signal = _early[0]
+        return self
+
+    def attach(self, first_step: int) -> "StopRequest":
+        """On several processes, switch to JAX's preemption sync point. jax.distributed's C
+        SIGTERM handler has replaced the Python one by now, and must stay: SIGTERM is no
+        longer restored. A signal that came before is passed on to it."""
+        self._sync = _preemption_sync()
         if self._sync is None:
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+            return self
+        self._previous.pop(signal.SIGTERM, None)
+        self._sync(first_step)  # every process reports the same first step
+        if self.signal is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
         return self
 
     def restore(self) -> None:
@@ -73,11 +115,6 @@ class StopRequest:
         if self._sync is not None:
             return self._sync(steps_done)
         return self.signal is not None
-
-    @property
-    def exit_code(self) -> int:
-        # A process stopped by a peer's notice was, in effect, sent SIGTERM.
-        return EXIT_CODES.get(self.signal or "SIGTERM", 143)
 
 
 def _preemption_sync():

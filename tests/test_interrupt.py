@@ -124,7 +124,10 @@ class StopAfter:
     def __call__(self):
         return self
 
-    def install(self, first_step):
+    def install(self):
+        return self
+
+    def attach(self, first_step):
         return self
 
     def restore(self):
@@ -161,3 +164,20 @@ def test_a_complete_run_says_so(tmp_path):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["status"] == "complete" and on_disk["interrupted"] is None
     assert on_disk["steps_done"] == 3 == len(results["loss"])
+
+
+def test_ctrl_c_while_starting_is_one_line_and_keeps_the_users_folder(tmp_path):
+    """Ctrl-C during the imports and setup (before any step): no traceback, exit 130,
+    nothing left that the run made, the existing --logdir folder and its files kept."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    proc = _start(["--mesh", "2x4", *LONG, "--logdir", str(folder)])
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        (rc, err), = _finish([proc])
+    assert rc == 130, err
+    assert err.strip() == "run: interrupted by SIGINT before the first step; nothing was kept"
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
