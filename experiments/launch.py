@@ -82,7 +82,11 @@ def launch(processes: int, run_args: list[str], extra_env: dict | None = None,
                 if code is None:
                     continue
                 del pending[i]
-                if code != 0 and status == 0:
+                if code in (130, 143) and status == 0:
+                    # Interrupted: every process stops on the same step by itself (JAX's
+                    # preemption sync point); process 0 may still be writing its results.
+                    status = code
+                elif code not in (0, 130, 143) and status in (0, 130, 143):
                     status = code if code > 0 else 1
                     sys.stderr.write(f"launch: process {i} exited with status {code}; "
                                      f"stopping the others\n")

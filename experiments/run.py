@@ -6,10 +6,17 @@ nothing behind: a one-line error and exit status 2.
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # Ctrl-C while JAX is imported: noted, then handled like any other
+    from jaxdist.stop import defer_signals
+    defer_signals()
+
+import argparse  # noqa: E402
+import json
+import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist import distributed
@@ -19,6 +26,7 @@ from jaxdist.data import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.results import ensure_writable_dir
+from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from models import model_names
 from sharding import check_layout, describe_layouts, get_layout
 
@@ -81,12 +89,47 @@ def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
                          f"{unit}, e.g. --batch-size {fit}")
 
 
-def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
-    """Create the run directory. Returns (run dir, topmost directory this call created),
-    so a failed run can remove exactly what it made."""
+@dataclass
+class RunDir:
+    """A run directory and what this run made in it, so a failed run removes exactly that:
+    never a directory the user pointed --logdir at, nor what was in it before."""
+    path: Path
+    created: Path | None        # topmost directory this run created (None: it existed)
+    before: frozenset[str] = frozenset()  # entries of an existing directory at the start
+
+    def discard(self, keep: tuple[str, ...] = ()) -> None:
+        """Remove what this run wrote; files matching the globs in `keep` (logs an error
+        message points to) stay, with the folders that hold them."""
+        kept = {p.absolute() for pattern in keep for p in self.path.glob(pattern)}
+        if self.created is not None:
+            roots = [self.created]
+        elif self.path.is_dir():
+            roots = [p.absolute() for p in self.path.iterdir() if p.name not in self.before]
+        else:
+            roots = []
+        for root in roots:
+            _remove_except(root, kept)
+
+
+def _remove_except(path: Path, kept: set[Path]) -> None:
+    if not path.exists() and not path.is_symlink():
+        return
+    if not any(k == path or path in k.parents for k in kept):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    elif path.is_dir() and not path.is_symlink():
+        for child in path.iterdir():
+            _remove_except(child, kept)
+
+
+def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
+    """Create the run directory (or reuse --logdir, also an existing one)."""
     if cfg.output.logdir:
         path = Path(cfg.output.logdir)
-        if (path / "results.json").exists():
+        status = _status(path / "results.json")
+        if status is not None and status != "interrupted":
             raise UsageError(f"--logdir {path} already holds a finished run; choose another")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -100,22 +143,58 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> tuple[Path, Path]:
     while not top.parent.exists():
         top = top.parent
     created = top if not top.exists() else None
+    before = frozenset(os.listdir(path)) if created is None and path.is_dir() else frozenset()
+    run_dir = RunDir(path, created, before)
     try:
         ensure_writable_dir(path, "--logdir")
     except UsageError:
-        if created is not None and created.exists():
-            shutil.rmtree(created, ignore_errors=True)
+        run_dir.discard()
         raise
-    return path, created
+    return run_dir
+
+
+def _status(results_json: Path) -> str | None:
+    """`status` of an existing results.json (runs from before it existed: complete)."""
+    if not results_json.exists():
+        return None
+    try:
+        return json.loads(results_json.read_text()).get("status", "complete")
+    except (OSError, ValueError):
+        return "complete"  # unreadable: do not write over it
+
+
+def report_interrupt(results: dict, logdir: Path | None) -> int:
+    """The one line an interrupted run prints; its exit status (130 SIGINT, 143 SIGTERM)."""
+    info = results["interrupted"]
+    ck = results.get("checkpoint")
+    if ck and ck["saved_steps"]:
+        resume = (f"checkpoint at step {ck['saved_steps'][-1]} in {ck['directory']}; resume "
+                  f"with the same command plus --resume")
+    else:
+        resume = ("no checkpoint (to make a run resumable give --checkpoint-dir DIR), so a "
+                  "rerun starts from step 0")
+    where = f"results (status interrupted) in {logdir / 'results.json'}; " if logdir else ""
+    print(f"run: interrupted by {info['signal']} after {results['steps_done']} of "
+          f"{info['steps_planned']} steps; {where}{resume}", file=sys.stderr)
+    return EXIT_CODES.get(info["signal"], 143)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
-    if cfg.output.dry_run:
-        return main_dry_run(cfg)
-    if cfg.train.layout == "ps":
-        return main_ps(cfg)
+    if cfg.output.dry_run or cfg.train.layout == "ps":
+        release_deferred()
+        return main_dry_run(cfg) if cfg.output.dry_run else main_ps(cfg)
+    # From here on SIGINT/SIGTERM ask the run to stop; they never raise inside JAX's setup
+    # (a KeyboardInterrupt there can crash the process at exit).
+    stop = StopRequest().install()
+    try:
+        return main_mesh(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     try:
         shape = validate(cfg)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
@@ -126,11 +205,20 @@ def main(argv=None) -> int:
         platform = select_devices(shape)
         check_batch(cfg, platform.shape)
         # Process 0 writes the outputs; the others only compute.
-        logdir, created = (make_logdir(cfg, platform.shape.label) if topo.process_id == 0
-                           else (None, None))
+        run_dir = make_logdir(cfg, platform.shape.label) if topo.process_id == 0 else None
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C twice
+        print("run: interrupted before the first step; nothing was written", file=sys.stderr)
+        return 130
+    logdir = run_dir.path if run_dir else None
+    if stop.signal and not topo.multi:  # several processes stop together, in the loop
+        if run_dir is not None:
+            run_dir.discard()
+        print(f"run: interrupted by {stop.signal} before the first step; nothing was kept",
+              file=sys.stderr)
+        return EXIT_CODES[stop.signal]
 
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
@@ -144,14 +232,21 @@ def main(argv=None) -> int:
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
     try:
-        results = loop.run(cfg, platform, logdir)
+        results = loop.run(cfg, platform, logdir, stop=stop)
+    except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
+        where = f"; {logdir} is left unfinished (no results.json)" if logdir else ""
+        print(f"run: interrupted again while stopping: stopped at once{where}",
+              file=sys.stderr)
+        return 130
     except BaseException as e:
-        if logdir is not None:
-            shutil.rmtree(created or logdir, ignore_errors=True)
+        if run_dir is not None:
+            run_dir.discard()
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2
         raise
+    if results["status"] == "interrupted":
+        return report_interrupt(results, logdir)
     if logdir is None:
         return 0
     print()
@@ -175,7 +270,7 @@ def main_dry_run(cfg: RunConfig) -> int:
             raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
         configure_host_devices(MeshShape(1), "cpu")
         plan = dryrun.plan(cfg, shape)
-        logdir, _ = make_logdir(cfg, shape.label) if cfg.output.logdir else (None, None)
+        logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
@@ -199,20 +294,26 @@ def main_ps(cfg: RunConfig) -> int:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         validate_ps(cfg, shape)
         check_batch(cfg, shape)
-        logdir, created = make_logdir(cfg, shape.label)
+        run_dir = make_logdir(cfg, shape.label)
+        logdir = run_dir.path
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
     try:
         results = run_ps(cfg, shape, logdir)
     except BaseException as e:
-        shutil.rmtree(created or logdir, ignore_errors=True)
+        # The error names ps/*.log for the details: those stay.
+        run_dir.discard(keep=("ps/*.log",))
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2
         if isinstance(e, PSError):  # a dead worker or shard: named, not a traceback
             print(f"run: error: {e}", file=sys.stderr)
             return 1
+        if isinstance(e, KeyboardInterrupt):
+            print(f"run: interrupted; the parameter-server run stopped without results "
+                  f"(logs in {logdir / 'ps'})", file=sys.stderr)
+            return 130
         raise
     print()
     print(format_summary(results))

@@ -39,13 +39,22 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True,
                                                  create=True))
 
+    def due(self, steps_done: int) -> bool:
+        """A save is scheduled after this step (--checkpoint-every)."""
+        return bool(self.every) and steps_done % self.every == 0
+
     def maybe_save(self, steps_done: int, state, data_position: int) -> None:
-        if not self.every or steps_done % self.every:
+        if self.due(steps_done):
+            self.save(steps_done, state, data_position)
+
+    def save(self, steps_done: int, state, data_position: int) -> None:
+        """Save now (also off schedule: an interrupted run saves the step it stopped at)."""
+        if steps_done in self.saved_steps:
             return
         start = time.perf_counter()
         meta = dict(self.meta, step=steps_done, data_position=data_position)
         self.manager.save(steps_done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self.save_s += time.perf_counter() - start  # the blocking part; writing goes on
         self.saved_steps.append(steps_done)
 

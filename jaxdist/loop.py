@@ -19,14 +19,18 @@ from jaxdist.data import TrainStream, build_model, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.results import SCHEMA_VERSION
+from jaxdist.results import SCHEMA_VERSION, write_json
+from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from sharding import get_layout
 
 
-def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> dict:
+def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
+        stop: StopRequest | None = None) -> dict:
+    """One run; `stop` is the entry point's StopRequest (installed early), else the loop
+    installs its own for its duration."""
     model_cfg, dataset = build_model(cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
@@ -42,6 +46,19 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
                               seed=cfg.train.seed, batch_size=cfg.train.batch_size))
             if cfg.checkpoint.checkpoint_dir else None)
     state, start_step = restore_or_init(cfg, ckpt, program, stream, total_steps, log)
+    # SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
+    own = stop is None
+    stop = (StopRequest().install() if own else stop).attach(start_step)
+    try:
+        return _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream,
+                      next_batch, ckpt, state, start_step, total_steps, stop)
+    finally:
+        if own:
+            stop.restore()
+
+
+def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next_batch, ckpt,
+           state, start_step, total_steps, stop) -> dict:
     first = put_batch(stream.batch(0), program.batch_sharding)
     compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
@@ -55,6 +72,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
     monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)
     writer = RunWriter(logdir, cfg.to_dict()) if logdir is not None else NullWriter()
     losses, accuracy = [], []
+    steps_done = start_step
     try:
         with monitor:
             started = time.perf_counter()
@@ -69,6 +87,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
                 timed_step = not timer.in_warmup
                 with jax.profiler.StepTraceAnnotation(cfg.train.layout, step_num=i):
                     (state, loss), step_s = timer.run(compiled, state, next_batch())
+                steps_done = i + 1
                 if i == window_close:
                     monitor.close_window()
                 if profile and i == profile[1] and logdir is not None:
@@ -76,25 +95,47 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
                 losses.append(metrics.scalar(loss))
                 writer.step(i, losses[-1], step_s, timed_step)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-                if ckpt:
-                    ckpt.maybe_save(i + 1, state, stream.position)
+                # Asked on every process at every step (the multi-process protocol needs it).
+                stopping = stop.should_stop(steps_done) and steps_done < total_steps
+                # Checkpoint saves and evaluation are not training: the energy window
+                # pauses around them (the window is open from window_open to window_close).
+                in_window = window_open <= i < window_close
+                if ckpt and (stopping or ckpt.due(steps_done)):
+                    with monitor.paused(f"checkpoint after step {i}", in_window):
+                        ckpt.save(steps_done, state, stream.position)
+                if stopping:
+                    break
                 every = cfg.data.eval_every
-                if dataset is not None and every and ((i + 1) % every == 0
-                                                      or i + 1 == total_steps):
-                    accuracy.append({"step": i + 1, "wall_s": time.perf_counter() - started,
-                                     "accuracy": evaluate(program, state, dataset, cfg)})
-                    writer.scalar("eval/accuracy", accuracy[-1]["accuracy"], i + 1)
+                if dataset is not None and every and (steps_done % every == 0
+                                                      or steps_done == total_steps):
+                    with monitor.paused(f"evaluation after step {i}", in_window):
+                        accuracy.append({"step": steps_done,
+                                         "wall_s": time.perf_counter() - started,
+                                         "accuracy": evaluate(program, state, dataset, cfg)})
+                    writer.scalar("eval/accuracy", accuracy[-1]["accuracy"], steps_done)
             bar.close()
+            interrupted = steps_done < total_steps
+            if interrupted and window_open < steps_done <= window_close:
+                window_close = steps_done - 1  # the window ends with the last step run
+                monitor.close_window()
 
         results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
                                    timer, losses, state)
+        results["status"] = "interrupted" if interrupted else "complete"
+        results["steps_done"] = steps_done
+        results["interrupted"] = ({"signal": stop.signal or "SIGTERM",
+                                   "received_here": stop.signal is not None,
+                                   "steps_planned": total_steps,
+                                   "timed_steps": len(timer.timed_s)}
+                                  if interrupted else None)
         # Each process measures its own GPUs, so it is credited with its share of the samples.
         share = len([d for d in platform.devices if d.process_index == jax.process_index()])
-        window_samples = ((window_close - window_open + 1) * cfg.train.batch_size * share
-                          // len(platform.devices))
+        window_n = max(min(window_close, steps_done - 1) - window_open + 1, 0)
+        window_samples = window_n * cfg.train.batch_size * share // len(platform.devices)
         tokens = model_cfg.tokens_per_sample
-        results["power"] = monitor.result(window_close - window_open + 1, window_samples,
-                                          window_samples * tokens if tokens else None)
+        results["power"] = monitor.result(window_n, window_samples,
+                                          window_samples * tokens if tokens else None,
+                                          first_step=window_open)
         results["memory"]["devices"] = telemetry.memory_snapshot(platform.devices, monitor)
         measured, estimate = (results["memory"]["measured_peak_bytes"],
                               (results["memory"]["compiled"] or {}).get("peak_bytes"))
@@ -107,7 +148,10 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print) -> d
                               if profile and logdir is not None else None)
         if logdir is not None:
             monitor.write_outputs(Path(logdir), writer.tb)
-        writer.summary(results)
+            if timer.timed_s:
+                writer.summary(results)
+            else:  # stopped in warm-up: no step-time figures for TensorBoard's summary
+                write_json(Path(logdir) / "results.json", results)
     finally:
         writer.close()
     return results
@@ -159,7 +203,9 @@ def evaluate(program, state, dataset, cfg: RunConfig) -> float:
 
 def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, timer, losses,
                      state) -> dict:
-    steps = metrics.latency_stats(timer.timed_s)
+    steps = (metrics.latency_stats(timer.timed_s) if timer.timed_s else
+             dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
+                  n=0, reason="interrupted before the first timed step (after warm-up)"))
     batch = cfg.train.batch_size
     n = len(platform.devices)
     tokens = model_cfg.tokens_per_sample
@@ -179,8 +225,9 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "compile_s": compile_s,
         "step_time_s": steps,
         "warmup_step_time_s": timer.warmup_s,
-        "throughput": {"samples_per_s": batch / steps["mean"],
-                       "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
+        "throughput": {"samples_per_s": batch / steps["mean"] if steps["n"] else None,
+                       "tokens_per_s": (batch * tokens / steps["mean"]
+                                        if tokens and steps["n"] else None)},
         "mfu": metrics.mfu(platform.device_kind, cfg.model.dtype, n, steps["mean"],
                            metrics.compiled_flops(compiled), analytic_step_flops),
         "memory": {

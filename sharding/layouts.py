@@ -72,20 +72,23 @@ def ps(state, mesh: Mesh):
 
 @register_layout("tp", "Megatron tensor parallel: attention heads, MLP hidden and vocabulary "
                  "split over the tensor axis; batch over data and fsdp",
-                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"))
+                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
+                 requires=("tensor",))
 def tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "tp")
 
 
 @register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
                  "dimension sharded over data and fsdp",
-                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"))
+                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
+                 requires=("tensor",))
 def fsdp_tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "fsdp_tp")
 
 
 @register_layout("ep", "expert parallel: whole experts per device of the expert axis, tokens "
                  "dispatched to them (all-to-all); the rest replicated, batch over all axes",
-                 mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",))
+                 mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",),
+                 requires=("expert",))
 def ep(state, mesh: Mesh):
     return rule_specs(state, mesh, "ep")

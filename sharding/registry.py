@@ -19,11 +19,16 @@ _LAYOUTS: dict[str, Layout] = {}
 _DESCRIPTIONS: dict[str, str] = {}
 _MESH_AXES: dict[str, tuple[str, ...]] = {}
 _FAMILIES: dict[str, tuple[str, ...] | None] = {}
+_REQUIRES: dict[str, tuple[str, ...]] = {}
+# Mesh spec positions (DATAxFSDPxTENSORxEXPERT), to suggest a mesh with a missing axis.
+_ORDER = ("data", "fsdp", "tensor", "expert")
 
 
-def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None):
+def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
+                    requires=()):
     """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
-    `families`: the model families it applies to (None: all)."""
+    `families`: the model families it applies to (None: all); `requires`: axes that must be
+    larger than 1, without which the layout would silently be plain replication."""
     def wrap(fn: Layout) -> Layout:
         if name in _LAYOUTS:
             raise ValueError(f"layout {name!r} registered twice")
@@ -31,23 +36,54 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
         _DESCRIPTIONS[name] = description
         _MESH_AXES[name] = tuple(mesh_axes)
         _FAMILIES[name] = tuple(families) if families else None
+        _REQUIRES[name] = tuple(requires)
         return fn
     return wrap
 
 
+def _fits(name: str, axis_sizes: dict[str, int], family: str | None = None) -> bool:
+    used = {a for a, n in axis_sizes.items() if n != 1}
+    families = _FAMILIES[name]
+    return (used <= set(_MESH_AXES[name]) and set(_REQUIRES[name]) <= used
+            and (family is None or not families or family in families))
+
+
 def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
-    """A one-line error when the layout cannot use this mesh or model."""
+    """A one-line error when the layout cannot use this mesh or model, or would not do on
+    it what its name says (tp without a tensor axis is plain replication)."""
     extra = [f"{a}={n}" for a, n in axis_sizes.items() if n > 1 and a not in _MESH_AXES[name]]
     if extra:
-        fits = [other for other in layout_names()
-                if all(a in _MESH_AXES[other] for a, n in axis_sizes.items() if n > 1)]
+        fits = [other for other in layout_names() if _fits(other, axis_sizes)]
         raise UsageError(f"layout {name!r} uses mesh axes {', '.join(_MESH_AXES[name])}; the "
                          f"mesh has {', '.join(extra)} (layouts for this mesh: "
                          f"{choices(fits) or 'none'})")
     families = _FAMILIES[name]
     if families and family not in families:
+        fits = [other for other in layout_names() if _fits(other, axis_sizes, family)]
         raise UsageError(f"layout {name!r} applies to {', '.join(families)} models, not "
-                         f"{family!r}")
+                         f"{family!r} (layouts for {family!r} on this mesh: "
+                         f"{choices(fits) or 'none'})")
+    missing = [a for a in _REQUIRES[name] if axis_sizes.get(a, 1) == 1]
+    if missing:
+        axis = missing[0]
+        raise UsageError(f"layout {name!r} splits over the {axis} axis, which this mesh does "
+                         f"not have ({axis}=1: it would run as plain replication); add one, "
+                         f"e.g. --mesh {suggest_mesh(axis_sizes, axis)}")
+
+
+def suggest_mesh(axis_sizes: dict[str, int], axis: str) -> str:
+    """A mesh spec like the given one with `axis` of size 2, on the same number of devices
+    where a factor of 2 can move over from fsdp or data."""
+    sizes = {a: axis_sizes.get(a, 1) for a in _ORDER}
+    if sizes["data"] < 1:  # -1: size known only once devices are; a generic example
+        sizes = {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}
+    for donor in ("fsdp", "data"):
+        if sizes[donor] % 2 == 0:
+            sizes[donor] //= 2
+            break
+    sizes[axis] = 2
+    last = max(i for i, a in enumerate(_ORDER) if sizes[a] > 1 or a in ("fsdp", axis))
+    return "x".join(str(sizes[a]) for a in _ORDER[:last + 1])
 
 
 def layout_names() -> list[str]:

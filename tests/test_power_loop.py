@@ -3,13 +3,14 @@ library) stands in for a GPU, since none exists here; scripts/gpu_check.sh runs 
 
 import csv
 import json
+import time
 
 import jax
 import pytest
 
 from jaxdist import loop, telemetry
-from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig,
-                            TrainConfig)
+from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
+                            OutputConfig, RunConfig, TrainConfig)
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape
 from jaxdist.telemetry import fake
@@ -58,4 +59,38 @@ def test_profile_steps_write_a_trace(tmp_path):
     results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
     assert results["profile"]["steps"] == [2, 3]
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
-    assert jax.devices()  # the backend is still usable after the trace
+    # The backend still computes after the trace.
+    assert jax.jit(lambda x: x * 2)(jax.numpy.arange(3)).tolist() == [0, 2, 4]
+
+
+def test_energy_window_leaves_out_evaluation_and_checkpoint_saves(tmp_path, fake_gpu,
+                                                                  monkeypatch):
+    # Evaluation made slow (0.3 s) so that counting it would be plain in the figures.
+    real_evaluate = loop.evaluate
+
+    def slow_evaluate(*args):
+        time.sleep(0.3)
+        return real_evaluate(*args)
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    data=DataConfig(dataset="digits", eval_every=4),
+                    checkpoint=CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"),
+                                                checkpoint_every=5),
+                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=2, steps=12),
+                    output=OutputConfig(progress=False))
+    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    window = results["power"]["window"]
+    assert window["window_steps"] == [2, 13] and window["steps"] == 12
+    # Steps 0..13 (steps_done 1..14): evaluation after 4, 8, 12 (14 is past the window's
+    # last step), checkpoint saves after 5 and 10 (steps_done); all inside the window.
+    assert [e["what"] for e in window["excluded"]] == [
+        "evaluation after step 3", "checkpoint after step 4", "evaluation after step 7",
+        "checkpoint after step 9", "evaluation after step 11"]
+    paused = sum(e["duration_s"] for e in window["excluded"])
+    assert paused >= 0.9
+    assert window["duration_s"] == pytest.approx(window["span_s"] - paused)
+    power = results["power"]
+    # Steady 550 W: the energy is that of the training time alone, not of the pauses.
+    assert power["energy_integral_j"] == pytest.approx(550.0 * window["duration_s"], rel=0.1)
+    assert power["energy_integral_j"] < 550.0 * 0.9
+    assert [a["step"] for a in results["accuracy"]] == [4, 8, 12, 14]

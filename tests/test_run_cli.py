@@ -75,6 +75,17 @@ BAD = [
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--model-opts", "depth=2,colour=blue"], "has no option 'colour'"),
     (["--layout", "tp", "--mesh", "2x2x2"], "layout 'tp' applies to gpt, moe models, not 'mlp'"),
+    (["--layout", "tp", "--model", "gpt-tiny"], "layout 'tp' splits over the tensor axis, which "
+                                                "this mesh does not have (tensor=1: it would "
+                                                "run as plain replication); add one, e.g. "
+                                                "--mesh 2x2x2"),
+    (["--layout", "ep", "--model", "moe-tiny"], "layout 'ep' splits over the expert axis, which "
+                                                "this mesh does not have (expert=1: it would run "
+                                                "as plain replication); add one, e.g. --mesh "
+                                                "2x2x1x2"),
+    (["--layout", "ep", "--model", "gpt-tiny"], "layout 'ep' applies to moe models, not 'gpt' "
+                                                "(layouts for 'gpt' on this mesh: ddp, fsdp, "
+                                                "hsdp, ps, zero1)"),
     (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp; the "
                                               "mesh has tensor=2 (layouts for this mesh: "),
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
@@ -111,3 +122,68 @@ def test_mesh_that_does_not_match_the_devices(tmp_path):
     assert "mesh 4x8 needs 32 devices but 8 simulated CPU devices are present" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def _user_folder(tmp_path):
+    folder = tmp_path / "my-experiment"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    return folder
+
+
+def test_failed_run_keeps_an_existing_logdir_and_its_files(tmp_path):
+    """A run that fails once its directory exists (here: --resume from a checkpoint of
+    another model) removes what it wrote, never the folder --logdir named nor its files."""
+    from jaxdist.checkpoint import Checkpointer
+    from jaxdist.mesh import MeshShape
+    from tests.helpers import train
+
+    _, state, _ = train("mlp-tiny", "ddp", MeshShape(2), steps=0)
+    ck = Checkpointer(str(tmp_path / "ck"), 1, {"model": "mlp-tiny", "model_opts": "",
+                                                  "dataset": "synthetic", "optimizer": "sgd",
+                                                  "dtype": "float32"})
+    ck.maybe_save(1, state, data_position=1)
+    ck.finish()
+    folder = _user_folder(tmp_path)
+    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4", "--steps", "2",
+                   "--logdir", str(folder), "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--resume", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "is from an incompatible run (optimizer 'sgd' vs 'adamw')" in proc.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]  # events file removed
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_discard_removes_only_what_the_run_created(tmp_path):
+    from experiments.run import make_logdir
+    from jaxdist.config import OutputConfig, RunConfig
+
+    folder = _user_folder(tmp_path)
+    run_dir = make_logdir(RunConfig(output=OutputConfig(logdir=str(folder))), "2")
+    (folder / "events.out.tfevents.1").write_text("x")
+    (folder / "ps").mkdir()
+    (folder / "ps" / "worker0.log").write_text("why it failed")
+    (folder / "ps" / "shard0.sock").write_text("")
+    run_dir.discard(keep=("ps/*.log",))
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == [
+        "notes.txt", "ps", "ps/worker0.log"]
+
+    new = tmp_path / "a" / "b" / "run"
+    run_dir = make_logdir(RunConfig(output=OutputConfig(logdir=str(new))), "2")
+    assert run_dir.created == (tmp_path / "a").absolute()
+    (new / "results.json.tmp").write_text("{")
+    run_dir.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-experiment"]
+
+
+def test_an_interrupted_logdir_can_be_reused(tmp_path):
+    from experiments.run import make_logdir
+    from jaxdist.config import OutputConfig, RunConfig
+    from jaxdist.errors import UsageError
+
+    cfg = RunConfig(output=OutputConfig(logdir=str(tmp_path)))
+    (tmp_path / "results.json").write_text('{"status": "interrupted"}')
+    assert make_logdir(cfg, "2").path == tmp_path
+    (tmp_path / "results.json").write_text('{"status": "complete"}')
+    with pytest.raises(UsageError, match="already holds a finished run"):
+        make_logdir(cfg, "2")

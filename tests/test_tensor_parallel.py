@@ -80,6 +80,27 @@ def test_bad_combinations():
     check_layout("tp", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")  # fine
 
 
+@pytest.mark.parametrize("layout, sizes, family, suggestion", [
+    ("tp", {"data": 4, "fsdp": 8}, "gpt", "--mesh 4x4x2"),
+    ("tp", {"data": 1, "fsdp": 1, "tensor": 1}, "gpt", "--mesh 1x1x2"),
+    ("fsdp_tp", {"data": 3, "fsdp": 1}, "gpt", "--mesh 3x1x2"),
+    ("ep", {"data": 2, "fsdp": 2, "tensor": 2}, "moe", "--mesh 2x1x2x2"),
+])
+def test_a_layout_without_its_axis_is_an_error(layout, sizes, family, suggestion):
+    """tp without a tensor axis and ep without an expert axis would be plain replication
+    under the layout's name; the error names the axis and a mesh that has it."""
+    axis = "expert" if layout == "ep" else "tensor"
+    with pytest.raises(UsageError, match=f"splits over the {axis} axis, which this mesh does "
+                                         f"not have .*e.g. {suggestion}$"):
+        check_layout(layout, sizes, family)
+
+
+def test_layout_for_another_family_lists_the_ones_that_fit():
+    with pytest.raises(UsageError, match=r"layout 'ep' applies to moe models, not 'gpt' "
+                                         r"\(layouts for 'gpt' on this mesh: fsdp_tp, tp\)$"):
+        check_layout("ep", {"data": 2, "fsdp": 2, "tensor": 2}, "gpt")
+
+
 EP_MESH = MeshShape(2, 1, 1, 4)  # data 2 x expert 4
 
 

@@ -5,8 +5,11 @@
         ...warm-up...
         monitor.open_window()          # right after the last warm-up step's block_until_ready
         ...timed steps...
+        with monitor.paused("evaluation after step 9"):   # not training: left out
+            ...evaluation or a checkpoint save...
+        ...timed steps...
         monitor.close_window()         # right after the last timed step's block_until_ready
-    power = monitor.result(steps, samples, tokens)   # the results.json `power` block
+    power = monitor.result(steps, samples, tokens, first_step)  # the results.json `power` block
     monitor.write_outputs(run_dir, tb_writer)        # power/*.csv, power/window.png, scalars
 
 Nothing here raises into the training loop: without NVML or a GPU the block is
@@ -17,6 +20,7 @@ in the block while sampling goes on. Fields and caveats: docs/power.md.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,8 +127,34 @@ class Monitor:
             self.poll()  # a sample just before the edge, to interpolate the integral from
             counters = self._counters("open")
             cpu = self.rapl.snapshot() if self.rapl else None
-            self.window = {"start": self.clock(), "end": None, "c0": counters, "r0": cpu}
+            self.window = {"start": self.clock(), "end": None, "c0": counters, "r0": cpu,
+                           "pauses": []}
         self._guard("open_window", go)
+
+    @contextmanager
+    def paused(self, what: str, active: bool = True):
+        """Leave the enclosed work (evaluation, a checkpoint save) out of the open window:
+        its time, samples and energy (counter and integral) are subtracted and the block
+        lists it under window.excluded. No-op when `active` is false or no window is open."""
+        pause = None
+        if active and self.window is not None and self.window["end"] is None:
+            def begin():
+                self.poll()
+                return {"what": what, "start": self.clock(), "end": None,
+                        "c0": self._counters("pause"),
+                        "r0": self.rapl.snapshot() if self.rapl else None}
+            pause = self._guard("pause", begin)
+        try:
+            yield
+        finally:
+            if pause is not None:
+                def end():
+                    pause["end"] = self.clock()
+                    pause["c1"] = self._counters("resume")
+                    pause["r1"] = self.rapl.snapshot() if self.rapl else None
+                    self.window["pauses"].append(pause)
+                    self.poll()
+                self._guard("resume", end)
 
     def close_window(self) -> None:
         def go():
@@ -148,7 +178,13 @@ class Monitor:
     # -- results -------------------------------------------------------------------------
     def _cpu(self) -> dict:
         w = self.window or {}
-        return rapl.window_result(self.rapl, self.rapl_reason, w.get("r0"), w.get("r1"))
+        r0, r1 = w.get("r0"), w.get("r1")
+        if r0 is not None and r1 is not None:  # the pauses' energy left out
+            r1 = dict(r1)
+            for p in w["pauses"]:
+                for zone in r1:
+                    r1[zone] -= p["r1"][zone] - p["r0"][zone]
+        return rapl.window_result(self.rapl, self.rapl_reason, r0, r1)
 
     def _window_arrays(self) -> dict[int, dict]:
         a, b = self.window["start"], self.window["end"]
@@ -160,41 +196,54 @@ class Monitor:
                 out[dev.index] = s.arrays(sl.start, sl.stop)
         return out
 
-    def result(self, steps: int, samples: int, tokens: int | None) -> dict:
-        """The `power` block; steps, samples and tokens are the totals inside the window."""
+    def result(self, steps: int, samples: int, tokens: int | None,
+               first_step: int | None = None) -> dict:
+        """The `power` block; steps, samples and tokens are the totals inside the window,
+        `first_step` the index of its first step (window.window_steps names them)."""
         try:
-            out = self._result(steps, samples, tokens)
+            out = self._result(steps, samples, tokens, first_step)
         except Exception as e:  # noqa: BLE001
             out = {"available": False, "reason": f"power telemetry failed: "
                                                  f"{type(e).__name__}: {e}"}
         self._last_result = out
         return out
 
-    def _result(self, steps, samples, tokens) -> dict:
+    def _result(self, steps, samples, tokens, first_step=None) -> dict:
         if not self.available:
             out = {"available": False, "reason": self.reason}
             if self._cpu()["available"]:
                 out["cpu"] = self._cpu()  # CPU energy is still real without a GPU
             return out
         w = self.window
-        if not w or w["end"] is None:
+        if not w:
+            return {"available": False, "reason": "the run stopped before the measurement "
+                                                  "window opened"}
+        if w["end"] is None:
             return {"available": False, "reason": "the measurement window was never closed"}
         a, b = w["start"], w["end"]
+        pauses = [(p["start"], p["end"]) for p in w["pauses"]]
         arrays = self._window_arrays()
         metas = [{"index": d.index, "name": d.name, "uuid": d.uuid,
                   "power_source": d.power_source, "power_note": d.power_note,
                   "clock_reasons_source": d.reasons_source, "unsupported": list(d.unsupported),
                   "counter_mj": (w["c0"][d.index], w["c1"][d.index]),
+                  "pause_counter_mj": [(p["c0"][d.index], p["c1"][d.index])
+                                       for p in w["pauses"]],
                   "counter_note": d.energy_note} for d in self.devices]
         summary = energy.window_figures(metas, arrays, a, b, steps, samples, tokens,
-                                        self.sampler.errors, self.th)
+                                        self.sampler.errors, self.th, pauses)
         t = next(iter(arrays.values()))["t"] if arrays else np.array([])
+        paused_s = sum(p1 - p0 for p0, p1 in pauses)
         return {
             "available": True,
             "backend": self.backend.name,
             "window": {"mode": self.cfg.power_window, "start_unix_s": a, "end_unix_s": b,
-                       "duration_s": b - a, "steps": steps, "samples": samples,
-                       "tokens": tokens},
+                       "duration_s": b - a - paused_s, "span_s": b - a, "steps": steps,
+                       "window_steps": ([first_step, first_step + steps - 1]
+                                        if first_step is not None and steps else None),
+                       "excluded": [{"what": p["what"], "duration_s": p["end"] - p["start"]}
+                                    for p in w["pauses"]],
+                       "samples": samples, "tokens": tokens},
             **summary,
             "sample_ms": self.cfg.power_sample_ms,
             "achieved_sample_ms": float(np.median(np.diff(t)) * 1e3) if t.size > 1 else None,

@@ -79,14 +79,37 @@ def stats(x: np.ndarray) -> dict | None:
             "start": float(x[0]), "end": float(x[-1])}
 
 
+def outside(t: np.ndarray, pauses) -> np.ndarray:
+    """Mask of sample times outside every pause (open intervals: edge samples stay)."""
+    keep = np.ones(t.shape, dtype=bool)
+    for p0, p1 in pauses:
+        keep &= ~((t > p0) & (t < p1))
+    return keep
+
+
+def integrate_active(t, w, a: float, b: float, pauses) -> tuple[float | None, float]:
+    """integrate() over [a, b] less its integral over each pause inside it."""
+    joules, covered = integrate(t, w, a, b)
+    if joules is None:
+        return None, 0.0
+    for p0, p1 in pauses:
+        j, c = integrate(t, w, p0, p1)
+        joules -= j or 0.0
+        covered -= c
+    return joules, covered
+
+
 def gpu_window(meta: dict, arr: dict, a: float, b: float, counter_j, counter_note,
-               th: Thresholds) -> tuple[dict, list[dict]]:
-    """One GPU's block and its flags; `arr` holds the window_slice of its series."""
+               th: Thresholds, pauses=()) -> tuple[dict, list[dict]]:
+    """One GPU's block and its flags; `arr` holds the window_slice of its series. `pauses`:
+    (start, end) intervals inside [a, b] that are not part of the window (evaluation,
+    checkpoint saves): their energy, time and samples are left out."""
     gpu = meta["index"]
     flags = []
-    energy_j, covered = integrate(arr["t"], arr["power_w"], a, b)
+    energy_j, covered = integrate_active(arr["t"], arr["power_w"], a, b, pauses)
+    arr = {k: v[outside(arr["t"], pauses)] for k, v in arr.items()}
     power = arr["power_w"][np.isfinite(arr["power_w"])]
-    window_s = b - a
+    window_s = b - a - sum(p1 - p0 for p0, p1 in pauses)
     if power.size < th.min_samples:
         flags.append(flag("few_samples", f"{power.size} power samples in the window "
                           f"(< {th.min_samples}; Go et al. discarded such runs)", gpu))
@@ -175,21 +198,37 @@ def totals(gpus: list[dict], window_s: float, steps: int, samples: int, tokens: 
     }, flags
 
 
+def active_counter_joules(edges, pause_edges) -> tuple[float | None, str | None]:
+    """Counter energy between the window's edges less that between each pause's edges."""
+    total, note = counter_joules(*edges)
+    for pair in pause_edges:
+        if total is None:
+            break
+        j, note = counter_joules(*pair)
+        total = total - j if j is not None else None
+    if total is not None and total < 0:  # each pause adds two edges of counter quantisation
+        return None, "energy counter less the pauses is negative: too coarse for them"
+    return total, note if total is None else None
+
+
 def window_figures(metas: list[dict], arrays: dict[int, dict], a: float, b: float, steps: int,
                    samples: int, tokens: int | None, errors: list[dict],
-                   th: Thresholds) -> dict:
-    """Totals, `flags` and `gpus` of the power block for the window [a, b]. Each meta holds
-    a GPU's identity, `counter_mj` (counter at open, at close) and `counter_note` (why it
-    has no counter, else None)."""
+                   th: Thresholds, pauses=()) -> dict:
+    """Totals, `flags` and `gpus` of the power block for the window [a, b] less its
+    `pauses` ((start, end) pairs). Each meta holds a GPU's identity, `counter_mj` (counter
+    at open, at close), `pause_counter_mj` (the same at each pause's edges) and
+    `counter_note` (why it has no counter, else None)."""
     gpus, gpu_flags = [], []
     for meta in metas:
         meta = dict(meta)
-        c_j, c_note = counter_joules(*meta.pop("counter_mj"))
+        c_j, c_note = active_counter_joules(meta.pop("counter_mj"),
+                                            meta.pop("pause_counter_mj", ()))
         note = meta.pop("counter_note") or c_note
-        block, f = gpu_window(meta, arrays[meta["index"]], a, b, c_j, note, th)
+        block, f = gpu_window(meta, arrays[meta["index"]], a, b, c_j, note, th, pauses)
         gpus.append(block)
         gpu_flags += f
-    summary, flags = totals(gpus, b - a, steps, samples, tokens, th)
+    summary, flags = totals(gpus, b - a - sum(p1 - p0 for p0, p1 in pauses), steps, samples,
+                            tokens, th)
     in_window = [e for e in errors if a <= e["t"] <= b]
     if in_window:
         flags.append(flag("sampling_errors", f"{len(in_window)} NVML errors during the "

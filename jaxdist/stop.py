@@ -1,0 +1,129 @@
+"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (SLURM's preemption / time limit).
+
+The loop asks `should_stop(steps_done)` after every step; once it says yes, the loop saves a
+checkpoint (with --checkpoint-dir), writes results with `"status": "interrupted"` and the
+run exits 130 (SIGINT) or 143 (SIGTERM).
+
+One process: Python handlers set a flag.
+
+Several processes must stop on the same step, or one would wait forever in a collective the
+others never enter. JAX's coordination service already solves this (the preemption sync
+manager, `multihost_utils.reached_preemption_sync_point`): `jax.distributed.initialize`
+installs a C SIGTERM handler; within ~1 s of a SIGTERM to any process the service tells every
+process, they exchange the step each has reached, and the call returns True on every process
+at the same step (the fastest one's next). It listens only for SIGTERM, so here a SIGINT is
+turned into a SIGTERM to this process; a Python SIGTERM handler would replace the C one, so
+none is installed. Every process must call it on every step from the same first step.
+
+A second SIGINT while stopping raises `HardStop` (a KeyboardInterrupt): no results are
+written and the run directory is left as it is, unfinished.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+_early: list[str] = []  # signals caught by defer_signals() before a StopRequest existed
+
+
+def defer_signals() -> None:
+    """Record SIGINT/SIGTERM instead of acting on them, until a StopRequest is installed:
+    for the seconds an entry point spends importing JAX, where a KeyboardInterrupt would be
+    a traceback (or a crash at exit)."""
+    def record(signum, frame):
+        _early.append(signal.Signals(signum).name)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, record)
+
+
+def release_deferred() -> None:
+    """Back to Python's usual handling (for entry points with no StopRequest); a signal
+    recorded meanwhile is delivered now."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for signum, handler in defaults.items():
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, handler)
+    for name in _early:
+        os.kill(os.getpid(), signal.Signals[name])
+    _early.clear()
+
+
+class HardStop(KeyboardInterrupt):
+    """Ctrl-C pressed again while the run was stopping."""
+
+
+class StopRequest:
+    """Install it as early as possible (a KeyboardInterrupt raised inside JAX's C++ setup
+    can leave the process to crash at exit); `attach(first_step)` once the run knows its
+    first step and jax.distributed is up."""
+
+    def __init__(self):
+        self.signal: str | None = None  # what this process received (None: a peer's notice)
+        self._sync = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def synced(self) -> bool:
+        """Stops are agreed with the other processes (JAX's preemption sync point)."""
+        return self._sync is not None
+
+    def install(self) -> "StopRequest":
+        """Take over SIGINT and SIGTERM. Only the main thread may; elsewhere (a test calling
+        the loop from a thread) the signals keep their usual meaning."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # An ignored signal stays ignored (a shell starts background jobs so, nohup-like).
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        if _early:
+            self.signal = _early[0]
+        return self
+
+    def attach(self, first_step: int) -> "StopRequest":
+        """On several processes, switch to JAX's preemption sync point. jax.distributed's C
+        SIGTERM handler has replaced the Python one by now, and must stay: SIGTERM is no
+        longer restored. A signal that came before is passed on to it."""
+        self._sync = _preemption_sync()
+        if self._sync is None:
+            return self
+        self._previous.pop(signal.SIGTERM, None)
+        self._sync(first_step)  # every process reports the same first step
+        if self.signal is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal == "SIGINT" and signum == signal.SIGINT:
+            raise HardStop()
+        self.signal = self.signal or name
+        if self._sync is not None and signum == signal.SIGINT:
+            os.kill(os.getpid(), signal.SIGTERM)  # the preemption notifier's signal
+
+    def should_stop(self, steps_done: int) -> bool:
+        """Whether to stop now, `steps_done` counting every step run so far (warm-up too)."""
+        if self._sync is not None:
+            return self._sync(steps_done)
+        return self.signal is not None
+
+
+def _preemption_sync():
+    """JAX's preemption sync point when this is a multi-process run with the preemption
+    service on, else None."""
+    from jax._src import distributed as jax_distributed  # where jax keeps the client
+
+    state = jax_distributed.global_state
+    if state.client is None or state.preemption_sync_manager is None:
+        return None
+    from jax.experimental import multihost_utils
+    return multihost_utils.reached_preemption_sync_point

@@ -1,0 +1,183 @@
+"""SIGINT and SIGTERM mid-run: the run stops after the current step, saves a checkpoint,
+writes results.json with status "interrupted" and exits 130 / 143 with one line; on two
+processes both stop on the same step (JAX's preemption sync point)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxdist import loop
+from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig,
+                            TrainConfig)
+from jaxdist.devices import select_devices
+from jaxdist.mesh import MeshShape
+from tests.helpers import ROOT
+
+LONG = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "2", "--steps", "1000000",
+        "--no-progress"]
+LINE = re.compile(r"run: interrupted by (SIG\w+) after (\d+) of 1000002 steps")
+
+
+def _start(args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **kw)
+
+
+def _wait_for_steps(proc, timeout=60):
+    """Block until the run has compiled (its log line), then let it take some steps."""
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.startswith("compiled the"):
+            time.sleep(0.5)
+            return
+        assert time.monotonic() < deadline, "the run never compiled"
+    pytest.fail("the run exited before compiling")
+
+
+def _finish(procs, timeout=60):
+    """(returncode, stderr) of each; whatever is still running is killed."""
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_one_process_stops_writes_results_and_checkpoint(tmp_path, signum, code):
+    logdir, ck = tmp_path / "run", tmp_path / "ck"
+    proc = _start(["--mesh", "2x4", *LONG, "--logdir", str(logdir), "--checkpoint-dir", str(ck)])
+    try:
+        _wait_for_steps(proc)
+        proc.send_signal(signum)
+    finally:
+        (rc, err), = _finish([proc])
+    assert rc == code, err
+    assert "Traceback" not in err
+    line = [ln for ln in err.splitlines() if ln.startswith("run:")]
+    assert len(line) == 1 and LINE.match(line[0]), err
+    assert "resume with the same command plus --resume" in line[0]
+    steps = int(LINE.match(line[0]).group(2))
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["status"] == "interrupted"
+    assert results["interrupted"]["signal"] == signal.Signals(signum).name
+    assert results["steps_done"] == steps == len(results["loss"])
+    timed = max(steps - 2, 0)  # 2 warm-up steps
+    assert results["step_time_s"]["n"] == timed == results["interrupted"]["timed_steps"]
+    assert results["checkpoint"]["saved_steps"] == [steps]
+    assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [steps]
+    assert list(logdir.glob("events.out.tfevents.*"))  # TensorBoard events kept
+
+
+def test_two_processes_stop_on_the_same_step(tmp_path):
+    """Ctrl-C on process 0 only: it becomes the SIGTERM that JAX's preemption notifier
+    listens for (the same path as a SIGTERM), and process 1 learns of it from the
+    coordination service. (One case only: each two-process run costs ~25 s here.)"""
+    from experiments.launch import free_port
+
+    target, signum = 0, signal.SIGINT
+    port = free_port()
+    logdir = tmp_path / "run"
+    procs = [_start(["--mesh", "2x4", *LONG, "--logdir", str(logdir), "--platform", "cpu",
+                     "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                     "--process-id", str(i), "--init-timeout", "30"]) for i in range(2)]
+    try:
+        for p in procs:
+            _wait_for_steps(p)
+        procs[target].send_signal(signum)
+    finally:
+        done = _finish(procs)
+    name = signal.Signals(signum).name
+    lines = []
+    for i, (rc, err) in enumerate(done):
+        assert "Traceback" not in err
+        # The process signalled exits by its signal; the other was told through JAX's
+        # coordination service (a SIGTERM preemption notice).
+        assert rc == (130 if i == target and signum == signal.SIGINT else 143), err
+        lines.append(next(LINE.match(ln) for ln in err.splitlines() if LINE.match(ln)))
+    assert lines[target].group(1) == name
+    assert lines[0].group(2) == lines[1].group(2)  # the same step on both
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["status"] == "interrupted"
+    assert results["steps_done"] == int(lines[0].group(2)) == len(results["loss"])
+
+
+class StopAfter:
+    """Stands in for jaxdist.stop.StopRequest: a SIGINT "arrives" once `n` steps are done."""
+    def __init__(self, n):
+        self.n, self.signal = n, None
+
+    def __call__(self):
+        return self
+
+    def install(self):
+        return self
+
+    def attach(self, first_step):
+        return self
+
+    def restore(self):
+        pass
+
+    def should_stop(self, steps_done):
+        if steps_done >= self.n:
+            self.signal = "SIGINT"
+        return self.signal is not None
+
+
+def test_stopped_in_warmup_has_no_step_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "StopRequest", StopAfter(2))
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=5, steps=5),
+                    output=OutputConfig(progress=False))
+    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    assert results["status"] == "interrupted" and results["steps_done"] == 2
+    steps = results["step_time_s"]
+    assert steps["n"] == 0 and steps["mean"] is None and steps["p50"] is None
+    assert steps["reason"] == "interrupted before the first timed step (after warm-up)"
+    assert results["throughput"] == {"samples_per_s": None, "tokens_per_s": None}
+    assert len(results["warmup_step_time_s"]) == 2
+    assert results["power"]["available"] is False
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["status"] == "interrupted" and on_disk["step_time_s"]["mean"] is None
+
+
+def test_a_complete_run_says_so(tmp_path):
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=1, steps=2),
+                    output=OutputConfig(progress=False))
+    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["status"] == "complete" and on_disk["interrupted"] is None
+    assert on_disk["steps_done"] == 3 == len(results["loss"])
+
+
+def test_ctrl_c_while_starting_is_one_line_and_keeps_the_users_folder(tmp_path):
+    """Ctrl-C during the imports and setup (before any step): no traceback, exit 130,
+    nothing left that the run made, the existing --logdir folder and its files kept."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    proc = _start(["--mesh", "2x4", *LONG, "--logdir", str(folder)])
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        (rc, err), = _finish([proc])
+    assert rc == 130, err
+    assert err.strip() == "run: interrupted by SIGINT before the first step; nothing was kept"
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
