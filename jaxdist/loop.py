@@ -21,7 +21,7 @@ from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION
 from jaxdist.timing import StepTimer, timed
-from jaxdist.train_step import build_program, make_optimizer, put_batch
+from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from sharding import get_layout
 
@@ -163,7 +163,6 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     batch = cfg.train.batch_size
     n = len(platform.devices)
     tokens = model_cfg.tokens_per_sample
-    analytic_step_flops = model_cfg.flops_per_sample() * batch
     by_device = metrics.state_bytes_by_device(state)
     measured, measured_reason = metrics.measured_peak(platform.devices)
     return {
@@ -181,8 +180,8 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "warmup_step_time_s": timer.warmup_s,
         "throughput": {"samples_per_s": batch / steps["mean"],
                        "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
-        "mfu": metrics.mfu(platform.device_kind, cfg.model.dtype, n, steps["mean"],
-                           metrics.compiled_flops(compiled), analytic_step_flops),
+        "mfu": mfu_block(cfg, model_cfg, program, compiled, platform.device_kind, n,
+                         steps["mean"]),
         "memory": {
             "state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device,
@@ -195,6 +194,16 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "loss": losses,
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
+
+
+def mfu_block(cfg, model_cfg, program, compiled, device_kind: str, num_devices: int,
+              step_s: float) -> dict:
+    """results["mfu"]: the model's analytic FLOPs (mfu) and the compiled step's, every
+    micro-batch counted (hfu), over the part's peak."""
+    return metrics.mfu(device_kind, cfg.model.dtype, num_devices, step_s,
+                       compiled_step_flops(program, compiled),
+                       model_cfg.flops_per_sample() * cfg.train.batch_size,
+                       cfg.model.matmul_precision)
 
 
 def comm_block(layout: str, compiled, program) -> dict:
