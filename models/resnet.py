@@ -25,8 +25,8 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError, choices
-from models.registry import register, teacher_labels
-from models.vgg import conv_out
+from models.registry import register
+from models.vgg import ImageClassifier, conv_out
 
 # depth -> (bottleneck?, blocks per stage)
 _LAYOUTS = {18: (False, (2, 2, 2, 2)), 34: (False, (3, 4, 6, 3)), 50: (True, (3, 4, 6, 3))}
@@ -157,9 +157,9 @@ class ResNetConfig:
         return ResNet(self, dtype=dtype, rngs=rngs)
 
     def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
-        shape = (batch_size, self.image_size, self.image_size, self.channels)
-        x_BHWC = rng.standard_normal(shape, dtype=np.float32)
-        return {"x": x_BHWC, "y": teacher_labels(x_BHWC, self.num_classes)}
+        # The zoo's batch: the same as teacher_labels on the raw image up to 32x32; larger
+        # images are pooled for the teacher (a 224x224x3 teacher would be 1.2 GB).
+        return ImageClassifier.synthetic_batch(self, rng, batch_size)
 
     def loss(self, model, batch):
         logits_BC = model(batch["x"])
