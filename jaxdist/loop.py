@@ -22,7 +22,7 @@ from jaxdist.mesh import build_mesh
 from jaxdist.results import SCHEMA_VERSION, write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
-from jaxdist.train_step import build_program, make_optimizer, put_batch
+from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from sharding import get_layout
 
@@ -209,7 +209,6 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     batch = cfg.train.batch_size
     n = len(platform.devices)
     tokens = model_cfg.tokens_per_sample
-    analytic_step_flops = model_cfg.flops_per_sample() * batch
     by_device = metrics.state_bytes_by_device(state)
     measured, measured_reason = metrics.measured_peak(platform.devices)
     return {
@@ -228,8 +227,8 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "throughput": {"samples_per_s": batch / steps["mean"] if steps["n"] else None,
                        "tokens_per_s": (batch * tokens / steps["mean"]
                                         if tokens and steps["n"] else None)},
-        "mfu": metrics.mfu(platform.device_kind, cfg.model.dtype, n, steps["mean"],
-                           metrics.compiled_flops(compiled), analytic_step_flops),
+        "mfu": mfu_block(cfg, model_cfg, program, compiled, platform.device_kind, n,
+                         steps["mean"] if steps["n"] else None),
         "memory": {
             "state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device,
@@ -242,6 +241,16 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "loss": losses,
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
+
+
+def mfu_block(cfg, model_cfg, program, compiled, device_kind: str, num_devices: int,
+              step_s: float | None) -> dict:
+    """results["mfu"]: the model's analytic FLOPs (mfu) and the compiled step's, every
+    micro-batch counted (hfu), over the part's peak."""
+    return metrics.mfu(device_kind, cfg.model.dtype, num_devices, step_s,
+                       compiled_step_flops(program, compiled),
+                       model_cfg.flops_per_sample() * cfg.train.batch_size,
+                       cfg.model.matmul_precision)
 
 
 def comm_block(layout: str, compiled, program) -> dict:

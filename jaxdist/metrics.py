@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections import defaultdict
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
-
-# Two-sided 95% Student-t critical values by degrees of freedom; 1.96 beyond 30.
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+from scipy import stats
 
 
 def latency_stats(seconds) -> dict:
-    """Distribution of per-step latencies; ci95 is the half-width of the mean's 95% CI."""
+    """Distribution of per-step latencies; ci95 is the half-width of the mean's 95% CI,
+    Student's t with n-1 degrees of freedom at every n (no normal approximation)."""
     t = np.asarray(seconds, dtype=np.float64)
     n = t.size
     std = float(t.std(ddof=1)) if n > 1 else 0.0
-    crit = _T95[n - 2] if 2 <= n <= 31 else 1.96
+    crit = float(stats.t.ppf(0.975, n - 1)) if n > 1 else None
     return {
         "n": int(n),
         "mean": float(t.mean()),
@@ -102,9 +101,17 @@ def param_count(abstract_state) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_state["params"]))
 
 
+PEAK_BYTES_NOTE = ("allocation upper bound, not a measured peak: argument + output - alias + "
+                   "temp bytes per device, as if all were live at once (the live peak can be "
+                   "lower); allocations outside the program (allocator pools, library "
+                   "workspaces) are not included")
+
+
 def compiled_memory(compiled) -> dict | None:
-    """The compiler's per-device figures for the compiled step. Its `peak_memory_in_bytes`
-    leaves out temporaries, so the peak here is argument + output - alias + temp."""
+    """The compiler's per-device figures for the compiled step. `peak_bytes` is an upper
+    bound on what the program allocates (argument + output - alias + temp; XLA's own
+    `peak_memory_in_bytes` leaves out temporaries), not a measured peak: see
+    `peak_bytes_note`, which travels with it into results.json."""
     try:
         m = compiled.memory_analysis()
     except Exception:  # some backends do not implement it
@@ -121,6 +128,7 @@ def compiled_memory(compiled) -> dict | None:
     fields = {k: int(v) for k, v in fields.items()}
     fields["peak_bytes"] = (fields["argument_bytes"] + fields["output_bytes"]
                             - fields["alias_bytes"] + fields["temp_bytes"])
+    fields["peak_bytes_note"] = PEAK_BYTES_NOTE
     return fields
 
 
@@ -138,7 +146,9 @@ def measured_peak(devices) -> tuple[int | None, str | None]:
 
 
 def compiled_flops(compiled) -> float | None:
-    """Per-device FLOPs of one compiled step (cost analysis is per SPMD partition)."""
+    """Per-device FLOPs of one compiled program as XLA's cost analysis counts them (per SPMD
+    partition). The analysis counts a while loop's body once, whatever its trip count:
+    `jaxdist.train_step.compiled_step_flops` corrects for the micro-batch loop."""
     try:
         cost = compiled.cost_analysis()
     except Exception:
@@ -149,43 +159,154 @@ def compiled_flops(compiled) -> float | None:
     return float(flops) if flops and flops > 0 else None
 
 
-# Dense peak FLOP/s per device (NVIDIA datasheets). float32 matmuls run as TF32 on these
-# parts under XLA's default precision, so the float32 column is the TF32 tensor-core peak.
-PEAK_FLOPS = {
-    "H200": {"bfloat16": 989e12, "float32": 494e12},
-    "H100": {"bfloat16": 989e12, "float32": 494e12},   # SXM; PCIe parts are ~25% lower
-    "A100": {"bfloat16": 312e12, "float32": 156e12},
-    # A10 datasheet (A10G, AWS's variant, publishes no figure and clocks a little lower).
-    "A10G": {"bfloat16": 125e12, "float32": 62.5e12},
-}
+
+_WHILE_TRIP = re.compile(r'\swhile\(.*"known_trip_count":\{"n":"(\d+)"\}')
+_HEADER = re.compile(r"^(ENTRY\s+)?%?[\w.\-]+\s.*\{\s*$")
 
 
-def peak_flops(device_kind: str, dtype: str) -> float | None:
+def while_trip_counts(hlo_text: str) -> dict[str, list[int]]:
+    """Known trip counts of the while loops in optimized HLO text (XLA records them in each
+    loop's backend_config), split into the entry computation's own loops ("entry", e.g. [4]
+    for a scan over 4 micro-batches) and loops nested in other computations ("nested")."""
+    out: dict[str, list[int]] = {"entry": [], "nested": []}
+    in_entry = False
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            in_entry = bool(header.group(1))
+            continue
+        trip = _WHILE_TRIP.search(line)
+        if trip:
+            out["entry" if in_entry else "nested"].append(int(trip.group(1)))
+    return out
+
+
+# Peak FLOP/s per device, dense (NVIDIA datasheets quote tensor-core figures "with
+# sparsity", twice the dense rate: those are written as quoted / 2).
+#   bf16: BF16 tensor cores        - bfloat16 compute, any matmul precision
+#   tf32: TF32 tensor cores        - float32 under precision "default" or "high": XLA:GPU lets
+#         cuBLAS/cuDNN use TF32 whenever every operand precision is <= HIGH (openxla/xla,
+#         xla/backends/gpu/autotuner/cudnn.cc: `allow_tf32 = ... precision <=
+#         PrecisionConfig::HIGH`), and jax-ml/jax#18934: "Precision('bfloat16_3x') ... will
+#         get tensorfloat32 on A100". So "high" is not bf16_3x on these GPUs.
+#   fp32: plain FP32 (CUDA cores)  - float32 under precision "highest"
+# A part without TF32 (before Ampere) runs float32 matmuls at the FP32 rate at any precision.
+# None: the datasheet gives no figure (or none checked here): mfu is then null, not a guess.
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    part: str
+    bf16: float | None
+    tf32: float | None
+    fp32: float | None
+    tensor_float32: bool = True  # False before Ampere: float32 matmuls never use TF32
+
+
+_A100 = dict(bf16=624e12 / 2, tf32=312e12 / 2, fp32=19.5e12)
+_H100_SXM = dict(bf16=1979e12 / 2, tf32=989e12 / 2, fp32=67e12)
+_NVL = dict(bf16=1671e12 / 2, tf32=835e12 / 2, fp32=60e12)
+
+# (pattern on the upper-cased device_kind, row), first match wins: GH200 before H200, NVL and
+# PCIe before the plain H100 (the SXM part reports "NVIDIA H100 80GB HBM3"), L40S before L40
+# before L4, A10G before A10.
+PEAKS: list[tuple[str, Peak]] = [
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 40GB/80GB PCIe and SXM share these rates):
+    # FP32 19.5 TF, TF32 156 | 312* TF, BF16 312 | 624* TF (* with sparsity).
+    (r"A100.*PCIE", Peak("A100 PCIe (40/80 GB)", **_A100)),
+    (r"A100", Peak("A100 SXM4 (40/80 GB)", **_A100)),
+    # NVIDIA Grace Hopper Superchip (GH200) datasheet: the H100-class GPU's rates, FP32 67 TF,
+    # TF32 494 | 989* TF, BF16 990 | 1,979* TF.
+    (r"GH200", Peak("GH200 (Hopper GPU)", **_H100_SXM)),
+    # NVIDIA H200 datasheet, H200 NVL column: FP32 60 TF, TF32 835* TF, BF16 1,671* TF. The
+    # NVL card is also named "H200 PCIe" in NVIDIA's driver tables (allenai/OLMo-core#810).
+    (r"H200.*(NVL|PCIE)", Peak("H200 NVL", **_NVL)),
+    # NVIDIA H200 datasheet, H200 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
+    (r"H200", Peak("H200 SXM", **_H100_SXM)),
+    # NVIDIA H100 datasheet, H100 NVL column (per GPU): FP32 60 TF, TF32 835* TF, BF16
+    # 1,671* TF.
+    (r"H100.*NVL", Peak("H100 NVL", **_NVL)),
+    # NVIDIA H100 datasheet, H100 PCIe column: FP32 51 TF, TF32 756* TF, BF16 1,513* TF.
+    (r"H100.*PCIE", Peak("H100 PCIe", bf16=1513e12 / 2, tf32=756e12 / 2, fp32=51e12)),
+    # NVIDIA H100 datasheet, H100 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
+    (r"H100", Peak("H100 SXM", **_H100_SXM)),
+    # NVIDIA publishes no A10G figures (AWS's variant of the A10, clocked a little lower):
+    # the A10 datasheet's FP32 31.2 TF, TF32 62.5 | 125* TF, BF16 125 | 250* TF stand in,
+    # so an A10G's MFU is against an A10 proxy peak (slightly optimistic peak, low MFU).
+    (r"A10G", Peak("A10G (A10 datasheet as proxy)", bf16=250e12 / 2, tf32=125e12 / 2,
+                   fp32=31.2e12)),
+    (r"\bA10\b", Peak("A10", bf16=250e12 / 2, tf32=125e12 / 2, fp32=31.2e12)),
+    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 | 366* TF, BF16 362.05 | 733* TF.
+    (r"L40S", Peak("L40S", bf16=362.05e12, tf32=183e12, fp32=91.6e12)),
+    # NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120* TF, BF16 242* TF.
+    (r"\bL4\b", Peak("L4", bf16=242e12 / 2, tf32=120e12 / 2, fp32=30.3e12)),
+    # torchtitan's table (pytorch/torchtitan, torchtitan/tools/utils.py), from NVIDIA's
+    # Blackwell datasheet: BF16 2.25 PF dense. TF32/FP32 not checked here: null.
+    (r"B200", Peak("B200", bf16=2.25e15, tf32=None, fp32=None)),
+    # NVIDIA V100 datasheet: FP32 15.7 TF (SXM2), 14 TF (PCIe); no BF16 or TF32 tensor cores.
+    (r"V100.*PCIE", Peak("V100 PCIe", bf16=None, tf32=None, fp32=14e12,
+                         tensor_float32=False)),
+    (r"V100", Peak("V100 SXM2", bf16=None, tf32=None, fp32=15.7e12, tensor_float32=False)),
+    # NVIDIA T4 datasheet: FP32 8.1 TF; no BF16 or TF32 tensor cores (Turing).
+    (r"\bT4\b", Peak("T4", bf16=None, tf32=None, fp32=8.1e12, tensor_float32=False)),
+]
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+
+def peak_row(device_kind: str) -> Peak | None:
     kind = device_kind.upper()
-    for name in ("H200", "H100", "A100", "A10G"):  # longest-match order: A100 before A10G
-        if name in kind:
-            return PEAK_FLOPS[name][dtype]
+    for pattern, row in PEAKS:
+        if re.search(pattern, kind):
+            return row
     return None
 
 
-def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float,
-        compiled_flops_per_device: float | None, analytic_flops_per_step: float) -> dict:
-    peak = peak_flops(device_kind, dtype)
+def peak_flops(device_kind: str, dtype: str, matmul_precision: str = "default") -> float | None:
+    """Dense peak FLOP/s of one device for matmuls in `dtype` at JAX's
+    `jax_default_matmul_precision`, or None where the table has no figure (unknown part,
+    or a rate the part lacks)."""
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision {matmul_precision!r}: choose from "
+                         f"{', '.join(MATMUL_PRECISIONS)}")
+    row = peak_row(device_kind)
+    if row is None:
+        return None
+    if dtype == "bfloat16":  # precision settings only change 32-bit matmuls
+        return row.bf16
+    if dtype == "float32":
+        if matmul_precision == "highest" or not row.tensor_float32:
+            return row.fp32
+        return row.tf32
+    raise ValueError(f"dtype {dtype!r}: choose from bfloat16, float32")
+
+
+def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,
+        compiled_flops_per_device: float | None, model_flops_per_step: float,
+        matmul_precision: str = "default") -> dict:
+    """Model FLOPs utilisation: the model's analytic training FLOPs per step (what
+    MaxText, torchtitan and Megatron publish) over step time x peak x devices; `hfu` is the
+    same with the FLOPs the compiled program executes (rises with recomputation)."""
+    peak = peak_flops(device_kind, dtype, matmul_precision)
     compiled_step = (compiled_flops_per_device * num_devices
                      if compiled_flops_per_device is not None else None)
     out = {
         "value": None,
-        "analytic_value": None,
+        "hfu": None,
         "peak_flops_per_device": peak,
+        "model_flops_per_step": model_flops_per_step,
         "compiled_flops_per_step": compiled_step,
-        "analytic_flops_per_step": analytic_flops_per_step,
         "reason": None,
     }
     if peak is None:
-        out["reason"] = f"peak FLOP/s unknown for device kind {device_kind!r}"
+        row = peak_row(device_kind)
+        out["reason"] = (f"no peak FLOP/s for device kind {device_kind!r} in the table "
+                         f"(jaxdist.metrics.PEAKS)" if row is None else
+                         f"the {row.part} row has no {dtype} peak at matmul precision "
+                         f"{matmul_precision!r}")
+        return out
+    if not step_s:  # a run interrupted before its first timed step
+        out["reason"] = "no timed step: the run stopped during warm-up"
         return out
     denominator = step_s * peak * num_devices
+    out["value"] = model_flops_per_step / denominator
     if compiled_step is not None:
-        out["value"] = compiled_step / denominator
-    out["analytic_value"] = analytic_flops_per_step / denominator
+        out["hfu"] = compiled_step / denominator
     return out

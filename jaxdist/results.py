@@ -27,8 +27,9 @@ SCHEMA = {
                     "min": NUM, "max": NUM, "ci95": OPT_NUM},
     "warmup_step_time_s": list,
     "throughput": {"samples_per_s": NUM, "tokens_per_s": OPT_NUM},
-    "mfu": {"value": OPT_NUM, "analytic_value": OPT_NUM, "peak_flops_per_device": OPT_NUM,
-            "compiled_flops_per_step": OPT_NUM, "analytic_flops_per_step": NUM},
+    "mfu": {"value": OPT_NUM, "hfu": OPT_NUM, "peak_flops_per_device": OPT_NUM,
+            "model_flops_per_step": NUM, "compiled_flops_per_step": OPT_NUM,
+            "reason": (str, type(None))},
     "memory": {"state_bytes_per_device": int, "state_bytes_by_device": list,
                "compiled": (dict, type(None)), "measured_peak_bytes": OPT_NUM},
     "sharding": {"sharded_bytes": int, "replicated_bytes": int, "replicated_leaves": int,
@@ -38,12 +39,22 @@ SCHEMA = {
 }
 
 COMPILED = {"argument_bytes": int, "output_bytes": int, "alias_bytes": int,
-            "temp_bytes": int, "peak_bytes": int}
+            "temp_bytes": int, "peak_bytes": int, "peak_bytes_note": str}
+
+
+# A run interrupted before its first timed step has no latency figures: null, with a reason.
+INTERRUPTED = dict(SCHEMA,
+                   step_time_s={"n": int, "reason": str},
+                   throughput={"samples_per_s": OPT_NUM, "tokens_per_s": OPT_NUM})
 
 
 def check(results: dict) -> list[str]:
     """Problems with `results` against the schema; empty when it conforms."""
-    problems = _check(results, SCHEMA, "")
+    timed = (results.get("step_time_s") or {}).get("n")
+    spec = INTERRUPTED if results.get("status") == "interrupted" and not timed else SCHEMA
+    problems = _check(results, spec, "")
+    if results.get("status") not in (None, "complete", "interrupted"):
+        problems.append(f"status: expected complete or interrupted, got {results['status']!r}")
     compiled = results.get("memory", {}).get("compiled")
     if isinstance(compiled, dict):
         problems += _check(compiled, COMPILED, "memory.compiled.")

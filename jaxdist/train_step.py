@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdist import metrics
 from jaxdist.errors import UsageError
 from sharding import batch_spec
 
@@ -54,6 +55,10 @@ class Program:
     init: Callable[[], Any]   # -> sharded train state
     step: Callable            # jitted (state, batch) -> (state, loss)
     correct: Callable         # jitted (state, batch with mask) -> number of correct rows
+    microbatches: int = 1
+    # (global batch shapes) -> per-device FLOPs of one micro-batch iteration as compiled
+    # alone; None without micro-batches. See compiled_step_flops.
+    loop_body_flops: Callable | None = None
 
 
 def _split_model(model_cfg, dtype, seed):
@@ -94,6 +99,12 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def micro_step(params, carry, mb):
+        """One iteration of the micro-batch loop: add one slice's loss and gradients."""
+        loss_sum, grad_sum, ms = carry
+        (loss, ms), grads = grad_fn(params, ms, mb)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), ms)
+
     def accumulate(params, model_state, batch):
         """Mean loss and gradients over `microbatches` slices of the batch, one at a time
         (scan), so activations of only one slice are live."""
@@ -102,18 +113,15 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
             # rows, so no data moves between devices.
             return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
 
-        def body(carry, mb):
-            loss_sum, grad_sum, ms = carry
-            (loss, ms), grads = grad_fn(params, ms, mb)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), ms), None
-
         zeros = jax.tree.map(jnp.zeros_like, params)
         (loss, grads, model_state), _ = jax.lax.scan(
-            body, (jnp.zeros((), jnp.float32), zeros, model_state), jax.tree.map(split, batch))
+            lambda carry, mb: (micro_step(params, carry, mb), None),
+            (jnp.zeros((), jnp.float32), zeros, model_state), jax.tree.map(split, batch))
         return (loss / microbatches, model_state), jax.tree.map(lambda g: g / microbatches, grads)
 
     gradients = accumulate if microbatches > 1 else grad_fn
-    if _replicated_params(specs) and not jax.tree.leaves(abstract_state["model_state"]):
+    explicit = _replicated_params(specs) and not jax.tree.leaves(abstract_state["model_state"])
+    if explicit:
         gradients = _explicit_all_reduce(gradients, mesh)
 
     def step_fn(state, batch):
@@ -137,8 +145,61 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     init = jax.jit(init_fn, out_shardings=shardings)
     correct = MeshJit(jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
                               out_shardings=replicated), mesh, precision)
+    loop_body_flops = (_loop_body_counter(micro_step, abstract_state, shardings, batch_sharding,
+                                          mesh, microbatches, explicit, precision)
+                       if microbatches > 1 else None)
     return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step,
-                   correct)
+                   correct, microbatches, loop_body_flops)
+
+
+def _loop_body_counter(micro_step, abstract_state, shardings, batch_sharding, mesh: Mesh,
+                       microbatches: int, explicit: bool, precision: str | None):
+    """A function compiling one micro-batch iteration on its own, placed as in the step
+    (inside the same shard_map for replicated parameters, else with the state's shardings),
+    and returning its per-device FLOPs."""
+    replicated = NamedSharding(mesh, P())
+    if explicit:
+        spec = batch_spec(mesh)
+        body = jax.shard_map(micro_step, mesh=mesh, in_specs=(P(), (P(), P(), P()), spec),
+                             out_specs=(P(), P(), P()), check_vma=False)
+        in_shardings = (replicated, (replicated, replicated, replicated), batch_sharding)
+    else:
+        body = micro_step
+        in_shardings = (shardings["params"],
+                        (replicated, shardings["params"], shardings["model_state"]),
+                        batch_sharding)
+    body = MeshJit(jax.jit(body, in_shardings=in_shardings), mesh, precision)
+
+    def flops(batch_shapes) -> float | None:
+        mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch_shapes)
+        carry = (jax.ShapeDtypeStruct((), jnp.float32), abstract_state["params"],
+                 abstract_state["model_state"])
+        compiled = body.lower(abstract_state["params"], carry, mb).compile()
+        return metrics.compiled_flops(compiled)
+    return flops
+
+
+def compiled_step_flops(program: Program, compiled) -> float | None:
+    """Per-device FLOPs of one step as compiled, every micro-batch counted.
+
+    XLA's cost analysis counts a while loop's body once, whatever its trip count, so with
+    M micro-batches it sees 1/M of the gradient work (M/T bodies if XLA unrolled the loop to
+    T iterations; all M if it unrolled it fully). The missing iterations are added at the
+    FLOPs of one iteration compiled on its own with the same placement. (Loops nested inside
+    the model, e.g. the ones XLA:CPU emits for some gathers, are counted once at any M, so
+    they cancel out of a comparison across M.)"""
+    flops = metrics.compiled_flops(compiled)
+    M = program.microbatches
+    if flops is None or M == 1:
+        return flops
+    counted = _bodies_counted(metrics.while_trip_counts(compiled.as_text() or ""), M)
+    if counted == M:
+        return flops
+    batch_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                compiled.args_info[0][1])
+    body = program.loop_body_flops(batch_shapes)
+    return None if body is None else flops + (M - counted) * body
 
 
 def _replicated_params(specs) -> bool:
@@ -181,6 +242,17 @@ class MeshJit:
     def lower(self, *args):
         with jax.set_mesh(self.mesh), jax.default_matmul_precision(self.matmul_precision):
             return self.fn.lower(*args)
+
+
+def _bodies_counted(trips: dict[str, list[int]], microbatches: int) -> int:
+    """How many micro-batch iterations the cost analysis saw: M / (the micro-batch loop's
+    trip count). That loop is the step's top-level while loop whose trip count divides M
+    (M itself unless XLA partly unrolled it); none there means fully unrolled, all counted."""
+    for loops in (trips["entry"], [t for t in trips["nested"] if t == microbatches]):
+        dividing = [t for t in loops if t > 1 and microbatches % t == 0]
+        if dividing:
+            return microbatches // max(dividing)
+    return microbatches
 
 
 def put_batch(batch_np: dict, sharding: NamedSharding) -> dict:

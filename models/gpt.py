@@ -137,6 +137,11 @@ class GPTConfig:
             logits_BLV, tokens_BL1[:, 1:]).mean()
 
     def flops_per_sample(self) -> float:
+        """Model (not hardware) training FLOPs, the PaLM / Megatron-LM count torchtitan
+        also uses: per token 6N + 12 * depth * seq_len * width, where N is the matmul
+        weights (every block's projections and the LM head; the embedding lookups are not
+        matmuls) and the second term is QK^T and attention x V, forward and backward, with
+        no discount for the causal mask. Biases, norms, softmax and the loss are ignored."""
         d = self.width
         # Weight matrices only: q, k, v (3d^2) + out (d^2) + MLP up/down (2 * ratio * d^2).
         block = (4 + 2 * self.mlp_ratio) * d * d

@@ -124,6 +124,8 @@ class LlamaConfig(GPTConfig):
         return Llama(self, dtype=dtype, rngs=rngs)
 
     def flops_per_sample(self) -> float:
+        """GPTConfig's count (6N + 12 * depth * seq_len * width per token) with Llama's
+        weights: k and v project to kv_heads heads, the MLP has three matrices."""
         d, hd = self.width, self.width // self.heads
         attn = 2 * d * d + 2 * d * self.kv_heads * hd  # q, out; k, v (fewer heads)
         block = attn + 3 * d * self.mlp_hidden

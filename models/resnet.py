@@ -1,8 +1,16 @@
-"""ResNet-18/34/50 for CIFAR-sized images: the BatchNorm model, i.e. the one with mutable state.
+"""ResNet-18/34/50: the BatchNorm model, i.e. the one with mutable state.
 
-The stem is the CIFAR variant (3x3 conv, stride 1, no max-pool) rather than ImageNet's
-7x7/stride-2 conv + max-pool, so 32x32 inputs keep 32x32 activations into stage 1 and stage 4
-still sees 4x4. Downsampling is stride 2 at the first block of stages 2-4, with a 1x1 conv + BN
+Two stems (`stem=`):
+- "cifar": one 3x3 stride-1 conv (+ BN, ReLU), no max-pool, so 32x32 inputs keep 32x32
+  activations into stage 1 and stage 4 still sees 4x4. 7,680 fewer weights than ImageNet's
+  (3x3 instead of 7x7 filters on 3 channels).
+- "imagenet": torchvision's 7x7 stride-2 conv (padding 3) + BN, ReLU + 3x3 stride-2 max-pool
+  (padding 1); at 224x224x3 with 1000 classes the parameter count is torchvision's exactly
+  (resnet18 11,689,512; resnet50 25,557,032; registered as `resnet18-imagenet`,
+  `resnet50-imagenet`).
+- "auto" (the default): "imagenet" at that reference shape (224x224x3, 1000 classes), else
+  "cifar".
+Downsampling is stride 2 at the first block of stages 2-4, with a 1x1 conv + BN
 projection shortcut whenever the shape changes. Bottleneck blocks put the stride on the 3x3 conv
 (torchvision's "v1.5").
 """
@@ -17,16 +25,19 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError, choices
-from models.registry import register, teacher_labels
+from models.registry import register
+from models.vgg import ImageClassifier, conv_out
 
 # depth -> (bottleneck?, blocks per stage)
 _LAYOUTS = {18: (False, (2, 2, 2, 2)), 34: (False, (3, 4, 6, 3)), 50: (True, (3, 4, 6, 3))}
 _EXPANSION = 4  # bottleneck output channels / inner channels
+_STEMS = ("auto", "cifar", "imagenet")
+REFERENCE_SHAPE = (224, 3, 1000)  # torchvision's ImageNet models: image size, channels, classes
 
 
-def _conv(cin, cout, k, stride, *, dtype, rngs):
+def _conv(cin, cout, k, stride, *, dtype, rngs, padding="SAME"):
     # No bias: every conv is followed by BN, whose shift makes a bias redundant.
-    return nnx.Conv(cin, cout, (k, k), strides=stride, padding="SAME", use_bias=False,
+    return nnx.Conv(cin, cout, (k, k), strides=stride, padding=padding, use_bias=False,
                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
@@ -75,7 +86,12 @@ class Block(nnx.Module):
 
 class ResNet(nnx.Module):
     def __init__(self, cfg: "ResNetConfig", *, dtype, rngs):
-        self.stem = _conv(cfg.channels, cfg.width, 3, 1, dtype=dtype, rngs=rngs)
+        self.stem_pool = cfg.resolved_stem == "imagenet"
+        if self.stem_pool:  # torchvision: Conv2d(3, 64, 7, stride=2, padding=3)
+            self.stem = _conv(cfg.channels, cfg.width, 7, 2, padding=((3, 3), (3, 3)),
+                              dtype=dtype, rngs=rngs)
+        else:
+            self.stem = _conv(cfg.channels, cfg.width, 3, 1, dtype=dtype, rngs=rngs)
         self.stem_bn = _bn(cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(Block(cin, inner, stride, cfg.bottleneck, dtype=dtype, rngs=rngs)
                                for cin, inner, stride in cfg.block_specs())
@@ -84,6 +100,8 @@ class ResNet(nnx.Module):
 
     def __call__(self, x_BHWC):
         x_BHWC = nnx.relu(self.stem_bn(self.stem(x_BHWC)))
+        if self.stem_pool:  # MaxPool2d(3, stride=2, padding=1), padding with -inf
+            x_BHWC = nnx.max_pool(x_BHWC, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
         for block in self.blocks:
             x_BHWC = block(x_BHWC)
         x_BC = x_BHWC.mean(axis=(1, 2))
@@ -97,12 +115,22 @@ class ResNetConfig:
     num_classes: int = 10
     image_size: int = 32
     channels: int = 3
+    stem: str = "auto"  # "cifar", "imagenet", or "auto": imagenet at the reference shape
     family: str = "resnet"
 
     def validate(self) -> None:
         if self.depth not in _LAYOUTS:
             raise UsageError(f"resnet depth={self.depth} is not supported; "
                              f"choose from {choices(map(str, _LAYOUTS))}")
+        if self.stem not in _STEMS:
+            raise UsageError(f"resnet stem={self.stem!r}: choose from {choices(_STEMS)}")
+
+    @property
+    def resolved_stem(self) -> str:
+        if self.stem != "auto":
+            return self.stem
+        shape = (self.image_size, self.channels, self.num_classes)
+        return "imagenet" if shape == REFERENCE_SHAPE else "cifar"
 
     @property
     def bottleneck(self) -> bool:
@@ -129,9 +157,9 @@ class ResNetConfig:
         return ResNet(self, dtype=dtype, rngs=rngs)
 
     def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
-        shape = (batch_size, self.image_size, self.image_size, self.channels)
-        x_BHWC = rng.standard_normal(shape, dtype=np.float32)
-        return {"x": x_BHWC, "y": teacher_labels(x_BHWC, self.num_classes)}
+        # The zoo's batch: the same as teacher_labels on the raw image up to 32x32; larger
+        # images are pooled for the teacher (a 224x224x3 teacher would be 1.2 GB).
+        return ImageClassifier.synthetic_batch(self, rng, batch_size)
 
     def loss(self, model, batch):
         logits_BC = model(batch["x"])
@@ -141,8 +169,14 @@ class ResNetConfig:
         def conv(k, cin, cout, hw):
             return 2 * k * k * cin * cout * hw * hw
 
-        hw = self.image_size
-        forward = conv(3, self.channels, self.width, hw)
+        self.validate()
+        if self.resolved_stem == "imagenet":
+            hw = conv_out(self.image_size, 7, 2)
+            forward = conv(7, self.channels, self.width, hw)
+            hw = conv_out(hw, 3, 2)  # the max-pool (no FLOPs counted, as for every pool)
+        else:
+            hw = self.image_size
+            forward = conv(3, self.channels, self.width, hw)
         for cin, inner, stride in self.block_specs():
             out_hw = -(-hw // stride)  # SAME padding: ceil(hw / stride)
             if self.bottleneck:
@@ -165,5 +199,10 @@ class ResNetConfig:
 
 register("resnet18", ResNetConfig(depth=18, width=64))
 register("resnet50", ResNetConfig(depth=50, width=64))
+# torchvision's resnet18/resnet50 exactly (ImageNet stem, 224x224x3, 1000 classes).
+register("resnet18-imagenet", ResNetConfig(depth=18, width=64, image_size=224,
+                                           num_classes=1000))
+register("resnet50-imagenet", ResNetConfig(depth=50, width=64, image_size=224,
+                                           num_classes=1000))
 # A BatchNorm model small enough for CPU tests (~0.18M params).
 register("resnet-tiny", ResNetConfig(depth=18, width=8))

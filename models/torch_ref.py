@@ -47,6 +47,7 @@ def arch_spec(model_cfg) -> dict[str, Any]:
         spec["bottleneck"] = model_cfg.bottleneck
         spec["features"] = model_cfg.features
         spec["expansion"] = 4
+        spec["stem"] = model_cfg.resolved_stem
     return spec
 
 
@@ -136,7 +137,10 @@ def _classes():
     class ResNet(nn.Module):
         def __init__(self, s):
             super().__init__()
-            self.stem = SameConv2d(s["channels"], s["width"], 3, 1)
+            imagenet = s.get("stem") == "imagenet"  # torchvision's 7x7/2 conv + max-pool
+            self.stem = (nn.Conv2d(s["channels"], s["width"], 7, 2, padding=3, bias=False)
+                         if imagenet else SameConv2d(s["channels"], s["width"], 3, 1))
+            self.pool = nn.MaxPool2d(3, 2, padding=1) if imagenet else nn.Identity()
             self.stem_bn = bn(s["width"])
             self.blocks = nn.ModuleList(
                 Block(cin, inner, stride, s["bottleneck"], s["expansion"])
@@ -144,7 +148,7 @@ def _classes():
             self.head = nn.Linear(s["features"], s["num_classes"])
 
         def forward(self, x_NCHW):
-            x = F.relu(self.stem_bn(self.stem(x_NCHW)))
+            x = self.pool(F.relu(self.stem_bn(self.stem(x_NCHW))))
             for block in self.blocks:
                 x = block(x)
             return self.head(x.mean(dim=(2, 3))).float()

@@ -494,7 +494,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
                        "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
         "mfu": metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices,
                            steps["mean"], ref["compiled_flops"],
-                           model_cfg.flops_per_sample() * batch),
+                           model_cfg.flops_per_sample() * batch, cfg.model.matmul_precision),
         "memory": memory,
         "sharding": metrics.sharding_summary(abstract, specs),
         "loss": losses,

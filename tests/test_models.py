@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from models import get_model, model_names
+from tests.test_zoo import _macs
 
 SMALL = ["mlp-tiny", "gpt-tiny", "resnet-tiny"]
 
@@ -49,14 +50,15 @@ def gpt_tiny_params(vocab=256, seq=32, depth=2, d=64, ratio=4):
     return vocab * d + seq * d + depth * (2 * ln + attn + mlp) + ln + d * vocab + vocab
 
 
-def resnet18_cifar_params(width=64, classes=10):
+def resnet18_cifar_params(width=64, classes=10, blocks=(2, 2, 2, 2), stem_k=3):
+    """Basic-block ResNets (18, 34): stem, blocks, 1x1 projections where the shape changes."""
     conv = lambda k, a, b: k * k * a * b  # noqa: E731
     bn = lambda c: 2 * c  # noqa: E731
-    total = conv(3, 3, width) + bn(width)
+    total = conv(stem_k, 3, width) + bn(width)
     cin = width
     for stage in range(4):
         c = width * 2 ** stage
-        for i in range(2):
+        for i in range(blocks[stage]):
             total += conv(3, cin, c) + bn(c) + conv(3, c, c) + bn(c)
             if cin != c:
                 total += conv(1, cin, c) + bn(c)
@@ -70,12 +72,24 @@ FULL_SIZE = {"gpt3-175b", "llama3-70b", "mixtral-8x7b"}
 
 @pytest.mark.parametrize("name", sorted(set(model_names()) - FULL_SIZE))
 def test_every_model_builds_abstractly(name):
+    """Every registered model builds without allocating and its synthetic batch is non-zero.
+    For the mlp, decoder and ResNet sizes, the analytic training FLOPs are exactly 3 x 2 x
+    the multiply-accumulates of every matmul and convolution the forward pass traces. (The
+    other CNN families: tests/test_zoo.py, traced at test size and against torchvision's
+    published counts at full size; the MoE counts the top-k experts a token uses, not the
+    capacity-padded dispatch it traces: its formula is checked by hand below.)"""
     cfg = get_model(name)
-    model = abstract(name)
-    assert n_params(model) > 0
-    assert cfg.flops_per_sample() > 0
+    graphdef, state = nnx.split(abstract(name))
     batch = cfg.synthetic_batch(np.random.default_rng(0), 2)
     assert all(v.shape[0] == 2 and np.any(v != 0) for v in batch.values())
+    if cfg.family not in ("mlp", "gpt", "resnet"):
+        return
+    if "tokens" in batch:
+        x = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    else:
+        x = jax.ShapeDtypeStruct(batch["x"].shape, jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    assert cfg.flops_per_sample() == 3 * 2 * _macs(jaxpr.jaxpr) / 2
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -89,6 +103,9 @@ def test_param_counts(name, expected):
 
 def test_reference_resnet_sizes():
     assert resnet18_cifar_params() == 11_173_962
+    # torchvision resnet18 (11,689,512): the ImageNet stem and a 1000-class head.
+    assert resnet18_cifar_params(classes=1000, stem_k=7) == 11_689_512
+    assert n_params(abstract("resnet18-imagenet")) == 11_689_512
     # torchvision resnet50 (25,557,032) - 1000-class head + 10-class head - (7x7 - 3x3 stem).
     assert n_params(abstract("resnet50")) == 25_557_032 - 2_049_000 + 20_490 - 7_680
     assert n_params(abstract("resnet-tiny")) < 1_000_000
@@ -142,6 +159,13 @@ def test_flops_per_sample():
     gpt = get_model("gpt-tiny")
     per_token = 2 * (2 * 12 * 64 * 64 + 64 * 256) + 4 * 2 * 32 * 64
     assert gpt.flops_per_sample() == 3 * per_token * 32
+    # llama-tiny by hand (d=64, 4 heads of 16, 2 kv heads, SwiGLU 128, vocab 256, L=32, 2
+    # layers). N = matmul weights: q 64x64 + k, v 64x32 each + out 64x64 + gate, up, down
+    # 3 x 64x128 = 36,864 per layer; x2 + head 64x256 = 90,112. Per token 6N + 12*2*32*64.
+    assert get_model("llama-tiny").flops_per_sample() == (6 * 90_112 + 49_152) * 32
+    # moe-tiny: as llama-tiny with top-2 of 4 SwiGLU experts (hidden 64) and a 64x4 router:
+    # per layer 12,288 + 2 x 12,288 + 256 = 37,120; x2 + 16,384 = 90,624.
+    assert get_model("moe-tiny").flops_per_sample() == (6 * 90_624 + 49_152) * 32
     assert gpt.tokens_per_sample == 32
     assert get_model("resnet18").tokens_per_sample == 0
     # resnet18 CIFAR is ~0.56 GMACs forward.
@@ -154,7 +178,16 @@ def test_overrides_and_validation():
         get_model("gpt-tiny", {"heads": "5"})
     with pytest.raises(UsageError, match="18, 34, 50"):
         get_model("resnet18", {"depth": "20"})
-    assert get_model("resnet18", {"depth": "34"}).flops_per_sample() > 0
+    resnet34 = get_model("resnet18", {"depth": "34"})
+    assert resnet34.depth == 34
+    assert n_params(nnx.eval_shape(lambda: resnet34.build(nnx.Rngs(0), jnp.float32))) == \
+        resnet18_cifar_params(blocks=(3, 4, 6, 3))
+    # At the reference shape the ImageNet stem comes with it: torchvision's resnet34 count.
+    resnet34 = get_model("resnet18", {"depth": "34", "image_size": "224", "num_classes": "1000"})
+    assert n_params(nnx.eval_shape(lambda: resnet34.build(nnx.Rngs(0), jnp.float32))) == \
+        21_797_672
+    with pytest.raises(UsageError, match="auto, cifar, imagenet"):
+        get_model("resnet18", {"stem": "patch"})
 
 
 def test_unknown_model_lists_names():

@@ -33,6 +33,8 @@ TORCHVISION_PARAMS = {
     "densenet121-imagenet": 7_978_856,          # torchvision.models.densenet121
     "efficientnetv2_s-imagenet": 21_458_488,    # torchvision.models.efficientnet_v2_s
     "convnext_large-imagenet": 197_767_336,     # torchvision.models.convnext_large
+    "resnet18-imagenet": 11_689_512,            # torchvision.models.resnet18
+    "resnet50-imagenet": 25_557_032,            # torchvision.models.resnet50
 }
 RESNET50_TORCHVISION = 25_557_032               # torchvision.models.resnet50
 # torchvision's published "GFLOPS" (multiply-accumulates, really) and the input size each was
@@ -42,6 +44,8 @@ TORCHVISION_GMACS = {
     "densenet121-imagenet": (2.83, 224),
     "efficientnetv2_s-imagenet": (8.37, 384),
     "convnext_large-imagenet": (34.36, 224),
+    "resnet18-imagenet": (1.81, 224),
+    "resnet50-imagenet": (4.09, 224),
 }
 TINY = ["vgg-tiny", "densenet-tiny", "efficientnetv2-tiny", "convnext-toy", "resnet-tiny"]
 # Compile-time only (the conftest's optimisation level 0 in the same spirit): XLA:CPU's
@@ -70,10 +74,17 @@ def test_reference_shape_matches_torchvision(name):
 
 
 def test_resnet50_reference_shape():
-    # resnet.py always uses the CIFAR stem (3x3, not 7x7, on 3 channels): 7,680 fewer weights.
+    # At 224x224x3 with 1000 classes the stem is ImageNet's by itself (stem=auto): torchvision's
+    # count exactly. Asked for, the CIFAR stem is 7,680 weights short (3x3, not 7x7, filters).
     cfg = get_model("resnet50", {"image_size": "224", "num_classes": "1000"})
-    assert n_params(cfg) == RESNET50_TORCHVISION - (7 * 7 - 3 * 3) * 3 * 64
-    assert n_params(cfg) == pytest.approx(RESNET50_TORCHVISION, rel=0.005)
+    assert cfg.resolved_stem == "imagenet"
+    assert n_params(cfg) == RESNET50_TORCHVISION
+    cifar = get_model("resnet50", {"image_size": "224", "num_classes": "1000", "stem": "cifar"})
+    assert n_params(cifar) == RESNET50_TORCHVISION - (7 * 7 - 3 * 3) * 3 * 64
+    # Off the reference shape, auto is the CIFAR stem; stem=imagenet takes it anywhere.
+    assert get_model("resnet50").resolved_stem == "cifar"
+    imagenet_at_32 = get_model("resnet50", {"stem": "imagenet"})
+    assert n_params(imagenet_at_32) == n_params(get_model("resnet50")) + (7 * 7 - 3 * 3) * 3 * 64
 
 
 # The CIFAR-shaped defaults: torchvision's count with a 10-class head and the documented
@@ -123,7 +134,7 @@ def _macs(jaxpr) -> int:
     return total
 
 
-@pytest.mark.parametrize("name", TINY[:4])
+@pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("opts", [{}, SHAPES["mnist"], {"stem": "imagenet", "image_size": "64"}],
                          ids=["cifar", "mnist", "imagenet-stem"])
 def test_flops_match_traced_model(name, opts):
@@ -153,12 +164,18 @@ def test_cifar_and_mnist_flops():
 
 def test_stems_and_validation():
     # The ImageNet stems leave nothing of a 28x28 image for the last stage.
-    for name in ("densenet121", "convnext_large"):
+    for name, features in (("densenet121", 1024), ("convnext_large", 1536)):
         with pytest.raises(UsageError, match="image_size=28 is too small"):
             get_model(name, {"stem": "imagenet", **SHAPES["mnist"]})
-        assert get_model(name, {"stem": "imagenet"}).flops_per_sample() > 0  # 32 still fits
+        # 32 still fits, and the override took: torchvision's stem weights, 10-class head.
+        cfg = get_model(name, {"stem": "imagenet"})
+        assert cfg.stem == "imagenet"
+        assert n_params(cfg) == (TORCHVISION_PARAMS[name + "-imagenet"] - head(features, 1000)
+                                 + head(features, 10))
     with pytest.raises(UsageError, match="cifar, imagenet"):
         get_model("efficientnetv2_s", {"stem": "patch"})
+    with pytest.raises(UsageError, match="auto, cifar, imagenet"):
+        get_model("resnet18", {"stem": "patch"})
     with pytest.raises(UsageError, match="l, m, s, toy"):
         get_model("efficientnetv2_s", {"variant": "xl"})
     with pytest.raises(UsageError, match="base, large, small, tiny, toy"):
