@@ -116,14 +116,15 @@ def main(argv=None) -> int:
         model_cfg, device = validate(args)
         cfg = run_config(args)
         from experiments.run import make_logdir
-        logdir, created = make_logdir(cfg, f"torch{args.nproc}")
+        run_dir = make_logdir(cfg, f"torch{args.nproc}")
+        logdir = run_dir.path
     except (UsageError, JaxdistUsageError) as e:
         print(f"torch_run: error: {e}", file=sys.stderr)
         return 2
     try:
         results = launch(args, cfg, model_cfg, device, logdir)
     except BaseException as e:
-        shutil.rmtree(created or logdir, ignore_errors=True)
+        run_dir.discard()  # only what this run wrote: never a folder the user pointed at
         if isinstance(e, RankFailure):
             print(f"torch_run: error: {e}", file=sys.stderr)
             return 1
