@@ -32,11 +32,12 @@ class Rule:
 _PS = tuple(f.name for f in dataclasses.fields(PSConfig))
 _POWER = tuple(f.name for f in dataclasses.fields(PowerConfig))
 # What --dry-run reads: the model (size, dataset, dtype), the layout, the mesh and the
-# optimizer. Training, timing, checkpoint, compiler and process flags do nothing there.
+# optimizer's kind. Values, training, timing, checkpoint, compiler and process flags do
+# nothing there (it always runs on the host CPU).
 _NOT_IN_DRY_RUN = ("steps", "warmup", "batch_size", "microbatches", "eval_every",
                    "checkpoint_dir", "checkpoint_every", "resume", "profile_steps",
                    "xla_flags", "overlap", "coordinator", "num_processes", "process_id",
-                   "init_timeout", "matmul_precision") + _POWER
+                   "init_timeout", "matmul_precision", "seed", "lr", "platform") + _POWER
 
 
 def _ps(cfg: RunConfig) -> bool:

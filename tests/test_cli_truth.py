@@ -118,6 +118,9 @@ NOTICES = [
      ["notice: --batch-size, --checkpoint-dir apply only to a training run, not --dry-run "
       "(which plans memory from shapes only); ignored",
       "notice: --ps-shards applies only to --layout ps; ignored"]),
+    (RunConfig(output=OutputConfig(dry_run=True), train=TrainConfig(seed=3, lr=0.1)),
+     ["notice: --seed, --lr apply only to a training run, not --dry-run (which plans memory "
+      "from shapes only); ignored"]),
 ]
 
 
