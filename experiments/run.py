@@ -25,10 +25,10 @@ from jaxdist.devices import configure_host_devices, configure_xla_flags, select_
 from jaxdist.data import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
+from jaxdist.notices import notices
 from jaxdist.results import ensure_writable_dir
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
-from models import model_names
-from sharding import check_layout, describe_layouts, get_layout
+from sharding import check_layout, get_layout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one model under one layout on a device mesh and measure step "
                     "latency, throughput, MFU and memory. Without an accelerator the mesh is "
                     "simulated on host CPU devices.")
-    add_arguments(parser, extra_help={
-        "layout": f". Layouts: {describe_layouts()}",
-        "model": f". Models: {', '.join(model_names())}",
-    })
+    add_arguments(parser)  # --model and --layout list the registries' names
     return parser
 
 
@@ -82,11 +79,19 @@ def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
         raise UsageError(f"--microbatches must be a positive integer, got {m}")
     unit = num_devices * m
     if b % unit:
-        fit = (b // unit + 1) * unit
+        below, above = b // unit * unit, (b // unit + 1) * unit
+        nearest = f"{below} or {above}" if below else f"{above}"
         what = (f"the {num_devices} batch shards of mesh {mesh_label}" if m == 1 else
                 f"{num_devices} batch shards x {m} micro-batches")
         raise UsageError(f"global batch {b} is not divisible by {what}; use a multiple of "
-                         f"{unit}, e.g. --batch-size {fit}")
+                         f"{unit}, e.g. --batch-size {nearest}")
+
+
+def print_notices(cfg: RunConfig) -> None:
+    """Flags given that do nothing here, one line each (jaxdist/notices.py), once the input
+    is known to be valid: bad input stays a single error line."""
+    for line in notices(cfg):
+        print(line, file=sys.stderr)
 
 
 @dataclass
@@ -219,6 +224,8 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
         print(f"run: interrupted by {stop.signal} before the first step; nothing was kept",
               file=sys.stderr)
         return EXIT_CODES[stop.signal]
+    if run_dir is not None:  # process 0 speaks for all
+        print_notices(cfg)
 
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
@@ -226,7 +233,8 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     from jaxdist.writers import format_summary
 
     if cfg.compiler.overlap and platform.backend != "gpu":
-        print(f"--overlap: no effect on {platform.backend} (its flags are for XLA:GPU)")
+        print(f"notice: --overlap has no effect on {platform.backend} (its flags are for "
+              f"XLA:GPU); ignored", file=sys.stderr)
     if platform.simulated:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
@@ -274,6 +282,7 @@ def main_dry_run(cfg: RunConfig) -> int:
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
+    print_notices(cfg)
     print(dryrun.format_plan(plan))
     if logdir is not None:
         write_json(logdir / "dry_run.json", plan)
@@ -299,6 +308,7 @@ def main_ps(cfg: RunConfig) -> int:
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
+    print_notices(cfg)
     try:
         results = run_ps(cfg, shape, logdir)
     except BaseException as e:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxdist.data import DATASETS
 from jaxdist.errors import UsageError
 from jaxdist.telemetry import PowerConfig
 
@@ -48,7 +49,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = _opt("gpt-tiny", "registered model name (see --help for the list)")
+    model: str = _opt("gpt-tiny", "registered model name")
     model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
     dtype: str = _opt("float32", "compute dtype (parameters stay float32)",
                       choices=("float32", "bfloat16"))
@@ -63,7 +64,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    layout: str = _opt("fsdp", "how state is laid out over the mesh (see --help for the list)")
+    layout: str = _opt("fsdp", "how state is laid out over the mesh")
     optimizer: str = _opt("adamw", "optax optimizer", choices=("adamw", "sgd"))
     lr: float = _opt(1e-3, "learning rate")
     batch_size: int = _opt(64, "global batch size, divisible by the number of devices")
@@ -79,7 +80,7 @@ class DataConfig:
     dataset: str = _opt("synthetic", "synthetic (random, fixed seed), digits (scikit-learn's "
                         "8x8 handwritten digits, fixed train/test split), cifar10 or mnist "
                         "(read from --data-dir)",
-                        choices=("synthetic", "digits", "cifar10", "mnist"))
+                        choices=DATASETS)
     data_dir: str = _opt("", "directory with the CIFAR-10 python batches or the MNIST IDX files")
     eval_every: int = _opt(0, "test accuracy every N steps and at the end (0: never; needs a "
                            "real dataset)")
@@ -159,9 +160,24 @@ _SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "compiler": CompilerConfig,
              "power": PowerConfig, "output": OutputConfig}
 
 
+# Options whose value may begin with "-" (`--xla-flags --xla_foo=1`); see OneLineParser.
+_DASH_VALUES = ("xla_flags",)
+
+
+def registry_help() -> dict[str, str]:
+    """What --help appends to --model and --layout: every registered name, read from the
+    registries themselves so the help never lags behind them."""
+    from models import model_names
+    from sharding import describe_layouts
+
+    return {"model": f". Models: {', '.join(model_names())}",
+            "layout": f". Layouts: {describe_layouts()}"}
+
+
 def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):
-    """One flag per field (`batch_size` -> `--batch-size`), grouped by section."""
-    extra_help = extra_help or {}
+    """One flag per field (`batch_size` -> `--batch-size`), grouped by section; --model and
+    --layout list the registered names."""
+    extra_help = {**registry_help(), **(extra_help or {})}
     for name, kind in _SECTIONS.items():
         group = parser.add_argument_group(name)
         for f in dataclasses.fields(kind):
@@ -172,6 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | 
                                    action=argparse.BooleanOptionalAction, help=help_text)
                 continue
             parse = {"int": int, "float": float, "str": str}[f.type]
+            if f.name in _DASH_VALUES and hasattr(parser, "dash_values"):
+                parser.dash_values.add(flag)
             group.add_argument(flag, dest=f.name, type=parse, default=f.default,
                                choices=f.metadata.get("choices"),
                                help=f"{help_text} (default: {f.default})")

@@ -5,6 +5,8 @@ keeps its traceback.
 """
 
 import argparse
+import sys
+import textwrap
 
 
 class UsageError(Exception):
@@ -15,9 +17,48 @@ def choices(names) -> str:
     return ", ".join(sorted(names))
 
 
+class NameKeepingFormatter(argparse.HelpFormatter):
+    """Help text wrapped at spaces only: the default also breaks at hyphens, which splits
+    names in the lists (`gpt-` / `small`, `convnext_large-` / `imagenet`)."""
+
+    def _split_lines(self, text, width):
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (no usage dump) and exit status 2, like
-    every other bad input."""
+    every other bad input; and an option listed in `dash_values` takes a value that itself
+    begins with "-" (`--xla-flags --xla_foo=1`), which plain argparse reads as a missing
+    value."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", NameKeepingFormatter)
+        super().__init__(*args, **kwargs)
+        self.dash_values: set[str] = set()
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(self._join_dash_values(args), namespace)
+
+    def _join_dash_values(self, args: list[str]) -> list[str]:
+        """`--xla-flags --xla_foo=1` -> `--xla-flags=--xla_foo=1`. The next token is joined
+        only when it is not one of this parser's own options, so `--xla-flags --steps 3`
+        stays the usual 'expected one argument'."""
+        out, i = [], 0
+        while i < len(args):
+            token = args[i]
+            if token == "--":  # everything after is positional
+                return out + args[i:]
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if (token in self.dash_values and nxt is not None and nxt.startswith("-")
+                    and nxt.split("=", 1)[0] not in self._option_string_actions):
+                out.append(f"{token}={nxt}")
+                i += 2
+                continue
+            out.append(token)
+            i += 1
+        return out
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

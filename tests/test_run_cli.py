@@ -68,7 +68,8 @@ BAD = [
     (["--mesh", "0x8"], "axis size '0'"),
     (["--mesh", "axb"], "axis size 'a'"),
     (["--mesh", "4x8x2x9x9"], "has 5 axes"),
-    (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 batch shards of mesh 3x1"),
+    (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 batch shards of mesh 3x1; "
+                                        "use a multiple of 3, e.g. --batch-size 63 or 66"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--batch-size", "-4"], "--batch-size must be a positive integer"),
     (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
@@ -90,6 +91,12 @@ BAD = [
                                               "mesh has tensor=2 (layouts for this mesh: "),
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
     (["--xla-flags=--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
+    # The value as its own word, as the README writes it: it reaches XLA (argparse alone
+    # reads "--xla..." as a missing value).
+    (["--xla-flags", "--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
+    (["--xla-flags", "--xla_backend_optimization_level=0 --xla_bogus_flag=1"],
+     "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
 

@@ -1,0 +1,100 @@
+"""Flags that do nothing for the chosen layout or mode are named, one line each, never
+ignored in silence.
+
+The rules are a table: which flags (config field names), and the condition under which they
+take effect. A flag counts as given when its value differs from the field's default (the
+parser cannot tell `--ps-shards 2` from nothing, and a default changes nothing either way).
+A flag is named by the first rule that finds it idle, so `--staleness 4` without `--layout
+ps` is "applies only to --layout ps", not also "only to --ps-mode ssp".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from jaxdist.config import PSConfig, RunConfig
+from jaxdist.telemetry import PowerConfig
+
+Predicate = Callable[[RunConfig], bool]
+
+
+@dataclass(frozen=True)
+class Rule:
+    fields: tuple[str, ...]   # config field names (`ps_shards` is the flag --ps-shards)
+    applies: Predicate         # True: the flags take effect in this configuration
+    only: str                  # "applies only to <only>"
+    given: Predicate | None = None  # overrides "differs from its default" (see checkpoint)
+    text: str = ""             # the whole notice, where "applies only to" does not fit
+
+
+_PS = tuple(f.name for f in dataclasses.fields(PSConfig))
+_POWER = tuple(f.name for f in dataclasses.fields(PowerConfig))
+# What --dry-run reads: the model (size, dataset, dtype), the layout, the mesh and the
+# optimizer's kind. Values, training, timing, checkpoint, compiler and process flags do
+# nothing there (it always runs on the host CPU).
+_NOT_IN_DRY_RUN = ("steps", "warmup", "batch_size", "microbatches", "eval_every",
+                   "checkpoint_dir", "checkpoint_every", "resume", "profile_steps",
+                   "xla_flags", "overlap", "coordinator", "num_processes", "process_id",
+                   "init_timeout", "matmul_precision", "seed", "lr", "platform") + _POWER
+
+
+def _ps(cfg: RunConfig) -> bool:
+    return cfg.train.layout == "ps"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run,
+         "a training run, not --dry-run (which plans memory from shapes only)"),
+    Rule(_PS, _ps, "--layout ps"),
+    Rule(("staleness",), lambda c: c.ps.ps_mode == "ssp", "--ps-mode ssp"),
+    Rule(("ps_drop_dead_workers",), lambda c: c.ps.ps_mode == "sync",
+         "--ps-mode sync (async and ssp go on without a dead worker anyway)"),
+    # The ps launcher starts every server and worker process itself, on the host's XLA_FLAGS.
+    Rule(("xla_flags", "overlap", "coordinator", "process_id", "init_timeout"),
+         lambda c: not _ps(c), "mesh layouts (--layout ps starts its own processes)"),
+    Rule(_POWER, lambda c: not _ps(c), "mesh layouts (--layout ps records no power yet)"),
+    Rule(("data_dir",), lambda c: c.data.dataset in ("cifar10", "mnist"),
+         "--dataset cifar10 or mnist"),
+    Rule(("matmul_precision",), lambda c: c.model.dtype == "float32", "--dtype float32"),
+    # --checkpoint-every 0 is also the default, so "given" is the directory without a plan.
+    Rule(("checkpoint_every",),
+         lambda c: c.checkpoint.checkpoint_every > 0 or c.checkpoint.resume, "",
+         given=lambda c: bool(c.checkpoint.checkpoint_dir) and not c.output.dry_run,
+         text="--checkpoint-every 0: no checkpoint is saved in --checkpoint-dir unless the "
+              "run is interrupted; add --checkpoint-every N to save every N steps"),
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _differs_from_default(cfg: RunConfig) -> set[str]:
+    given = set()
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        given |= {f.name for f in dataclasses.fields(part)
+                  if getattr(part, f.name) != f.default}
+    return given
+
+
+def notices(cfg: RunConfig) -> list[str]:
+    """One line per rule that finds given flags idle in `cfg`, in table order."""
+    given, named, lines = _differs_from_default(cfg), set(), []
+    for rule in RULES:
+        if rule.given is not None:
+            idle = [f for f in rule.fields if f not in named and rule.given(cfg)]
+        else:
+            idle = [f for f in rule.fields if f in given and f not in named]
+        if not idle or rule.applies(cfg):
+            continue
+        named |= set(idle)
+        if rule.text:
+            lines.append(f"notice: {rule.text}")
+        else:
+            verb = "applies" if len(idle) == 1 else "apply"
+            lines.append(f"notice: {', '.join(map(_flag, idle))} {verb} only to {rule.only}; "
+                         f"ignored")
+    return lines
