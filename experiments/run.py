@@ -28,7 +28,9 @@ from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
 from jaxdist.results import ensure_writable_dir
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
+from jaxdist.pipeline.checks import check_pipeline
 from sharding import check_layout, get_layout
+from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,9 @@ def validate(cfg: RunConfig) -> MeshShape:
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
+    if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
+        check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
+                       cfg.train.pp_virtual, cfg.data.eval_every)
     if cfg.data.eval_every < 0:
         raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
@@ -74,7 +79,7 @@ def validate(cfg: RunConfig) -> MeshShape:
 def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
     """The batch is split over every device but the tensor axis, then into micro-batches."""
     b, m = cfg.train.batch_size, cfg.train.microbatches
-    num_devices, mesh_label = shape.size // shape.tensor, shape.label
+    num_devices, mesh_label = shape.size // shape.tensor // shape.stage, shape.label
     if m < 1:
         raise UsageError(f"--microbatches must be a positive integer, got {m}")
     unit = num_devices * m

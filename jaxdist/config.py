@@ -73,6 +73,12 @@ class TrainConfig:
                              "micro-batches inside the jitted step (same result as one batch)")
     remat: str = _opt("none", "activation recomputation per block (gpt models)",
                       choices=("none", "full", "dots"))
+    pp_schedule: str = _opt("1f1b", "pipeline schedule of the pp, tp_pp and fsdp_pp layouts "
+                            "over --microbatches: gpipe (all forwards, then all backwards; "
+                            "M activations live), 1f1b (one forward, one backward; about S "
+                            "live), interleaved (1F1B over --pp-virtual chunks per stage)",
+                            choices=("gpipe", "1f1b", "interleaved"))
+    pp_virtual: int = _opt(1, "model chunks per pipeline stage for --pp-schedule interleaved")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
+from jaxdist.pipeline.program import PipelineProgram, build_pipeline_program
+from jaxdist.pipeline.report import pipeline_block
 from sharding import get_layout
+from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
@@ -34,9 +37,15 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
     model_cfg, dataset = build_model(cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     mesh = build_mesh(platform.shape, platform.devices)
-    program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
-                            mesh, cfg.train.seed, cfg.train.microbatches,
-                            matmul_precision=cfg.model.matmul_precision)
+    if cfg.train.layout in PIPELINE_LAYOUTS:
+        program = build_pipeline_program(
+            model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh, cfg.train.seed,
+            cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
+            matmul_precision=cfg.model.matmul_precision)
+    else:
+        program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
+                                mesh, cfg.train.seed, cfg.train.microbatches,
+                                matmul_precision=cfg.model.matmul_precision)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps
@@ -211,7 +220,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     tokens = model_cfg.tokens_per_sample
     by_device = metrics.state_bytes_by_device(state)
     measured, measured_reason = metrics.measured_peak(platform.devices)
-    return {
+    results = {
         "schema_version": SCHEMA_VERSION,
         "framework": "jax",
         "layout": cfg.train.layout,
@@ -238,9 +247,15 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         },
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
         "comm": comm_block(cfg.train.layout, compiled, program),
+        "pipeline": (pipeline_block(program, compiled, state, batch,
+                                    model_cfg.flops_per_sample() * batch, n)
+                     if isinstance(program, PipelineProgram) else None),
         "loss": losses,
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
+    if results["pipeline"]:  # bytes each stage sends, beside the analytic activation volume
+        results["comm"]["stage"] = results["pipeline"]["stage_bytes"]
+    return results
 
 
 def mfu_block(cfg, model_cfg, program, compiled, device_kind: str, num_devices: int,

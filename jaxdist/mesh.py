@@ -1,8 +1,11 @@
 """Mesh specs (`4x8`, `data:4,fsdp:8`, `2x2x2`, `data:1,fsdp:4,tensor:8`, `32`, `-1`) and the
 device mesh built from them.
 
-Axes, outer to inner: `data`, `fsdp`, then `tensor` and `expert` when given. On several hosts
-only `data` may cross hosts; the inner axes stay inside a host, where the links are fast
+Axes, outer to inner: `stage` (pipeline, named form only: `data:2,stage:4,tensor:4`) when
+given, `data`, `fsdp`, then `tensor` and `expert` when given. `stage` is outermost, as in
+Megatron-LM: consecutive stages are the farthest apart, so on several hosts the stages cross
+hosts first (then `data`) while `tensor` stays inside a node. Otherwise only `data` may cross
+hosts; the inner axes stay inside a host, where the links are fast
 (NVLink vs InfiniBand): devices are grouped by process first (hybrid device mesh), so hsdp
 shards within a node and replicates across nodes, and tensor parallelism never leaves a node.
 """
@@ -15,9 +18,9 @@ from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
 
-AXES = ("data", "fsdp", "tensor", "expert")
-_FORMS = ("DATAxFSDP[xTENSOR[xEXPERT]] (4x8, 2x2x2), axis:size pairs "
-          "(data:1,fsdp:4,tensor:8), N, or -1")
+AXES = ("data", "fsdp", "tensor", "expert", "stage")
+_FORMS = ("DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2, 2x1x4x1x4), axis:size pairs "
+          "(data:1,fsdp:4,tensor:8; data:2,stage:4,tensor:4), N, or -1")
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,14 @@ class MeshShape:
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    stage: int = 1  # pipeline stages; last so that the positional forms keep their meaning
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """The mesh's axes: data and fsdp always, tensor and expert when larger than 1."""
-        sizes = {"data": self.data, "fsdp": self.fsdp}
+        """The mesh's axes: stage first when larger than 1, data and fsdp always, tensor and
+        expert when larger than 1."""
+        sizes = {"stage": self.stage} if self.stage > 1 else {}
+        sizes.update({"data": self.data, "fsdp": self.fsdp})
         if self.tensor > 1 or self.expert > 1:
             sizes["tensor"] = self.tensor
         if self.expert > 1:
@@ -43,6 +49,9 @@ class MeshShape:
 
     @property
     def label(self) -> str:
+        if self.stage > 1:  # the positional form has no place for stage: name every axis
+            return "-".join(f"{a}{n}" for a, n in self.axis_sizes.items()
+                            if n > 1 or a == "data")
         return "x".join(str(v) for v in self.axis_sizes.values())
 
     def resolve(self, num_devices: int) -> "MeshShape":
@@ -105,6 +114,8 @@ def hybrid_device_array(shape: MeshShape, devices):
     processes = sorted({d.process_index for d in devices})
     if len(processes) == 1:
         return np.array(sorted(devices, key=lambda d: d.id)).reshape(dims)
+    if shape.stage > 1:
+        return _stage_major(shape, dims, devices, len(processes))
     per_process = len(devices) // len(processes)
     inner = math.prod(dims[1:])
     if per_process % inner or shape.data % len(processes):
@@ -115,3 +126,22 @@ def hybrid_device_array(shape: MeshShape, devices):
     return mesh_utils.create_hybrid_device_mesh(
         [shape.data // len(processes), *dims[1:]], [len(processes)] + [1] * (len(dims) - 1),
         devices, process_is_granule=True)
+
+
+def _stage_major(shape: MeshShape, dims: list[int], devices, hosts: int):
+    """Several hosts with a pipeline: hosts are spread over `stage` first, then `data`, so a
+    stage's tensor group never leaves a node (Megatron-LM's placement)."""
+    from jax.experimental import mesh_utils
+
+    across_stage = math.gcd(shape.stage, hosts)
+    across_data = hosts // across_stage
+    per_host = len(devices) // hosts
+    inner = math.prod(dims[2:])
+    if shape.data % across_data or per_host % inner:
+        raise UsageError(
+            f"mesh {shape.label}: {hosts} hosts must split over stage ({shape.stage}) and then "
+            f"data ({shape.data}), with the inner axes ({inner} devices) inside one host "
+            f"({per_host} devices)")
+    ici = [shape.stage // across_stage, shape.data // across_data, *dims[2:]]
+    dcn = [across_stage, across_data] + [1] * (len(dims) - 2)
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)

@@ -191,8 +191,8 @@ def compiled_step_flops(program: Program, compiled) -> float | None:
     they cancel out of a comparison across M.)"""
     flops = metrics.compiled_flops(compiled)
     M = program.microbatches
-    if flops is None or M == 1:
-        return flops
+    if flops is None or M == 1 or program.loop_body_flops is None:
+        return flops  # no micro-batch loop (a pipeline's tick loop is unrolled: all counted)
     counted = _bodies_counted(metrics.while_trip_counts(compiled.as_text() or ""), M)
     if counted == M:
         return flops

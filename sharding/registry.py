@@ -74,6 +74,15 @@ def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
 def suggest_mesh(axis_sizes: dict[str, int], axis: str) -> str:
     """A mesh spec like the given one with `axis` of size 2, on the same number of devices
     where a factor of 2 can move over from fsdp or data."""
+    if axis == "stage" or axis_sizes.get("stage", 1) > 1:  # named form: stage has no short one
+        sizes = {a: n for a, n in axis_sizes.items() if n > 1 or a == "data"}
+        if sizes.get("data", 1) < 1:
+            sizes["data"] = 1
+        donor = next((a for a in ("data", "fsdp") if sizes.get(a, 1) % 2 == 0), None)
+        if donor:
+            sizes[donor] //= 2
+        sizes[axis] = 2
+        return ",".join(f"{a}:{n}" for a, n in sizes.items())
     sizes = {a: axis_sizes.get(a, 1) for a in _ORDER}
     if sizes["data"] < 1:  # -1: size known only once devices are; a generic example
         sizes = {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}
@@ -102,5 +111,6 @@ def get_layout(name: str) -> Layout:
 
 def batch_spec(mesh: Mesh) -> P:
     """The batch's leading dimension is sharded over every axis but `tensor` (a tensor-
-    parallel group works on the same rows): over all devices when there is no tensor axis."""
-    return P(tuple(a for a in mesh.axis_names if a != "tensor"))
+    parallel group works on the same rows) and `stage` (every pipeline stage sees the same
+    micro-batches): over all devices when there is neither."""
+    return P(tuple(a for a in mesh.axis_names if a not in ("tensor", "stage")))

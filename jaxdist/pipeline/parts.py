@@ -1,0 +1,123 @@
+"""A decoder cut into pipeline parts, from its public structure: `tok` (and `pos`) embed,
+the list `blocks`, `ln_f` and `head`; the loss is the models' own (cross-entropy on shifted
+tokens, plus MoE's weighted balance loss averaged over layers).
+
+The pipeline train state: `params = {"stages": every block parameter stacked to
+[S, V, K, *shape], "shared": tok, pos, ln_f, head}`. Chunk c = v*S + s (stage s, virtual
+chunk v) holds blocks c*K .. c*K+K-1, so the model order is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.errors import UsageError
+from jaxdist.train_step import DTYPES, _split_model
+
+SHARED = ("tok", "pos", "ln_f", "head")
+
+
+@dataclass
+class Parts:
+    block_graphdef: Any
+    shared_graphdefs: dict
+    depth: int
+    blocks_per_chunk: int
+    aux_weight: float | None  # MoE: weight of the balance loss; None for dense decoders
+
+    def embed(self, shared, tokens_BL):
+        tok = nnx.merge(self.shared_graphdefs["tok"], shared["tok"])
+        x_BLD = tok(tokens_BL)
+        if "pos" in shared:  # gpt: learned positions; llama/moe: RoPE inside attention
+            pos = nnx.merge(self.shared_graphdefs["pos"], shared["pos"])
+            x_BLD = x_BLD + pos(jnp.arange(tokens_BL.shape[1]))[None]
+        return x_BLD
+
+    def blocks(self, chunk, x_BLD):
+        """The K blocks of one chunk (leaves [K, *shape]); returns (x, summed aux loss)."""
+        aux = jnp.zeros((), jnp.float32)
+        for j in range(self.blocks_per_chunk):
+            block = nnx.merge(self.block_graphdef, jax.tree.map(lambda a: a[j], chunk))
+            out = block(x_BLD)
+            if self.aux_weight is None:
+                x_BLD = out
+            else:
+                x_BLD, a = out
+                aux = aux + a
+        return x_BLD, aux
+
+    def head_loss(self, shared, x_BLD, targets_BL):
+        ln_f = nnx.merge(self.shared_graphdefs["ln_f"], shared["ln_f"])
+        head = nnx.merge(self.shared_graphdefs["head"], shared["head"])
+        logits_BLV = head(ln_f(x_BLD)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+
+    def stage(self, chunk, shared, x_BLD, tokens_BL1, is_first, is_last):
+        """One chunk's forward: (output activation, this chunk's part of the loss). The
+        first chunk embeds the tokens instead of reading `x`; the last adds the head's
+        cross-entropy. Both are selected by `where`, so every stage runs one program."""
+        h_BLD = jnp.where(is_first, self.embed(shared, tokens_BL1[:, :-1]), x_BLD)
+        h_BLD, aux = self.blocks(chunk, h_BLD)
+        loss = jnp.where(is_last, self.head_loss(shared, h_BLD, tokens_BL1[:, 1:]), 0.0)
+        if self.aux_weight is not None:
+            loss = loss + self.aux_weight * aux / self.depth
+        return h_BLD, loss
+
+
+def check_depth(model_cfg, stages: int, virtual: int) -> None:
+    depth = getattr(model_cfg, "depth", None)
+    chunks = stages * virtual
+    if not isinstance(depth, int) or depth % chunks:
+        what = f"stage={stages}" + (f" x --pp-virtual {virtual}" if virtual > 1 else "")
+        good = [d for d in range(chunks, 4 * chunks + 1, chunks)]
+        raise UsageError(f"depth {depth} is not divisible by {what} = {chunks} chunks; use "
+                         f"--model-opts depth=N with N a multiple of {chunks} "
+                         f"(e.g. {', '.join(map(str, good[:3]))})")
+
+
+def split_pipeline_model(model_cfg, dtype_name: str, seed: int, stages: int, virtual: int):
+    """(Parts, params, model_state) of a freshly initialised model: the same parameters the
+    unpipelined program starts from, restacked by chunk."""
+    check_depth(model_cfg, stages, virtual)
+    dtype = DTYPES[dtype_name]
+    model = model_cfg.build(nnx.Rngs(seed), dtype)
+    model.train()
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(model_state):
+        raise UsageError("pipeline layouts need a model without non-trainable state")
+    pure = params.to_pure_dict()
+    depth = model_cfg.depth
+    K = depth // (stages * virtual)
+    blocks = [pure["blocks"][i] for i in range(depth)]
+
+    def stack(*leaves):
+        a = jnp.stack(leaves)  # [depth, ...] in model order, chunk c = blocks c*K..c*K+K-1
+        a = a.reshape(virtual, stages, K, *a.shape[1:])  # chunk c = v * S + s
+        return jnp.swapaxes(a, 0, 1)  # [S, V, K, ...]
+
+    stacked = jax.tree.map(stack, *blocks)
+    shared = {name: pure[name] for name in SHARED if name in pure}
+    block_gd = nnx.split(model.blocks[0], nnx.Param, ...)[0]
+    shared_gds = {name: nnx.split(getattr(model, name), nnx.Param, ...)[0]
+                  for name in shared}
+    parts = Parts(block_gd, shared_gds, depth, K,
+                  getattr(model_cfg, "aux_weight", None) if model_cfg.family == "moe"
+                  else None)
+    return parts, {"stages": stacked, "shared": shared}
+
+
+def unstack_blocks(stacked, stages: int, virtual: int) -> list:
+    """Inverse of the stacking, for tests: the per-block parameter dicts in model order."""
+    def flat(a):
+        a = np.asarray(a).swapaxes(0, 1)  # [V, S, K, ...]
+        return a.reshape(-1, *a.shape[3:])
+    flat_tree = jax.tree.map(flat, stacked)
+    depth = jax.tree.leaves(flat_tree)[0].shape[0]
+    return [jax.tree.map(lambda a: a[i], flat_tree) for i in range(depth)]

@@ -1,0 +1,92 @@
+"""Build the pipelined Program: the same interface as jaxdist.train_step.Program (init, step,
+shardings), so the loop, metrics and writers treat it like any other layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdist.errors import UsageError
+from jaxdist.pipeline.parts import split_pipeline_model
+from jaxdist.pipeline.schedule import Schedule, build_schedule
+from jaxdist.pipeline.step import pipeline_gradients
+from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
+from sharding import batch_spec
+
+
+@dataclass
+class PipelineProgram(Program):
+    schedule: Schedule | None = None
+    parts: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int):
+    """(init_fn, abstract state, parts) of the pipeline train state."""
+    holder = {}
+
+    def init_fn():
+        parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual)
+        holder["parts"] = parts
+        return {"params": params, "model_state": {}, "opt": tx.init(params)}
+
+    abstract = jax.eval_shape(init_fn)
+    return init_fn, abstract, holder["parts"]
+
+
+def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
+                           microbatches: int, schedule: str, virtual: int = 1,
+                           matmul_precision: str = "default") -> PipelineProgram:
+    S = mesh.shape.get("stage", 1)
+    if S < 2:
+        raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
+                         "--mesh data:2,stage:4")
+    V = virtual if schedule == "interleaved" else 1
+    sched = build_schedule(schedule, S, microbatches, V)
+    precision = jax_matmul_precision(dtype_name, matmul_precision)
+    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V)
+    specs = layout(abstract, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+    replicated = NamedSharding(mesh, P())
+    M = microbatches
+    dtype = DTYPES[dtype_name]
+
+    def step_fn(state, batch):
+        tokens = batch["tokens"]
+        B, L1 = tokens.shape
+        # Micro-batch m takes rows m, m+M, ...: every device keeps its own rows.
+        tokens_M = tokens.reshape(B // M, M, L1).swapaxes(0, 1)
+        act_shape = (B // M, L1 - 1, model_cfg.width)
+        run = pipeline_gradients(parts, sched, act_shape, dtype)
+        params = state["params"]
+        stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
+        shared_specs = jax.tree.map(lambda _: P(), params["shared"])
+        loss, g_stages, g_shared = jax.shard_map(
+            run, mesh=mesh, in_specs=(stage_specs, shared_specs, P()),
+            out_specs=(P(), stage_specs, shared_specs), axis_names={"stage"},
+            check_vma=False)(params["stages"], params["shared"], tokens_M)
+        grads = {"stages": g_stages, "shared": g_shared}
+        grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
+        updates, opt = tx.update(grads, state["opt"], params)
+        params = optax.apply_updates(params, updates)
+        return {"params": params, "model_state": state["model_state"], "opt": opt}, loss
+
+    def correct_fn(state, batch):
+        raise UsageError("evaluation (--eval-every) is not implemented for pipeline layouts")
+
+    step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
+                           out_shardings=(shardings, replicated), donate_argnums=0), mesh,
+                   precision)
+    init = jax.jit(init_fn, out_shardings=shardings)
+    extra = {"act_row_shape": (model_cfg.seq_len, model_cfg.width),
+             "act_itemsize": jnp.dtype(dtype).itemsize}
+    return PipelineProgram(None, abstract, specs, shardings, batch_sharding, init, step,
+                           correct_fn, microbatches, None, schedule=sched, parts=parts,
+                           extra=extra)
+

@@ -1,0 +1,122 @@
+"""What a pipelined run records: the schedule's bubble (counted and analytic), throw-away
+work, the bytes each stage sends (read from the compiled HLO's collective-permutes on the
+`stage` axis, beside the analytic activation volume) and per-stage memory."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+
+from jaxdist import comm, metrics
+
+
+def stage_sends(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
+    """Bytes each stage sends per step over the `stage` axis, per device (a device of
+    stage s sends its own shard of each activation or gradient): the collective-permutes
+    whose pairs change only the stage coordinate, each pair's source counted, times how
+    often the op runs."""
+    names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
+    if "stage" not in names:
+        return {"by_stage": [], "total_bytes": 0, "messages": 0}
+    axis = names.index("stage")
+    S = sizes[axis]
+    runs = comm.executions(hlo_text)
+    by_stage = [0] * S
+    messages = 0
+    current = None
+    for line in comm._statements(hlo_text):
+        header = comm._header(line)
+        if header:
+            current = header.group(2)
+            continue
+        m = comm._INSTRUCTION.match(line)
+        if not m or m.group("op") not in ("collective-permute", "collective-permute-start"):
+            continue
+        pairs = comm._permute_pairs(line) or []
+        _, result = comm._payload("collective-permute", m.group("op"), m.group("shape"),
+                                  m.group("rest"))
+        times = max(runs.get(current, 1), 1)
+        # One replica of the other axes: the pairs whose source has all other coords 0.
+        for src, dst in pairs:
+            a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
+            others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
+            only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
+            if src != dst and others_zero and only_stage:
+                by_stage[a[axis]] += result * times
+                messages += times
+    return {"by_stage": by_stage, "total_bytes": sum(by_stage), "messages": messages}
+
+
+def local_activation_bytes(program, batch_size: int) -> int:
+    """One micro-batch's activation at a stage boundary, as one device holds it: rows split
+    over the batch axes (data, fsdp), the full width (the residual stream is replicated
+    over `tensor`)."""
+    mesh = program.batch_sharding.mesh
+    spec = program.batch_sharding.spec[0]
+    axes = (spec,) if isinstance(spec, str) else (spec or ())
+    shards = math.prod(mesh.shape[a] for a in axes)
+    cfg_shape = program.extra["act_row_shape"]  # (L, D)
+    itemsize = program.extra["act_itemsize"]
+    return batch_size // program.microbatches // shards * math.prod(cfg_shape) * itemsize
+
+
+def stage_param_bytes(state, mesh) -> list[int]:
+    """Parameter bytes held by one device of each stage (the largest over its devices)."""
+    axis = list(mesh.axis_names).index("stage")
+    stage_of = {d.id: int(np.argwhere(mesh.devices == d)[0][axis])
+                for d in mesh.devices.flat}
+    per_device: dict[int, int] = {}
+    for leaf in jax.tree.leaves(state["params"]):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    out = [0] * mesh.shape["stage"]
+    for dev, nbytes in per_device.items():
+        s = stage_of[dev]
+        out[s] = max(out[s], nbytes)
+    return out
+
+
+def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_step: float,
+                   num_devices: int) -> dict:
+    sched = program.schedule
+    mesh = program.batch_sharding.mesh
+    act = local_activation_bytes(program, batch_size)
+    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape))
+    boundaries = sched.chunks - 1
+    analytic = 2 * act * sched.microbatches * boundaries
+    flops = metrics.compiled_flops(compiled)
+    compiled_total = flops * num_devices if flops is not None else None
+    masked = sched.masked_stage_ticks()
+    useful = sched.microbatches * sched.chunks  # forwards; as many backwards
+    mem = metrics.compiled_memory(compiled) or {}
+    return {
+        **sched.summary(),
+        "analytic_bubble_formula": ("(S-1)/(V*M+S-1)" if sched.virtual > 1
+                                    else "(S-1)/(M+S-1)"),
+        "throwaway_fraction": ((masked["forward"] + masked["backward"])
+                               / (masked["forward"] + masked["backward"] + 2 * useful)),
+        "compiled_flops_per_step": compiled_total,
+        "model_flops_per_step": model_flops_per_step,
+        "compiled_over_model_flops": (compiled_total / model_flops_per_step
+                                      if compiled_total and model_flops_per_step else None),
+        "flops_note": "compiled counts the stage-level recompute in each backward (x4/3 of "
+                      "model FLOPs), the throw-away forwards/backwards of masked stage-ticks "
+                      "and the optimizer update",
+        "stage_bytes": {"by_stage": sends["by_stage"], "total": sends["total_bytes"],
+                        "messages": sends["messages"],
+                        "analytic": analytic,
+                        "analytic_basis": "2 (forward activations, backward gradients) x "
+                                          "micro-batches x (S*V - 1) boundaries x one "
+                                          "micro-batch's activation per device"},
+        "memory": {
+            "activation_bytes_per_microbatch": act,
+            "activation_stash_bytes": sched.act_slots * act,
+            "gradient_stash_bytes": sched.grad_slots * act,
+            "live_activation_slots_by_stage": sched.act_slots_by_stage,
+            "param_bytes_by_stage": stage_param_bytes(state, mesh),
+            "compiled_temp_bytes": mem.get("temp_bytes"),
+        },
+    }

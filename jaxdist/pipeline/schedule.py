@@ -1,0 +1,240 @@
+"""Pipeline schedules as tables: for every tick and stage, what that stage does.
+
+A schedule is built by simulating its stages tick by tick: each stage has an ordered list of
+operations (forward or backward of one micro-batch on one of its model chunks) and runs the
+next one as soon as its input has arrived (an activation sent by the stage before at an
+earlier tick, or a gradient sent by the stage after). Every operation takes one tick. The
+bubble is then *counted* from the table (idle stage-ticks / all stage-ticks), not assumed.
+
+Chunks: with V virtual stages per device (interleaved), the model is cut into S*V
+contiguous chunks and chunk c = v*S + s lives on stage s, so activations go round the ring
+of stages V times (Narayanan et al. 2021). V = 1 for gpipe and 1f1b.
+
+Slots: a stage keeps each received activation (the input of one of its chunk forwards, needed
+again by the backward, which recomputes from it) and each received gradient in a slot of a
+fixed-size buffer from arrival until its backward ran; the table says which slot. The number
+of slots is the schedule's live activation count: M for GPipe, about S for 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxdist.errors import UsageError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IDLE, FWD, BWD = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: int   # FWD or BWD
+    mb: int     # micro-batch
+    v: int      # virtual chunk index on this stage (chunk = v * S + stage)
+
+
+@dataclass
+class Schedule:
+    name: str
+    stages: int
+    virtual: int
+    microbatches: int
+    # ops[t][s]: the Op stage s runs at tick t, or None (idle)
+    ops: list[list[Op | None]] = field(default_factory=list)
+    # slot[t][s] per op: (activation slot read, gradient slot read); -1 where none
+    read_slots: list[list[tuple[int, int]]] = field(default_factory=list)
+    # arrivals at the start of tick t on stage s: (activation slot or -1, gradient slot or -1)
+    recv_slots: list[list[tuple[int, int]]] = field(default_factory=list)
+    act_slots: int = 0
+    grad_slots: int = 0
+    act_slots_by_stage: list[int] = field(default_factory=list)
+
+    @property
+    def ticks(self) -> int:
+        return len(self.ops)
+
+    def chunk(self, stage: int, v: int) -> int:
+        return v * self.stages + stage
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def idle_stage_ticks(self) -> int:
+        return sum(op is None for row in self.ops for op in row)
+
+    def bubble(self) -> float:
+        """Idle stage-ticks over all stage-ticks, as executed (each tick = one chunk op)."""
+        return self.idle_stage_ticks() / (self.ticks * self.stages)
+
+    def analytic_bubble(self) -> float:
+        """(S-1)/(M+S-1) for V = 1; (S-1)/(V*M+S-1) interleaved (Narayanan et al. 2021)."""
+        S, V, M = self.stages, self.virtual, self.microbatches
+        return (S - 1) / (V * M + S - 1)
+
+    def sends(self, t: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(forward, backward) stage pairs (source, target) of the messages sent at tick t."""
+        S, fwd, bwd = self.stages, [], []
+        for s, op in enumerate(self.ops[t]):
+            if op is None:
+                continue
+            c = self.chunk(s, op.v)
+            if op.kind == FWD and c < self.chunks - 1:
+                fwd.append((s, (s + 1) % S))
+            if op.kind == BWD and c > 0:
+                bwd.append((s, (s - 1) % S))
+        return fwd, bwd
+
+    def masked_stage_ticks(self) -> dict[str, int]:
+        """Stage-ticks computing throw-away work in an SPMD program that runs a forward on
+        every stage at a tick where any stage runs one (and likewise the backward)."""
+        out = {"forward": 0, "backward": 0}
+        for row in self.ops:
+            for kind, name in ((FWD, "forward"), (BWD, "backward")):
+                doing = sum(op is not None and op.kind == kind for op in row)
+                if doing:
+                    out[name] += self.stages - doing
+        return out
+
+    def summary(self) -> dict:
+        return {"schedule": self.name, "stages": self.stages, "virtual": self.virtual,
+                "microbatches": self.microbatches, "ticks": self.ticks,
+                "idle_stage_ticks": self.idle_stage_ticks(),
+                "bubble": self.bubble(), "analytic_bubble": self.analytic_bubble(),
+                "live_activation_slots": self.act_slots, "gradient_slots": self.grad_slots,
+                "masked_stage_ticks": self.masked_stage_ticks()}
+
+
+def _orders(name: str, S: int, V: int, M: int) -> list[list[Op]]:
+    """Each stage's operations in the order it runs them."""
+    if name == "gpipe":
+        return [[Op(FWD, i, 0) for i in range(M)] + [Op(BWD, i, 0) for i in range(M)]
+                for _ in range(S)]
+    if name == "1f1b":
+        orders = []
+        for s in range(S):
+            warm = min(S - 1 - s, M)
+            order = [Op(FWD, i, 0) for i in range(warm)]
+            for i in range(M - warm):
+                order += [Op(FWD, warm + i, 0), Op(BWD, i, 0)]
+            order += [Op(BWD, i, 0) for i in range(M - warm, M)]
+            orders.append(order)
+        return orders
+    # Interleaved 1F1B (Megatron-LM's order): micro-batches go through the chunks of a
+    # stage in groups of S; warm-up of (S - s - 1) * 2 + (V - 1) * S forwards.
+    def fwd_key(k):  # k-th forward of a stage -> (micro-batch, v)
+        group, within = divmod(k, S * V)
+        return group * S + within % S, within // S
+
+    def bwd_key(k):
+        mb, v = fwd_key(k)
+        return mb, V - 1 - v
+
+    total = M * V
+    orders = []
+    for s in range(S):
+        warm = min((S - s - 1) * 2 + (V - 1) * S, total)
+        order = [Op(FWD, *fwd_key(k)) for k in range(warm)]
+        for k in range(total - warm):
+            order += [Op(FWD, *fwd_key(warm + k)), Op(BWD, *bwd_key(k))]
+        order += [Op(BWD, *bwd_key(k)) for k in range(total - warm, total)]
+        orders.append(order)
+    return orders
+
+
+def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    S, M = stages, microbatches
+    V = virtual if name == "interleaved" else 1
+    check_schedule(name, S, M, V)
+    sched = Schedule(name, S, V, M)
+    orders = _orders(name, S, V, M)
+    pos = [0] * S
+    done: dict[tuple[int, int, int], int] = {}  # (kind, chunk, mb) -> tick finished
+    act_slot: list[dict] = [{} for _ in range(S)]   # stage -> (v, mb) -> slot
+    grad_slot: list[dict] = [{} for _ in range(S)]
+    free_act = [[] for _ in range(S)]
+    free_grad = [[] for _ in range(S)]
+    n_act, n_grad = [0] * S, [0] * S
+    last = S * V - 1
+
+    def take(free, count, s):
+        if free[s]:
+            return free[s].pop(0)
+        count[s] += 1
+        return count[s] - 1
+
+    t = 0
+    while any(pos[s] < len(orders[s]) for s in range(S)):
+        if t > 4 * (V * M + S) + 8:
+            raise RuntimeError(f"schedule {name} S={S} V={V} M={M} deadlocked")
+        # Arrivals: what was sent at tick t-1 is in its slot at the start of tick t.
+        recv = [[-1, -1] for _ in range(S)]
+        if t > 0:
+            fwd_pairs, bwd_pairs = sched.sends(t - 1)
+            prev = sched.ops[t - 1]
+            for src, dst in fwd_pairs:
+                op = prev[src]
+                v = op.v + (1 if dst == 0 else 0)
+                slot = take(free_act, n_act, dst)
+                act_slot[dst][(v, op.mb)] = slot
+                recv[dst][0] = slot
+            for src, dst in bwd_pairs:
+                op = prev[src]
+                v = op.v - (1 if src == 0 else 0)
+                slot = take(free_grad, n_grad, dst)
+                grad_slot[dst][(v, op.mb)] = slot
+                recv[dst][1] = slot
+        row, reads = [], []
+        for s in range(S):
+            op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
+            if op is not None:
+                c = op.v * S + s
+                if op.kind == FWD:
+                    ready = c == 0 or done.get((FWD, c - 1, op.mb), t) < t
+                else:
+                    ready = done.get((FWD, c, op.mb), t) < t and (
+                        c == last or done.get((BWD, c + 1, op.mb), t) < t)
+                if not ready:
+                    op = None
+            row.append(op)
+            if op is None:
+                reads.append((-1, -1))
+                continue
+            pos[s] += 1
+            key = (op.v, op.mb)
+            a = act_slot[s].get(key, -1)
+            g = grad_slot[s].get(key, -1) if op.kind == BWD else -1
+            reads.append((a, g))
+            if op.kind == BWD:  # the backward is the last use of both slots
+                if a >= 0:
+                    free_act[s].append(act_slot[s].pop(key))
+                if g >= 0:
+                    free_grad[s].append(grad_slot[s].pop(key))
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, op.v * S + s, op.mb)] = t
+        sched.ops.append(row)
+        sched.read_slots.append(reads)
+        sched.recv_slots.append([tuple(r) for r in recv])
+        t += 1
+    sched.act_slots_by_stage = list(n_act)
+    sched.act_slots = max(max(n_act), 1)
+    sched.grad_slots = max(max(n_grad), 1)
+    return sched
+
+
+def check_schedule(name: str, stages: int, microbatches: int, virtual: int) -> None:
+    if name not in SCHEDULES:
+        raise UsageError(f"unknown --pp-schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if microbatches < 1:
+        raise UsageError(f"--microbatches must be a positive integer, got {microbatches}")
+    if virtual < 1:
+        raise UsageError(f"--pp-virtual must be a positive integer, got {virtual}")
+    if name in ("1f1b", "interleaved") and microbatches < stages:
+        raise UsageError(f"--pp-schedule {name} needs at least as many micro-batches as "
+                         f"stages: --microbatches {microbatches} < stage={stages}; use "
+                         f"--microbatches {stages} or more (or --pp-schedule gpipe)")
+    if name == "interleaved" and microbatches % stages:
+        raise UsageError(f"--pp-schedule interleaved sends micro-batches round the stages in "
+                         f"groups of stage={stages}: --microbatches {microbatches} is not a "
+                         f"multiple of {stages}")

@@ -1,0 +1,91 @@
+"""Pipeline layouts: pp, tp_pp and fsdp_pp, as spec tables over the pipeline train state.
+
+The pipeline state (jaxdist/pipeline/state.py) holds `params = {"stages": ..., "shared": ...}`:
+every block parameter stacked to [S, V, K, *shape] (stage, virtual chunk, block within the
+chunk), its leading dimension split over the `stage` mesh axis, so each stage holds only its
+own blocks; and the embeddings, final norm and head in `shared`, which every stage holds (see
+jaxdist/pipeline/step.py for why). Inside a stage:
+
+- pp: the stage's blocks replicated over `data`; the batch over `data`.
+- tp_pp: Megatron tensor parallelism inside each stage (heads, MLP hidden and vocabulary
+  over `tensor`), the tp layout's rules; Go et al. 2025's TPxPP.
+- fsdp_pp: each stage's parameters (and the shared ones) sharded over `fsdp`; batch over
+  `data` and `fsdp`.
+
+Optimizer state (Adam's mu and nu) has the same path suffix and shape as its parameter and
+gets the same spec.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from sharding.layouts import shard_dim
+from sharding.logical import RULES, logical_axes
+from sharding.registry import register_layout
+
+STACKED = "stages"  # params["stages"]: leaves [S, V, K, *shape]
+STACK_DIMS = 3
+PIPELINE_LAYOUTS = ("pp", "tp_pp", "fsdp_pp")
+
+
+def _names(path) -> list[str]:
+    out = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", None))
+        if isinstance(name, str):
+            out.append(name)
+    return out
+
+
+def _inner(path, shape, mesh: Mesh, inner: str) -> list:
+    """The spec of one parameter (without stack dimensions) inside a stage."""
+    if inner == "tp":
+        axes = logical_axes(path)
+        if axes is None or len(axes) != len(shape):
+            return [None] * len(shape)
+        n = mesh.shape.get("tensor", 1)
+        rules = RULES["tp"]
+        return [rules.get(a) if rules.get(a) and n > 1 and size % n == 0 else None
+                for a, size in zip(axes, shape)]
+    if inner == "fsdp":
+        n = mesh.shape.get("fsdp", 1)
+        dim = shard_dim(tuple(shape), n)
+        return [("fsdp" if i == dim else None) for i in range(len(shape))]
+    return [None] * len(shape)
+
+
+def pipeline_specs(state, mesh: Mesh, inner: str):
+    def spec(path, leaf):
+        if not leaf.shape:
+            return P()
+        if STACKED in _names(path):
+            rest = _inner(path, leaf.shape[STACK_DIMS:], mesh, inner)
+            return P("stage", None, None, *rest)
+        return P(*_inner(path, leaf.shape, mesh, inner))
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+@register_layout("pp", "pipeline parallel: contiguous groups of blocks per device of the stage "
+                 "axis (--pp-schedule, --microbatches), activations sent stage to stage; "
+                 "batch over data", mesh_axes=("data", "stage"), families=("gpt", "moe"),
+                 requires=("stage",))
+def pp(state, mesh: Mesh):
+    return pipeline_specs(state, mesh, "none")
+
+
+@register_layout("tp_pp", "pipeline over the stage axis with Megatron tensor parallelism "
+                 "inside each stage (Go et al.'s TPxPP); batch over data",
+                 mesh_axes=("data", "stage", "tensor"), families=("gpt", "moe"),
+                 requires=("stage",))
+def tp_pp(state, mesh: Mesh):
+    return pipeline_specs(state, mesh, "tp")
+
+
+@register_layout("fsdp_pp", "pipeline over the stage axis with each stage's parameters and "
+                 "optimizer state sharded over fsdp; batch over data and fsdp",
+                 mesh_axes=("data", "fsdp", "stage"), families=("gpt", "moe"),
+                 requires=("stage",))
+def fsdp_pp(state, mesh: Mesh):
+    return pipeline_specs(state, mesh, "fsdp")
