@@ -217,6 +217,12 @@ def run_metrics(results: dict) -> dict[str, float]:
         "accuracy": accuracy[-1]["accuracy"] if accuracy else None,
         "final_loss": results["loss"][-1] if results.get("loss") else None,
     }
+    pp = results.get("pipeline")
+    if pp:  # the schedule's bubble (counted, analytic), stage bytes, activation stash
+        out.update({"pp_bubble": pp["bubble"], "pp_bubble_analytic": pp["analytic_bubble"],
+                    "pp_stage_bytes": pp["stage_bytes"]["total"],
+                    "pp_stage_bytes_analytic": pp["stage_bytes"]["analytic"],
+                    "pp_activation_stash_bytes": pp["memory"]["activation_stash_bytes"]})
     ps = results.get("ps")
     if ps:
         out["ps_push_p50_s"] = (ps.get("push_latency_s") or {}).get("p50")
@@ -289,6 +295,21 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
     if shard:
         rows.append(("state sharded / replicated",
                      f"{human_bytes(shard['sharded_bytes'])} / {replicated_text(shard)}"))
+    pp = results.get("pipeline")
+    if pp:
+        rows += [
+            ("pipeline", f"{pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+                         f"M={pp['microbatches']}: bubble {pp['bubble']:.1%} counted vs "
+                         f"{pp['analytic_bubble']:.1%} {pp['analytic_bubble_formula']}"),
+            ("pipeline stage bytes", f"{human_bytes(pp['stage_bytes']['total'])} sent per "
+                                     f"step (by stage: " + ", ".join(
+                                         human_bytes(b) for b in pp['stage_bytes']['by_stage'])
+             + f") vs analytic {human_bytes(pp['stage_bytes']['analytic'])}"),
+            ("pipeline memory", f"params by stage " + ", ".join(
+                human_bytes(b) for b in pp["memory"]["param_bytes_by_stage"]) +
+             f"; activation stash {pp['live_activation_slots']} x "
+             f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
+        ]
     rows += [
         ("collectives per step", _comm_line(results.get("comm"))),
         ("power / energy", _power_line(results.get("power"))),

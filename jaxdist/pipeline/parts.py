@@ -62,10 +62,14 @@ class Parts:
     def stage(self, chunk, shared, x_BLD, tokens_BL1, is_first, is_last):
         """One chunk's forward: (output activation, this chunk's part of the loss). The
         first chunk embeds the tokens instead of reading `x`; the last adds the head's
-        cross-entropy. Both are selected by `where`, so every stage runs one program."""
+        cross-entropy: every stage runs one program, the embedding lookup (cheap) selected
+        by `where`, the head by `cond`."""
         h_BLD = jnp.where(is_first, self.embed(shared, tokens_BL1[:, :-1]), x_BLD)
         h_BLD, aux = self.blocks(chunk, h_BLD)
-        loss = jnp.where(is_last, self.head_loss(shared, h_BLD, tokens_BL1[:, 1:]), 0.0)
+        # The head only where it is the last chunk (a cond, not a where: the vocabulary
+        # matmul is not thrown away on the other stages).
+        loss = jax.lax.cond(is_last, lambda: self.head_loss(shared, h_BLD, tokens_BL1[:, 1:]),
+                            lambda: jnp.zeros((), jnp.float32))
         if self.aux_weight is not None:
             loss = loss + self.aux_weight * aux / self.depth
         return h_BLD, loss

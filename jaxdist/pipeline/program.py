@@ -62,14 +62,20 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         B, L1 = tokens.shape
         # Micro-batch m takes rows m, m+M, ...: every device keeps its own rows.
         tokens_M = tokens.reshape(B // M, M, L1).swapaxes(0, 1)
-        act_shape = (B // M, L1 - 1, model_cfg.width)
-        run = pipeline_gradients(parts, sched, act_shape, dtype)
+        # `data` is manual too: each data shard accumulates its own gradients over the
+        # micro-batches and they are averaged once at the end (one all-reduce per step,
+        # not one per backward tick), and XLA's SPMD partitioner is left with at most one
+        # axis (tensor or fsdp) inside the branches of the per-stage switch (with two it
+        # fails a check in spmd_partitioner_util.cc on XLA:CPU, jax 0.10).
+        data = mesh.shape["data"]
+        act_shape = (B // M // data, L1 - 1, model_cfg.width)
+        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data")
         params = state["params"]
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
-            run, mesh=mesh, in_specs=(stage_specs, shared_specs, P()),
-            out_specs=(P(), stage_specs, shared_specs), axis_names={"stage"},
+            run, mesh=mesh, in_specs=(stage_specs, shared_specs, P(None, "data")),
+            out_specs=(P(), stage_specs, shared_specs), axis_names={"stage", "data"},
             check_vma=False)(params["stages"], params["shared"], tokens_M)
         grads = {"stages": g_stages, "shared": g_shared}
         grads = jax.lax.with_sharding_constraint(grads, shardings["params"])

@@ -85,24 +85,12 @@ class Schedule:
                 bwd.append((s, (s - 1) % S))
         return fwd, bwd
 
-    def masked_stage_ticks(self) -> dict[str, int]:
-        """Stage-ticks computing throw-away work in an SPMD program that runs a forward on
-        every stage at a tick where any stage runs one (and likewise the backward)."""
-        out = {"forward": 0, "backward": 0}
-        for row in self.ops:
-            for kind, name in ((FWD, "forward"), (BWD, "backward")):
-                doing = sum(op is not None and op.kind == kind for op in row)
-                if doing:
-                    out[name] += self.stages - doing
-        return out
-
     def summary(self) -> dict:
         return {"schedule": self.name, "stages": self.stages, "virtual": self.virtual,
                 "microbatches": self.microbatches, "ticks": self.ticks,
                 "idle_stage_ticks": self.idle_stage_ticks(),
                 "bubble": self.bubble(), "analytic_bubble": self.analytic_bubble(),
-                "live_activation_slots": self.act_slots, "gradient_slots": self.grad_slots,
-                "masked_stage_ticks": self.masked_stage_ticks()}
+                "live_activation_slots": self.act_slots, "gradient_slots": self.grad_slots}
 
 
 def _orders(name: str, S: int, V: int, M: int) -> list[list[Op]]:

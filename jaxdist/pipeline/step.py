@@ -7,10 +7,11 @@ looks up its own action by its stage index, and the messages of that tick go out
 `ppermute` per direction whose source-target pairs are exactly the stages that send then,
 so the compiled step moves no byte the schedule does not (the `comm` block counts them).
 
-Every stage runs the same program, so at a tick where some stage runs a forward every stage
-computes one and those with nothing to do throw it away (MaxText's circular pipeline does
-the same); likewise the backward. A tick where no stage runs a forward has none compiled.
-The schedule counts those throw-away stage-ticks (`masked_stage_ticks`).
+Every stage runs the same program; at each tick a `lax.switch` on the stage's own row runs
+its forward, its backward or nothing, so an idle stage-tick computes no throw-away work
+(unlike MaxText's circular pipeline, which computes and discards it). A tick where no stage
+runs a forward has no forward branch compiled. Runs of ticks whose pattern repeats (the
+steady states) are one `lax.scan`, so compile time grows with S, not M.
 
 Memory: a forward stores only its input activation, in a slot of a fixed buffer of
 `act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); the backward
@@ -87,7 +88,8 @@ def _read(buffer, slot):
     return jnp.where(slot >= 0, buffer[jnp.maximum(slot, 0)], jnp.zeros_like(buffer[0]))
 
 
-def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype):
+def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
+                       data_axis: str | None = None):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
     stage grads, shared grads), to run inside shard_map over `stage`."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
@@ -124,24 +126,40 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype):
             is_first = (s == 0) & (v == 0)
             is_last = (s == S - 1) & (v == V - 1)
             tokens = tokens_MBL1[mb]
-            if any_fwd:
-                y, loss = forward(chunk_of(v), shared, _read(acts, row["act"]), tokens,
-                                  is_first, is_last)
-                loss_sum = loss_sum + jnp.where(row["fwd"] > 0, loss, 0.0)
-                if fwd_pairs:
-                    fwd_msg = jax.lax.ppermute(y, "stage", list(fwd_pairs))
-            if any_bwd:
-                active = row["bwd"] > 0
-                dy = jnp.where(active & ~is_last, _read(grads_in, row["grad"]), 0)
-                dloss = jnp.where(active, 1.0 / M, 0.0).astype(jnp.float32)
-                d_chunk, d_shared, dx = backward(chunk_of(v), shared, _read(acts, row["act"]),
-                                                 tokens, is_first, is_last,
-                                                 dy.astype(act_dtype), dloss)
-                g_local = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d),
-                                       g_local, d_chunk)
-                g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
-                if bwd_pairs:
-                    bwd_msg = jax.lax.ppermute(dx, "stage", list(bwd_pairs))
+            chunk, x = chunk_of(v), _read(acts, row["act"])
+
+            # Each stage runs only its own action (lax.switch on its row): an idle stage
+            # computes nothing and a 1F1B tick never holds a forward's and a backward's
+            # temporaries at once. Collectives inside a branch stay within one stage (its
+            # data / tensor group), which takes that branch as a whole; the ppermutes
+            # between stages are outside.
+            def idle(acc):
+                g_l, g_s, ls = acc
+                return g_l, g_s, ls, jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg)
+
+            def fwd(acc):
+                g_l, g_s, ls = acc
+                y, loss = forward(chunk, shared, x, tokens, is_first, is_last)
+                return g_l, g_s, ls + loss, y, jnp.zeros_like(bwd_msg)
+
+            def bwd(acc):
+                g_l, g_s, ls = acc
+                dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+                d_chunk, d_shared, dx = backward(chunk, shared, x, tokens, is_first, is_last,
+                                                 dy, jnp.float32(1.0 / M))
+                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
+                return (g_l, jax.tree.map(jnp.add, g_s, d_shared), ls,
+                        jnp.zeros_like(fwd_msg), dx)
+
+            branches = [idle] + ([fwd] if any_fwd else []) + ([bwd] if any_bwd else [])
+            index = (row["fwd"] * int(any_fwd) + row["bwd"] * (1 + int(any_fwd))
+                     if any_bwd else row["fwd"])
+            g_local, g_shared, loss_sum, y, dx = jax.lax.switch(
+                index, branches, (g_local, g_shared, loss_sum))
+            if fwd_pairs:
+                fwd_msg = jax.lax.ppermute(y, "stage", list(fwd_pairs))
+            if bwd_pairs:
+                bwd_msg = jax.lax.ppermute(dx, "stage", list(bwd_pairs))
             return acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
@@ -163,6 +181,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype):
         _, _, g_local, g_shared, loss_sum, _, _ = carry
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")
+        if data_axis is not None:  # each data shard's mean over its rows -> global mean
+            loss, g_local, g_shared = jax.lax.pmean((loss, g_local, g_shared), data_axis)
         return loss, jax.tree.map(lambda g: g[None], g_local), g_shared
 
     return run
