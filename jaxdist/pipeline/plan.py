@@ -1,0 +1,123 @@
+"""`--dry-run` of a pipeline layout: per-device parameter, optimizer and activation bytes of
+every stage, from shapes alone, and whether they fit a device (an H200: 141 GB).
+
+Parameters and optimizer state: the pipeline train state (blocks stacked [S, V, K, ...], the
+embeddings and head on every stage) assembled from the decoder's depth-1 shapes as
+jaxdist/dryrun.py does, placed by the layout's specs on an abstract mesh.
+
+Activations (an estimate, not a compiled figure): stage s keeps `slots_s` micro-batch inputs
+of its chunks (counted from the schedule's table: M for GPipe, about S for 1F1B) of
+b x L x D elements, b = batch / (M x batch shards); and while it runs a backward, one
+chunk's K blocks recomputed for one micro-batch, at Korthikanti et al. 2022's count per
+block of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel
+size, a: heads), scaled to the compute dtype. Gradients in flight (one slot each) are
+counted like activations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from jaxdist import metrics
+from jaxdist.data import build_model
+from jaxdist.pipeline.checks import check_pipeline
+from jaxdist.pipeline.parts import SHARED
+from jaxdist.pipeline.schedule import build_schedule
+from jaxdist.train_step import DTYPES, make_optimizer
+from sharding import get_layout
+
+H200_BYTES = 141 * 10 ** 9  # NVIDIA H200: 141 GB of HBM3e (nvidia.com/h200 datasheet)
+
+
+def _stack_abstract(blocks: list, S: int, V: int):
+    K = len(blocks) // (S * V)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((S, V, K, *x.shape), x.dtype),
+                        blocks[0])
+
+
+def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int) -> dict:
+    from jaxdist.dryrun import planning_state
+
+    base = planning_state(model_cfg, dtype_name, tx)["params"]
+    pure = base.to_pure_dict() if isinstance(base, nnx.State) else base
+    depth = model_cfg.depth
+    blocks = [pure["blocks"][i] for i in range(depth)]
+    params = {"stages": _stack_abstract(blocks, S, V),
+              "shared": {k: pure[k] for k in SHARED if k in pure}}
+    return {"params": params, "model_state": {}, "opt": jax.eval_shape(tx.init, params)}
+
+
+def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int) -> float:
+    """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
+    Models), Eq. 2 with tensor parallelism: bytes one block keeps for its backward."""
+    L, D, a = model_cfg.seq_len, model_cfg.width, model_cfg.heads
+    return L * rows * D * (10 + 24 / tensor + 5 * a * L / (D * tensor)) * itemsize / 2
+
+
+def plan_pipeline(cfg, shape) -> dict:
+    model_cfg, _ = build_model(cfg)
+    sizes = shape.axis_sizes
+    S, M = shape.stage, cfg.train.microbatches
+    schedule = cfg.train.pp_schedule
+    V = cfg.train.pp_virtual if schedule == "interleaved" else 1
+    check_pipeline(model_cfg, S, schedule, M, V)
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V)
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
+                        axis_types=(AxisType.Auto,) * len(sizes))
+    specs = get_layout(cfg.train.layout)(state, mesh)
+    per_device = metrics.planned_bytes_per_device(state, specs, sizes)
+    sched = build_schedule(schedule, S, M, V)
+    batch_shards = sizes.get("data", 1) * (sizes.get("fsdp", 1)
+                                           if cfg.train.layout == "fsdp_pp" else 1)
+    rows = cfg.train.batch_size // (M * batch_shards)
+    itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    act = rows * model_cfg.seq_len * model_cfg.width * itemsize
+    K = model_cfg.depth // (S * V)
+    tensor = sizes.get("tensor", 1) if cfg.train.layout == "tp_pp" else 1
+    working = K * block_activation_bytes(model_cfg, rows, tensor, itemsize)
+    stages = []
+    for s in range(S):
+        stash = (sched.act_slots_by_stage[s] + sched.grad_slots) * act
+        total = per_device["params"] + per_device["opt"] + stash + working
+        stages.append({"stage": s, "params": per_device["params"], "opt": per_device["opt"],
+                       "activation_stash": stash, "activation_working": int(working),
+                       "total": int(total), "fits_h200": total <= H200_BYTES})
+    return {
+        "dry_run": True, "layout": cfg.train.layout, "mesh": dict(sizes),
+        "model": {"name": cfg.model.model, "params": metrics.param_count(state)},
+        "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
+                     cfg.train.batch_size, "microbatch_rows_per_device": rows},
+        "state_bytes_per_device": per_device,
+        "stages": stages,
+        "device_bytes": H200_BYTES,
+        "fits_h200": all(s["fits_h200"] for s in stages),
+    }
+
+
+def format_pipeline_plan(p: dict) -> str:
+    from jaxdist.writers import human_bytes
+
+    pp = p["pipeline"]
+    devices = math.prod(p["mesh"].values())
+    lines = [f"dry run: {p['model']['name']} ({p['model']['params']:,} params), layout "
+             f"{p['layout']} on " + " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
+             f" ({devices} devices); {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+             f"M={pp['microbatches']}, {pp['blocks_per_chunk']} blocks per chunk, "
+             f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
+             f"{pp['bubble']:.1%}; nothing allocated",
+             f"  {'stage':<6}{'params':>12}{'optimizer':>12}{'act stash':>12}"
+             f"{'act working':>13}{'total':>12}  fits H200 (141 GB)"]
+    for s in p["stages"]:
+        lines.append(f"  {s['stage']:<6}{human_bytes(s['params']):>12}"
+                     f"{human_bytes(s['opt']):>12}{human_bytes(s['activation_stash']):>12}"
+                     f"{human_bytes(s['activation_working']):>13}"
+                     f"{human_bytes(s['total']):>12}  {'yes' if s['fits_h200'] else 'NO'}")
+    lines.append("  per device; activations estimated (stash from the schedule, working set "
+                 "of one chunk's backward by Korthikanti et al. 2022)")
+    return "\n".join(lines)
