@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError
-from jaxdist.train_step import DTYPES, _split_model
+from jaxdist.train_step import DTYPES
+from models.gpt import REMAT_POLICIES
 
 SHARED = ("tok", "pos", "ln_f", "head")
 
@@ -31,6 +32,7 @@ class Parts:
     depth: int
     blocks_per_chunk: int
     aux_weight: float | None  # MoE: weight of the balance loss; None for dense decoders
+    remat: str = "none"       # --remat: per-block recompute inside a chunk's backward
 
     def embed(self, shared, tokens_BL):
         tok = nnx.merge(self.shared_graphdefs["tok"], shared["tok"])
@@ -43,9 +45,13 @@ class Parts:
     def blocks(self, chunk, x_BLD):
         """The K blocks of one chunk (leaves [K, *shape]); returns (x, summed aux loss)."""
         aux = jnp.zeros((), jnp.float32)
+
+        def run_block(params, x):
+            return nnx.merge(self.block_graphdef, params)(x)
+        if self.remat != "none":  # keep block inputs only (or also matmuls: "dots")
+            run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
         for j in range(self.blocks_per_chunk):
-            block = nnx.merge(self.block_graphdef, jax.tree.map(lambda a: a[j], chunk))
-            out = block(x_BLD)
+            out = run_block(jax.tree.map(lambda a: a[j], chunk), x_BLD)
             if self.aux_weight is None:
                 x_BLD = out
             else:
@@ -113,7 +119,7 @@ def split_pipeline_model(model_cfg, dtype_name: str, seed: int, stages: int, vir
                   for name in shared}
     parts = Parts(block_gd, shared_gds, depth, K,
                   getattr(model_cfg, "aux_weight", None) if model_cfg.family == "moe"
-                  else None)
+                  else None, getattr(model_cfg, "remat", "none"))
     return parts, {"stages": stacked, "shared": shared}
 
 

@@ -10,7 +10,9 @@ of its chunks (counted from the schedule's table: M for GPipe, about S for 1F1B)
 b x L x D elements, b = batch / (M x batch shards); and while it runs a backward, one
 chunk's K blocks recomputed for one micro-batch, at Korthikanti et al. 2022's count per
 block of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel
-size, a: heads), scaled to the compute dtype. Gradients in flight (one slot each) are
+size, a: heads; the last term is the stored attention scores, which a fused flash attention
+would not keep), scaled to the compute dtype; with --remat full, the K block inputs plus one
+block's internals. Gradients in flight (one slot each) are
 counted like activations.
 """
 
@@ -80,7 +82,10 @@ def plan_pipeline(cfg, shape) -> dict:
     act = rows * model_cfg.seq_len * model_cfg.width * itemsize
     K = model_cfg.depth // (S * V)
     tensor = sizes.get("tensor", 1) if cfg.train.layout == "tp_pp" else 1
-    working = K * block_activation_bytes(model_cfg, rows, tensor, itemsize)
+    block = block_activation_bytes(model_cfg, rows, tensor, itemsize)
+    # --remat full: the chunk's backward keeps each block's input and one block's internals
+    working = (K * block if getattr(model_cfg, "remat", "none") == "none"
+               else K * act + block)
     stages = []
     for s in range(S):
         stash = (sched.act_slots_by_stage[s] + sched.grad_slots) * act
