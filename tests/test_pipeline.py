@@ -177,3 +177,55 @@ def test_batch_not_divisible_by_data_x_microbatches():
 def test_depth_check_raises_usage_error():
     with pytest.raises(UsageError, match="multiple of 4"):
         _pipeline("gpt-tiny", "pp", "stage:2", "interleaved", 2, 2, depth=2)
+
+
+# ------------------------------------------------------------------ mesh, plan, notices
+
+def test_stage_axis_forms():
+    named = parse_mesh("data:2,stage:4,tensor:4")
+    assert named.axis_sizes == {"stage": 4, "data": 2, "fsdp": 1, "tensor": 4}
+    assert named.size == 32 and named.label == "stage4-data2-tensor4"
+    assert parse_mesh("2x1x4x1x4") == named  # DATAxFSDPxTENSORxEXPERTxSTAGE
+    assert parse_mesh("4x8").axis_sizes == {"data": 4, "fsdp": 8}  # unchanged without stage
+
+
+def _plan(*argv):
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.dryrun import plan
+
+    cfg = from_namespace(build_parser().parse_args(["--dry-run", *argv]))
+    return plan(cfg, parse_mesh(cfg.mesh.mesh))
+
+
+def test_dry_run_go2025_grid_gpt3_tp_pp():
+    """gpt3-175b on 32 GPUs as TPxPP 2x16 and 8x4: every stage holds 1/S of the blocks
+    split t ways, plus the embeddings and head (vocab 50257 does not divide over tensor, so
+    they stay whole, as the tp layout does); AdamW's mu and nu are twice the parameters."""
+    for t, s in ((2, 16), (8, 4)):
+        p = _plan("--model", "gpt3-175b", "--layout", "tp_pp", "--mesh",
+                  f"stage:{s},tensor:{t}", "--microbatches", "32", "--batch-size", "64",
+                  "--dtype", "bfloat16")
+        d, v, L = 12288, 50257, 2048
+        block = 12 * d * d + 13 * d   # q,k,v,out,up,down kernels and biases, two LayerNorms
+        # per stage device: q,k,v,up kernels+biases and out,down kernels split t ways; the
+        # out and down biases and the LayerNorms (6d) whole
+        stage = 96 // s * ((12 * d * d + 7 * d) // t + 6 * d)
+        shared = 2 * v * d + v + L * d + 2 * d  # tok, head (+bias), pos, ln_f
+        assert p["model"]["params"] == 96 * block + shared
+        assert p["state_bytes_per_device"]["params"] == 4 * (stage + shared)
+        # AdamW: mu and nu like the parameters, plus Adam's int32 step count
+        assert p["state_bytes_per_device"]["opt"] == 2 * 4 * (stage + shared) + 4
+        assert len(p["stages"]) == s and p["fits_h200"]
+        assert p["pipeline"]["bubble"] == pytest.approx((s - 1) / (32 + s - 1))
+
+
+def test_notices_for_pp_flags():
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.notices import notices
+
+    cfg = from_namespace(build_parser().parse_args(["--layout", "fsdp", "--pp-schedule",
+                                                    "gpipe"]))
+    assert notices(cfg) == ["notice: --pp-schedule applies only to the pipeline layouts "
+                            "(pp, tp_pp, fsdp_pp); ignored"]
