@@ -229,3 +229,33 @@ def test_notices_for_pp_flags():
                                                     "gpipe"]))
     assert notices(cfg) == ["notice: --pp-schedule applies only to the pipeline layouts "
                             "(pp, tp_pp, fsdp_pp); ignored"]
+
+
+def test_cli_run_records_pipeline(tmp_path):
+    """A pp run end to end: results.json's pipeline block, the comm block's stage bytes and
+    the TensorBoard scalars."""
+    import json
+
+    from jaxdist.results import check
+    from tests.helpers import read_scalars, run_cli
+
+    logdir = tmp_path / "pp"
+    proc = run_cli("--layout", "pp", "--mesh", "data:2,stage:2", "--microbatches", "2",
+                   "--batch-size", "8", "--warmup", "0", "--steps", "2",
+                   "--logdir", str(logdir))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((logdir / "results.json").read_text())
+    assert check(results) == []
+    pp = results["pipeline"]
+    assert (pp["schedule"], pp["stages"], pp["virtual"], pp["microbatches"]) == \
+        ("1f1b", 2, 1, 2)
+    assert pp["bubble"] == pp["analytic_bubble"] == pytest.approx(1 / 3)
+    act = 8 // 2 // 2 * 32 * 64 * 4  # rows per micro-batch and data shard x L x D x f32
+    assert pp["memory"]["activation_bytes_per_microbatch"] == act
+    assert results["comm"]["stage"]["total"] == results["comm"]["stage"]["analytic"] == \
+        2 * act * 2 * 1
+    assert results["comm"]["stage"]["by_stage"] == [2 * act, 2 * act]
+    assert "pipeline stage bytes" in proc.stdout
+    scalars = read_scalars(logdir)
+    assert scalars["trial/pp_bubble"][0][1] == pytest.approx(1 / 3)
+    assert scalars["trial/pp_stage_bytes"][0][1] == 4 * act
