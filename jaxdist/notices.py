@@ -34,7 +34,7 @@ _POWER = tuple(f.name for f in dataclasses.fields(PowerConfig))
 # What --dry-run reads: the model (size, dataset, dtype), the layout, the mesh and the
 # optimizer's kind. Values, training, timing, checkpoint, compiler and process flags do
 # nothing there (it always runs on the host CPU).
-_NOT_IN_DRY_RUN = ("steps", "warmup", "eval_every",
+_NOT_IN_DRY_RUN = ("steps", "warmup", "batch_size", "microbatches", "eval_every",
                    "checkpoint_dir", "checkpoint_every", "resume", "profile_steps",
                    "xla_flags", "overlap", "coordinator", "num_processes", "process_id",
                    "init_timeout", "matmul_precision", "seed", "lr", "platform") + _POWER
@@ -47,14 +47,14 @@ def _ps(cfg: RunConfig) -> bool:
 _PIPELINE = ("pp", "tp_pp", "fsdp_pp")
 
 
+_DRY_RUN_ONLY = "a training run, not --dry-run (which plans memory from shapes only)"
+
 RULES: tuple[Rule, ...] = (
-    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run,
-         "a training run, not --dry-run (which plans memory from shapes only)"),
-    # A pipeline plan counts activations per stage, which depend on the batch and M.
-    Rule(("batch_size", "microbatches"),
-         lambda c: not c.output.dry_run or c.train.layout in _PIPELINE,
-         "a training run or a pipeline layout's --dry-run (which plans memory from shapes "
-         "only)"),
+    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or c.train.layout in _PIPELINE,
+         _DRY_RUN_ONLY),
+    # A pipeline layout's plan counts activations per stage: the batch and M matter there.
+    Rule(tuple(f for f in _NOT_IN_DRY_RUN if f not in ("batch_size", "microbatches")),
+         lambda c: not c.output.dry_run, _DRY_RUN_ONLY),
     Rule(("pp_schedule", "pp_virtual"), lambda c: c.train.layout in _PIPELINE,
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",

@@ -31,7 +31,8 @@ def mlp_specs(layout):
 
 
 def test_registered_layouts():
-    assert layout_names() == ["ddp", "ep", "fsdp", "fsdp_tp", "hsdp", "ps", "tp", "zero1"]
+    assert layout_names() == ["ddp", "ep", "fsdp", "fsdp_pp", "fsdp_tp", "hsdp", "pp", "ps",
+                              "tp", "tp_pp", "zero1"]
 
 
 def test_shard_dim_rule():

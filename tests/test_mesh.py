@@ -26,7 +26,7 @@ def test_mesh_forms(text, shape):
     ("4x", "axis size ''"),
     ("0x8", "axis size '0'"),
     ("axb", "axis size 'a'"),
-    ("4x8x2x9x9", "has 5 axes"),
+    ("4x8x2x9x9x2", "has 6 axes"),  # DATAxFSDPxTENSORxEXPERTxSTAGE at most
     ("pipeline:4", "unknown axis 'pipeline'"),
     ("data:4,model:8", "unknown axis 'model'"),
     ("data:4,data:2", "given twice"),

@@ -259,3 +259,15 @@ def test_cli_run_records_pipeline(tmp_path):
     scalars = read_scalars(logdir)
     assert scalars["trial/pp_bubble"][0][1] == pytest.approx(1 / 3)
     assert scalars["trial/pp_stage_bytes"][0][1] == 4 * act
+
+
+def test_pipeline_dry_run_reads_batch_and_microbatches():
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.notices import notices
+
+    cfg = from_namespace(build_parser().parse_args(
+        ["--dry-run", "--layout", "pp", "--mesh", "stage:2", "--batch-size", "32",
+         "--microbatches", "4", "--steps", "3"]))
+    assert notices(cfg) == ["notice: --steps applies only to a training run, not --dry-run "
+                            "(which plans memory from shapes only); ignored"]
