@@ -109,6 +109,10 @@ def record_mismatches(run: RunRecord, rec: dict) -> tuple[list[str], list[str]]:
 
 
 def _image_size(run: RunRecord):
+    """The input image size of a resnet run. results.json does not record it, so this asks
+    the model registry, which imports jax (about a second): the one reader path that does,
+    and only with --published on a resnet run. Recording `model.image_size` in results.json
+    would remove it."""
     if run.model_name.startswith("resnet"):
         from models import get_model, parse_overrides
         try:
