@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis import claims, plots
+from analysis.match import closest, group
 from analysis.published import published_section
-from analysis.match import closest, group, mismatches  # noqa: F401 - mismatches: API
 from analysis.runs import find_runs
 from analysis.text import fmt_ratio, human_bytes, median, ms, num, ratio
 from jaxdist.errors import OneLineParser, UsageError
-from jaxdist.record import PYTORCH_UNRECORDED, RunRecord  # noqa: F401 - re-exported
+from jaxdist.record import RunRecord
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m experiments.compare",

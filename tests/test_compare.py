@@ -285,7 +285,8 @@ def test_precision_class_against_published_dtype():
 
 
 def test_live_match_names_the_precision_difference():
-    from analysis.compare import PYTORCH_UNRECORDED, mismatches
+    from analysis.match import mismatches
+    from jaxdist.record import PYTORCH_UNRECORDED
 
     jax_run = fake_run()
     assert mismatches(jax_run, fake_run("pt", framework="pytorch")) == []
