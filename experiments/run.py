@@ -26,7 +26,7 @@ from jaxdist.data import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
-from jaxdist.results import ensure_writable_dir
+from jaxdist.record import ensure_writable_dir
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from sharding import check_layout, get_layout
 
@@ -270,7 +270,7 @@ def main_dry_run(cfg: RunConfig) -> int:
     """--dry-run: plan the layout's memory from shapes; only the CPU backend is touched (no
     accelerator memory is claimed), and -1 is not a mesh one can plan for."""
     from jaxdist import dryrun
-    from jaxdist.results import write_json
+    from jaxdist.record import write_json
 
     try:
         shape = validate(cfg)

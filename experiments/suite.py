@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxdist.errors import OneLineParser, UsageError
-from jaxdist.results import ensure_writable_dir, write_json
+from jaxdist.record import ensure_writable_dir, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.errors import OneLineParser
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 STRATEGIES = {
     "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
@@ -273,7 +273,7 @@ def free_port() -> int:
 
 def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     from jaxdist import metrics
-    from jaxdist.results import SCHEMA_VERSION
+    from jaxdist.record import SCHEMA_VERSION
 
     world, warmup = job["world"], job["warmup"]
     # A step takes as long as its slowest rank (every rank started it after a barrier).
@@ -345,7 +345,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
 
 
 def write_outputs(cfg, logdir: Path, results: dict) -> None:
-    from jaxdist.results import check
+    from jaxdist.record import check
     from jaxdist.writers import RunWriter
 
     problems = check(results)

@@ -19,7 +19,7 @@ from jaxdist.data import TrainStream, build_model, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.results import SCHEMA_VERSION, write_json
+from jaxdist.record import SCHEMA_VERSION, write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch

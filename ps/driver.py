@@ -31,7 +31,7 @@ from jaxdist.errors import UsageError
 from ps import procs
 from ps.client import PSError, ShardClient
 from ps.cli import config_argv
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RESTARTS = 3
@@ -383,7 +383,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
     import jax
 
     from jaxdist import metrics
-    from jaxdist.results import SCHEMA_VERSION
+    from jaxdist.record import SCHEMA_VERSION
     from jaxdist.writers import RunWriter
     from ps.shardmap import abstract_model
 

@@ -40,7 +40,7 @@ from jaxdist.errors import UsageError  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.client import FAULT_KEY, TOKEN_KEY  # noqa: E402
 from ps.core import PSFault, ShardCore  # noqa: E402
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 TOKEN_ENV = "JAXDIST_PS_TOKEN"
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
 # Shards start at the same time as the workers (or later, under a scheduler): waiting for

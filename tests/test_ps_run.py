@@ -19,7 +19,7 @@ import pytest
 from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
-from jaxdist.results import check
+from jaxdist.record import check
 from ps.procs import pids_alive
 from tests.helpers import read_scalars, run_cli, train
 

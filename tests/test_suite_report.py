@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import report, suite
+from analysis import claims, plots, report
+from experiments import suite
+from jaxdist.record import RunRecord
 from tests.helpers import ROOT
 
 # Two layouts x one model, plus an entry that fails inside the run (a global batch of 8 does
@@ -223,8 +225,8 @@ def _result(layout, mesh, *, mode=None, state, peak, sps, window, acc, simulated
 
 @pytest.mark.parametrize("simulated", [False, True])
 def test_ratios_against_published(simulated):
-    R = report.Run
-    runs = [R(Path(n), n, r) for n, r in [
+    R = RunRecord
+    runs = [R(Path(n), r, n) for n, r in [
         ("ddp", _result("ddp", {"data": 2}, state=400, peak=1000, sps=200.0, window=5.0,
                         acc=0.9, simulated=simulated)),
         ("fsdp", _result("fsdp", {"data": 2}, state=100, peak=200, sps=100.0, window=10.0,
@@ -233,7 +235,7 @@ def test_ratios_against_published(simulated):
                          window=10.0, acc=0.90, simulated=simulated)),
         ("async", _result("ps", {"workers": 2}, mode="async", state=400, peak=1000, sps=60.0,
                           window=8.0, acc=0.80, simulated=simulated))]]
-    got = {r.what: r for r in report.ratios(runs)}
+    got = {r.what: r for r in claims.ratios(runs)}
     mem = got["FSDP/DDP peak memory"]
     assert mem.value == pytest.approx(0.2) and mem.basis == "measured peak per device"
     assert mem.verdict("v1") == "within" and mem.verdict("v2") == "within"
@@ -280,9 +282,9 @@ def test_report_measured_memory_and_energy(tmp_path):
 
 
 def _runs(*specs):
-    """report.Run objects from (name, layout, mesh, peak bytes) tuples."""
-    return [report.Run(Path(name), name, _result(layout, mesh, state=peak, peak=peak, sps=100.0,
-                                                 window=1.0, acc=0.5))
+    """RunRecord objects from (name, layout, mesh, peak bytes) tuples."""
+    return [RunRecord(Path(name), _result(layout, mesh, state=peak, peak=peak, sps=100.0,
+                                          window=1.0, acc=0.5), name)
             for name, layout, mesh, peak in specs]
 
 
@@ -290,7 +292,7 @@ def test_ratios_pair_only_runs_on_as_many_devices():
     runs = _runs(("ddp8", "ddp", {"data": 8}, 1000),
                  ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250),
                  ("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40))
-    mem = [r for r in report.ratios(runs) if r.what == "FSDP/DDP peak memory"]
+    mem = [r for r in claims.ratios(runs) if r.what == "FSDP/DDP peak memory"]
     # fsdp over 32 devices has no ddp run over 32: it is paired with nothing
     assert [(r.value, r.context) for r in mem] == [
         (0.25, "8 devices, batch 8, float32, digits")]
@@ -299,19 +301,19 @@ def test_ratios_pair_only_runs_on_as_many_devices():
 def test_runs_of_another_framework_or_precision_are_not_paired():
     runs = _runs(("ddp", "ddp", {"data": 8}, 1000), ("fsdp", "fsdp", {"fsdp": 8}, 250))
     runs[1].results["framework"] = "pytorch"
-    assert report.ratios(runs) == []
+    assert claims.ratios(runs) == []
     runs[1].results["framework"] = "jax"
     runs[1].results["config"]["model"]["matmul_precision"] = "highest"
-    assert report.ratios(runs) == []
+    assert claims.ratios(runs) == []
 
 
 def test_bars_are_labelled_layout_at_mesh(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
     runs = _runs(("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40),
                  ("ddp8", "ddp", {"data": 8}, 1000),
                  ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250))
-    assert report.plot_memory(runs, tmp_path / "memory.png")
+    assert plots.plot_memory(runs, tmp_path / "memory.png")
     (ax,) = [a for a in figures[0].axes if a.get_visible()]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ddp @ 8", "fsdp @ 1x8",
                                                            "fsdp @ 4x8"]
