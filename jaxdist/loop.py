@@ -15,7 +15,7 @@ from tqdm import tqdm
 from jaxdist import comm, metrics, telemetry
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
-from jaxdist.data import TrainStream, build_model, eval_batches
+from jaxdist.data import TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
@@ -24,6 +24,7 @@ from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
+from models.build import build_model
 from sharding import get_layout
 
 
