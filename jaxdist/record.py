@@ -107,6 +107,35 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+# ---------------------------------------------------------------------------- writing: the
+# blocks every producer (jaxdist.loop, ps.driver, experiments.torch_run) spells the same way
+
+def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
+    """What the run is: schema_version, framework, layout, mesh, model, config."""
+    return {"schema_version": SCHEMA_VERSION, "framework": framework, "layout": layout,
+            "mesh": mesh,
+            "model": {"name": cfg.model.model, "params": params,
+                      "flops_per_sample": model_cfg.flops_per_sample(),
+                      "tokens_per_sample": model_cfg.tokens_per_sample},
+            "config": cfg.to_dict()}
+
+
+def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | None) -> dict:
+    """Samples (and tokens) per second at the mean step time; null with no timed step."""
+    return {"samples_per_s": batch / mean_s if mean_s else None,
+            "tokens_per_s": batch * tokens_per_sample / mean_s
+            if mean_s and tokens_per_sample else None}
+
+
+def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: int | None,
+                 measured_peak_reason: str | None) -> dict:
+    """State bytes on every device (and on the fullest), XLA's allocation bound, and the
+    allocator's peak where the backend has one (else why not)."""
+    return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
+            "state_bytes_by_device": by_device, "compiled": compiled,
+            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
+
+
 # ---------------------------------------------------------------------------- reading
 
 # What a PyTorch run made before `config.model.matmul_precision` was recorded ran at.

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from analysis import claims, plots, report
-from experiments import suite
+from experiments.suite import cli, matrix, presets, settings
+from jaxdist import config
 from jaxdist.record import RunRecord
 from tests.helpers import ROOT
 
@@ -159,10 +160,10 @@ def test_rerun_retries_failed_run_from_a_clean_directory(suite_run, preset_file)
 
 
 def test_plan_interleaves_and_rotates(preset_file):
-    keys = suite.run_keys()
-    preset = suite.load_preset(preset_file, quick=False, keys=keys)
+    keys = config.keys()
+    preset = presets.load_preset(preset_file, quick=False, keys=keys)
     preset.models, preset.repeats = ["mlp-tiny", "resnet-tiny"], 2
-    runs = suite.plan(preset, suite.parse_set(["loop.steps=3", "batch-size=16"], keys), keys)
+    runs = matrix.plan(preset, settings.parse_set(["loop.steps=3", "batch-size=16"], keys))
     assert [r.name for r in runs] == [
         "mlp-tiny-ddp-r1", "mlp-tiny-bad-r1", "mlp-tiny-fsdp-r1",
         "resnet-tiny-ddp-r1", "resnet-tiny-bad-r1", "resnet-tiny-fsdp-r1",
@@ -176,7 +177,7 @@ def test_plan_interleaves_and_rotates(preset_file):
 
 def test_dry_run_relative_out_and_preflight(preset_file, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert suite.main(["--preset", str(preset_file), "--quick", "--out", "rel", "--dry-run",
+    assert cli.main(["--preset", str(preset_file), "--quick", "--out", "rel", "--dry-run",
                        "--layouts", "bad,fsdp"]) == 0
     out = capsys.readouterr().out
     # runs start in the repository root, so the suite hands them an absolute --logdir
@@ -191,20 +192,20 @@ def test_variants_and_sweep_names(tmp_path):
     path.write_text('models = ["gpt-tiny"]\n[[layouts]]\nname = "tp"\nmesh = "2x1x2"\n'
                     '[[variants]]\nname = "base"\n[[variants]]\nname = "remat"\n'
                     'remat = "full"\n[sweep]\nmicrobatches = [1, 4]\n')
-    keys = suite.run_keys()
-    runs = suite.plan(suite.load_preset(path, False, keys), {}, keys)
+    keys = config.keys()
+    runs = matrix.plan(presets.load_preset(path, False, keys), {})
     assert [r.name for r in runs] == ["gpt-tiny-tp-base-mb1-r1", "gpt-tiny-tp-base-mb4-r1",
                                       "gpt-tiny-tp-remat-mb1-r1", "gpt-tiny-tp-remat-mb4-r1"]
     assert "--remat=full" in runs[3].args and "--microbatches=4" in runs[3].args
 
 
 def test_builtin_presets_plan_and_pass_the_runs_checks():
-    for name in suite.preset_names():
+    for name in presets.preset_names():
         for quick in (False, True):
-            keys = suite.run_keys()
-            runs = suite.plan(suite.load_preset(suite.find_preset(name), quick, keys), {}, keys)
-            suite.validate_names(runs)
-            assert runs and all(suite.preflight(r) is None for r in runs), name
+            keys = config.keys()
+            runs = matrix.plan(presets.load_preset(presets.find_preset(name), quick, keys), {})
+            matrix.validate_names(runs)
+            assert runs and all(matrix.preflight(r) is None for r in runs), name
 
 
 def _result(layout, mesh, *, mode=None, state, peak, sps, window, acc, simulated=False):
@@ -403,7 +404,7 @@ SUITE_BAD = [
 @pytest.mark.parametrize("args, message", SUITE_BAD, ids=[" ".join(a) for a, _ in SUITE_BAD])
 def test_suite_bad_input(tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    _one_line_error(capsys, suite.main([*args, "--out", str(out)]), message)
+    _one_line_error(capsys, cli.main([*args, "--out", str(out)]), message)
     assert not out.exists()
 
 
@@ -425,14 +426,14 @@ def test_suite_bad_preset_file(tmp_path, capsys, text, message):
     path = tmp_path / "p.toml"
     path.write_text(text)
     out = tmp_path / "out"
-    _one_line_error(capsys, suite.main(["--preset", str(path), "--out", str(out)]), message)
+    _one_line_error(capsys, cli.main(["--preset", str(path), "--out", str(out)]), message)
     assert not out.exists()
 
 
 def test_quick_needs_a_quick_block(tmp_path, capsys):
     path = tmp_path / "p.toml"
     path.write_text('models = ["mlp-tiny"]\n[[layouts]]\nname = "ddp"\n')
-    _one_line_error(capsys, suite.main(["--preset", str(path), "--quick", "--out",
+    _one_line_error(capsys, cli.main(["--preset", str(path), "--quick", "--out",
                                         str(tmp_path / "out")]), "has no [quick] block")
     assert not (tmp_path / "out").exists()
 
