@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from analysis.match import key as match_key
 from analysis.text import GiB, fmt_ratio, ratio
-from jaxdist.errors import UsageError
 from jaxdist.record import RunRecord
 
 # The published quantities that a per-GPU normalisation makes comparable across GPU counts:
@@ -109,19 +108,9 @@ def record_mismatches(run: RunRecord, rec: dict) -> tuple[list[str], list[str]]:
 
 
 def _image_size(run: RunRecord):
-    """The input image size of a resnet run. results.json does not record it, so this asks
-    the model registry, which imports jax (about a second): the one reader path that does,
-    and only with --published on a resnet run. Recording `model.image_size` in results.json
-    would remove it."""
-    if run.model_name.startswith("resnet"):
-        from models import get_model, parse_overrides
-        try:
-            cfg = get_model(run.model_name,
-                            parse_overrides(run.cfg("model", "model_opts") or ""))
-            return getattr(cfg, "image_size", None)
-        except UsageError:
-            return None
-    return None
+    """The input image size of an image-model run, as its results.json records it (runs
+    written before `model.image_size` existed say nothing: None, never a guess)."""
+    return run.results["model"].get("image_size")
 
 
 def published_section(runs: list[RunRecord], records: list[dict], top: int):

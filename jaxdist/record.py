@@ -116,7 +116,9 @@ def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int)
             "mesh": mesh,
             "model": {"name": cfg.model.model, "params": params,
                       "flops_per_sample": model_cfg.flops_per_sample(),
-                      "tokens_per_sample": model_cfg.tokens_per_sample},
+                      "tokens_per_sample": model_cfg.tokens_per_sample,
+                      # image models: their input side in pixels (readers match on it)
+                      "image_size": getattr(model_cfg, "image_size", None)},
             "config": cfg.to_dict()}
 
 

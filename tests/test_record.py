@@ -90,3 +90,17 @@ def test_readers_start_without_jax(module):
                    if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "torch",
                                           "matplotlib", "tensorboardX"))
     assert heavy == []
+
+
+def test_header_records_the_image_size_readers_match_on():
+    # analysis/published.py matches published records on the input size; it reads it from
+    # the record instead of importing the model registry (and jax) to recompute it.
+    from jaxdist.config import RunConfig
+    from jaxdist.record import header
+    from models import get_model
+
+    cfg = RunConfig()
+    image = header("jax", "ddp", {"data": 1}, cfg, get_model("resnet18-imagenet", {}), 1)
+    tokens = header("jax", "ddp", {"data": 1}, cfg, get_model("gpt-tiny", {}), 1)
+    assert image["model"]["image_size"] == 224
+    assert tokens["model"]["image_size"] is None
