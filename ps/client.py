@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from ps import wire
+from ps.admission import WORKER_KEY
 
 SERVICE = "/jaxdist.ps.Shard/"
 TOKEN_KEY = "x-jaxdist-token"
@@ -104,6 +105,10 @@ class ShardClient:
                 raise PSError(f"shard {self.shard} at {self.address}: {what} failed: "
                               f"{name}: {e.details()}") from None
 
+    def _data_metadata(self, worker: int) -> tuple:
+        """Data calls name their worker: the shard caps open calls per worker."""
+        return (*(self.metadata or ()), (WORKER_KEY, str(worker)))
+
     def control(self, op: str, **fields) -> dict:
         request = wire.encode({"op": op, **fields})
         reply = self._retry(op, lambda t: self._control(request, timeout=t,
@@ -122,14 +127,15 @@ class ShardClient:
         frames = lambda: wire.frames("push", pieces, source, self.frame_bytes, meta,  # noqa
                                      source_offset)
         timeout = self.timeout_s + 5
+        md = self._data_metadata(meta["worker"])
         if self.small(pieces):
-            bundle = b"".join(frames())
-            first = [self._push_one.future(bundle, timeout=timeout, metadata=self.metadata)]
+            bundle = wire.bundle("push", pieces, source, self.frame_bytes, meta, source_offset)
+            first = [self._push_one.future(bundle, timeout=timeout, metadata=md)]
 
             def call(t):
                 if first:
                     return first.pop().result()
-                return self._push_one(bundle, timeout=t, metadata=self.metadata)
+                return self._push_one(bundle, timeout=t, metadata=md)
             return lambda: (json.loads(self._retry(what, call, timeout)), len(bundle))
 
         sent = [0]
@@ -140,7 +146,7 @@ class ShardClient:
                     sent[0] += len(frame)
                     yield frame
             sent[0] = 0
-            return self._push(stream(), timeout=t, metadata=self.metadata)
+            return self._push(stream(), timeout=t, metadata=md)
         return lambda: (json.loads(self._retry(what, stream_call, timeout)), sent[0])
 
     def push(self, pieces, source, meta: dict, source_offset=None) -> tuple[dict, int]:
@@ -153,6 +159,7 @@ class ShardClient:
         frame = wire.encode({"op": "pull", **request})
         what = f"pull of step {request['step']}"
         timeout = self.timeout_s + 5
+        md = self._data_metadata(request["worker"])
 
         def assemble(messages):
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
@@ -161,15 +168,15 @@ class ShardClient:
             return asm.finish(), asm.bytes
 
         if self.small(pieces):
-            first = [self._pull_one.future(frame, timeout=timeout, metadata=self.metadata)]
+            first = [self._pull_one.future(frame, timeout=timeout, metadata=md)]
 
             def call(t):
                 if first:
                     return assemble([first.pop().result()])
-                return assemble([self._pull_one(frame, timeout=t, metadata=self.metadata)])
+                return assemble([self._pull_one(frame, timeout=t, metadata=md)])
         else:
             def call(t):
-                return assemble(self._pull(frame, timeout=t, metadata=self.metadata))
+                return assemble(self._pull(frame, timeout=t, metadata=md))
 
         def finish():
             try:
@@ -222,6 +229,7 @@ class PSClient:
         self.push_s, self.pull_s, self.waits = [], [], []
         self.push_bytes = self.pull_bytes = 0
         self.restarts_seen = 0
+        self.rejected_nonfinite = 0  # pushes a shard refused because the update was not finite
 
     def connect(self, timeout_s: float | None = None) -> None:
         """Wait for every shard (they may still be starting) and check it serves the map
@@ -331,6 +339,8 @@ class PSClient:
                 self.push_s.append(seconds)
                 self.push_bytes += nbytes
                 self.epoch[k] = max(self.epoch[k], reply["epoch"])
+                if reply.get("status") == "rejected_nonfinite":
+                    self.rejected_nonfinite += 1
                 first.setdefault(k, reply)
         return [first[k] for k in range(len(self.shards))]
 

@@ -235,28 +235,43 @@ class Launch:
                 client.close()
 
     def watch(self) -> None:
-        """Until every worker has finished or died; handles deaths as the policy says."""
+        """Until every worker has finished or died; handles deaths as the policy says, and
+        ends the run when a worker or shard makes no progress (ps.watchdog)."""
+        from ps.watchdog import Progress
+        from ps.worker import CONNECT_TIMEOUT_S
+
+        timeout = self.cfg.ps.ps_timeout_s
+        # workers import JAX, compile, then wait up to CONNECT_TIMEOUT_S for each other
+        self.progress = Progress(self, timeout, max(timeout, CONNECT_TIMEOUT_S) + timeout)
         done: set[int] = set()
-        while len(done) < len(self.workers):
-            for w, child in enumerate(self.workers):
-                if w in done:
-                    continue
-                rc = child.poll()
-                if rc is None:
-                    continue
-                done.add(w)
-                if rc != 0:
-                    self._worker_died(w, child, rc)
-            for k, child in enumerate(self.servers):
-                rc = child.poll()
-                if rc is not None and len(done) < len(self.workers):
-                    self._shard_died(k, child, rc)
-            time.sleep(0.05)
+        try:
+            while len(done) < len(self.workers):
+                for w, child in enumerate(self.workers):
+                    if w in done:
+                        continue
+                    rc = child.poll()
+                    if rc is None:
+                        continue
+                    done.add(w)
+                    if rc != 0:
+                        self._worker_died(w, child, rc, done)
+                for k, child in enumerate(self.servers):
+                    rc = child.poll()
+                    if rc is not None and len(done) < len(self.workers):
+                        self._shard_died(k, child, rc)
+                        self.progress.shard_seen[k] = time.monotonic()
+                self.progress.probe()
+                stalled = self.progress.stalled(done)
+                if stalled:
+                    raise PSError(f"{stalled}; stopping every process")
+                time.sleep(0.05)
+        finally:
+            self.progress.close()
         if len(self.dead_workers) == len(self.workers):
             first = self.dead_workers[0]
             raise PSError(f"every worker failed; worker {first['worker']}: {first['error']}")
 
-    def _worker_died(self, w: int, child, rc: int) -> None:
+    def _worker_died(self, w: int, child, rc: int, done: set[int] = frozenset()) -> None:
         tail = child.log_tail(3)
         error = tail.splitlines()[-1] if tail else ""
         what = f"worker {w} (pid {child.pid}) exited with {_describe_exit(rc)}"
@@ -265,6 +280,12 @@ class Launch:
         mode, drop = self.cfg.ps.ps_mode, self.cfg.ps.ps_drop_dead_workers
         if rc == 2:  # a usage error: every worker will hit it
             raise PSError(f"{what}: {error}")
+        if rc == 3 and getattr(self, "progress", None) is not None:
+            # A PS error in a worker is often another process's fault (a frozen worker
+            # holding the barrier, a stopped shard): name that one first.
+            cause = self.progress.first_cause(w, done)
+            if cause:
+                raise PSError(f"{cause}; worker {w} failed waiting for it ({error[-200:]})")
         if mode == "sync" and not drop:
             raise PSError(f"{what}; sync mode cannot continue without it "
                           f"(--ps-drop-dead-workers continues with the others). Last log "
@@ -427,6 +448,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
     order = lambda h: dict(sorted(h.items(), key=lambda kv: int(kv[0])))  # noqa: E731
     per_shard = [{"shard": s["shard"], "applied": s["applied"], "rejected": s["rejected"],
                   "deduplicated": s["deduplicated"], "applies": s["applies"],
+                  "rejected_nonfinite": s.get("rejected_nonfinite", 0),
+                  "clipped": s.get("clipped", 0),
                   "version": s["version"], "epoch": s["epoch"], "snapshots": s["snapshots"],
                   "retired_workers": s["retired"], "events": s["events"]} for s in stats]
     scales = [s["lr_scale_mean"] for s in stats if s["lr_scale_mean"] is not None]
@@ -463,6 +486,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
         "updates": {"applied": sum(s["applied"] for s in stats),
                     "rejected": sum(s["rejected"] for s in stats),
                     "deduplicated": sum(s["deduplicated"] for s in stats),
+                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in stats),
                     "per_shard": per_shard},
         "server_bytes_per_shard": [{"shard": s["shard"], "params_bytes": s["params_bytes"],
                                     "opt_bytes": s["opt_bytes"],

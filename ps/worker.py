@@ -190,6 +190,10 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         params = program.params(flat)
         loss, grads, model_state = compiled(params, model_state, local_batch(t))
         grad = program.flatten(grads)
+        if cfg.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
+            norm = float(np.linalg.norm(grad))
+            if norm > cfg.ps.ps_clip_norm:
+                grad *= np.float32(cfg.ps.ps_clip_norm / norm)
         compute_s.append(time.perf_counter() - c0)
         if "slow-worker" in fault:
             time.sleep(fault["slow-worker"])
@@ -220,6 +224,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         "push_s": client.push_s, "pull_s": client.pull_s,
         "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
         "restarts_seen": client.restarts_seen, "compile_s": compile_s,
+        "rejected_nonfinite": client.rejected_nonfinite,
         "accuracy": accuracy, "env": env_info(platform),
         "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
         "memory": {"state_bytes_by_device": by_device,
