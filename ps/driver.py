@@ -299,8 +299,9 @@ class Launch:
         what = (f"shard {k} (pid {child.pid}, {self.addresses[k]}) exited with "
                 f"{_describe_exit(rc)}")
         if not every:
+            tail = " / ".join(child.log_tail(2).splitlines())
             raise PSError(f"{what}; it cannot be restarted without snapshots "
-                          f"(--ps-checkpoint-every N). Log tail: {child.log_tail(2)}")
+                          f"(--ps-checkpoint-every N). Log tail: {tail}")
         count = sum(1 for r in self.restarts if r["shard"] == k)
         if count >= MAX_RESTARTS:
             raise PSError(f"{what} after {count} restarts; giving up")

@@ -158,8 +158,12 @@ def parent_watchdog(poll_s: float = 0.5) -> None:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nothing listens on (or is bound to) host:port. Connections of a killed server left
+    in TIME_WAIT do not count: gRPC binds with SO_REUSEADDR, so a restarted shard can take
+    its port back, and so does this check."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
