@@ -224,7 +224,9 @@ class PSClient:
         self.layouts = [{p.name: (p.length, p.offset) for p in pieces} for pieces in self.pieces]
         k = shard_map.num_shards
         self.epoch, self.version = [0] * k, [0] * k
-        self.pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="ps-client")
+        # a push and a pull may be in flight together (start_push): room for both per shard
+        self.pool = ThreadPoolExecutor(max_workers=2 * k, thread_name_prefix="ps-client")
+        self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
         self.last_push = None  # (step, grad, versions, epochs): re-sent after a shard restart
         self.push_s, self.pull_s, self.waits = [], [], []
         self.push_bytes = self.pull_bytes = 0
@@ -344,10 +346,34 @@ class PSClient:
                 first.setdefault(k, reply)
         return [first[k] for k in range(len(self.shards))]
 
+    def start_push(self, step: int, grad: np.ndarray, repeat: int = 1, then_pull=None):
+        """Push in the background; returns `finish()`, which waits for it. With
+        `then_pull=(next_step, dest)` (sync mode) the pull of the next step is sent at once
+        too: the shard holds it until this step's barrier completes, so the parameters come
+        back without another round trip; `finish()` then returns the pull's wait (else
+        None). A failed push is reported before the pull it made wait."""
+        pushing = self.side.submit(self.push, step, grad, repeat)
+        if then_pull is None:
+            def finish_push():
+                pushing.result()
+                return None
+            return finish_push
+
+        def finish():
+            try:
+                waited = self.pull(*then_pull)
+            except (PSError, Restarted):
+                pushing.result()  # raises the push's error: the first cause
+                raise
+            pushing.result()
+            return waited
+        return finish
+
     def control_all(self, op: str, **fields) -> list[dict]:
         return list(self.pool.map(lambda s: s.control(op, **fields), self.shards))
 
     def close(self) -> None:
+        self.side.shutdown(wait=False)
         self.pool.shutdown(wait=False)
         for shard in self.shards:
             shard.close()

@@ -54,23 +54,27 @@ def make_apply(tx, clip_norm: float = 0.0):
     moment, which then freezes every later update), so the result is what gets checked and
     the caller keeps the old state when it is not. `clip_norm` > 0 rescales the gradient to
     at most that L2 norm (over this shard's slice). The norm is computed as max|g| *
-    ||g / max|g|||, which does not overflow for finite g."""
+    ||g / max|g|||, which does not overflow for finite g; `norm` is 0 when not clipping (a
+    non-finite gradient still shows: the optimizer moments take its inf or nan)."""
     import jax
     import jax.numpy as jnp
 
     def apply(params, opt, grad, scale):
-        peak = jnp.max(jnp.abs(grad))
-        safe = jnp.where(peak > 0, peak, 1.0)
-        norm = peak * jnp.sqrt(jnp.sum(jnp.square(grad / safe)))
+        norm = jnp.float32(0)   # only computed when clipping: two more passes over the slice
         if clip_norm > 0:
+            peak = jnp.max(jnp.abs(grad))
+            safe = jnp.where(peak > 0, peak, 1.0)
+            norm = peak * jnp.sqrt(jnp.sum(jnp.square(grad / safe)))
             grad = grad * jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
         updates, new_opt = tx.update(grad, opt, params)
         new_params = params + scale * updates
-        finite = jnp.isfinite(norm) & jnp.all(jnp.isfinite(new_params))
+        # One sum per array: inf or nan anywhere makes it non-finite (so would a sum past
+        # 3.4e38 of finite values, i.e. parameters or moments near float32's limit).
+        total = norm + jnp.sum(new_params)
         for leaf in jax.tree.leaves(new_opt):
             if jnp.issubdtype(leaf.dtype, jnp.inexact):
-                finite = finite & jnp.all(jnp.isfinite(leaf))
-        return new_params, new_opt, finite, norm
+                total = total + jnp.sum(leaf)
+        return new_params, new_opt, jnp.isfinite(total), norm
     return jax.jit(apply)
 
 
@@ -119,6 +123,7 @@ class ShardCore:
         self.staleness_hist = Counter()
         self.step_staleness_hist = Counter()
         self.wait_s = {"barrier": 0.0, "bound": 0.0}
+        self.apply_s = 0.0              # optimizer time (jitted update), all applies
         self.wait_s_by_worker = {w: 0.0 for w in range(num_workers)}
         self.lr_scale_sum, self.lr_scale_min = 0.0, 1.0
         self.events: list[str] = []
@@ -352,13 +357,16 @@ class ShardCore:
         """Apply one (aggregated) gradient; False, and nothing changed, if the result would
         not be finite. The version moves on either way in sync (the barrier's step is done)
         and only on success in async/ssp."""
+        t0 = time.perf_counter()
         params, opt, finite, norm = self._apply(self._params, self._opt, grad,
                                                 np.float32(scale))
-        if not bool(finite):
+        finite = bool(finite)  # waits for the update
+        self.apply_s += time.perf_counter() - t0
+        if not finite:
             self.counts["rejected_nonfinite"] += 1
             self.last_outcome = "rejected_nonfinite"
-            message = (f"version {self.version}: {what} rejected: the update is not finite "
-                       f"(gradient norm {float(norm):.3g}); parameters unchanged")
+            message = (f"version {self.version}: {what} rejected: the update is not finite; "
+                       f"parameters and optimizer state unchanged")
             self.events.append(message)
             self.log(message)
             if self.mode == "sync":
@@ -511,7 +519,7 @@ class ShardCore:
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "step_staleness_hist": {str(k): v for k, v in
                                         sorted(self.step_staleness_hist.items())},
-                "wait_s": dict(self.wait_s),
+                "wait_s": dict(self.wait_s), "apply_s": self.apply_s,
                 "wait_s_by_worker": [self.wait_s_by_worker[w] for w in range(self.num_workers)],
                 "lr_scale_mean": self.lr_scale_sum / applied if applied else None,
                 "lr_scale_min": self.lr_scale_min,

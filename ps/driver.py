@@ -399,6 +399,33 @@ def _hist_summary(hist: dict) -> dict:
             "mean": (sum(int(k) * v for k, v in hist.items()) / total) if total else None}
 
 
+def _breakdown(ref: dict, stats: list[dict], warmup: int, steps: int, workers: int) -> dict:
+    """Where a step's time goes. `worker`: means over the timed steps of the reference
+    worker's phases (pull = until its parameters were in; in sync that pull overlaps the
+    previous push, so it is ~0; push = push, plus in sync the next pull, including the
+    barrier). `server`: per step, the slowest shard's CPU time decoding pushes, optimizer
+    apply, and encoding pulls (all workers), and the mean barrier/bound wait of one pull."""
+    import numpy as np
+
+    def mean(values):
+        values = values[warmup:]
+        return float(np.mean(values)) if len(values) else None
+
+    phases = ref.get("phases_s", {})
+    pulls = max(1, steps * workers * len(stats))
+    return {
+        "worker": {"step": mean(ref["step_s"]), "pull": mean(phases.get("pull_s", [])),
+                   "compute": mean(ref["compute_s"]),
+                   "push": mean(phases.get("push_s", [])),
+                   "batch_overlapped": mean(phases.get("batch_s", []))},
+        "server": {"decode": max(s.get("decode_s", 0.0) for s in stats) / max(1, steps),
+                   "apply": max(s.get("apply_s", 0.0) for s in stats) / max(1, steps),
+                   "encode": max(s.get("encode_s", 0.0) for s in stats) / max(1, steps),
+                   "wait_per_pull": sum(s["wait_s"]["barrier"] + s["wait_s"]["bound"]
+                                        for s in stats) / pulls},
+    }
+
+
 def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None) -> dict:
     """Worker files + shard stats -> results.json and TensorBoard events (RunWriter)."""
     from jax.sharding import PartitionSpec as P
@@ -493,6 +520,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
                                     "opt_bytes": s["opt_bytes"],
                                     "total_bytes": s["params_bytes"] + s["opt_bytes"]}
                                    for s in stats],
+        "time_breakdown_s": _breakdown(ref, stats, warmup, steps_done, num_workers),
         "dead_workers": dead,
         "shard_restarts": launch.restarts if launch else [],
         "restarts_seen_by_workers": sum(r["restarts_seen"] for r in workers.values()),

@@ -30,6 +30,7 @@ import json  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -105,6 +106,7 @@ class ShardServicer:
         self.stop_event = threading.Event()
         self.on_push = on_push or (lambda: None)
         self.bytes_in = self.bytes_out = 0
+        self.decode_s = self.encode_s = 0.0  # CPU time validating/copying frames in, making out
 
     def handler(self):
         return grpc.method_handlers_generic_handler("jaxdist.ps.Shard", {
@@ -151,7 +153,9 @@ class ShardServicer:
                                  fixed=("worker", "step", "version", "epoch"))
             try:
                 for message in request_iterator:
+                    d0 = time.perf_counter()
                     asm.add(message)
+                    self.decode_s += time.perf_counter() - d0
                 meta = asm.finish()
                 if not meta:
                     raise wire.WireError("empty push")
@@ -173,7 +177,9 @@ class ShardServicer:
         self.on_push()
         return json.dumps(reply).encode()
 
-    def _pull_frames(self, request, context, worker: int, one_message: bool = False):
+    def _pull_source(self, request, context, worker: int):
+        """Validate a pull, wait as the mode says (core.pull), and return
+        `produce(wire.frames or wire.bundle)` over the parameters it got."""
         try:
             header, _ = wire.decode(request)
             if header.get("op") != "pull":
@@ -190,15 +196,20 @@ class ShardServicer:
         except PSFault as e:
             self._abort(context, e.kind, str(e))
         meta = {"version": version, "epoch": epoch, "waited_us": int(waited * 1e6)}
-        make = wire.bundle if one_message else wire.frames
-        return make("param", self.pieces, params, self.frame_bytes, meta,
-                    source_offset=lambda p: p.shard_offset)
+        return lambda make: make("param", self.pieces, params, self.frame_bytes, meta,
+                                 source_offset=lambda p: p.shard_offset)
 
     def pull(self, request, context):
         self._auth(context)
         worker, release = self._admit(context)
         try:
-            for frame in self._pull_frames(request, context, worker):
+            frames = self._pull_source(request, context, worker)(wire.frames)
+            while True:
+                e0 = time.perf_counter()
+                frame = next(frames, None)
+                self.encode_s += time.perf_counter() - e0
+                if frame is None:
+                    break
                 self.bytes_out += len(frame)
                 yield frame
         finally:
@@ -208,7 +219,10 @@ class ShardServicer:
         self._auth(context)
         worker, release = self._admit(context)
         try:
-            message = self._pull_frames(request, context, worker, one_message=True)
+            produce = self._pull_source(request, context, worker)
+            e0 = time.perf_counter()
+            message = produce(wire.bundle)
+            self.encode_s += time.perf_counter() - e0
         finally:
             release()
         self.bytes_out += len(message)
@@ -227,7 +241,8 @@ class ShardServicer:
                 return json.dumps(self.info()).encode()
             if op == "stats":
                 stats = self.core.stats()
-                stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out)
+                stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                             decode_s=self.decode_s, encode_s=self.encode_s)
                 return json.dumps(stats).encode()
             if op == "hello":
                 worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)

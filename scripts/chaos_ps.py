@@ -397,10 +397,14 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
     """Start a run, signal `target` ("worker 1" or "shard 0") once training, watch the end."""
     tolerated = target.startswith("worker") and sig == signal.SIGKILL and mode != "sync"
     name = target.replace(" ", "")
-    expected = (f"exit 0, worker 1 retired" if tolerated else
-                f"exit 1 naming {target}" + (" (stopped)" if sig == signal.SIGSTOP else ""))
-    row = Row(f"{'kill -9' if sig == signal.SIGKILL else 'SIGSTOP'} {target} ({mode})",
-              expected)
+    if target == "launcher":
+        expected = "launcher exits, every child stopped"
+    elif tolerated:
+        expected = "exit 0, worker 1 retired"
+    else:
+        expected = f"exit 1 naming {target}" + (" (stopped)" if sig == signal.SIGSTOP else "")
+    verb = {signal.SIGKILL: "kill -9", signal.SIGSTOP: "SIGSTOP"}.get(sig, sig.name)
+    row = Row(f"{verb} {target} ({mode})", expected)
     logdir = tmp / f"{mode}-{name}-{sig.name}"
     steps = "150" if tolerated else "100000"
     argv = [sys.executable, "-m", "experiments.run", "--layout", "ps", *model_flags(mode),
@@ -418,7 +422,8 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
                 return row
             time.sleep(0.1)
         pids = json.loads((logdir / "ps" / "pids.json").read_text())
-        victim = pids[0] if target == "shard 0" else pids[2]  # shard 0, workers 0, 1
+        victim = {"shard 0": pids[0], "worker 1": pids[2],  # pids: shard 0, workers 0, 1
+                  "launcher": launcher.pid}[target]
         t0 = time.monotonic()
         os.kill(victim, sig)
         try:
@@ -429,7 +434,10 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
         row.detect_s = time.monotonic() - t0
         rc = launcher.returncode
         line = (err.strip().splitlines() or [""])[-1]
-        if tolerated:
+        if target == "launcher":
+            row.observed = f"exit {rc}"
+            row.held = rc != 0
+        elif tolerated:
             results = logdir / "results.json"
             r = json.loads(results.read_text()) if results.exists() else {}
             dead = [d["worker"] for d in r.get("ps", {}).get("dead_workers", [])]
@@ -464,7 +472,8 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
 
 
 FULL = [(mode, target, sig) for mode in ("sync", "async", "ssp")
-        for target in ("worker 1", "shard 0") for sig in (signal.SIGKILL, signal.SIGSTOP)]
+        for target in ("worker 1", "shard 0") for sig in (signal.SIGKILL, signal.SIGSTOP)] + [
+    ("sync", "launcher", signal.SIGTERM), ("async", "launcher", signal.SIGINT)]
 QUICK = [("ssp", "worker 1", signal.SIGSTOP), ("async", "worker 1", signal.SIGKILL),
          ("sync", "shard 0", signal.SIGSTOP)]
 
