@@ -107,7 +107,12 @@ class Progress:
             if w in done or child.poll() is not None:
                 continue
             limit = self.timeout_s if self.started[w] else self.startup_s
-            if now - self.moved[w] > limit:
+            # Evidence must be fresh: every live shard answered after the worker was already
+            # late. (A stopped shard also stops every worker's progress; it is the one to
+            # name, at its own deadline above.)
+            fresh = all(self.shard_seen[k] >= self.moved[w] + limit
+                        for k, c in enumerate(self.launch.servers) if c.poll() is None)
+            if now - self.moved[w] > limit and fresh:
                 late.append(w)
         if not late:
             return None

@@ -474,8 +474,8 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
 FULL = [(mode, target, sig) for mode in ("sync", "async", "ssp")
         for target in ("worker 1", "shard 0") for sig in (signal.SIGKILL, signal.SIGSTOP)] + [
     ("sync", "launcher", signal.SIGTERM), ("async", "launcher", signal.SIGINT)]
-QUICK = [("ssp", "worker 1", signal.SIGSTOP), ("async", "worker 1", signal.SIGKILL),
-         ("sync", "shard 0", signal.SIGSTOP)]
+QUICK = [("ssp", "worker 1", signal.SIGSTOP), ("sync", "worker 1", signal.SIGSTOP),
+         ("async", "worker 1", signal.SIGKILL), ("sync", "shard 0", signal.SIGSTOP)]
 
 
 def print_table(rows: list[Row]) -> None:
@@ -495,13 +495,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one fault of each kind")
     parser.add_argument("--only", choices=("servers", "runs"), default=None)
-    parser.add_argument("--jobs", type=int, default=0, help="rows run at once (default: 4 "
+    parser.add_argument("--jobs", type=int, default=0, help="rows run at once (default: 5 "
                         "with --quick, else 2); each row's own timing does not depend on it")
     args = parser.parse_args(argv)
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.monotonic()
-    jobs = args.jobs or (4 if args.quick else 2)
+    jobs = args.jobs or (5 if args.quick else 2)
     with tempfile.TemporaryDirectory(prefix="chaos_ps_") as tmp, procs.TerminationHandlers():
         tasks = []
         if args.only != "runs":

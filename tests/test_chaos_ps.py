@@ -10,7 +10,7 @@ from tests.helpers import ROOT
 ROWS = ["malformed-push corpus", "wire edge cases", "push step 10**9 (async)",
         "2 x 3e38 gradient (sync)", "3e38 gradient (async, adamw)",
         "20 idle streams + 20 parked pulls (sync)", "SIGSTOP worker 1 (ssp)",
-        "kill -9 worker 1 (async)", "SIGSTOP shard 0 (sync)"]
+        "SIGSTOP worker 1 (sync)", "kill -9 worker 1 (async)", "SIGSTOP shard 0 (sync)"]
 
 
 def test_chaos_quick_every_row_holds():
