@@ -263,7 +263,15 @@ class Launch:
                 self.progress.probe()
                 stalled = self.progress.stalled(done)
                 if stalled:
-                    raise PSError(f"{stalled}; stopping every process")
+                    what, index, line = stalled
+                    if (what == "worker" and self.cfg.ps.ps_mode == "sync"
+                            and self.cfg.ps.ps_drop_dead_workers):
+                        # The run goes on without it: kill it, and the next poll sees a
+                        # dead worker, which --ps-drop-dead-workers retires.
+                        self.log(f"ps: {line}; killing it (--ps-drop-dead-workers)")
+                        procs.stop(self.workers[index], grace_s=0.0)
+                        continue
+                    raise PSError(f"{line}; stopping every process")
                 time.sleep(0.05)
         finally:
             self.progress.close()

@@ -94,14 +94,16 @@ class Progress:
         return (f"worker {w} (pid {child.pid}) made no progress for {now - self.moved[w]:.1f} s "
                 f"({at}){_state_note(child.pid)}")
 
-    def stalled(self, done: set[int], now: float | None = None) -> str | None:
-        """The one-line reason to stop the run, or None while everything moves."""
+    def stalled(self, done: set[int], now: float | None = None):
+        """(what, index, one-line reason) of the first thing that stopped moving ("shard"
+        or "worker"), or None while everything moves."""
         now = time.monotonic() if now is None else now
         for k, child in enumerate(self.launch.servers):
             if child.poll() is None and now - self.shard_seen[k] > self.timeout_s:
-                return (f"shard {k} (pid {child.pid}, {self.launch.addresses[k]}) made no "
-                        f"progress: no answer for {now - self.shard_seen[k]:.1f} s "
-                        f"(--ps-timeout-s {self.timeout_s:g}){_state_note(child.pid)}")
+                return "shard", k, (
+                    f"shard {k} (pid {child.pid}, {self.launch.addresses[k]}) made no "
+                    f"progress: no answer for {now - self.shard_seen[k]:.1f} s "
+                    f"(--ps-timeout-s {self.timeout_s:g}){_state_note(child.pid)}")
         late = []
         for w, child in enumerate(self.launch.workers):
             if w in done or child.poll() is not None:
@@ -119,9 +121,11 @@ class Progress:
         first = min(late, key=lambda w: (self.moved[w], self.step[w], w))
         if not self.started[first]:
             child = self.launch.workers[first]
-            return (f"worker {first} (pid {child.pid}) did not start training within "
-                    f"{self.startup_s:g} s{_state_note(child.pid)}")
-        return self._worker_line(first, now) + f" (--ps-timeout-s {self.timeout_s:g})"
+            return "worker", first, (
+                f"worker {first} (pid {child.pid}) did not start training within "
+                f"{self.startup_s:g} s{_state_note(child.pid)}")
+        return "worker", first, (self._worker_line(first, now)
+                                 + f" (--ps-timeout-s {self.timeout_s:g})")
 
     def first_cause(self, failed: int, done: set[int]) -> str | None:
         """Why worker `failed` probably failed, if another process is to blame: a stopped

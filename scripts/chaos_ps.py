@@ -75,8 +75,10 @@ def env() -> dict:
 
 
 def model_flags(mode: str) -> list[str]:
-    return ["--model", "mlp-tiny", "--mesh", "2x1", "--ps-mode", mode, "--ps-timeout-s",
-            str(TIMEOUT_S), "--batch-size", "16", "--warmup", "0"]
+    """mode: sync, async, ssp, or sync+drop (sync with --ps-drop-dead-workers)."""
+    drop = ["--ps-drop-dead-workers"] if mode == "sync+drop" else []
+    return ["--model", "mlp-tiny", "--mesh", "2x1", "--ps-mode", mode.split("+")[0],
+            "--ps-timeout-s", str(TIMEOUT_S), "--batch-size", "16", "--warmup", "0", *drop]
 
 
 # -- server rows --------------------------------------------------------------------------
@@ -395,7 +397,8 @@ def training(psdir: Path, workers: int = 2, min_step: int = 3) -> bool:
 
 def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
     """Start a run, signal `target` ("worker 1" or "shard 0") once training, watch the end."""
-    tolerated = target.startswith("worker") and sig == signal.SIGKILL and mode != "sync"
+    tolerated = target.startswith("worker") and (
+        (sig == signal.SIGKILL and mode != "sync") or mode == "sync+drop")
     name = target.replace(" ", "")
     if target == "launcher":
         expected = "launcher exits, every child stopped"
@@ -473,7 +476,8 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
 
 FULL = [(mode, target, sig) for mode in ("sync", "async", "ssp")
         for target in ("worker 1", "shard 0") for sig in (signal.SIGKILL, signal.SIGSTOP)] + [
-    ("sync", "launcher", signal.SIGTERM), ("async", "launcher", signal.SIGINT)]
+    ("sync+drop", "worker 1", signal.SIGSTOP), ("sync", "launcher", signal.SIGTERM),
+    ("async", "launcher", signal.SIGINT)]
 QUICK = [("ssp", "worker 1", signal.SIGSTOP), ("sync", "worker 1", signal.SIGSTOP),
          ("async", "worker 1", signal.SIGKILL), ("sync", "shard 0", signal.SIGSTOP)]
 
