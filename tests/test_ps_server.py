@@ -371,7 +371,10 @@ def test_idle_streams_and_parked_pulls_do_not_delay_control(sync_server):
                for p in pulls]
     for t in threads:
         t.start()
-    time.sleep(1.0)                                    # every call has reached the server
+    deadline = time.monotonic() + 15                   # every call has reached the server
+    while sum(f.done() for f in streams) < 20 - PER_WORKER and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
     control = shard_client(address, token="")
     start = time.monotonic()
     assert control.control("ping") == {"ok": True}
