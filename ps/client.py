@@ -80,6 +80,7 @@ class ShardClient:
         self._control = self.channel.unary_unary(SERVICE + "Control")
         self._push_one = self.channel.unary_unary(SERVICE + "PushOne")
         self._pull_one = self.channel.unary_unary(SERVICE + "PullOne")
+        self._push_pull_one = self.channel.unary_unary(SERVICE + "PushPullOne")
 
     def close(self) -> None:
         self.channel.close()
@@ -154,6 +155,34 @@ class ShardClient:
             sent[0] = 0
             return self._push(stream(), timeout=t, metadata=md)
         return lambda: (json.loads(self._retry(what, stream_call, timeout)), sent[0])
+
+    def start_push_pull(self, pieces, source, meta: dict, layout: dict, dest: np.ndarray):
+        """Sync, a transfer small enough for one message: push step t and pull step t+1
+        in one call (PushPullOne). Returns `finish() -> (push reply, bytes sent, pull meta,
+        bytes received)`; raises Restarted like a pull does."""
+        what = f"push and pull of step {meta['step']}"
+        bundle = wire.bundle("push", pieces, source, self.frame_bytes, meta)
+        md = self._data_metadata(meta["worker"])
+        timeout = self.timeout_s + 5
+        first = [self._push_pull_one.future(bundle, timeout=timeout, metadata=md)]
+
+        def call(t):
+            message = (first.pop().result() if first else
+                       self._push_pull_one(bundle, timeout=t, metadata=md))
+            head, rest = wire.split_first(message)
+            if head.get("op") != "reply":
+                raise wire.WireError("reply frame missing")
+            asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
+            asm.add(rest)
+            return head, len(bundle), asm.finish(), asm.bytes
+
+        def finish():
+            try:
+                return self._retry(what, call, timeout)
+            except wire.WireError as e:
+                raise PSError(f"shard {self.shard} at {self.address} sent a malformed "
+                              f"reply: {e}") from None
+        return finish
 
     def push(self, pieces, source, meta: dict, source_offset=None) -> tuple[dict, int]:
         """(reply, bytes sent). `meta` holds worker, step, version, epoch."""
@@ -358,6 +387,10 @@ class PSClient:
         too: the shard holds it until this step's barrier completes, so the parameters come
         back without another round trip; `finish()` then returns the pull's wait (else
         None). A failed push is reported before the pull it made wait."""
+        if (then_pull is not None and self.mode == "sync" and repeat == 1
+                and then_pull[0] == step + 1
+                and all(s.small(p) for s, p in zip(self.shards, self.pieces))):
+            return self._start_push_pull(step, grad, then_pull[1])
         pushing = self.side.submit(self.push, step, grad, repeat)
         if then_pull is None:
             def finish_push():
@@ -372,6 +405,46 @@ class PSClient:
                 pushing.result()  # raises the push's error: the first cause
                 raise
             pushing.result()
+            return waited
+        return finish
+
+    def _start_push_pull(self, step: int, grad: np.ndarray, dest: np.ndarray):
+        """Sync with small shards: one PushPullOne call per shard carries the push of
+        `step` and brings back the parameters of step+1. Each call counts as one push and
+        one pull of the same duration. A shard that restarted meanwhile is pulled again the
+        ordinary way (which re-pushes this gradient; the shard deduplicates it)."""
+        versions, epochs = list(self.version), list(self.epoch)
+        self.last_push = (step, grad, versions, epochs)
+        t0 = time.perf_counter()
+        calls = {k: s.start_push_pull(self.pieces[k], grad, {
+            "worker": self.worker, "step": step, "version": versions[k], "epoch": epochs[k]},
+            self.layouts[k], dest) for k, s in enumerate(self.shards)}
+
+        def finish():
+            waited, again, error = 0.0, [], None
+            for k, call in calls.items():
+                try:
+                    reply, sent, meta, got = call()
+                except Restarted:
+                    again.append(k)
+                    continue
+                except PSError as e:
+                    error = error or e
+                    continue
+                seconds = time.perf_counter() - t0
+                self.push_s.append(seconds)
+                self.pull_s.append(seconds)
+                self.push_bytes += sent
+                self.pull_bytes += got
+                if reply.get("status") == "rejected_nonfinite":
+                    self.rejected_nonfinite += 1
+                self.version[k], self.epoch[k] = meta["version"], meta["epoch"]
+                waited = max(waited, meta["waited_us"] / 1e6)
+            if error is not None:
+                raise error
+            if again:
+                return max(waited, self.pull(step + 1, dest))
+            self.waits.append(waited)
             return waited
         return finish
 

@@ -14,6 +14,7 @@ Methods (generic handlers, raw bytes; no protoc):
   Push     client stream of frames (op "push") -> JSON reply {status, version, epoch, ...}
   Pull     one frame (op "pull": worker, step, min_version, epoch) -> stream of "param" frames
   PushOne, PullOne  the same as single messages of several frames (small shards)
+  PushPullOne  sync: the push of step t and the parameters of step t+1 in one call
   Control  one frame (op ping | info | hello | stats | retire | shutdown) -> JSON reply
 """
 
@@ -117,6 +118,7 @@ class ShardServicer:
             "PushOne": grpc.unary_unary_rpc_method_handler(
                 lambda request, context: self.push(iter((request,)), context)),
             "PullOne": grpc.unary_unary_rpc_method_handler(self.pull_one),
+            "PushPullOne": grpc.unary_unary_rpc_method_handler(self.push_pull_one),
         })
 
     # Every handler starts here: a missing or wrong token never reaches parsing.
@@ -145,6 +147,21 @@ class ShardServicer:
             self._abort(context, e.kind, str(e))
 
     def push(self, request_iterator, context):
+        return json.dumps(self._push(request_iterator, context)[0]).encode()
+
+    def push_pull_one(self, request, context):
+        """Sync: the push of step t and the pull of step t+1 in one call (one message each
+        way, no second call to hand the parameters over). Reply: a frame `op=reply` with
+        the push's JSON fields, then the parameter frames."""
+        if self.core.mode != "sync":
+            self._abort(context, "invalid", "PushPullOne is for --ps-mode sync")
+        reply, meta = self._push(iter((request,)), context)
+        step = meta["step"] + 1
+        pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
+                            "min_version": step, "epoch": meta["epoch"]})
+        return wire.encode({"op": "reply", **reply}) + self.pull_one(pull, context)
+
+    def _push(self, request_iterator, context):
         self._auth(context)
         worker, release = self._admit(context)
         scratch = self.core.take_buffer()
@@ -175,7 +192,7 @@ class ShardServicer:
             self.core.give_buffer(scratch)  # kept by the core while a sync barrier holds it
             release()
         self.on_push()
-        return json.dumps(reply).encode()
+        return reply, meta
 
     def _pull_source(self, request, context, worker: int):
         """Validate a pull, wait as the mode says (core.pull), and return

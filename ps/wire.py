@@ -46,7 +46,7 @@ def encode(header: dict, payload=b"") -> bytes:
 def split(message: bytes):
     """(header, payload) of each frame in a message: one frame, or several back to back
     (small transfers travel as one message of many frames)."""
-    if not isinstance(message, (bytes, bytearray)):
+    if not isinstance(message, (bytes, bytearray, memoryview)):
         raise WireError("message is not bytes")
     if not message:
         raise WireError("empty message")
@@ -195,3 +195,10 @@ class Assembler:
         if self.meta is None:
             self.meta = {}
         return self.meta
+
+
+def split_first(message: bytes) -> tuple[dict, memoryview]:
+    """(header of the first frame, a view of the rest of the message)."""
+    header, payload = next(split(message))
+    head_len = _PREFIX.unpack_from(message, 0)[1]
+    return header, memoryview(message)[_PREFIX.size + head_len + len(payload):]

@@ -274,7 +274,8 @@ def _raw(address):
     channel = grpc.insecure_channel(address)
     return channel, {m: getattr(channel, kind)(f"/jaxdist.ps.Shard/{m}") for m, kind in
                      (("Push", "stream_unary"), ("Pull", "unary_stream"),
-                      ("PushOne", "unary_unary"), ("Control", "unary_unary"))}
+                      ("PushOne", "unary_unary"), ("PushPullOne", "unary_unary"),
+                      ("Control", "unary_unary"))}
 
 
 def _huge_int_frame(header: dict, key: str) -> bytes:
@@ -294,6 +295,7 @@ EDGE = {
                                                            "nbytes": 0}, "worker")),
     "push: empty trailing message": ("Push", [wire.encode({"op": "push"}), b""]),
     "push: empty trailing frame": ("PushOne", wire.encode({"op": "push"}) + b"JDP1" + bytes(4)),
+    "push+pull in async mode": ("PushPullOne", wire.encode({"op": "push"})),
 }
 
 
