@@ -108,6 +108,8 @@ class PSConfig:
     ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
     ps_max_message_mb: int = _opt(64, "gRPC message limit, set on both ends; tensors are "
                                   "chunked below it")
+    ps_clip_norm: float = _opt(0.0, "clip each gradient to this global L2 norm (workers) and "
+                               "each shard's applied update to it (servers); 0: off")
 
 
 @dataclass(frozen=True)
