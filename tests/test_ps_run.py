@@ -234,7 +234,10 @@ def test_sync_stops_naming_a_dead_worker(tmp_path):
     proc = run_ps(logdir, *SYNC_SMALL, fault="kill-worker:1:2")
     assert proc.returncode != 0
     assert "worker 1" in proc.stderr and "sync mode cannot continue" in proc.stderr
-    assert not logdir.exists()
+    # The failed run keeps only the logs it points the user to: no results, no events.
+    left = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("*") if p.is_file())
+    assert left and all(p.startswith("ps/") and p.endswith(".log") for p in left), left
+    assert not (logdir / "results.json").exists()
     assert_no_orphans(logdir)
 
 
