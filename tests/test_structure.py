@@ -158,3 +158,63 @@ def test_layers_import_no_model_family():
     modules = source_modules()
     imported = {t for t, _, _ in imports_of(modules["models.layers"], set(modules))}
     assert {t for t in imported if t.startswith("models")} == set()
+
+
+# ---------------------------------------------------------------- the whole tree (issue #14)
+
+MAX_LINES = 400
+
+
+def test_no_import_cycle_anywhere():
+    # A package's __init__ assembling its own submodules is not a cycle between peers.
+    graph = {m: {t for t in targets if not t.startswith(m + ".")}
+             for m, targets in import_graph().items()}
+    assert cycles(graph) == []
+
+
+def test_no_module_over_the_size_limit():
+    files = [p for pkg in PACKAGES + ("scripts",) for p in sorted((ROOT / pkg).rglob("*.py"))]
+    long = {str(p.relative_to(ROOT)): n for p in files
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_runtime_imports_no_entry_point():
+    modules = source_modules()
+    known = set(modules)
+    bad = [f"{m}:{line} imports {target}"
+           for m, path in modules.items() if m.split(".")[0] in ("jaxdist", "models", "sharding", "ps")
+           for target, _, line in imports_of(path, known)
+           if target.split(".")[0] in ("experiments", "analysis")]
+    assert bad == []
+
+
+ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors"}
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "chex", "torch")
+
+
+def test_analysis_imports_no_jax_nor_anything_that_does():
+    """Readers of runs start in well under a second: they import jaxdist.record and
+    jaxdist.errors from the project (both import no jax), never models, sharding, ps or
+    the rest of the runtime, and no heavy framework."""
+    modules = source_modules()
+    known = set(modules)
+    bad = []
+    for m, path in modules.items():
+        if not m.startswith("analysis"):
+            continue
+        for target, _, line in imports_of(path, known):
+            if target.split(".")[0] != "analysis" and target not in ANALYSIS_MAY_IMPORT:
+                bad.append(f"{m}:{line} imports {target}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{m}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in HEAVY]
+    for allowed in ANALYSIS_MAY_IMPORT:
+        tree = ast.parse(modules[allowed].read_text())
+        imported = {n.split(".")[0] for node in ast.walk(tree)
+                    for n in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                              else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                              else [])}
+        bad += [f"{allowed} imports {n}" for n in imported & set(HEAVY)]
+    assert bad == []
