@@ -9,30 +9,16 @@ exercise multi-host runs; on a cluster use SLURM (scripts/slurm/).
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 
-from experiments.run import OneLineParser
+from jaxdist import procs
+from jaxdist.errors import OneLineParser
 
-
-def free_port() -> int:
-    """A port with its neighbour also free (the run uses PORT and PORT+1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as t:
-                t.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no pair of free ports found")
+# Exit statuses of a process that stopped because it was interrupted (SIGINT, SIGTERM): every
+# process stops on the same step by itself (JAX's preemption sync point), so these are not
+# failures that should bring the others down.
+INTERRUPTED = (130, 143)
 
 
 def _pump(index: int, stream, out) -> None:
@@ -44,57 +30,37 @@ def _pump(index: int, stream, out) -> None:
 def launch(processes: int, run_args: list[str], extra_env: dict | None = None,
            start: list[int] | None = None) -> int:
     """Start the processes listed in `start` (default: all) and supervise them."""
-    port = free_port()
-    procs: dict[int, subprocess.Popen] = {}
-    threads = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+    port = procs.free_port_pair()
+    env = procs.python_env(extra_env)
+    children, threads = [], []
     for i in (range(processes) if start is None else start):
-        cmd = [sys.executable, "-m", "experiments.run", *run_args, "--platform", "cpu",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
-               "--process-id", str(i)]
+        args = [*run_args, "--platform", "cpu", "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", str(processes), "--process-id", str(i)]
         if i != 0:
-            cmd.append("--no-progress")
-        procs[i] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        t = threading.Thread(target=_pump, args=(i, procs[i].stdout, sys.stdout), daemon=True)
-        t.start()
-        threads.append(t)
+            args.append("--no-progress")
+        child = procs.start(f"process {i}", procs.python_argv("experiments.run", *args), env,
+                            procs.PIPE)
+        child.extra["index"] = i
+        children.append(child)
+        threads.append(threading.Thread(target=_pump, args=(i, child.proc.stdout, sys.stdout),
+                                        daemon=True))
+        threads[-1].start()
 
-    def stop_all(*_):
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs.values():
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-    signal.signal(signal.SIGTERM, lambda *a: (stop_all(), sys.exit(143)))
-    status = 0
-    try:
-        pending = dict(procs)
-        while pending:
-            for i, p in list(pending.items()):
-                code = p.poll()
-                if code is None:
-                    continue
-                del pending[i]
-                if code in (130, 143) and status == 0:
-                    # Interrupted: every process stops on the same step by itself (JAX's
-                    # preemption sync point); process 0 may still be writing its results.
-                    status = code
-                elif code not in (0, 130, 143) and status in (0, 130, 143):
-                    status = code if code > 0 else 1
-                    sys.stderr.write(f"launch: process {i} exited with status {code}; "
-                                     f"stopping the others\n")
-                    stop_all()
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        stop_all()
-        status = 130
+    # SIGTERM (a scheduler) and SIGHUP exit 128+signal through `finally`, which stops all.
+    with procs.TerminationHandlers():
+        try:
+            watched = procs.watch(children, failed=lambda code: code not in (0, *INTERRUPTED))
+            if watched.failure:
+                child, code = watched.failure
+                sys.stderr.write(f"launch: process {child.extra['index']} exited with status "
+                                 f"{code}; stopping the others\n")
+                status = code if code > 0 else 1
+            else:  # the first interrupted status seen (process 0 may still write results)
+                status = next((code for _, code in watched.exits if code in INTERRUPTED), 0)
+        except KeyboardInterrupt:
+            status = 130
+        finally:  # after a failure or Ctrl-C: the others; else what is left in their groups
+            procs.stop_all(children, grace_s=10)
     for t in threads:
         t.join(timeout=5)
     return status

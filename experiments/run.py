@@ -22,11 +22,11 @@ from pathlib import Path
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace, parse_profile_steps
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
-from jaxdist.data import build_model
+from models.build import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
-from jaxdist.results import ensure_writable_dir
+from jaxdist.record import ensure_writable_dir
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from jaxdist.pipeline.checks import check_pipeline
 from sharding import check_layout, get_layout
@@ -275,7 +275,7 @@ def main_dry_run(cfg: RunConfig) -> int:
     """--dry-run: plan the layout's memory from shapes; only the CPU backend is touched (no
     accelerator memory is claimed), and -1 is not a mesh one can plan for."""
     from jaxdist import dryrun
-    from jaxdist.results import write_json
+    from jaxdist.record import write_json
 
     try:
         shape = validate(cfg)

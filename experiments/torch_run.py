@@ -8,8 +8,8 @@ processes on this host: gloo on CPU, NCCL on GPUs. Writes the same results.json 
 (`framework: "pytorch"`), so `experiments.compare` can line the two up.
 
 This process only launches: it validates, prepares the inputs (the JAX initial weights and
-the synthetic batches, in one .npz), spawns N ranks, waits, and assembles results.json from
-what the ranks report. The ranks import only torch and numpy.
+the synthetic batches, in one .npz), starts N ranks (`python -m experiments.torch_worker`,
+the rank side), waits, and assembles results.json from what the ranks report.
 
 Fairness rules (docs/compare.md): on CPU every rank gets `--threads` intra-op threads
 (default: the cores divided by N); every step starts after a barrier (untimed) and ends
@@ -23,17 +23,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
 
-from jaxdist.errors import OneLineParser
-from jaxdist.results import write_json
+from experiments.torch_worker import TORCH_FP32_PRECISION
+from jaxdist import procs, record
+from jaxdist.errors import OneLineParser, UsageError
 
 STRATEGIES = {
     "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
@@ -42,13 +40,6 @@ STRATEGIES = {
             "parameters, gradients and optimizer state sharded on dim 0",
 }
 TORCH_INSTALL = "pip install -e '.[torch]' (CPU build: pip install torch==2.13.0)"
-# --matmul-precision -> PyTorch's float32 setting for matmuls (cuBLAS) and convolutions
-# (cuDNN), through the fp32_precision API of torch >= 2.9: "tf32" is what
-# set_float32_matmul_precision("high") and cudnn.allow_tf32 = True select, "ieee" what
-# "highest" and allow_tf32 = False select. XLA:GPU runs JAX's DEFAULT and HIGH float32 dots
-# and convolutions as TF32 on Ampere and newer, HIGHEST as float32 (docs/compare.md). CPU
-# matmuls (oneDNN) are left at float32 on both sides.
-TORCH_FP32_PRECISION = {"default": "tf32", "high": "tf32", "highest": "ieee"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,10 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class UsageError(Exception):
-    pass
-
-
 # ---------------------------------------------------------------------------- launcher
 
 def main(argv=None) -> int:
@@ -110,15 +97,13 @@ def main(argv=None) -> int:
         print(f"torch_run: error: PyTorch is not installed; install the extra: "
               f"{TORCH_INSTALL}", file=sys.stderr)
         return 2
-    from jaxdist.errors import UsageError as JaxdistUsageError
-
     try:
         model_cfg, device = validate(args)
         cfg = run_config(args)
         from experiments.run import make_logdir
         run_dir = make_logdir(cfg, f"torch{args.nproc}")
         logdir = run_dir.path
-    except (UsageError, JaxdistUsageError) as e:
+    except UsageError as e:
         print(f"torch_run: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -201,39 +186,25 @@ def threads_per_process(args) -> int:
 
 
 def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
-    import multiprocessing as mp
-
-    from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream
-    from models import torch_ref
-
-    spec = torch_ref.arch_spec(model_cfg)
+    """Inputs into a work folder, N ranks started and watched, their reports in; then
+    results.json and TensorBoard events in `logdir`."""
     work = Path(tempfile.mkdtemp(prefix="torch_run-"))
     try:
-        inputs = {}
-        stream = TrainStream(model_cfg, None, args.batch_size, args.seed)
-        for i in range(NUM_SYNTHETIC_BATCHES):  # the very batches the JAX run trains on
-            for key, value in stream.batch(i).items():
-                inputs[f"batch{i}/{key}"] = value
-        if args.init == "jax":
-            for key, value in torch_ref.jax_initial_state(model_cfg, args.seed).items():
-                inputs[f"init/{key}"] = value
-        np.savez(work / "inputs.npz", **inputs)
-        job = {
-            "spec": spec, "strategy": args.strategy, "world": args.nproc, "device": device,
-            "port": free_port(), "threads": threads_per_process(args),
-            "dtype": args.dtype, "matmul_precision": args.matmul_precision,
-            "optimizer": args.optimizer, "lr": args.lr,
-            "batch_size": args.batch_size, "seed": args.seed, "warmup": args.warmup,
-            "steps": args.steps, "num_batches": NUM_SYNTHETIC_BATCHES, "init": args.init,
-            "work": str(work), "timeout_s": args.timeout_s, "progress": args.progress,
-        }
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(rank, job), daemon=False)
-                 for rank in range(args.nproc)]
-        started = time.perf_counter()
-        for p in procs:
-            p.start()
-        wait_all(procs, args.timeout_s + 60, started)
+        job = write_job(args, model_cfg, device, work)
+        ranks = [procs.start(f"rank {r}", procs.python_argv(
+                     "experiments.torch_worker", str(work / "job.json"), str(r)),
+                     procs.python_env()) for r in range(args.nproc)]
+        try:
+            watched = procs.watch(ranks, args.timeout_s + 60)
+        finally:
+            procs.stop_all(ranks, grace_s=5)  # after a failure or a timeout: the rest
+        if watched.failure:
+            rank, code = ranks.index(watched.failure[0]), watched.failure[1]
+            raise RankFailure(f"rank {rank} exited with status {code} (its traceback, if any, "
+                              f"is above); the other ranks were stopped")
+        if watched.timed_out:
+            raise RankFailure(f"the ranks did not finish within {args.timeout_s + 60:.0f} s "
+                              f"(--timeout-s); they were stopped")
         reports = [json.loads((work / f"rank{r}.json").read_text())
                    for r in range(args.nproc)]
     finally:
@@ -243,61 +214,51 @@ def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
     return results
 
 
-def wait_all(procs, limit_s: float, started: float) -> None:
-    """Join every rank; if one fails or time runs out, stop the rest (by their pids)."""
-    while True:
-        codes = [p.exitcode for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed or time.perf_counter() - started > limit_s:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-            for p in procs:
-                p.join(5)
-            if failed:
-                rank, code = failed[0]
-                raise RankFailure(f"rank {rank} exited with status {code} (its traceback, "
-                                  f"if any, is above); the other ranks were stopped")
-            raise RankFailure(f"the ranks did not finish within {limit_s:.0f} s "
-                              f"(--timeout-s); they were stopped")
-        if all(c == 0 for c in codes):
-            return
-        time.sleep(0.1)
+def write_job(args, model_cfg, device: str, work: Path) -> dict:
+    """work/inputs.npz (the very batches the JAX run trains on, and with --init jax its
+    initial weights) and work/job.json (what every rank needs); returns the job."""
+    from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream
+    from models import torch_ref
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    inputs = {}
+    stream = TrainStream(model_cfg, None, args.batch_size, args.seed)
+    for i in range(NUM_SYNTHETIC_BATCHES):
+        for key, value in stream.batch(i).items():
+            inputs[f"batch{i}/{key}"] = value
+    if args.init == "jax":
+        for key, value in torch_ref.jax_initial_state(model_cfg, args.seed).items():
+            inputs[f"init/{key}"] = value
+    np.savez(work / "inputs.npz", **inputs)
+    job = {
+        "spec": torch_ref.arch_spec(model_cfg), "strategy": args.strategy,
+        "world": args.nproc, "device": device,
+        "port": procs.free_ports("127.0.0.1", 1)[0], "threads": threads_per_process(args),
+        "dtype": args.dtype, "matmul_precision": args.matmul_precision,
+        "optimizer": args.optimizer, "lr": args.lr,
+        "batch_size": args.batch_size, "seed": args.seed, "warmup": args.warmup,
+        "steps": args.steps, "num_batches": NUM_SYNTHETIC_BATCHES, "init": args.init,
+        "work": str(work), "timeout_s": args.timeout_s, "progress": args.progress,
+    }
+    record.write_json(work / "job.json", job)
+    return job
 
 
 def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     from jaxdist import metrics
-    from jaxdist.results import SCHEMA_VERSION
 
     world, warmup = job["world"], job["warmup"]
     # A step takes as long as its slowest rank (every rank started it after a barrier).
     step_s = np.max(np.array([r["step_s"] for r in reports]), axis=0).tolist()
     steps = metrics.latency_stats(step_s[warmup:])
-    batch = job["batch_size"]
-    tokens = model_cfg.tokens_per_sample
     first = reports[0]
     device_kind = first["device_kind"]
     by_device = [{"device": r["rank"], "process": r["rank"], "bytes": r["state_bytes"]}
                  for r in reports]
-    peaks = [r["peak_bytes"] for r in reports]
     cuda = job["device"] == "cuda"
     threads = sorted({r["threads"] for r in reports})
+    mesh = {"data": world, "fsdp": 1} if job["strategy"] == "ddp" else {"data": 1, "fsdp": world}
     return {
-        "schema_version": SCHEMA_VERSION,
-        "framework": "pytorch",
-        "layout": job["strategy"],
-        "mesh": {"data": world, "fsdp": 1} if job["strategy"] == "ddp"
-        else {"data": 1, "fsdp": world},
-        "model": {"name": cfg.model.model, "params": first["params"],
-                  "flops_per_sample": model_cfg.flops_per_sample(),
-                  "tokens_per_sample": tokens},
-        "config": cfg.to_dict(),
+        **record.header("pytorch", job["strategy"], mesh, cfg, model_cfg, first["params"]),
         "env": {"jax_version": first["torch_version"], "torch_version": first["torch_version"],
                 "backend": job["device"], "device_kind": device_kind, "num_devices": world,
                 "num_processes": world, "simulated": False,
@@ -309,24 +270,20 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
         "step_time_s": steps,
         "warmup_step_time_s": step_s[:warmup],
         "step_time_by_rank_s": [r["step_s"][warmup:] for r in reports],
-        "throughput": {"samples_per_s": batch / steps["mean"],
-                       "tokens_per_s": batch * tokens / steps["mean"] if tokens else None},
+        "throughput": record.throughput_block(job["batch_size"], model_cfg.tokens_per_sample,
+                                              steps["mean"]),
         "mfu": metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
-                           model_cfg.flops_per_sample() * batch,
+                           model_cfg.flops_per_sample() * job["batch_size"],
                            matmul_precision=job["matmul_precision"]),
-        "memory": {
-            "state_bytes_per_device": max(d["bytes"] for d in by_device),
-            "state_bytes_by_device": by_device,
-            "compiled": None,
-            "measured_peak_bytes": max(peaks) if cuda else None,
-            "measured_peak_reason": None if cuda else
-            "torch on CPU has no allocator peak counter (process RSS is in "
-            "memory.process_peak_rss_bytes, not comparable to a device peak)",
-            "measured_peak_definition": "torch.cuda.max_memory_allocated over the whole run, "
-                                        "max over ranks" if cuda else None,
-            "reserved_peak_bytes": max(r["reserved_bytes"] for r in reports) if cuda else None,
-            "process_peak_rss_bytes": [r["max_rss_bytes"] for r in reports],
-        },
+        "memory": dict(
+            record.memory_block(
+                by_device, None, max(r["peak_bytes"] for r in reports) if cuda else None,
+                None if cuda else "torch on CPU has no allocator peak counter (process RSS is "
+                "in memory.process_peak_rss_bytes, not comparable to a device peak)"),
+            measured_peak_definition="torch.cuda.max_memory_allocated over the whole run, "
+                                     "max over ranks" if cuda else None,
+            reserved_peak_bytes=max(r["reserved_bytes"] for r in reports) if cuda else None,
+            process_peak_rss_bytes=[r["max_rss_bytes"] for r in reports]),
         "sharding": first["sharding"],
         "loss": first["loss"],
         "power": {"available": False,
@@ -345,10 +302,9 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
 
 
 def write_outputs(cfg, logdir: Path, results: dict) -> None:
-    from jaxdist.results import check
     from jaxdist.writers import RunWriter
 
-    problems = check(results)
+    problems = record.check(results)
     if problems:  # a bug here, not bad input
         raise AssertionError(f"results.json does not match the schema: {problems}")
     writer = RunWriter(logdir, cfg.to_dict())
@@ -365,193 +321,6 @@ def step_times(results: dict) -> list[float]:
     """Every step's time (warm-up included): the slowest rank's."""
     timed = np.array(results["step_time_by_rank_s"]).max(axis=0).tolist()
     return results["warmup_step_time_s"] + timed
-
-
-# ---------------------------------------------------------------------------- one rank
-
-def _rank_main(rank: int, job: dict) -> None:
-    """Entry point of a spawned rank. Always ends with os._exit: an FSDP process that
-    returns normally sometimes aborts in teardown (shared/notes/jax-on-cpu.md)."""
-    code = 0
-    try:
-        report = run_rank(rank, job)
-        write_json(Path(job["work"]) / f"rank{rank}.json", report)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def run_rank(rank: int, job: dict) -> dict:
-    import datetime
-    import resource
-
-    import torch
-    import torch.distributed as dist
-
-    from models import torch_ref
-
-    world, spec, cuda = job["world"], job["spec"], job["device"] == "cuda"
-    if not cuda:
-        torch.set_num_threads(job["threads"])
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    fp32_precision = set_fp32_precision(job["matmul_precision"])
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{job['port']}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=job["timeout_s"]))
-    try:
-        inputs = np.load(Path(job["work"]) / "inputs.npz")
-        torch.manual_seed(job["seed"])
-        model = torch_ref.build(spec)
-        if job["init"] == "jax":
-            torch_ref.load_state(model, {k[len("init/"):]: inputs[k] for k in inputs.files
-                                         if k.startswith("init/")})
-        model.to(device).train()
-        params = torch_ref.param_count(model)
-        model, implementation = wrap(model, spec, job["strategy"], world, device)
-        opt = make_optimizer(model, job["optimizer"], job["lr"])
-
-        local = job["batch_size"] // world
-        rows = slice(rank * local, (rank + 1) * local)
-        batches = []
-        for i in range(job["num_batches"]):
-            keys = sorted(k for k in inputs.files if k.startswith(f"batch{i}/"))
-            batch_np = {k.split("/", 1)[1]: inputs[k][rows] for k in keys}
-            batches.append(torch_ref.to_torch_batch(spec, batch_np, device))
-
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                    if job["dtype"] == "bfloat16" else None)
-
-        def step(batch):
-            opt.zero_grad(set_to_none=True)
-            if autocast is not None:
-                with autocast:
-                    loss = torch_ref.loss(spec, model, batch)
-            else:
-                loss = torch_ref.loss(spec, model, batch)
-            loss.backward()
-            opt.step()
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)  # SUM: gloo has no AVG
-            if cuda:
-                torch.cuda.synchronize(device)
-            return global_loss
-
-        total = job["warmup"] + job["steps"]
-        step_s, losses = [], []
-        window = [None, None]
-        every = max(1, total // 5)
-        for i in range(total):
-            dist.barrier()
-            if i == job["warmup"]:
-                window[0] = time.time()
-            start = time.perf_counter()
-            global_loss = step(batches[i % len(batches)])
-            step_s.append(time.perf_counter() - start)
-            window[1] = time.time()
-            losses.append(global_loss.item() / world)
-            if rank == 0 and job["progress"] and ((i + 1) % every == 0 or i + 1 == total):
-                print(f"[torch {job['strategy']} x{world}] step {i + 1}/{total} "
-                      f"loss {losses[-1]:.4f} {step_s[-1] * 1e3:.1f} ms", file=sys.stderr,
-                      flush=True)
-
-        state_bytes, sharding = state_report(model, opt, world)
-        report = {
-            "rank": rank, "step_s": step_s, "loss": losses, "window": window,
-            "fp32_precision": fp32_precision,
-            "params": params, "state_bytes": state_bytes, "sharding": sharding,
-            "threads": torch.get_num_threads(), "torch_version": torch.__version__,
-            "device_kind": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "implementation": implementation, "backend": backend,
-            "optimizer_impl": type(opt).__name__ + (" (foreach)" if opt.defaults.get("foreach")
-                                                    else " (PyTorch default impl)"),
-            "peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
-            "reserved_bytes": int(torch.cuda.max_memory_reserved(device)) if cuda else None,
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        }
-        dist.barrier()
-        return report
-    finally:
-        dist.destroy_process_group()
-
-
-def set_fp32_precision(name: str) -> dict:
-    """Apply --matmul-precision; returns the settings read back from torch."""
-    import torch
-
-    value = TORCH_FP32_PRECISION[name]
-    torch.backends.cuda.matmul.fp32_precision = value
-    torch.backends.cudnn.conv.fp32_precision = value
-    return {"cuda_matmul": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn_conv": torch.backends.cudnn.conv.fp32_precision}
-
-
-def wrap(model, spec: dict, strategy: str, world: int, device):
-    from models import torch_ref
-
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids), "DistributedDataParallel"
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (world,))
-    units = torch_ref.shard_units(spec, model)
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, f"FSDP2 fully_shard ({len(units)} units + root)"
-
-
-def make_optimizer(model, name: str, lr: float):
-    import torch
-
-    if name == "adamw":  # optax.adamw's defaults (PyTorch's weight decay default is 1e-2)
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                 weight_decay=1e-4)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # optax.sgd(lr, 0.9)
-
-
-def state_report(model, opt, world: int) -> tuple[int, dict]:
-    """(bytes of train state this rank holds, sharding summary in jaxdist's form: global
-    bytes of sharded vs replicated leaves per part)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    def local_and_global(t):
-        if isinstance(t, DTensor):
-            loc = t.to_local()
-            sharded = world > 1 and any(p.is_shard() for p in t.placements)
-            return loc.numel() * loc.element_size(), t.numel() * t.element_size(), sharded
-        return t.numel() * t.element_size(), t.numel() * t.element_size(), False
-
-    parts = {"params": list(model.parameters()), "model_state": list(model.buffers()),
-             "opt": [v for s in opt.state.values() for v in s.values()
-                     if isinstance(v, torch.Tensor)]}
-    held = 0
-    summary = {"sharded_bytes": 0, "replicated_bytes": 0, "replicated_leaves": 0, "parts": {}}
-    for part, tensors in parts.items():
-        sharded = replicated = 0
-        for t in tensors:
-            loc, glob, is_sharded = local_and_global(t)
-            held += loc
-            if is_sharded:
-                sharded += glob
-            else:
-                replicated += glob
-                summary["replicated_leaves"] += 1 if t.dim() else 0
-        summary["parts"][part] = {"sharded_bytes": sharded, "replicated_bytes": replicated}
-        summary["sharded_bytes"] += sharded
-        summary["replicated_bytes"] += replicated
-    return held, summary
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,8 @@ class PSConfig:
     ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
     ps_max_message_mb: int = _opt(64, "gRPC message limit, set on both ends; tensors are "
                                   "chunked below it")
+    ps_clip_norm: float = _opt(0.0, "clip each gradient to this global L2 norm (workers) and "
+                               "each shard's applied update to it (servers); 0: off")
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,49 @@ _SECTIONS = {"mesh": MeshConfig, "dist": DistConfig, "compiler": CompilerConfig,
 
 # Options whose value may begin with "-" (`--xla-flags --xla_foo=1`); see OneLineParser.
 _DASH_VALUES = ("xla_flags",)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One RunConfig field as a setting: its section, flag, type, choices and default."""
+    section: str
+    name: str
+    kind: str                      # "int", "float", "str" or "bool"
+    choices: tuple | None
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def arg(self, value) -> str:
+        """One command-line token: `--flag=value` (so a value may begin with "-"), or
+        `--flag` / `--no-flag` for a bool."""
+        if self.kind == "bool":
+            return self.flag if value else "--no-" + self.flag[2:]
+        return f"{self.flag}={value}"
+
+
+def keys() -> dict[str, Key]:
+    """Every RunConfig field by name (names are unique across sections), in flag order."""
+    out = {}
+    for section, kind in _SECTIONS.items():
+        for f in dataclasses.fields(kind):
+            choices = f.metadata.get("choices")
+            out[f.name] = Key(section, f.name, f.type if isinstance(f.type, str) else
+                              f.type.__name__, tuple(choices) if choices else None, f.default)
+    return out
+
+
+def to_argv(values: RunConfig | Mapping[str, Any]) -> list[str]:
+    """A RunConfig (every field) or {field name: value} (just those) -> the flags that
+    reproduce it: from_namespace(parser.parse_args(to_argv(cfg))) == cfg for a parser
+    built by add_arguments."""
+    if isinstance(values, RunConfig):
+        values = {name: getattr(getattr(values, key.section), name)
+                  for name, key in keys().items()}
+    by_name = keys()
+    return [by_name[name].arg(value) for name, value in values.items()]
 
 
 def registry_help() -> dict[str, str]:

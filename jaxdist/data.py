@@ -3,36 +3,20 @@ dataset with a fixed train/test split, for accuracy and time-to-accuracy.
 
 `digits` is scikit-learn's embedded 8x8 handwritten digits (1,797 images, 10 classes): real
 data that needs no download. A dataset fixes the model's input shape, so the model config is
-adapted to it (an MLP's input width, a ResNet's image size and channels).
+adapted to it (models/build.py: an MLP's input width, a CNN's image size and channels).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from jaxdist.dataset_files import FILE_DATASETS, Dataset, load_files
 from jaxdist.errors import UsageError
 
 DATASETS = ("synthetic", "digits", "cifar10", "mnist")
 NUM_SYNTHETIC_BATCHES = 8  # distinct synthetic batches, cycled
-IMAGE_FAMILIES = ("resnet", "vgg", "densenet", "efficientnetv2", "convnext")
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    train_x: np.ndarray
-    train_y: np.ndarray
-    test_x: np.ndarray
-    test_y: np.ndarray
-    num_classes: int
-
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        return self.train_x.shape[1:]
 
 
 def load_dataset(name: str, data_dir: str = "") -> Dataset | None:
@@ -40,9 +24,7 @@ def load_dataset(name: str, data_dir: str = "") -> Dataset | None:
     `data_dir` in their standard distribution formats (jaxdist/dataset_files.py)."""
     if name == "synthetic":
         return None
-    if name in ("cifar10", "mnist"):
-        from jaxdist.dataset_files import load_files
-
+    if name in FILE_DATASETS:
         if not data_dir:
             raise UsageError(f"--dataset {name} needs --data-dir DIR (the directory holding "
                              f"the standard {name} files; nothing is downloaded)")
@@ -58,24 +40,6 @@ def load_dataset(name: str, data_dir: str = "") -> Dataset | None:
             x_NHWC, y_N, test_size=0.2, random_state=0, stratify=y_N)
         return Dataset("digits", train_x, train_y, test_x, test_y, num_classes=10)
     raise UsageError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
-
-
-def adapt_model(model_cfg, dataset: Dataset | None):
-    """The model config with its input and head sized for `dataset`."""
-    if dataset is None:
-        return model_cfg
-    h, w, c = dataset.image_shape
-    if model_cfg.family == "mlp":
-        return dataclasses.replace(model_cfg, in_dim=h * w * c, num_classes=dataset.num_classes)
-    if model_cfg.family in IMAGE_FAMILIES:
-        adapted = dataclasses.replace(model_cfg, image_size=h, channels=c,
-                                      num_classes=dataset.num_classes)
-        if hasattr(adapted, "validate"):
-            adapted.validate()  # e.g. an ImageNet stem cannot take 28x28 MNIST
-        return adapted
-    raise UsageError(f"dataset {dataset.name!r} is images; model family "
-                     f"{model_cfg.family!r} cannot read it (use an mlp or a CNN: "
-                     f"{', '.join(IMAGE_FAMILIES)})")
 
 
 class TrainStream:
@@ -123,16 +87,3 @@ def eval_batches(dataset: Dataset, batch_size: int, multiple: int):
                "y": np.concatenate([y, np.zeros(pad, y.dtype)]),
                "mask": np.concatenate([np.ones(len(y), np.float32), np.zeros(pad, np.float32)])}
 
-
-def build_model(cfg):
-    """(model config for a RunConfig: size overrides, remat, adapted to the dataset; the
-    dataset or None)."""
-    from models import get_model, parse_overrides
-
-    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
-    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
-    if cfg.train.remat != "none":
-        if not hasattr(model_cfg, "remat"):
-            raise UsageError(f"--remat applies to gpt models, not {cfg.model.model!r}")
-        model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
-    return adapt_model(model_cfg, dataset), dataset

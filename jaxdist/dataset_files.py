@@ -12,7 +12,9 @@ the directories searched.
   (magic 0x00000803 for images, 0x00000801 for labels: two zero bytes, type 0x08 = unsigned
   byte, the number of dimensions) then one uint32 per dimension, then the bytes.
 
-Images come back as float32 (N, H, W, C) scaled to [0, 1]; labels as int32.
+Images come back as float32 (N, H, W, C) scaled to [0, 1]; labels as int32, in a `Dataset`
+(defined here, the lowest of the data modules, so jaxdist/data.py imports this one and not
+the other way round).
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import gzip
 import pickle
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from jaxdist.data import Dataset
 from jaxdist.errors import UsageError
 
 FILE_DATASETS = ("cifar10", "mnist")
@@ -36,6 +38,20 @@ MNIST_FILES = {"train_x": "train-images-idx3-ubyte", "train_y": "train-labels-id
                "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte"}
 MNIST_SUBDIR = Path("MNIST") / "raw"
 _IDX_MAGIC = {3: 0x00000803, 1: 0x00000801}  # dimensions -> magic (unsigned-byte data)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    num_classes: int
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return self.train_x.shape[1:]
 
 
 def load_files(name: str, data_dir: str | Path) -> Dataset:

@@ -24,9 +24,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
-from jaxdist.data import build_model
 from jaxdist.mesh import MeshShape
 from jaxdist.train_step import DTYPES, _split_model, abstract_train_state, make_optimizer
+from models.build import build_model
 from sharding import get_layout
 
 STACK = "blocks"  # the decoders' nnx.List of identical blocks

@@ -12,20 +12,21 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from jaxdist import comm, metrics, telemetry
+from jaxdist import comm, metrics, record, telemetry
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
-from jaxdist.data import TrainStream, build_model, eval_batches
+from jaxdist.data import TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.results import SCHEMA_VERSION, write_json
+from jaxdist.record import write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram, build_pipeline_program
 from jaxdist.pipeline.report import pipeline_block
+from models.build import build_model
 from sharding import get_layout
 from sharding.pipeline import PIPELINE_LAYOUTS
 
@@ -215,40 +216,27 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     steps = (metrics.latency_stats(timer.timed_s) if timer.timed_s else
              dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
                   n=0, reason="interrupted before the first timed step (after warm-up)"))
+    mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
-    n = len(platform.devices)
-    tokens = model_cfg.tokens_per_sample
-    by_device = metrics.state_bytes_by_device(state)
-    measured, measured_reason = metrics.measured_peak(platform.devices)
     results = {
-        "schema_version": SCHEMA_VERSION,
-        "framework": "jax",
-        "layout": cfg.train.layout,
-        "mesh": dict(program.batch_sharding.mesh.shape),
-        "model": {"name": cfg.model.model, "params": metrics.param_count(program.abstract_state),
-                  "flops_per_sample": model_cfg.flops_per_sample(),
-                  "tokens_per_sample": tokens},
-        "config": cfg.to_dict(),
+        **record.header("jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg,
+                        model_cfg, metrics.param_count(program.abstract_state)),
         "env": env_info(platform),
         "compile_s": compile_s,
         "step_time_s": steps,
         "warmup_step_time_s": timer.warmup_s,
-        "throughput": {"samples_per_s": batch / steps["mean"] if steps["n"] else None,
-                       "tokens_per_s": (batch * tokens / steps["mean"]
-                                        if tokens and steps["n"] else None)},
-        "mfu": mfu_block(cfg, model_cfg, program, compiled, platform.device_kind, n,
-                         steps["mean"] if steps["n"] else None),
-        "memory": {
-            "state_bytes_per_device": max(d["bytes"] for d in by_device),
-            "state_bytes_by_device": by_device,
-            "compiled": metrics.compiled_memory(compiled),
-            "measured_peak_bytes": measured,
-            "measured_peak_reason": measured_reason,
-        },
+        "throughput": record.throughput_block(cfg.train.batch_size,
+                                              model_cfg.tokens_per_sample, mean_s),
+        "mfu": mfu_block(cfg, model_cfg, program, compiled, platform.device_kind,
+                         len(platform.devices), mean_s),
+        "memory": record.memory_block(metrics.state_bytes_by_device(state),
+                                      metrics.compiled_memory(compiled),
+                                      *metrics.measured_peak(platform.devices)),
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
         "comm": comm_block(cfg.train.layout, compiled, program),
         "pipeline": (pipeline_block(program, compiled, state, batch,
-                                    model_cfg.flops_per_sample() * batch, n)
+                                    model_cfg.flops_per_sample() * batch,
+                                    len(platform.devices))
                      if isinstance(program, PipelineProgram) else None),
         "loss": losses,
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},

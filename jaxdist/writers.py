@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
 # on the training curves, not on these one-point charts ("trial" as in HParams' Trial ID).

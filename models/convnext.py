@@ -40,8 +40,9 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers import (ImageClassifier, check_choice, conv, conv_flops, conv_out, layer_norm,
+                           linear)
 from models.registry import register
-from models.vgg import ImageClassifier, check_choice, conv, conv_flops, conv_out
 
 # variant -> (stage-1 channels; stages double it), blocks per stage. "toy" is not a published
 # network: the CPU-test size.
@@ -55,11 +56,11 @@ _LAYER_SCALE = 1e-6
 
 
 def _norm(d, *, dtype, rngs):
-    return nnx.LayerNorm(d, epsilon=_EPS, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    return layer_norm(d, epsilon=_EPS, dtype=dtype, rngs=rngs)
 
 
 def _linear(a, b, *, dtype, rngs):
-    return nnx.Linear(a, b, kernel_init=_INIT, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    return linear(a, b, init=_INIT, dtype=dtype, rngs=rngs)
 
 
 class CNBlock(nnx.Module):

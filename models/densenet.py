@@ -34,9 +34,9 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers import (KAIMING_FAN_IN, TORCH_LINEAR, ImageClassifier, batch_norm,
+                           check_choice, conv, conv_flops, conv_out, linear)
 from models.registry import register
-from models.vgg import (KAIMING_FAN_IN, TORCH_LINEAR, ImageClassifier, batch_norm,
-                        check_choice, conv, conv_flops, conv_out)
 
 # depth -> dense layers per block (depth = 2 x layers + 5). 15 is not a published DenseNet:
 # the CPU-test size (two chained dense layers, then one per block after each transition).
@@ -84,8 +84,8 @@ class DenseNet(nnx.Module):
                 layers.append(Transition(cin, cout, dtype=dtype, rngs=rngs))
         self.layers = nnx.List(layers)
         self.norm5 = batch_norm(cfg.features, dtype=dtype, rngs=rngs)
-        self.classifier = nnx.Linear(cfg.features, cfg.num_classes, kernel_init=TORCH_LINEAR,
-                                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.classifier = linear(cfg.features, cfg.num_classes, init=TORCH_LINEAR, dtype=dtype,
+                                 rngs=rngs)
 
     def __call__(self, x_BHWC):
         x_BHWC = nnx.relu(self.norm0(self.conv0(x_BHWC)))

@@ -41,9 +41,9 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers import (KAIMING_FAN_OUT, ImageClassifier, batch_norm, check_choice, conv,
+                           conv_flops, conv_out, linear)
 from models.registry import register
-from models.vgg import (KAIMING_FAN_OUT, ImageClassifier, batch_norm, check_choice, conv,
-                        conv_flops, conv_out)
 
 # variant -> stages (fused?, expand ratio, kernel, stride, in, out, blocks), head channels.
 # s/m/l are torchvision's tables; "toy" is not a published network: the CPU-test size, one
@@ -104,9 +104,9 @@ class ConvBN(nnx.Module):
 
 class SqueezeExcite(nnx.Module):
     def __init__(self, c, squeeze, *, dtype, rngs):
-        kw = dict(kernel_init=KAIMING_FAN_OUT, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.fc1 = nnx.Linear(c, squeeze, **kw)
-        self.fc2 = nnx.Linear(squeeze, c, **kw)
+        kw = dict(init=KAIMING_FAN_OUT, dtype=dtype, rngs=rngs)
+        self.fc1 = linear(c, squeeze, **kw)
+        self.fc2 = linear(squeeze, c, **kw)
 
     def __call__(self, x_BHWC):
         s_BC = self.fc2(nnx.silu(self.fc1(x_BHWC.mean(axis=(1, 2)))))
@@ -149,8 +149,7 @@ class EfficientNetV2(nnx.Module):
         self.blocks = nnx.List(Block(s, **kw) for s in specs)
         self.head = ConvBN(specs[-1].cout, cfg.features, 1, **kw)
         init = nnx.initializers.variance_scaling(1 / 3, "fan_out", "uniform")
-        self.classifier = nnx.Linear(cfg.features, cfg.num_classes, kernel_init=init,
-                                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.classifier = linear(cfg.features, cfg.num_classes, init=init, **kw)
 
     def __call__(self, x_BHWC):
         x_BHWC = self.stem(x_BHWC)

@@ -7,6 +7,7 @@ every parameter is an ordinary 2-D kernel (or 1-D bias) that the sharding rules 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -15,28 +16,9 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError
+from models.layers import (REMAT_POLICIES, PreNormBlock, block_runner, embed, layer_norm,
+                           linear)
 from models.registry import register
-
-
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.checkpoint_dots}
-
-
-def block_runner(block_cls, remat: str):
-    """`block_cls.__call__`, or with remat its nnx.remat: the backward pass recomputes each
-    block's activations instead of keeping them ("full" keeps only block inputs, "dots" also
-    keeps matmul outputs)."""
-    if remat == "none":
-        return block_cls.__call__
-    return nnx.remat(block_cls.__call__, policy=REMAT_POLICIES[remat])
-
-
-def _linear(a, b, *, dtype, rngs):
-    return nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-
-
-def _norm(d, *, dtype, rngs):
-    return nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -44,10 +26,10 @@ class CausalSelfAttention(nnx.Module):
         self.heads = heads
         # Separate q, k, v projections (not one fused qkv): splitting each one's output over
         # the `tensor` axis then gives every device whole heads (Megatron column parallel).
-        self.q = _linear(width, width, dtype=dtype, rngs=rngs)
-        self.k = _linear(width, width, dtype=dtype, rngs=rngs)
-        self.v = _linear(width, width, dtype=dtype, rngs=rngs)
-        self.out = _linear(width, width, dtype=dtype, rngs=rngs)
+        self.q = linear(width, width, dtype=dtype, rngs=rngs)
+        self.k = linear(width, width, dtype=dtype, rngs=rngs)
+        self.v = linear(width, width, dtype=dtype, rngs=rngs)
+        self.out = linear(width, width, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BLD):
         B, L, D = x_BLD.shape
@@ -59,42 +41,37 @@ class CausalSelfAttention(nnx.Module):
 
 class MLPBlock(nnx.Module):
     def __init__(self, width: int, hidden: int, *, dtype, rngs):
-        self.up = _linear(width, hidden, dtype=dtype, rngs=rngs)
-        self.down = _linear(hidden, width, dtype=dtype, rngs=rngs)
+        self.up = linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.down = linear(hidden, width, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BLD):
         return self.down(nnx.gelu(self.up(x_BLD)))
 
 
-class Block(nnx.Module):
-    def __init__(self, width: int, heads: int, hidden: int, *, dtype, rngs):
-        self.ln1 = _norm(width, dtype=dtype, rngs=rngs)
-        self.attn = CausalSelfAttention(width, heads, dtype=dtype, rngs=rngs)
-        self.ln2 = _norm(width, dtype=dtype, rngs=rngs)
-        self.mlp = MLPBlock(width, hidden, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
-        return x_BLD + self.mlp(self.ln2(x_BLD))
+def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs) -> PreNormBlock:
+    kw = dict(dtype=dtype, rngs=rngs)
+    # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
+    ln1 = layer_norm(width, **kw)
+    attn = CausalSelfAttention(width, heads, **kw)
+    ln2 = layer_norm(width, **kw)
+    return PreNormBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
 
 
 class GPT(nnx.Module):
     def __init__(self, cfg: "GPTConfig", *, dtype, rngs):
-        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
-                             rngs=rngs)
-        self.pos = nnx.Embed(cfg.seq_len, cfg.width, dtype=dtype, param_dtype=jnp.float32,
-                             rngs=rngs)
+        self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
+        self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(
-            Block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs)
+            gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs)
             for _ in range(cfg.depth))
-        self.ln_f = _norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
-        self.head = _linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+        self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
         x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
-        run_block = block_runner(Block, self.remat)
+        run_block = block_runner(PreNormBlock, self.remat)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
@@ -110,6 +87,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     remat: str = "none"
     family: str = "gpt"
+    input_kind: ClassVar[str] = "tokens"  # no image dataset fits (models.build.adapt_model)
 
     def validate(self) -> None:
         if self.remat not in REMAT_POLICIES:

@@ -15,12 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.errors import UsageError
-from models.gpt import GPTConfig, block_runner
+from models.gpt import GPTConfig
+from models.layers import PreNormBlock, block_runner, embed, linear, rms_norm
 from models.registry import register
-
-
-def _linear(a, b, *, dtype, rngs):
-    return nnx.Linear(a, b, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
 def rope(x_BLNH, theta: float):
@@ -39,10 +36,11 @@ class Attention(nnx.Module):
         head_dim = cfg.width // cfg.heads
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
         self.implementation = None if cfg.attention == "default" else cfg.attention
-        self.q = _linear(cfg.width, cfg.heads * head_dim, dtype=dtype, rngs=rngs)
-        self.k = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
-        self.v = _linear(cfg.width, cfg.kv_heads * head_dim, dtype=dtype, rngs=rngs)
-        self.out = _linear(cfg.heads * head_dim, cfg.width, dtype=dtype, rngs=rngs)
+        kw = dict(bias=False, dtype=dtype, rngs=rngs)
+        self.q = linear(cfg.width, cfg.heads * head_dim, **kw)
+        self.k = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
+        self.v = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
+        self.out = linear(cfg.heads * head_dim, cfg.width, **kw)
 
     def __call__(self, x_BLD):
         B, L, D = x_BLD.shape
@@ -58,42 +56,36 @@ class Attention(nnx.Module):
 
 class SwiGLU(nnx.Module):
     def __init__(self, width: int, hidden: int, *, dtype, rngs):
-        self.gate = _linear(width, hidden, dtype=dtype, rngs=rngs)
-        self.up = _linear(width, hidden, dtype=dtype, rngs=rngs)
-        self.down = _linear(hidden, width, dtype=dtype, rngs=rngs)
+        kw = dict(bias=False, dtype=dtype, rngs=rngs)
+        self.gate = linear(width, hidden, **kw)
+        self.up = linear(width, hidden, **kw)
+        self.down = linear(hidden, width, **kw)
 
     def __call__(self, x_BLD):
         return self.down(nnx.silu(self.gate(x_BLD)) * self.up(x_BLD))
 
 
-def _norm(width, *, dtype, rngs):
-    return nnx.RMSNorm(width, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-
-
-class Block(nnx.Module):
-    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
-        self.ln1 = _norm(cfg.width, dtype=dtype, rngs=rngs)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.ln2 = _norm(cfg.width, dtype=dtype, rngs=rngs)
-        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
-        return x_BLD + self.mlp(self.ln2(x_BLD))
+def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
+    kw = dict(dtype=dtype, rngs=rngs)
+    # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
+    ln1 = rms_norm(cfg.width, **kw)
+    attn = Attention(cfg, **kw)
+    ln2 = rms_norm(cfg.width, **kw)
+    return PreNormBlock(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw))
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
-        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
-                             rngs=rngs)
-        self.blocks = nnx.List(Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
-        self.ln_f = _norm(cfg.width, dtype=dtype, rngs=rngs)
-        self.head = _linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+    def __init__(self, cfg: "LlamaConfig", *, dtype, rngs, make_block=llama_block):
+        # make_block(cfg, dtype=, rngs=) builds one block: models/moe.py passes its own.
+        self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List(make_block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
+        self.ln_f = rms_norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
 
     def __call__(self, tokens_BL):
         x_BLD = self.tok(tokens_BL)
-        run_block = block_runner(Block, self.remat)
+        run_block = block_runner(PreNormBlock, self.remat)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)

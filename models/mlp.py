@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from models.registry import register, teacher_labels
+from models.layers import classifier_loss, linear, teacher_labels
+from models.registry import register
 
 
 class MLP(nnx.Module):
     def __init__(self, in_dim: int, width: int, depth: int, num_classes: int, *, dtype, rngs):
         dims = [in_dim] + [width] * depth
-        self.hidden = nnx.List(
-            nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            for a, b in zip(dims[:-1], dims[1:]))
-        self.head = nnx.Linear(dims[-1], num_classes, dtype=dtype, param_dtype=jnp.float32,
-                               rngs=rngs)
+        self.hidden = nnx.List(linear(a, b, dtype=dtype, rngs=rngs)
+                               for a, b in zip(dims[:-1], dims[1:]))
+        self.head = linear(dims[-1], num_classes, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BD):
         x_BD = x_BD.reshape(x_BD.shape[0], -1)  # images (a real dataset) arrive unflattened
@@ -35,6 +34,8 @@ class MLPConfig:
     depth: int = 2
     num_classes: int = 10
     family: str = "mlp"
+    # A dataset's images arrive flattened to in_dim (models.build.adapt_model).
+    input_kind: ClassVar[str] = "vector"
 
     def build(self, rngs, dtype):
         return MLP(self.in_dim, self.width, self.depth, self.num_classes, dtype=dtype, rngs=rngs)
@@ -44,8 +45,7 @@ class MLPConfig:
         return {"x": x_BD, "y": teacher_labels(x_BD, self.num_classes)}
 
     def loss(self, model, batch):
-        logits_BC = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["y"]).mean()
+        return classifier_loss(model, batch)
 
     def flops_per_sample(self) -> float:
         dims = [self.in_dim] + [self.width] * self.depth + [self.num_classes]

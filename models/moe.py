@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
-from models import llama
-from models.gpt import block_runner
+from models.layers import block_runner, rms_norm
+from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 
 
@@ -78,9 +78,9 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
-        self.ln1 = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
-        self.attn = llama.Attention(cfg, dtype=dtype, rngs=rngs)
-        self.ln2 = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.ln1 = rms_norm(cfg.width, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.ln2 = rms_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BLD):
@@ -89,14 +89,11 @@ class Block(nnx.Module):
         return x_BLD + y_BLD, aux
 
 
-class MoEDecoder(nnx.Module):
+class MoEDecoder(Llama):
+    """Llama's embedding, final norm and head around MoE blocks."""
+
     def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
-        self.tok = nnx.Embed(cfg.vocab, cfg.width, dtype=dtype, param_dtype=jnp.float32,
-                             rngs=rngs)
-        self.blocks = nnx.List(Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
-        self.ln_f = llama._norm(cfg.width, dtype=dtype, rngs=rngs)
-        self.head = llama._linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
-        self.remat = cfg.remat
+        super().__init__(cfg, dtype=dtype, rngs=rngs, make_block=Block)
 
     def __call__(self, tokens_BL):
         """(logits, mean auxiliary balance loss over layers)."""
@@ -110,7 +107,7 @@ class MoEDecoder(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig(llama.LlamaConfig):
+class MoEConfig(LlamaConfig):
     experts: int = 8
     top_k: int = 2
     capacity_factor: float = 1.25

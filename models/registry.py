@@ -1,8 +1,9 @@
 """Model registry: name -> a frozen config that knows how to build, feed and score its model.
 
 Every model family is one frozen dataclass implementing `ModelConfig`. Named sizes
-(`gpt-tiny`, `resnet18`, ...) are instances registered here; `--model-opts key=value,...`
-overrides fields of the chosen size.
+(`gpt-tiny`, `resnet18`, ...) are instances each family module registers when it is
+imported (`import models` imports them all); `--model-opts key=value,...` overrides fields
+of the chosen size. This module imports no model file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from jaxdist.errors import UsageError, choices
 
 class ModelConfig(Protocol):
     family: str
+    # What a real dataset's samples become for this model: "image" (image_size, channels and
+    # num_classes follow the dataset), "vector" (flattened to in_dim), "tokens" (no image
+    # dataset fits). See models.build.adapt_model.
+    input_kind: str
 
     def build(self, rngs, dtype) -> Any:
         """An nnx.Module with float32 parameters computing in `dtype`."""
@@ -45,13 +50,16 @@ def register(name: str, config: ModelConfig) -> None:
 
 
 def model_names() -> list[str]:
-    _load_families()
     return sorted(_REGISTRY)
+
+
+def families(input_kind: str) -> list[str]:
+    """The families, sorted, of the registered configs that read `input_kind` samples."""
+    return sorted({c.family for c in _REGISTRY.values() if c.input_kind == input_kind})
 
 
 def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig:
     """The registered config `name`, with `overrides` (strings, as typed on the CLI) applied."""
-    _load_families()
     if name not in _REGISTRY:
         raise UsageError(f"unknown model {name!r}; choose from {choices(_REGISTRY)}")
     config = _REGISTRY[name]
@@ -79,14 +87,6 @@ def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig
     return new
 
 
-def teacher_labels(x: np.ndarray, num_classes: int) -> np.ndarray:
-    """Labels from a fixed random linear teacher on the flattened input: synthetic data that
-    is learnable, so the loss falls across fresh batches (random labels are only memorised)."""
-    x_BD = x.reshape(x.shape[0], -1)
-    teacher_DC = np.random.default_rng(0).standard_normal((x_BD.shape[1], num_classes))
-    return np.argmax(x_BD @ teacher_DC, axis=1).astype(np.int32)
-
-
 def parse_overrides(text: str) -> dict[str, str]:
     """`depth=2,width=64` -> {'depth': '2', 'width': '64'}."""
     out = {}
@@ -97,8 +97,3 @@ def parse_overrides(text: str) -> dict[str, str]:
         out[key.strip().replace("-", "_")] = value.strip()
     return out
 
-
-def _load_families() -> None:
-    # Importing a family module registers its sizes; done lazily so `models.registry` stays
-    # importable without flax for argument parsing.
-    from models import convnext, densenet, efficientnet, gpt, llama, mlp, moe, resnet, vgg  # noqa: F401

@@ -20,13 +20,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError, choices
+from models.layers import ImageClassifier, batch_norm, check_choice, conv_flops, conv_out, linear
 from models.registry import register
-from models.vgg import ImageClassifier, conv_out
 
 # depth -> (bottleneck?, blocks per stage)
 _LAYOUTS = {18: (False, (2, 2, 2, 2)), 34: (False, (3, 4, 6, 3)), 50: (True, (3, 4, 6, 3))}
@@ -36,16 +34,11 @@ REFERENCE_SHAPE = (224, 3, 1000)  # torchvision's ImageNet models: image size, c
 
 
 def _conv(cin, cout, k, stride, *, dtype, rngs, padding="SAME"):
-    # No bias: every conv is followed by BN, whose shift makes a bias redundant.
+    # XLA's "SAME" padding and flax's default init, unlike layers.conv (torchvision's): this
+    # family predates the zoo and its numbers are pinned by tests. No bias: every conv is
+    # followed by BN, whose shift makes a bias redundant.
     return nnx.Conv(cin, cout, (k, k), strides=stride, padding=padding, use_bias=False,
                     dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-
-
-def _bn(c, *, dtype, rngs):
-    # use_running_average=False so a freshly built model normalises with batch statistics;
-    # model.train()/model.eval() flip it afterwards.
-    return nnx.BatchNorm(c, use_running_average=False, momentum=0.9, epsilon=1e-5,
-                         dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
 class Shortcut(nnx.Module):
@@ -55,7 +48,7 @@ class Shortcut(nnx.Module):
         self.project = stride != 1 or cin != cout
         if self.project:
             self.conv = _conv(cin, cout, 1, stride, dtype=dtype, rngs=rngs)
-            self.bn = _bn(cout, dtype=dtype, rngs=rngs)
+            self.bn = batch_norm(cout, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BHWC):
         return self.bn(self.conv(x_BHWC)) if self.project else x_BHWC
@@ -72,7 +65,7 @@ class Block(nnx.Module):
             cout = inner
             specs = [(cin, inner, 3, stride), (inner, inner, 3, 1)]
         self.convs = nnx.List(_conv(a, b, k, s, dtype=dtype, rngs=rngs) for a, b, k, s in specs)
-        self.bns = nnx.List(_bn(b, dtype=dtype, rngs=rngs) for _, b, _, _ in specs)
+        self.bns = nnx.List(batch_norm(b, dtype=dtype, rngs=rngs) for _, b, _, _ in specs)
         self.shortcut = Shortcut(cin, cout, stride, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BHWC):
@@ -92,11 +85,10 @@ class ResNet(nnx.Module):
                               dtype=dtype, rngs=rngs)
         else:
             self.stem = _conv(cfg.channels, cfg.width, 3, 1, dtype=dtype, rngs=rngs)
-        self.stem_bn = _bn(cfg.width, dtype=dtype, rngs=rngs)
+        self.stem_bn = batch_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(Block(cin, inner, stride, cfg.bottleneck, dtype=dtype, rngs=rngs)
                                for cin, inner, stride in cfg.block_specs())
-        self.head = nnx.Linear(cfg.features, cfg.num_classes, dtype=dtype,
-                               param_dtype=jnp.float32, rngs=rngs)
+        self.head = linear(cfg.features, cfg.num_classes, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BHWC):
         x_BHWC = nnx.relu(self.stem_bn(self.stem(x_BHWC)))
@@ -109,7 +101,7 @@ class ResNet(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class ResNetConfig:
+class ResNetConfig(ImageClassifier):
     depth: int = 18
     width: int = 64
     num_classes: int = 10
@@ -119,9 +111,7 @@ class ResNetConfig:
     family: str = "resnet"
 
     def validate(self) -> None:
-        if self.depth not in _LAYOUTS:
-            raise UsageError(f"resnet depth={self.depth} is not supported; "
-                             f"choose from {choices(map(str, _LAYOUTS))}")
+        check_choice("resnet", "depth", self.depth, _LAYOUTS)
         if self.stem not in _STEMS:
             raise UsageError(f"resnet stem={self.stem!r}: choose from {choices(_STEMS)}")
 
@@ -156,45 +146,30 @@ class ResNetConfig:
         self.validate()
         return ResNet(self, dtype=dtype, rngs=rngs)
 
-    def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
-        # The zoo's batch: the same as teacher_labels on the raw image up to 32x32; larger
-        # images are pooled for the teacher (a 224x224x3 teacher would be 1.2 GB).
-        return ImageClassifier.synthetic_batch(self, rng, batch_size)
-
-    def loss(self, model, batch):
-        logits_BC = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["y"]).mean()
-
     def flops_per_sample(self) -> float:
-        def conv(k, cin, cout, hw):
-            return 2 * k * k * cin * cout * hw * hw
-
         self.validate()
         if self.resolved_stem == "imagenet":
             hw = conv_out(self.image_size, 7, 2)
-            forward = conv(7, self.channels, self.width, hw)
+            forward = conv_flops(7, self.channels, self.width, hw)
             hw = conv_out(hw, 3, 2)  # the max-pool (no FLOPs counted, as for every pool)
         else:
             hw = self.image_size
-            forward = conv(3, self.channels, self.width, hw)
+            forward = conv_flops(3, self.channels, self.width, hw)
         for cin, inner, stride in self.block_specs():
             out_hw = -(-hw // stride)  # SAME padding: ceil(hw / stride)
             if self.bottleneck:
                 cout = inner * _EXPANSION
-                forward += conv(1, cin, inner, hw) + conv(3, inner, inner, out_hw)
-                forward += conv(1, inner, cout, out_hw)
+                forward += conv_flops(1, cin, inner, hw) + conv_flops(3, inner, inner, out_hw)
+                forward += conv_flops(1, inner, cout, out_hw)
             else:
                 cout = inner
-                forward += conv(3, cin, inner, out_hw) + conv(3, inner, inner, out_hw)
+                forward += (conv_flops(3, cin, inner, out_hw)
+                            + conv_flops(3, inner, inner, out_hw))
             if stride != 1 or cin != cout:
-                forward += conv(1, cin, cout, out_hw)
+                forward += conv_flops(1, cin, cout, out_hw)
             hw = out_hw
         forward += 2 * self.features * self.num_classes
         return 3.0 * forward
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return 0
 
 
 register("resnet18", ResNetConfig(depth=18, width=64))

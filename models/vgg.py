@@ -25,9 +25,6 @@ Adaptation to small images (CIFAR 32x32x3, MNIST 28x28x1), and why:
 FLOPs: 2 x multiply-accumulates of every conv and linear layer, x3 for training (forward +
 backward). Ignored: biases, ReLUs, pooling (max and adaptive), the loss. At 224 the forward is
 15.47 GMACs, torchvision's published "15.47 GFLOPS" (which counts MACs).
-
-The module also holds what the other zoo families (densenet, efficientnet, convnext) share:
-PyTorch-padded conv construction, the synthetic batch and the loss (`ImageClassifier`).
 """
 
 from __future__ import annotations
@@ -36,84 +33,10 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from jaxdist.errors import UsageError, choices
-from models.registry import register, teacher_labels
-
-# ---- shared by the zoo families ---------------------------------------------------------
-
-KAIMING_FAN_OUT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
-KAIMING_FAN_IN = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
-TORCH_LINEAR = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")  # U(+-1/sqrt(in))
-
-_TEACHER_SIZE = 32  # synthetic labels look at images through at most a 32x32 grid
-
-
-def conv(cin, cout, k, stride=1, *, padding=None, groups=1, bias=False, init=KAIMING_FAN_OUT,
-         dtype, rngs):
-    """A kxk conv padded like torchvision's (symmetric `padding`, default (k-1)//2, not
-    XLA's "SAME"), so every output size is torchvision's: out = (h + 2p - k) // stride + 1."""
-    p = (k - 1) // 2 if padding is None else padding
-    return nnx.Conv(cin, cout, (k, k), strides=stride, padding=((p, p), (p, p)),
-                    feature_group_count=groups, use_bias=bias, kernel_init=init,
-                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-
-
-def conv_out(hw, k, stride=1, padding=None):
-    p = (k - 1) // 2 if padding is None else padding
-    return (hw + 2 * p - k) // stride + 1
-
-
-def conv_flops(k, cin, cout, hw_out, groups=1):
-    """Forward FLOPs (2 x MACs) of a kxk conv producing an hw_out x hw_out map."""
-    return 2 * k * k * (cin // groups) * cout * hw_out * hw_out
-
-
-def batch_norm(c, *, epsilon=1e-5, dtype, rngs):
-    # As resnet.py: batch statistics until model.eval(); momentum 0.9 is PyTorch's 0.1.
-    return nnx.BatchNorm(c, use_running_average=False, momentum=0.9, epsilon=epsilon,
-                         dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-
-
-def check_choice(family, field, value, options):
-    if value not in options:
-        raise UsageError(f"{family} {field}={value!r} is not supported; "
-                         f"choose from {choices(map(str, options))}")
-
-
-class ImageClassifier:
-    """Batch, loss and token count of an image classifier config with fields image_size,
-    channels and num_classes."""
-
-    def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
-        shape = (batch_size, self.image_size, self.image_size, self.channels)
-        x_BHWC = rng.standard_normal(shape, dtype=np.float32)
-        # The linear teacher sees large images average-pooled to ~32x32 (still a linear
-        # function of the image, so still learnable): a 224x224x3 teacher would be a 150528 x
-        # 1000 matrix, 1.2 GB and seconds per batch. Up to 32x32 this is teacher_labels itself.
-        f = max(1, self.image_size // _TEACHER_SIZE)
-        side = self.image_size // f * f
-        pooled = x_BHWC[:, :side, :side].reshape(
-            batch_size, side // f, f, side // f, f, self.channels).mean(axis=(2, 4))
-        return {"x": x_BHWC, "y": teacher_labels(pooled, self.num_classes)}
-
-    def loss(self, model, batch):
-        logits_BC = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["y"]).mean()
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return 0
-
-    def check_fits(self, final_hw: int, why: str) -> None:
-        if final_hw < 1:
-            raise UsageError(f"{self.family}: image_size={self.image_size} is too small for "
-                             f"{why}; use a larger image or the other stem")
-
-
-# ---- VGG --------------------------------------------------------------------------------
+from models.layers import ImageClassifier, check_choice, conv, conv_flops, linear
+from models.registry import register
 
 # depth -> convs per stage (torchvision configurations A, B, D, E)
 _LAYOUTS = {11: (1, 1, 2, 2, 2), 13: (2, 2, 2, 2, 2), 16: (2, 2, 3, 3, 3), 19: (2, 2, 4, 4, 4)}
@@ -147,9 +70,8 @@ class VGG(nnx.Module):
         self.pool_after = tuple(last for _, _, last in cfg.conv_specs())
         dims = [cfg.features * cfg.pool ** 2, cfg.hidden, cfg.hidden, cfg.num_classes]
         init = nnx.initializers.normal(0.01)
-        self.classifier = nnx.List(
-            nnx.Linear(a, b, kernel_init=init, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            for a, b in zip(dims[:-1], dims[1:]))
+        self.classifier = nnx.List(linear(a, b, init=init, dtype=dtype, rngs=rngs)
+                                   for a, b in zip(dims[:-1], dims[1:]))
 
     def __call__(self, x_BHWC):
         for conv_, pool in zip(self.convs, self.pool_after):

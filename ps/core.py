@@ -43,16 +43,38 @@ class PSFault(Exception):
         self.kind = kind
 
 
-def make_apply(tx):
-    """Jitted (params, opt state, gradient, scale) -> (params, opt state) on a flat vector.
-    Elementwise optimizers make a flat slice of the model exact. `scale` multiplies the
-    update (i.e. the learning rate): for adam, scaling the gradient instead would cancel out
-    in m / sqrt(v)."""
+def make_apply(tx, clip_norm: float = 0.0):
+    """Jitted (params, opt state, gradient, scale) -> (params, opt state, finite, norm) on a
+    flat vector. Elementwise optimizers make a flat slice of the model exact. `scale`
+    multiplies the update (i.e. the learning rate): for adam, scaling the gradient instead
+    would cancel out in m / sqrt(v).
+
+    `finite` is whether the gradient, the new parameters and every new optimizer leaf are
+    finite: a finite gradient can still overflow (3e38 squared is inf in adam's second
+    moment, which then freezes every later update), so the result is what gets checked and
+    the caller keeps the old state when it is not. `clip_norm` > 0 rescales the gradient to
+    at most that L2 norm (over this shard's slice). The norm is computed as max|g| *
+    ||g / max|g|||, which does not overflow for finite g; `norm` is 0 when not clipping (a
+    non-finite gradient still shows: the optimizer moments take its inf or nan)."""
     import jax
+    import jax.numpy as jnp
 
     def apply(params, opt, grad, scale):
-        updates, opt = tx.update(grad, opt, params)
-        return params + scale * updates, opt
+        norm = jnp.float32(0)   # only computed when clipping: two more passes over the slice
+        if clip_norm > 0:
+            peak = jnp.max(jnp.abs(grad))
+            safe = jnp.where(peak > 0, peak, 1.0)
+            norm = peak * jnp.sqrt(jnp.sum(jnp.square(grad / safe)))
+            grad = grad * jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
+        updates, new_opt = tx.update(grad, opt, params)
+        new_params = params + scale * updates
+        # One sum per array: inf or nan anywhere makes it non-finite (so would a sum past
+        # 3.4e38 of finite values, i.e. parameters or moments near float32's limit).
+        total = norm + jnp.sum(new_params)
+        for leaf in jax.tree.leaves(new_opt):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                total = total + jnp.sum(leaf)
+        return new_params, new_opt, jnp.isfinite(total), norm
     return jax.jit(apply)
 
 
@@ -60,7 +82,8 @@ class ShardCore:
     def __init__(self, params: np.ndarray, tx, *, mode: str, num_workers: int,
                  staleness: int = 0, staleness_lr: bool = False, drop_dead: bool = False,
                  timeout_s: float = 30.0, checkpoint_every: int = 0,
-                 snapshot_dir: Path | None = None, epoch: int = 0, log=None):
+                 snapshot_dir: Path | None = None, epoch: int = 0, clip_norm: float = 0.0,
+                 log=None):
         import jax
         import jax.numpy as jnp
 
@@ -73,7 +96,8 @@ class ShardCore:
         self.log = log or (lambda msg: None)
         self.size = int(params.size)
         self._tx = tx
-        self._apply = make_apply(tx)
+        self.clip_norm = clip_norm
+        self._apply = make_apply(tx, clip_norm)
         self._params = jnp.asarray(params, dtype=jnp.float32)
         self._opt = jax.jit(tx.init)(self._params)
         self._opt_treedef = jax.tree.structure(self._opt)
@@ -82,9 +106,11 @@ class ShardCore:
         self.epoch = epoch
         self.version = 0
         self.resync = False             # restored: adopt the workers' step at the next push
+        self.last_outcome = "applied"
         self.alive = set(range(num_workers))
         self.retired: dict[int, str] = {}
         self.last_step = {w: -1 for w in range(num_workers)}
+        self.seen_step = {w: -1 for w in range(num_workers)}  # progress, for the launcher
         self.clock = {w: 0 for w in range(num_workers)}
         self.started: set[int] = set()  # workers that said hello (see `hello`)
         self.last_seen: dict[int, float] = {}
@@ -92,10 +118,12 @@ class ShardCore:
         self.barrier_opened = 0.0
         self.failure: str | None = None
         self.pull_clock: dict[int, tuple[int, int]] = {}
-        self.counts = Counter()         # applied, rejected, deduplicated, applies
+        # applied, rejected, deduplicated, applies, rejected_nonfinite, clipped
+        self.counts = Counter()
         self.staleness_hist = Counter()
         self.step_staleness_hist = Counter()
         self.wait_s = {"barrier": 0.0, "bound": 0.0}
+        self.apply_s = 0.0              # optimizer time (jitted update), all applies
         self.wait_s_by_worker = {w: 0.0 for w in range(num_workers)}
         self.lr_scale_sum, self.lr_scale_min = 0.0, 1.0
         self.events: list[str] = []
@@ -137,17 +165,29 @@ class ShardCore:
             raise PSFault("invalid", "gradient has non-finite values")
         if self.mode == "sync":
             return self._push_sync(worker, step, grad)
+        # A step the worker cannot have reached: applying it would also make every later
+        # real push of this worker look like a duplicate. A push from before a restart
+        # (older epoch) is exempt: the restored shard's clocks are behind on purpose.
+        reach = self.last_step[worker] + 1 + (self.bound if self.mode == "ssp" else 0)
+        if epoch == self.epoch and not self.resync and step > reach:
+            raise PSFault("precondition", f"worker {worker} pushed step {step}, beyond the "
+                                          f"step {reach} it can have reached (last applied "
+                                          f"step {self.last_step[worker]})")
         if epoch < self.epoch and version > self.version:
             # A gradient from before this shard's restart: its version counts the lost life.
             # Move the counter forward so versions keep increasing for every client.
             self.events.append(f"epoch {self.epoch}: version {self.version} -> {version} "
                                f"(resumed from a snapshot)")
             self.version = version
+        self.resync = False
         stale = self.version - version
         scale = 1.0 / (1.0 + stale) if self.staleness_lr else 1.0
-        self._apply_update(grad, scale)
         self.last_step[worker] = step
+        self.seen_step[worker] = max(self.seen_step[worker], step)
         self.clock[worker] = max(self.clock[worker], step + 1)
+        if not self._apply_update(grad, scale, f"push of worker {worker} step {step}"):
+            self._after_apply()
+            return self._reply("rejected_nonfinite")
         self.counts["applied"] += 1
         self.staleness_hist[stale] += 1
         self.lr_scale_sum += scale
@@ -159,6 +199,9 @@ class ShardCore:
         return self._reply("applied", staleness=stale)
 
     def _push_sync(self, worker, step, grad) -> dict:
+        if self.failure:
+            # The barrier failed: a late gradient must not complete (and apply) it now.
+            raise PSFault("precondition", self.failure)
         if self.resync and not self.pending:
             if step > self.version:
                 self.events.append(f"epoch {self.epoch}: version {self.version} -> {step} "
@@ -174,8 +217,11 @@ class ShardCore:
         if not self.pending:
             self.barrier_opened = time.monotonic()
         self.pending[worker] = grad
+        self.seen_step[worker] = max(self.seen_step[worker], step)
         self._maybe_complete_barrier()
-        return self._reply("applied" if worker not in self.pending else "pending")
+        if worker in self.pending:
+            return self._reply("pending")
+        return self._reply(self.last_outcome)
 
     def pull(self, worker: int, step: int, min_version: int, epoch: int,
              timeout_s: float | None = None):
@@ -249,6 +295,16 @@ class ShardCore:
             self.cond.notify_all()
             return {"waiting": sorted(self.alive - self.started)}
 
+    def progress(self) -> dict:
+        """What the launcher watches: the newest step each worker has pushed (-1: none),
+        who said hello, who is retired, the version, and why a sync barrier failed."""
+        with self.cond:
+            return {"version": self.version, "epoch": self.epoch,
+                    "seen_step": [self.seen_step[w] for w in range(self.num_workers)],
+                    "started": sorted(self.started), "retired": sorted(self.retired),
+                    "missing": sorted(self.alive - set(self.pending)) if self.pending else [],
+                    "failure": self.failure}
+
     def waiting(self) -> list[int]:
         with self.cond:
             return sorted(self.alive - self.started)
@@ -297,11 +353,33 @@ class ShardCore:
         return {"status": status, "version": self.version, "epoch": self.epoch,
                 "staleness": staleness}
 
-    def _apply_update(self, grad: np.ndarray, scale: float) -> None:
-        self._params, self._opt = self._apply(self._params, self._opt, grad, np.float32(scale))
+    def _apply_update(self, grad: np.ndarray, scale: float, what: str) -> bool:
+        """Apply one (aggregated) gradient; False, and nothing changed, if the result would
+        not be finite. The version moves on either way in sync (the barrier's step is done)
+        and only on success in async/ssp."""
+        t0 = time.perf_counter()
+        params, opt, finite, norm = self._apply(self._params, self._opt, grad,
+                                                np.float32(scale))
+        finite = bool(finite)  # waits for the update
+        self.apply_s += time.perf_counter() - t0
+        if not finite:
+            self.counts["rejected_nonfinite"] += 1
+            self.last_outcome = "rejected_nonfinite"
+            message = (f"version {self.version}: {what} rejected: the update is not finite; "
+                       f"parameters and optimizer state unchanged")
+            self.events.append(message)
+            self.log(message)
+            if self.mode == "sync":
+                self.version += 1
+            return False
+        if self.clip_norm and float(norm) > self.clip_norm:
+            self.counts["clipped"] += 1
+        self._params, self._opt = params, opt
         self._serve = np.asarray(self._params)  # a new array: pulls in flight keep the old one
         self.version += 1
         self.counts["applies"] += 1
+        self.last_outcome = "applied"
+        return True
 
     def _after_apply(self) -> None:
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
@@ -313,15 +391,17 @@ class ShardCore:
             return
         workers = sorted(self.pending)
         total = np.zeros(self.size, np.float32)
-        for w in workers:  # fixed order: float sums do not depend on arrival order
-            total += self.pending[w]
+        with np.errstate(over="ignore"):  # an overflow is caught below, as a non-finite step
+            for w in workers:  # fixed order: float sums do not depend on arrival order
+                total += self.pending[w]
         step = self.version
-        self._apply_update(total / np.float32(len(workers)), 1.0)
+        if self._apply_update(total / np.float32(len(workers)), 1.0,
+                              f"sync step {step} of workers {workers}"):
+            self.counts["applied"] += len(workers)
+            self.staleness_hist[0] += len(workers)
+            self.lr_scale_sum += len(workers)
         for w in workers:
             self.last_step[w] = step
-        self.counts["applied"] += len(workers)
-        self.staleness_hist[0] += len(workers)
-        self.lr_scale_sum += len(workers)
         held = list(self.pending.values())
         self.pending.clear()
         for buf in held:
@@ -434,10 +514,12 @@ class ShardCore:
                 "applied": applied, "rejected": self.counts["rejected"],
                 "deduplicated": self.counts["deduplicated"], "applies": self.counts["applies"],
                 "snapshots": self.counts["snapshots"],
+                "rejected_nonfinite": self.counts["rejected_nonfinite"],
+                "clipped": self.counts["clipped"],
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
                 "step_staleness_hist": {str(k): v for k, v in
                                         sorted(self.step_staleness_hist.items())},
-                "wait_s": dict(self.wait_s),
+                "wait_s": dict(self.wait_s), "apply_s": self.apply_s,
                 "wait_s_by_worker": [self.wait_s_by_worker[w] for w in range(self.num_workers)],
                 "lr_scale_mean": self.lr_scale_sum / applied if applied else None,
                 "lr_scale_min": self.lr_scale_min,

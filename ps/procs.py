@@ -68,11 +68,13 @@ def start(name: str, argv: list, env: dict, log_path: Path) -> Child:
 
 
 def stop(child: Child, grace_s: float = 3.0) -> None:
-    """SIGTERM the child's process group, SIGKILL what is left after `grace_s`, reap."""
+    """SIGTERM the child's process group (and SIGCONT, so a stopped process can act on it),
+    SIGKILL what is left after `grace_s` (SIGKILL ends stopped processes too), reap."""
     if child.proc is None:
         return
     if child.proc.poll() is None:
         _signal_group(child.proc.pid, signal.SIGTERM)
+        _signal_group(child.proc.pid, signal.SIGCONT)
         try:
             child.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -91,6 +93,7 @@ def stop_all(children=None, grace_s: float = 3.0) -> None:
     for child in targets:  # SIGTERM everyone first, so the grace periods overlap
         if child.proc is not None and child.proc.poll() is None:
             _signal_group(child.proc.pid, signal.SIGTERM)
+            _signal_group(child.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for child in targets:
         stop(child, max(0.0, deadline - time.monotonic()))
@@ -155,8 +158,12 @@ def parent_watchdog(poll_s: float = 0.5) -> None:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nothing listens on (or is bound to) host:port. Connections of a killed server left
+    in TIME_WAIT do not count: gRPC binds with SO_REUSEADDR, so a restarted shard can take
+    its port back, and so does this check."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

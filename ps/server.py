@@ -14,6 +14,7 @@ Methods (generic handlers, raw bytes; no protoc):
   Push     client stream of frames (op "push") -> JSON reply {status, version, epoch, ...}
   Pull     one frame (op "pull": worker, step, min_version, epoch) -> stream of "param" frames
   PushOne, PullOne  the same as single messages of several frames (small shards)
+  PushPullOne  sync: the push of step t and the parameters of step t+1 in one call
   Control  one frame (op ping | info | hello | stats | retire | shutdown) -> JSON reply
 """
 
@@ -30,6 +31,7 @@ import json  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -38,9 +40,10 @@ import numpy as np  # noqa: E402
 
 from jaxdist.errors import UsageError  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
+from ps.admission import CallGate, Refused, pool_size  # noqa: E402
 from ps.client import FAULT_KEY, TOKEN_KEY  # noqa: E402
 from ps.core import PSFault, ShardCore  # noqa: E402
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 TOKEN_ENV = "JAXDIST_PS_TOKEN"
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md
@@ -49,7 +52,8 @@ _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
           "precondition": grpc.StatusCode.FAILED_PRECONDITION,
           "restarted": grpc.StatusCode.FAILED_PRECONDITION,
           "aborted": grpc.StatusCode.ABORTED,
-          "deadline": grpc.StatusCode.DEADLINE_EXCEEDED}
+          "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+          "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def is_loopback(host: str) -> bool:
@@ -67,8 +71,10 @@ def security_problems(bind: str, token: str | None, cert: str, key: str) -> str 
         return (f"--ps-bind {bind} exposes the shard servers beyond this host; set a shared "
                 f"token in {TOKEN_ENV} (at least {MIN_TOKEN_CHARS} characters) on every "
                 f"server and worker")
-    if token is not None and token != "" and len(token) < MIN_TOKEN_CHARS:
-        return f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters"
+    if token is not None and token != "" and len(token.strip()) < MIN_TOKEN_CHARS:
+        # whitespace does not count: a token of 16 spaces is as guessable as an empty one
+        return (f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters, not counting "
+                f"whitespace")
     if bool(cert) != bool(key):
         return "--ps-tls-cert and --ps-tls-key go together: give both or neither"
     for flag, path in (("--ps-tls-cert", cert), ("--ps-tls-key", key)):
@@ -87,8 +93,13 @@ def server_options(max_message_bytes: int) -> list:
 
 class ShardServicer:
     def __init__(self, core: ShardCore, shard_map, shard: int, *, token: str = "",
-                 frame_bytes: int = wire.DEFAULT_FRAME_BYTES, on_push=None):
+                 frame_bytes: int = wire.DEFAULT_FRAME_BYTES, on_push=None,
+                 call_deadline_s: float | None = None):
         self.core, self.map, self.shard = core, shard_map, shard
+        # Longer than the core's own waits (timeout + 1 s), so a parked pull ends with the
+        # core's message, not a bare cancellation.
+        self.gate = CallGate(core.num_workers, call_deadline_s or
+                             getattr(core, "timeout_s", 30.0) + 2.0)
         self.token = token.encode() if token else b""
         self.frame_bytes = frame_bytes
         self.pieces = shard_map.shard_pieces(shard)
@@ -96,6 +107,7 @@ class ShardServicer:
         self.stop_event = threading.Event()
         self.on_push = on_push or (lambda: None)
         self.bytes_in = self.bytes_out = 0
+        self.decode_s = self.encode_s = 0.0  # CPU time validating/copying frames in, making out
 
     def handler(self):
         return grpc.method_handlers_generic_handler("jaxdist.ps.Shard", {
@@ -105,8 +117,8 @@ class ShardServicer:
             # The same, as single messages of several frames: small transfers skip streams.
             "PushOne": grpc.unary_unary_rpc_method_handler(
                 lambda request, context: self.push(iter((request,)), context)),
-            "PullOne": grpc.unary_unary_rpc_method_handler(
-                lambda request, context: b"".join(self.pull(request, context))),
+            "PullOne": grpc.unary_unary_rpc_method_handler(self.pull_one),
+            "PushPullOne": grpc.unary_unary_rpc_method_handler(self.push_pull_one),
         })
 
     # Every handler starts here: a missing or wrong token never reaches parsing.
@@ -125,18 +137,48 @@ class ShardServicer:
         context.set_trailing_metadata(((FAULT_KEY, kind),))
         context.abort(_CODES[kind], message)
 
+    def _admit(self, context):
+        """(worker named in the metadata, release()) or abort: see ps.admission."""
+        try:
+            return self.gate.admit(context)
+        except Refused as e:
+            if e.kind == "invalid":
+                self.core.count_rejected()
+            self._abort(context, e.kind, str(e))
+
     def push(self, request_iterator, context):
+        return json.dumps(self._push(request_iterator, context)[0]).encode()
+
+    def push_pull_one(self, request, context):
+        """Sync: the push of step t and the pull of step t+1 in one call (one message each
+        way, no second call to hand the parameters over). Reply: a frame `op=reply` with
+        the push's JSON fields, then the parameter frames."""
+        if self.core.mode != "sync":
+            self._abort(context, "invalid", "PushPullOne is for --ps-mode sync")
+        reply, meta = self._push(iter((request,)), context)
+        step = meta["step"] + 1
+        pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
+                            "min_version": step, "epoch": meta["epoch"]})
+        return wire.encode({"op": "reply", **reply}) + self.pull_one(pull, context)
+
+    def _push(self, request_iterator, context):
         self._auth(context)
+        worker, release = self._admit(context)
         scratch = self.core.take_buffer()
         try:
             asm = wire.Assembler("push", self.layout, scratch,
                                  fixed=("worker", "step", "version", "epoch"))
             try:
                 for message in request_iterator:
+                    d0 = time.perf_counter()
                     asm.add(message)
+                    self.decode_s += time.perf_counter() - d0
                 meta = asm.finish()
                 if not meta:
                     raise wire.WireError("empty push")
+                if meta["worker"] != worker:
+                    raise wire.WireError(f"frames of worker {meta['worker']} on a call of "
+                                         f"worker {worker}")
             except wire.WireError as e:
                 self.core.count_rejected()
                 self._abort(context, "invalid", str(e))
@@ -148,17 +190,22 @@ class ShardServicer:
                 self._abort(context, e.kind, str(e))
         finally:
             self.core.give_buffer(scratch)  # kept by the core while a sync barrier holds it
+            release()
         self.on_push()
-        return json.dumps(reply).encode()
+        return reply, meta
 
-    def pull(self, request, context):
-        self._auth(context)
+    def _pull_source(self, request, context, worker: int):
+        """Validate a pull, wait as the mode says (core.pull), and return
+        `produce(wire.frames or wire.bundle)` over the parameters it got."""
         try:
             header, _ = wire.decode(request)
             if header.get("op") != "pull":
                 raise wire.WireError(f"expected op 'pull', got {str(header.get('op'))[:20]!r}")
             fields = {k: wire.get_int(header, k)
                       for k in ("worker", "step", "min_version", "epoch")}
+            if fields["worker"] != worker:
+                raise wire.WireError(f"pull of worker {fields['worker']} on a call of worker "
+                                     f"{worker}")
         except wire.WireError as e:
             self._abort(context, "invalid", str(e))
         try:
@@ -166,10 +213,37 @@ class ShardServicer:
         except PSFault as e:
             self._abort(context, e.kind, str(e))
         meta = {"version": version, "epoch": epoch, "waited_us": int(waited * 1e6)}
-        for frame in wire.frames("param", self.pieces, params, self.frame_bytes, meta,
-                                 source_offset=lambda p: p.shard_offset):
-            self.bytes_out += len(frame)
-            yield frame
+        return lambda make: make("param", self.pieces, params, self.frame_bytes, meta,
+                                 source_offset=lambda p: p.shard_offset)
+
+    def pull(self, request, context):
+        self._auth(context)
+        worker, release = self._admit(context)
+        try:
+            frames = self._pull_source(request, context, worker)(wire.frames)
+            while True:
+                e0 = time.perf_counter()
+                frame = next(frames, None)
+                self.encode_s += time.perf_counter() - e0
+                if frame is None:
+                    break
+                self.bytes_out += len(frame)
+                yield frame
+        finally:
+            release()
+
+    def pull_one(self, request, context):
+        self._auth(context)
+        worker, release = self._admit(context)
+        try:
+            produce = self._pull_source(request, context, worker)
+            e0 = time.perf_counter()
+            message = produce(wire.bundle)
+            self.encode_s += time.perf_counter() - e0
+        finally:
+            release()
+        self.bytes_out += len(message)
+        return message
 
     def control(self, request, context):
         self._auth(context)
@@ -178,11 +252,14 @@ class ShardServicer:
             op = header.get("op")
             if op == "ping":
                 return b'{"ok": true}'
+            if op == "progress":
+                return json.dumps(self.core.progress()).encode()
             if op == "info":
                 return json.dumps(self.info()).encode()
             if op == "stats":
                 stats = self.core.stats()
-                stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out)
+                stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                             decode_s=self.decode_s, encode_s=self.encode_s)
                 return json.dumps(stats).encode()
             if op == "hello":
                 worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)
@@ -214,9 +291,8 @@ class ShardServicer:
 def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes: int,
                num_workers: int, tls_cert: str = "", tls_key: str = "") -> tuple:
     """(grpc server, bound port). Raises UsageError if the address cannot be bound."""
-    # Blocking pulls (barrier, bound) hold a thread each: room for every worker's pull and
-    # push at once, plus control calls.
-    pool = ThreadPoolExecutor(max_workers=max(16, 4 * num_workers + 8),
+    # Data calls are capped per worker (ps.admission); the rest of the pool is for control.
+    pool = ThreadPoolExecutor(max_workers=pool_size(num_workers),
                               thread_name_prefix="ps-shard")
     server = grpc.server(pool, handlers=[servicer.handler()],
                          options=server_options(max_message_bytes))
@@ -329,7 +405,7 @@ def main(argv=None) -> int:
                      staleness_lr=cfg.ps.ps_staleness_lr,
                      drop_dead=cfg.ps.ps_drop_dead_workers, timeout_s=cfg.ps.ps_timeout_s,
                      checkpoint_every=cfg.ps.ps_checkpoint_every, snapshot_dir=snap_dir,
-                     epoch=epoch, log=log)
+                     epoch=epoch, clip_norm=cfg.ps.ps_clip_norm, log=log)
     loaded = snapshot.load(snap_dir) if (args.restore and snap_dir) else None
     if loaded:
         core.restore(*loaded)
@@ -357,7 +433,12 @@ def main(argv=None) -> int:
         pass
     server.stop(grace=0.2).wait(1.0)
     log("stopped")
-    return 0
+    # Exit now: interpreter shutdown would join the gRPC pool's threads, and a pull parked
+    # on a barrier holds one for up to --ps-timeout-s (the launcher would SIGKILL us first).
+    # Nothing is lost: snapshots are written atomically while serving.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _num_workers(cfg) -> int:

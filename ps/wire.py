@@ -46,7 +46,7 @@ def encode(header: dict, payload=b"") -> bytes:
 def split(message: bytes):
     """(header, payload) of each frame in a message: one frame, or several back to back
     (small transfers travel as one message of many frames)."""
-    if not isinstance(message, (bytes, bytearray)):
+    if not isinstance(message, (bytes, bytearray, memoryview)):
         raise WireError("message is not bytes")
     if not message:
         raise WireError("empty message")
@@ -63,8 +63,10 @@ def split(message: bytes):
             raise WireError(f"header length {head_len} exceeds the frame")
         try:
             header = json.loads(bytes(view[start:start + head_len]).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise WireError(f"header is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            # ValueError covers UnicodeDecodeError, JSONDecodeError and integers past
+            # Python's digit limit (int_max_str_digits), which json raises as ValueError
+            raise WireError(f"header is not JSON: {str(e)[:120]}") from None
         if not isinstance(header, dict):
             raise WireError("header is not an object")
         nbytes = get_int(header, "nbytes")
@@ -105,17 +107,35 @@ def frame_bytes(max_message_bytes: int) -> int:
     return max(4, min(DEFAULT_FRAME_BYTES, max_message_bytes - FRAME_OVERHEAD) // 4 * 4)
 
 
-def frames(op: str, pieces, source: np.ndarray, chunk: int, meta: dict, source_offset=None):
-    """Frames carrying `pieces` (ps.shardmap.Piece) read from the flat float32 `source`.
-    `source_offset(piece)` is where the piece starts in `source` (global offset by default)."""
+def frame_parts(op: str, pieces, source: np.ndarray, chunk: int, meta: dict,
+                source_offset=None):
+    """(prefix + header bytes, payload view) of each frame carrying `pieces`
+    (ps.shardmap.Piece) read from the flat float32 `source`; `source_offset(piece)` is where
+    the piece starts in `source` (global offset by default). The payload is a view of
+    `source`: it is copied once, when the parts are joined into the message."""
     where = source_offset or (lambda p: p.offset)
     for piece in pieces:
         data = memoryview(source[where(piece):where(piece) + piece.length]).cast("B")
         size = len(data)
         for start in range(0, max(size, 1), chunk):
+            view = data[start:start + chunk]
             header = {"op": op, "name": piece.name, "dtype": "float32",
-                      "shape": [piece.length], "offset": start, **meta}
-            yield encode(header, data[start:start + chunk])
+                      "shape": [piece.length], "offset": start, **meta, "nbytes": len(view)}
+            head = json.dumps(header, separators=(",", ":")).encode()
+            yield _PREFIX.pack(MAGIC, len(head)) + head, view
+
+
+def frames(op: str, pieces, source: np.ndarray, chunk: int, meta: dict, source_offset=None):
+    """One message per frame (a stream)."""
+    for head, view in frame_parts(op, pieces, source, chunk, meta, source_offset):
+        yield b"".join((head, view))
+
+
+def bundle(op: str, pieces, source: np.ndarray, chunk: int, meta: dict,
+           source_offset=None) -> bytes:
+    """Every frame in one message (a small transfer as one unary call), one copy."""
+    return b"".join(x for part in frame_parts(op, pieces, source, chunk, meta, source_offset)
+                    for x in part)
 
 
 class Assembler:
@@ -175,3 +195,10 @@ class Assembler:
         if self.meta is None:
             self.meta = {}
         return self.meta
+
+
+def split_first(message: bytes) -> tuple[dict, memoryview]:
+    """(header of the first frame, a view of the rest of the message)."""
+    header, payload = next(split(message))
+    head_len = _PREFIX.unpack_from(message, 0)[1]
+    return header, memoryview(message)[_PREFIX.size + head_len + len(payload):]

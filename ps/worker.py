@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from jaxdist.results import write_json
+from jaxdist.record import write_json
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
 # Shards start at the same time as the workers (or later, under a scheduler): waiting for
@@ -178,25 +178,51 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     total = cfg.loop.warmup + cfg.loop.steps
     losses, step_s, compute_s, waits, accuracy = [], [], [], [], []
-    prefetched = False
+    phases = {"pull_s": [], "push_s": [], "batch_s": []}  # per step, wall time on this worker
     started = time.perf_counter()
     window = [None, None]
     every = cfg.data.eval_every
     report_every = max(1, total // 10)
+    sync = cfg.ps.ps_mode == "sync"
+    pulled = None      # (waited, seconds) when the parameters for this step are already here
+    batch = local_batch(0)
     for t in range(total):
         if t == cfg.loop.warmup:
             window[0] = time.time()
         t0 = time.perf_counter()
-        waited = 0.0 if prefetched else client.pull(t, flat)
-        prefetched = False
+        if pulled is None:
+            waited = client.pull(t, flat)
+            phases["pull_s"].append(time.perf_counter() - t0)
+        else:
+            waited, seconds = pulled
+            phases["pull_s"].append(seconds)
         c0 = time.perf_counter()
         params = program.params(flat)
-        loss, grads, model_state = compiled(params, model_state, local_batch(t))
+        loss, grads, model_state = compiled(params, model_state, batch)
         grad = program.flatten(grads)
+        if cfg.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
+            norm = float(np.linalg.norm(grad))
+            if norm > cfg.ps.ps_clip_norm:
+                grad *= np.float32(cfg.ps.ps_clip_norm / norm)
         compute_s.append(time.perf_counter() - c0)
         if "slow-worker" in fault:
             time.sleep(fault["slow-worker"])
-        client.push(t, grad, repeat=2 if fault.get("dup-push") == t else 1)
+        evaluate_now = (worker == 0 and dataset is not None and every
+                        and ((t + 1) % every == 0 or t + 1 == total))
+        p0 = time.perf_counter()
+        # The push runs in the background while the next batch is prepared. In sync mode
+        # the pull of step t+1 is sent at the same time: the shard holds it until the
+        # barrier of step t completes and answers at once, with no round trip in between.
+        # (async/ssp pull after the push: a pull must see the worker's own update.)
+        prefetch = (t + 1, flat) if sync and (t + 1 < total or evaluate_now) else None
+        inflight = client.start_push(t, grad, repeat=2 if fault.get("dup-push") == t else 1,
+                                     then_pull=prefetch)
+        b0 = time.perf_counter()
+        batch = local_batch(t + 1) if t + 1 < total else None
+        phases["batch_s"].append(time.perf_counter() - b0)
+        next_waited = inflight()
+        phases["push_s"].append(time.perf_counter() - p0)
+        pulled = (next_waited, 0.0) if next_waited is not None else None  # counted in push_s
         step_s.append(time.perf_counter() - t0)
         losses.append(float(loss))
         waits.append(waited)
@@ -204,10 +230,10 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             os.kill(os.getpid(), signal.SIGKILL)
         if worker == 0 and (t + 1) % report_every == 0:
             log(f"step {t + 1}/{total} loss {losses[-1]:.4f} step {step_s[-1] * 1e3:.1f} ms")
-        if (worker == 0 and dataset is not None and every
-                and ((t + 1) % every == 0 or t + 1 == total)):
-            client.pull(t + 1, flat)  # the parameters after this step; reused by step t+1
-            prefetched = True
+        if evaluate_now:
+            if pulled is None:  # async/ssp: the parameters after this step; reused by t+1
+                w0 = time.perf_counter()
+                pulled = (client.pull(t + 1, flat), time.perf_counter() - w0)
             acc = evaluate(program.params(flat), model_state)
             accuracy.append({"step": t + 1, "wall_s": time.perf_counter() - started,
                              "accuracy": acc})
@@ -223,6 +249,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         "push_s": client.push_s, "pull_s": client.pull_s,
         "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
         "restarts_seen": client.restarts_seen, "compile_s": compile_s,
+        "rejected_nonfinite": client.rejected_nonfinite, "phases_s": phases,
         "accuracy": accuracy, "env": env_info(platform),
         "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
         "memory": {"state_bytes_by_device": by_device,

@@ -187,7 +187,8 @@ def ps_roundtrip(nbytes: int, num_shards: int, repeats: int) -> tuple[float, flo
 
 # -- step time: ps sync vs ddp through the CLI --------------------------------------------
 
-def cli_step_time(args: list[str]) -> float:
+def cli_run(args: list[str]) -> dict:
+    """results.json of one `experiments.run`."""
     with tempfile.TemporaryDirectory() as tmp:
         logdir = Path(tmp) / "run"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -196,7 +197,18 @@ def cli_step_time(args: list[str]) -> float:
                               capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
-        return json.loads((logdir / "results.json").read_text())["step_time_s"]["p50"]
+        return json.loads((logdir / "results.json").read_text())
+
+
+def format_breakdown(b: dict) -> str:
+    ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f}"  # noqa: E731
+    w, s = b["worker"], b["server"]
+    return (f"    worker: step {ms(w['step'])} = pull {ms(w['pull'])} + compute (grad, "
+            f"flatten) {ms(w['compute'])} + push(+next pull, barrier) {ms(w['push'])} ms; "
+            f"batch prep {ms(w['batch_overlapped'])} ms overlapped with the push\n"
+            f"    server (slowest shard, per step): decode {ms(s['decode'])}, apply "
+            f"{ms(s['apply'])}, encode {ms(s['encode'])} ms; wait per pull "
+            f"{ms(s['wait_per_pull'])} ms")
 
 
 def main() -> None:
@@ -205,6 +217,8 @@ def main() -> None:
     parser.add_argument("--shards", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-step", action="store_true", help="skip the step-time part")
+    parser.add_argument("--skip-transport", action="store_true",
+                        help="skip the throughput part")
     parser.add_argument("--model", default="mlp-tiny,mlp",
                         help="models of the step-time comparison, comma-separated")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -215,9 +229,10 @@ def main() -> None:
     shard_counts = [int(s) for s in args.shards.split(",")]
 
     rows, ratios = [], []
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs", flush=True)
     print(f"{'MB':>6} {'shards':>6} {'push s':>8} {'pull s':>8} {'ps MB/s':>9} "
           f"{'raw MB/s':>9} {'ps/raw':>7}", flush=True)
-    for size in sizes:
+    for size in ([] if args.skip_transport else sizes):
         nbytes = size * MB
         raw = raw_roundtrip(nbytes, args.repeats)
         raw_rate = 2 * size / raw
@@ -237,12 +252,14 @@ def main() -> None:
         for model in args.model.split(","):
             common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup", "3",
                       "--steps", str(args.steps), "--optimizer", "adamw"]
-            ddp = cli_step_time(["--layout", "ddp", "--mesh", mesh, *common])
-            ps = cli_step_time(["--layout", "ps", "--mesh", mesh, "--ps-shards", "2",
-                                "--ps-mode", "sync", *common])
+            ddp = cli_run(["--layout", "ddp", "--mesh", mesh, *common])["step_time_s"]["p50"]
+            r = cli_run(["--layout", "ps", "--mesh", mesh, "--ps-shards", "2",
+                         "--ps-mode", "sync", *common])
+            ps = r["step_time_s"]["p50"]
             step_ratios.append((model, ps / ddp))
             print(f"  {model:<10} ddp {ddp * 1e3:8.2f} ms   ps sync (2 shards) "
                   f"{ps * 1e3:8.2f} ms", flush=True)
+            print(format_breakdown(r["ps"]["time_breakdown_s"]), flush=True)
 
     print("\nratios (push+pull throughput / raw loopback TCP; target >= 0.5 for >= 40 MB):")
     for size, k, r in ratios:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from experiments import baselines
+from analysis import baselines
 from tests.helpers import ROOT, run_cli
 
 RUN_ARGS = ["--model", "mlp-tiny", "--batch-size", "32", "--warmup", "1", "--steps", "3"]
@@ -206,7 +206,7 @@ def fake_run(name="jax", *, framework="jax", backend="gpu", kind="NVIDIA H100 80
     """A results.json of gpt-small (128 tokens per sample), ddp, global batch 64."""
     from pathlib import Path
 
-    from experiments.compare import Run
+    from jaxdist.record import RunRecord as Run
 
     model = {"model": "gpt-small", "model_opts": "", "dtype": "float32"}
     if precision is not None:
@@ -234,7 +234,7 @@ def record(rid, metric, unit, value, **over):
 
 
 def verdicts(run, records) -> dict[str, str]:
-    from experiments.compare import published_section
+    from analysis.published import published_section
 
     _, rows, _ = published_section([run], records, top=len(records))
     return {row["record"]: row["verdict"] for row in rows}
@@ -266,7 +266,7 @@ def test_cpu_run_against_a_gpu_record_is_not_comparable():
 
 
 def test_precision_class_against_published_dtype():
-    from experiments.compare import published_section
+    from analysis.published import published_section
 
     rec = [record("tps", "throughput_per_gpu", "tokens/s/GPU", 4000.0, device="H100",
                   hardware="8x H100", num_gpus=8)]
@@ -285,7 +285,8 @@ def test_precision_class_against_published_dtype():
 
 
 def test_live_match_names_the_precision_difference():
-    from experiments.compare import PYTORCH_UNRECORDED, mismatches
+    from analysis.match import mismatches
+    from jaxdist.record import PYTORCH_UNRECORDED
 
     jax_run = fake_run()
     assert mismatches(jax_run, fake_run("pt", framework="pytorch")) == []

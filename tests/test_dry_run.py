@@ -7,9 +7,9 @@ import pytest
 
 from jaxdist import dryrun
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
-from jaxdist.data import build_model
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
+from models.build import build_model
 from tests.helpers import run_cli
 
 

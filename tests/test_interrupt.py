@@ -87,10 +87,10 @@ def test_two_processes_stop_on_the_same_step(tmp_path):
     """Ctrl-C on process 0 only: it becomes the SIGTERM that JAX's preemption notifier
     listens for (the same path as a SIGTERM), and process 1 learns of it from the
     coordination service. (One case only: each two-process run costs ~25 s here.)"""
-    from experiments.launch import free_port
+    from jaxdist.procs import free_port_pair
 
     target, signum = 0, signal.SIGINT
-    port = free_port()
+    port = free_port_pair()
     logdir = tmp_path / "run"
     procs = [_start(["--mesh", "2x4", *LONG, "--logdir", str(logdir), "--platform", "cpu",
                      "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",

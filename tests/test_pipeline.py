@@ -236,7 +236,7 @@ def test_cli_run_records_pipeline(tmp_path):
     the TensorBoard scalars."""
     import json
 
-    from jaxdist.results import check
+    from jaxdist.record import check
     from tests.helpers import read_scalars, run_cli
 
     logdir = tmp_path / "pp"

@@ -330,3 +330,82 @@ def test_frames_stay_under_the_message_limit():
     frames = list(wire.frames("push", m.pieces, src, wire.frame_bytes(limit),
                               {"worker": 0, "step": 0}))
     assert len(frames) == 4 and max(len(f) for f in frames) < limit
+
+
+# -- finite aggregates, pushes from the future (issue #12, items 3 and 4) ------------------
+
+def test_sync_overflowing_aggregate_is_rejected_whole():
+    """Two finite 3e38 gradients sum to inf: the step is skipped, counted, parameters and
+    optimizer state unchanged, and the barrier still moves on (pulls of step 1 proceed)."""
+    c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode="sync", num_workers=2)
+    before = c.params()[1].copy()
+    assert c.push(0, 0, 0, 0, g(3e38))["status"] == "pending"
+    assert c.push(1, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"
+    assert c.version == 1 and c.pull(0, 1, 1, 0)[0] == 1
+    np.testing.assert_array_equal(c.params()[1], before)
+    s = c.stats()
+    assert (s["rejected_nonfinite"], s["applied"], s["applies"]) == (1, 0, 0)
+    assert any("not finite" in e for e in s["events"])
+    c.push(0, 1, 1, 0, g(1.0))
+    assert c.push(1, 1, 1, 0, g(1.0))["status"] == "applied"      # the next step trains
+    assert np.isfinite(c.params()[1]).all() and not np.array_equal(c.params()[1], before)
+
+
+def test_async_huge_gradient_cannot_freeze_adamw():
+    """3e38 is finite, but adam's second moment 3e38**2 is inf and every later update would
+    be 0: the push is rejected and the next normal push still moves the parameters."""
+    c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode="async", num_workers=1)
+    before = c.params()[1].copy()
+    assert c.push(0, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"
+    np.testing.assert_array_equal(c.params()[1], before)
+    assert c.version == 0 and c.stats()["rejected_nonfinite"] == 1
+    assert c.push(0, 1, 0, 0, g(1.0))["status"] == "applied"
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 * (1 + 1e-4), rtol=1e-5)  # sign(g)*lr
+
+
+def test_clip_norm_bounds_the_applied_gradient():
+    c = core("async", workers=1, clip_norm=1.0)
+    c.push(0, 0, 0, 0, g(3.0))                         # norm sqrt(8)*3 -> scaled to 1
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 / np.sqrt(8), rtol=1e-6)
+    assert c.stats()["clipped"] == 1
+    c.push(0, 1, 1, 0, g(0.01))                        # below the norm: untouched
+    np.testing.assert_allclose(c.params()[1], 1 - 0.1 / np.sqrt(8) - 0.001, rtol=1e-6)
+    assert c.stats()["clipped"] == 1
+
+
+@pytest.mark.parametrize("mode, bound", [("async", 0), ("ssp", 2)])
+def test_push_from_the_future_is_refused(mode, bound):
+    """step=10**9 used to be applied, after which every real push of that worker was
+    'deduplicated'. Now: FAILED_PRECONDITION, nothing applied, real pushes go on."""
+    c = core(mode, workers=2, staleness=bound)
+    before = c.params()[1].copy()
+    with pytest.raises(PSFault, match="beyond the step") as e:
+        c.push(0, 10 ** 9, 0, 0, g(1.0))
+    assert e.value.kind == "precondition"
+    with pytest.raises(PSFault, match="beyond the step"):
+        c.push(0, bound + 1, 0, 0, g(1.0))              # one past what it can have reached
+    np.testing.assert_array_equal(c.params()[1], before)
+    assert c.push(0, bound, 0, 0, g(1.0))["status"] == "applied"
+    assert c.push(0, bound + 1, 1, 0, g(1.0))["status"] == "applied"
+    assert c.stats()["rejected"] == 2
+
+
+def test_late_push_after_a_failed_barrier_is_refused():
+    c = core("sync", workers=2, timeout_s=0.2)
+    before = c.params()[1].copy()
+    c.push(0, 0, 0, 0, g(1.0))
+    with pytest.raises(PSFault, match=r"no gradient from worker\(s\) \[1\]"):
+        c.pull(0, 1, 1, 0)
+    with pytest.raises(PSFault, match="sync barrier of step 0") as e:
+        c.push(1, 0, 0, 0, g(1.0))                      # would complete the failed barrier
+    assert e.value.kind == "precondition"
+    np.testing.assert_array_equal(c.params()[1], before)
+    assert c.version == 0
+
+
+def test_progress_reports_newest_steps_and_missing_workers():
+    c = core("sync", workers=3)
+    c.push(0, 0, 0, 0, g(1.0))
+    c.push(2, 0, 0, 0, g(1.0))
+    p = c.progress()
+    assert p["seen_step"] == [0, -1, 0] and p["missing"] == [1] and p["version"] == 0

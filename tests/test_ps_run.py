@@ -19,7 +19,7 @@ import pytest
 from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
-from jaxdist.results import check
+from jaxdist.record import check
 from ps.procs import pids_alive
 from tests.helpers import read_scalars, run_cli, train
 
@@ -107,9 +107,24 @@ def test_sync_results_and_tensorboard(sync_run):
     assert all(s["opt_bytes"] > s["params_bytes"] for s in ps["server_bytes_per_shard"])
     assert r["memory"]["state_bytes_per_device"] == 6922 * 4
     assert len(r["memory"]["state_bytes_by_device"]) == 2      # worker 0's two devices
-    for key in ("push_latency_s", "pull_latency_s"):
-        assert ps[key]["p50"] > 0 and ps[key]["p99"] >= ps[key]["p50"]
-    assert ps["bytes_per_step"]["push"] > 6922 * 4 * 2          # two workers, plus headers
+    workers = [json.loads((logdir / "ps" / f"worker{w}.json").read_text()) for w in (0, 1)]
+    calls = {"push_latency_s": 4 * 2 * 3 + 3,     # steps x workers x shards + the dup push
+             "pull_latency_s": 4 * 2 * 3}
+    for key, n in calls.items():
+        recorded = np.concatenate([w[key.split("_")[0] + "_s"] for w in workers])
+        assert ps[key]["n"] == n == recorded.size
+        assert ps[key]["p50"] == pytest.approx(np.percentile(recorded, 50), rel=1e-12)
+        assert ps[key]["p99"] == pytest.approx(np.percentile(recorded, 99), rel=1e-12)
+        assert ps[key]["max"] == pytest.approx(recorded.max(), rel=1e-12)
+    step_s = workers[0]["step_s"]
+    assert r["step_time_s"]["p50"] == pytest.approx(np.percentile(step_s, 50), rel=1e-12)
+    assert ps["bytes_per_step"]["push"] * 4 == _push_bytes(r, logdir)  # exact, headers too
+    payload = 4 * 2 * 6922 * 4                                # steps x workers x params
+    frames = 4 * 2 * ps["shard_map"]["pieces"]                # one frame per piece
+    pull_min = payload + _header_bytes(r, logdir, "param", {"version": 0, "epoch": 0,
+                                                             "waited_us": 0}) * 4 * 2
+    # each version and waited_us field adds at most 7 digits to a header
+    assert pull_min <= ps["bytes_per_step"]["pull"] * 4 <= pull_min + frames * 14
     assert len(ps["step_time_s_per_worker"]) == 2
     assert (logdir / "ps" / "shard_map.json").exists()
     scalars = read_scalars(logdir)
@@ -117,6 +132,30 @@ def test_sync_results_and_tensorboard(sync_run):
     assert len(scalars["train/step_time_s"]) == 4
     assert "train/worker1/step_time_s" in scalars
     assert "shard map" in proc.stdout and "tensorboard --logdir" in proc.stdout
+
+
+def _header_bytes(r, logdir, op, meta) -> int:
+    """Bytes of every frame header of one full transfer (all shards) with these fields."""
+    smap = json.loads((logdir / "ps" / "shard_map.json").read_text())
+    total = 0
+    for k in range(smap["num_shards"]):
+        pieces = [p for p in smap["pieces"] if p["shard"] == k]
+        for p in pieces:
+            header = {"op": op, "name": p["name"], "dtype": "float32", "shape": [p["length"]],
+                      "offset": 0, **meta, "nbytes": p["length"] * 4}
+            total += 8 + len(json.dumps(header, separators=(",", ":")))
+    return total
+
+
+def _push_bytes(r, logdir) -> int:
+    """Exact push bytes of sync_run: step t of worker w carries version t, epoch 0."""
+    total = 0
+    for w in (0, 1):
+        for t in range(4):
+            meta = {"worker": w, "step": t, "version": t, "epoch": 0}
+            one = _header_bytes(r, logdir, "push", meta) + 6922 * 4
+            total += one * (2 if (w, t) == (1, 2) else 1)    # dup-push:1:2 sent it twice
+    return total
 
 
 def test_no_orphans_after_a_run(sync_run):
@@ -195,7 +234,10 @@ def test_sync_stops_naming_a_dead_worker(tmp_path):
     proc = run_ps(logdir, *SYNC_SMALL, fault="kill-worker:1:2")
     assert proc.returncode != 0
     assert "worker 1" in proc.stderr and "sync mode cannot continue" in proc.stderr
-    assert not logdir.exists()
+    # The failed run keeps only the logs it points the user to: no results, no events.
+    left = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("*") if p.is_file())
+    assert left and all(p.startswith("ps/") and p.endswith(".log") for p in left), left
+    assert not (logdir / "results.json").exists()
     assert_no_orphans(logdir)
 
 

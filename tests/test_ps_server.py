@@ -160,7 +160,7 @@ def test_fuzz_leaves_the_server_up_and_parameters_unchanged(server):
     rng = random.Random(1234)
     kinds = _fuzz_calls(rng, smap)
     channel = grpc.insecure_channel(address)
-    md = (("x-jaxdist-token", TOKEN),)
+    md = (("x-jaxdist-token", TOKEN), ("x-jaxdist-worker", "0"))
     calls = {"Push": channel.stream_unary("/jaxdist.ps.Shard/Push"),
              "Pull": channel.unary_stream("/jaxdist.ps.Shard/Pull"),
              "PushOne": channel.unary_unary("/jaxdist.ps.Shard/PushOne"),
@@ -266,3 +266,151 @@ def test_tls(tmp_path):
         plain.close()
     finally:
         stop_server(proc)
+
+
+# -- wire edge cases, future steps, slow clients (issue #12, items 4, 6, 7) ----------------
+
+def _raw(address):
+    channel = grpc.insecure_channel(address)
+    return channel, {m: getattr(channel, kind)(f"/jaxdist.ps.Shard/{m}") for m, kind in
+                     (("Push", "stream_unary"), ("Pull", "unary_stream"),
+                      ("PushOne", "unary_unary"), ("PushPullOne", "unary_unary"),
+                      ("Control", "unary_unary"))}
+
+
+def _huge_int_frame(header: dict, key: str) -> bytes:
+    """A header whose `key` is an integer past Python's 4300-digit conversion limit."""
+    head = json.dumps(header, separators=(",", ":")).replace(
+        f'"{key}":0', f'"{key}":' + "1" * 5000).encode()
+    return b"JDP1" + len(head).to_bytes(4, "little") + head
+
+
+EDGE = {
+    "push: huge integer": ("Push", [_huge_int_frame({"op": "push", "worker": 0, "step": 0,
+                                                      "nbytes": 0}, "step")]),
+    "pull: huge integer": ("Pull", _huge_int_frame({"op": "pull", "worker": 0, "step": 0,
+                                                     "min_version": 0, "epoch": 0,
+                                                     "nbytes": 0}, "step")),
+    "control: huge integer": ("Control", _huge_int_frame({"op": "hello", "worker": 0,
+                                                           "nbytes": 0}, "worker")),
+    "push: empty trailing message": ("Push", [wire.encode({"op": "push"}), b""]),
+    "push: empty trailing frame": ("PushOne", wire.encode({"op": "push"}) + b"JDP1" + bytes(4)),
+    "push+pull in async mode": ("PushPullOne", wire.encode({"op": "push"})),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE))
+def test_wire_edge_cases_are_invalid_argument(server, name):
+    method, payload = EDGE[name]
+    channel, calls = _raw(server[1])
+    md = (("x-jaxdist-token", TOKEN), ("x-jaxdist-worker", "0"))
+    with pytest.raises(grpc.RpcError) as e:
+        if method == "Push":
+            calls[method](iter(payload), timeout=10, metadata=md)
+        elif method == "Pull":
+            list(calls[method](payload, timeout=10, metadata=md))
+        else:
+            calls[method](payload, timeout=10, metadata=md)
+    channel.close()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
+def test_whitespace_token_is_refused_like_a_short_one():
+    from ps.server import security_problems
+
+    assert "at least 16 characters" in security_problems("0.0.0.0", " " * 20, "", "")
+    assert security_problems("0.0.0.0", "x" * 16, "", "") is None
+
+
+def test_push_from_the_future_is_refused_and_real_pushes_still_apply(server):
+    _, address = server
+    smap = shard_map_for(CFG, 1)
+    client = shard_client(address)
+    with pytest.raises(PSError, match="FAILED_PRECONDITION.*beyond the step"):
+        client.push(smap.pieces, np.zeros(smap.total, np.float32),
+                    {"worker": 0, "step": 10 ** 9, "version": 0, "epoch": 0})
+    client.close()
+    workers = PSClient([address], smap, 0, "async", max_message_bytes=64 << 20, timeout_s=5,
+                       token=TOKEN)
+    flat = np.empty(smap.total, np.float32)
+    workers.pull(0, flat)
+    assert workers.push(0, np.zeros(smap.total, np.float32))[0]["status"] == "applied"
+    workers.close()
+
+
+@pytest.fixture(scope="module")
+def sync_server(tmp_path_factory):
+    proc, port = start_server(tmp_path_factory.mktemp("sync"), "--ps-mode", "sync",
+                              "--ps-timeout-s", "4")
+    yield proc, f"127.0.0.1:{port}"
+    stop_server(proc)
+
+
+def test_idle_streams_and_parked_pulls_do_not_delay_control(sync_server):
+    """20 push streams that send nothing and 20 pulls parked on a sync barrier used to take
+    every server thread (a ping waited 5-11 s). A worker now gets 4 data calls at a time
+    (the rest: RESOURCE_EXHAUSTED at once), control calls have threads of their own, and a
+    call past the server's deadline is cancelled."""
+    import threading
+
+    from ps.admission import PER_WORKER
+
+    _, address = sync_server
+    channel, calls = _raw(address)
+    release = threading.Event()
+
+    def idle():
+        release.wait(30)
+        yield b""
+
+    pull = wire.encode({"op": "pull", "worker": 1, "step": 1, "min_version": 1, "epoch": 0})
+    streams = [calls["Push"].future(idle(), timeout=30, metadata=(("x-jaxdist-worker", "0"),))
+               for _ in range(20)]
+    pulls = [calls["Pull"](pull, timeout=30, metadata=(("x-jaxdist-worker", "1"),))
+             for _ in range(20)]
+    pull_codes = []
+    threads = [threading.Thread(target=lambda p=p: pull_codes.append(_code(lambda: list(p))))
+               for p in pulls]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 15                   # every call has reached the server
+    while sum(f.done() for f in streams) < 20 - PER_WORKER and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    control = shard_client(address, token="")
+    start = time.monotonic()
+    assert control.control("ping") == {"ok": True}
+    ping_s = time.monotonic() - start
+    refused = [f for f in streams if f.done()]
+    assert ping_s < 0.5, ping_s
+    assert len(refused) == 20 - PER_WORKER
+    assert {f.exception().code() for f in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    for t in threads:
+        t.join(20)
+    # 16 refused at once; the 4 admitted end with the barrier's deadline (4 s + 1)
+    assert sorted(pull_codes).count("RESOURCE_EXHAUSTED") == 20 - PER_WORKER
+    assert set(pull_codes) == {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+    start = time.monotonic()                           # idle streams: cancelled by the server
+    codes = {f.exception().code() for f in streams}
+    assert time.monotonic() - start < 8
+    assert grpc.StatusCode.CANCELLED in codes
+    release.set()
+    channel.close()
+    control.close()
+
+
+def _code(fn) -> str:
+    try:
+        fn()
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+def test_data_calls_must_name_their_worker(sync_server):
+    channel, calls = _raw(sync_server[1])
+    pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
+    assert _code(lambda: list(calls["Pull"](pull, timeout=5))) == "INVALID_ARGUMENT"
+    assert _code(lambda: list(calls["Pull"](pull, timeout=5, metadata=(
+        ("x-jaxdist-worker", "1"),)))) == "INVALID_ARGUMENT"   # frames of another worker
+    channel.close()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxdist.results import check
+from jaxdist.record import check
 from tests.helpers import read_scalars, run_cli
 
 

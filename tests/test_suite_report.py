@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments import report, suite
+from analysis import claims, plots, report
+from experiments.suite import cli, matrix, presets, settings
+from jaxdist import config
+from jaxdist.record import RunRecord
 from tests.helpers import ROOT
 
 # Two layouts x one model, plus an entry that fails inside the run (a global batch of 8 does
@@ -157,10 +160,10 @@ def test_rerun_retries_failed_run_from_a_clean_directory(suite_run, preset_file)
 
 
 def test_plan_interleaves_and_rotates(preset_file):
-    keys = suite.run_keys()
-    preset = suite.load_preset(preset_file, quick=False, keys=keys)
+    keys = config.keys()
+    preset = presets.load_preset(preset_file, quick=False, keys=keys)
     preset.models, preset.repeats = ["mlp-tiny", "resnet-tiny"], 2
-    runs = suite.plan(preset, suite.parse_set(["loop.steps=3", "batch-size=16"], keys), keys)
+    runs = matrix.plan(preset, settings.parse_set(["loop.steps=3", "batch-size=16"], keys))
     assert [r.name for r in runs] == [
         "mlp-tiny-ddp-r1", "mlp-tiny-bad-r1", "mlp-tiny-fsdp-r1",
         "resnet-tiny-ddp-r1", "resnet-tiny-bad-r1", "resnet-tiny-fsdp-r1",
@@ -174,7 +177,7 @@ def test_plan_interleaves_and_rotates(preset_file):
 
 def test_dry_run_relative_out_and_preflight(preset_file, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert suite.main(["--preset", str(preset_file), "--quick", "--out", "rel", "--dry-run",
+    assert cli.main(["--preset", str(preset_file), "--quick", "--out", "rel", "--dry-run",
                        "--layouts", "bad,fsdp"]) == 0
     out = capsys.readouterr().out
     # runs start in the repository root, so the suite hands them an absolute --logdir
@@ -189,20 +192,20 @@ def test_variants_and_sweep_names(tmp_path):
     path.write_text('models = ["gpt-tiny"]\n[[layouts]]\nname = "tp"\nmesh = "2x1x2"\n'
                     '[[variants]]\nname = "base"\n[[variants]]\nname = "remat"\n'
                     'remat = "full"\n[sweep]\nmicrobatches = [1, 4]\n')
-    keys = suite.run_keys()
-    runs = suite.plan(suite.load_preset(path, False, keys), {}, keys)
+    keys = config.keys()
+    runs = matrix.plan(presets.load_preset(path, False, keys), {})
     assert [r.name for r in runs] == ["gpt-tiny-tp-base-mb1-r1", "gpt-tiny-tp-base-mb4-r1",
                                       "gpt-tiny-tp-remat-mb1-r1", "gpt-tiny-tp-remat-mb4-r1"]
     assert "--remat=full" in runs[3].args and "--microbatches=4" in runs[3].args
 
 
 def test_builtin_presets_plan_and_pass_the_runs_checks():
-    for name in suite.preset_names():
+    for name in presets.preset_names():
         for quick in (False, True):
-            keys = suite.run_keys()
-            runs = suite.plan(suite.load_preset(suite.find_preset(name), quick, keys), {}, keys)
-            suite.validate_names(runs)
-            assert runs and all(suite.preflight(r) is None for r in runs), name
+            keys = config.keys()
+            runs = matrix.plan(presets.load_preset(presets.find_preset(name), quick, keys), {})
+            matrix.validate_names(runs)
+            assert runs and all(matrix.preflight(r) is None for r in runs), name
 
 
 def _result(layout, mesh, *, mode=None, state, peak, sps, window, acc, simulated=False):
@@ -223,8 +226,8 @@ def _result(layout, mesh, *, mode=None, state, peak, sps, window, acc, simulated
 
 @pytest.mark.parametrize("simulated", [False, True])
 def test_ratios_against_published(simulated):
-    R = report.Run
-    runs = [R(Path(n), n, r) for n, r in [
+    R = RunRecord
+    runs = [R(Path(n), r, n) for n, r in [
         ("ddp", _result("ddp", {"data": 2}, state=400, peak=1000, sps=200.0, window=5.0,
                         acc=0.9, simulated=simulated)),
         ("fsdp", _result("fsdp", {"data": 2}, state=100, peak=200, sps=100.0, window=10.0,
@@ -233,7 +236,7 @@ def test_ratios_against_published(simulated):
                          window=10.0, acc=0.90, simulated=simulated)),
         ("async", _result("ps", {"workers": 2}, mode="async", state=400, peak=1000, sps=60.0,
                           window=8.0, acc=0.80, simulated=simulated))]]
-    got = {r.what: r for r in report.ratios(runs)}
+    got = {r.what: r for r in claims.ratios(runs)}
     mem = got["FSDP/DDP peak memory"]
     assert mem.value == pytest.approx(0.2) and mem.basis == "measured peak per device"
     assert mem.verdict("v1") == "within" and mem.verdict("v2") == "within"
@@ -280,9 +283,9 @@ def test_report_measured_memory_and_energy(tmp_path):
 
 
 def _runs(*specs):
-    """report.Run objects from (name, layout, mesh, peak bytes) tuples."""
-    return [report.Run(Path(name), name, _result(layout, mesh, state=peak, peak=peak, sps=100.0,
-                                                 window=1.0, acc=0.5))
+    """RunRecord objects from (name, layout, mesh, peak bytes) tuples."""
+    return [RunRecord(Path(name), _result(layout, mesh, state=peak, peak=peak, sps=100.0,
+                                          window=1.0, acc=0.5), name)
             for name, layout, mesh, peak in specs]
 
 
@@ -290,7 +293,7 @@ def test_ratios_pair_only_runs_on_as_many_devices():
     runs = _runs(("ddp8", "ddp", {"data": 8}, 1000),
                  ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250),
                  ("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40))
-    mem = [r for r in report.ratios(runs) if r.what == "FSDP/DDP peak memory"]
+    mem = [r for r in claims.ratios(runs) if r.what == "FSDP/DDP peak memory"]
     # fsdp over 32 devices has no ddp run over 32: it is paired with nothing
     assert [(r.value, r.context) for r in mem] == [
         (0.25, "8 devices, batch 8, float32, digits")]
@@ -299,19 +302,19 @@ def test_ratios_pair_only_runs_on_as_many_devices():
 def test_runs_of_another_framework_or_precision_are_not_paired():
     runs = _runs(("ddp", "ddp", {"data": 8}, 1000), ("fsdp", "fsdp", {"fsdp": 8}, 250))
     runs[1].results["framework"] = "pytorch"
-    assert report.ratios(runs) == []
+    assert claims.ratios(runs) == []
     runs[1].results["framework"] = "jax"
     runs[1].results["config"]["model"]["matmul_precision"] = "highest"
-    assert report.ratios(runs) == []
+    assert claims.ratios(runs) == []
 
 
 def test_bars_are_labelled_layout_at_mesh(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
     runs = _runs(("fsdp32", "fsdp", {"data": 4, "fsdp": 8}, 40),
                  ("ddp8", "ddp", {"data": 8}, 1000),
                  ("fsdp8", "fsdp", {"data": 1, "fsdp": 8}, 250))
-    assert report.plot_memory(runs, tmp_path / "memory.png")
+    assert plots.plot_memory(runs, tmp_path / "memory.png")
     (ax,) = [a for a in figures[0].axes if a.get_visible()]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ddp @ 8", "fsdp @ 1x8",
                                                            "fsdp @ 4x8"]
@@ -401,7 +404,7 @@ SUITE_BAD = [
 @pytest.mark.parametrize("args, message", SUITE_BAD, ids=[" ".join(a) for a, _ in SUITE_BAD])
 def test_suite_bad_input(tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    _one_line_error(capsys, suite.main([*args, "--out", str(out)]), message)
+    _one_line_error(capsys, cli.main([*args, "--out", str(out)]), message)
     assert not out.exists()
 
 
@@ -423,14 +426,14 @@ def test_suite_bad_preset_file(tmp_path, capsys, text, message):
     path = tmp_path / "p.toml"
     path.write_text(text)
     out = tmp_path / "out"
-    _one_line_error(capsys, suite.main(["--preset", str(path), "--out", str(out)]), message)
+    _one_line_error(capsys, cli.main(["--preset", str(path), "--out", str(out)]), message)
     assert not out.exists()
 
 
 def test_quick_needs_a_quick_block(tmp_path, capsys):
     path = tmp_path / "p.toml"
     path.write_text('models = ["mlp-tiny"]\n[[layouts]]\nname = "ddp"\n')
-    _one_line_error(capsys, suite.main(["--preset", str(path), "--quick", "--out",
+    _one_line_error(capsys, cli.main(["--preset", str(path), "--quick", "--out",
                                         str(tmp_path / "out")]), "has no [quick] block")
     assert not (tmp_path / "out").exists()
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.results import check
+from jaxdist.record import check
 from models import get_model
 from tests.helpers import ROOT
 

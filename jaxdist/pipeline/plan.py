@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
-from jaxdist.data import build_model
+from models.build import build_model
 from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import SHARED
 from jaxdist.pipeline.schedule import build_schedule

@@ -1,0 +1,281 @@
+"""Study report: `python -m experiments.report RUNS_DIR [--out DIR]`.
+
+Reads every run below RUNS_DIR (each a directory with results.json and TensorBoard events, as
+`experiments.run` and `experiments.suite` write them) and the suite's suite.json when there
+is one, and writes DIR/report.md with PNG figures beside it (analysis.plots):
+
+- step_times.png   per-step latency distribution per layout (box plots of the timed steps'
+                   `train/step_time_s` TensorBoard scalars; repeats pooled)
+- memory.png       per-device memory per layout, linear, values on the bars: train-state
+                   shard bytes, the compiler's allocation bound, the measured peak where the
+                   backend reports one
+- energy.png       energy per sample, where power was measured
+- accuracy.png     test accuracy against wall time, parameter-server modes and DDP
+- comm.png         collective bytes per step by kind, where the run recorded `comm`
+
+and one table over all runs, Ovi 2025's claims as ratios (analysis.claims; timing ratios from
+simulated devices labelled as such), and the runs that failed or did not finish (by name: a
+run directory without results.json, or one with status "interrupted"). The report is built
+in a temporary directory and renamed into place, so a bad input leaves nothing half-written.
+Contents: docs/suite.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from analysis import claims, plots
+from analysis.runs import Failure, collect, layout_rank
+from analysis.text import human_bytes, md_escape, median, ms, num
+from jaxdist.errors import OneLineParser, UsageError
+
+
+def variant_lines(runs) -> list[str]:
+    """Each variant (remat, micro-batches, ...) against the base run of the same model,
+    layout and settings: step time, peak memory and energy per sample as ratios."""
+    groups: dict[tuple, dict[str, list]] = {}
+    for r in runs:
+        key = (r.model, r.layout_mode, r.mesh, r.batch, r.dtype, r.dataset)
+        groups.setdefault(key, {}).setdefault(r.variant or "base", []).append(r)
+    rows = []
+    for key, by in sorted(groups.items(), key=lambda kv: (kv[0][0], layout_rank(kv[0][1]),
+                                                          str(kv[0][2:]))):
+        if "base" not in by or len(by) < 2:
+            continue
+        base = by["base"]
+        for variant, rs in sorted(by.items()):
+            if variant == "base":
+                continue
+            sim = " (simulated)" if any(r.simulated for r in rs + base) else ""
+
+            def rel(get):
+                b, v = median(map(get, base)), median(map(get, rs))
+                return f"{v / b:.3f}" if b and v is not None else "n/a"
+
+            basis = "measured" if all(r.measured_peak is not None for r in rs + base) \
+                else "compiler bound"
+            rows.append(f"| {md_escape(key[0])} | {key[1]} | {key[2]} | {variant} | "
+                        f"{rel(lambda r: r.step_p50)}{sim} | "
+                        f"{rel(lambda r: r.samples_per_s)}{sim} | "
+                        f"{rel(lambda r: r.peak)} ({basis}) | "
+                        f"{rel(lambda r: r.energy_per_sample)} |")
+    if not rows:
+        return []
+    return ["## Variants against base", "",
+            "Each variant's median over repeats divided by the base run's (same model, "
+            "layout, mesh, batch, dtype, dataset).", "",
+            "| model | layout | mesh | variant | step p50 / base | samples/s / base | "
+            "peak memory / base | energy per sample / base |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def runs_table(runs) -> list[str]:
+    lines = ["| run | layout | model | mesh | batch | step p50 (ms) | step p99 (ms) | "
+             "samples/s | state/device | compiler bound | measured peak | energy (J/sample) | "
+             "final accuracy |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        acc = r.final_accuracy
+        lines.append(
+            f"| {md_escape(r.name)} | {md_escape(r.group)} | {md_escape(r.model)} | "
+            f"{r.mesh} | {r.batch if r.batch is not None else 'n/a'} | {ms(r.step_p50)} | "
+            f"{ms(r.step_p99)} | {num(r.samples_per_s, '{:.1f}')} | "
+            f"{human_bytes(r.state_bytes)} | {human_bytes(r.compiled_bound)} | "
+            f"{human_bytes(r.measured_peak)} | {num(r.energy_per_sample, '{:.4g}')} | "
+            f"{'n/a' if acc is None else f'{acc:.1%}'} |")
+    lines.append("")
+    return lines
+
+
+def comm_lines(runs) -> list[str]:
+    rows = []
+    for r in runs:
+        comm = r.results.get("comm")
+        ps_bytes = (r.results.get("ps") or {}).get("bytes_per_step")
+        if not comm and ps_bytes:
+            rows.append(f"| {md_escape(r.name)} | {md_escape(r.group)} | gRPC push "
+                        f"{human_bytes(ps_bytes.get('push'))}, pull "
+                        f"{human_bytes(ps_bytes.get('pull'))} per step, all workers "
+                        f"(`ps.bytes_per_step`) | host network | n/a |")
+        if not comm:
+            continue
+        kinds = ", ".join(f"{k} {human_bytes(v.get('bytes'))} ({v.get('count', '?')})"
+                          for k, v in (comm.get("by_kind") or {}).items()) or "none"
+        axes = ", ".join(f"{k} {human_bytes(v.get('bytes'))}"
+                         for k, v in (comm.get("by_axis") or {}).items()) or "none"
+        rows.append(f"| {md_escape(r.name)} | {md_escape(r.group)} | {kinds} | {axes} | "
+                    f"{human_bytes(comm.get('total_ring_bytes'))} |")
+    if not rows:
+        return []
+    return ["| run | layout | by kind (bytes, ops) | by mesh axis | ring estimate |",
+            "|---|---|---|---|---|", *rows, ""]
+
+
+CAPTIONS = {
+    "step_times.png": ("Step-time distribution per layout",
+                       "Box plots of every timed step's latency (TensorBoard "
+                       "`train/step_time_s`, warm-up excluded; repeats pooled): box = "
+                       "quartiles, line = median, whiskers 1.5 IQR, points = outliers."),
+    "memory.png": ("Memory per device per layout",
+                   "Train-state shard bytes (`memory.state_bytes_per_device`), the compiler's "
+                   "allocation bound (`memory.compiled.peak_bytes`: argument + output - alias "
+                   "+ temp, an upper bound, not a measured peak) and the measured peak "
+                   "(`memory.measured_peak_bytes`, where the backend reports one); linear "
+                   "scale, each bar's value written on it."),
+    "energy.png": ("Energy per sample", "`power.energy_per_sample_j` of runs with power "
+                                        "telemetry."),
+    "accuracy.png": ("Accuracy against wall time (parameter server and DDP)",
+                     "Test accuracy at each evaluation against wall time since the first "
+                     "step (`accuracy[].wall_s`)."),
+    "comm.png": ("Collective bytes per step by kind",
+                 "From the optimized HLO (`comm.by_kind`), per device per step."),
+}
+FIGURE_RUNS = {"step_times.png": lambda r: bool(r.step_times),
+               "energy.png": lambda r: r.energy_per_sample is not None,
+               "accuracy.png": lambda r: r.layout in ("ps", "ddp") and bool(r.accuracy),
+               "comm.png": lambda r: (r.results.get("comm") or {}).get("by_kind") is not None}
+ABSENT = {"accuracy.png": "No DDP or parameter-server run evaluated accuracy (use a real "
+                          "dataset with `--eval-every N`).",
+          "comm.png": "No run recorded collectives (`comm`).",
+          "step_times.png": "No per-step data."}
+
+
+def figure_lines(runs, figures) -> list[str]:
+    lines = []
+    for name, (title, text) in CAPTIONS.items() if runs else ():
+        lines += [f"## {title}", ""]
+        if name in figures:
+            mixed = plots.mixed_settings([r for r in runs if FIGURE_RUNS.get(name, bool)(r)])
+            if mixed:
+                text += f" The runs shown differ in settings: {md_escape(mixed)}."
+            lines += [text, "", f"![{title}]({name})", ""]
+        elif name == "energy.png":
+            reasons = sorted({(r.results.get("power") or {}).get("reason", "not measured")
+                              for r in runs})
+            lines += ["Not measured in any run: " + "; ".join(map(md_escape, reasons[:3])), ""]
+        else:
+            lines += [ABSENT[name], ""]
+        if name == "comm.png":
+            lines += comm_lines(runs)
+    return lines
+
+
+def build_markdown(root: Path, runs, failures, problems, meta, figures, rs) -> str:
+    sim = [r for r in runs if r.simulated]
+    lines = ["# Study report", "",
+             f"Runs from `{root}`" + (f" (suite preset `{meta.get('preset')}`"
+                                     f"{', quick' if meta.get('quick') else ''})"
+                                     if meta.get("preset") else "") +
+             f"; {len(runs)} finished, {sum(f.status == 'failed' for f in failures)} failed, "
+             f"{sum(f.status != 'failed' for f in failures)} not finished. "
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
+    if sim:
+        lines += [f"**{len(sim)} of {len(runs)} runs ran on simulated devices** (`env.simulated`:"
+                  f" the mesh on host CPU devices sharing the host's cores): their step times, "
+                  f"throughput, accuracy-vs-time and every timing ratio are functional only, "
+                  f"not performance figures. Memory figures (shard bytes, compiler bound) "
+                  f"are exact.", ""]
+    lines += ["## Ovi 2025 comparisons as ratios", "",
+              "Published figures are the abstracts' claims (arXiv 2505.12832 v1 May 2025, v2 "
+              "Jan 2026; A100 and A10G clusters, CNNs on CIFAR-10/MNIST, batch sizes not "
+              "published; records " + claims.claim_sources() + "): a shape check, not a "
+              "like-for-like number. v1's \">60%\" and v2's \"4-6x\" memory claims disagree "
+              "and are kept apart. A ratio pairs runs of the same model, batch, dtype, "
+              "dataset, optimizer, framework, matmul precision, backend and device count. "
+              "Repeats: median. \"within\"/\"outside\": whether this study's ratio falls in "
+              "the claim's range.", "", *claims.ratio_lines(rs)]
+    lines += ["## All runs", "", *runs_table(runs)]
+    lines += variant_lines(runs)
+    lines += figure_lines(runs, figures)
+    missing = [r.name for r in runs if not r.step_times]
+    if missing:
+        lines += [f"Runs without per-step TensorBoard times (left out of the box plots): "
+                  f"{', '.join(missing)}.", ""]
+    lines += ["## Failed and unfinished runs", ""]
+    if failures:
+        lines += ["| run | status | reason |", "|---|---|---|"]
+        lines += [f"| {md_escape(f.name)} | {f.status} | {md_escape(f.reason)} |"
+                  for f in failures]
+        lines.append("")
+        for f in failures:
+            if f.stderr_tail:
+                tail = "\n".join(f.stderr_tail.splitlines()[-8:])
+                lines += [f"`{f.name}` stderr (tail):", "", "```", tail, "```", ""]
+    else:
+        lines += ["None.", ""]
+    if problems:
+        lines += ["## Unreadable files", "", *[f"- {md_escape(p)}" for p in problems], ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m experiments.report",
+                      description="Markdown report with figures from a directory of runs "
+                                  "(an experiments.suite --out directory, or any folder of "
+                                  "run directories).")
+    p.add_argument("runs", metavar="RUNS_DIR", help="directory holding run directories")
+    p.add_argument("--out", default=None,
+                   help="report directory (default: RUNS_DIR/report); replaced as a whole")
+    return p
+
+
+def write_report(root: Path, out: Path) -> tuple[Path, list, list, list[Failure]]:
+    runs, failures, problems, meta = collect(root, skip=out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    parent = out.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+    except OSError as e:
+        raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        figures = {name for name, plot in plots.REPORT_FIGURES
+                   if runs and plot(runs, tmp / name)}
+        rs = claims.ratios(runs)
+        (tmp / "report.md").write_text(build_markdown(root, runs, failures, problems, meta,
+                                                      figures, rs))
+        old = None
+        if out.exists():
+            old = parent / f".{out.name}-old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "report.md", rs, runs, failures
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    root = Path(args.runs)
+    out = Path(args.out) if args.out else root / "report"
+    try:
+        report, rs, runs, failures = write_report(root, out)
+    except UsageError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(runs)} runs, {sum(f.status == 'failed' for f in failures)} failed, "
+          f"{sum(f.status != 'failed' for f in failures)} not finished")
+    for r in rs:
+        sim = " [simulated devices: functional only]" if r.timing and r.simulated else ""
+        print(f"  {r.what:<30} {r.model:<14} {r.shown}{sim}   "
+              f"(Ovi v1: {claims.shown(r.kind, 'v1')[0]}; v2: {claims.shown(r.kind, 'v2')[0]})")
+    print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""`python -m experiments.suite`: the command line, read top to bottom: parse, load the
+preset and apply the flags to it, plan the runs, then run them (or print them: --dry-run)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+from experiments.suite.matrix import Planned, plan, sweep_points, validate_names
+from experiments.suite.presets import (PRESETS_DIR, Preset, find_preset, load_preset,
+                                           preset_names)
+from experiments.suite.runner import Suite
+from experiments.suite.settings import convert, parse_set
+from jaxdist import procs
+from jaxdist.config import keys as run_keys
+from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.record import ensure_writable_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m experiments.suite",
+        description="Run a study preset: every model x layout entry x variant (x sweep point, "
+                    "x repeat), each as a fresh experiments.run process, interleaved; failures "
+                    "recorded, finished runs skipped on a rerun. Then: python -m "
+                    "experiments.report DIR.")
+    p.add_argument("--preset", required=False, default=None,
+                   help=f"built-in preset ({', '.join(preset_names())}) or a path to a .toml "
+                        f"file (format: docs/suite.md)")
+    p.add_argument("--out", default=None, help="suite directory: one run directory per run, "
+                   "suite.json, logs/ (default: runs/suite-<preset>[-quick])")
+    p.add_argument("--quick", action="store_true",
+                   help="apply the preset's [quick] overrides (tiny models, few steps, small "
+                        "simulated meshes: minutes on a CPU)")
+    p.add_argument("--dataset", default=None,
+                   help="dataset for every run (same as --set dataset=NAME)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run setting for every run: a RunConfig field as "
+                        "section.field or field (train.batch_size=32, steps=10); repeatable")
+    p.add_argument("--models", default=None,
+                   help="comma-separated models, replacing the preset's list")
+    p.add_argument("--layouts", default=None,
+                   help="comma-separated layout entry names of the preset to keep")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds of the whole plan (each round starts at the next layout)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="stop a run after this many seconds and record it as failed")
+    p.add_argument("--launcher", default="",
+                   help="command prefix for every run, e.g. 'srun -N4 --ntasks-per-node=1' "
+                        "(multi-host runs; not for --layout ps)")
+    p.add_argument("--retry-failed", action=argparse.BooleanOptionalAction, default=True,
+                   help="rerun runs that failed before (default); --no-retry-failed keeps "
+                        "their failure")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the planned commands in order and start nothing")
+    p.add_argument("--list-presets", action="store_true", help="list built-in presets")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_presets:
+        return _list_presets()
+    try:
+        preset, runs, out = prepare(args)
+    except UsageError as e:
+        print(f"suite: error: {e}", file=sys.stderr)
+        return 2
+    print(f"suite {preset.name}{' (quick)' if args.quick else ''}: {len(runs)} runs "
+          f"({len(preset.models)} model(s) x {len(preset.layouts)} layout entries x "
+          f"{len(preset.variants)} variant(s) x {len(sweep_points(preset.sweep))} sweep "
+          f"point(s) x {preset.repeats} repeat(s)) -> {out}", flush=True)
+    suite = Suite(out, preset, runs, _meta(args, preset),
+                  shlex.split(args.launcher) if args.launcher else [],
+                  args.timeout_s if args.timeout_s is not None else preset.timeout_s,
+                  args.retry_failed)
+    try:
+        if args.dry_run:
+            return suite.dry_run()
+        # A scheduler's SIGTERM (or SIGHUP) exits through the runner's `finally`, which stops
+        # the current run's process group too (it runs in a session of its own, so it would
+        # outlive the suite).
+        with procs.TerminationHandlers():
+            return suite.run()
+    except KeyboardInterrupt:
+        print("\nsuite: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def prepare(args) -> tuple[Preset, list[Planned], Path]:
+    """(the preset with the flags applied, its runs, the suite directory), or UsageError."""
+    if not args.preset:
+        raise UsageError(f"--preset is required; built-in presets: {', '.join(preset_names())}")
+    keys = run_keys()
+    preset = load_preset(find_preset(args.preset), args.quick, keys)
+    overrides = parse_set(args.sets, keys)
+    if args.dataset is not None:
+        overrides["dataset"] = convert(keys["dataset"], args.dataset, "--dataset")
+    _narrow(preset, args)
+    if args.timeout_s is not None and args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
+    runs = plan(preset, overrides)
+    validate_names(runs)
+    # Absolute: the runs start in the repository root, wherever the suite was started.
+    out = (Path(args.out) if args.out else
+           Path("runs") / f"suite-{preset.name}{'-quick' if args.quick else ''}").absolute()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
+    if not args.dry_run:
+        ensure_writable_dir(out, "--out")
+    return preset, runs, out
+
+
+def _narrow(preset: Preset, args) -> None:
+    """--models, --layouts and --repeats, applied to the preset."""
+    if args.models is not None:
+        preset.models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not preset.models:
+            raise UsageError("--models: give at least one model")
+    if args.layouts is not None:
+        wanted = [x.strip() for x in args.layouts.split(",") if x.strip()]
+        names = [e.name for e in preset.layouts]
+        unknown = [w for w in wanted if w not in names]
+        if unknown or not wanted:
+            raise UsageError(f"--layouts: {', '.join(unknown) or 'nothing given'}: the "
+                             f"preset's layout entries are {', '.join(names)}")
+        preset.layouts = [e for e in preset.layouts if e.name in wanted]
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise UsageError(f"--repeats must be a positive integer, got {args.repeats}")
+        preset.repeats = args.repeats
+
+
+def _meta(args, preset: Preset) -> dict:
+    """What suite.json records about the command."""
+    return {"preset": preset.name, "preset_path": str(preset.path.resolve()),
+            "description": preset.description, "quick": args.quick, "sets": args.sets,
+            "dataset": args.dataset, "repeats": preset.repeats, "env": preset.env,
+            "launcher": args.launcher}
+
+
+def _list_presets() -> int:
+    for name in preset_names():
+        try:
+            desc = tomllib.loads((PRESETS_DIR / f"{name}.toml").read_text()).get(
+                "description", "")
+        except (OSError, tomllib.TOMLDecodeError):
+            desc = "(unreadable)"
+        print(f"{name:<16} {desc}")
+    return 0

@@ -1,0 +1,393 @@
+"""results.json, a run's record, in one place: its schema (documented in docs/results.md), a
+checker, an atomic write, and `RunRecord`, the typed read view every reader uses (the report,
+compare, the suite). Imports no jax: readers start without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+
+# key -> expected type, or a nested spec dict. Extra keys are allowed (later issues add
+# blocks); missing keys and wrong types are not.
+SCHEMA = {
+    "schema_version": int,
+    "framework": str,
+    "layout": str,
+    "mesh": dict,
+    "model": {"name": str, "params": int, "flops_per_sample": NUM, "tokens_per_sample": int},
+    "config": dict,
+    "env": {"jax_version": str, "backend": str, "device_kind": str, "num_devices": int,
+            "num_processes": int, "simulated": bool},
+    "compile_s": OPT_NUM,  # null where nothing is compiled (eager PyTorch): not 0.0
+    "step_time_s": {"n": int, "mean": NUM, "std": NUM, "p50": NUM, "p90": NUM, "p99": NUM,
+                    "min": NUM, "max": NUM, "ci95": OPT_NUM},
+    "warmup_step_time_s": list,
+    "throughput": {"samples_per_s": NUM, "tokens_per_s": OPT_NUM},
+    "mfu": {"value": OPT_NUM, "hfu": OPT_NUM, "peak_flops_per_device": OPT_NUM,
+            "model_flops_per_step": NUM, "compiled_flops_per_step": OPT_NUM,
+            "reason": (str, type(None))},
+    "memory": {"state_bytes_per_device": int, "state_bytes_by_device": list,
+               "compiled": (dict, type(None)), "measured_peak_bytes": OPT_NUM},
+    "sharding": {"sharded_bytes": int, "replicated_bytes": int, "replicated_leaves": int,
+                 "parts": dict},
+    "loss": list,
+    "power": {"available": bool},
+}
+
+COMPILED = {"argument_bytes": int, "output_bytes": int, "alias_bytes": int,
+            "temp_bytes": int, "peak_bytes": int, "peak_bytes_note": str}
+
+
+# A run interrupted before its first timed step has no latency figures: null, with a reason.
+INTERRUPTED = dict(SCHEMA,
+                   step_time_s={"n": int, "reason": str},
+                   throughput={"samples_per_s": OPT_NUM, "tokens_per_s": OPT_NUM})
+
+
+def check(results: dict) -> list[str]:
+    """Problems with `results` against the schema; empty when it conforms."""
+    timed = (results.get("step_time_s") or {}).get("n")
+    spec = INTERRUPTED if results.get("status") == "interrupted" and not timed else SCHEMA
+    problems = _check(results, spec, "")
+    if results.get("status") not in (None, "complete", "interrupted"):
+        problems.append(f"status: expected complete or interrupted, got {results['status']!r}")
+    compiled = results.get("memory", {}).get("compiled")
+    if isinstance(compiled, dict):
+        problems += _check(compiled, COMPILED, "memory.compiled.")
+    if isinstance(results.get("loss"), list):
+        if not all(isinstance(x, NUM) for x in results["loss"]):
+            problems.append("loss: every entry must be a number")
+    return problems
+
+
+def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
+    problems = []
+    for key, kind in spec.items():
+        if key not in obj:
+            problems.append(f"{prefix}{key}: missing")
+        elif isinstance(kind, dict):
+            if not isinstance(obj[key], dict):
+                problems.append(f"{prefix}{key}: expected an object")
+            else:
+                problems += _check(obj[key], kind, f"{prefix}{key}.")
+        elif isinstance(obj[key], bool) and kind in (int, NUM, OPT_NUM):
+            problems.append(f"{prefix}{key}: expected a number, got a boolean")
+        elif not isinstance(obj[key], kind):
+            problems.append(f"{prefix}{key}: expected {kind}, got {type(obj[key]).__name__}")
+    return problems
+
+
+def ensure_writable_dir(path: Path, flag: str) -> None:
+    """Create `path` and prove a file can be written in it, or a one-line UsageError naming
+    the flag (root bypasses permission bits, so only an actual write tells)."""
+    from jaxdist.errors import UsageError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to {flag} {path}: {e.strerror or e}") from None
+
+
+def write_json(path: Path, data) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- writing: the
+# blocks every producer (jaxdist.loop, ps.driver, experiments.torch_run) spells the same way
+
+def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
+    """What the run is: schema_version, framework, layout, mesh, model, config."""
+    return {"schema_version": SCHEMA_VERSION, "framework": framework, "layout": layout,
+            "mesh": mesh,
+            "model": {"name": cfg.model.model, "params": params,
+                      "flops_per_sample": model_cfg.flops_per_sample(),
+                      "tokens_per_sample": model_cfg.tokens_per_sample,
+                      # image models: their input side in pixels (readers match on it)
+                      "image_size": getattr(model_cfg, "image_size", None)},
+            "config": cfg.to_dict()}
+
+
+def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | None) -> dict:
+    """Samples (and tokens) per second at the mean step time; null with no timed step."""
+    return {"samples_per_s": batch / mean_s if mean_s else None,
+            "tokens_per_s": batch * tokens_per_sample / mean_s
+            if mean_s and tokens_per_sample else None}
+
+
+def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: int | None,
+                 measured_peak_reason: str | None) -> dict:
+    """State bytes on every device (and on the fullest), XLA's allocation bound, and the
+    allocator's peak where the backend has one (else why not)."""
+    return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
+            "state_bytes_by_device": by_device, "compiled": compiled,
+            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
+
+
+# ---------------------------------------------------------------------------- reading
+
+# What a PyTorch run made before `config.model.matmul_precision` was recorded ran at.
+PYTORCH_UNRECORDED = "not recorded (PyTorch's default: float32 matmuls, TF32 convolutions)"
+# GPUs without TF32 tensor cores: float32 stays float32 at every precision.
+PRE_AMPERE = ("V100", "T4", "P100", "P40", "K80")
+MEASURED, COMPILER_BOUND = "measured", "compiler allocation bound"
+
+
+class RecordError(ValueError):
+    """A file that is not a run's results.json."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run's results.json, read: every figure a reader wants, named once. Properties read
+    `results` live (a missing block reads as None, never a KeyError)."""
+
+    path: Path                    # the run directory
+    results: dict
+    name: str = ""                # how reports name the run (default: the directory name)
+    step_times: tuple = ()        # per timed step, seconds (TensorBoard), when read
+    step_times_source: str = "none"
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", Path(self.path).name)
+
+    @classmethod
+    def load(cls, path, name: str = "", require_valid: bool = False) -> "RunRecord":
+        """Read `path` (a results.json, or the run directory holding one). RecordError when
+        it is not JSON or not a run's record (with `require_valid`: any schema problem)."""
+        path = Path(path)
+        file = path / "results.json" if path.is_dir() else path
+        try:
+            results = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RecordError(f"not JSON ({e})") from None
+        if not isinstance(results, dict):
+            raise RecordError("not a jaxdist results.json (not an object)")
+        problems = check(results) if require_valid else (
+            [] if "step_time_s" in results or results.get("status") == "interrupted"
+            else ["step_time_s: missing"])
+        if problems:
+            raise RecordError(f"not a jaxdist results.json ({problems[0]})")
+        return cls(file.parent, results, name)
+
+    def cfg(self, section: str, key: str, default=None):
+        return ((self.results.get("config") or {}).get(section) or {}).get(key, default)
+
+    def _block(self, key: str) -> dict:
+        return self.results.get(key) or {}
+
+    # -- what a run is
+    @property
+    def status(self) -> str:
+        """complete or interrupted (a record from before `status` is complete)."""
+        return self.results.get("status") or "complete"
+
+    @property
+    def framework(self) -> str:
+        return "pytorch" if self.results.get("framework") == "pytorch" else "jax"
+
+    @property
+    def layout(self) -> str:
+        """As recorded: ddp, zero1, fsdp, hsdp, tp, fsdp_tp, ep or ps."""
+        return self.results.get("layout", "?")
+
+    @property
+    def ps_mode(self) -> str | None:
+        if self.layout != "ps":
+            return None
+        return self._block("ps").get("mode") or self.cfg("ps", "ps_mode", "sync")
+
+    @property
+    def layout_mode(self) -> str:
+        """The layout, parameter-server runs by mode: ps-sync / ps-async / ps-ssp
+        (+slr: staleness-scaled learning rate)."""
+        if self.layout != "ps":
+            return self.layout
+        mode = self.ps_mode
+        slr = self._block("ps").get("staleness_lr", self.cfg("ps", "ps_staleness_lr", False))
+        return f"ps-{mode}" + ("+slr" if slr and mode != "sync" else "")
+
+    @property
+    def variant(self) -> str:
+        """Step options that change what a step does: remat-X, mbN, overlap ('' for none)."""
+        parts = []
+        remat = self.cfg("train", "remat", "none")
+        if remat and remat != "none":
+            parts.append(f"remat-{remat}")
+        mb = self.cfg("train", "microbatches", 1) or 1
+        if mb > 1:
+            parts.append(f"mb{mb}")
+        if self.cfg("train", "overlap"):
+            parts.append("overlap")
+        return "+".join(parts)
+
+    @property
+    def group(self) -> str:
+        return self.layout_mode + (f" {self.variant}" if self.variant else "")
+
+    @property
+    def model_name(self) -> str:
+        return self._block("model").get("name", "?")
+
+    @property
+    def model(self) -> str:
+        """The model with its overrides: `resnet-tiny[width=8]`."""
+        opts = self.cfg("model", "model_opts", "")
+        return self.model_name + (f"[{opts}]" if opts else "")
+
+    @property
+    def mesh(self) -> str:
+        """Axis sizes joined: `4x8`."""
+        return "x".join(str(v) for v in (self.results.get("mesh") or {}).values()) or "?"
+
+    @property
+    def bar(self) -> str:
+        """A figure's label for the run: `layout @ mesh` (variant included)."""
+        return f"{self.group} @ {self.mesh}"
+
+    @property
+    def devices(self) -> int | None:
+        n = self._block("env").get("num_devices")
+        if n is None and self.results.get("mesh"):
+            n = math.prod(self.results["mesh"].values())
+        return n
+
+    @property
+    def batch(self) -> int | None:
+        """The global batch."""
+        return self.cfg("train", "batch_size")
+
+    @property
+    def dtype(self) -> str:
+        return self.cfg("model", "dtype", "float32")
+
+    @property
+    def optimizer(self) -> str | None:
+        return self.cfg("train", "optimizer")
+
+    @property
+    def dataset(self) -> str | None:
+        return self.cfg("data", "dataset")
+
+    @property
+    def matmul_precision(self) -> str:
+        """--matmul-precision. Runs made before it was recorded ran at their framework's
+        default: XLA's (what "default" selects) for JAX; PyTorch's own (float32 matmuls, TF32
+        convolutions), which no value of the flag reproduces, for PyTorch."""
+        recorded = self.cfg("model", "matmul_precision")
+        if recorded:
+            return recorded
+        return "default" if self.framework == "jax" else PYTORCH_UNRECORDED
+
+    @property
+    def backend(self) -> str | None:
+        b = self._block("env").get("backend")
+        return "gpu" if b in ("gpu", "cuda") else b
+
+    @property
+    def device_kind(self) -> str | None:
+        return self._block("env").get("device_kind")
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self._block("env").get("simulated"))
+
+    def precision_class(self) -> str:
+        """The arithmetic of float32 matmuls as published records name it: float32 compute at
+        default/high precision on an Ampere or newer GPU is TF32."""
+        if (self.dtype == "float32" and self.backend == "gpu" and
+                self.matmul_precision in ("default", "high") and
+                not any(old in (self.device_kind or "").upper() for old in PRE_AMPERE)):
+            return "tf32"
+        return self.dtype
+
+    # -- what a run measured
+    def step_p(self, q: str):
+        """A statistic of the timed steps' latency (p50, p99, mean, n, ...), seconds."""
+        return self._block("step_time_s").get(q)
+
+    @property
+    def step_p50(self):
+        return self.step_p("p50")
+
+    @property
+    def step_p99(self):
+        return self.step_p("p99")
+
+    @property
+    def samples_per_s(self):
+        return self._block("throughput").get("samples_per_s")
+
+    @property
+    def tokens_per_s(self):
+        return self._block("throughput").get("tokens_per_s")
+
+    @property
+    def state_bytes(self):
+        """Exact bytes of train-state shards on the fullest device."""
+        return self._block("memory").get("state_bytes_per_device")
+
+    @property
+    def compiled_bound(self):
+        """XLA's allocation bound for the step (argument + output - alias + temp): an upper
+        bound, not a measured peak."""
+        return (self._block("memory").get("compiled") or {}).get("peak_bytes")
+
+    @property
+    def measured_peak(self):
+        return self._block("memory").get("measured_peak_bytes")
+
+    @property
+    def peak(self):
+        """Peak bytes per device: measured where the backend reports it, else the compiler's
+        allocation bound, else None (`peak_basis` says which)."""
+        return self.measured_peak if self.measured_peak is not None else self.compiled_bound
+
+    @property
+    def peak_basis(self) -> str:
+        if self.measured_peak is not None:
+            return MEASURED
+        if self.compiled_bound is not None:
+            return COMPILER_BOUND
+        return self._block("memory").get("measured_peak_reason") or "not measured"
+
+    @property
+    def energy_per_sample(self):
+        power = self._block("power")
+        return power.get("energy_per_sample_j") if power.get("available") else None
+
+    @property
+    def accuracy(self) -> list:
+        return self.results.get("accuracy") or []
+
+    @property
+    def final_accuracy(self):
+        return self.accuracy[-1]["accuracy"] if self.accuracy else None
+
+    @property
+    def loss(self) -> list:
+        return self.results.get("loss") or []
+
+    @property
+    def train_time(self):
+        """Wall time of the timed steps: the window span, else mean x n."""
+        w = self._block("window")
+        if w.get("start_unix_s") and w.get("end_unix_s"):
+            return w["end_unix_s"] - w["start_unix_s"]
+        mean, n = self.step_p("mean"), self.step_p("n")
+        return mean * n if mean is not None and n else None

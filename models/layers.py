@@ -1,0 +1,154 @@
+"""Layers and config pieces shared by the model families: every model file builds its convs,
+norms and linears here, so no family reaches into another's module.
+
+Parameters are always float32 (`param_dtype`); `dtype` is the compute dtype. Initialisers
+are named for what they reproduce (torchvision's, or flax's defaults).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.errors import UsageError, choices
+
+KAIMING_FAN_OUT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
+KAIMING_FAN_IN = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
+TORCH_LINEAR = nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform")  # U(+-1/sqrt(in))
+LECUN_NORMAL = nnx.initializers.lecun_normal()  # nnx.Linear's and nnx.Conv's default
+
+_TEACHER_SIZE = 32  # synthetic labels look at images through at most a 32x32 grid
+
+
+# ---- convolutions -----------------------------------------------------------------------
+
+def conv(cin, cout, k, stride=1, *, padding=None, groups=1, bias=False, init=KAIMING_FAN_OUT,
+         dtype, rngs):
+    """A kxk conv padded like torchvision's (symmetric `padding`, default (k-1)//2, not
+    XLA's "SAME"), so every output size is torchvision's: out = (h + 2p - k) // stride + 1."""
+    p = (k - 1) // 2 if padding is None else padding
+    return nnx.Conv(cin, cout, (k, k), strides=stride, padding=((p, p), (p, p)),
+                    feature_group_count=groups, use_bias=bias, kernel_init=init,
+                    dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def conv_out(hw, k, stride=1, padding=None):
+    p = (k - 1) // 2 if padding is None else padding
+    return (hw + 2 * p - k) // stride + 1
+
+
+def conv_flops(k, cin, cout, hw_out, groups=1):
+    """Forward FLOPs (2 x MACs) of a kxk conv producing an hw_out x hw_out map."""
+    return 2 * k * k * (cin // groups) * cout * hw_out * hw_out
+
+
+# ---- norms, linears, embeddings ---------------------------------------------------------
+
+def batch_norm(c, *, epsilon=1e-5, dtype, rngs):
+    # Batch statistics until model.eval() (a freshly built model normalises with the batch);
+    # model.train()/model.eval() flip it. Momentum 0.9 is PyTorch's 0.1.
+    return nnx.BatchNorm(c, use_running_average=False, momentum=0.9, epsilon=epsilon,
+                         dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def layer_norm(d, *, epsilon=1e-5, dtype, rngs):
+    return nnx.LayerNorm(d, epsilon=epsilon, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def rms_norm(d, *, epsilon=1e-5, dtype, rngs):
+    return nnx.RMSNorm(d, epsilon=epsilon, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def linear(a, b, *, bias=True, init=LECUN_NORMAL, dtype, rngs):
+    return nnx.Linear(a, b, use_bias=bias, kernel_init=init, dtype=dtype,
+                      param_dtype=jnp.float32, rngs=rngs)
+
+
+def embed(n, d, *, dtype, rngs):
+    return nnx.Embed(n, d, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+# ---- decoder blocks ---------------------------------------------------------------------
+
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.checkpoint_dots}
+
+
+def block_runner(block_cls, remat: str):
+    """`block_cls.__call__`, or with remat its nnx.remat: the backward pass recomputes each
+    block's activations instead of keeping them ("full" keeps only block inputs, "dots" also
+    keeps matmul outputs)."""
+    if remat == "none":
+        return block_cls.__call__
+    return nnx.remat(block_cls.__call__, policy=REMAT_POLICIES[remat])
+
+
+class PreNormBlock(nnx.Module):
+    """A pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). The attribute
+    names (ln1, attn, ln2, mlp) are the ones sharding/logical.py matches."""
+
+    def __init__(self, ln1, attn, ln2, mlp):
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+
+    def __call__(self, x_BLD):
+        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        return x_BLD + self.mlp(self.ln2(x_BLD))
+
+
+# ---- config pieces ----------------------------------------------------------------------
+
+def check_choice(family, field, value, options):
+    if value not in options:
+        raise UsageError(f"{family} {field}={value!r} is not supported; "
+                         f"choose from {choices(map(str, options))}")
+
+
+def teacher_labels(x: np.ndarray, num_classes: int) -> np.ndarray:
+    """Labels from a fixed random linear teacher on the flattened input: synthetic data that
+    is learnable, so the loss falls across fresh batches (random labels are only memorised)."""
+    x_BD = x.reshape(x.shape[0], -1)
+    teacher_DC = np.random.default_rng(0).standard_normal((x_BD.shape[1], num_classes))
+    return np.argmax(x_BD @ teacher_DC, axis=1).astype(np.int32)
+
+
+def classifier_loss(model, batch):
+    """Mean softmax cross-entropy of `model(batch["x"])` against integer labels `y`."""
+    logits_BC = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BC, batch["y"]).mean()
+
+
+class ImageClassifier:
+    """Batch, loss and token count of an image classifier config with fields image_size,
+    channels and num_classes. `input_kind = "image"`: a dataset of images resizes the
+    config's image_size, channels and num_classes (models.build.adapt_model)."""
+
+    input_kind: ClassVar[str] = "image"
+
+    def synthetic_batch(self, rng: np.random.Generator, batch_size: int):
+        shape = (batch_size, self.image_size, self.image_size, self.channels)
+        x_BHWC = rng.standard_normal(shape, dtype=np.float32)
+        # The linear teacher sees large images average-pooled to ~32x32 (still a linear
+        # function of the image, so still learnable): a 224x224x3 teacher would be a 150528 x
+        # 1000 matrix, 1.2 GB and seconds per batch. Up to 32x32 this is teacher_labels itself.
+        f = max(1, self.image_size // _TEACHER_SIZE)
+        side = self.image_size // f * f
+        pooled = x_BHWC[:, :side, :side].reshape(
+            batch_size, side // f, f, side // f, f, self.channels).mean(axis=(2, 4))
+        return {"x": x_BHWC, "y": teacher_labels(pooled, self.num_classes)}
+
+    def loss(self, model, batch):
+        return classifier_loss(model, batch)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return 0
+
+    def check_fits(self, final_hw: int, why: str) -> None:
+        if final_hw < 1:
+            raise UsageError(f"{self.family}: image_size={self.image_size} is too small for "
+                             f"{why}; use a larger image or the other stem")

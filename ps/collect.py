@@ -1,0 +1,222 @@
+"""Results of a PS run: the workers' files and the shards' statistics become results.json
+(the common schema plus a `ps` block) and TensorBoard events, through the same RunWriter as
+every layout. Used by the launcher (ps.driver.run_ps) and by `--collect-only`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ps.client import PSError
+
+
+def format_ps(results: dict) -> str:
+    """The PS lines printed before the common summary table."""
+    ps = results["ps"]
+    ms = lambda block: f"{block['p50'] * 1e3:.2f} / {block['p99'] * 1e3:.2f} ms" if block \
+        else "n/a"  # noqa: E731
+    up = ps["updates"]
+    rows = [
+        ("ps mode", f"{ps['mode']}" + (f" (bound {ps['staleness_bound']})"
+                                       if ps["staleness_bound"] is not None else "")
+         + f", {ps['workers']} workers x {ps['devices_per_worker']} device(s), "
+           f"{ps['shards']} shards"),
+        ("push / pull p50 / p99", f"{ms(ps['push_latency_s'])}; {ms(ps['pull_latency_s'])}"),
+        ("bytes per step", f"push {ps['bytes_per_step']['push'] / 2**20:.2f} MiB, "
+                           f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB"),
+        ("waits", f"barrier {ps['wait_s']['barrier']:.2f} s, bound "
+                  f"{ps['wait_s']['bound']:.2f} s (all shards)"),
+        ("staleness max / mean", f"{ps['staleness']['max']} / "
+                                 f"{(ps['staleness']['mean'] or 0):.2f} versions"),
+        ("updates", f"{up['applied']} applied, {up['rejected']} rejected, "
+                    f"{up['deduplicated']} deduplicated (over all shards)"),
+    ]
+    if ps["dead_workers"]:
+        rows.append(("dead workers", ", ".join(str(d["worker"]) for d in ps["dead_workers"])))
+    if ps["shard_restarts"]:
+        rows.append(("shard restarts", ", ".join(str(r["shard"]) for r in ps["shard_restarts"])))
+    width = max(len(name) for name, _ in rows)
+    return "\n" + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _brief(values) -> dict | None:
+    import numpy as np
+
+    if not len(values):
+        return None
+    a = np.asarray(values, np.float64)
+    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def _hist_summary(hist: dict) -> dict:
+    total = sum(hist.values())
+    return {"histogram": hist, "count": total,
+            "max": max((int(k) for k in hist), default=None),
+            "mean": (sum(int(k) * v for k, v in hist.items()) / total) if total else None}
+
+
+def _breakdown(ref: dict, stats: list[dict], warmup: int, steps: int, workers: int) -> dict:
+    """Where a step's time goes. `worker`: means over the timed steps of the reference
+    worker's phases (pull = until its parameters were in; in sync that pull overlaps the
+    previous push, so it is ~0; push = push, plus in sync the next pull, including the
+    barrier). `server`: per step, the slowest shard's CPU time decoding pushes, optimizer
+    apply, and encoding pulls (all workers), and the mean barrier/bound wait of one pull."""
+    import numpy as np
+
+    def mean(values):
+        values = values[warmup:]
+        return float(np.mean(values)) if len(values) else None
+
+    phases = ref.get("phases_s", {})
+    pulls = max(1, steps * workers * len(stats))
+    return {
+        "worker": {"step": mean(ref["step_s"]), "pull": mean(phases.get("pull_s", [])),
+                   "compute": mean(ref["compute_s"]),
+                   "push": mean(phases.get("push_s", [])),
+                   "batch_overlapped": mean(phases.get("batch_s", []))},
+        "server": {"decode": max(s.get("decode_s", 0.0) for s in stats) / max(1, steps),
+                   "apply": max(s.get("apply_s", 0.0) for s in stats) / max(1, steps),
+                   "encode": max(s.get("encode_s", 0.0) for s in stats) / max(1, steps),
+                   "wait_per_pull": sum(s["wait_s"]["barrier"] + s["wait_s"]["bound"]
+                                        for s in stats) / pulls},
+    }
+
+
+def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None) -> dict:
+    """Worker files + shard stats -> results.json and TensorBoard events (RunWriter)."""
+    from jax.sharding import PartitionSpec as P
+    import jax
+
+    from jaxdist import metrics
+    from jaxdist import record
+    from jaxdist.writers import RunWriter
+    from ps.shardmap import abstract_model
+
+    psdir = Path(logdir) / "ps"
+    num_workers, devices = shape.data, shape.fsdp
+    workers = {}
+    for w in range(num_workers):
+        path = psdir / f"worker{w}.json"
+        if path.exists():
+            workers[w] = json.loads(path.read_text())
+    if not workers:
+        raise PSError(f"no worker wrote results into {psdir}")
+    dead = list(launch.dead_workers) if launch else [
+        {"worker": w, "exit": "unknown", "error": f"no {psdir / f'worker{w}.json'}",
+         "at_unix_s": None} for w in range(num_workers) if w not in workers]
+    ref_w = min(workers)  # worker 0 unless it died
+    ref = workers[ref_w]
+    warmup, total = cfg.loop.warmup, cfg.loop.warmup + cfg.loop.steps
+    losses = []
+    for t in range(total):
+        values = [r["losses"][t] for r in workers.values() if len(r["losses"]) > t]
+        losses.append(sum(values) / len(values))
+    timed = ref["step_s"][warmup:]
+    steps = metrics.latency_stats(timed)
+    model_cfg, _, abstract_params, abstract_ms = abstract_model(cfg)
+    batch = cfg.train.batch_size
+    tokens = model_cfg.tokens_per_sample
+    env = dict(ref["env"], num_devices=num_workers * devices, num_processes=num_workers)
+    abstract = {"params": abstract_params, "model_state": abstract_ms}
+    specs = jax.tree.map(lambda _: P(), abstract)
+    push_s = [s for r in workers.values() for s in r["push_s"]]
+    pull_s = [s for r in workers.values() for s in r["pull_s"]]
+    steps_done = max(1, max(r["steps_done"] for r in workers.values()))
+    staleness = {}
+    step_staleness = {}
+    for s in stats:
+        for key, hist in (("staleness_hist", staleness), ("step_staleness_hist",
+                                                           step_staleness)):
+            for k, v in s[key].items():
+                hist[k] = hist.get(k, 0) + v
+    order = lambda h: dict(sorted(h.items(), key=lambda kv: int(kv[0])))  # noqa: E731
+    per_shard = [{"shard": s["shard"], "applied": s["applied"], "rejected": s["rejected"],
+                  "deduplicated": s["deduplicated"], "applies": s["applies"],
+                  "rejected_nonfinite": s.get("rejected_nonfinite", 0),
+                  "clipped": s.get("clipped", 0),
+                  "version": s["version"], "epoch": s["epoch"], "snapshots": s["snapshots"],
+                  "retired_workers": s["retired"], "events": s["events"]} for s in stats]
+    scales = [s["lr_scale_mean"] for s in stats if s["lr_scale_mean"] is not None]
+    ps_block = {
+        "mode": cfg.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
+        "shards": cfg.ps.ps_shards,
+        "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
+        "staleness_lr": cfg.ps.ps_staleness_lr,
+        "step_time_definition": f"wall time of one loop iteration (pull + gradient + push) "
+                                f"of worker {ref_w}; other workers in step_time_s_per_worker",
+        "step_time_s_per_worker": [metrics.latency_stats(workers[w]["step_s"][warmup:])
+                                   if w in workers and len(workers[w]["step_s"]) > warmup
+                                   else None for w in range(num_workers)],
+        "compute_s_per_worker": [_brief(workers[w]["compute_s"][warmup:]) if w in workers
+                                 else None for w in range(num_workers)],
+        "shard_map": {"fingerprint": shard_map.fingerprint, "chunk_elems": shard_map.chunk_elems,
+                      "pieces": len(shard_map.pieces),
+                      "bytes_per_shard": shard_map.bytes_per_shard,
+                      "file": str(psdir / "shard_map.json")},
+        "push_latency_s": _brief(push_s),
+        "pull_latency_s": _brief(pull_s),
+        "bytes_per_step": {
+            "push": sum(r["push_bytes"] for r in workers.values()) / steps_done,
+            "pull": sum(r["pull_bytes"] for r in workers.values()) / steps_done},
+        "wait_s": {"barrier": sum(s["wait_s"]["barrier"] for s in stats),
+                   "bound": sum(s["wait_s"]["bound"] for s in stats),
+                   "per_worker": [sum(workers[w]["pull_wait_s"]) if w in workers else None
+                                  for w in range(num_workers)]},
+        "staleness": dict(_hist_summary(order(staleness)),
+                          per_shard=[s["staleness_hist"] for s in stats]),
+        "step_staleness": _hist_summary(order(step_staleness)),
+        "lr_scale": {"mean": sum(scales) / len(scales) if scales else None,
+                     "min": min((s["lr_scale_min"] for s in stats), default=None)},
+        "updates": {"applied": sum(s["applied"] for s in stats),
+                    "rejected": sum(s["rejected"] for s in stats),
+                    "deduplicated": sum(s["deduplicated"] for s in stats),
+                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in stats),
+                    "per_shard": per_shard},
+        "server_bytes_per_shard": [{"shard": s["shard"], "params_bytes": s["params_bytes"],
+                                    "opt_bytes": s["opt_bytes"],
+                                    "total_bytes": s["params_bytes"] + s["opt_bytes"]}
+                                   for s in stats],
+        "time_breakdown_s": _breakdown(ref, stats, warmup, steps_done, num_workers),
+        "dead_workers": dead,
+        "shard_restarts": launch.restarts if launch else [],
+        "restarts_seen_by_workers": sum(r["restarts_seen"] for r in workers.values()),
+        "pids": launch.all_pids if launch else [],
+    }
+    memory = dict(ref["memory"])
+    memory["servers_note"] = ("state_bytes_per_device counts a worker's replicated parameters "
+                              "(+ model state); parameters and optimizer state live on the "
+                              "shard servers: ps.server_bytes_per_shard")
+    results = {
+        **record.header("jax", "ps", {"workers": num_workers, "devices_per_worker": devices},
+                        cfg, model_cfg, shard_map.total),
+        "env": env,
+        "compile_s": ref["compile_s"],
+        "step_time_s": steps,
+        "warmup_step_time_s": ref["step_s"][:warmup],
+        "throughput": record.throughput_block(batch, tokens, steps["mean"]),
+        "mfu": metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices,
+                           steps["mean"], ref["compiled_flops"],
+                           model_cfg.flops_per_sample() * batch, cfg.model.matmul_precision),
+        "memory": memory,
+        "sharding": metrics.sharding_summary(abstract, specs),
+        "loss": losses,
+        "power": {"available": False, "reason": "power telemetry is not implemented yet"},
+        "window": ref["window"],
+        "accuracy": ref["accuracy"],
+        "ps": ps_block,
+    }
+    writer = RunWriter(Path(logdir), cfg.to_dict())
+    try:
+        for t, loss in enumerate(losses):
+            step_s = ref["step_s"][t] if t < len(ref["step_s"]) else 0.0
+            writer.step(t, loss, step_s, t >= warmup)
+            for w, r in workers.items():
+                if t < len(r["step_s"]):
+                    writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
+        for point in ref["accuracy"]:
+            writer.scalar("eval/accuracy", point["accuracy"], point["step"])
+        writer.summary(results)
+    finally:
+        writer.close()
+    return results

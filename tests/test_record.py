@@ -1,0 +1,106 @@
+"""jaxdist.record.RunRecord reads what the real producers write (experiments.run for the mesh
+layouts, ps/driver for the parameter server), and the readers start without jax."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord
+from tests.helpers import ROOT, run_cli
+
+FAST_XLA = "--xla_backend_optimization_level=0"
+TINY = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3",
+        "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory):
+    """(fsdp run dir, ps-async run dir), each from a real run of the producer."""
+    base = tmp_path_factory.mktemp("record")
+    fsdp, ps = base / "fsdp", base / "ps"
+    proc = run_cli("--layout", "fsdp", "--mesh", "1x2", *TINY, "--logdir", str(fsdp),
+                   xla_flags=FAST_XLA)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cli("--layout", "ps", "--mesh", "2x1", "--ps-mode", "async", *TINY,
+                   "--logdir", str(ps), xla_flags=FAST_XLA, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return fsdp, ps
+
+
+def test_record_of_a_mesh_run(produced):
+    run_dir = produced[0]
+    d = json.loads((run_dir / "results.json").read_text())
+    r = RunRecord.load(run_dir)
+    assert (r.path, r.name, r.status) == (run_dir, "fsdp", "complete")
+    assert (r.framework, r.layout, r.layout_mode, r.group) == ("jax", "fsdp", "fsdp", "fsdp")
+    assert (r.model, r.model_name, r.variant) == ("mlp-tiny", "mlp-tiny", "")
+    assert (r.mesh, r.bar, r.devices) == ("1x2", "fsdp @ 1x2", 2)
+    assert (r.batch, r.dtype, r.optimizer, r.matmul_precision) == \
+        (16, "float32", d["config"]["train"]["optimizer"], "default")
+    assert (r.backend, r.device_kind, r.simulated) == ("cpu", d["env"]["device_kind"], True)
+    assert r.precision_class() == "float32"        # no TF32 on a CPU
+    assert (r.step_p50, r.step_p99, r.step_p("n")) == \
+        (d["step_time_s"]["p50"], d["step_time_s"]["p99"], 3)
+    assert r.samples_per_s == d["throughput"]["samples_per_s"]
+    assert r.state_bytes == d["memory"]["state_bytes_per_device"]
+    # CPU reports no measured peak: the peak is the compiler's allocation bound
+    assert r.measured_peak is None
+    assert r.peak == r.compiled_bound == d["memory"]["compiled"]["peak_bytes"]
+    assert r.peak_basis == COMPILER_BOUND
+    assert r.energy_per_sample is None and r.final_accuracy is None
+    assert r.loss == d["loss"] and len(r.loss) == 4
+    w = d["window"]
+    assert r.train_time == w["end_unix_s"] - w["start_unix_s"]
+
+
+def test_record_of_a_parameter_server_run(produced):
+    r = RunRecord.load(produced[1] / "results.json", name="ps-run")
+    assert (r.name, r.layout, r.ps_mode, r.layout_mode, r.bar) == \
+        ("ps-run", "ps", "async", "ps-async", "ps-async @ 2x1")
+    assert r.step_p("n") == 3 and r.devices == 2
+
+
+def test_what_is_not_a_record(tmp_path):
+    (tmp_path / "a.json").write_text("{not json")
+    (tmp_path / "b.json").write_text("[1, 2]")
+    (tmp_path / "c.json").write_text(json.dumps({"layout": "ddp", "step_time_s": {"n": 1}}))
+    with pytest.raises(RecordError, match="not JSON"):
+        RunRecord.load(tmp_path / "a.json")
+    with pytest.raises(RecordError, match=r"not a jaxdist results.json \(not an object\)"):
+        RunRecord.load(tmp_path / "b.json")
+    # a reader that tolerates partial records reads it; a strict one names the first problem
+    assert RunRecord.load(tmp_path / "c.json").layout == "ddp"
+    with pytest.raises(RecordError, match=r"\(schema_version: missing\)"):
+        RunRecord.load(tmp_path / "c.json", require_valid=True)
+
+
+@pytest.mark.parametrize("module", ["experiments.report", "experiments.compare"])
+def test_readers_start_without_jax(module):
+    """`--help` of the readers imports no jax, flax, torch or matplotlib (the import list of
+    `python -X importtime`), which is what lets them start in well under a second."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:") and line.count("|") == 2}
+    assert "analysis.claims" in imported and "jaxdist.record" in imported
+    heavy = sorted(m for m in imported
+                   if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "torch",
+                                          "matplotlib", "tensorboardX"))
+    assert heavy == []
+
+
+def test_header_records_the_image_size_readers_match_on():
+    # analysis/published.py matches published records on the input size; it reads it from
+    # the record instead of importing the model registry (and jax) to recompute it.
+    from jaxdist.config import RunConfig
+    from jaxdist.record import header
+    from models import get_model
+
+    cfg = RunConfig()
+    image = header("jax", "ddp", {"data": 1}, cfg, get_model("resnet18-imagenet", {}), 1)
+    tokens = header("jax", "ddp", {"data": 1}, cfg, get_model("gpt-tiny", {}), 1)
+    assert image["model"]["image_size"] == 224
+    assert tokens["model"]["image_size"] is None
