@@ -62,12 +62,12 @@ def test_end_to_end_tensorboard(e2e):
 
 
 BAD = [
-    (["--layout", "zero9"], "unknown layout 'zero9'; choose from ddp, ep, fsdp, fsdp_tp, hsdp, ps, tp, zero1"),
+    (["--layout", "zero9"], "unknown layout 'zero9'; choose from ddp, ep, fsdp, fsdp_pp, fsdp_tp, hsdp, pp, ps, tp, tp_pp, zero1"),
     (["--model", "gpt-huge"], "unknown model 'gpt-huge'; choose from"),
     (["--mesh", "4x"], "axis size ''"),
     (["--mesh", "0x8"], "axis size '0'"),
     (["--mesh", "axb"], "axis size 'a'"),
-    (["--mesh", "4x8x2x9x9"], "has 5 axes"),
+    (["--mesh", "4x8x2x9x9x2"], "has 6 axes"),
     (["--mesh", "3", "--batch-size", "64"], "global batch 64 is not divisible by the 3 batch shards of mesh 3x1; "
                                         "use a multiple of 3, e.g. --batch-size 63 or 66"),
     (["--steps", "0"], "--steps must be a positive integer"),
