@@ -282,13 +282,17 @@ def main_dry_run(cfg: RunConfig) -> int:
         if shape.size is None:
             raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
         configure_host_devices(MeshShape(1), "cpu")
-        plan = dryrun.plan(cfg, shape)
+        if cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
+            from jaxdist.pipeline.plan import format_pipeline_plan, plan_pipeline
+            plan, format_plan = plan_pipeline(cfg, shape), format_pipeline_plan
+        else:
+            plan, format_plan = dryrun.plan(cfg, shape), dryrun.format_plan
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
     print_notices(cfg)
-    print(dryrun.format_plan(plan))
+    print(format_plan(plan))
     if logdir is not None:
         write_json(logdir / "dry_run.json", plan)
         print(f"\nplan: {logdir / 'dry_run.json'}")

@@ -33,11 +33,6 @@ STACK = "blocks"  # the decoders' nnx.List of identical blocks
 
 
 def plan(cfg, shape: MeshShape) -> dict:
-    from sharding.pipeline import PIPELINE_LAYOUTS
-
-    if cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
-        from jaxdist.pipeline.plan import plan_pipeline
-        return plan_pipeline(cfg, shape)
     model_cfg, _ = build_model(cfg)
     state = planning_state(model_cfg, cfg.model.dtype,
                            make_optimizer(cfg.train.optimizer, cfg.train.lr))
@@ -110,9 +105,6 @@ def _same(a, b) -> bool:
 def format_plan(p: dict) -> str:
     from jaxdist.writers import human_bytes, replicated_text
 
-    if "stages" in p:
-        from jaxdist.pipeline.plan import format_pipeline_plan
-        return format_pipeline_plan(p)
     devices = 1
     for n in p["mesh"].values():
         devices *= n

@@ -192,10 +192,10 @@ def test_stage_axis_forms():
 def _plan(*argv):
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
-    from jaxdist.dryrun import plan
+    from jaxdist.pipeline.plan import plan_pipeline
 
     cfg = from_namespace(build_parser().parse_args(["--dry-run", *argv]))
-    return plan(cfg, parse_mesh(cfg.mesh.mesh))
+    return plan_pipeline(cfg, parse_mesh(cfg.mesh.mesh))
 
 
 def test_dry_run_go2025_grid_gpt3_tp_pp():
