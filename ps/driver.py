@@ -14,7 +14,7 @@ Failure policy:
 - a shard dies: with --ps-checkpoint-every N it is restarted on the same port from its last
   snapshot and the workers carry on (their calls retry for --ps-timeout-s); without, the run
   stops at once with an error naming the shard.
-- whatever happens, every child process is stopped (ps.procs).
+- whatever happens, every child process is stopped (jaxdist.procs).
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 
 from jaxdist.errors import UsageError
-from ps import procs
+from jaxdist import procs
 from ps.client import PSError, ShardClient
-from ps.cli import config_argv
+from jaxdist.config import to_argv
 from ps.collect import collect, format_ps
 from jaxdist.record import write_json
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_RESTARTS = 3
 READY_TIMEOUT_S = 120.0
 
@@ -90,8 +89,7 @@ def validate_ps(cfg, shape) -> None:
 # -- launching ----------------------------------------------------------------------------
 
 def _child_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = procs.python_env()
     # A worker sets its own CPU device count; an inherited forced count would override it.
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = flags.strip()
@@ -140,7 +138,7 @@ class Launch:
 
     def __init__(self, cfg, shape, psdir: Path, log):
         self.cfg, self.shape, self.psdir, self.log = cfg, shape, psdir, log
-        self.argv = config_argv(cfg)
+        self.argv = to_argv(cfg)
         self.servers: list[procs.Child] = []
         self.workers: list[procs.Child] = []
         self.ports: list[int] = []
@@ -368,7 +366,7 @@ def main(argv=None) -> int:
     shards' statistics, shut the shards down and write results.json + TensorBoard."""
     from jaxdist.config import add_arguments, from_namespace
     from jaxdist.mesh import parse_mesh
-    from ps.cli import OneLineParser
+    from jaxdist.errors import OneLineParser
     from ps.shardmap import shard_map_for
 
     parser = OneLineParser(prog="python -m ps.driver")

@@ -317,11 +317,11 @@ def initial_params(cfg, shard_map, shard: int) -> np.ndarray:
     model init from the run config, so no process has to send the initial weights."""
     import jax
 
-    from jaxdist.train_step import DTYPES, _split_model
+    from jaxdist.train_step import DTYPES, split_model
     from ps.shardmap import model_config
 
     model_cfg = model_config(cfg)
-    params = jax.jit(lambda: _split_model(model_cfg, DTYPES[cfg.model.dtype],
+    params = jax.jit(lambda: split_model(model_cfg, DTYPES[cfg.model.dtype],
                                           cfg.train.seed)[1])()
     flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(params)])
     return shard_map.gather(flat, shard)
@@ -344,7 +344,7 @@ def fault_hook(shard: int, core: ShardCore):
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxdist.config import add_arguments
-    from ps.cli import OneLineParser
+    from jaxdist.errors import OneLineParser
 
     parser = OneLineParser(prog="python -m ps.server",
                            description="One parameter-server shard. Give it the same run "
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from jaxdist.config import from_namespace
-    from ps import procs
+    from jaxdist import procs
     from ps.shardmap import shard_map_for
 
     procs.parent_watchdog()

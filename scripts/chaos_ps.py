@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ps import procs, wire  # noqa: E402
+from jaxdist import procs  # noqa: E402
+from ps import wire  # noqa: E402
 from ps.client import PSClient, PSError, ShardClient  # noqa: E402
 
 FAST_XLA = "--xla_backend_optimization_level=0"
