@@ -29,7 +29,7 @@ from pathlib import Path
 
 from jaxdist.errors import UsageError
 from jaxdist import procs
-from ps.client import PSError, ShardClient
+from ps.shard_client import PSError, ShardClient
 from jaxdist.config import to_argv
 from ps.collect import collect, format_ps
 from jaxdist.record import write_json

@@ -28,7 +28,7 @@ import grpc
 from jaxdist.errors import UsageError
 from ps import wire
 from ps.admission import CallGate, Refused, pool_size
-from ps.client import FAULT_KEY, TOKEN_KEY
+from ps.shard_client import FAULT_KEY, TOKEN_KEY
 from ps.core import PSFault, ShardCore
 
 _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,

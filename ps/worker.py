@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     from jaxdist.errors import UsageError
     from jaxdist.mesh import MeshShape, parse_mesh
     from jaxdist import procs
-    from ps.client import PSError
+    from ps.shard_client import PSError
 
     procs.parent_watchdog()
     args = build_parser().parse_args(argv)

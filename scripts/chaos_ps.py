@@ -41,7 +41,8 @@ import numpy as np  # noqa: E402
 
 from jaxdist import procs  # noqa: E402
 from ps import wire  # noqa: E402
-from ps.client import PSClient, PSError, ShardClient  # noqa: E402
+from ps.client import PSClient  # noqa: E402
+from ps.shard_client import PSError, ShardClient  # noqa: E402
 
 FAST_XLA = "--xla_backend_optimization_level=0"
 TIMEOUT_S = 3.0          # --ps-timeout-s of every chaos run: the detection deadline
