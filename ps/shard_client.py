@@ -109,6 +109,17 @@ class ShardClient:
                 raise PSError(f"shard {self.shard} at {self.address}: {what} failed: "
                               f"{name}: {e.details()}") from None
 
+    def _finisher(self, what: str, call, timeout: float, malformed: str):
+        """finish() of a started call: its result after retries; a reply that does not
+        decode is a PSError saying the shard sent `malformed`."""
+        def finish():
+            try:
+                return self._retry(what, call, timeout)
+            except wire.WireError as e:
+                raise PSError(f"shard {self.shard} at {self.address} sent {malformed}: "
+                              f"{e}") from None
+        return finish
+
     def _data_metadata(self, worker: int) -> tuple:
         """Data calls name their worker: the shard caps open calls per worker."""
         return (*(self.metadata or ()), (WORKER_KEY, str(worker)))
@@ -177,13 +188,7 @@ class ShardClient:
             asm.add(rest)
             return head, len(bundle), asm.finish(), asm.bytes
 
-        def finish():
-            try:
-                return self._retry(what, call, timeout)
-            except wire.WireError as e:
-                raise PSError(f"shard {self.shard} at {self.address} sent a malformed "
-                              f"reply: {e}") from None
-        return finish
+        return self._finisher(what, call, timeout, "a malformed reply")
 
     def push(self, pieces, source, meta: dict, source_offset=None) -> tuple[dict, int]:
         """(reply, bytes sent). `meta` holds worker, step, version, epoch."""
@@ -214,13 +219,7 @@ class ShardClient:
             def call(t):
                 return assemble(self._pull(frame, timeout=t, metadata=md))
 
-        def finish():
-            try:
-                return self._retry(what, call, timeout)
-            except wire.WireError as e:
-                raise PSError(f"shard {self.shard} at {self.address} sent malformed "
-                              f"parameters: {e}") from None
-        return finish
+        return self._finisher(what, call, timeout, "malformed parameters")
 
     def pull(self, request: dict, pieces, layout: dict, dest: np.ndarray) -> tuple[dict, int]:
         return self.start_pull(request, pieces, layout, dest)()
