@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
 from jaxdist.mesh import MeshShape
-from jaxdist.train_step import DTYPES, _split_model, abstract_train_state, make_optimizer
+from jaxdist.train_step import DTYPES, split_model, abstract_train_state, make_optimizer
 from models.build import build_model
 from sharding import get_layout
 
@@ -67,7 +67,7 @@ def planning_state(model_cfg, dtype_name: str, tx) -> dict:
 
 def _abstract_split(model_cfg, dtype_name: str):
     _, params, model_state = nnx.eval_shape(
-        lambda: _split_model(model_cfg, DTYPES[dtype_name], 0))
+        lambda: split_model(model_cfg, DTYPES[dtype_name], 0))
     return params, model_state
 
 

@@ -61,7 +61,7 @@ class Program:
     loop_body_flops: Callable | None = None
 
 
-def _split_model(model_cfg, dtype, seed):
+def split_model(model_cfg, dtype, seed):
     model = model_cfg.build(nnx.Rngs(seed), dtype)
     model.train()  # BatchNorm uses batch statistics; the mode is static, kept in graphdef
     return nnx.split(model, nnx.Param, ...)
@@ -69,7 +69,7 @@ def _split_model(model_cfg, dtype, seed):
 
 def _init_fn(model_cfg, dtype, tx, seed):
     def init_fn():
-        _, params, model_state = _split_model(model_cfg, dtype, seed)
+        _, params, model_state = split_model(model_cfg, dtype, seed)
         return {"params": params, "model_state": model_state, "opt": tx.init(params)}
     return init_fn
 
@@ -84,7 +84,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     dtype = DTYPES[dtype_name]
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     init_fn = _init_fn(model_cfg, dtype, tx, seed)
-    graphdef = nnx.eval_shape(lambda: _split_model(model_cfg, dtype, seed))[0]
+    graphdef = nnx.eval_shape(lambda: split_model(model_cfg, dtype, seed))[0]
     abstract_state = jax.eval_shape(init_fn)
     specs = layout(abstract_state, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,

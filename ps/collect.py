@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ps.client import PSError
+from ps.shard_client import PSError
 
 
 def format_ps(results: dict) -> str:

@@ -1,5 +1,7 @@
 """One shard's state machine: parameters, optimizer state, versions, modes, dedup,
 staleness, barriers. Plain Python with a Condition; the gRPC servicer is a thin layer over it.
+The update itself is ps.shard_optimizer's, the counters ps.accounting's, the snapshot's
+contents ps.snapshot's.
 
 Vocabulary:
 - version: number of optimizer applies this shard has made (its parameter version).
@@ -24,12 +26,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from ps import snapshot
+from ps.accounting import ShardAccounting
+from ps.buffers import GradientBuffers
+from ps.shard_optimizer import ShardOptimizer, mean_in_worker_order
 
 
 class PSFault(Exception):
@@ -43,50 +47,12 @@ class PSFault(Exception):
         self.kind = kind
 
 
-def make_apply(tx, clip_norm: float = 0.0):
-    """Jitted (params, opt state, gradient, scale) -> (params, opt state, finite, norm) on a
-    flat vector. Elementwise optimizers make a flat slice of the model exact. `scale`
-    multiplies the update (i.e. the learning rate): for adam, scaling the gradient instead
-    would cancel out in m / sqrt(v).
-
-    `finite` is whether the gradient, the new parameters and every new optimizer leaf are
-    finite: a finite gradient can still overflow (3e38 squared is inf in adam's second
-    moment, which then freezes every later update), so the result is what gets checked and
-    the caller keeps the old state when it is not. `clip_norm` > 0 rescales the gradient to
-    at most that L2 norm (over this shard's slice). The norm is computed as max|g| *
-    ||g / max|g|||, which does not overflow for finite g; `norm` is 0 when not clipping (a
-    non-finite gradient still shows: the optimizer moments take its inf or nan)."""
-    import jax
-    import jax.numpy as jnp
-
-    def apply(params, opt, grad, scale):
-        norm = jnp.float32(0)   # only computed when clipping: two more passes over the slice
-        if clip_norm > 0:
-            peak = jnp.max(jnp.abs(grad))
-            safe = jnp.where(peak > 0, peak, 1.0)
-            norm = peak * jnp.sqrt(jnp.sum(jnp.square(grad / safe)))
-            grad = grad * jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
-        updates, new_opt = tx.update(grad, opt, params)
-        new_params = params + scale * updates
-        # One sum per array: inf or nan anywhere makes it non-finite (so would a sum past
-        # 3.4e38 of finite values, i.e. parameters or moments near float32's limit).
-        total = norm + jnp.sum(new_params)
-        for leaf in jax.tree.leaves(new_opt):
-            if jnp.issubdtype(leaf.dtype, jnp.inexact):
-                total = total + jnp.sum(leaf)
-        return new_params, new_opt, jnp.isfinite(total), norm
-    return jax.jit(apply)
-
-
 class ShardCore:
     def __init__(self, params: np.ndarray, tx, *, mode: str, num_workers: int,
                  staleness: int = 0, staleness_lr: bool = False, drop_dead: bool = False,
                  timeout_s: float = 30.0, checkpoint_every: int = 0,
                  snapshot_dir: Path | None = None, epoch: int = 0, clip_norm: float = 0.0,
                  log=None):
-        import jax
-        import jax.numpy as jnp
-
         if mode not in ("sync", "async", "ssp"):
             raise ValueError(f"unknown mode {mode!r}")
         self.mode, self.num_workers = mode, num_workers
@@ -95,13 +61,7 @@ class ShardCore:
         self.checkpoint_every, self.snapshot_dir = checkpoint_every, snapshot_dir
         self.log = log or (lambda msg: None)
         self.size = int(params.size)
-        self._tx = tx
-        self.clip_norm = clip_norm
-        self._apply = make_apply(tx, clip_norm)
-        self._params = jnp.asarray(params, dtype=jnp.float32)
-        self._opt = jax.jit(tx.init)(self._params)
-        self._opt_treedef = jax.tree.structure(self._opt)
-        self._serve = np.asarray(self._params)
+        self.optimizer = ShardOptimizer(params, tx, clip_norm)
         self.cond = threading.Condition()
         self.epoch = epoch
         self.version = 0
@@ -118,23 +78,8 @@ class ShardCore:
         self.barrier_opened = 0.0
         self.failure: str | None = None
         self.pull_clock: dict[int, tuple[int, int]] = {}
-        # applied, rejected, deduplicated, applies, rejected_nonfinite, clipped
-        self.counts = Counter()
-        self.staleness_hist = Counter()
-        self.step_staleness_hist = Counter()
-        self.wait_s = {"barrier": 0.0, "bound": 0.0}
-        self.apply_s = 0.0              # optimizer time (jitted update), all applies
-        self.wait_s_by_worker = {w: 0.0 for w in range(num_workers)}
-        self.lr_scale_sum, self.lr_scale_min = 0.0, 1.0
-        self.events: list[str] = []
-        # Gradient buffers are reused: a fresh array per push means page-faulting the whole
-        # shard every time (~1 s per 400 MB here); at most one per worker plus a spare.
-        self._buffers: list[np.ndarray] = []
-        self._warm()
-
-    def _warm(self) -> None:
-        # Compile now, not inside the first push: the first step would otherwise time XLA.
-        self._apply.lower(self._params, self._opt, self._params, np.float32(1)).compile()
+        self.accounting = ShardAccounting(num_workers)
+        self.buffers = GradientBuffers(self.size, keep=num_workers)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -143,7 +88,7 @@ class ShardCore:
             try:
                 return self._push(worker, step, version, epoch, grad)
             except PSFault:
-                self.counts["rejected"] += 1
+                self.accounting.counts["rejected"] += 1
                 raise
 
     def _push(self, worker, step, version, epoch, grad) -> dict:
@@ -156,7 +101,7 @@ class ShardCore:
                                      f"epoch {self.epoch})")
         self.last_seen[worker] = time.monotonic()
         if step <= self.last_step[worker]:
-            self.counts["deduplicated"] += 1
+            self.accounting.counts["deduplicated"] += 1
             return self._reply("deduplicated")
         if epoch == self.epoch and version > self.version:
             raise PSFault("invalid", f"version {version} is from the future (shard is at "
@@ -176,8 +121,8 @@ class ShardCore:
         if epoch < self.epoch and version > self.version:
             # A gradient from before this shard's restart: its version counts the lost life.
             # Move the counter forward so versions keep increasing for every client.
-            self.events.append(f"epoch {self.epoch}: version {self.version} -> {version} "
-                               f"(resumed from a snapshot)")
+            self._event(f"epoch {self.epoch}: version {self.version} -> {version} "
+                        f"(resumed from a snapshot)")
             self.version = version
         self.resync = False
         stale = self.version - version
@@ -188,13 +133,10 @@ class ShardCore:
         if not self._apply_update(grad, scale, f"push of worker {worker} step {step}"):
             self._after_apply()
             return self._reply("rejected_nonfinite")
-        self.counts["applied"] += 1
-        self.staleness_hist[stale] += 1
-        self.lr_scale_sum += scale
-        self.lr_scale_min = min(self.lr_scale_min, scale)
+        self.accounting.applied(stale, scale)
         pulled = self.pull_clock.get(worker)
         if pulled and pulled[0] == step:
-            self.step_staleness_hist[pulled[1]] += 1
+            self.accounting.step_staleness_hist[pulled[1]] += 1
         self._after_apply()
         return self._reply("applied", staleness=stale)
 
@@ -204,15 +146,15 @@ class ShardCore:
             raise PSFault("precondition", self.failure)
         if self.resync and not self.pending:
             if step > self.version:
-                self.events.append(f"epoch {self.epoch}: version {self.version} -> {step} "
-                                   f"(resumed from a snapshot)")
+                self._event(f"epoch {self.epoch}: version {self.version} -> {step} "
+                            f"(resumed from a snapshot)")
                 self.version = step
             self.resync = False
         if step != self.version:
             raise PSFault("precondition", f"worker {worker} pushed step {step} but the sync "
                                           f"barrier is at step {self.version}")
         if worker in self.pending:
-            self.counts["deduplicated"] += 1
+            self.accounting.counts["deduplicated"] += 1
             return self._reply("deduplicated")
         if not self.pending:
             self.barrier_opened = time.monotonic()
@@ -279,11 +221,10 @@ class ShardCore:
                 self.cond.wait(min(0.2, deadline - now))
             waited = time.monotonic() - start
             if kind:
-                self.wait_s[kind] += waited
-                self.wait_s_by_worker[worker] += waited
+                self.accounting.waited(kind, worker, waited)
             if self.mode != "sync":
                 self.pull_clock[worker] = (step, step - self._min_clock())
-            return self.version, self.epoch, self._serve, waited, kind
+            return self.version, self.epoch, self.optimizer.serve, waited, kind
 
     def hello(self, worker: int) -> dict:
         """A worker is ready to train. Workers start together (each waits until `waiting`
@@ -321,25 +262,21 @@ class ShardCore:
     def take_buffer(self) -> np.ndarray:
         """A float32 buffer of the shard's size to receive a gradient into."""
         with self.cond:
-            if self._buffers:
-                return self._buffers.pop()
-        return np.empty(self.size, np.float32)
+            return self.buffers.take()
 
     def give_buffer(self, buf: np.ndarray) -> None:
         """Return a buffer the core does not hold (anything but a pending sync gradient)."""
         with self.cond:
-            held = list(self.pending.values()) + self._buffers
-            if not any(buf is g for g in held) and len(self._buffers) <= self.num_workers:
-                self._buffers.append(buf)
+            self.buffers.give(buf, held=self.pending.values())
 
     def count_rejected(self) -> None:
         """A push refused before it reached the core (malformed on the wire)."""
         with self.cond:
-            self.counts["rejected"] += 1
+            self.accounting.counts["rejected"] += 1
 
     def params(self) -> tuple[int, np.ndarray]:
         with self.cond:
-            return self.version, self._serve
+            return self.version, self.optimizer.serve
 
     # -- internals ------------------------------------------------------------------------
 
@@ -349,6 +286,9 @@ class ShardCore:
         if worker in self.retired:
             raise PSFault("aborted", f"worker {worker} was retired: {self.retired[worker]}")
 
+    def _event(self, message: str) -> None:
+        self.accounting.events.append(message)
+
     def _reply(self, status: str, staleness: int = 0) -> dict:
         return {"status": status, "version": self.version, "epoch": self.epoch,
                 "staleness": staleness}
@@ -357,27 +297,21 @@ class ShardCore:
         """Apply one (aggregated) gradient; False, and nothing changed, if the result would
         not be finite. The version moves on either way in sync (the barrier's step is done)
         and only on success in async/ssp."""
-        t0 = time.perf_counter()
-        params, opt, finite, norm = self._apply(self._params, self._opt, grad,
-                                                np.float32(scale))
-        finite = bool(finite)  # waits for the update
-        self.apply_s += time.perf_counter() - t0
+        finite, clipped = self.optimizer.update(grad, scale)
         if not finite:
-            self.counts["rejected_nonfinite"] += 1
+            self.accounting.counts["rejected_nonfinite"] += 1
             self.last_outcome = "rejected_nonfinite"
             message = (f"version {self.version}: {what} rejected: the update is not finite; "
                        f"parameters and optimizer state unchanged")
-            self.events.append(message)
+            self._event(message)
             self.log(message)
             if self.mode == "sync":
                 self.version += 1
             return False
-        if self.clip_norm and float(norm) > self.clip_norm:
-            self.counts["clipped"] += 1
-        self._params, self._opt = params, opt
-        self._serve = np.asarray(self._params)  # a new array: pulls in flight keep the old one
+        if clipped:
+            self.accounting.counts["clipped"] += 1
         self.version += 1
-        self.counts["applies"] += 1
+        self.accounting.counts["applies"] += 1
         self.last_outcome = "applied"
         return True
 
@@ -390,24 +324,16 @@ class ShardCore:
         if self.mode != "sync" or not self.pending or not self.alive <= set(self.pending):
             return
         workers = sorted(self.pending)
-        total = np.zeros(self.size, np.float32)
-        with np.errstate(over="ignore"):  # an overflow is caught below, as a non-finite step
-            for w in workers:  # fixed order: float sums do not depend on arrival order
-                total += self.pending[w]
         step = self.version
-        if self._apply_update(total / np.float32(len(workers)), 1.0,
+        if self._apply_update(mean_in_worker_order(self.pending), 1.0,
                               f"sync step {step} of workers {workers}"):
-            self.counts["applied"] += len(workers)
-            self.staleness_hist[0] += len(workers)
-            self.lr_scale_sum += len(workers)
+            self.accounting.applied(0, 1.0, len(workers))
         for w in workers:
             self.last_step[w] = step
         held = list(self.pending.values())
         self.pending.clear()
         for buf in held:
-            if len(self._buffers) <= self.num_workers and not any(buf is b for b in
-                                                                  self._buffers):
-                self._buffers.append(buf)
+            self.buffers.give(buf)
         self._after_apply()
 
     def _check_barrier(self, now: float) -> None:
@@ -440,91 +366,25 @@ class ShardCore:
         self.alive.discard(worker)
         self.retired[worker] = reason
         self.pending.pop(worker, None)
-        self.events.append(f"worker {worker} retired: {reason}")
+        self._event(f"worker {worker} retired: {reason}")
         self.log(f"worker {worker} retired: {reason}")
 
     # -- snapshots ------------------------------------------------------------------------
 
-    def _meta(self) -> dict:
-        return {
-            "version": self.version, "epoch": self.epoch, "mode": self.mode,
-            "num_workers": self.num_workers, "size": self.size,
-            "last_step": [self.last_step[w] for w in range(self.num_workers)],
-            "clock": [self.clock[w] for w in range(self.num_workers)],
-            "retired": {str(w): r for w, r in self.retired.items()},
-            "counts": dict(self.counts),
-            "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
-            "step_staleness_hist": {str(k): v for k, v in self.step_staleness_hist.items()},
-            "lr_scale_sum": self.lr_scale_sum, "lr_scale_min": self.lr_scale_min,
-        }
-
     def save_snapshot(self) -> None:
-        import jax
-
         if self.snapshot_dir is None:
             return
-        arrays = {"params": np.asarray(self._params)}
-        for i, leaf in enumerate(jax.tree.leaves(self._opt)):
-            arrays[f"opt_{i:03d}"] = np.asarray(leaf)
-        snapshot.save(self.snapshot_dir, arrays, self._meta())
-        self.counts["snapshots"] += 1
+        snapshot.save(self.snapshot_dir, self.optimizer.arrays(), snapshot.shard_meta(self))
+        self.accounting.counts["snapshots"] += 1
 
     def restore(self, arrays: dict, meta: dict) -> None:
         """Continue from a snapshot (this object's epoch is already the new one)."""
-        import jax
-        import jax.numpy as jnp
-
         with self.cond:
-            if meta["size"] != self.size or meta["num_workers"] != self.num_workers:
-                raise ValueError("snapshot does not match this shard (size or workers)")
-            template = jax.tree.leaves(self._opt)
-            saved = sorted(k for k in arrays if k.startswith("opt_"))
-            if len(saved) != len(template):
-                raise ValueError(f"snapshot optimizer state has {len(saved)} arrays, the "
-                                 f"optimizer {len(template)}")
-            leaves = [arrays[k] for k in saved]
-            for new, old in zip(leaves, template):
-                if new.shape != old.shape or new.dtype != old.dtype:
-                    raise ValueError("snapshot optimizer state does not match the optimizer")
-            self._params = jnp.asarray(arrays["params"])
-            self._opt = jax.tree.unflatten(self._opt_treedef, [jnp.asarray(x) for x in leaves])
-            self._serve = np.asarray(self._params)
-            self.version = meta["version"]
-            self.last_step = dict(enumerate(meta["last_step"]))
-            self.clock = dict(enumerate(meta["clock"]))
-            self.retired = {int(w): r for w, r in meta["retired"].items()}
-            self.alive = set(range(self.num_workers)) - set(self.retired)
-            self.started = set(self.alive)  # they were training when the snapshot was taken
-            self.counts = Counter(meta["counts"])
-            self.staleness_hist = Counter({int(k): v for k, v in meta["staleness_hist"].items()})
-            self.step_staleness_hist = Counter(
-                {int(k): v for k, v in meta["step_staleness_hist"].items()})
-            self.lr_scale_sum, self.lr_scale_min = meta["lr_scale_sum"], meta["lr_scale_min"]
-            self.resync = True
-            self.events.append(f"epoch {self.epoch}: restored version {self.version} from a "
-                               f"snapshot written in epoch {meta['epoch']}")
+            snapshot.restore_shard(self, arrays, meta)
 
     def stats(self) -> dict:
-        import jax
-
         with self.cond:
-            applied = self.counts["applied"]
-            return {
-                "version": self.version, "epoch": self.epoch, "mode": self.mode,
-                "applied": applied, "rejected": self.counts["rejected"],
-                "deduplicated": self.counts["deduplicated"], "applies": self.counts["applies"],
-                "snapshots": self.counts["snapshots"],
-                "rejected_nonfinite": self.counts["rejected_nonfinite"],
-                "clipped": self.counts["clipped"],
-                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-                "step_staleness_hist": {str(k): v for k, v in
-                                        sorted(self.step_staleness_hist.items())},
-                "wait_s": dict(self.wait_s), "apply_s": self.apply_s,
-                "wait_s_by_worker": [self.wait_s_by_worker[w] for w in range(self.num_workers)],
-                "lr_scale_mean": self.lr_scale_sum / applied if applied else None,
-                "lr_scale_min": self.lr_scale_min,
-                "retired": {str(w): r for w, r in sorted(self.retired.items())},
-                "events": list(self.events[-50:]),
-                "params_bytes": self.size * 4,
-                "opt_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self._opt))),
-            }
+            return {"version": self.version, "epoch": self.epoch, "mode": self.mode,
+                    **self.accounting.stats(), "apply_s": self.optimizer.apply_s,
+                    "retired": {str(w): r for w, r in sorted(self.retired.items())},
+                    "params_bytes": self.size * 4, "opt_bytes": self.optimizer.opt_bytes()}

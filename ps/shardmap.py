@@ -186,20 +186,22 @@ def model_config(cfg):
 def abstract_model(cfg):
     """(model config, graphdef, abstract params, abstract model state): shapes only, no
     backend starts (the launcher must not take a device)."""
-    return _abstract_model(cfg.model, cfg.data.dataset, cfg.train.seed, cfg.train.remat)
+    return _abstract_model(cfg.model, cfg.data.dataset, cfg.data.data_dir, cfg.train.seed,
+                           cfg.train.remat)
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_model(model, dataset, seed, remat):
+def _abstract_model(model, dataset, data_dir, seed, remat):
     from flax import nnx
 
     from jaxdist.config import DataConfig, RunConfig, TrainConfig
-    from jaxdist.train_step import DTYPES, _split_model
+    from jaxdist.train_step import DTYPES, split_model
 
-    model_cfg = model_config(RunConfig(model=model, data=DataConfig(dataset=dataset),
+    data = DataConfig(dataset=dataset, data_dir=data_dir)
+    model_cfg = model_config(RunConfig(model=model, data=data,
                                        train=TrainConfig(seed=seed, remat=remat)))
     graphdef, params, model_state = nnx.eval_shape(
-        lambda: _split_model(model_cfg, DTYPES[model.dtype], seed))
+        lambda: split_model(model_cfg, DTYPES[model.dtype], seed))
     return model_cfg, graphdef, params, model_state
 
 

@@ -4,6 +4,7 @@ A snapshot is written into `snap-<version>.tmp/`, fsynced, renamed to `snap-<ver
 only then named in `LATEST` (a small file replaced with os.replace). A crash at any point
 leaves the previous LATEST intact; a reader never sees half a snapshot. `EPOCH` counts the
 lives of the shard so a restarted server can tell requests of an earlier life apart.
+`shard_meta` and `restore_shard` say what of a ps.core.ShardCore a snapshot holds.
 """
 
 from __future__ import annotations
@@ -66,3 +67,33 @@ def next_epoch(directory: Path) -> int:
     epoch = int(path.read_text()) + 1 if path.exists() else 0
     _write_atomic(path, str(epoch))
     return epoch
+
+
+def shard_meta(core) -> dict:
+    """meta.json of a ShardCore: its version and epoch, each worker's last applied step and
+    clock, who is retired, and its accounting (the arrays come from its optimizer)."""
+    workers = range(core.num_workers)
+    return {"version": core.version, "epoch": core.epoch, "mode": core.mode,
+            "num_workers": core.num_workers, "size": core.size,
+            "last_step": [core.last_step[w] for w in workers],
+            "clock": [core.clock[w] for w in workers],
+            "retired": {str(w): r for w, r in core.retired.items()},
+            **core.accounting.meta()}
+
+
+def restore_shard(core, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """Put a snapshot back into a ShardCore (under its lock; its epoch is already the new
+    one); ValueError when the snapshot is of another shape of shard."""
+    if meta["size"] != core.size or meta["num_workers"] != core.num_workers:
+        raise ValueError("snapshot does not match this shard (size or workers)")
+    core.optimizer.load(arrays)
+    core.version = meta["version"]
+    core.last_step = dict(enumerate(meta["last_step"]))
+    core.clock = dict(enumerate(meta["clock"]))
+    core.retired = {int(w): r for w, r in meta["retired"].items()}
+    core.alive = set(range(core.num_workers)) - set(core.retired)
+    core.started = set(core.alive)  # they were training when the snapshot was taken
+    core.accounting.load(meta)
+    core.resync = True
+    core.accounting.events.append(f"epoch {core.epoch}: restored version {core.version} "
+                                  f"from a snapshot written in epoch {meta['epoch']}")

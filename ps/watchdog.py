@@ -5,7 +5,7 @@ with a short deadline) about twice a second. A worker's progress is the newest s
 shard has seen it push; a shard's is answering at all. A worker that has not moved for
 `--ps-timeout-s` (after it started training; before that it gets the start-up allowance), or a
 shard that has not answered for that long, ends the run: the launcher names it in one line
-and stops everything (ps.procs: SIGTERM, SIGCONT, SIGKILL after a grace period).
+and stops everything (jaxdist.procs: SIGTERM, SIGCONT, SIGKILL after a grace period).
 
 When several things stall at once (a frozen worker holds a sync barrier, so every worker
 stalls), the one named is the first cause: a stopped process, then a shard that does not

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from jaxdist.record import write_json
+from jaxdist.record import memory_block, write_json
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
 # Shards start at the same time as the workers (or later, under a scheduler): waiting for
@@ -31,7 +31,7 @@ CONNECT_TIMEOUT_S = 120.0
 
 def build_parser():
     from jaxdist.config import add_arguments
-    from ps.cli import OneLineParser
+    from jaxdist.errors import OneLineParser
 
     parser = OneLineParser(prog="python -m ps.worker",
                            description="One parameter-server worker. Give it the same run "
@@ -65,7 +65,7 @@ class Program:
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from jaxdist.train_step import DTYPES, MeshJit, _split_model, jax_matmul_precision
+        from jaxdist.train_step import DTYPES, MeshJit, split_model, jax_matmul_precision
         from sharding import batch_spec
 
         dtype = DTYPES[cfg.model.dtype]
@@ -100,7 +100,7 @@ class Program:
                             mesh, precision)
         self.correct = MeshJit(jax.jit(correct_fn, in_shardings=(r, r, b), out_shardings=r),
                                mesh, precision)
-        init_state = jax.jit(lambda: _split_model(model_cfg, dtype, seed)[2], out_shardings=r)
+        init_state = jax.jit(lambda: split_model(model_cfg, dtype, seed)[2], out_shardings=r)
         # Most models keep no state besides parameters: skip compiling a whole init for it.
         self.init_model_state = (init_state if jax.tree.leaves(abstract_state)
                                  else lambda: abstract_state)
@@ -142,7 +142,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     num_workers = parse_mesh(cfg.mesh.mesh).data
     model_cfg, graphdef, abstract, abstract_state = abstract_model(cfg)
-    dataset = load_dataset(cfg.data.dataset)
+    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     mesh = build_mesh(platform.shape, platform.devices)
     shard_map = build_shard_map(leaves_of(abstract), len(servers))
     program = Program(cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh)
@@ -252,10 +252,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         "rejected_nonfinite": client.rejected_nonfinite, "phases_s": phases,
         "accuracy": accuracy, "env": env_info(platform),
         "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
-        "memory": {"state_bytes_by_device": by_device,
-                   "state_bytes_per_device": max(d["bytes"] for d in by_device),
-                   "compiled": metrics.compiled_memory(compiled),
-                   "measured_peak_bytes": measured, "measured_peak_reason": measured_reason},
+        "memory": memory_block(by_device, metrics.compiled_memory(compiled), measured,
+                               measured_reason),
         "compiled_flops": metrics.compiled_flops(compiled),
     }
     client.close()
@@ -269,8 +267,8 @@ def main(argv=None) -> int:
     from jaxdist.config import from_namespace
     from jaxdist.errors import UsageError
     from jaxdist.mesh import MeshShape, parse_mesh
-    from ps import procs
-    from ps.client import PSError
+    from jaxdist import procs
+    from ps.shard_client import PSError
 
     procs.parent_watchdog()
     args = build_parser().parse_args(argv)

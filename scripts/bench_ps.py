@@ -125,7 +125,7 @@ class TransportCore:
 
 def _ps_server(shard, num_shards, total, ready_q, max_bytes):
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ps.server import ShardServicer, start_grpc
+    from ps.servicer import ShardServicer, start_grpc
     from ps.shardmap import Leaf, build_shard_map
     from ps import wire
 

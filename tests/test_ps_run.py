@@ -20,7 +20,7 @@ from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import check
-from ps.procs import pids_alive
+from jaxdist.procs import pids_alive
 from tests.helpers import read_scalars, run_cli, train
 
 FAST_XLA = "--xla_backend_optimization_level=0"
@@ -281,6 +281,23 @@ def test_dead_shard_restarts_from_its_snapshot(tmp_path):
     assert any("restored version 4" in e for e in shards[1]["events"])
     assert len(r["loss"]) == 12 and all(math.isfinite(x) for x in r["loss"])
     assert_no_orphans(logdir, r["ps"]["pids"])
+
+
+def test_workers_read_the_data_dir(tmp_path):
+    """--data-dir reaches the workers: they load the CIFAR files written here (before the
+    fix a worker called load_dataset without it and exited with the usage error)."""
+    from tests.test_dataset_files import write_cifar
+
+    write_cifar(tmp_path / "data", sizes=(16, 16, 16, 16, 16, 16))
+    logdir = tmp_path / "run"
+    proc = run_ps(logdir, "--mesh", "2x1", "--ps-shards", "1", "--ps-mode", "sync",
+                  "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
+                  "--model", "mlp-tiny", "--batch-size", "8", "--warmup", "0", "--steps", "3",
+                  "--eval-every", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = results(logdir)
+    assert r["config"]["data"]["dataset"] == "cifar10" and len(r["loss"]) == 3
+    assert [a["step"] for a in r["accuracy"]] == [3]
 
 
 # -- bad options --------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 
 from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from ps import wire
-from ps.client import PSClient, PSError, ShardClient
+from ps.client import PSClient
+from ps.shard_client import PSError, ShardClient
 from ps.shardmap import shard_map_for
 from tests.helpers import ROOT
 

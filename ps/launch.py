@@ -1,0 +1,265 @@
+"""The processes of one `--layout ps` run on this host: start the K shard servers and W
+workers, watch them (progress deadline, a dead worker retired, a dead shard restarted from its
+snapshot), and fetch the shards' statistics at the end. ps.driver decides what to do with
+them; every child is stopped by jaxdist.procs whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from jaxdist import procs
+from jaxdist.config import to_argv
+from jaxdist.record import write_json
+from ps.shard_client import PSError, ShardClient
+
+MAX_RESTARTS = 3
+READY_TIMEOUT_S = 120.0
+
+
+def _child_env(extra: dict | None = None) -> dict:
+    env = procs.python_env()
+    # A worker sets its own CPU device count; an inherited forced count would override it.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = flags.strip()
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def gpu_count() -> int:
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _worker_env(cfg, worker: int, devices: int, num_workers: int) -> dict:
+    """On a GPU node, worker w sees GPUs [w*D, (w+1)*D); otherwise it simulates D CPU
+    devices (never all of a GPU node's GPUs at once)."""
+    gpus = gpu_count()
+    if cfg.mesh.platform == "auto" and gpus >= devices * num_workers:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[worker * devices:(worker + 1) * devices])}
+    return {"JAX_PLATFORMS": "cpu"}
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"
+
+
+def _connect_host(bind: str) -> str:
+    if bind in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if bind == "::":
+        return "[::1]"
+    return f"[{bind}]" if ":" in bind else bind
+
+
+class Launch:
+    """The children of one run and what happened to them."""
+
+    def __init__(self, cfg, shape, psdir: Path, log):
+        self.cfg, self.shape, self.psdir, self.log = cfg, shape, psdir, log
+        self.argv = to_argv(cfg)
+        self.servers: list[procs.Child] = []
+        self.workers: list[procs.Child] = []
+        self.ports: list[int] = []
+        self.restarts: list[dict] = []
+        self.dead_workers: list[dict] = []
+        self.all_pids: list[int] = []
+
+    @property
+    def children(self):
+        return self.servers + self.workers
+
+    @property
+    def addresses(self) -> list[str]:
+        host = _connect_host(self.cfg.ps.ps_bind)
+        return [f"{host}:{p}" for p in self.ports]
+
+    def _record_pid(self, child):
+        self.all_pids.append(child.pid)
+        write_json(self.psdir / "pids.json", self.all_pids)
+
+    def start_server(self, k: int, port: int = 0, restore: bool = False) -> procs.Child:
+        ready = self.psdir / f"shard{k}.ready.json"
+        ready.unlink(missing_ok=True)
+        snapshots = (["--snapshot-dir", str(self.psdir / "snapshots" / f"shard{k}")]
+                     if self.cfg.ps.ps_checkpoint_every else [])
+        args = ["--shard", str(k), "--of", str(self.cfg.ps.ps_shards), "--port", str(port),
+                "--ready-file", str(ready), *snapshots, *(["--restore"] if restore else []),
+                *self.argv]
+        child = procs.start(f"shard {k}", procs.python_argv("ps.server", *args),
+                            _child_env({"JAX_PLATFORMS": "cpu"}), self.psdir / f"shard{k}.log")
+        child.extra["ready"] = ready
+        self._record_pid(child)
+        return child
+
+    def wait_ready(self, child: procs.Child) -> dict:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        ready = child.extra["ready"]
+        while not ready.exists():
+            rc = child.poll()
+            if rc is not None:
+                raise PSError(f"{child.name} exited with {_describe_exit(rc)} while starting; "
+                              f"log {child.log_path}:\n{child.log_tail()}")
+            if time.monotonic() > deadline:
+                raise PSError(f"{child.name} did not start within {READY_TIMEOUT_S:g} s; log "
+                              f"{child.log_path}:\n{child.log_tail()}")
+            time.sleep(0.05)
+        return json.loads(ready.read_text())
+
+    def start_servers(self) -> None:
+        """Start the shards on ports chosen now, so workers can start (import JAX, compile)
+        at the same time instead of after the shards are ready."""
+        base = getattr(self.cfg.ps, "ps_port", 0)
+        k_count = self.cfg.ps.ps_shards
+        self.ports = ([base + k for k in range(k_count)] if base else
+                      procs.free_ports(self.cfg.ps.ps_bind, k_count))
+        self.servers = [self.start_server(k, self.ports[k]) for k in range(k_count)]
+
+    def wait_servers(self) -> None:
+        for child in self.servers:
+            self.wait_ready(child)
+        self.log(f"ps: {len(self.servers)} shard servers up at {', '.join(self.addresses)} "
+                 f"(logs in {self.psdir})")
+
+    def start_workers(self) -> None:
+        w_count, devices = self.shape.data, self.shape.fsdp
+        servers = ",".join(self.addresses)
+        for w in range(w_count):
+            args = ["--worker", str(w), "--servers", servers, "--out", str(self.psdir),
+                    *self.argv]
+            child = procs.start(f"worker {w}", procs.python_argv("ps.worker", *args),
+                                _child_env(_worker_env(self.cfg, w, devices, w_count)),
+                                self.psdir / f"worker{w}.log")
+            self.workers.append(child)
+            self._record_pid(child)
+        self.log(f"ps: {w_count} workers x {devices} device(s) started, mode "
+                 f"{self.cfg.ps.ps_mode}")
+
+    def client(self, k: int) -> ShardClient:
+        return ShardClient(k, self.addresses[k],
+                           max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
+                           timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
+                           token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                           tls_cert=self.cfg.ps.ps_tls_cert)
+
+    def retire_everywhere(self, worker: int, reason: str) -> None:
+        for k in range(len(self.servers)):
+            client = self.client(k)
+            try:
+                client.control("retire", worker=worker, reason=reason)
+            except PSError as e:
+                self.log(f"ps: could not retire worker {worker} on shard {k}: {e}")
+            finally:
+                client.close()
+
+    def watch(self) -> None:
+        """Until every worker has finished or died; handles deaths as the policy says, and
+        ends the run when a worker or shard makes no progress (ps.watchdog)."""
+        from ps.watchdog import Progress
+        from ps.worker import CONNECT_TIMEOUT_S
+
+        timeout = self.cfg.ps.ps_timeout_s
+        # workers import JAX, compile, then wait up to CONNECT_TIMEOUT_S for each other
+        self.progress = Progress(self, timeout, max(timeout, CONNECT_TIMEOUT_S) + timeout)
+        done: set[int] = set()
+        try:
+            while len(done) < len(self.workers):
+                for w, child in enumerate(self.workers):
+                    if w in done:
+                        continue
+                    rc = child.poll()
+                    if rc is None:
+                        continue
+                    done.add(w)
+                    if rc != 0:
+                        self._worker_died(w, child, rc, done)
+                for k, child in enumerate(self.servers):
+                    rc = child.poll()
+                    if rc is not None and len(done) < len(self.workers):
+                        self._shard_died(k, child, rc)
+                        self.progress.shard_seen[k] = time.monotonic()
+                self.progress.probe()
+                stalled = self.progress.stalled(done)
+                if stalled:
+                    what, index, line = stalled
+                    if (what == "worker" and self.cfg.ps.ps_mode == "sync"
+                            and self.cfg.ps.ps_drop_dead_workers):
+                        # The run goes on without it: kill it, and the next poll sees a
+                        # dead worker, which --ps-drop-dead-workers retires.
+                        self.log(f"ps: {line}; killing it (--ps-drop-dead-workers)")
+                        procs.stop(self.workers[index], grace_s=0.0)
+                        continue
+                    raise PSError(f"{line}; stopping every process")
+                time.sleep(0.05)
+        finally:
+            self.progress.close()
+        if len(self.dead_workers) == len(self.workers):
+            first = self.dead_workers[0]
+            raise PSError(f"every worker failed; worker {first['worker']}: {first['error']}")
+
+    def _worker_died(self, w: int, child, rc: int, done: set[int] = frozenset()) -> None:
+        tail = child.log_tail(3)
+        error = tail.splitlines()[-1] if tail else ""
+        what = f"worker {w} (pid {child.pid}) exited with {_describe_exit(rc)}"
+        self.dead_workers.append({"worker": w, "exit": _describe_exit(rc), "error": error,
+                                  "at_unix_s": time.time()})
+        mode, drop = self.cfg.ps.ps_mode, self.cfg.ps.ps_drop_dead_workers
+        if rc == 2:  # a usage error: every worker will hit it
+            raise PSError(f"{what}: {error}")
+        if rc == 3 and getattr(self, "progress", None) is not None:
+            # A PS error in a worker is often another process's fault (a frozen worker
+            # holding the barrier, a stopped shard): name that one first.
+            cause = self.progress.first_cause(w, done)
+            if cause:
+                raise PSError(f"{cause}; worker {w} failed waiting for it ({error[-200:]})")
+        if mode == "sync" and not drop:
+            raise PSError(f"{what}; sync mode cannot continue without it "
+                          f"(--ps-drop-dead-workers continues with the others). Last log "
+                          f"line: {error}")
+        self.log(f"ps: {what}; continuing with {len(self.workers) - len(self.dead_workers)} "
+                 f"workers ({mode} mode)")
+        self.retire_everywhere(w, f"process exited with {_describe_exit(rc)}")
+
+    def _shard_died(self, k: int, child, rc: int) -> None:
+        every = self.cfg.ps.ps_checkpoint_every
+        what = (f"shard {k} (pid {child.pid}, {self.addresses[k]}) exited with "
+                f"{_describe_exit(rc)}")
+        if not every:
+            tail = " / ".join(child.log_tail(2).splitlines())
+            raise PSError(f"{what}; it cannot be restarted without snapshots "
+                          f"(--ps-checkpoint-every N). Log tail: {tail}")
+        count = sum(1 for r in self.restarts if r["shard"] == k)
+        if count >= MAX_RESTARTS:
+            raise PSError(f"{what} after {count} restarts; giving up")
+        self.log(f"ps: {what}; restarting it from its last snapshot")
+        fresh = self.start_server(k, self.ports[k], restore=True)
+        self.servers[k] = fresh
+        info = self.wait_ready(fresh)
+        self.restarts.append({"shard": k, "exit": _describe_exit(rc), "at_unix_s": time.time(),
+                              "epoch": info["epoch"]})
+
+    def stats(self) -> list[dict]:
+        out = []
+        for k in range(len(self.servers)):
+            client = self.client(k)
+            try:
+                out.append(client.control("stats"))
+                client.control("shutdown")
+            finally:
+                client.close()
+        return out

@@ -1,0 +1,269 @@
+"""The gRPC face of one shard: `ShardServicer` (handlers over a ps.core.ShardCore) and
+`start_grpc`; the process around them is ps.server.
+
+The layer is thin: it authenticates (a token, compared in constant time on every call),
+decodes and validates frames (ps.wire) into a scratch buffer, and hands whole gradients to
+the core. Anything malformed gets an error status; the core is never called with it, so
+parameters cannot change and the server stays up.
+
+Methods (generic handlers, raw bytes; no protoc):
+  Push     client stream of frames (op "push") -> JSON reply {status, version, epoch, ...}
+  Pull     one frame (op "pull": worker, step, min_version, epoch) -> stream of "param" frames
+  PushOne, PullOne  the same as single messages of several frames (small shards)
+  PushPullOne  sync: the push of step t and the parameters of step t+1 in one call
+  Control  one frame (op ping | info | hello | stats | retire | shutdown) -> JSON reply
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from jaxdist.errors import UsageError
+from ps import wire
+from ps.admission import CallGate, Refused, pool_size
+from ps.shard_client import FAULT_KEY, TOKEN_KEY
+from ps.core import PSFault, ShardCore
+
+_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
+          "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+          "restarted": grpc.StatusCode.FAILED_PRECONDITION,
+          "aborted": grpc.StatusCode.ABORTED,
+          "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+          "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+
+def server_options(max_message_bytes: int) -> list:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # grpc sets SO_REUSEPORT by default: a second server could then share a busy
+            # port silently. A port in use must be an error.
+            ("grpc.so_reuseport", 0)]
+
+
+class ShardServicer:
+    def __init__(self, core: ShardCore, shard_map, shard: int, *, token: str = "",
+                 frame_bytes: int = wire.DEFAULT_FRAME_BYTES, on_push=None,
+                 call_deadline_s: float | None = None):
+        self.core, self.map, self.shard = core, shard_map, shard
+        # Longer than the core's own waits (timeout + 1 s), so a parked pull ends with the
+        # core's message, not a bare cancellation.
+        self.gate = CallGate(core.num_workers, call_deadline_s or
+                             getattr(core, "timeout_s", 30.0) + 2.0)
+        self.token = token.encode() if token else b""
+        self.frame_bytes = frame_bytes
+        self.pieces = shard_map.shard_pieces(shard)
+        self.layout = {p.name: (p.length, p.shard_offset) for p in self.pieces}
+        self.stop_event = threading.Event()
+        self.on_push = on_push or (lambda: None)
+        self.bytes_in = self.bytes_out = 0
+        self.decode_s = self.encode_s = 0.0  # CPU time validating/copying frames in, making out
+
+    def handler(self):
+        return grpc.method_handlers_generic_handler("jaxdist.ps.Shard", {
+            "Push": grpc.stream_unary_rpc_method_handler(self.push),
+            "Pull": grpc.unary_stream_rpc_method_handler(self.pull),
+            "Control": grpc.unary_unary_rpc_method_handler(self.control),
+            # The same, as single messages of several frames: small transfers skip streams.
+            "PushOne": grpc.unary_unary_rpc_method_handler(
+                lambda request, context: self.push(iter((request,)), context)),
+            "PullOne": grpc.unary_unary_rpc_method_handler(self.pull_one),
+            "PushPullOne": grpc.unary_unary_rpc_method_handler(self.push_pull_one),
+        })
+
+    # Every handler starts here: a missing or wrong token never reaches parsing.
+    def _auth(self, context) -> None:
+        if not self.token:
+            return
+        got = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(got, self.token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+    @staticmethod
+    def _abort(context, kind: str, message: str):
+        context.set_trailing_metadata(((FAULT_KEY, kind),))
+        context.abort(_CODES[kind], message)
+
+    def _admit(self, context):
+        """(worker named in the metadata, release()) or abort: see ps.admission."""
+        try:
+            return self.gate.admit(context)
+        except Refused as e:
+            if e.kind == "invalid":
+                self.core.count_rejected()
+            self._abort(context, e.kind, str(e))
+
+    def push(self, request_iterator, context):
+        return json.dumps(self._push(request_iterator, context)[0]).encode()
+
+    def push_pull_one(self, request, context):
+        """Sync: the push of step t and the pull of step t+1 in one call (one message each
+        way, no second call to hand the parameters over). Reply: a frame `op=reply` with
+        the push's JSON fields, then the parameter frames."""
+        if self.core.mode != "sync":
+            self._abort(context, "invalid", "PushPullOne is for --ps-mode sync")
+        reply, meta = self._push(iter((request,)), context)
+        step = meta["step"] + 1
+        pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
+                            "min_version": step, "epoch": meta["epoch"]})
+        return wire.encode({"op": "reply", **reply}) + self.pull_one(pull, context)
+
+    def _push(self, request_iterator, context):
+        self._auth(context)
+        worker, release = self._admit(context)
+        scratch = self.core.take_buffer()
+        try:
+            asm = wire.Assembler("push", self.layout, scratch,
+                                 fixed=("worker", "step", "version", "epoch"))
+            try:
+                for message in request_iterator:
+                    d0 = time.perf_counter()
+                    asm.add(message)
+                    self.decode_s += time.perf_counter() - d0
+                meta = asm.finish()
+                if not meta:
+                    raise wire.WireError("empty push")
+                if meta["worker"] != worker:
+                    raise wire.WireError(f"frames of worker {meta['worker']} on a call of "
+                                         f"worker {worker}")
+            except wire.WireError as e:
+                self.core.count_rejected()
+                self._abort(context, "invalid", str(e))
+            self.bytes_in += asm.bytes
+            try:
+                reply = self.core.push(meta["worker"], meta["step"], meta["version"],
+                                       meta["epoch"], scratch)
+            except PSFault as e:
+                self._abort(context, e.kind, str(e))
+        finally:
+            self.core.give_buffer(scratch)  # kept by the core while a sync barrier holds it
+            release()
+        self.on_push()
+        return reply, meta
+
+    def _pull_source(self, request, context, worker: int):
+        """Validate a pull, wait as the mode says (core.pull), and return
+        `produce(wire.frames or wire.bundle)` over the parameters it got."""
+        try:
+            header, _ = wire.decode(request)
+            if header.get("op") != "pull":
+                raise wire.WireError(f"expected op 'pull', got {str(header.get('op'))[:20]!r}")
+            fields = {k: wire.get_int(header, k)
+                      for k in ("worker", "step", "min_version", "epoch")}
+            if fields["worker"] != worker:
+                raise wire.WireError(f"pull of worker {fields['worker']} on a call of worker "
+                                     f"{worker}")
+        except wire.WireError as e:
+            self._abort(context, "invalid", str(e))
+        try:
+            version, epoch, params, waited, _ = self.core.pull(**fields)
+        except PSFault as e:
+            self._abort(context, e.kind, str(e))
+        meta = {"version": version, "epoch": epoch, "waited_us": int(waited * 1e6)}
+        return lambda make: make("param", self.pieces, params, self.frame_bytes, meta,
+                                 source_offset=lambda p: p.shard_offset)
+
+    def pull(self, request, context):
+        self._auth(context)
+        worker, release = self._admit(context)
+        try:
+            frames = self._pull_source(request, context, worker)(wire.frames)
+            while True:
+                e0 = time.perf_counter()
+                frame = next(frames, None)
+                self.encode_s += time.perf_counter() - e0
+                if frame is None:
+                    break
+                self.bytes_out += len(frame)
+                yield frame
+        finally:
+            release()
+
+    def pull_one(self, request, context):
+        self._auth(context)
+        worker, release = self._admit(context)
+        try:
+            produce = self._pull_source(request, context, worker)
+            e0 = time.perf_counter()
+            message = produce(wire.bundle)
+            self.encode_s += time.perf_counter() - e0
+        finally:
+            release()
+        self.bytes_out += len(message)
+        return message
+
+    def control(self, request, context):
+        self._auth(context)
+        try:
+            header, _ = wire.decode(request)
+            op = header.get("op")
+            if op == "ping":
+                return b'{"ok": true}'
+            if op == "progress":
+                return json.dumps(self.core.progress()).encode()
+            if op == "info":
+                return json.dumps(self.info()).encode()
+            if op == "stats":
+                stats = self.core.stats()
+                stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                             decode_s=self.decode_s, encode_s=self.encode_s)
+                return json.dumps(stats).encode()
+            if op == "hello":
+                worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)
+                try:
+                    return json.dumps(self.core.hello(worker)).encode()
+                except PSFault as e:
+                    self._abort(context, e.kind, str(e))
+            if op == "retire":
+                worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)
+                reason = str(header.get("reason", "retired by the launcher"))[:200]
+                self.core.retire(worker, reason)
+                return b'{"ok": true}'
+            if op == "shutdown":
+                self.stop_event.set()
+                return b'{"ok": true}'
+            raise wire.WireError(f"unknown control op {str(op)[:20]!r}")
+        except wire.WireError as e:
+            self._abort(context, "invalid", str(e))
+
+    def info(self) -> dict:
+        return {"shard": self.shard, "of": self.map.num_shards,
+                "fingerprint": self.map.fingerprint, "epoch": self.core.epoch,
+                "version": self.core.version, "mode": self.core.mode,
+                "workers": self.core.num_workers, "size": self.core.size,
+                "pieces": len(self.pieces), "pid": os.getpid(),
+                "waiting": self.core.waiting()}
+
+
+def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes: int,
+               num_workers: int, tls_cert: str = "", tls_key: str = "") -> tuple:
+    """(grpc server, bound port). Raises UsageError if the address cannot be bound."""
+    # Data calls are capped per worker (ps.admission); the rest of the pool is for control.
+    pool = ThreadPoolExecutor(max_workers=pool_size(num_workers),
+                              thread_name_prefix="ps-shard")
+    server = grpc.server(pool, handlers=[servicer.handler()],
+                         options=server_options(max_message_bytes))
+    host = f"[{bind}]" if ":" in bind else bind
+    try:
+        if tls_cert:
+            with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            bound = server.add_secure_port(f"{host}:{port}", creds)
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise UsageError(f"cannot bind {bind}:{port} (port in use or address not local)")
+    server.start()
+    return server, bound
