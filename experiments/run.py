@@ -303,7 +303,7 @@ def main_ps(cfg: RunConfig) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
     from jaxdist.writers import format_summary
-    from ps.client import PSError
+    from ps.shard_client import PSError
     from ps.driver import run_ps, validate_ps
 
     try:
