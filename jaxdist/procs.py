@@ -274,6 +274,20 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no pair of free ports found")
 
 
+def pids_mentioning(text: str) -> list[int]:
+    """Live pids (other than this one) whose command line contains `text` — e.g. a run's
+    logdir, to find children a launcher may have left behind."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+    return pids_alive(found)
+
+
 def pids_alive(pids) -> list[int]:
     """The pids that still exist and are not zombies."""
     alive = []

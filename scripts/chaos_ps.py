@@ -55,15 +55,6 @@ def kill_launchers() -> None:
 
 # -- run rows: the launcher, its children, and a signal -----------------------------------
 
-def processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return procs.pids_alive(found)
-
 
 def training(psdir: Path, workers: int = 2, min_step: int = 3) -> bool:
     """Every worker has pushed at least `min_step` (asked of shard 0)."""
@@ -155,10 +146,10 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGCONT)
         deadline = time.monotonic() + 5
-        while (procs.pids_alive(pids) or processes_mentioning(str(logdir))) and \
+        while (procs.pids_alive(pids) or procs.pids_mentioning(str(logdir))) and \
                 time.monotonic() < deadline:
             time.sleep(0.1)
-        left = sorted(set(procs.pids_alive(pids)) | set(processes_mentioning(str(logdir))))
+        left = sorted(set(procs.pids_alive(pids)) | set(procs.pids_mentioning(str(logdir))))
         for pid in left:  # leave nothing behind, but report it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)

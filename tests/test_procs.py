@@ -4,6 +4,7 @@ process left behind: not a grandchild in the group, not a child whose parent was
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -139,3 +140,17 @@ def test_free_port_pair_is_free_with_its_neighbour():
     assert procs.port_free("127.0.0.1", port) and procs.port_free("127.0.0.1", port + 1)
     a, b = procs.free_ports("127.0.0.1", 2)
     assert a != b
+
+
+def test_pids_mentioning_finds_a_child_by_its_command_line(tmp_path):
+    marker = str(tmp_path / "marker-arg")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
+    try:
+        deadline = time.monotonic() + 10
+        while child.pid not in procs.pids_mentioning(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs.pids_mentioning(marker) == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.pids_mentioning(marker) == []

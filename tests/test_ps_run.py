@@ -6,7 +6,6 @@ Fault injection goes through JAXDIST_PS_FAULT (real SIGKILLs, duplicated pushes,
 worker); every run uses mlp-tiny and a few steps to keep the file near a minute and a half
 on 2 cores."""
 
-import contextlib
 import json
 import math
 import os
@@ -20,7 +19,7 @@ from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import check
-from jaxdist.procs import pids_alive
+from jaxdist.procs import pids_alive, pids_mentioning
 from tests.helpers import read_scalars, run_cli, train
 
 FAST_XLA = "--xla_backend_optimization_level=0"
@@ -46,23 +45,13 @@ def results(logdir: Path) -> dict:
     return json.loads((logdir / "results.json").read_text())
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains `text` (the run's logdir), by scanning /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return pids_alive(found)
-
 
 def assert_no_orphans(logdir: Path, pids=()):
     deadline = time.monotonic() + 5
-    while (pids_alive(pids) or processes_mentioning(str(logdir))) and time.monotonic() < deadline:
+    while (pids_alive(pids) or pids_mentioning(str(logdir))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pids_alive(pids) == []
-    assert processes_mentioning(str(logdir)) == []
+    assert pids_mentioning(str(logdir)) == []
 
 
 # -- sync: ddp's arithmetic, exact accounting ---------------------------------------------
