@@ -1,0 +1,130 @@
+"""`python -m experiments.predict --validate`: jaxdist's predictions (jaxdist.predict) beside
+the published measurements in analysis/baselines/published.json, with the ratio.
+
+Each case is a record jaxdist can express: the model as a `llama3-70b` with size overrides,
+the batch, sequence, GPUs and layout of the record. The compute efficiency is calibrated on
+one record (CALIBRATION); the others are out-of-sample. Everything printed is `predicted`
+beside `published`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PUBLISHED = Path(__file__).resolve().parents[1] / "analysis" / "baselines" / "published.json"
+GIB = 2 ** 30
+
+LLAMA31_8B = "vocab=128256,seq_len=8192,depth=32,width=4096,heads=32,kv_heads=8,mlp_hidden=14336"
+LLAMA2_13B = "vocab=32000,seq_len=4096,depth=40,width=5120,heads=40,kv_heads=40,mlp_hidden=13824"
+LLAMA3_70B = "seq_len=8192"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    throughput_id: str | None     # published record ids
+    memory_id: str | None
+    hardware: str
+    model_opts: str
+    mesh: str
+    batch: int
+    remat: str                    # torchtitan's selective (op) AC ~ "dots", full AC ~ "full"
+    small: bool = False           # part of the quick form run by the test suite
+
+
+CALIBRATION = "tt24-t1-fsdp"  # compute_efficiency was set from this record's throughput
+CASES = (
+    Case("tt24-t1-fsdp", "tt24-t1-fsdp-tps", "tt24-t1-fsdp-mem", "h100-sxm", LLAMA31_8B,
+         "1x8", 16, "dots", small=True),
+    Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", "h100-sxm", LLAMA31_8B,
+         "1x128", 256, "dots"),
+    Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
+         "1x64", 64, "dots"),
+    Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
+         "1x64", 128, "none"),
+    Case("tt-a100-l3-70b-full", "tt-a100-l3-70b-full-wps", None, "a100-sxm-80gb", LLAMA3_70B,
+         "1x64", 64, "full"),
+)
+
+
+def published() -> dict:
+    return {r["id"]: r for r in json.loads(PUBLISHED.read_text())["records"]}
+
+
+def case_config(case: Case):
+    from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfig,
+                                RunConfig, TrainConfig)
+    return RunConfig(mesh=MeshConfig(mesh=case.mesh),
+                     model=ModelConfig(model="llama3-70b", model_opts=case.model_opts,
+                                       dtype="bfloat16"),
+                     train=TrainConfig(layout="fsdp", batch_size=case.batch, remat=case.remat),
+                     compiler=CompilerConfig(overlap=True),
+                     output=OutputConfig(dry_run=True, hardware=case.hardware))
+
+
+def validate(cases) -> list[dict]:
+    """One row per case: predicted and published tokens/s/GPU and memory, and the ratios.
+    JAX must have enough CPU devices for the largest mesh (see main)."""
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.predict.plan import predict_plan
+
+    records = published()
+    rows = []
+    for case in cases:
+        plan = predict_plan(case_config(case), parse_mesh(case.mesh))
+        tps = plan["throughput"]["tokens_per_s_per_gpu"]
+        mem = plan["memory"]["total_bytes"] / GIB
+        row = {"case": case.name, "role": "calibration" if case.name == CALIBRATION else
+               "out-of-sample", "hardware": case.hardware, "mesh": case.mesh,
+               "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
+               "bottleneck": plan["time"]["bottleneck"]}
+        for what, rid, value in (("tokens_per_s_per_gpu", case.throughput_id, tps),
+                                 ("memory_gib", case.memory_id, mem)):
+            pub = records[rid]["value"] if rid else None
+            row[f"published_{what}"] = pub
+            row[f"ratio_{what}"] = value / pub if pub else None
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    def num(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+    head = (f"{'record':<22}{'role':<15}{'tok/s/GPU pub':>14}{'predicted':>11}{'ratio':>7}"
+            f"{'GiB pub':>9}{'predicted':>11}{'ratio':>7}  bottleneck")
+    lines = ["predicted vs published (predicted / published)", head]
+    for r in rows:
+        lines.append(f"{r['case']:<22}{r['role']:<15}"
+                     f"{num(r['published_tokens_per_s_per_gpu'], ',.0f'):>14}"
+                     f"{num(r['predicted_tokens_per_s_per_gpu'], ',.0f'):>11}"
+                     f"{num(r['ratio_tokens_per_s_per_gpu'], '.2f'):>7}"
+                     f"{num(r['published_memory_gib'], '.1f'):>9}"
+                     f"{num(r['predicted_memory_gib'], '.1f'):>11}"
+                     f"{num(r['ratio_memory_gib'], '.2f'):>7}  {r['bottleneck']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.predict")
+    parser.add_argument("--validate", action="store_true", required=True,
+                        help="predict each published record jaxdist can express")
+    parser.add_argument("--quick", action="store_true", help="only the small records")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    cases = [c for c in CASES if c.small or not args.quick]
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", max(int(c.mesh.split("x")[1]) for c in cases))
+    rows = validate(cases)
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
