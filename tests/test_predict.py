@@ -166,3 +166,27 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
     assert plan["memory"]["state_bytes"] == 202_756  # dryrun.plan's per-device state
     assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
         16 * 32 / t["step_s"] / 8)
+
+
+def test_sequence_quadratic_recovers_the_l2_part(monkeypatch):
+    # Hand-built compiles: temp = 1000 + 30 L + 2 L^2 at depth 1, bytes = 50 + 0.5 L^2.
+    def fake(cfg, model_cfg, shape):
+        L = model_cfg.seq_len
+        assert model_cfg.depth == 1
+        return {"memory": {"temp_bytes": 1000 + 30 * L + 2 * L * L},
+                "bytes_accessed": 50 + 0.5 * L * L}
+    monkeypatch.setattr(program, "figures", fake)
+    model_cfg = dataclasses.replace(build_model(RunConfig())[0], seq_len=64, depth=6)
+    out = program.sequence_quadratic(None, model_cfg, None)
+    assert out["temp_bytes"] == pytest.approx(6 * 2 * 64 * 64, rel=1e-12)
+    assert out["bytes_accessed"] == pytest.approx(6 * 0.5 * 64 * 64, rel=1e-12)
+
+
+def test_flash_attention_applies_to_bf16_decoders_only():
+    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+    assert program.flash_attention_applies(llama, "bfloat16")
+    assert not program.flash_attention_applies(llama, "float32")
+    mlp = build_model(RunConfig(model=ModelConfig(model="mlp-tiny")))[0]
+    assert not program.flash_attention_applies(mlp, "bfloat16")
+    assert not program.flash_attention_applies(
+        dataclasses.replace(llama, attention="xla"), "bfloat16")

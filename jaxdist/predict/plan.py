@@ -23,9 +23,15 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
     model_cfg, _ = build_model(cfg)
     state = dryrun.plan(cfg, shape)
     figures = program.step_figures(cfg, model_cfg, shape, blocks)
+    temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
+    quadratic = None
+    if program.flash_attention_applies(model_cfg, cfg.model.dtype):
+        quadratic = program.sequence_quadratic(cfg, model_cfg, shape, figures.get("depth_1"))
+        temp -= max(0.0, quadratic["temp_bytes"])
+        bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
     mesh = dict(shape.axis_sizes)
     n = shape.size
-    step = model.step_time(figures["flops"], figures["bytes_accessed"], figures["comm"], hw,
+    step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
                            mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
                            cfg.train.microbatches, cfg.model.matmul_precision)
     tokens = model_cfg.tokens_per_sample
@@ -41,9 +47,14 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"method": figures["method"], "flops_per_device": figures["flops"],
                      "bytes_accessed_per_device": figures["bytes_accessed"],
-                     "memory": figures["memory"]},
+                     "memory": figures["memory"],
+                     "flash_attention": None if quadratic is None else {
+                         "removed_l2_temp_bytes": max(0.0, quadratic["temp_bytes"]),
+                         "removed_l2_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
+                         "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
+                                "keeps no L x L scores; XLA:CPU keeps them"}},
         "memory": model.memory_verdict(state["state_bytes_per_device"]["total"],
-                                       int(figures["memory"].get("temp_bytes", 0)), hw),
+                                       int(max(0.0, temp)), hw),
         "time": step,
         "throughput": model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
@@ -60,7 +71,9 @@ def format_prediction(p: dict) -> str:
         f"PREDICTED (not measured): {p['model']['name']} ({p['model']['params']:,} params), "
         f"layout {p['layout']}, mesh {mesh} on {hw['name']} ({hw['nodes']} node(s) of "
         f"{hw['gpus_per_node']}), global batch {p['batch_size']}",
-        f"  step compiled on simulated CPU devices: {p['compiled']['method']}",
+        f"  step compiled on simulated CPU devices: {p['compiled']['method']}" +
+        ("; L x L attention scores removed (flash attention on the GPU)"
+         if p["compiled"]["flash_attention"] else ""),
         f"  memory per device: state {human_bytes(mem['state_bytes'])} + compiler temp "
         f"{human_bytes(mem['temp_bytes'])} = {human_bytes(mem['total_bytes'])} of "
         f"{human_bytes(mem['hbm_bytes'])} HBM -> " +
