@@ -26,7 +26,8 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
     quadratic = None
     if program.flash_attention_applies(model_cfg, cfg.model.dtype):
-        quadratic = program.sequence_quadratic(cfg, model_cfg, shape, figures.get("depth_1"))
+        quadratic = program.attention_scores(cfg, model_cfg, shape, figures.get("depth_1"),
+                                             figures.get("depth_2"))
         temp -= max(0.0, quadratic["temp_bytes"])
         bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
     mesh = dict(shape.axis_sizes)
@@ -49,8 +50,8 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
                      "bytes_accessed_per_device": figures["bytes_accessed"],
                      "memory": figures["memory"],
                      "flash_attention": None if quadratic is None else {
-                         "removed_l2_temp_bytes": max(0.0, quadratic["temp_bytes"]),
-                         "removed_l2_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
+                         "removed_score_temp_bytes": max(0.0, quadratic["temp_bytes"]),
+                         "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
                          "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
                                 "keeps no L x L scores; XLA:CPU keeps them"}},
         "memory": model.memory_verdict(state["state_bytes_per_device"]["total"],

@@ -8,9 +8,8 @@ stack (tests/test_predict.py compares it with a full compile of a 4-block model)
 
 Attention: on a GPU in bf16, `jax.nn.dot_product_attention` runs cuDNN's fused (flash)
 attention, which keeps no L x L score matrix; XLA:CPU, which compiles the step here, keeps
-them. The part of the temporaries and bytes accessed that grows as L^2 is measured (depth-1
-compiles at L, L/2 and L/4, a quadratic through the three) and `flash_attention_share`
-removes it, times the depth, from the prediction.
+them. `attention_scores` measures that part of the temporaries and bytes accessed per block
+(compiles at L and at L/2 with twice the batch) and the prediction leaves it out.
 """
 
 from __future__ import annotations
@@ -88,30 +87,35 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto") -> dict
         return {**figures(cfg, model_cfg, shape), "method": "full compile"}
     one = figures(cfg, dataclasses.replace(model_cfg, depth=1), shape)
     two = figures(cfg, dataclasses.replace(model_cfg, depth=2), shape)
-    return {**extrapolate(one, two, depth), "depth_1": one,
+    return {**extrapolate(one, two, depth), "depth_1": one, "depth_2": two,
             "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
 
 
-def sequence_quadratic(cfg, model_cfg, shape: MeshShape, at_full: dict | None = None) -> dict:
-    """The L^2 part, at the model's full sequence length and depth, of temp bytes and bytes
-    accessed: c of a + b x + c x^2 through depth-1 compiles at x = L/4, L/2, L (in units
-    of L), times the depth. `at_full`: the depth-1 figures at L, where already compiled."""
-    seq, depth = model_cfg.seq_len, model_cfg.depth
-    one = dataclasses.replace(model_cfg, depth=1)
-    f2 = at_full or figures(cfg, one, shape)
-    f1 = figures(cfg, dataclasses.replace(one, seq_len=seq // 2), shape)
-    f0 = figures(cfg, dataclasses.replace(one, seq_len=seq // 4), shape)
+def attention_scores(cfg, model_cfg, shape: MeshShape, one: dict | None = None,
+                     two: dict | None = None) -> dict:
+    """The L x L attention-score part, at full sequence length and depth, of temp bytes and
+    bytes accessed. Per block (depth 2 - depth 1), at the same tokens per step: P(k) =
+    A + S / k at sequence L / k and batch k B (activations A follow the tokens, scores S the
+    tokens x L), so S = 2 (P(1) - P(2)); times the depth. `one`, `two`: the depth-1 and -2
+    figures at L, where already compiled."""
+    depth, seq = model_cfg.depth, model_cfg.seq_len
+    one = one or figures(cfg, dataclasses.replace(model_cfg, depth=1), shape)
+    two = two or figures(cfg, dataclasses.replace(model_cfg, depth=2), shape)
+    wide = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, batch_size=2 * cfg.train.batch_size))
+    half = dataclasses.replace(model_cfg, seq_len=seq // 2)
+    h1 = figures(wide, dataclasses.replace(half, depth=1), shape)
+    h2 = figures(wide, dataclasses.replace(half, depth=2), shape)
 
-    def c(get):
-        a, b, d = get(f0), get(f1), get(f2)  # at x = 1/4, 1/2, 1
-        return ((d - b) / 0.5 - (b - a) / 0.25) / 0.75
+    def scores(get):
+        return depth * 2 * ((get(two) - get(one)) - (get(h2) - get(h1)))
 
-    return {"temp_bytes": depth * c(lambda f: f["memory"]["temp_bytes"]),
-            "bytes_accessed": depth * c(lambda f: f["bytes_accessed"])}
+    return {"temp_bytes": scores(lambda f: f["memory"]["temp_bytes"]),
+            "bytes_accessed": scores(lambda f: f["bytes_accessed"])}
 
 
 def flash_attention_applies(model_cfg, dtype: str) -> bool:
     """cuDNN flash attention: decoders (jax.nn.dot_product_attention) in bf16 on Ampere and
-    newer (every part in jaxdist.hardware), sequence divisible by 4 for the fit."""
-    return is_stack(model_cfg) and dtype == "bfloat16" and model_cfg.seq_len % 4 == 0 and \
+    newer (every part in jaxdist.hardware), even sequence length for the fit."""
+    return is_stack(model_cfg) and dtype == "bfloat16" and model_cfg.seq_len % 2 == 0 and \
         getattr(model_cfg, "attention", "default") in ("default", "cudnn")
