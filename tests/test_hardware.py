@@ -66,3 +66,17 @@ def test_cli_hardware_needs_dry_run(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("run: error: --hardware predicts a step without running "
                                    "it: add --dry-run")
+
+
+def test_notices_with_hardware():
+    from jaxdist.config import CompilerConfig, OutputConfig, RunConfig, TrainConfig
+    from jaxdist.notices import notices
+
+    # --hardware compiles the step: batch, micro-batches and overlap are read; --seed is not.
+    cfg = RunConfig(output=OutputConfig(dry_run=True, hardware="h200"),
+                    train=TrainConfig(batch_size=32, microbatches=2, seed=3),
+                    compiler=CompilerConfig(overlap=True))
+    assert notices(cfg) == ["notice: --seed applies only to a training run, not --dry-run "
+                            "(which plans memory from shapes only); ignored"]
+    assert notices(RunConfig(output=OutputConfig(gpus_per_node=4))) == [
+        "notice: --gpus-per-node applies only to --dry-run --hardware; ignored"]
