@@ -205,3 +205,12 @@ def test_validation_quick_form_out_of_sample_throughput_band():
     assert row["role"] == "out-of-sample"
     assert row["published_tokens_per_s_per_gpu"] == 6667
     assert 0.75 <= row["ratio_tokens_per_s_per_gpu"] <= 1.25
+
+
+def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
+    # Go's llama3-70b fsdp on 4x8 H200 looked like this: compute 14.7 s, inter-node 27.6 s
+    # with overlap; the step is the communication, and so is the bottleneck.
+    flops = 14.7 * PEAK * EFF
+    t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
+    assert t["step_s"] == pytest.approx(27.6 + 3 * 10e-6)
+    assert t["bottleneck"] == "inter-node"

@@ -88,10 +88,12 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Hardwar
     exposed = max(0.0, comm_total - device) if overlap else comm_total
     bubble = device * (stages - 1) / microbatches if stages > 1 else 0.0
     total = device + exposed + bubble
-    # What dominates: each term at its exposed share (hidden communication scaled down).
-    share = exposed / comm_total if comm_total else 0.0
-    terms = {"compute": compute if compute >= hbm else 0.0, "HBM": hbm if hbm > compute else 0.0,
-             "intra-node": links["intra-node"] * share, "inter-node": links["inter-node"] * share,
+    # What dominates: the largest term; with overlap, communication longer than the device
+    # time bounds the step, so then the device time is not the bottleneck.
+    bounded = overlap and comm_total > device
+    terms = {"compute": compute if compute >= hbm and not bounded else 0.0,
+             "HBM": hbm if hbm > compute and not bounded else 0.0,
+             "intra-node": links["intra-node"], "inter-node": links["inter-node"],
              "pipeline bubble": bubble}
     return {"label": LABEL, "step_s": total, "compute_s": compute, "hbm_s": hbm,
             "intra_node_s": links["intra-node"], "inter_node_s": links["inter-node"],
