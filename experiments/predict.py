@@ -150,7 +150,7 @@ def format_grid(rows: list[tuple[str, dict]]) -> str:
         t, m, thr = p["time"], p["memory"], p["throughput"]
         mesh = ",".join(f"{k}:{v}" for k, v in p["mesh"].items() if v > 1)
         lines.append(f"{name:<28}{mesh:<18}{m['total_bytes'] / GIB:>9.1f}"
-                     f"{'yes' if m['fits'] else 'OOM':>6}{t['step_s']:>9.2f}"
+                     f"{({True: 'yes', False: 'OOM'}.get(m['fits'], '?')):>6}{t['step_s']:>9.2f}"
                      f"{thr['tokens_per_s_per_gpu'] or 0:>11,.0f}{thr['mfu']:>7.1%}  "
                      f"{t['compute_s']:>8.2f}{t['hbm_s']:>8.2f}{t['intra_node_s']:>8.2f}"
                      f"{t['inter_node_s']:>8.2f}  {t['bottleneck']}")

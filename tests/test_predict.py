@@ -110,8 +110,11 @@ def test_throughput_and_mfu():
 def test_memory_verdict():
     ok = model.memory_verdict(100 * 10**9, 30 * 10**9, H200)
     assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
-    oom = model.memory_verdict(120 * 10**9, 30 * 10**9, H200)
-    assert not oom["fits"] and oom["over_by_bytes"] == 9 * 10**9
+    unknown = model.memory_verdict(120 * 10**9, 30 * 10**9, H200)  # the bound decides nothing
+    assert unknown["fits"] is None and unknown["over_by_bytes"] == 9 * 10**9
+    assert "upper bound" in unknown["fits_reason"]
+    oom = model.memory_verdict(150 * 10**9, 0, H200)  # the exact state alone is too big
+    assert oom["fits"] is False and oom["over_by_bytes"] == 9 * 10**9
 
 
 def test_aggregate_and_extrapolate_hand_built():

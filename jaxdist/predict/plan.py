@@ -75,10 +75,12 @@ def format_prediction(p: dict) -> str:
         f"  step compiled on simulated CPU devices: {p['compiled']['method']}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
-        f"  memory per device: state {human_bytes(mem['state_bytes'])} + compiler temp "
-        f"{human_bytes(mem['temp_bytes'])} = {human_bytes(mem['total_bytes'])} of "
+        f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + compiler temp "
+        f"{human_bytes(mem['temp_bytes'])} (XLA:CPU, an upper bound) = "
+        f"{human_bytes(mem['total_bytes'])} of "
         f"{human_bytes(mem['hbm_bytes'])} HBM -> " +
-        ("fits" if mem["fits"] else f"OOM by {human_bytes(mem['over_by_bytes'])}"),
+        {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
+            mem["fits"], f"unknown: {mem['fits_reason']}"),
         f"  time per step: compute {t['compute_s'] * ms:.1f} ms, HBM {t['hbm_s'] * ms:.1f} ms, "
         f"intra-node comm {t['intra_node_s'] * ms:.1f} ms, inter-node comm "
         f"{t['inter_node_s'] * ms:.1f} ms (exposed {t['comm_exposed_s'] * ms:.1f} ms; "
