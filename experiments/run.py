@@ -192,6 +192,10 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
+    if cfg.output.hardware and not cfg.output.dry_run:
+        print("run: error: --hardware predicts a step without running it: add --dry-run",
+              file=sys.stderr)
+        return 2
     if cfg.output.dry_run or cfg.train.layout == "ps":
         release_deferred()
         return main_dry_run(cfg) if cfg.output.dry_run else main_ps(cfg)
@@ -281,11 +285,18 @@ def main_dry_run(cfg: RunConfig) -> int:
         shape = validate(cfg)
         if shape.size is None:
             raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
-        configure_host_devices(MeshShape(1), "cpu")
-        if cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
+        name = "dry_run.json"
+        if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
+            from jaxdist.predict.plan import format_prediction, predict_plan
+            check_batch(cfg, shape)
+            configure_host_devices(shape, "cpu")
+            plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
+        elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
             from jaxdist.pipeline.plan import format_pipeline_plan, plan_pipeline
+            configure_host_devices(MeshShape(1), "cpu")
             plan, format_plan = plan_pipeline(cfg, shape), format_pipeline_plan
         else:
+            configure_host_devices(MeshShape(1), "cpu")
             plan, format_plan = dryrun.plan(cfg, shape), dryrun.format_plan
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
@@ -294,8 +305,8 @@ def main_dry_run(cfg: RunConfig) -> int:
     print_notices(cfg)
     print(format_plan(plan))
     if logdir is not None:
-        write_json(logdir / "dry_run.json", plan)
-        print(f"\nplan: {logdir / 'dry_run.json'}")
+        write_json(logdir / name, plan)
+        print(f"\nplan: {logdir / name}")
     return 0
 
 

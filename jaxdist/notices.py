@@ -50,11 +50,17 @@ _PIPELINE = ("pp", "tp_pp", "fsdp_pp")
 _DRY_RUN_ONLY = "a training run, not --dry-run (which plans memory from shapes only)"
 
 RULES: tuple[Rule, ...] = (
-    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or c.train.layout in _PIPELINE,
-         _DRY_RUN_ONLY),
-    # A pipeline layout's plan counts activations per stage: the batch and M matter there.
-    Rule(tuple(f for f in _NOT_IN_DRY_RUN if f not in ("batch_size", "microbatches")),
+    # A pipeline layout's plan counts activations per stage, and --hardware compiles the
+    # step: the batch and M matter there.
+    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or c.train.layout in _PIPELINE or
+         bool(c.output.hardware), _DRY_RUN_ONLY),
+    Rule(tuple(f for f in _NOT_IN_DRY_RUN if f not in ("batch_size", "microbatches",
+                                                       "overlap", "matmul_precision")),
          lambda c: not c.output.dry_run, _DRY_RUN_ONLY),
+    # --hardware predicts the GPU step: its overlap policy and matmul precision matter.
+    Rule(("overlap", "matmul_precision"),
+         lambda c: not c.output.dry_run or bool(c.output.hardware), _DRY_RUN_ONLY),
+    Rule(("gpus_per_node",), lambda c: bool(c.output.hardware), "--dry-run --hardware"),
     Rule(("pp_schedule", "pp_virtual"), lambda c: c.train.layout in _PIPELINE,
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",

@@ -1,0 +1,125 @@
+"""GPUs as data, for predicting a step on hardware that is not here (`--hardware h200`).
+
+Each part: HBM capacity and bandwidth, per-GPU link bandwidth inside a node (NVLink or PCIe)
+and across nodes (the node's InfiniBand/Ethernet NICs shared by its GPUs), GPUs per node and
+TDP, each with its source. Peak FLOP/s are not repeated here: they are read from
+`jaxdist.metrics.PEAKS` (one table, datasheet-sourced) through `device_kind`.
+
+Link bandwidths are one direction, per GPU: a ring collective sends and receives at the same
+time, so what bounds it is the one-way rate (NVLink 4: 900 GB/s bidirectional = 450 GB/s
+each way). The efficiencies and latencies of the time model are in `MODEL_CONSTANTS`, each
+with its justification; none is fitted per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxdist import metrics
+from jaxdist.errors import UsageError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device_kind: str            # a string that jaxdist.metrics.peak_row recognises
+    hbm_bytes: float
+    hbm_bandwidth: float        # bytes/s
+    intra_node_bandwidth: float  # bytes/s per GPU, one direction
+    inter_node_bandwidth: float  # bytes/s per GPU, one direction
+    gpus_per_node: int
+    tdp_w: float
+    sources: tuple[str, ...]
+
+    def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
+        return metrics.peak_flops(self.device_kind, dtype, matmul_precision)
+
+
+_NVLINK4 = "NVLink 4 (Hopper): 900 GB/s bidirectional per GPU (H100/H200 datasheets) -> 450 GB/s one way"
+_CX7 = ("DGX H100/H200 and HGX reference nodes: 8x ConnectX-7 400 Gb/s InfiniBand, one per "
+        "GPU (NVIDIA DGX H100 user guide) -> 50 GB/s per GPU")
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    Hardware("h100-sxm", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB, 50 * GB, 8, 700,
+             ("NVIDIA H100 datasheet, SXM column: 80 GB HBM3, 3.35 TB/s, TDP up to 700 W",
+              _NVLINK4, _CX7)),
+    Hardware("h100-pcie", "NVIDIA H100 PCIe", 80 * GB, 2.0e12, 64 * GB, 50 * GB, 8, 350,
+             ("NVIDIA H100 datasheet, PCIe column: 80 GB HBM2e, 2 TB/s, TDP 300-350 W",
+              "PCIe Gen5 x16: 128 GB/s bidirectional -> 64 GB/s one way (no NVLink bridge "
+              "assumed)",
+              "assumed: one 400 Gb/s NIC per GPU, as in the SXM nodes (50 GB/s)")),
+    Hardware("h200", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8, 700,
+             ("NVIDIA H200 datasheet, H200 SXM column: 141 GB HBM3e, 4.8 TB/s, TDP up to 700 W",
+              _NVLINK4, _CX7.replace("DGX H100/H200", "DGX H200"))),
+    Hardware("a100-sxm-40gb", "NVIDIA A100-SXM4-40GB", 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8,
+             400,
+             ("NVIDIA A100 datasheet, 40GB SXM column: 40 GB HBM2, 1,555 GB/s, TDP 400 W",
+              "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
+              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU -> "
+              "25 GB/s per GPU (NVIDIA DGX A100 user guide)")),
+    Hardware("a100-sxm-80gb", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8,
+             400,
+             ("NVIDIA A100 datasheet, 80GB SXM column: 80 GB HBM2e, 2,039 GB/s, TDP 400 W",
+              "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
+              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s")),
+    Hardware("a10g", "NVIDIA A10G", 24 * GB, 600 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 150,
+             ("NVIDIA A10 datasheet (A10G: AWS's variant): 24 GB GDDR6, 600 GB/s, TDP 150 W",
+              "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
+              "AWS g5.48xlarge: 8 A10G, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs")),
+    Hardware("l4", "NVIDIA L4", 24 * GB, 300 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 72,
+             ("NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, TDP 72 W, PCIe Gen4 x16",
+              "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
+              "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs")),
+)}
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: float
+    why: str
+
+
+# The time model's constants: the same for every part and every run (nothing fitted per
+# run). `compute_efficiency` is the one calibrated figure (see experiments/predict.py).
+MODEL_CONSTANTS: dict[str, Constant] = {
+    "compute_efficiency": Constant(
+        0.339, "fraction of dense peak at which the compiled step's FLOPs run, calibrated "
+        "on one record (torchtitan Llama3.1-8B FSDP on 8xH100 at 500 W, tt24-t1-fsdp-tps): "
+        "its 2.843 s step (16,384 tokens per GPU / 5,762 tok/s) over the 9.536e14 FLOPs per "
+        "device XLA compiles (remat recomputation and full, not causally halved, attention "
+        "included) at 989.5 TF/s; per compiled FLOP, so lower than an MFU"),
+    "hbm_efficiency": Constant(
+        0.8, "achievable fraction of HBM bandwidth for streaming kernels (STREAM-like "
+        "copies reach ~80-90% of the datasheet figure on H100)"),
+    "link_efficiency": Constant(
+        0.8, "NCCL ring bus bandwidth over link rate: nccl-tests all-reduce busbw on DGX "
+        "H100 reaches ~360-370 of 450 GB/s NVLink, and ~40 of 50 GB/s per NIC across nodes"),
+    "intra_node_latency_s": Constant(
+        5e-6, "per ring hop inside a node: NCCL small-message all-reduce latency on NVLink "
+        "is a few microseconds per step of the ring"),
+    "inter_node_latency_s": Constant(
+        10e-6, "per ring hop across nodes: InfiniBand RDMA adds ~2-5 us to each hop plus "
+        "NCCL's proxy overhead"),
+}
+
+
+def constant(name: str) -> float:
+    return MODEL_CONSTANTS[name].value
+
+
+def get_hardware(name: str, gpus_per_node: int = 0) -> Hardware:
+    """The part named `name` (case-insensitive); `gpus_per_node` > 0 overrides its node
+    size. Unknown -> UsageError naming the known parts."""
+    key = name.strip().lower()
+    if key not in HARDWARE:
+        raise UsageError(f"unknown --hardware {name!r}; known: {', '.join(HARDWARE)}")
+    hw = HARDWARE[key]
+    if gpus_per_node < 0:
+        raise UsageError(f"--gpus-per-node {gpus_per_node} is negative; 0 keeps {hw.name}'s "
+                         f"{hw.gpus_per_node}")
+    if gpus_per_node:
+        from dataclasses import replace
+        hw = replace(hw, gpus_per_node=gpus_per_node)
+    return hw

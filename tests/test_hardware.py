@@ -1,0 +1,82 @@
+"""jaxdist.hardware: GPUs as data, each figure with its source; --hardware on the command line."""
+
+import pytest
+
+from jaxdist import metrics
+from jaxdist.errors import UsageError
+from jaxdist.hardware import HARDWARE, MODEL_CONSTANTS, get_hardware
+from tests.helpers import run_cli
+
+KNOWN = "h100-sxm, h100-pcie, h200, a100-sxm-40gb, a100-sxm-80gb, a10g, l4"
+
+
+def test_the_parts_the_issue_names_are_there():
+    assert ", ".join(HARDWARE) == KNOWN
+
+
+@pytest.mark.parametrize("name", list(HARDWARE))
+def test_every_part_has_flop_peaks_from_metrics_and_sources(name):
+    hw = HARDWARE[name]
+    # One FLOP table: the peaks are jaxdist.metrics.PEAKS' rows, found by device_kind.
+    assert hw.peak_flops("bfloat16") == metrics.peak_flops(hw.device_kind, "bfloat16")
+    assert hw.peak_flops("bfloat16") is not None
+    assert hw.peak_flops("float32", "highest") == metrics.peak_row(hw.device_kind).fp32
+    assert len(hw.sources) == 3  # memory + TDP, intra-node link, inter-node link
+    assert hw.intra_node_bandwidth > hw.inter_node_bandwidth
+
+
+def test_datasheet_figures():
+    h200 = get_hardware("H200")
+    assert (h200.hbm_bytes, h200.hbm_bandwidth, h200.tdp_w) == (141e9, 4.8e12, 700)
+    assert h200.peak_flops("bfloat16") == 1979e12 / 2  # datasheet's 1,979 TF is sparse
+    assert h200.intra_node_bandwidth == 450e9 and h200.inter_node_bandwidth == 50e9
+    assert get_hardware("h100-pcie").peak_flops("bfloat16") == 1513e12 / 2
+    assert get_hardware("a100-sxm-40gb").hbm_bandwidth == 1.555e12
+    assert get_hardware("l4").inter_node_bandwidth == 12.5e9 / 8
+
+
+def test_every_constant_says_why():
+    assert set(MODEL_CONSTANTS) == {"compute_efficiency", "hbm_efficiency", "link_efficiency",
+                                    "intra_node_latency_s", "inter_node_latency_s"}
+    assert all(len(c.why) > 40 for c in MODEL_CONSTANTS.values())
+
+
+def test_gpus_per_node_override():
+    assert get_hardware("h200", 4).gpus_per_node == 4
+    assert get_hardware("h200", 0).gpus_per_node == 8
+    with pytest.raises(UsageError, match="negative"):
+        get_hardware("h200", -1)
+
+
+def test_unknown_part_names_the_known_ones():
+    with pytest.raises(UsageError) as e:
+        get_hardware("tpu-v5")
+    assert str(e.value) == f"unknown --hardware 'tpu-v5'; known: {KNOWN}"
+
+
+def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path):
+    proc = run_cli("--dry-run", "--hardware", "h900", "--mesh", "2x4", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_cli_hardware_needs_dry_run(tmp_path):
+    proc = run_cli("--hardware", "h200", "--mesh", "2x4", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("run: error: --hardware predicts a step without running "
+                                   "it: add --dry-run")
+
+
+def test_notices_with_hardware():
+    from jaxdist.config import CompilerConfig, OutputConfig, RunConfig, TrainConfig
+    from jaxdist.notices import notices
+
+    # --hardware compiles the step: batch, micro-batches and overlap are read; --seed is not.
+    cfg = RunConfig(output=OutputConfig(dry_run=True, hardware="h200"),
+                    train=TrainConfig(batch_size=32, microbatches=2, seed=3),
+                    compiler=CompilerConfig(overlap=True))
+    assert notices(cfg) == ["notice: --seed applies only to a training run, not --dry-run "
+                            "(which plans memory from shapes only); ignored"]
+    assert notices(RunConfig(output=OutputConfig(gpus_per_node=4))) == [
+        "notice: --gpus-per-node applies only to --dry-run --hardware; ignored"]

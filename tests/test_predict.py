@@ -1,0 +1,219 @@
+"""jaxdist.predict: each time term on hand-built inputs, depth extrapolation against a full
+compile, and `--dry-run --hardware` end to end. Every figure here is a prediction."""
+
+import dataclasses
+import json
+
+import pytest
+
+from jaxdist.config import ModelConfig, RunConfig, TrainConfig
+from jaxdist.hardware import constant, get_hardware
+from jaxdist.mesh import parse_mesh
+from jaxdist.predict import model, program
+from models.build import build_model
+from tests.helpers import run_cli
+
+H200 = get_hardware("h200")
+MESH = {"data": 4, "fsdp": 8}
+PEAK = 1979e12 / 2
+EFF = constant("compute_efficiency")
+LINK = constant("link_efficiency")
+
+
+def test_which_collectives_cross_nodes():
+    # Host-major order: node = device id // GPUs per node; fsdp is the inner axis.
+    assert not model.crosses_nodes(MESH, ["fsdp"], 8)
+    assert model.crosses_nodes(MESH, ["data"], 8)
+    assert model.crosses_nodes(MESH, ["data", "fsdp"], 8)
+    assert model.crosses_nodes(MESH, ["data"], 16)       # 2 nodes of 16: data 0,1 | 2,3
+    assert not model.crosses_nodes(MESH, ["data"], 32)   # one node
+    assert not model.crosses_nodes(MESH, [], 8)
+    three = {"data": 2, "fsdp": 2, "tensor": 8}
+    assert not model.crosses_nodes(three, ["tensor"], 8)
+    assert model.crosses_nodes(three, ["fsdp"], 8)
+    assert not model.crosses_nodes(three, ["fsdp", "tensor"], 16)
+
+
+def test_ring_hops():
+    assert model.ring_hops("all-reduce", 8) == 14
+    assert model.ring_hops("all-gather", 8) == 7
+    assert model.ring_hops("reduce-scatter", 4) == 3
+    assert model.ring_hops("collective-permute", 8) == 1
+    assert model.ring_hops("all-reduce", 1) == 0
+
+
+def test_collective_time_intra_and_inter_node():
+    op = {"kind": "all-reduce", "axes": ["fsdp"], "group_size": 8, "count": 2,
+          "ring_bytes": 3.6e9}
+    t = model.collective_time(op, H200, MESH)
+    assert t["link"] == "intra-node"
+    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * 14 * 5e-6, rel=1e-12)
+    t = model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
+    assert t["link"] == "inter-node"
+    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * 6 * 10e-6, rel=1e-12)
+
+
+def _inter(seconds_of_bandwidth: float) -> list[dict]:
+    return [{"kind": "all-gather", "axes": ["data"], "group_size": 4, "count": 1,
+             "ring_bytes": seconds_of_bandwidth * 50e9 * LINK}]
+
+
+def test_compute_bound_step_without_and_with_overlap():
+    flops = 0.1 * PEAK * EFF  # 100 ms of compute
+    comm = _inter(0.03)       # 30 ms + 3 hops x 10 us
+    comm_s = 0.03 + 3 * 10e-6
+    plain = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
+    assert plain["compute_s"] == pytest.approx(0.1)
+    assert plain["inter_node_s"] == pytest.approx(comm_s)
+    assert plain["step_s"] == pytest.approx(0.1 + comm_s)
+    assert plain["bottleneck"] == "compute"
+    hidden = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16", overlap=True)
+    assert hidden["step_s"] == pytest.approx(0.1)
+    assert hidden["comm_exposed_s"] == 0.0
+    assert plain["label"] == hidden["label"] == "predicted"
+
+
+def test_inter_node_bound_step_with_overlap_exposes_the_excess():
+    flops = 0.01 * PEAK * EFF
+    t = model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
+    assert t["step_s"] == pytest.approx(0.05 + 3 * 10e-6)  # compute 10 ms hidden inside
+    assert t["comm_exposed_s"] == pytest.approx(0.04 + 3 * 10e-6)
+    assert t["bottleneck"] == "inter-node"
+
+
+def test_hbm_bound_step():
+    bytes_accessed = 0.2 * 4.8e12 * constant("hbm_efficiency")
+    t = model.step_time(0.1 * PEAK * EFF, bytes_accessed, [], H200, MESH, "bfloat16")
+    assert t["hbm_s"] == pytest.approx(0.2)
+    assert t["step_s"] == pytest.approx(0.2)
+    assert t["bottleneck"] == "HBM"
+
+
+def test_pipeline_bubble():
+    t = model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
+                        microbatches=6)
+    assert t["bubble_s"] == pytest.approx(0.1 * 3 / 6)
+    assert t["step_s"] == pytest.approx(0.15)
+    t = model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
+                        microbatches=1)
+    assert t["bottleneck"] == "pipeline bubble"  # 300 ms of bubble beside 100 ms of work
+
+
+def test_throughput_and_mfu():
+    step = {"step_s": 0.5, "peak_flops_per_device": PEAK}
+    out = model.throughput(step, tokens_per_step=16 * 8192, model_flops_per_step=1e15,
+                           num_devices=8)
+    assert out["tokens_per_s_per_gpu"] == 16 * 8192 / 0.5 / 8
+    assert out["mfu"] == pytest.approx(1e15 / (0.5 * PEAK * 8))
+
+
+def test_memory_verdict():
+    ok = model.memory_verdict(100 * 10**9, 30 * 10**9, H200)
+    assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
+    unknown = model.memory_verdict(120 * 10**9, 30 * 10**9, H200)  # the bound decides nothing
+    assert unknown["fits"] is None and unknown["over_by_bytes"] == 9 * 10**9
+    assert "upper bound" in unknown["fits_reason"]
+    oom = model.memory_verdict(150 * 10**9, 0, H200)  # the exact state alone is too big
+    assert oom["fits"] is False and oom["over_by_bytes"] == 9 * 10**9
+
+
+def test_aggregate_and_extrapolate_hand_built():
+    ops = [{"kind": "all-gather", "axes": ["fsdp"], "group_size": 8, "times": 1, "bytes": 10,
+            "ring_bytes": 8.75}] * 3
+    agg = model.aggregate(ops)
+    assert agg == [{"kind": "all-gather", "axes": ["fsdp"], "group_size": 8, "count": 3,
+                    "bytes": 30, "ring_bytes": 26.25}]
+    one = {"flops": 10.0, "bytes_accessed": 5.0, "memory": {"temp_bytes": 100},
+           "comm": [{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}]}
+    two = {"flops": 16.0, "bytes_accessed": 7.0, "memory": {"temp_bytes": 130},
+           "comm": agg + [{"kind": "all-reduce", "axes": [], "group_size": 1, "count": 1,
+                           "bytes": 4, "ring_bytes": 0.0}]}
+    at4 = program.extrapolate(one, two, 4)
+    assert (at4["flops"], at4["bytes_accessed"], at4["memory"]) == (28.0, 11.0,
+                                                                     {"temp_bytes": 190})
+    assert at4["comm"][0]["count"] == 5 and at4["comm"][0]["bytes"] == 50
+    assert at4["comm"][1]["count"] == 3  # absent at depth 1: 0 + 3 x 1
+
+
+def test_depth_extrapolation_equals_full_compile_for_4_blocks():
+    cfg = RunConfig(model=ModelConfig(model="gpt-tiny", model_opts="depth=4"),
+                    train=TrainConfig(layout="fsdp", batch_size=16))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh("2x4")
+    full = program.step_figures(cfg, model_cfg, shape, "full")
+    line = program.step_figures(cfg, model_cfg, shape, "extrapolate")
+    assert full["method"] == "full compile" and "extrapolated" in line["method"]
+    assert line["comm"] == full["comm"]  # every collective: count, bytes, ring bytes
+    assert line["bytes_accessed"] == pytest.approx(full["bytes_accessed"], rel=1e-6)  # 1 byte
+    for key in ("argument_bytes", "output_bytes", "alias_bytes"):
+        assert line["memory"][key] == full["memory"][key]
+    # Measured: 92,440,664 vs 92,440,912 FLOPs (248 apart: scalar work XLA fuses
+    # differently at depth 1), temp 2,908,792 vs 2,906,232 bytes.
+    assert line["flops"] == pytest.approx(full["flops"], rel=1e-5)
+    assert line["memory"]["temp_bytes"] == pytest.approx(full["memory"]["temp_bytes"], rel=2e-3)
+
+
+def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
+    proc = run_cli("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
+                   "--batch-size", "16", "--logdir", str(tmp_path / "p"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("PREDICTED (not measured): gpt-tiny")
+    assert "applies only" not in proc.stderr  # --batch-size is read here
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["label"] == plan["time"]["label"] == plan["memory"]["label"] == "predicted"
+    assert plan["mesh"] == {"data": 2, "fsdp": 4}
+    assert plan["hardware"]["name"] == "h200" and plan["hardware"]["nodes"] == 1
+    t = plan["time"]
+    assert t["step_s"] == pytest.approx(max(t["compute_s"], t["hbm_s"]) + t["comm_exposed_s"])
+    assert t["inter_node_s"] == 0.0  # 8 GPUs: one node
+    assert plan["memory"]["state_bytes"] == 202_756  # dryrun.plan's per-device state
+    assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
+        16 * 32 / t["step_s"] / 8)
+
+
+def test_attention_scores_separates_scores_from_activations(monkeypatch):
+    # Hand-built compiles: per block, temp = 5 bytes per token + 3 per token x L (scores),
+    # plus 1000 outside the blocks; bytes accessed 7 per token x L per block.
+    def fake(cfg, model_cfg, shape):
+        tokens, L = cfg.train.batch_size * model_cfg.seq_len, model_cfg.seq_len
+        return {"memory": {"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)},
+                "bytes_accessed": model_cfg.depth * 7 * tokens * L}
+    monkeypatch.setattr(program, "figures", fake)
+    cfg = RunConfig(train=TrainConfig(batch_size=4))
+    model_cfg = dataclasses.replace(build_model(cfg)[0], seq_len=64, depth=6)
+    out = program.attention_scores(cfg, model_cfg, None)
+    assert out["temp_bytes"] == 6 * 3 * 4 * 64 * 64
+    assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
+
+
+def test_flash_attention_applies_to_bf16_decoders_only():
+    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+    assert program.flash_attention_applies(llama, "bfloat16")
+    assert not program.flash_attention_applies(llama, "float32")
+    mlp = build_model(RunConfig(model=ModelConfig(model="mlp-tiny")))[0]
+    assert not program.flash_attention_applies(mlp, "bfloat16")
+    assert not program.flash_attention_applies(
+        dataclasses.replace(llama, attention="xla"), "bfloat16")
+
+
+def test_validation_quick_form_out_of_sample_throughput_band():
+    """experiments.predict --validate --quick, in process (8 devices): the torch.compile run
+    of torchtitan's Llama3.1-8B on 8xH100 is out of sample (the calibration record is the
+    same run without torch.compile). Memory misses by far (README, Predict): not asserted."""
+    from experiments.predict import CALIBRATION, CASES, validate
+
+    case = next(c for c in CASES if c.name == "tt24-t1-fsdp-compile")
+    assert case.small and case.name != CALIBRATION
+    (row,) = validate([case])
+    assert row["role"] == "out-of-sample"
+    assert row["published_tokens_per_s_per_gpu"] == 6667
+    assert 0.75 <= row["ratio_tokens_per_s_per_gpu"] <= 1.25
+
+
+def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
+    # Go's llama3-70b fsdp on 4x8 H200 looked like this: compute 14.7 s, inter-node 27.6 s
+    # with overlap; the step is the communication, and so is the bottleneck.
+    flops = 14.7 * PEAK * EFF
+    t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
+    assert t["step_s"] == pytest.approx(27.6 + 3 * 10e-6)
+    assert t["bottleneck"] == "inter-node"
