@@ -35,7 +35,7 @@ run: $(STAMP)
 	$(PY) -m experiments.run --layout fsdp --mesh 4x8 $(ARGS)
 
 test: $(TORCH)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_loop.py
