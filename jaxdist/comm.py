@@ -24,7 +24,7 @@ import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = <shape> <opcode>(`: the shape may be a (nested) tuple with spaces in it.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
                           r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")
 _BITS = {"pred": 8, "token": 0}
@@ -126,7 +126,7 @@ def replica_groups(line: str) -> list[list[int]] | None:
     return None
 
 
-def _payload(kind: str, op: str, shape: str, rest: str) -> tuple[int | None, int]:
+def payload(kind: str, op: str, shape: str, rest: str) -> tuple[int | None, int]:
     """(operand bytes or None where the text does not show them, result bytes) of one
     collective. XLA:GPU's async forms print different shapes for the same collective:
 
@@ -154,7 +154,7 @@ def _ring_factor(kind: str, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
-def _statements(hlo_text: str):
+def statements(hlo_text: str):
     """One HLO instruction or computation header per item. XLA prints one per line; HLO
     written by hand (XLA's own tests) wraps long ones: a line that does not open an
     instruction (`name = `), a computation or its closing brace continues the one before,
@@ -164,13 +164,13 @@ def _statements(hlo_text: str):
     for line in hlo_text.splitlines():
         bare = _QUOTED.sub("", line)
         delta = sum(bare.count(c) for c in "([{") - sum(bare.count(c) for c in ")]}")
-        header = _header(line)
-        opens = header or _IS_INSTRUCTION.match(line)
+        opened = header(line)
+        opens = opened or _IS_INSTRUCTION.match(line)
         if pending and depth > 0 and not opens:
             pending.append(line.strip())
             depth += delta
             continue
-        stands_alone = header or line.lstrip().startswith("}") or not line.strip()
+        stands_alone = opened or line.lstrip().startswith("}") or not line.strip()
         if opens or stands_alone or not pending:
             if pending:
                 yield " ".join(pending)
@@ -191,7 +191,7 @@ _CALLS = re.compile(r"(?:body|to_apply|calls|condition)=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
-def _header(line: str) -> re.Match | None:
+def header(line: str) -> re.Match | None:
     return None if _IS_INSTRUCTION.match(line) else _COMPUTATION.match(line)
 
 
@@ -201,13 +201,13 @@ def executions(hlo_text: str) -> dict[str, int]:
     an async-start's wrapped computation runs once per run of the async-start."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     entry, current = None, None
-    for line in _statements(hlo_text):
-        m = _header(line)
+    for line in statements(hlo_text):
+        m = header(line)
         if m:
             current = m.group(2)
             entry = current if m.group(1) else entry
             continue
-        instruction = _INSTRUCTION.match(line)
+        instruction = INSTRUCTION.match(line)
         # The -update and -done halves of an async op name the same computation as its
         # -start; following them too would count the wrapped collective two or three times.
         if current is None or instruction and \
@@ -235,7 +235,7 @@ def executions(hlo_text: str) -> dict[str, int]:
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")
 
 
-def _permute_pairs(line: str) -> list[tuple[int, int]] | None:
+def permute_pairs(line: str) -> list[tuple[int, int]] | None:
     m = _PAIRS.search(line)
     if not m:
         return None
@@ -265,21 +265,21 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
     runs = executions(hlo_text)
     out = []
     current = None
-    for line in _statements(hlo_text):
-        header = _header(line)
-        if header:
-            current = header.group(2)
+    for line in statements(hlo_text):
+        opened = header(line)
+        if opened:
+            current = opened.group(2)
             continue
-        m = _INSTRUCTION.match(line)
+        m = INSTRUCTION.match(line)
         if not m:
             continue
         op = m.group("op")
         kind = op[:-len("-start")] if op.endswith("-start") else op
         if kind not in KINDS:
             continue
-        operand, result = _payload(kind, op, m.group("shape"), m.group("rest"))
+        operand, result = payload(kind, op, m.group("shape"), m.group("rest"))
         if kind == "collective-permute":
-            pairs = _permute_pairs(line)
+            pairs = permute_pairs(line)
             moving = [p for p in pairs if p[0] != p[1]] if pairs is not None else [everyone]
             n = len({d for p in moving for d in p})
             links = moving

@@ -27,16 +27,16 @@ def stage_sends(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
     by_stage = [0] * S
     messages = 0
     current = None
-    for line in comm._statements(hlo_text):
-        header = comm._header(line)
-        if header:
-            current = header.group(2)
+    for line in comm.statements(hlo_text):
+        opened = comm.header(line)
+        if opened:
+            current = opened.group(2)
             continue
-        m = comm._INSTRUCTION.match(line)
+        m = comm.INSTRUCTION.match(line)
         if not m or m.group("op") not in ("collective-permute", "collective-permute-start"):
             continue
-        pairs = comm._permute_pairs(line) or []
-        _, result = comm._payload("collective-permute", m.group("op"), m.group("shape"),
+        pairs = comm.permute_pairs(line) or []
+        _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
                                   m.group("rest"))
         times = max(runs.get(current, 1), 1)
         # One replica of the other axes: the pairs whose source has all other coords 0.
