@@ -32,3 +32,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in PORT_TESTS:
             item.add_marker(pytest.mark.xdist_group("ports"))
+
+
+def pytest_runtest_logreport(report):
+    """A flaky test that passed on a rerun must still show why it failed: print the failed
+    attempt's report (on the xdist controller too, so CI's log keeps it)."""
+    if report.outcome == "rerun":
+        import sys
+        print(f"\n=== RERUN {report.nodeid} ({report.when}): the failed attempt ===\n"
+              f"{report.longreprtext[-6000:]}\n=== end of the failed attempt ===",
+              file=sys.stderr)
