@@ -248,6 +248,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
+    loop_started = time.time()
     try:
         results = loop.run(cfg, platform, logdir, stop=stop)
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
@@ -256,7 +257,10 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
               file=sys.stderr)
         return 130
     except BaseException as e:
-        if run_dir is not None:
+        if _wrote_record(logdir, loop_started):  # what it measured stays
+            print(f"run: failed after writing {logdir / 'results.json'}; {logdir} is kept",
+                  file=sys.stderr)
+        elif run_dir is not None:
             run_dir.discard()
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
@@ -350,6 +354,12 @@ def main_ps(cfg: RunConfig) -> int:
     print(f"\nresults:     {logdir / 'results.json'}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0
+
+
+def _wrote_record(logdir: Path | None, since: float) -> bool:
+    """Whether this run wrote results.json (at or after `since`)."""
+    record = logdir / "results.json" if logdir is not None else None
+    return record is not None and record.exists() and record.stat().st_mtime >= since
 
 
 if __name__ == "__main__":

@@ -93,13 +93,14 @@ class RunWriter:
         self.tb.add_scalar(tag, value, step)
 
     def summary(self, results: dict) -> None:
+        # The record first: whatever happens writing TensorBoard's copy, the run keeps it.
+        write_json(self.logdir / "results.json", results)
         for name, value in summary_scalars(results).items():
             self.tb.add_scalar(name, value, 0)
         for event in hparams_summaries(results, trial_name(results, self.started),
                                        self.started):
             self.tb.file_writer.add_summary(event)
         self.tb.add_text("summary", format_markdown(results), 0)
-        write_json(self.logdir / "results.json", results)
 
     def close(self) -> None:
         self.tb.close()
@@ -180,8 +181,10 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
             start.hparams[key].bool_value = bool(value)
         else:
             start.hparams[key].number_value = float(value)
+    # The plugin has no "interrupted" status (SUCCESS, FAILURE, RUNNING, UNKNOWN only); an
+    # interrupted run did not fail, so it is UNKNOWN here and its record says "interrupted".
     status = (api_pb2.STATUS_SUCCESS if results.get("status", "complete") == "complete"
-              else api_pb2.STATUS_ABORTED)
+              else api_pb2.STATUS_UNKNOWN)
     end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
 
     def summary(tag, **data):
