@@ -93,7 +93,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
     @jax.jit
     def backward(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
-        _, vjp = jax.vjp(lambda c, sh, x_: parts.stage(c, sh, x_, tokens, is_first, is_last),
+        # Through the jitted forward: its traced program is reused, not traced again.
+        _, vjp = jax.vjp(lambda c, sh, x_: forward(c, sh, x_, tokens, is_first, is_last),
                          chunk, shared, x)
         return vjp((dy, dloss))
 
