@@ -99,6 +99,10 @@ def test_1f1b_temp_memory_below_gpipe():
      "which this mesh does not have"),
     (["--mesh", "stage:2", "--microbatches", "3", "--pp-schedule", "interleaved",
       "--pp-virtual", "2", "--model-opts", "depth=4"], "not a multiple of 2"),
+    (["--mesh", "data:2,stage:2", "--model", "moe-tiny", "--microbatches", "2"],
+     "moe under the pipeline layouts needs data=1 (got data=2): its balance loss would be "
+     "averaged per data shard; put the batch on fsdp instead (fsdp_pp, e.g. --mesh "
+     "fsdp:2,stage:2)"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main
