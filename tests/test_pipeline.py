@@ -223,3 +223,42 @@ def test_pipeline_dry_run_reads_batch_and_microbatches():
          "--microbatches", "4", "--steps", "3"]))
     assert notices(cfg) == ["notice: --steps applies only to a training run, not --dry-run "
                             "(which plans memory from shapes only); ignored"]
+
+
+def test_multi_host_stage_placement_keeps_tensor_in_a_host():
+    """Megatron's placement on several hosts: a stage's tensor group is inside one host (the
+    NVLink domain) and the stage-to-stage sends cross hosts. Devices carry their host as
+    process_index and are listed in a scrambled order, as a cluster may report them."""
+    from dataclasses import dataclass
+
+    from jaxdist.mesh import MeshShape, hybrid_device_array
+
+    @dataclass(frozen=True)
+    class FakeGPU:
+        id: int
+        process_index: int
+        platform: str = "gpu"
+        device_kind: str = "NVIDIA H200"
+
+    def hosts(n_hosts, per_host):
+        return [FakeGPU(h * per_host + i, h) for i in range(per_host)
+                for h in reversed(range(n_hosts))]
+
+    # 2 hosts x 4 GPUs, data:1,stage:2,tensor:4: axes (stage, data, fsdp, tensor)
+    array = hybrid_device_array(MeshShape(1, stage=2, tensor=4), hosts(2, 4))
+    assert array.shape == (2, 1, 1, 4)
+    assert [[d.process_index for d in array[s, 0, 0]] for s in range(2)] == [[0] * 4, [1] * 4]
+    # the issue's data:2,stage:4,tensor:4 on 4 hosts x 8: one stage (both data rows) per host
+    array = hybrid_device_array(MeshShape(2, stage=4, tensor=4), hosts(4, 8))
+    assert array.shape == (4, 2, 1, 4)
+    for s in range(4):
+        assert {d.process_index for d in array[s].flat} == {s}
+    # more stages than hosts (2 hosts, stage:4, tensor:2): tensor groups still inside a host,
+    # and the stages span both hosts
+    array = hybrid_device_array(MeshShape(1, stage=4, tensor=2), hosts(2, 4))
+    for s in range(4):
+        assert len({d.process_index for d in array[s, 0, 0]}) == 1
+    assert {array[s, 0, 0, 0].process_index for s in range(4)} == {0, 1}
+    # a tensor group that cannot fit in a host is refused
+    with pytest.raises(UsageError, match="inside one host"):
+        hybrid_device_array(MeshShape(1, stage=2, tensor=8), hosts(4, 4))
