@@ -103,6 +103,12 @@ def test_1f1b_temp_memory_below_gpipe():
      "moe under the pipeline layouts needs data=1 (got data=2): its balance loss would be "
      "averaged per data shard; put the batch on fsdp instead (fsdp_pp, e.g. --mesh "
      "fsdp:2,stage:2)"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1"],
+     "--eval-every measures test-split accuracy on an image dataset (digits, cifar10, "
+     "mnist), which the decoders of the pipeline layouts (pp, tp_pp, fsdp_pp) cannot read; "
+     "drop --eval-every"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1", "--dataset",
+      "digits"], "dataset 'digits' is images; model family 'gpt' cannot read it"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main

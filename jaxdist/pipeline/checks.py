@@ -25,5 +25,9 @@ def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, vir
     check_depth(model_cfg, stages, V)
     check_moe_data(model_cfg, data)
     if eval_every:
-        raise UsageError("--eval-every is not implemented for the pipeline layouts (pp, "
-                         "tp_pp, fsdp_pp); drop it or use another layout")
+        # Evaluation is test-split accuracy on an image dataset (jaxdist/loop.py evaluate);
+        # the pipeline layouts run decoders, which read tokens (models/build.py), so there
+        # is nothing a pipelined forward could be evaluated on.
+        raise UsageError("--eval-every measures test-split accuracy on an image dataset "
+                         "(digits, cifar10, mnist), which the decoders of the pipeline "
+                         "layouts (pp, tp_pp, fsdp_pp) cannot read; drop --eval-every")

@@ -86,7 +86,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         return {"params": params, "model_state": state["model_state"], "opt": opt}, loss
 
     def correct_fn(state, batch):
-        raise UsageError("evaluation (--eval-every) is not implemented for pipeline layouts")
+        raise UsageError("--eval-every measures accuracy on an image dataset, which the "
+                         "pipeline layouts' decoders cannot read")
 
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0), mesh,
