@@ -39,6 +39,26 @@ def test_interleaved_bubble(S, M):
     assert sched.bubble() == pytest.approx((S - 1) / (2 * M + S - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("S,M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (3, 7)])
+def test_zb_h1_bubble_and_memory(S, M):
+    """ZB-H1 (Qi et al. 2023): with F, B and W one tick each, W fills the cool-down, so each
+    stage idles S - 1 of 3M + S - 1 ticks (1F1B with the same three ops: 3(S - 1)), and no
+    stage holds more than S micro-batches between F and W (1F1B's peak)."""
+    sched = build_schedule("zb-h1", S, M)
+    assert sched.ticks == 3 * M + S - 1
+    assert sched.bubble() == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
+    assert sched.analytic_bubble() == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
+    assert sched.act_slots == build_schedule("1f1b", S, M).act_slots == S
+    when = {(s, op.kind, op.mb): t for t, row in enumerate(sched.ops)
+            for s, op in enumerate(row) if op}
+    assert sorted(when) == sorted((s, k, m) for s in range(S) for k in (1, 2, 3)
+                                  for m in range(M))
+    assert all(when[(s, 2, m)] < when[(s, 3, m)] for s in range(S) for m in range(M))
+    # W sends nothing: the messages are 1F1B's, M per boundary each way
+    sent = [sched.sends(t) for t in range(sched.ticks)]
+    assert sum(len(f) + len(b) for f, b in sent) == 2 * M * (S - 1)
+
+
 def test_live_activations_gpipe_m_1f1b_s():
     """GPipe keeps every micro-batch's input until the backward; 1F1B at most S."""
     for S, M in ((2, 8), (4, 16), (4, 32)):

@@ -116,6 +116,14 @@ def test_moe_pipeline_equals_single_device_microbatched(layout, mesh, schedule, 
                 _reference("moe-tiny", 2 * V, microbatches=2))
 
 
+# ZB-H1 (backward split into B and W): every layout once, both models, S in {2, 4}.
+@pytest.mark.parametrize("model,layout,S,M", [
+    ("gpt-tiny", "pp", 2, 4), ("llama-tiny", "tp_pp", 4, 4), ("gpt-tiny", "fsdp_pp", 4, 8)])
+def test_zb_h1_equals_single_device(model, layout, S, M):
+    _check_case(model, layout, MESHES[layout].format(S=S), "zb-h1", 1, S, M,
+                _reference(model, S))
+
+
 def _check_case(model, layout, mesh, schedule, V, S, M, reference):
     depth = S * V
     cfg = _cfg(model, depth)

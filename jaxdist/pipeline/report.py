@@ -120,7 +120,8 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     mem = metrics.compiled_memory(compiled) or {}
     return {
         **sched.summary(),
-        "analytic_bubble_formula": ("(S-1)/(V*M+S-1)" if sched.virtual > 1
+        "analytic_bubble_formula": ("(S-1)/(3M+S-1)" if sched.split_backward else
+                                    "(S-1)/(V*M+S-1)" if sched.virtual > 1
                                     else "(S-1)/(M+S-1)"),
         # Idle stage-ticks run nothing (a per-stage lax.switch), so the bubble costs time,
         # not FLOPs; the compiled/model ratio shows the stage-level recompute instead.

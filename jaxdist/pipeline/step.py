@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.pipeline.parts import Parts
-from jaxdist.pipeline.schedule import BWD, FWD, Schedule
+from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule
 
 
 def _tables(sched: Schedule) -> dict[str, np.ndarray]:
     """The schedule as integer arrays [tick, stage]: what each stage does at each tick."""
     T, S = sched.ticks, sched.stages
     tab = {k: np.zeros((T, S), np.int32) for k in
-           ("fwd", "bwd", "mb", "v", "act", "grad", "recv_act", "recv_grad")}
+           ("fwd", "bwd", "wgt", "mb", "v", "act", "grad", "recv_act", "recv_grad")}
     for t in range(T):
         for s, op in enumerate(sched.ops[t]):
             tab["recv_act"][t, s], tab["recv_grad"][t, s] = sched.recv_slots[t][s]
@@ -45,6 +45,7 @@ def _tables(sched: Schedule) -> dict[str, np.ndarray]:
                 tab["act"][t, s] = tab["grad"][t, s] = -1
                 continue
             tab["fwd"][t, s], tab["bwd"][t, s] = op.kind == FWD, op.kind == BWD
+            tab["wgt"][t, s] = op.kind == WGT
             tab["mb"][t, s], tab["v"][t, s] = op.mb, op.v
             tab["act"][t, s], tab["grad"][t, s] = sched.read_slots[t][s]
     return tab
@@ -98,6 +99,19 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                          chunk, shared, x)
         return vjp((dy, dloss))
 
+    @jax.jit
+    def input_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
+        _, vjp = jax.vjp(lambda x_: forward(chunk, shared, x_, tokens, is_first, is_last), x)
+        return vjp((dy, dloss))[0]
+
+    @jax.jit
+    def weight_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
+        _, vjp = jax.vjp(lambda c, sh: forward(c, sh, x, tokens, is_first, is_last),
+                         chunk, shared)
+        return vjp((dy, dloss))
+
+    split = sched.split_backward
+
     def sender(fwd_pairs, bwd_pairs):
         def send(y, dx):
             return (jax.lax.ppermute(y, "stage", list(fwd_pairs)) if fwd_pairs
@@ -143,17 +157,34 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 y, loss = forward(chunk, shared, x, tokens, is_first, is_last)
                 return g_l, g_s, ls + loss, y, jnp.zeros_like(bwd_msg)
 
+            dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+
+            def accumulate(g_l, g_s, d_chunk, d_shared):
+                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
+                return g_l, jax.tree.map(jnp.add, g_s, d_shared)
+
             def bwd(acc):
                 g_l, g_s, ls = acc
-                dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+                if split:  # ZB-H1's B: the input gradient only, sent on at once
+                    dx = input_grad(chunk, shared, x, tokens, is_first, is_last, dy,
+                                    jnp.float32(1.0 / M))
+                    return g_l, g_s, ls, jnp.zeros_like(fwd_msg), dx
                 d_chunk, d_shared, dx = backward(chunk, shared, x, tokens, is_first, is_last,
                                                  dy, jnp.float32(1.0 / M))
-                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
-                return (g_l, jax.tree.map(jnp.add, g_s, d_shared), ls,
+                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
                         jnp.zeros_like(fwd_msg), dx)
 
+            def wgt(acc):  # ZB-H1's W: the weight gradients, from the same x and dy
+                g_l, g_s, ls = acc
+                d_chunk, d_shared = weight_grad(chunk, shared, x, tokens, is_first, is_last,
+                                                dy, jnp.float32(1.0 / M))
+                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
+                        jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg))
+
+            branches = [idle, fwd, bwd] + ([wgt] if split else [])
+            index = row["fwd"] + 2 * row["bwd"] + (3 * row["wgt"] if split else 0)
             g_local, g_shared, loss_sum, y, dx = jax.lax.switch(
-                row["fwd"] + 2 * row["bwd"], [idle, fwd, bwd], (g_local, g_shared, loss_sum))
+                index, branches, (g_local, g_shared, loss_sum))
             # The tick's messages: every stage takes the same branch (the pattern is the
             # tick's, not the stage's), which holds exactly the pairs that send at this
             # tick, so no byte moves that the schedule does not send.
