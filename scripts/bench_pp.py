@@ -1,6 +1,6 @@
 """Pipeline schedules side by side: S = 4 stages, M = 4..32 micro-batches.
 
-For each schedule (gpipe, 1f1b, interleaved with V = 2) and M, compiles the pipelined step
+For each schedule (gpipe, 1f1b, interleaved with V = 2, zb-h1) and M, compiles the pipelined step
 of gpt-tiny (depth 8, batch 64) on 4 simulated CPU devices (mesh stage:4) and prints the
 bubble counted from the schedule beside the analytic formula, the compiler's temp bytes per
 device, the stage-to-stage bytes per step read from the compiled HLO (beside the analytic
@@ -36,7 +36,7 @@ from models import get_model  # noqa: E402
 from sharding import get_layout  # noqa: E402
 
 S, BATCH = 4, 64
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
 def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
@@ -76,8 +76,9 @@ def main() -> int:
     print("\n1F1B / GPipe activation memory (compiler temp bytes; activation stash)")
     for M in sorted({m for _, m in rows}):
         g, o = rows[("gpipe", M)], rows[("1f1b", M)]
+        z = rows[("zb-h1", M)]
         print(f"  M={M:<3} temp {o['temp'] / g['temp']:.3f}   stash "
-              f"{o['stash'] / g['stash']:.3f}")
+              f"{o['stash'] / g['stash']:.3f}   (zb-h1 / 1f1b temp {z['temp'] / o['temp']:.3f})")
     return 0
 
 
