@@ -113,6 +113,8 @@ def test_1f1b_temp_memory_below_gpipe():
      "depth 6 is not divisible by stage=4"),
     (["--mesh", "stage:4", "--model-opts", "depth=4", "--microbatches", "2"],
      "needs at least as many micro-batches as stages"),
+    (["--mesh", "stage:4", "--model-opts", "depth=4", "--microbatches", "2",
+      "--pp-schedule", "zb-h1"], "--pp-schedule zb-h1 needs at least as many micro-batches"),
     (["--mesh", "stage:2", "--model", "resnet18", "--microbatches", "2"],
      "applies to gpt, moe models"),
     (["--mesh", "4", "--model-opts", "depth=4", "--microbatches", "4"],
