@@ -63,14 +63,14 @@ def main() -> int:
     cfg = get_model("gpt-tiny", {"depth": "8"})
     rows = {}
     print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device; compiled, not run")
-    print(f"{'schedule':<14}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
+    print(f"{'schedule':<16}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
           f"{'stash bytes':>13}{'stage bytes':>13}{'analytic':>11}")
     for M in (int(m) for m in args.ms.split(",")):
         for name, V in SCHEDULES:
             r = measure(cfg, name, V, M)
             rows[(name, M)] = r
             label = name + (f" V={V}" if V > 1 else "")
-            print(f"{label:<14}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
+            print(f"{label:<16}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
                   f"{r['temp']:>13,}{r['stash']:>13,}{r['stage_bytes']:>13,}"
                   f"{r['stage_analytic']:>11,}", flush=True)
     print("\n1F1B / GPipe activation memory (compiler temp bytes; activation stash)")
