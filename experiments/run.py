@@ -51,7 +51,7 @@ def validate(cfg: RunConfig) -> MeshShape:
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
     if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
-                       cfg.train.pp_virtual, cfg.data.eval_every)
+                       cfg.train.pp_virtual, cfg.data.eval_every, shape.data)
     if cfg.data.eval_every < 0:
         raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
