@@ -16,8 +16,11 @@ from tests.helpers import run_cli
 H200 = get_hardware("h200")
 MESH = {"data": 4, "fsdp": 8}
 PEAK = 1979e12 / 2
-EFF = constant("compute_efficiency")
+EFF = constant("compute_efficiency_hopper")
 LINK = constant("link_efficiency")
+# NCCL's ring latency of one all-gather over the 4 nodes of the data axis: base + 3 network
+# steps (tuning.cc Ring/Simple: 8.4 us, 9.6 us).
+AG4_LAT = 8.4e-6 + 3 * 9.6e-6
 
 
 def test_which_collectives_cross_nodes():
@@ -47,10 +50,33 @@ def test_collective_time_intra_and_inter_node():
           "ring_bytes": 3.6e9}
     t = model.collective_time(op, H200, MESH)
     assert t["link"] == "intra-node"
-    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * 14 * 5e-6, rel=1e-12)
+    # NCCL ring latency per call: base 8.4 us + 14 NVLink steps x 3.4 us
+    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * (8.4e-6 + 14 * 3.4e-6),
+                                         rel=1e-12)
+    # data: one member per node, every ring step on the network, each GPU's own NIC
     t = model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
-    assert t["link"] == "inter-node"
-    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * 6 * 10e-6, rel=1e-12)
+    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 4, 1)
+    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * (8.4e-6 + 6 * 9.6e-6),
+                                         rel=1e-12)
+
+
+def test_inter_node_ring_spreads_over_the_nics_of_a_node():
+    # FSDP over 64 A100s in 8 nodes: the ring crosses each node boundary on 8 NICs at once
+    # (one NCCL channel per NIC), so 8 x 25 GB/s carry it (NVLink's 300 GB/s caps it);
+    # 63 steps of which 7 cross nodes.
+    a100 = get_hardware("a100-sxm-80gb")
+    op = {"kind": "all-gather", "axes": ["fsdp"], "group_size": 64, "count": 3,
+          "ring_bytes": 1.6e9}
+    t = model.collective_time(op, a100, {"data": 1, "fsdp": 64})
+    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 8, 8)
+    assert t["seconds"] == pytest.approx(
+        1.6e9 / (200e9 * LINK) + 3 * (8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6), rel=1e-12)
+    # 16 GPUs per node: 16 x 25 GB/s of NICs exceed NVLink's 300 GB/s, which bounds it
+    t = model.collective_time(op, get_hardware("a100-sxm-80gb", 16), {"data": 1, "fsdp": 64})
+    assert (t["nodes"], t["members_per_node"]) == (4, 16)
+    assert t["seconds"] == pytest.approx(
+        1.6e9 / (300e9 * LINK) + 3 * (8.4e-6 + 60 * 3.4e-6 + 3 * 9.6e-6), rel=1e-12)
+    assert model.group_nodes({"data": 4, "fsdp": 8}, ["data"], 16) == (2, 2)
 
 
 def _inter(seconds_of_bandwidth: float) -> list[dict]:
@@ -61,7 +87,7 @@ def _inter(seconds_of_bandwidth: float) -> list[dict]:
 def test_compute_bound_step_without_and_with_overlap():
     flops = 0.1 * PEAK * EFF  # 100 ms of compute
     comm = _inter(0.03)       # 30 ms + 3 hops x 10 us
-    comm_s = 0.03 + 3 * 10e-6
+    comm_s = 0.03 + AG4_LAT
     plain = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
     assert plain["compute_s"] == pytest.approx(0.1)
     assert plain["inter_node_s"] == pytest.approx(comm_s)
@@ -76,8 +102,8 @@ def test_compute_bound_step_without_and_with_overlap():
 def test_inter_node_bound_step_with_overlap_exposes_the_excess():
     flops = 0.01 * PEAK * EFF
     t = model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(0.05 + 3 * 10e-6)  # compute 10 ms hidden inside
-    assert t["comm_exposed_s"] == pytest.approx(0.04 + 3 * 10e-6)
+    assert t["step_s"] == pytest.approx(0.05 + AG4_LAT)  # compute 10 ms hidden inside
+    assert t["comm_exposed_s"] == pytest.approx(0.04 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
 
 
@@ -215,5 +241,5 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     # with overlap; the step is the communication, and so is the bottleneck.
     flops = 14.7 * PEAK * EFF
     t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(27.6 + 3 * 10e-6)
+    assert t["step_s"] == pytest.approx(27.6 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
