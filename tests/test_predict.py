@@ -212,8 +212,13 @@ def test_attention_scores_separates_scores_from_activations(monkeypatch):
     assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
 
 
-def test_flash_attention_applies_to_bf16_decoders_only():
-    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+def test_flash_attention_applies_to_bf16_cudnn_decoders_only():
+    # attention=default is XLA attention in JAX 0.10 on a GPU too (the L x L scores stay)
+    default = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+    assert not program.flash_attention_applies(default, "bfloat16")
+    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny",
+                                                    model_opts="attention=cudnn")))[0]
+    assert program.cpu_compilable(llama).attention == "xla"  # compiled here as XLA's
     assert program.flash_attention_applies(llama, "bfloat16")
     assert not program.flash_attention_applies(llama, "float32")
     mlp = build_model(RunConfig(model=ModelConfig(model="mlp-tiny")))[0]
