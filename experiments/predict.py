@@ -116,6 +116,9 @@ def format_rows(rows: list[dict]) -> str:
                      f"{num(r['published_memory_gib'], '.1f'):>9}"
                      f"{num(r['predicted_memory_gib'], '.1f'):>11}"
                      f"{num(r['ratio_memory_gib'], '.2f'):>7}  {r['bottleneck']}")
+    lines.append("calibration: throughput only (one compute efficiency per GPU generation); "
+                 "memory has no calibrated constant, every memory row is out of sample; "
+                 "published memory is torchtitan's peak reserved (max_reserved_gib)")
     return "\n".join(lines)
 
 

@@ -3,13 +3,14 @@ compile, and `--dry-run --hardware` end to end. Every figure here is a predictio
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
-from jaxdist.predict import model, program
+from jaxdist.predict import memory, model, program
 from models.build import build_model
 from tests.helpers import run_cli
 
@@ -133,14 +134,109 @@ def test_throughput_and_mfu():
     assert out["mfu"] == pytest.approx(1e15 / (0.5 * PEAK * 8))
 
 
-def test_memory_verdict():
-    ok = model.memory_verdict(100 * 10**9, 30 * 10**9, H200)
+def _estimate(state, total):
+    return {"label": "predicted", "state_bytes": state, "gradient_bytes": 0,
+            "residual_bytes": total - state, "transient_bytes": 0, "total_bytes": total}
+
+
+def test_memory_verdict_uses_the_estimate_not_the_cpu_compiler():
+    ok = model.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
     assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
-    unknown = model.memory_verdict(120 * 10**9, 30 * 10**9, H200)  # the bound decides nothing
-    assert unknown["fits"] is None and unknown["over_by_bytes"] == 9 * 10**9
-    assert "upper bound" in unknown["fits_reason"]
-    oom = model.memory_verdict(150 * 10**9, 0, H200)  # the exact state alone is too big
-    assert oom["fits"] is False and oom["over_by_bytes"] == 9 * 10**9
+    assert ok["cpu_compiler_temp_bytes"] == 900 * 10**9  # carried, labelled, not used
+    assert ok["temp_bytes"] == 30 * 10**9
+    over = model.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
+    assert over["fits"] is False and over["over_by_bytes"] == 9 * 10**9
+    assert "saved activations" in over["fits_reason"]
+    # without remat the estimate is an upper bound: over HBM is "unknown", not an OOM
+    loose = model.memory_verdict({**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True},
+                                 0, H200)
+    assert loose["fits"] is None and "upper bound" in loose["fits_reason"]
+    oom = model.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
+    assert oom["fits"] is False and oom["fits_reason"].startswith("the train state alone")
+
+
+def test_residuals_classified_hand_built():
+    L = 16
+    at_b = [{"shape": (4, L, 8), "dtype": "bfloat16", "bytes": 1024},      # activation
+            {"shape": (8, 32), "dtype": "bfloat16", "bytes": 512},         # weight copy
+            {"shape": (4, 2, L, L), "dtype": "float32", "bytes": 8192},    # scores
+            {"shape": (4, L, 100), "dtype": "float32", "bytes": 25600}]    # logits
+    at_2b = [{**r, "bytes": r["bytes"] * (1 if r["shape"] == (8, 32) else 2)} for r in at_b]
+    flash = memory.classify(at_b, at_2b, L, flash=True)
+    assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
+                     "largest_batch_bytes": 25600, "largest_constant_bytes": 512}
+    kept = memory.classify(at_b, at_2b, L, flash=False)
+    assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
+    # 8 devices hold the batch: activations split, the weight copy whole
+    assert memory.per_device(flash, 8) == {"residual_bytes": 26624 / 8 + 512,
+                                          "largest_bytes": 25600 / 8}
+    assert memory.batch_shards({"data": 2, "fsdp": 4, "tensor": 2}) == 8
+    with pytest.raises(ValueError):
+        memory.classify(at_b, at_2b[:2], L, flash=False)
+
+
+def test_peak_adds_state_gradients_residuals_and_the_larger_transient():
+    res = {"residual_bytes": 50.0, "largest_bytes": 8.0, "block_recompute_bytes": 5.0,
+           "method": "hand-built"}
+    p = memory.peak(11.0, 4.0, res, gathered_param_bytes=2.0)
+    assert p["transient_bytes"] == 8.0 + 2.0  # logits gradient beats one block's recompute
+    assert p["total_bytes"] == 11.0 + 4.0 + 50.0 + 10.0
+    p = memory.peak(11.0, 4.0, {**res, "block_recompute_bytes": 9.0})
+    assert p["transient_bytes"] == 9.0 and p["label"] == "predicted"
+
+
+def test_saved_residuals_are_what_jax_reports(capsys):
+    """memory.saved_residuals against jax.ad_checkpoint.print_saved_residuals on the same
+    loss: the same values, less those JAX reports as arguments (parameters, batch)."""
+    import re
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxdist.train_step import DTYPES, split_model
+
+    cfg = build_model(RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
+                                train=TrainConfig(remat="dots")))[0]
+    mine = memory.saved_residuals(cfg, "float32", 4)
+    graphdef, params, ms = nnx.eval_shape(lambda: split_model(cfg, DTYPES["float32"], 0))
+    batch = {k: jax.ShapeDtypeStruct((4, *v.shape[1:]), v.dtype)
+             for k, v in cfg.synthetic_batch(np.random.default_rng(0), 1).items()}
+    print_saved_residuals(
+        lambda p, b: cfg.loss(nnx.merge(graphdef, p, ms, copy=True), b), params, batch)
+    lines = [ln for ln in capsys.readouterr().out.splitlines()
+             if ln.strip() and "from the argument" not in ln]
+    itemsize = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1, "f16": 2}
+    theirs = []
+    for ln in lines:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", ln).groups()
+        theirs.append(itemsize[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    assert sorted(r["bytes"] for r in mine) == sorted(theirs)
+    assert len(mine) == 31  # measured: llama-tiny, 2 blocks, dots policy
+
+
+def test_memory_estimate_against_the_compiled_step_in_float32():
+    """A real measurement: XLA:CPU's temp bytes of the compiled step for a tiny f32 llama
+    without remat (no bf16 copies, no remat the CPU compiler could ignore). The estimate
+    (gradients + saved residuals + working set) is measured at 1.13x: XLA fuses cheap
+    elementwise producers into the backward instead of keeping them, so the jaxpr's
+    residuals are a slight upper bound."""
+    from jaxdist import dryrun
+
+    cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32",
+                                      model_opts="seq_len=128,mlp_hidden=256"),
+                    train=TrainConfig(layout="fsdp", batch_size=16, remat="none"))
+    model_cfg = build_model(cfg)[0]
+    shape = parse_mesh("1x1")
+    compiled = program.figures(cfg, model_cfg, shape)["memory"]["temp_bytes"]
+    state = dryrun.plan(cfg, shape)
+    est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
+                                state["state_bytes_per_device"],
+                                state["state_bytes_global"]["params"], False, True)
+    assert est["gathered_param_bytes"] == 0  # one device: nothing sharded, nothing gathered
+    ratio = (est["total_bytes"] - est["state_bytes"]) / compiled
+    assert 1.0 <= ratio <= 1.2, ratio
 
 
 def test_aggregate_and_extrapolate_hand_built():
@@ -227,18 +323,21 @@ def test_flash_attention_applies_to_bf16_cudnn_decoders_only():
         dataclasses.replace(llama, attention="xla"), "bfloat16")
 
 
-def test_validation_quick_form_out_of_sample_throughput_band():
+def test_validation_quick_form_out_of_sample_bands():
     """experiments.predict --validate --quick, in process (8 devices): the torch.compile run
-    of torchtitan's Llama3.1-8B on 8xH100 is out of sample (the calibration record is the
-    same run without torch.compile). Memory misses by far (README, Predict): not asserted."""
+    of torchtitan's Llama3.1-8B on 8xH100 is out of sample for throughput (the Hopper
+    calibration record is the same run without torch.compile) and for memory (nothing in
+    the memory model is calibrated). Measured: 0.86 and 1.04."""
     from experiments.predict import CALIBRATION, CASES, validate
 
     case = next(c for c in CASES if c.name == "tt24-t1-fsdp-compile")
-    assert case.small and case.name != CALIBRATION
+    assert case.small and case.name not in CALIBRATION
     (row,) = validate([case])
     assert row["role"] == "out-of-sample"
     assert row["published_tokens_per_s_per_gpu"] == 6667
     assert 0.75 <= row["ratio_tokens_per_s_per_gpu"] <= 1.25
+    assert row["published_memory_gib"] == 77.0
+    assert 0.85 <= row["ratio_memory_gib"] <= 1.15
 
 
 def test_overlapped_communication_longer_than_compute_is_the_bottleneck():

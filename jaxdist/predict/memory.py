@@ -15,6 +15,12 @@ parameters gathered in float32 when the layout shards them (the block in use and
 one, which XLA's scheduler prefetches). Counting the gradients in full beside every
 residual over-counts by at most the gradients: they fill as the residuals are freed.
 
+Without remat (policy "none") the residual set is an upper bound, not validated: the jaxpr
+then also saves the float32 intermediates of RMSNorm and RoPE and the bf16 casts of every
+weight, which XLA can fuse or recompute from the values it keeps (torchtitan's Llama2-13B
+without activation checkpointing ran in 80 GB on 64 A100s where this estimate says 139
+GiB); `upper_bound` says so and the verdict then calls nothing an OOM on it alone.
+
 On a GPU with flash attention (cuDNN), residuals with two sequence-length dimensions (the
 L x L scores, their softmax and mask) are not kept; their per-row statistics (float32, one
 per head and row) are, and are negligible beside the block's activations.
@@ -174,4 +180,5 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
     gathered = 2 * block_param_bytes(model_cfg, dtype_name) if sharded and stack else 0
     return {**peak(state_per_device["total"], state_per_device["params"], residuals,
                    gathered),
-            "batch_shards": shards, "flash_attention": flash}
+            "batch_shards": shards, "flash_attention": flash,
+            "upper_bound": getattr(model_cfg, "remat", "none") == "none"}

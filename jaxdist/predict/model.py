@@ -157,6 +157,10 @@ def memory_verdict(estimate: dict, cpu_temp_bytes: float, hw: Hardware) -> dict:
         reason = None
     elif estimate["state_bytes"] > hw.hbm_bytes:
         reason = "the train state alone exceeds HBM (exact)"
+    elif estimate.get("upper_bound"):
+        fits, reason = None, ("the state fits; the estimate without remat, an upper bound "
+                              "(float32 norm/RoPE intermediates and bf16 weight copies XLA "
+                              "can fuse), would not")
     else:
         reason = ("state + gradients + saved activations + working set exceed HBM "
                   "(predicted)")
