@@ -14,6 +14,9 @@ remat (what the backward of a rematerialised block recomputes and holds), plus t
 parameters gathered in float32 when the layout shards them (the block in use and the next
 one, which XLA's scheduler prefetches). Counting the gradients in full beside every
 residual over-counts by at most the gradients: they fill as the residuals are freed.
+Activations are split over the batch's devices only (every mesh axis but tensor and
+stage): under tensor parallelism the parts a tensor group shards are counted whole, an
+upper bound for those layouts.
 
 Without remat (policy "none") the residual set is an upper bound, not validated: the jaxpr
 then also saves the float32 intermediates of RMSNorm and RoPE and the bf16 casts of every
@@ -36,6 +39,7 @@ import jax.extend.core as jex_core
 import numpy as np
 from flax import nnx
 
+from jaxdist.predict.program import cpu_compilable
 from jaxdist.train_step import DTYPES, split_model
 
 LABEL = "predicted"
@@ -170,15 +174,15 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
                    flash: bool, stack: bool) -> dict:
     """The peak estimate of one run: `state_per_device` is dryrun.plan's
     state_bytes_per_device (params, model_state, opt, total)."""
-    from jaxdist.predict.program import cpu_compilable  # traced on CPU: XLA attention
-
-    model_cfg = cpu_compilable(model_cfg)
+    model_cfg = cpu_compilable(model_cfg)  # traced here: cuDNN attention as XLA's
     shards = batch_shards(mesh)
     residuals = residual_figures(model_cfg, dtype_name, batch_size // max(1, microbatches),
                                  shards, flash, stack)
     sharded = state_per_device["params"] < params_global_bytes
     gathered = 2 * block_param_bytes(model_cfg, dtype_name) if sharded and stack else 0
-    return {**peak(state_per_device["total"], state_per_device["params"], residuals,
-                   gathered),
+    # With micro-batches the step carries a gradient accumulator beside the current
+    # micro-batch's gradients (jaxdist.train_step.accumulate): twice the gradient bytes.
+    grads = state_per_device["params"] * (2 if microbatches > 1 else 1)
+    return {**peak(state_per_device["total"], grads, residuals, gathered),
             "batch_shards": shards, "flash_attention": flash,
             "upper_bound": getattr(model_cfg, "remat", "none") == "none"}
