@@ -7,7 +7,7 @@ from jaxdist import dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, get_hardware
 from jaxdist.mesh import MeshShape
-from jaxdist.predict import model, program
+from jaxdist.predict import memory, model, program
 from models.build import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
 
@@ -32,6 +32,12 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
         bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
     mesh = dict(shape.axis_sizes)
     n = shape.size
+    # --- memory: jaxdist.predict.memory's peak estimate decides fits/OOM (predacc) ---
+    peak = memory.predict_memory(
+        model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
+        state["state_bytes_per_device"], state["state_bytes_global"]["params"],
+        quadratic is not None, program.is_stack(model_cfg))
+    # --- end memory ---
     step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
                            mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
                            cfg.train.microbatches, cfg.model.matmul_precision)
@@ -54,8 +60,7 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
                          "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
                          "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
                                 "keeps no L x L scores; XLA:CPU keeps them"}},
-        "memory": model.memory_verdict(state["state_bytes_per_device"]["total"],
-                                       int(max(0.0, temp)), hw),
+        "memory": model.memory_verdict(peak, int(max(0.0, temp)), hw),  # predacc
         "time": step,
         "throughput": model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
@@ -75,12 +80,15 @@ def format_prediction(p: dict) -> str:
         f"  step compiled on simulated CPU devices: {p['compiled']['method']}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
-        f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + compiler temp "
-        f"{human_bytes(mem['temp_bytes'])} (XLA:CPU, an upper bound) = "
-        f"{human_bytes(mem['total_bytes'])} of "
+        # predacc: the memory line is jaxdist.predict.memory's estimate
+        f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + gradients "
+        f"{human_bytes(mem['gradient_bytes'])} + saved activations "
+        f"{human_bytes(mem['residual_bytes'])} + working set "
+        f"{human_bytes(mem['transient_bytes'])} = {human_bytes(mem['total_bytes'])} of "
         f"{human_bytes(mem['hbm_bytes'])} HBM -> " +
         {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
-            mem["fits"], f"unknown: {mem['fits_reason']}"),
+            mem["fits"], f"unknown: {mem['fits_reason']}") +
+        f" (XLA:CPU's temp bytes, an upper bound: {human_bytes(mem['cpu_compiler_temp_bytes'])})",
         f"  time per step: compute {t['compute_s'] * ms:.1f} ms, HBM {t['hbm_s'] * ms:.1f} ms, "
         f"intra-node comm {t['intra_node_s'] * ms:.1f} ms, inter-node comm "
         f"{t['inter_node_s'] * ms:.1f} ms (exposed {t['comm_exposed_s'] * ms:.1f} ms; "
