@@ -158,8 +158,11 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
 
     from analysis.plan_rank import format_ranking
 
+    from jaxdist.hardware import get_hardware
+
     if not args.hardware:
         raise UsageError("--plan needs --hardware PART (e.g. --hardware h200)")
+    get_hardware(args.hardware, args.gpus_per_node)
     data = tomllib.loads(preset_path.read_text())
     rows = plan_rows(data, args.quick, keys, f"preset {preset_path}")
     if not rows:
