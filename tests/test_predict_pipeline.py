@@ -19,8 +19,10 @@ LINK = constant("link_efficiency")
 INTRA_LAT, INTER_LAT = constant("intra_node_latency_s"), constant("inter_node_latency_s")
 
 
-def op(seconds):
+def op(seconds, comm=0.0):
+    """An op of `seconds` compute with `comm` s of intra-node collectives, all hidden."""
     return {"seconds": seconds, "device_s": seconds, "compute_s": seconds, "hbm_s": 0.0,
+            "intra_node_s": comm, "inter_node_s": 0.0,
             "exposed_intra_node_s": 0.0, "exposed_inter_node_s": 0.0}
 
 
@@ -37,8 +39,8 @@ def test_gpipe_ticks_by_hand():
     # GPipe S=2 M=2 runs 6 ticks: s0 F0 | s0 F1, s1 F0 | s1 F1 | s1 B0 | s0 B0, s1 B1 | s0 B1;
     # stage 1 holds the head: its forward 1.5 s, backward 3 s; stage 0's 1 s and 2 s.
     sched = build_schedule("gpipe", 2, 2)
-    ops = {(FWD, False): op(1.0), (BWD, False): op(2.0), (FWD, True): op(1.5),
-           (BWD, True): op(3.0)}
+    ops = {(FWD, False): op(1.0), (BWD, False): op(2.0), (FWD, True): op(1.5, 0.25),
+           (BWD, True): op(3.0, 0.5)}
     mesh = {"stage": 2, "data": 1, "fsdp": 1}
     t = pp.tick_model(sched, ops, op(0.5), 4e9, HW, mesh)   # 1 GPU per node: sends cross
     assert t["pipeline"]["ticks_s"] == pytest.approx(1 + 1.5 + 1.5 + 3 + 3 + 2)
@@ -49,6 +51,9 @@ def test_gpipe_ticks_by_hand():
     assert t["pipeline"]["messages"] == 4    # 2 directions x M x (S - 1) boundaries
     assert t["pipeline"]["send_inter_node_s"] == pytest.approx(4 * send)
     assert t["pipeline"]["send_intra_node_s"] == 0
+    # Link time of the critical stage's ops (hidden: not in the step), sends, tail.
+    assert t["intra_node_s"] == pytest.approx(2 * 0.25 + 2 * 0.5)
+    assert t["exposed_intra_node_s"] == 0 and t["inter_node_s"] == pytest.approx(4 * send)
     assert t["step_s"] == pytest.approx(12.0 + 4 * send + 0.5)
     parts = t["device_s"] + t["exposed_intra_node_s"] + t["exposed_inter_node_s"] + t["bubble_s"]
     assert parts == pytest.approx(t["step_s"])

@@ -69,6 +69,7 @@ def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
     share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
     return {"seconds": t["step_s"], "device_s": max(t["compute_s"], t["hbm_s"]),
             "compute_s": t["compute_s"], "hbm_s": t["hbm_s"],
+            "intra_node_s": t["intra_node_s"], "inter_node_s": t["inter_node_s"],
             "exposed_intra_node_s": t["intra_node_s"] * share,
             "exposed_inter_node_s": t["inter_node_s"] * share,
             "flops": fig["flops"], "bytes_accessed": fig["bytes_accessed"],
@@ -81,9 +82,9 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
     (FWD) or backward (BWD), `last` for the chunk holding the head; `tail`: op_row of the
     gradient reduction and optimizer; `act_bytes`: one message per device."""
     S, last_chunk = sched.stages, sched.chunks - 1
-    busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s",
-                           "exposed_intra_node_s", "exposed_inter_node_s"), 0.0)
-            for _ in range(S)]
+    busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
+                           "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
+                          0.0) for _ in range(S)]
     ticks_s = 0.0
     sends = {"intra-node": 0.0, "inter-node": 0.0}
     messages = 0
@@ -118,9 +119,12 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
     device_name = "HBM" if hbm_s > compute_s else "compute"
     named = {device_name if k == "compute" else k: v for k, v in terms.items()}
     step = ticks_s + sends["intra-node"] + sends["inter-node"] + tail["seconds"]
+    # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
+    # tail (as jaxdist.predict.model reports it); exposed_*: what adds to the step.
     return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
             "device_s": terms["compute"],
-            "intra_node_s": terms["intra-node"], "inter_node_s": terms["inter-node"],
+            "intra_node_s": work["intra_node_s"] + sends["intra-node"] + tail["intra_node_s"],
+            "inter_node_s": work["inter_node_s"] + sends["inter-node"] + tail["inter_node_s"],
             "exposed_intra_node_s": terms["intra-node"],
             "exposed_inter_node_s": terms["inter-node"],
             "comm_exposed_s": terms["intra-node"] + terms["inter-node"],
@@ -347,6 +351,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
              (BWD, False): "backward", (BWD, True): "backward_last"}
     per_op = {names[k]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
+                                           "intra_node_s", "inter_node_s",
                                            "exposed_intra_node_s", "exposed_inter_node_s",
                                            "flops", "bytes_accessed", "collectives")}
               for k, r in ops.items()}
