@@ -53,13 +53,14 @@ def load_plans(directory: Path) -> list[tuple[str, dict]]:
 
 
 def rank(rows: list[dict]) -> dict[str, list[dict]]:
-    """Rows grouped by model, each group best first (predicted tokens/s per GPU; step time
-    where a model has no tokens)."""
+    """Rows grouped by model, each group best first: rows that do not fit (OOM) last, then
+    predicted tokens/s per GPU (step time where a model has no tokens)."""
     out: dict[str, list[dict]] = {}
     for r in rows:
         out.setdefault(r["model"], []).append(r)
     for group in out.values():
-        group.sort(key=lambda r: (-(r["tokens_per_s_per_gpu"] or 0), r["step_s"]))
+        group.sort(key=lambda r: (r["fits"] is False, -(r["tokens_per_s_per_gpu"] or 0),
+                                  r["step_s"]))
     return out
 
 
@@ -126,7 +127,8 @@ def plot_ranking(ranked: dict[str, list[dict]], path: Path, hardware: str | None
 
     n = sum(len(v) for v in ranked.values())
     fig, axes = plt.subplots(len(ranked), 1, figsize=(9, 0.42 * n + 1.6 * len(ranked)),
-                             squeeze=False)
+                             squeeze=False, gridspec_kw={"height_ratios": [
+                                 len(v) + 2 for v in ranked.values()]})
     colours = {"device": "#4c72b0", "intra-node": "#dd8452", "inter-node": "#c44e52",
                "pipeline bubble": "#8c8c8c"}
     for ax, (model, rows) in zip(axes[:, 0], ranked.items()):

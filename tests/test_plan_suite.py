@@ -103,13 +103,14 @@ def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
-def plan(step, compute, hbm, intra, inter, exposed, bubble=0.0, tps=100.0, layout="fsdp"):
+def plan(step, compute, hbm, intra, inter, exposed, bubble=0.0, tps=100.0, layout="fsdp",
+         fits=True):
     t = {"step_s": step, "compute_s": compute, "hbm_s": hbm, "intra_node_s": intra,
          "inter_node_s": inter, "comm_exposed_s": exposed, "bubble_s": bubble,
          "bottleneck": "compute"}
     return {"label": "predicted", "model": {"name": "m"}, "layout": layout,
             "mesh": {"data": 4, "fsdp": 8}, "batch_size": 8, "time": t,
-            "memory": {"total_bytes": 2 ** 30, "fits": True},
+            "memory": {"total_bytes": 2 ** 30, "fits": fits},
             "throughput": {"tokens_per_s_per_gpu": tps, "mfu": 0.5}}
 
 
@@ -125,10 +126,13 @@ def test_ranking_bars_add_up_to_the_step():
 
 
 def test_ranking_orders_by_tokens_per_gpu(tmp_path):
-    for name, tps in (("slow", 10.0), ("fast", 30.0), ("mid", 20.0)):
+    # A row that does not fit goes last whatever its speed; unknown (None) ranks by speed.
+    for name, tps, fits in (("slow", 10.0, True), ("fast", 30.0, None), ("mid", 20.0, True),
+                            ("oom", 99.0, False)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "plan.json").write_text(json.dumps(plan(1, 1, 0, 0, 0, 0, tps=tps)))
+        (tmp_path / name / "plan.json").write_text(json.dumps(plan(1, 1, 0, 0, 0, 0, tps=tps,
+                                                                   fits=fits)))
     ranking = plan_rank.write_ranking(tmp_path, {"hardware": "h200"})
-    assert [r["name"] for r in ranking["models"]["m"]] == ["fast", "mid", "slow"]
+    assert [r["name"] for r in ranking["models"]["m"]] == ["fast", "mid", "slow", "oom"]
     text = (tmp_path / "ranking.md").read_text()
     assert text.index("| 1 | fast |") < text.index("| 2 | mid |") < text.index("| 3 | slow |")
