@@ -168,3 +168,19 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert len(cache) == 7
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
     assert gpipe["pipeline"]["ticks"] == build_schedule("gpipe", 2, 4).ticks
+
+
+def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
+    from tests.helpers import run_cli
+    import json
+
+    r = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "2", "--model",
+                "gpt-tiny", "--layout", "pp", "--mesh", "stage:2", "--microbatches", "2",
+                "--pp-schedule", "gpipe", "--batch-size", "4", "--logdir", str(tmp_path / "p"),
+                xla_flags="--xla_backend_optimization_level=0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("PREDICTED (not measured): gpt-tiny")
+    assert "pipeline gpipe S=2 V=1 M=2: 6 ticks" in r.stdout
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["label"] == "predicted" and plan["pipeline"]["ticks"] == 6
+    assert plan["pipeline"]["schedule_bubble"] == pytest.approx(1 / 3)
