@@ -192,10 +192,13 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
-    if cfg.output.hardware and not cfg.output.dry_run:
-        print("run: error: --hardware predicts a step without running it: add --dry-run",
-              file=sys.stderr)
-        return 2
+    if cfg.output.hardware and not cfg.output.dry_run:  # a real run predicts it at the end
+        from jaxdist.hardware import get_hardware
+        try:
+            get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+        except UsageError as e:
+            print(f"run: error: {e}", file=sys.stderr)
+            return 2
     if cfg.output.dry_run or cfg.train.layout == "ps":
         release_deferred()
         return main_dry_run(cfg) if cfg.output.dry_run else main_ps(cfg)

@@ -95,7 +95,7 @@ class RunWriter:
     def summary(self, results: dict) -> None:
         # The record first: whatever happens writing TensorBoard's copy, the run keeps it.
         write_json(self.logdir / "results.json", results)
-        for name, value in summary_scalars(results).items():
+        for name, value in {**summary_scalars(results), **predicted_scalars(results)}.items():
             self.tb.add_scalar(name, value, 0)
         for event in hparams_summaries(results, trial_name(results, self.started),
                                        self.started):
@@ -241,6 +241,20 @@ def run_metrics(results: dict) -> dict[str, float]:
 def summary_scalars(results: dict) -> dict[str, float]:
     """The run-level scalars written at the end (the HParams metrics' values)."""
     return {METRIC_PREFIX + k: v for k, v in run_metrics(results).items()}
+
+
+def predicted_scalars(results: dict) -> dict[str, float]:
+    """The time model's figures for this run (results["prediction"]) under `predicted/`,
+    apart from the measured trial/ metrics and HParams columns."""
+    p = results.get("prediction") or {}
+    if not p.get("available"):
+        return {}
+    values = {**{k: v for k, v in p["predicted"].items() if k.endswith(("_s", "_gpu", "mfu",
+                                                                      "_device"))},
+              **{f"measured_over_predicted_{k}": v
+                 for k, v in p["measured_over_predicted"].items()}}
+    return {f"predicted/{k}": float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # ---------------------------------------------------------------- printed summary

@@ -67,11 +67,13 @@ def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
-def test_cli_hardware_needs_dry_run(tmp_path):
-    proc = run_cli("--hardware", "h200", "--mesh", "2x4", cwd=tmp_path)
+def test_cli_unknown_hardware_on_a_real_run(tmp_path):
+    # A real run with --hardware carries the prediction (tests/test_inrun_prediction.py);
+    # an unknown part is refused before anything starts.
+    proc = run_cli("--hardware", "h900", "--mesh", "2x4", cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("run: error: --hardware predicts a step without running "
-                                   "it: add --dry-run")
+    assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_notices_with_hardware():
