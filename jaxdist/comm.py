@@ -6,11 +6,14 @@ counted once, whichever form XLA printed it in: sync, XLA:GPU's async `-start`/`
 computation (the wrapped collective is counted), or a combined op moving several arrays (the
 sum of its arrays). Each gets its buffer bytes per device per step (all-gather: the gathered
 result; reduce-scatter: the operand), counted as often as it runs (inside a while loop such
-as the micro-batch scan, times the loop's known trip count), its group size, and the mesh
+as the micro-batch scan, times the loop's known trip count; inside a conditional's branch,
+as often as the caller says the branch runs, else marked an upper bound), its group size,
+and the mesh
 axes it spans: replica groups, or a collective-permute's source-target pairs, mapped from
 device ids to mesh coordinates. Plus an estimate of the bytes each device sends on a ring
 (all-reduce 2(n-1)/n x bytes, all-gather and reduce-scatter (n-1)/n x the full buffer,
-all-to-all (n-1)/n, permute 1x), which is what the analytic volume of a layout is compared
+all-to-all (n-1)/n, permute 1x; a permute's bytes are averaged over the devices, only its
+pairs' sources sending), which is what the analytic volume of a layout is compared
 with; `analytic_basis` says what that volume assumes, per layout.
 """
 
@@ -195,11 +198,43 @@ def header(line: str) -> re.Match | None:
     return None if _IS_INSTRUCTION.match(line) else _COMPUTATION.match(line)
 
 
-def executions(hlo_text: str) -> dict[str, int]:
-    """How many times each computation runs per step: a while loop's body (e.g. the scan
-    over micro-batches) runs its known trip count times, and so do the collectives in it;
-    an async-start's wrapped computation runs once per run of the async-start."""
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+_BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
+
+
+def branches(line: str) -> list[str]:
+    """A conditional's branch computations in index order (a predicated one: [false, true],
+    index 0 being false as for lax.cond); [] for any other instruction."""
+    listed = _BRANCH_LIST.search(line)
+    if listed:
+        return [b.strip().lstrip("%") for b in listed.group(1).split(",") if b.strip()]
+    named = dict(_TRUE_FALSE.findall(line))
+    return [named["false"], named["true"]] if len(named) == 2 else []
+
+
+def conditionals(hlo_text: str) -> list[tuple[str, list[str]]]:
+    """(computation holding it, its branches) of every conditional, in text order."""
+    out, current = [], None
+    for line in statements(hlo_text):
+        opened = header(line)
+        if opened:
+            current = opened.group(2)
+        elif INSTRUCTION.match(line) and INSTRUCTION.match(line).group("op") == "conditional":
+            out.append((current, branches(line)))
+    return out
+
+
+def execution_counts(hlo_text: str, branch_runs: dict[str, float] | None = None
+                     ) -> tuple[dict[str, float], set[str]]:
+    """How many times each computation runs per step, and which of those counts are upper
+    bounds. A while loop's body (e.g. the scan over micro-batches) runs its known trip count
+    times, and so do the collectives in it; an async-start's wrapped computation runs once
+    per run of the async-start. How often each branch of a conditional runs is data the HLO
+    does not hold: `branch_runs` gives it (runs per step, per device on average) by branch
+    computation; a branch it does not name is counted as running every time its
+    conditional does (an upper bound), and it and what it calls are returned as such."""
+    branch_runs = branch_runs or {}
+    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
     entry, current = None, None
     for line in statements(hlo_text):
         m = header(line)
@@ -217,19 +252,32 @@ def executions(hlo_text: str) -> dict[str, int]:
         for callee in _CALLS.findall(line):
             body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
             repeat = int(trip.group(1)) if trip and body else 1
-            calls[current].append((callee, repeat))
-    runs: dict[str, int] = defaultdict(int)
+            calls[current].append((callee, repeat, False))
+        calls[current].extend((branch, 1, True) for branch in branches(line))
+    runs: dict[str, float] = defaultdict(int)
+    guessed: set[str] = set()
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: float, bound: bool, depth: int = 0) -> None:
         if depth > 50:  # a malformed or recursive graph: count what we have
             return
         runs[name] += times
-        for callee, repeat in calls.get(name, ()):
-            visit(callee, times * repeat, depth + 1)
+        if bound:
+            guessed.add(name)
+        for callee, repeat, is_branch in calls.get(name, ()):
+            if is_branch and callee in branch_runs:
+                visit(callee, branch_runs[callee], bound, depth + 1)
+            else:
+                visit(callee, times * repeat, bound or is_branch, depth + 1)
 
     if entry is not None:
-        visit(entry, 1)
-    return dict(runs)
+        visit(entry, 1, False)
+    return dict(runs), guessed
+
+
+def executions(hlo_text: str, branch_runs: dict[str, float] | None = None
+               ) -> dict[str, float]:
+    """execution_counts' runs per computation."""
+    return execution_counts(hlo_text, branch_runs)[0]
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")
@@ -252,17 +300,19 @@ def _spanned_axes(names: list[str], sizes: list[int], devices_by_link) -> list[s
     return [a for i, a in enumerate(names) if i in axes]
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
+def collectives(hlo_text: str, mesh_shape: dict[str, int],
+                branch_runs: dict[str, float] | None = None) -> list[dict]:
     """One entry per collective in the optimized HLO, each counted once: a sync op, the
     `-start` of an async pair (never its `-done`), or the collective inside an async-start's
     wrapped computation (never the async-start/-done around it). `bytes` is the collective's
     buffer (all-gather: the gathered result; reduce-scatter: the operand; all-reduce,
     all-to-all, collective-permute: the array moved; a combined op: the sum of its arrays)
-    times `times`, how often it runs per step."""
+    times `times`, how often it runs per step (`upper_bound`: inside a conditional branch
+    whose frequency `branch_runs` does not give; see execution_counts)."""
     names = list(mesh_shape)
     sizes = [mesh_shape[a] for a in names]
     everyone = list(range(math.prod(sizes)))
-    runs = executions(hlo_text)
+    runs, guessed = execution_counts(hlo_text, branch_runs)
     out = []
     current = None
     for line in statements(hlo_text):
@@ -287,15 +337,24 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[dict]:
             groups = replica_groups(line) or [everyone]
             n = len(groups[0])
             links = groups[:1]
+        if n <= 1:
+            continue  # a group of one (XLA:CPU emits such all-reduces): nothing moves
         if kind == "reduce-scatter":
             # The operand; where the text shows only the scattered result, n times it.
             buffer = operand if operand is not None else result * n
+        elif kind == "collective-permute" and pairs is not None:
+            # Per device on average: only the pairs' sources send (a pipeline's permute
+            # between two stages moves nothing out of the others).
+            senders = len({src for src, _ in moving})
+            buffer = result * senders // len(everyone) if result * senders % len(everyone) \
+                == 0 else result * senders / len(everyone)
         else:
             buffer = result
-        times = max(runs.get(current, 1), 1)
+        times = runs.get(current, 1)
         out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
                     "axes": _spanned_axes(names, sizes, links),
-                    "ring_bytes": buffer * times * _ring_factor(kind, n)})
+                    "ring_bytes": buffer * times * _ring_factor(kind, n),
+                    "upper_bound": current in guessed})
     return out
 
 
@@ -308,9 +367,14 @@ def summarize(ops: list[dict]) -> dict:
             table[key]["count"] += op.get("times", 1)
             table[key]["bytes"] += op["bytes"]
             table[key]["ring_bytes"] += op["ring_bytes"]
+    bounded = sorted({op["kind"] for op in ops if op.get("upper_bound")})
     return {"by_kind": dict(by_kind), "by_axis": dict(by_axis),
             "total_bytes": sum(op["bytes"] for op in ops),
-            "total_ring_bytes": sum(op["ring_bytes"] for op in ops)}
+            "total_ring_bytes": sum(op["ring_bytes"] for op in ops),
+            "upper_bound_note": (
+                f"upper bound for {', '.join(bounded)}: some run inside a conditional branch "
+                "whose frequency the HLO does not hold, counted as if it ran every time"
+                if bounded else None)}
 
 
 # What each layout's analytic figure counts: the collectives this harness's implementation

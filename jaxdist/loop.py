@@ -25,7 +25,7 @@ from jaxdist.timing import StepTimer, timed
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram, build_pipeline_program
-from jaxdist.pipeline.report import pipeline_block
+from jaxdist.pipeline.report import pipeline_block, switch_runs
 from jaxdist.predict.inrun import safe_prediction_block
 from models.build import build_model
 from sharding import get_layout
@@ -264,7 +264,12 @@ def comm_block(layout: str, compiled, program) -> dict:
     """Collectives of the compiled step (bytes per device per step, by kind and mesh axis)
     beside the layout's analytic parameter/gradient traffic."""
     mesh_shape = dict(program.batch_sharding.mesh.shape)
-    summary = comm.summarize(comm.collectives(compiled.as_text(), mesh_shape))
+    hlo_text = compiled.as_text()
+    # A pipeline's tick loop switches on its schedule table: how often each branch runs
+    # comes from that table, not the HLO.
+    runs = (switch_runs(hlo_text, mesh_shape, program.schedule)
+            if isinstance(program, PipelineProgram) else None)
+    summary = comm.summarize(comm.collectives(hlo_text, mesh_shape, runs))
     param_bytes = sum(leaf.size * leaf.dtype.itemsize
                       for leaf in jax.tree.leaves(program.abstract_state["params"]))
     analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes)

@@ -30,7 +30,6 @@ from jaxdist.data import TrainStream  # noqa: E402
 from jaxdist.mesh import build_mesh, parse_mesh  # noqa: E402
 from jaxdist.pipeline.program import build_pipeline_program  # noqa: E402
 from jaxdist.pipeline.report import local_activation_bytes, stage_sends  # noqa: E402
-from jaxdist.pipeline.step import pattern_runs  # noqa: E402
 from jaxdist.train_step import make_optimizer, put_batch  # noqa: E402
 from models import get_model  # noqa: E402
 from sharding import get_layout  # noqa: E402
@@ -49,7 +48,7 @@ def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
     sched = program.schedule
     act = local_activation_bytes(program, BATCH)
     sends = stage_sends(compiled.as_text(), dict(program.batch_sharding.mesh.shape),
-                        pattern_runs(sched))
+                        sched)
     return {"bubble": sched.bubble(), "analytic": sched.analytic_bubble(),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "stash": sched.act_slots * act, "stage_bytes": sends["total_bytes"],

@@ -5,6 +5,7 @@ each layout's compiled step actually sends."""
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxdist import comm
@@ -156,12 +157,14 @@ def _gpu_hlo(name: str) -> str:
     ("all_to_all_start", {"z": 2, "y": 4},
      [("all-to-all", 128 * 64 * 256 * 8, 1, 2, ["z"]),
       ("all-to-all", 64 * 128 * 256 * 8, 1, 4, ["y"])]),
-    # Pairs {i, i+8} cross only 'data' (was: every axis).
+    # Pairs {i, i+8} cross only 'data' (was: every axis); 8 of the 16 devices send, so a
+    # device sends half the array on average.
     ("collective_permute_start", {"data": 2, "fsdp": 8},
-     [("collective-permute", 262144 * 1024 * 4, 1, 16, ["data"])]),
-    # Four arrays; pairs 0->2->4, 1->3->5 step along 'data' (was: one array, every axis).
+     [("collective-permute", 262144 * 1024 * 4 * 8 // 16, 1, 16, ["data"])]),
+    # Four arrays; pairs 0->2->4, 1->3->5 step along 'data' (was: one array, every axis);
+    # 4 of the 8 devices send.
     ("collective_permute_start_combined", {"data": 4, "tensor": 2},
-     [("collective-permute", 4 * 2 * 128 * 4, 1, 6, ["data"])]),
+     [("collective-permute", 4 * 2 * 128 * 4 * 4 // 8, 1, 6, ["data"])]),
 ])
 def test_xla_gpu_async_and_combined_collectives_count_once(fixture, mesh, expected):
     ops = comm.collectives(_gpu_hlo(fixture), mesh)
@@ -182,3 +185,42 @@ def test_async_start_in_a_loop_counts_each_iteration_once():
         'backend_config={"known_trip_count":{"n":"3"}}\n}\n')
     ops = comm.collectives(hlo, {"data": 2})
     assert [(o["kind"], o["bytes"], o["times"]) for o in ops] == [("reduce-scatter", 96, 3)]
+
+
+def test_conditional_branches_in_a_loop_are_weighed_or_marked_upper_bounds():
+    """A psum in each branch of a lax.switch inside a 6-step scan, compiled for real: XLA
+    cannot say how often each branch runs, so without weights each counts as running every
+    time (marked upper bound); with the caller's weights, exactly those."""
+    from functools import partial
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    def f(x_B, which_T):
+        def small(v):  # sums 1 float32 over the group
+            return v + jax.lax.psum(v[:1], "data")
+
+        def big(v):  # sums 16 float32 (v's 4, tiled 4 times)
+            return v + jax.lax.psum(jnp.tile(v, 4), "data")[:v.size]
+
+        def tick(x, k):
+            return jax.lax.switch(k, [small, big], x), None
+        return jax.lax.scan(tick, x_B, which_T)[0]
+
+    x = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    which = jax.ShapeDtypeStruct((6,), jnp.int32, sharding=NamedSharding(mesh, P()))
+    hlo_text = f.lower(x, which).compile().as_text()
+    conds = comm.conditionals(hlo_text)
+    assert len(conds) == 1 and len(conds[0][1]) == 2
+    small_branch, big_branch = conds[0][1]
+    guessed = comm.collectives(hlo_text, {"data": 2})
+    assert sorted((o["bytes"], o["times"], o["upper_bound"]) for o in guessed) == [
+        (4 * 6, 6, True), (4 * 16 * 6, 6, True)]
+    assert comm.summarize(guessed)["upper_bound_note"].startswith("upper bound for all-reduce")
+    weighed = comm.collectives(hlo_text, {"data": 2}, {small_branch: 2, big_branch: 4})
+    assert sorted((o["bytes"], o["times"], o["upper_bound"]) for o in weighed) == [
+        (4 * 2, 2, False), (4 * 16 * 4, 4, False)]
+    assert comm.summarize(weighed)["upper_bound_note"] is None

@@ -20,8 +20,9 @@ from jaxdist.data import TrainStream
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.program import build_pipeline_program
-from jaxdist.pipeline.report import local_activation_bytes, stage_param_bytes, stage_sends
-from jaxdist.pipeline.step import pattern_runs
+from jaxdist import comm
+from jaxdist.pipeline.report import (local_activation_bytes, stage_param_bytes, stage_sends,
+                                    switch_runs)
 from jaxdist.train_step import make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
@@ -152,6 +153,15 @@ def _check_case(model, layout, mesh, schedule, V, S, M, reference):
     # micro-batch's activation per message, forward and backward, M x (S*V - 1) boundaries.
     act = local_activation_bytes(program, BATCH)
     sends = stage_sends(compiled.as_text(), dict(program.batch_sharding.mesh.shape),
-                        pattern_runs(program.schedule))
+                        program.schedule)
     assert sends["messages"] == 2 * M * (S * V - 1)
     assert sends["total_bytes"] == 2 * act * M * (S * V - 1)
+    # The step's collectives, each branch of the tick loop's switches weighed by the
+    # schedule table: none left an upper bound, and the permutes' bytes per device are the
+    # stages' sends over the stages (a device of each stage sends its stage's share).
+    hlo_text, mesh_shape = compiled.as_text(), dict(program.batch_sharding.mesh.shape)
+    ops = comm.collectives(hlo_text, mesh_shape,
+                           switch_runs(hlo_text, mesh_shape, program.schedule))
+    assert not [o for o in ops if o["upper_bound"]]
+    assert comm.summarize(ops)["by_kind"]["collective-permute"]["bytes"] == pytest.approx(
+        sends["total_bytes"] / S)

@@ -5,72 +5,101 @@ work, the bytes each stage sends (read from the compiled HLO's collective-permut
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import numpy as np
 
 from jaxdist import comm, metrics
+from jaxdist.pipeline.schedule import BWD, FWD, WGT
 from jaxdist.pipeline.step import pattern_runs
 
 
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+def _stage_pairs(line: str, sizes: list[int], axis: int) -> list[int]:
+    """Source stages of a collective-permute's pairs that change only the stage coordinate,
+    one replica of the other axes (the pairs whose source has all other coordinates 0)."""
+    out = []
+    for src, dst in comm.permute_pairs(line) or []:
+        a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
+        others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
+        only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
+        if src != dst and others_zero and only_stage:
+            out.append(int(a[axis]))
+    return out
 
 
-def stage_sends(hlo_text: str, mesh_shape: dict[str, int],
-                branch_runs: list[int] | None = None) -> dict:
-    """Bytes each stage sends per step over the `stage` axis, per device (a device of
-    stage s sends its own shard of each activation or gradient): the collective-permutes
-    whose pairs change only the stage coordinate, each pair's source counted, times how
-    often the op runs.
-
-    The tick loop sends through a `lax.switch` over the schedule's send patterns
-    (jaxdist/pipeline/step.py), one branch per pattern holding exactly its ppermutes; XLA
-    cannot say how often each branch of a conditional runs, so `branch_runs` (how many
-    ticks take each pattern, from the table that drives the switch) weighs the branches of
-    the conditional whose branches hold the stage permutes. Sizes and pairs are the HLO's."""
+def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str, int, list]]:
+    """(computation, bytes moved per pair, source stages) of each stage collective-permute."""
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
-    if "stage" not in names:
-        return {"by_stage": [], "total_bytes": 0, "messages": 0}
     axis = names.index("stage")
-    S = sizes[axis]
-
-    def stage_pairs(line):
-        out = []
-        for src, dst in comm.permute_pairs(line) or []:
-            a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
-            # One replica of the other axes: the pairs whose source has all other coords 0.
-            others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
-            only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
-            if src != dst and others_zero and only_stage:
-                out.append(int(a[axis]))
-        return out
-
-    permutes, branch_lists, current = [], [], None
+    out, current = [], None
     for line in comm.statements(hlo_text):
         opened = comm.header(line)
         if opened:
             current = opened.group(2)
             continue
-        branches = _BRANCHES.search(line)
-        if branches:
-            branch_lists.append([b.strip().lstrip("%") for b in branches.group(1).split(",")])
         m = comm.INSTRUCTION.match(line)
         if m and m.group("op") in ("collective-permute", "collective-permute-start"):
             _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
                                       m.group("rest"))
-            permutes.append((current, result, stage_pairs(line)))
-    runs = comm.executions(hlo_text)
+            out.append((current, result, _stage_pairs(line, sizes, axis)))
+    return out
+
+
+def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict[str, float]:
+    """How often each branch of the tick loop's switches runs per step, per device on
+    average (XLA cannot say; the schedule table that drives the switches can), by branch
+    computation, for jaxdist.comm.collectives:
+    - the send switch (the conditional whose branches hold the stage permutes): the ticks
+      taking each send pattern (every stage takes the tick's pattern);
+    - the action switch (idle, forward, backward[, weight] of jaxdist/pipeline/step.py): the
+      ticks at which a stage runs each action, averaged over stages;
+    - the two-way conditionals directly inside an action's branch: the head's
+      `lax.cond(is_last, ...)` of jaxdist/pipeline/parts.py, true on the last chunk only.
+    Any other conditional stays unnamed, so its collectives are marked upper bounds."""
+    conds = comm.conditionals(hlo_text)
+    S = sched.stages
+    permutes = _stage_permutes(hlo_text, mesh_shape) if "stage" in mesh_shape else []
     sending = {c for c, _, pairs in permutes if pairs}
-    for branches in branch_lists:
-        if branch_runs is not None and sending & set(branches):
-            if len(branches) != len(branch_runs):
-                raise ValueError(f"send switch has {len(branches)} branches in the HLO, "
-                                 f"the schedule {len(branch_runs)} patterns")
-            runs.update(zip(branches, branch_runs))
-    by_stage = [0] * S
+    runs: dict[str, float] = {}
+    send = [b for _, b in conds if sending & set(b)]
+    if send:
+        patterns = pattern_runs(sched)
+        if len(send[0]) != len(patterns):
+            raise ValueError(f"send switch has {len(send[0])} branches in the HLO, "
+                             f"the schedule {len(patterns)} patterns")
+        runs.update(zip(send[0], patterns))
+    kinds = [FWD, BWD] + ([WGT] if sched.split_backward else [])
+    action = [b for _, b in conds if len(b) == 1 + len(kinds) and b not in send]
+    if len(action) != 1:
+        return runs  # not the step's shape: leave every other branch an upper bound
+    placed = [(op, s) for row in sched.ops for s, op in enumerate(row) if op is not None]
+    def per_stage(n: int) -> float:
+        return n // S if n % S == 0 else n / S
+
+    per_kind = {k: per_stage(sum(op.kind == k for op, _ in placed)) for k in kinds}
+    last = {k: per_stage(sum(op.kind == k and s == S - 1 and op.v == sched.virtual - 1
+                             for op, s in placed)) for k in kinds}
+    runs[action[0][0]] = sched.ticks - sum(per_kind.values())
+    for k in kinds:
+        runs[action[0][k]] = per_kind[k]
+        for host, b in conds:
+            if host == action[0][k] and len(b) == 2:
+                runs[b[0]], runs[b[1]] = per_kind[k] - last[k], last[k]
+    return runs
+
+
+def stage_sends(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict:
+    """Bytes each stage sends per step over the `stage` axis, per device (a device of
+    stage s sends its own shard of each activation or gradient): the collective-permutes
+    whose pairs change only the stage coordinate, each pair's source counted, times how
+    often the op runs (the send switch's branches weighed by switch_runs). Sizes and pairs
+    are the HLO's."""
+    if "stage" not in mesh_shape:
+        return {"by_stage": [], "total_bytes": 0, "messages": 0}
+    runs = comm.executions(hlo_text, switch_runs(hlo_text, mesh_shape, sched))
+    by_stage = [0] * mesh_shape["stage"]
     messages = 0
-    for computation, result, sources in permutes:
+    for computation, result, sources in _stage_permutes(hlo_text, mesh_shape):
         times = runs.get(computation, 1)
         for src in sources:
             by_stage[src] += result * times
@@ -112,7 +141,7 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     sched = program.schedule
     mesh = program.batch_sharding.mesh
     act = local_activation_bytes(program, batch_size)
-    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape), pattern_runs(sched))
+    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape), sched)
     boundaries = sched.chunks - 1
     analytic = 2 * act * sched.microbatches * boundaries
     flops = metrics.compiled_flops(compiled)
