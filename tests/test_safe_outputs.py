@@ -295,3 +295,15 @@ def test_a_marker_naming_paths_outside_removes_nothing_outside(runs, tmp_path):
     assert report.main([str(runs), "--out", str(out)]) == 0
     assert (tmp_path / "precious.txt").read_text() == "keep" and snapshot(runs) == before
     assert sorted(os.listdir(tmp_path)) == ["precious.txt", "rep", "runs"]
+
+
+def test_one_tools_output_is_not_the_others(runs, pair, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert report.main([str(runs), "--out", str(out)]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert compare.main([str(pair / "jax"), str(pair / "torch"), "--out", str(out)]) == 2
+    assert one_line(capsys, "compare: error:") == (
+        f"compare: error: --out {out} is a folder compare did not write (it holds "
+        f".jaxdist-report, ...){REFUSED}")
+    assert snapshot(out) == before
