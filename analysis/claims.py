@@ -141,12 +141,72 @@ class Ratio:
         return "within" if ok else "outside"
 
 
-def compare_key(r) -> tuple:
-    """Runs compared in a ratio share these: like with like, on as many devices (an FSDP
-    run over 32 devices against a DDP run over 8 measures the device count, not the
-    layout)."""
-    return (r.model, r.variant, r.batch, r.dtype, r.dataset, r.optimizer, r.devices,
-            r.framework, r.matmul_precision, r.backend)
+def _ps(get):
+    """A parameter-server setting: None for other layouts (their config holds the default)."""
+    return lambda r: get(r) if r.layout == "ps" else None
+
+
+# Everything runs compared in a ratio share, as (label, value of a run): like with like, on
+# as many devices (an FSDP run over 32 devices against a DDP run over 8 measures the device
+# count, not the layout), for as many steps, at the same learning rate and seed. Only the
+# layout (and the parameter server's mode, the thing compared) may differ.
+KEY_FIELDS = (
+    ("model", lambda r: r.model), ("variant", lambda r: r.variant or "none"),
+    ("global batch", lambda r: r.batch), ("dtype", lambda r: r.dtype),
+    ("matmul precision", lambda r: r.matmul_precision),
+    ("dataset", lambda r: r.dataset), ("optimizer", lambda r: r.optimizer),
+    ("learning rate", lambda r: r.cfg("train", "lr")),
+    ("seed", lambda r: r.cfg("train", "seed")),
+    ("timed steps", lambda r: r.cfg("loop", "steps")),
+    ("warm-up steps", lambda r: r.cfg("loop", "warmup")),
+    ("eval every", lambda r: r.cfg("data", "eval_every")),
+    ("devices", lambda r: r.devices),
+    ("processes", lambda r: (r.results.get("env") or {}).get("num_processes")),
+    ("framework", lambda r: r.framework), ("backend", lambda r: r.backend),
+    ("device kind", lambda r: r.device_kind),
+    # counted here only where the variant does not already say it (RunRecord.variant reads
+    # train.overlap, where the config has compiler.overlap): never twice, never pooled
+    ("compiler overlap", lambda r: bool(r.cfg("compiler", "overlap"))
+     and "overlap" not in r.variant.split("+")),
+    ("XLA flags", lambda r: r.cfg("compiler", "xla_flags")),
+    ("checkpoint every", lambda r: r.cfg("checkpoint", "checkpoint_every")),
+    ("profiled steps", lambda r: r.cfg("output", "profile_steps")),
+    ("PS shards", _ps(lambda r: r.cfg("ps", "ps_shards"))),
+    ("PS gradient clip", _ps(lambda r: r.cfg("ps", "ps_clip_norm"))),
+)
+
+
+def compare_key(r, without: str = "") -> tuple:
+    """The values of KEY_FIELDS (but `without`, a label) of run `r`."""
+    return tuple(get(r) for label, get in KEY_FIELDS if label != without)
+
+
+def key_labels(without: str = "") -> str:
+    return ", ".join(label for label, _ in KEY_FIELDS if label != without)
+
+
+def side(r) -> str:
+    """What a ratio sets against another: the layout, parameter-server runs by mode
+    (ps-sync, ps-async, ps-async+slr, ps-ssp(staleness N)): never pooled across modes."""
+    mode = r.layout_mode
+    if r.ps_mode == "ssp":
+        mode = mode.replace("ps-ssp", f"ps-ssp(staleness {r.cfg('ps', 'staleness')})")
+    return mode
+
+
+def _groups(runs) -> dict[tuple, dict[str, list]]:
+    groups: dict[tuple, dict[str, list]] = {}
+    for r in runs:
+        groups.setdefault(compare_key(r), {}).setdefault(side(r), []).append(r)
+    return groups
+
+
+def _pairs(groups) -> list[tuple[str, str, str]]:
+    """(numerator side, denominator side, what) of every ratio a claim speaks to."""
+    sides = sorted({s for by in groups.values() for s in by})
+    return [("fsdp", "ddp", "FSDP/DDP")] + [
+        (s, "ps-sync", f"{s[3:]}/sync PS") for s in sides
+        if s.startswith(("ps-async", "ps-ssp"))]
 
 
 def _context(r) -> str:
@@ -174,10 +234,8 @@ STATE_BASIS = "train-state bytes per device (exact)"
 def ratios(runs) -> list[Ratio]:
     """Every ratio a claim speaks to, from runs that share compare_key(): FSDP/DDP memory
     and throughput; async (and ssp) against sync parameter server, time and accuracy."""
-    groups: dict[tuple, dict[str, list]] = {}
-    for r in runs:
-        groups.setdefault(compare_key(r), {}).setdefault(r.layout_mode.split("+")[0],
-                                                          []).append(r)
+    groups = _groups(runs)
+    ps_pairs = _pairs(groups)[1:]
     out = []
     for key, by in sorted(groups.items(), key=lambda kv: str(kv[0])):
         first = next(iter(by.values()))[0]
@@ -205,11 +263,12 @@ def ratios(runs) -> list[Ratio]:
                 lambda v, f, d: f"{v:.3f} (FSDP time {d / f:.2f}x DDP's)" if f else f"{v:.3f}",
                 "samples/s, mean step time", ddp + fsdp)
         sync = by.get("ps-sync")
-        for mode, kind_t, kind_a in (("ps-async", "time", "acc"),
-                                     ("ps-ssp", "ssp_time", "ssp_acc")):
+        for mode, _, _ in ps_pairs:
             other, label = by.get(mode), mode[3:]
             if not sync or not other:
                 continue
+            kind_t, kind_a = ("time", "acc") if mode.startswith("ps-async") else \
+                ("ssp_time", "ssp_acc")
             add(f"{label}/sync PS training time", kind_t, other, sync, lambda r: r.train_time,
                 lambda v, a, s: f"{v:.3f} ({abs(1 - v) * 100:.0f}% "
                                 f"{'less' if v <= 1 else 'more'} time)",
@@ -232,16 +291,61 @@ def claim_sources() -> str:
     return ", ".join(f"{c.version} {c.quantity}: {c.record}" for c in CLAIMS if c.record)
 
 
-def ratio_lines(rs: list[Ratio]) -> list[str]:
-    if not rs:
+@dataclass(frozen=True)
+class Unpaired:
+    """A ratio a claim speaks to that is not formed: its runs differ in more than the layout."""
+    what: str              # "FSDP/DDP", "async/sync PS"
+    model: str
+    text: str              # "no ratio: ... differ in timed steps 20 vs 40"
+
+
+def _differences(a: tuple, b: tuple) -> list[str]:
+    return [f"{label} {x} vs {y}" for (label, _), x, y in zip(KEY_FIELDS, a, b) if x != y]
+
+
+def unpaired(runs) -> list[Unpaired]:
+    """For each run group with one side of a ratio whose other side exists only among unlike
+    runs: the closest such run and every setting that differs (each pair named once)."""
+    groups = _groups(runs)
+    out = []
+    for num, den, what in _pairs(groups):
+        seen = set()
+        for mine, theirs in ((num, den), (den, num)):
+            for key, by in sorted(groups.items(), key=lambda kv: str(kv[0])):
+                if mine not in by or theirs in by:
+                    continue
+                others = [k for k, b in groups.items() if theirs in b]
+                if not others:
+                    continue
+                best = min(others, key=lambda k: (len(_differences(key, k)), str(k)))
+                if frozenset((key, best)) in seen:
+                    continue
+                seen.add(frozenset((key, best)))
+                a, b = by[mine][0], groups[best][theirs][0]
+                out.append(Unpaired(what, a.model,
+                                    f"no ratio: {mine} run {a.name} and the closest {theirs} "
+                                    f"run {b.name} differ in "
+                                    f"{'; '.join(_differences(key, best))}"))
+    return out
+
+
+def ratio_lines(rs: list[Ratio], unlike: list[Unpaired] = ()) -> list[str]:
+    if not rs and not unlike:
         return ["No comparison could be formed: it needs ddp and fsdp runs of the same model, "
                 "settings and device count, or ps-sync with ps-async / ps-ssp.", ""]
-    lines = ["| comparison | model | settings | this study | basis | Ovi v1 (May 2025) | "
-             "v1 | Ovi v2 (Jan 2026) | v2 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = []
+    if rs:
+        lines += ["| comparison | model | settings | this study | basis | Ovi v1 (May 2025) | "
+                  "v1 | Ovi v2 (Jan 2026) | v2 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         (b1, s1), (b2, s2) = shown(r.kind, "v1"), shown(r.kind, "v2")
         lines.append(f"| {r.what} | {md_escape(r.model)} | {md_escape(r.context)} | "
                      f"{r.shown} | {r.basis} | {b1}: {s1} | {r.verdict('v1')} | "
                      f"{b2}: {s2} | {r.verdict('v2')} |")
+    if unlike:
+        lines += [""] * bool(rs) + [
+            "Ratios not formed: the runs differ in more than the layout (a ratio of unlike "
+            "runs would measure the difference, not the layout):", ""]
+        lines += [f"- {u.what}, {md_escape(u.model)}: {md_escape(u.text)}" for u in unlike]
     lines.append("")
     return lines

@@ -14,7 +14,9 @@ line-up of mismatched numbers:
    with each mismatch named (analysis.published). A run on CPU devices (simulated or not) is
    never set against a GPU figure.
 
-Writes compare.md, compare.csv and compare.png under --out.
+Writes compare.md, compare.csv and compare.png under --out: a new or empty folder, or one
+compare wrote before (its marker, .jaxdist-compare, lists its files: only they are replaced);
+any other existing path is refused (analysis.outdir).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from analysis import claims, plots
+from analysis import claims, outdir, plots
 from analysis.match import closest, group
 from analysis.published import published_section
 from analysis.runs import find_runs
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=3,
                    help="published records shown per JAX run, closest first (default: 3)")
     p.add_argument("--out", default="", help="folder for compare.md, compare.csv and "
-                   "compare.png (default: runs/compare-<time>)")
+                   "compare.png: new, empty, or an earlier compare output (default: "
+                   "runs/compare-<time>)")
     return p
 
 
@@ -132,11 +135,16 @@ def live_section(groups) -> tuple[list[str], list[dict], list[dict]]:
              for m in ("p50", "p99", "samples_per_s", "peak", "state", "energy")}
         peak_note = "" if jax_s.peak_kind() == pt_s.peak_kind() or r["peak"] is None \
             else " (different definitions)"
-        lines.append(head + f"| **JAX/PyTorch** | | **{fmt_ratio(r['p50'])}** | "
-                     f"{fmt_ratio(r['p99'])} | **{fmt_ratio(r['samples_per_s'])}** | "
+        # timing ratios of simulated devices are no performance figure: labelled, not bold
+        sim = any(on_simulated_cpu(x) for x in jax_s.runs + pt_s.runs)
+        bold, label = (("", f"JAX/PyTorch {SIMULATED_LABEL}") if sim
+                       else ("**", "**JAX/PyTorch**"))
+        lines.append(head + f"| {label} | | {bold}{fmt_ratio(r['p50'])}{bold} | "
+                     f"{fmt_ratio(r['p99'])} | {bold}{fmt_ratio(r['samples_per_s'])}{bold} | "
                      f"{fmt_ratio(r['peak'])}{peak_note} | {fmt_ratio(r['state'])} | "
                      f"{fmt_ratio(r['energy'])} |")
-        rows.append({**base, "framework": "JAX/PyTorch", "step_p50_s": r["p50"],
+        rows.append({**base, "framework": "JAX/PyTorch", "basis": SIMULATED_LABEL[1:-1]
+                     if sim else "", "step_p50_s": r["p50"],
                      "step_p99_s": r["p99"], "samples_per_s": r["samples_per_s"],
                      "peak_bytes_per_device": r["peak"], "state_bytes_per_device": r["state"],
                      "energy_per_sample_j": r["energy"]})
@@ -157,6 +165,16 @@ def live_section(groups) -> tuple[list[str], list[dict], list[dict]]:
     if not chart:
         lines.append("| (no JAX run matches a PyTorch run) | | | | | | | | | | | | |")
     return lines + [""] + notes, rows, chart
+
+
+SIMULATED_LABEL = "(simulated CPU devices: functional, not a performance figure)"
+
+
+def on_simulated_cpu(run: RunRecord) -> bool:
+    """A JAX run whose mesh lived on host CPU devices (`env.simulated`; a record without the
+    flag: backend cpu or --platform cpu)."""
+    return run.simulated or (run.framework == "jax" and (
+        run.backend == "cpu" or run.cfg("mesh", "platform") == "cpu"))
 
 
 def _short(reason: str) -> str:
@@ -195,17 +213,19 @@ def unmatched_section(runs: list[RunRecord], groups) -> list[str]:
 
 def ovi_section(runs: list[RunRecord]) -> tuple[list[str], list[dict]]:
     """The report's table of Ovi 2025's claims (analysis.claims), over these runs."""
-    rs = claims.ratios(runs)
-    if not rs:
+    rs, unlike = claims.ratios(runs), claims.unpaired(runs)
+    if not rs and not unlike:
         return [], []
     rows = [{"section": "ovi", "model": r.model, "comparison": r.what, "settings": r.context,
              "ratio": r.value, "basis": r.basis, "verdict_v1": r.verdict("v1"),
              "verdict_v2": r.verdict("v2")} for r in rs]
+    rows += [{"section": "ovi", "model": u.model, "comparison": u.what, "basis": u.text,
+              "verdict_v1": "no ratio", "verdict_v2": "no ratio"} for u in unlike]
     return ["## Ovi 2025 claims as ratios", "",
             "Published on A100/A10G GPU clusters for CNNs at batch sizes not stated "
             f"(records {claims.claim_sources()}): shape checks, not like-for-like numbers. "
             "Every ratio is in the claim's direction (FSDP/DDP, async/sync).", "",
-            *claims.ratio_lines(rs)], rows
+            *claims.ratio_lines(rs, unlike)], rows
 
 
 CSV_FIELDS = ["section", "model", "layout", "devices", "batch", "dtype", "framework", "runs",
@@ -241,23 +261,27 @@ def main(argv=None) -> int:
             raise UsageError(_nothing_to_compare(runs, published))
         out = Path(args.out) if args.out else Path("runs") / time.strftime(
             "compare-%Y%m%d-%H%M%S")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
+        outdir.check(out, COMPARE)  # refused before anything is printed or written
+        title = ["# Cross-framework comparison", "",
+                 f"{len(runs)} run(s): " + ", ".join(sorted(str(r.path) for r in runs)), ""]
+        doc = title + (live if chart else []) + [""] + unmatched + ovi + pub
+        text = "\n".join(doc).replace("\n\n\n", "\n\n").rstrip() + "\n"
+        with outdir.staged(out, COMPARE) as tmp:
+            (tmp / "compare.md").write_text(text)
+            write_csv(tmp / "compare.csv", rows + ovi_rows + pub_rows)
+            plots.throughput_chart(tmp / "compare.png", chart, chart_where(chart))
     except UsageError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
-    title = ["# Cross-framework comparison", "",
-             f"{len(runs)} run(s): " + ", ".join(sorted(str(r.path) for r in runs)), ""]
-    doc = title + (live if chart else []) + [""] + unmatched + ovi + pub
-    text = "\n".join(doc).replace("\n\n\n", "\n\n").rstrip() + "\n"
     print(text)
-    (out / "compare.md").write_text(text)
-    write_csv(out / "compare.csv", rows + ovi_rows + pub_rows)
-    plots.throughput_chart(out / "compare.png", chart, chart_where(chart))
     print(f"written: {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
     return 0
+
+
+# What compare writes under --out; the marker lists it, so only that is ever replaced.
+COMPARE = outdir.Tool("compare", ".jaxdist-compare", legacy_index="compare.md",
+                      legacy_first_line="# Cross-framework comparison",
+                      legacy_names=frozenset(["compare.md", "compare.csv", "compare.png"]))
 
 
 def _nothing_to_compare(runs, published) -> str:

@@ -17,20 +17,20 @@ and one table over all runs, Ovi 2025's claims as ratios (analysis.claims; timin
 simulated devices labelled as such), and the runs that failed or did not finish (by name: a
 run directory without results.json, or one with status "interrupted"). The report is built
 in a temporary directory and renamed into place, so a bad input leaves nothing half-written.
+DIR must be new, empty, or an earlier report (its marker, .jaxdist-report, lists the files
+it wrote: only they are replaced); a user's folder, a run directory or a file is refused
+(analysis.outdir).
 Contents: docs/suite.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from analysis import claims, plots
+from analysis import claims, outdir, plots
 from analysis.runs import Failure, collect, layout_rank
 from analysis.text import human_bytes, md_escape, median, ms, num
 from jaxdist.errors import OneLineParser, UsageError
@@ -41,11 +41,13 @@ def variant_lines(runs) -> list[str]:
     layout and settings: step time, peak memory and energy per sample as ratios."""
     groups: dict[tuple, dict[str, list]] = {}
     for r in runs:
-        key = (r.model, r.layout_mode, r.mesh, r.batch, r.dtype, r.dataset)
+        # like with like but for the variant: same layout, mesh and every setting
+        key = (r.layout_mode, r.mesh, *claims.compare_key(r, without="variant"))
         groups.setdefault(key, {}).setdefault(r.variant or "base", []).append(r)
     rows = []
-    for key, by in sorted(groups.items(), key=lambda kv: (kv[0][0], layout_rank(kv[0][1]),
-                                                          str(kv[0][2:]))):
+    for key, by in sorted(groups.items(), key=lambda kv: (str(kv[0][2]),
+                                                          layout_rank(kv[0][0]),
+                                                          str(kv[0][1:]))):
         if "base" not in by or len(by) < 2:
             continue
         base = by["base"]
@@ -60,7 +62,7 @@ def variant_lines(runs) -> list[str]:
 
             basis = "measured" if all(r.measured_peak is not None for r in rs + base) \
                 else "compiler bound"
-            rows.append(f"| {md_escape(key[0])} | {key[1]} | {key[2]} | {variant} | "
+            rows.append(f"| {md_escape(base[0].model)} | {key[0]} | {key[1]} | {variant} | "
                         f"{rel(lambda r: r.step_p50)}{sim} | "
                         f"{rel(lambda r: r.samples_per_s)}{sim} | "
                         f"{rel(lambda r: r.peak)} ({basis}) | "
@@ -68,8 +70,8 @@ def variant_lines(runs) -> list[str]:
     if not rows:
         return []
     return ["## Variants against base", "",
-            "Each variant's median over repeats divided by the base run's (same model, "
-            "layout, mesh, batch, dtype, dataset).", "",
+            "Each variant's median over repeats divided by the base run's (same layout, "
+            f"mesh, {claims.key_labels(without='variant')}).", "",
             "| model | layout | mesh | variant | step p50 / base | samples/s / base | "
             "peak memory / base | energy per sample / base |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
@@ -165,7 +167,7 @@ def figure_lines(runs, figures) -> list[str]:
     return lines
 
 
-def build_markdown(root: Path, runs, failures, problems, meta, figures, rs) -> str:
+def build_markdown(root: Path, runs, failures, problems, meta, figures, rs, unlike=()) -> str:
     sim = [r for r in runs if r.simulated]
     lines = ["# Study report", "",
              f"Runs from `{root}`" + (f" (suite preset `{meta.get('preset')}`"
@@ -185,10 +187,9 @@ def build_markdown(root: Path, runs, failures, problems, meta, figures, rs) -> s
               "Jan 2026; A100 and A10G clusters, CNNs on CIFAR-10/MNIST, batch sizes not "
               "published; records " + claims.claim_sources() + "): a shape check, not a "
               "like-for-like number. v1's \">60%\" and v2's \"4-6x\" memory claims disagree "
-              "and are kept apart. A ratio pairs runs of the same model, batch, dtype, "
-              "dataset, optimizer, framework, matmul precision, backend and device count. "
-              "Repeats: median. \"within\"/\"outside\": whether this study's ratio falls in "
-              "the claim's range.", "", *claims.ratio_lines(rs)]
+              "and are kept apart. A ratio pairs runs alike in everything but the layout: "
+              f"{claims.key_labels()}. Repeats: median. \"within\"/\"outside\": whether "
+              "this study's ratio falls in the claim's range.", "", *claims.ratio_lines(rs, unlike)]
     lines += ["## All runs", "", *runs_table(runs)]
     lines += variant_lines(runs)
     lines += figure_lines(runs, figures)
@@ -220,42 +221,32 @@ def build_parser() -> argparse.ArgumentParser:
                                   "run directories).")
     p.add_argument("runs", metavar="RUNS_DIR", help="directory holding run directories")
     p.add_argument("--out", default=None,
-                   help="report directory (default: RUNS_DIR/report); replaced as a whole")
+                   help="report directory: new, empty, or an earlier report, whose files "
+                        "alone are replaced (default: RUNS_DIR/report)")
     return p
 
 
-def write_report(root: Path, out: Path) -> tuple[Path, list, list, list[Failure]]:
+REPORT = outdir.Tool("report", ".jaxdist-report", legacy_index="report.md",
+                     legacy_first_line="# Study report",
+                     legacy_names=frozenset(["report.md", *(n for n, _ in plots.REPORT_FIGURES)]))
+
+
+def write_report(root: Path, out: Path) -> tuple[Path, list, list, list[Failure], list]:
+    """Write the report into `out`: a new path, an empty folder, or an earlier report (its
+    marker lists what it wrote, and only that is replaced); anything else is refused before
+    anything is read or written (analysis.outdir)."""
+    outdir.check(out, REPORT)
     runs, failures, problems, meta = collect(root, skip=out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a directory")
-    parent = out.absolute().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-    except OSError as e:
-        raise UsageError(f"cannot write to --out {out}: {e.strerror or e}") from None
-    try:
+    with outdir.staged(out, REPORT) as tmp:
         import matplotlib
         matplotlib.use("Agg")
         figures = {name for name, plot in plots.REPORT_FIGURES
                    if runs and plot(runs, tmp / name)}
         rs = claims.ratios(runs)
+        unlike = claims.unpaired(runs)
         (tmp / "report.md").write_text(build_markdown(root, runs, failures, problems, meta,
-                                                      figures, rs))
-        old = None
-        if out.exists():
-            old = parent / f".{out.name}-old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out / "report.md", rs, runs, failures
+                                                      figures, rs, unlike))
+    return out / "report.md", rs, runs, failures, unlike
 
 
 def main(argv=None) -> int:
@@ -263,7 +254,7 @@ def main(argv=None) -> int:
     root = Path(args.runs)
     out = Path(args.out) if args.out else root / "report"
     try:
-        report, rs, runs, failures = write_report(root, out)
+        report, rs, runs, failures, unlike = write_report(root, out)
     except UsageError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2
@@ -273,6 +264,8 @@ def main(argv=None) -> int:
         sim = " [simulated devices: functional only]" if r.timing and r.simulated else ""
         print(f"  {r.what:<30} {r.model:<14} {r.shown}{sim}   "
               f"(Ovi v1: {claims.shown(r.kind, 'v1')[0]}; v2: {claims.shown(r.kind, 'v2')[0]})")
+    for u in unlike:
+        print(f"  {u.what:<30} {u.model:<14} {u.text}")
     print(f"report: {report}")
     return 0
 

@@ -62,9 +62,12 @@ def test_matched_pair_table_with_ratio(pair, tmp_path):
     text = proc.stdout
     assert "## JAX vs PyTorch (live, same machine)" in text
     rows = [line for line in text.splitlines() if line.startswith("| mlp-tiny | ddp | 2 | 32 |")]
-    assert [r.split("|")[6].strip() for r in rows] == ["JAX", "PyTorch", "**JAX/PyTorch**"]
+    # simulated CPU devices: the ratio is labelled, never bold (a performance-looking figure)
+    assert [r.split("|")[6].strip() for r in rows] == [
+        "JAX", "PyTorch", "JAX/PyTorch (simulated CPU devices: functional, not a performance "
+                          "figure)"]
+    assert "**" not in rows[2]
     ratio_cell = rows[2].split("|")[10].strip()
-    assert ratio_cell.startswith("**") and ratio_cell.endswith("x**")
     assert "Runs without a counterpart" not in text
     # Same initial weights and batches: the first losses agree.
     first = json.loads((jax_dir / "results.json").read_text())["loss"][0]
@@ -80,8 +83,8 @@ def test_matched_pair_table_with_ratio(pair, tmp_path):
     expected_p50 = jax_res["step_time_s"]["p50"] / torch_res["step_time_s"]["p50"]
     expected_state = (jax_res["memory"]["state_bytes_per_device"] /
                       torch_res["memory"]["state_bytes_per_device"])
-    assert ratio_cell == f"**{expected_sps:.2f}x**"
-    assert rows[2].split("|")[8].strip() == f"**{expected_p50:.2f}x**"
+    assert ratio_cell == f"{expected_sps:.2f}x"
+    assert rows[2].split("|")[8].strip() == f"{expected_p50:.2f}x"
     with (out / "compare.csv").open() as f:
         table = list(csv.DictReader(f))
     ratio = next(r for r in table if r["framework"] == "JAX/PyTorch")
