@@ -281,7 +281,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
             and results.get("compile_note") else "")),
         ("step time p50 / p90 / p99", " / ".join(_ms(t.get(k)) for k in ("p50", "p90", "p99"))),
         ("step time mean ± ci95", _mean_line(t)),
-        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s") + (
+        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s",
+                            throughput.get("reason") or t.get("reason")) + (
             f", {throughput['tokens_per_s']:.0f} tokens/s"
             if throughput.get("tokens_per_s") is not None else "")),
         ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
@@ -289,7 +290,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
         ("compiler bound per device",
          f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
          f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
-         is not None else "n/a"),
+         is not None else f"n/a ({mem.get('compiled_reason') or 'no compiled memory analysis'})"),
         ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
          mem.get("measured_peak_bytes") is not None else
          f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
@@ -314,7 +315,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
              f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
         ]
     rows += [
-        ("collectives per step", _comm_line(results.get("comm"))),
+        ("collectives per step", _comm_line(results.get("comm"), results.get("comm_reason"))),
         ("power / energy", _power_line(results.get("power"))),
         ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
     ]
@@ -340,8 +341,10 @@ def format_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _num(value, fmt: str) -> str:
-    return "n/a" if value is None else fmt.format(value)
+def _num(value, fmt: str, reason: str | None = None) -> str:
+    if value is None:
+        return f"n/a ({reason})" if reason else "n/a"
+    return fmt.format(value)
 
 
 def _ms(seconds) -> str:
@@ -364,9 +367,9 @@ def _mfu_line(mfu: dict) -> str:
     return line + (f" ({mfu['reason']})" if mfu.get("reason") else "")
 
 
-def _comm_line(block: dict | None) -> str:
+def _comm_line(block: dict | None, reason: str | None = None) -> str:
     if not block:
-        return "n/a"
+        return f"n/a ({reason or 'no collectives recorded'})"
     kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in block["by_kind"].items())
     line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
     if block.get("analytic_ring_bytes"):
