@@ -290,7 +290,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
         ("compiler bound per device",
          f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
          f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
-         is not None else f"n/a ({mem.get('compiled_reason') or 'no compiled memory analysis'})"),
+         is not None else _num(None, "", mem.get("compiled_reason"))),
         ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
          mem.get("measured_peak_bytes") is not None else
          f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
@@ -342,6 +342,7 @@ def format_markdown(results: dict) -> str:
 
 
 def _num(value, fmt: str, reason: str | None = None) -> str:
+    """`value` formatted, else n/a with the record's reason when it gives one."""
     if value is None:
         return f"n/a ({reason})" if reason else "n/a"
     return fmt.format(value)
@@ -369,7 +370,7 @@ def _mfu_line(mfu: dict) -> str:
 
 def _comm_line(block: dict | None, reason: str | None = None) -> str:
     if not block:
-        return f"n/a ({reason or 'no collectives recorded'})"
+        return _num(None, "", reason)
     kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in block["by_kind"].items())
     line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
     if block.get("analytic_ring_bytes"):

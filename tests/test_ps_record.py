@@ -16,7 +16,7 @@ import pytest
 
 from jaxdist.record import RunRecord, check
 from jaxdist.writers import format_summary
-from ps.collect import format_ps, job_throughput
+from ps import collect
 from tests.helpers import ROOT, run_cli
 
 WORKERS, BATCH, WARMUP, STEPS = 2, 8, 1, 3
@@ -85,7 +85,7 @@ def test_ps_summary_without_pushes_or_updates(ps_run):
     r = copy.deepcopy(ps_run[2])
     r["ps"]["push_latency_s"] = r["ps"]["pull_latency_s"] = None
     r["ps"]["staleness"].update(histogram={}, count=0, max=None, mean=None)
-    text = format_ps(r)
+    text = collect.format_ps(r)
     assert "  push / pull p50 / p99  n/a (no push call was timed); n/a (no pull call was " \
            "timed)" in text
     assert "  staleness max / mean   n/a (no gradient was applied on any shard)" in text
@@ -94,11 +94,12 @@ def test_ps_summary_without_pushes_or_updates(ps_run):
 
 def test_no_timed_step_gives_no_throughput_and_says_why(ps_run):
     workers = {w: data for w, data in enumerate(ps_run[3])}
-    tp = job_throughput(workers, BATCH // WORKERS, WARMUP + STEPS, None)  # all warm-up
+    # every step counted as warm-up: nothing timed
+    tp = collect.job_throughput(workers, BATCH // WORKERS, WARMUP + STEPS, None)
     assert tp["samples"] == 0 and tp["samples_per_s"] is None
     assert tp["reason"] == "no timed step on any worker"
     r = dict(ps_run[2], throughput=tp)
-    assert "  job throughput         n/a (no timed step on any worker)" in format_ps(r)
+    assert "  job throughput         n/a (no timed step on any worker)" in collect.format_ps(r)
     assert re.search(r"\n  throughput +n/a \(no timed step on any worker\)\n",
                      format_summary(r) + "\n")
 
