@@ -73,7 +73,11 @@ def job_throughput(workers: dict, rows: int, warmup: int,
         span = end - start if start is not None and end is not None else None
         per_worker.append({"worker": w, "timed_steps": timed, "samples": timed * rows,
                            "window": r["window"], "window_s": span,
-                           "samples_per_s": timed * rows / span if timed and span else None})
+                           "samples_per_s": timed * rows / span if timed and span else None,
+                           # in the window but in no timed step: worker 0's evaluations
+                           # (--eval-every), logging; in sync they hold every worker
+                           "outside_steps_s": span - sum(r["step_s"][warmup:])
+                           if span is not None else None})
     starts = [p["window"]["start_unix_s"] for p in per_worker
               if p["window"]["start_unix_s"] is not None]
     ends = [p["window"]["end_unix_s"] for p in per_worker
@@ -89,7 +93,9 @@ def job_throughput(workers: dict, rows: int, warmup: int,
         "definition": "samples all reporting workers completed in their timed steps (rows "
                       "per worker x steps after warm-up, summed) / the shared wall window "
                       "(earliest worker's first timed step to latest worker's last step; "
-                      "`window`); a worker that died wrote no figures and is not counted",
+                      "`window`); a worker that died wrote no figures and is not counted; "
+                      "time in no timed step (evaluations) is inside the window: "
+                      "per_worker.outside_steps_s",
         "samples": samples, "window": window, "window_s": wall,
         "reason": None if rate else ("no timed step on any worker" if not samples
                                      else "no wall window recorded"),

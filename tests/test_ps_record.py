@@ -54,7 +54,9 @@ def test_throughput_is_every_workers_samples_over_the_shared_window(ps_run):
     for w, (mine, n) in enumerate(zip(tp["per_worker"], samples)):
         own = workers[w]["window"]
         assert mine["worker"] == w and mine["samples"] == n and mine["timed_steps"] == STEPS
-        assert mine["samples_per_s"] == n / (own["end_unix_s"] - own["start_unix_s"])
+        span = own["end_unix_s"] - own["start_unix_s"]
+        assert mine["samples_per_s"] == n / span
+        assert mine["outside_steps_s"] == span - sum(workers[w]["step_s"][WARMUP:])
     # MFU divides by the same rate: the job's time per global batch.
     assert r["ps"]["mfu_time_per_batch_s"] == BATCH / tp["samples_per_s"]
     assert RunRecord.load(ps_run[1]).samples_per_s == tp["samples_per_s"]
