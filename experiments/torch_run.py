@@ -282,10 +282,14 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
                 "in memory.process_peak_rss_bytes, not comparable to a device peak)"),
             measured_peak_definition="torch.cuda.max_memory_allocated over the whole run, "
                                      "max over ranks" if cuda else None,
+            compiled_reason="eager PyTorch: no compiled program, so no compiler bound",
             reserved_peak_bytes=max(r["reserved_bytes"] for r in reports) if cuda else None,
             process_peak_rss_bytes=[r["max_rss_bytes"] for r in reports]),
         "sharding": first["sharding"],
         "loss": first["loss"],
+        "comm": None,  # the summary says why instead of a bare n/a
+        "comm_reason": "not read for PyTorch: its collectives (gloo/NCCL, eager) are not "
+                       "analysed as a compiled XLA program's are",
         "power": {"available": False,
                   "reason": "power telemetry is not implemented for the PyTorch reference"},
         "window": {"start_unix_s": min(r["window"][0] for r in reports),

@@ -295,7 +295,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
             and results.get("compile_note") else "")),
         ("step time p50 / p90 / p99", " / ".join(_ms(t.get(k)) for k in ("p50", "p90", "p99"))),
         ("step time mean ± ci95", _mean_line(t)),
-        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s") + (
+        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s",
+                            throughput.get("reason") or t.get("reason")) + (
             f", {throughput['tokens_per_s']:.0f} tokens/s"
             if throughput.get("tokens_per_s") is not None else "")),
         ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
@@ -303,7 +304,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
         ("compiler bound per device",
          f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
          f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
-         is not None else "n/a"),
+         is not None else _num(None, "", mem.get("compiled_reason"))),
         ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
          mem.get("measured_peak_bytes") is not None else
          f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
@@ -328,7 +329,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
              f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
         ]
     rows += [
-        ("collectives per step", _comm_line(results.get("comm"))),
+        ("collectives per step", _comm_line(results.get("comm"), results.get("comm_reason"))),
         ("power / energy", _power_line(results.get("power"))),
         ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
     ]
@@ -354,8 +355,11 @@ def format_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _num(value, fmt: str) -> str:
-    return "n/a" if value is None else fmt.format(value)
+def _num(value, fmt: str, reason: str | None = None) -> str:
+    """`value` formatted, else n/a with the record's reason when it gives one."""
+    if value is None:
+        return f"n/a ({reason})" if reason else "n/a"
+    return fmt.format(value)
 
 
 def _ms(seconds) -> str:
@@ -378,9 +382,9 @@ def _mfu_line(mfu: dict) -> str:
     return line + (f" ({mfu['reason']})" if mfu.get("reason") else "")
 
 
-def _comm_line(block: dict | None) -> str:
+def _comm_line(block: dict | None, reason: str | None = None) -> str:
     if not block:
-        return "n/a"
+        return _num(None, "", reason)
     kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in block["by_kind"].items())
     line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
     if block.get("analytic_ring_bytes"):

@@ -13,21 +13,30 @@ from ps.shard_client import PSError
 def format_ps(results: dict) -> str:
     """The PS lines printed before the common summary table."""
     ps = results["ps"]
-    ms = lambda block: f"{block['p50'] * 1e3:.2f} / {block['p99'] * 1e3:.2f} ms" if block \
-        else "n/a"  # noqa: E731
+
+    def ms(block, what):
+        if not block:
+            return f"n/a (no {what} call was timed)"
+        return f"{block['p50'] * 1e3:.2f} / {block['p99'] * 1e3:.2f} ms"
+
     up = ps["updates"]
+    staleness = ps["staleness"]
+    tp = results["throughput"]
     rows = [
         ("ps mode", f"{ps['mode']}" + (f" (bound {ps['staleness_bound']})"
                                        if ps["staleness_bound"] is not None else "")
          + f", {ps['workers']} workers x {ps['devices_per_worker']} device(s), "
            f"{ps['shards']} shards"),
-        ("push / pull p50 / p99", f"{ms(ps['push_latency_s'])}; {ms(ps['pull_latency_s'])}"),
+        ("job throughput", _throughput_line(tp)),
+        ("push / pull p50 / p99", f"{ms(ps['push_latency_s'], 'push')}; "
+                                  f"{ms(ps['pull_latency_s'], 'pull')}"),
         ("bytes per step", f"push {ps['bytes_per_step']['push'] / 2**20:.2f} MiB, "
                            f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB"),
         ("waits", f"barrier {ps['wait_s']['barrier']:.2f} s, bound "
                   f"{ps['wait_s']['bound']:.2f} s (all shards)"),
-        ("staleness max / mean", f"{ps['staleness']['max']} / "
-                                 f"{(ps['staleness']['mean'] or 0):.2f} versions"),
+        # No applied gradient, no staleness: "n/a (why)", never a 0 that was not measured.
+        ("staleness max / mean", f"{staleness['max']} / {staleness['mean']:.2f} versions"
+         if staleness["count"] else "n/a (no gradient was applied on any shard)"),
         ("updates", f"{up['applied']} applied, {up['rejected']} rejected, "
                     f"{up['deduplicated']} deduplicated (over all shards)"),
     ]
@@ -37,6 +46,61 @@ def format_ps(results: dict) -> str:
         rows.append(("shard restarts", ", ".join(str(r["shard"]) for r in ps["shard_restarts"])))
     width = max(len(name) for name, _ in rows)
     return "\n" + "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _throughput_line(tp: dict) -> str:
+    """The job's throughput with what it counts (ps.collect.job_throughput)."""
+    per_worker = ", ".join(f"w{p['worker']} {p['samples']}" for p in tp["per_worker"])
+    if tp["samples_per_s"] is None:
+        return f"n/a ({tp['reason']})"
+    return (f"{tp['samples_per_s']:.1f} samples/s = {tp['samples']} samples (by worker: "
+            f"{per_worker}) / {tp['window_s']:.3f} s shared window (first timed step of any "
+            f"worker to last step of any)")
+
+
+def job_throughput(workers: dict, rows: int, warmup: int,
+                   tokens_per_sample: int | None) -> dict:
+    """The whole job's throughput: the samples every reporting worker completed in its timed
+    steps (its rows of the batch x its steps after warm-up), summed, over the shared wall
+    window, from the earliest worker's first timed step to the latest worker's last step.
+    Per-worker figures beside it (each over its own window). Worker 0 alone would under- or
+    mis-state it: in async/ssp the workers run at their own pace and start their timed steps
+    at different times."""
+    per_worker = []
+    for w, r in sorted(workers.items()):
+        timed = max(0, len(r["step_s"]) - warmup)
+        start, end = r["window"]["start_unix_s"], r["window"]["end_unix_s"]
+        span = end - start if start is not None and end is not None else None
+        per_worker.append({"worker": w, "timed_steps": timed, "samples": timed * rows,
+                           "window": r["window"], "window_s": span,
+                           "samples_per_s": timed * rows / span if timed and span else None,
+                           # in the window but in no timed step: worker 0's evaluations
+                           # (--eval-every), logging; in sync they hold every worker
+                           "outside_steps_s": span - sum(r["step_s"][warmup:])
+                           if span is not None else None})
+    starts = [p["window"]["start_unix_s"] for p in per_worker
+              if p["window"]["start_unix_s"] is not None]
+    ends = [p["window"]["end_unix_s"] for p in per_worker
+            if p["window"]["end_unix_s"] is not None]
+    window = {"start_unix_s": min(starts, default=None), "end_unix_s": max(ends, default=None)}
+    samples = sum(p["samples"] for p in per_worker)
+    wall = (window["end_unix_s"] - window["start_unix_s"]
+            if starts and ends else None)
+    rate = samples / wall if samples and wall and wall > 0 else None
+    return {
+        "samples_per_s": rate,
+        "tokens_per_s": rate * tokens_per_sample if rate and tokens_per_sample else None,
+        "definition": "samples all reporting workers completed in their timed steps (rows "
+                      "per worker x steps after warm-up, summed) / the shared wall window "
+                      "(earliest worker's first timed step to latest worker's last step; "
+                      "`window`); a worker that died wrote no figures and is not counted; "
+                      "time in no timed step (evaluations) is inside the window: "
+                      "per_worker.outside_steps_s",
+        "samples": samples, "window": window, "window_s": wall,
+        "reason": None if rate else ("no timed step on any worker" if not samples
+                                     else "no wall window recorded"),
+        "per_worker": per_worker,
+    }
 
 
 def _brief(values) -> dict | None:
@@ -117,12 +181,16 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
     model_cfg, _, abstract_params, abstract_ms = abstract_model(cfg)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
+    throughput = job_throughput(workers, batch // num_workers, warmup, tokens)
+    # MFU at the job's rate: the time the whole job took per global batch (in sync ~ a
+    # step; in async/ssp the workers' steps overlap), so MFU and throughput agree.
+    batch_s = batch / throughput["samples_per_s"] if throughput["samples_per_s"] else None
     env = dict(ref["env"], num_devices=num_workers * devices, num_processes=num_workers)
     abstract = {"params": abstract_params, "model_state": abstract_ms}
     specs = jax.tree.map(lambda _: P(), abstract)
     push_s = [s for r in workers.values() for s in r["push_s"]]
     pull_s = [s for r in workers.values() for s in r["pull_s"]]
-    steps_done = max(1, max(r["steps_done"] for r in workers.values()))
+    steps_done = max(r["steps_done"] for r in workers.values())
     staleness = {}
     step_staleness = {}
     for s in stats:
@@ -143,11 +211,14 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
         "shards": cfg.ps.ps_shards,
         "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
         "staleness_lr": cfg.ps.ps_staleness_lr,
+        "mfu_time_per_batch_s": batch_s,  # what MFU divides by: global batch / job rate
         "step_time_definition": f"wall time of one loop iteration (pull + gradient + push) "
                                 f"of worker {ref_w}; other workers in step_time_s_per_worker",
         "step_time_s_per_worker": [metrics.latency_stats(workers[w]["step_s"][warmup:])
                                    if w in workers and len(workers[w]["step_s"]) > warmup
                                    else None for w in range(num_workers)],
+        "steps_done_per_worker": [workers[w]["steps_done"] if w in workers else None
+                                  for w in range(num_workers)],
         "compute_s_per_worker": [_brief(workers[w]["compute_s"][warmup:]) if w in workers
                                  else None for w in range(num_workers)],
         "shard_map": {"fingerprint": shard_map.fingerprint, "chunk_elems": shard_map.chunk_elems,
@@ -157,8 +228,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
         "push_latency_s": _brief(push_s),
         "pull_latency_s": _brief(pull_s),
         "bytes_per_step": {
-            "push": sum(r["push_bytes"] for r in workers.values()) / steps_done,
-            "pull": sum(r["pull_bytes"] for r in workers.values()) / steps_done},
+            "push": sum(r["push_bytes"] for r in workers.values()) / max(1, steps_done),
+            "pull": sum(r["pull_bytes"] for r in workers.values()) / max(1, steps_done)},
         "wait_s": {"barrier": sum(s["wait_s"]["barrier"] for s in stats),
                    "bound": sum(s["wait_s"]["bound"] for s in stats),
                    "per_worker": [sum(workers[w]["pull_wait_s"]) if w in workers else None
@@ -177,32 +248,45 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
                                     "opt_bytes": s["opt_bytes"],
                                     "total_bytes": s["params_bytes"] + s["opt_bytes"]}
                                    for s in stats],
-        "time_breakdown_s": _breakdown(ref, stats, warmup, steps_done, num_workers),
+        "time_breakdown_s": _breakdown(ref, stats, warmup, max(1, steps_done), num_workers),
         "dead_workers": dead,
         "shard_restarts": launch.restarts if launch else [],
         "restarts_seen_by_workers": sum(r["restarts_seen"] for r in workers.values()),
         "pids": launch.all_pids if launch else [],
     }
     memory = dict(ref["memory"])
+    if memory.get("compiled") is None:
+        memory["compiled_reason"] = ("XLA reported no memory analysis for the worker's "
+                                     "gradient step")
     memory["servers_note"] = ("state_bytes_per_device counts a worker's replicated parameters "
                               "(+ model state); parameters and optimizer state live on the "
                               "shard servers: ps.server_bytes_per_shard")
+    # A worker writes its file only after its last step, and a PS run stopped by a signal
+    # writes no results (experiments.run.main_ps): whatever is here ran to the end.
     results = {
         **record.header("jax", "ps", {"workers": num_workers, "devices_per_worker": devices},
                         cfg, model_cfg, shard_map.total),
         "env": env,
+        "status": "complete",
+        "steps_done": steps_done,  # loop iterations of each reporting worker (warm-up too)
+        "interrupted": None,
         "compile_s": ref["compile_s"],
         "step_time_s": steps,
         "warmup_step_time_s": ref["step_s"][:warmup],
-        "throughput": record.throughput_block(batch, tokens, steps["mean"]),
+        "throughput": throughput,
         "mfu": metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices,
-                           steps["mean"], ref["compiled_flops"],
+                           batch_s, ref["compiled_flops"],
                            model_cfg.flops_per_sample() * batch, cfg.model.matmul_precision),
         "memory": memory,
         "sharding": metrics.sharding_summary(abstract, specs),
         "loss": losses,
+        "comm": None,
+        "comm_reason": "not XLA collectives: workers exchange gradients and parameters with "
+                       "the shards over gRPC (ps bytes per step)" + (
+                           f"; the all-reduce over each worker's {devices} devices is not "
+                           f"analysed" if devices > 1 else ""),
         "power": {"available": False, "reason": "power telemetry is not implemented yet"},
-        "window": ref["window"],
+        "window": throughput["window"],
         "accuracy": ref["accuracy"],
         "ps": ps_block,
     }
