@@ -164,8 +164,7 @@ KEY_FIELDS = (
     ("processes", lambda r: (r.results.get("env") or {}).get("num_processes")),
     ("framework", lambda r: r.framework), ("backend", lambda r: r.backend),
     ("device kind", lambda r: r.device_kind),
-    # counted here only where the variant does not already say it (RunRecord.variant reads
-    # train.overlap, where the config has compiler.overlap): never twice, never pooled
+    # counted here only where the variant does not already say it: never twice
     ("compiler overlap", lambda r: bool(r.cfg("compiler", "overlap"))
      and "overlap" not in r.variant.split("+")),
     ("XLA flags", lambda r: r.cfg("compiler", "xla_flags")),

@@ -152,3 +152,13 @@ def get_hardware(name: str, gpus_per_node: int = 0) -> Hardware:
         from dataclasses import replace
         hw = replace(hw, gpus_per_node=gpus_per_node)
     return hw
+
+
+def check_nodes(hw: Hardware, devices: int) -> None:
+    """A mesh over several nodes fills each node: its device count is a multiple of the
+    node size (the placement model numbers devices node by node)."""
+    if devices > hw.gpus_per_node and devices % hw.gpus_per_node:
+        raise UsageError(f"the mesh's {devices} devices do not fill nodes of "
+                         f"{hw.gpus_per_node} GPUs ({hw.name}); give --gpus-per-node a "
+                         f"divisor of {devices}, or a mesh of a multiple of "
+                         f"{hw.gpus_per_node} devices")

@@ -235,7 +235,8 @@ class RunRecord:
         mb = self.cfg("train", "microbatches", 1) or 1
         if mb > 1:
             parts.append(f"mb{mb}")
-        if self.cfg("train", "overlap"):
+        # compiler.overlap (train.overlap in records from before the compiler config)
+        if self.cfg("compiler", "overlap") or self.cfg("train", "overlap"):
             parts.append("overlap")
         return "+".join(parts)
 

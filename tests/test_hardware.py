@@ -54,6 +54,16 @@ def test_gpus_per_node_override():
         get_hardware("h200", -1)
 
 
+def test_cli_gpus_per_node_that_does_not_fill_nodes_is_refused(tmp_path):
+    proc = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "3", "--mesh", "4x8",
+                   "--model", "mlp-tiny", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "run: error: the mesh's 32 devices do not fill nodes of 3 GPUs (h200); give "
+        "--gpus-per-node a divisor of 32, or a mesh of a multiple of 3 devices")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_part_names_the_known_ones():
     with pytest.raises(UsageError) as e:
         get_hardware("tpu-v5")

@@ -104,3 +104,13 @@ def test_header_records_the_image_size_readers_match_on():
     tokens = header("jax", "ddp", {"data": 1}, cfg, get_model("gpt-tiny", {}), 1)
     assert image["model"]["image_size"] == 224
     assert tokens["model"]["image_size"] is None
+
+
+def test_variant_reads_compiler_overlap(tmp_path):
+    """--overlap lives in the compiler config (train.overlap in older records): both mark
+    the run's variant, so an overlapped run is never pooled with a plain one."""
+    header = {"status": "complete", "framework": "jax", "layout": "fsdp", "mesh": {"data": 2},
+              "step_time_s": {"n": 0}}
+    for config in ({"compiler": {"overlap": True}}, {"train": {"overlap": True}}):
+        (tmp_path / "results.json").write_text(json.dumps({**header, "config": config}))
+        assert RunRecord.load(tmp_path).variant == "overlap"

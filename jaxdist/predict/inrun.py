@@ -18,7 +18,7 @@ import jax
 
 from jaxdist import comm
 from jaxdist.errors import UsageError
-from jaxdist.hardware import HARDWARE, get_hardware
+from jaxdist.hardware import HARDWARE, check_nodes, get_hardware
 from jaxdist.predict import model
 from jaxdist.predict.program import flash_attention_applies
 
@@ -78,6 +78,7 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
                       f"to predict it anyway")
     try:
         hw = get_hardware(name, cfg.output.gpus_per_node)
+        check_nodes(hw, len(platform.devices))
     except UsageError as e:
         return absent(str(e))
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:

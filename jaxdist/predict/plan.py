@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxdist import dryrun
 from jaxdist.errors import UsageError
-from jaxdist.hardware import MODEL_CONSTANTS, get_hardware
+from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import memory, model, program
 from models.build import build_model
@@ -16,6 +16,7 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
     """The predicted plan; `cache` (a dict, optional) keeps compiles for later calls whose
     program is the same (a suite's rows: e.g. variants that change only --overlap)."""
     hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+    check_nodes(hw, shape.size)
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
         raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.metrics.PEAKS")
     if cfg.train.layout in PIPELINE_LAYOUTS:
