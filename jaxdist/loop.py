@@ -131,7 +131,7 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                 monitor.close_window()
 
         results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
-                                   timer, losses, state)
+                                   timer, losses, state, start_step)
         results["status"] = "interrupted" if interrupted else "complete"
         results["steps_done"] = steps_done
         results["interrupted"] = ({"signal": stop.signal or "SIGTERM",
@@ -216,10 +216,18 @@ def evaluate(program, state, dataset, cfg: RunConfig) -> float:
 
 
 def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, timer, losses,
-                     state) -> dict:
+                     state, start_step: int = 0) -> dict:
     steps = (metrics.latency_stats(timer.timed_s) if timer.timed_s else
              dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
                   n=0, reason="interrupted before the first timed step (after warm-up)"))
+    profile = parse_profile_steps(cfg.output.profile_steps)
+    if profile and steps["n"]:  # the timed steps are the last n this process ran
+        last = start_step + len(losses) - 1
+        traced = [i for i in range(profile[0], profile[1] + 1)
+                  if last - steps["n"] < i <= last]
+        if traced:
+            steps["profiled_note"] = (f"includes {len(traced)} step(s) run under the "
+                                      f"profiler (steps {profile[0]}-{profile[1]})")
     mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
     results = {

@@ -368,10 +368,11 @@ def _ms(seconds) -> str:
 
 def _mean_line(t: dict) -> str:
     if t.get("mean") is None:
-        return "n/a"
+        return f"n/a ({t['reason']})" if t.get("reason") else "n/a"
     ci = (f" ± {_ms(t['ci95'])}" if t.get("ci95") is not None
           else " ± n/a (one step: no interval)")
-    return f"{_ms(t['mean'])}{ci} (n={t.get('n', 'n/a')})"
+    note = f"; {t['profiled_note']}" if t.get("profiled_note") else ""
+    return f"{_ms(t['mean'])}{ci} (n={t.get('n', 'n/a')}{note})"
 
 
 def _mfu_line(mfu: dict) -> str:

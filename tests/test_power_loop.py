@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from jaxdist import loop, telemetry
+from jaxdist.writers import format_summary
 from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
                             OutputConfig, RunConfig, TrainConfig)
 from jaxdist.devices import select_devices
@@ -59,6 +60,11 @@ def test_profile_steps_write_a_trace(tmp_path):
     results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
     assert results["profile"]["steps"] == [2, 3]
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    # Steps 1-3 are timed; 2 and 3 ran under the profiler, and the figures say so.
+    assert results["step_time_s"]["n"] == 3
+    assert results["step_time_s"]["profiled_note"] == (
+        "includes 2 step(s) run under the profiler (steps 2-3)")
+    assert "(n=3; includes 2 step(s) run under the profiler" in format_summary(results)
     # The backend still computes after the trace.
     assert jax.jit(lambda x: x * 2)(jax.numpy.arange(3)).tolist() == [0, 2, 4]
 
