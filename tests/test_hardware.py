@@ -97,4 +97,4 @@ def test_notices_with_hardware():
     assert notices(cfg) == ["notice: --seed applies only to a training run, not --dry-run "
                             "(which plans memory from shapes only); ignored"]
     assert notices(RunConfig(output=OutputConfig(gpus_per_node=4))) == [
-        "notice: --gpus-per-node applies only to --dry-run --hardware; ignored"]
+        "notice: --gpus-per-node applies only to --hardware; ignored"]
