@@ -17,6 +17,15 @@ def choices(names) -> str:
     return ", ".join(sorted(names))
 
 
+def unknown(what: str, name: str, names) -> str:
+    """"unknown WHAT 'x' (did you mean 'y'?); choose from ..." — the nearest names first."""
+    import difflib
+
+    near = difflib.get_close_matches(str(name), list(names), n=2, cutoff=0.75)
+    hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+    return f"unknown {what} {name!r}{hint}; choose from {choices(names)}"
+
+
 class NameKeepingFormatter(argparse.HelpFormatter):
     """Help text wrapped at spaces only: the default also breaks at hyphens, which splits
     names in the lists (`gpt-` / `small`, `convnext_large-` / `imagenet`)."""

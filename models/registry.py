@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxdist.errors import UsageError, choices
+from jaxdist.errors import UsageError, choices, unknown
 
 
 class ModelConfig(Protocol):
@@ -61,7 +61,7 @@ def families(input_kind: str) -> list[str]:
 def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig:
     """The registered config `name`, with `overrides` (strings, as typed on the CLI) applied."""
     if name not in _REGISTRY:
-        raise UsageError(f"unknown model {name!r}; choose from {choices(_REGISTRY)}")
+        raise UsageError(unknown("model", name, _REGISTRY))
     config = _REGISTRY[name]
     if not overrides:
         return config

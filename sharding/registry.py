@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdist.errors import UsageError, choices
+from jaxdist.errors import UsageError, choices, unknown
 
 Layout = Callable[[Any, Mesh], Any]
 _LAYOUTS: dict[str, Layout] = {}
@@ -105,7 +105,7 @@ def describe_layouts() -> str:
 
 def get_layout(name: str) -> Layout:
     if name not in _LAYOUTS:
-        raise UsageError(f"unknown layout {name!r}; choose from {choices(_LAYOUTS)}")
+        raise UsageError(unknown("layout", name, _LAYOUTS))
     return _LAYOUTS[name]
 
 
