@@ -51,7 +51,7 @@ def validate(cfg: RunConfig) -> MeshShape:
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
     if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
-                       cfg.train.pp_virtual, cfg.data.eval_every)
+                       cfg.train.pp_virtual, cfg.data.eval_every, shape.data)
     if cfg.data.eval_every < 0:
         raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
@@ -228,10 +228,13 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
-    if cfg.output.hardware and not cfg.output.dry_run:
-        print("run: error: --hardware predicts a step without running it: add --dry-run",
-              file=sys.stderr)
-        return 2
+    if cfg.output.hardware and not cfg.output.dry_run:  # a real run predicts it at the end
+        from jaxdist.hardware import get_hardware
+        try:
+            get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+        except UsageError as e:
+            print(f"run: error: {e}", file=sys.stderr)
+            return 2
     if cfg.output.dry_run or cfg.train.layout == "ps":
         release_deferred()
         return main_dry_run(cfg) if cfg.output.dry_run else main_ps(cfg)
@@ -284,6 +287,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
         print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
+    loop_started = time.time()
     try:
         results = loop.run(cfg, platform, logdir, stop=stop)
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
@@ -292,7 +296,10 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
               file=sys.stderr)
         return 130
     except BaseException as e:
-        if run_dir is not None:
+        if _wrote_record(logdir, loop_started):  # what it measured stays
+            print(f"run: failed after writing {logdir / 'results.json'}; {logdir} is kept",
+                  file=sys.stderr)
+        elif run_dir is not None:
             run_dir.discard()
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
@@ -386,6 +393,12 @@ def main_ps(cfg: RunConfig) -> int:
     print(f"\nresults:     {logdir / 'results.json'}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0
+
+
+def _wrote_record(logdir: Path | None, since: float) -> bool:
+    """Whether this run wrote results.json (at or after `since`)."""
+    record = logdir / "results.json" if logdir is not None else None
+    return record is not None and record.exists() and record.stat().st_mtime >= since
 
 
 if __name__ == "__main__":

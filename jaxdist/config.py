@@ -77,8 +77,10 @@ class TrainConfig:
     pp_schedule: str = _opt("1f1b", "pipeline schedule of the pp, tp_pp and fsdp_pp layouts "
                             "over --microbatches: gpipe (all forwards, then all backwards; "
                             "M activations live), 1f1b (one forward, one backward; about S "
-                            "live), interleaved (1F1B over --pp-virtual chunks per stage)",
-                            choices=("gpipe", "1f1b", "interleaved"))
+                            "live), interleaved (1F1B over --pp-virtual chunks per stage), zb-h1 "
+                            "(1F1B with the backward split into input and weight gradients, "
+                            "Qi et al. 2023)",
+                            choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     pp_virtual: int = _opt(1, "model chunks per pipeline stage for --pp-schedule interleaved")
 
 

@@ -32,6 +32,10 @@ class Hardware:
     gpus_per_node: int
     tdp_w: float
     sources: tuple[str, ...]
+    # Which calibrated compute efficiency applies (MODEL_CONSTANTS "compute_efficiency_<x>")
+    # and what the GPUs of a node talk over (NCCL's per-hop latency differs).
+    efficiency: str = "hopper"
+    intra_node_link: str = "nvlink"
 
     def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
         return metrics.peak_flops(self.device_kind, dtype, matmul_precision)
@@ -49,7 +53,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              ("NVIDIA H100 datasheet, PCIe column: 80 GB HBM2e, 2 TB/s, TDP 300-350 W",
               "PCIe Gen5 x16: 128 GB/s bidirectional -> 64 GB/s one way (no NVLink bridge "
               "assumed)",
-              "assumed: one 400 Gb/s NIC per GPU, as in the SXM nodes (50 GB/s)")),
+              "assumed: one 400 Gb/s NIC per GPU, as in the SXM nodes (50 GB/s)"),
+             intra_node_link="pcie"),
     Hardware("h200", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8, 700,
              ("NVIDIA H200 datasheet, H200 SXM column: 141 GB HBM3e, 4.8 TB/s, TDP up to 700 W",
               _NVLINK4, _CX7.replace("DGX H100/H200", "DGX H200"))),
@@ -58,20 +63,23 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
              ("NVIDIA A100 datasheet, 40GB SXM column: 40 GB HBM2, 1,555 GB/s, TDP 400 W",
               "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
               "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU -> "
-              "25 GB/s per GPU (NVIDIA DGX A100 user guide)")),
+              "25 GB/s per GPU (NVIDIA DGX A100 user guide)"), efficiency="ampere"),
     Hardware("a100-sxm-80gb", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8,
              400,
              ("NVIDIA A100 datasheet, 80GB SXM column: 80 GB HBM2e, 2,039 GB/s, TDP 400 W",
               "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
-              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s")),
+              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s"),
+             efficiency="ampere"),
     Hardware("a10g", "NVIDIA A10G", 24 * GB, 600 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 150,
              ("NVIDIA A10 datasheet (A10G: AWS's variant): 24 GB GDDR6, 600 GB/s, TDP 150 W",
               "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
-              "AWS g5.48xlarge: 8 A10G, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs")),
+              "AWS g5.48xlarge: 8 A10G, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
+             efficiency="ampere", intra_node_link="pcie"),
     Hardware("l4", "NVIDIA L4", 24 * GB, 300 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 72,
              ("NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, TDP 72 W, PCIe Gen4 x16",
               "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
-              "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs")),
+              "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
+             efficiency="ampere", intra_node_link="pcie"),
 )}
 
 
@@ -81,32 +89,53 @@ class Constant:
     why: str
 
 
-# The time model's constants: the same for every part and every run (nothing fitted per
-# run). `compute_efficiency` is the one calibrated figure (see experiments/predict.py).
+# The time model's constants: the same for every run (nothing fitted per run). The two
+# compute efficiencies are the only calibrated figures, each on one named record
+# (experiments/predict.py CALIBRATION); every other constant comes from a cited source.
+_NCCL = ("NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20), Ring/Simple, the protocol NCCL "
+         "picks for the 10-100 MB buffers of a training step")
 MODEL_CONSTANTS: dict[str, Constant] = {
-    "compute_efficiency": Constant(
-        0.339, "fraction of dense peak at which the compiled step's FLOPs run, calibrated "
-        "on one record (torchtitan Llama3.1-8B FSDP on 8xH100 at 500 W, tt24-t1-fsdp-tps): "
-        "its 2.843 s step (16,384 tokens per GPU / 5,762 tok/s) over the 9.536e14 FLOPs per "
-        "device XLA compiles (remat recomputation and full, not causally halved, attention "
-        "included) at 989.5 TF/s; per compiled FLOP, so lower than an MFU"),
+    "compute_efficiency_hopper": Constant(
+        0.339, "fraction of dense peak at which the compiled step's FLOPs run on Hopper "
+        "(H100/H200), calibrated on tt24-t1-fsdp (torchtitan Llama3.1-8B FSDP, 8xH100 capped "
+        "at 500 W): its 2.843 s step (16,384 tokens per GPU / 5,762 tok/s) over the 9.536e14 "
+        "compiled FLOPs per device (remat recomputation and full, not causally halved, "
+        "attention included) at 989.5 TF/s; per compiled FLOP, so lower than an MFU"),
+    "compute_efficiency_ampere": Constant(
+        0.555, "the same on Ampere (A100; also used for A10G and L4, which have no record), "
+        "calibrated on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64xA100 80GB): its "
+        "2.755 s step (8,192 tokens per GPU / 2,973 tok/s) over the 4.768e14 compiled FLOPs "
+        "per device at 312 TF/s. Higher than Hopper's: the Hopper record ran 500 W-capped, "
+        "and Hopper's peak is harder to reach with the same kernels"),
     "hbm_efficiency": Constant(
         0.8, "achievable fraction of HBM bandwidth for streaming kernels (STREAM-like "
         "copies reach ~80-90% of the datasheet figure on H100)"),
     "link_efficiency": Constant(
         0.8, "NCCL ring bus bandwidth over link rate: nccl-tests all-reduce busbw on DGX "
-        "H100 reaches ~360-370 of 450 GB/s NVLink, and ~40 of 50 GB/s per NIC across nodes"),
-    "intra_node_latency_s": Constant(
-        5e-6, "per ring hop inside a node: NCCL small-message all-reduce latency on NVLink "
-        "is a few microseconds per step of the ring"),
-    "inter_node_latency_s": Constant(
-        10e-6, "per ring hop across nodes: InfiniBand RDMA adds ~2-5 us to each hop plus "
-        "NCCL's proxy overhead"),
+        "H100 reaches ~360-370 of 450 GB/s NVLink; across nodes the same fraction of the "
+        "NICs' rate"),
+    "ring_base_latency_s": Constant(
+        8.4e-6, "fixed cost of one ring collective call: baseLat[Ring][Simple] = 8.4 us in "
+        + _NCCL),
+    "nvlink_hop_latency_s": Constant(
+        3.4e-6, "per ring step between two GPUs of a node over NVLink: hwLat[NVLINK][Ring]"
+        "[Simple] = 3.4 us in " + _NCCL),
+    "pcie_hop_latency_s": Constant(
+        5.7e-6, "per ring step between two GPUs of a node over PCIe: hwLat[PCI][Ring][Simple]"
+        " = 5.7 us in " + _NCCL),
+    "network_hop_latency_s": Constant(
+        9.6e-6, "per ring step that crosses nodes (NCCL counts nNodes - 1 of them for an "
+        "all-gather, 2 (nNodes - 1) for an all-reduce): hwLat[NET][Ring][Simple] = 9.6 us in "
+        + _NCCL),
 }
 
 
 def constant(name: str) -> float:
     return MODEL_CONSTANTS[name].value
+
+
+def compute_efficiency(hw: Hardware) -> float:
+    return constant(f"compute_efficiency_{hw.efficiency}")
 
 
 def get_hardware(name: str, gpus_per_node: int = 0) -> Hardware:

@@ -26,6 +26,7 @@ from jaxdist.train_step import build_program, compiled_step_flops, make_optimize
 from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram, build_pipeline_program
 from jaxdist.pipeline.report import pipeline_block
+from jaxdist.predict.inrun import safe_prediction_block
 from models.build import build_model
 from sharding import get_layout
 from sharding.pipeline import PIPELINE_LAYOUTS
@@ -151,6 +152,9 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                               (results["memory"]["compiled"] or {}).get("peak_bytes"))
         results["memory"]["measured_over_estimate"] = (measured / estimate
                                                        if measured and estimate else None)
+        # The model's prediction for the part (--hardware, or the devices' own), beside it.
+        results["prediction"] = safe_prediction_block(cfg, platform, model_cfg, program,
+                                                      compiled, results)
         results["accuracy"] = accuracy
         results["start_step"] = start_step
         results["checkpoint"] = ckpt.finish() if ckpt else None

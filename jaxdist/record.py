@@ -1,7 +1,6 @@
 """results.json, a run's record, in one place: its schema (documented in docs/results.md), a
 checker, an atomic write, and `RunRecord`, the typed read view every reader uses (the report,
-compare, the suite). Imports no jax: readers start without it.
-"""
+compare, the suite). Imports no jax: readers start without it."""
 
 from __future__ import annotations
 
@@ -45,7 +44,9 @@ SCHEMA = {
 
 COMPILED = {"argument_bytes": int, "output_bytes": int, "alias_bytes": int,
             "temp_bytes": int, "peak_bytes": int, "peak_bytes_note": str}
-
+PREDICTION = {False: {"label": str, "reason": str}, True: {  # optional: jaxdist.predict.inrun
+    "label": str, "hardware": str, "source": str, "predicted": {"step_s": NUM},
+    "measured_over_predicted": {"step_s": OPT_NUM, "memory": OPT_NUM}}}
 
 # A run interrupted before its first timed step has no latency figures: null, with a reason.
 INTERRUPTED = dict(SCHEMA,
@@ -63,6 +64,8 @@ def check(results: dict) -> list[str]:
     compiled = results.get("memory", {}).get("compiled")
     if isinstance(compiled, dict):
         problems += _check(compiled, COMPILED, "memory.compiled.")
+    if isinstance(p := results.get("prediction"), dict):
+        problems += _check(p, PREDICTION.get(p.get("available"), {"available": bool}), "prediction.")
     if isinstance(results.get("loss"), list):
         if not all(isinstance(x, NUM) for x in results["loss"]):
             problems.append("loss: every entry must be a number")
@@ -365,6 +368,10 @@ class RunRecord:
         if self.compiled_bound is not None:
             return COMPILER_BOUND
         return self._block("memory").get("measured_peak_reason") or "not measured"
+
+    @property
+    def prediction(self) -> dict | None:  # the time model's, when available (predicted)
+        return self._block("prediction") if self._block("prediction").get("available") else None
 
     @property
     def energy_per_sample(self):

@@ -93,13 +93,14 @@ class RunWriter:
         self.tb.add_scalar(tag, value, step)
 
     def summary(self, results: dict) -> None:
-        for name, value in summary_scalars(results).items():
+        # The record first: whatever happens writing TensorBoard's copy, the run keeps it.
+        write_json(self.logdir / "results.json", results)
+        for name, value in {**summary_scalars(results), **predicted_scalars(results)}.items():
             self.tb.add_scalar(name, value, 0)
         for event in hparams_summaries(results, trial_name(results, self.started),
                                        self.started):
             self.tb.file_writer.add_summary(event)
         self.tb.add_text("summary", format_markdown(results), 0)
-        write_json(self.logdir / "results.json", results)
 
     def close(self) -> None:
         self.tb.close()
@@ -180,8 +181,10 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
             start.hparams[key].bool_value = bool(value)
         else:
             start.hparams[key].number_value = float(value)
+    # The plugin has no "interrupted" status (SUCCESS, FAILURE, RUNNING, UNKNOWN only); an
+    # interrupted run did not fail, so it is UNKNOWN here and its record says "interrupted".
     status = (api_pb2.STATUS_SUCCESS if results.get("status", "complete") == "complete"
-              else api_pb2.STATUS_ABORTED)
+              else api_pb2.STATUS_UNKNOWN)
     end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
 
     def summary(tag, **data):
@@ -238,6 +241,20 @@ def run_metrics(results: dict) -> dict[str, float]:
 def summary_scalars(results: dict) -> dict[str, float]:
     """The run-level scalars written at the end (the HParams metrics' values)."""
     return {METRIC_PREFIX + k: v for k, v in run_metrics(results).items()}
+
+
+def predicted_scalars(results: dict) -> dict[str, float]:
+    """The time model's figures for this run (results["prediction"]) under `predicted/`,
+    apart from the measured trial/ metrics and HParams columns."""
+    p = results.get("prediction") or {}
+    if not p.get("available"):
+        return {}
+    values = {**{k: v for k, v in p["predicted"].items() if k.endswith(("_s", "_gpu", "mfu",
+                                                                      "_device"))},
+              **{f"measured_over_predicted_{k}": v
+                 for k, v in p["measured_over_predicted"].items()}}
+    return {f"predicted/{k}": float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # ---------------------------------------------------------------- printed summary

@@ -1,6 +1,6 @@
 """Pipeline schedules side by side: S = 4 stages, M = 4..32 micro-batches.
 
-For each schedule (gpipe, 1f1b, interleaved with V = 2) and M, compiles the pipelined step
+For each schedule (gpipe, 1f1b, interleaved with V = 2, zb-h1) and M, compiles the pipelined step
 of gpt-tiny (depth 8, batch 64) on 4 simulated CPU devices (mesh stage:4) and prints the
 bubble counted from the schedule beside the analytic formula, the compiler's temp bytes per
 device, the stage-to-stage bytes per step read from the compiled HLO (beside the analytic
@@ -30,12 +30,13 @@ from jaxdist.data import TrainStream  # noqa: E402
 from jaxdist.mesh import build_mesh, parse_mesh  # noqa: E402
 from jaxdist.pipeline.program import build_pipeline_program  # noqa: E402
 from jaxdist.pipeline.report import local_activation_bytes, stage_sends  # noqa: E402
+from jaxdist.pipeline.step import pattern_runs  # noqa: E402
 from jaxdist.train_step import make_optimizer, put_batch  # noqa: E402
 from models import get_model  # noqa: E402
 from sharding import get_layout  # noqa: E402
 
 S, BATCH = 4, 64
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
 def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
@@ -47,7 +48,8 @@ def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
     compiled = program.step.lower(program.abstract_state, batch).compile()
     sched = program.schedule
     act = local_activation_bytes(program, BATCH)
-    sends = stage_sends(compiled.as_text(), dict(program.batch_sharding.mesh.shape))
+    sends = stage_sends(compiled.as_text(), dict(program.batch_sharding.mesh.shape),
+                        pattern_runs(sched))
     return {"bubble": sched.bubble(), "analytic": sched.analytic_bubble(),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "stash": sched.act_slots * act, "stage_bytes": sends["total_bytes"],
@@ -61,21 +63,22 @@ def main() -> int:
     cfg = get_model("gpt-tiny", {"depth": "8"})
     rows = {}
     print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device; compiled, not run")
-    print(f"{'schedule':<14}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
+    print(f"{'schedule':<16}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
           f"{'stash bytes':>13}{'stage bytes':>13}{'analytic':>11}")
     for M in (int(m) for m in args.ms.split(",")):
         for name, V in SCHEDULES:
             r = measure(cfg, name, V, M)
             rows[(name, M)] = r
             label = name + (f" V={V}" if V > 1 else "")
-            print(f"{label:<14}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
+            print(f"{label:<16}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
                   f"{r['temp']:>13,}{r['stash']:>13,}{r['stage_bytes']:>13,}"
                   f"{r['stage_analytic']:>11,}", flush=True)
     print("\n1F1B / GPipe activation memory (compiler temp bytes; activation stash)")
     for M in sorted({m for _, m in rows}):
         g, o = rows[("gpipe", M)], rows[("1f1b", M)]
+        z = rows[("zb-h1", M)]
         print(f"  M={M:<3} temp {o['temp'] / g['temp']:.3f}   stash "
-              f"{o['stash'] / g['stash']:.3f}")
+              f"{o['stash'] / g['stash']:.3f}   (zb-h1 / 1f1b temp {z['temp'] / o['temp']:.3f})")
     return 0
 
 

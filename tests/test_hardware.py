@@ -36,8 +36,14 @@ def test_datasheet_figures():
 
 
 def test_every_constant_says_why():
-    assert set(MODEL_CONSTANTS) == {"compute_efficiency", "hbm_efficiency", "link_efficiency",
-                                    "intra_node_latency_s", "inter_node_latency_s"}
+    assert set(MODEL_CONSTANTS) == {
+        "compute_efficiency_hopper", "compute_efficiency_ampere", "hbm_efficiency",
+        "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
+        "network_hop_latency_s"}
+    # every part names an efficiency and an intra-node link that have a constant
+    for hw in HARDWARE.values():
+        assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
+        assert f"{hw.intra_node_link}_hop_latency_s" in MODEL_CONSTANTS
     assert all(len(c.why) > 40 for c in MODEL_CONSTANTS.values())
 
 
@@ -61,11 +67,13 @@ def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
-def test_cli_hardware_needs_dry_run(tmp_path):
-    proc = run_cli("--hardware", "h200", "--mesh", "2x4", cwd=tmp_path)
+def test_cli_unknown_hardware_on_a_real_run(tmp_path):
+    # A real run with --hardware carries the prediction (tests/test_inrun_prediction.py);
+    # an unknown part is refused before anything starts.
+    proc = run_cli("--hardware", "h900", "--mesh", "2x4", cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("run: error: --hardware predicts a step without running "
-                                   "it: add --dry-run")
+    assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_notices_with_hardware():

@@ -3,21 +3,25 @@ compile, and `--dry-run --hardware` end to end. Every figure here is a predictio
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
-from jaxdist.predict import model, program
+from jaxdist.predict import memory, model, program
 from models.build import build_model
 from tests.helpers import run_cli
 
 H200 = get_hardware("h200")
 MESH = {"data": 4, "fsdp": 8}
 PEAK = 1979e12 / 2
-EFF = constant("compute_efficiency")
+EFF = constant("compute_efficiency_hopper")
 LINK = constant("link_efficiency")
+# NCCL's ring latency of one all-gather over the 4 nodes of the data axis: base + 3 network
+# steps (tuning.cc Ring/Simple: 8.4 us, 9.6 us).
+AG4_LAT = 8.4e-6 + 3 * 9.6e-6
 
 
 def test_which_collectives_cross_nodes():
@@ -47,10 +51,33 @@ def test_collective_time_intra_and_inter_node():
           "ring_bytes": 3.6e9}
     t = model.collective_time(op, H200, MESH)
     assert t["link"] == "intra-node"
-    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * 14 * 5e-6, rel=1e-12)
+    # NCCL ring latency per call: base 8.4 us + 14 NVLink steps x 3.4 us
+    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * (8.4e-6 + 14 * 3.4e-6),
+                                         rel=1e-12)
+    # data: one member per node, every ring step on the network, each GPU's own NIC
     t = model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
-    assert t["link"] == "inter-node"
-    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * 6 * 10e-6, rel=1e-12)
+    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 4, 1)
+    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * (8.4e-6 + 6 * 9.6e-6),
+                                         rel=1e-12)
+
+
+def test_inter_node_ring_spreads_over_the_nics_of_a_node():
+    # FSDP over 64 A100s in 8 nodes: the ring crosses each node boundary on 8 NICs at once
+    # (one NCCL channel per NIC), so 8 x 25 GB/s carry it (NVLink's 300 GB/s caps it);
+    # 63 steps of which 7 cross nodes.
+    a100 = get_hardware("a100-sxm-80gb")
+    op = {"kind": "all-gather", "axes": ["fsdp"], "group_size": 64, "count": 3,
+          "ring_bytes": 1.6e9}
+    t = model.collective_time(op, a100, {"data": 1, "fsdp": 64})
+    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 8, 8)
+    assert t["seconds"] == pytest.approx(
+        1.6e9 / (200e9 * LINK) + 3 * (8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6), rel=1e-12)
+    # 16 GPUs per node: 16 x 25 GB/s of NICs exceed NVLink's 300 GB/s, which bounds it
+    t = model.collective_time(op, get_hardware("a100-sxm-80gb", 16), {"data": 1, "fsdp": 64})
+    assert (t["nodes"], t["members_per_node"]) == (4, 16)
+    assert t["seconds"] == pytest.approx(
+        1.6e9 / (300e9 * LINK) + 3 * (8.4e-6 + 60 * 3.4e-6 + 3 * 9.6e-6), rel=1e-12)
+    assert model.group_nodes({"data": 4, "fsdp": 8}, ["data"], 16) == (2, 2)
 
 
 def _inter(seconds_of_bandwidth: float) -> list[dict]:
@@ -61,7 +88,7 @@ def _inter(seconds_of_bandwidth: float) -> list[dict]:
 def test_compute_bound_step_without_and_with_overlap():
     flops = 0.1 * PEAK * EFF  # 100 ms of compute
     comm = _inter(0.03)       # 30 ms + 3 hops x 10 us
-    comm_s = 0.03 + 3 * 10e-6
+    comm_s = 0.03 + AG4_LAT
     plain = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
     assert plain["compute_s"] == pytest.approx(0.1)
     assert plain["inter_node_s"] == pytest.approx(comm_s)
@@ -76,8 +103,8 @@ def test_compute_bound_step_without_and_with_overlap():
 def test_inter_node_bound_step_with_overlap_exposes_the_excess():
     flops = 0.01 * PEAK * EFF
     t = model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(0.05 + 3 * 10e-6)  # compute 10 ms hidden inside
-    assert t["comm_exposed_s"] == pytest.approx(0.04 + 3 * 10e-6)
+    assert t["step_s"] == pytest.approx(0.05 + AG4_LAT)  # compute 10 ms hidden inside
+    assert t["comm_exposed_s"] == pytest.approx(0.04 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
 
 
@@ -107,14 +134,128 @@ def test_throughput_and_mfu():
     assert out["mfu"] == pytest.approx(1e15 / (0.5 * PEAK * 8))
 
 
-def test_memory_verdict():
-    ok = model.memory_verdict(100 * 10**9, 30 * 10**9, H200)
+def _estimate(state, total):
+    return {"label": "predicted", "state_bytes": state, "gradient_bytes": 0,
+            "residual_bytes": total - state, "transient_bytes": 0, "total_bytes": total}
+
+
+def test_memory_verdict_uses_the_estimate_not_the_cpu_compiler():
+    ok = model.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
     assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
-    unknown = model.memory_verdict(120 * 10**9, 30 * 10**9, H200)  # the bound decides nothing
-    assert unknown["fits"] is None and unknown["over_by_bytes"] == 9 * 10**9
-    assert "upper bound" in unknown["fits_reason"]
-    oom = model.memory_verdict(150 * 10**9, 0, H200)  # the exact state alone is too big
-    assert oom["fits"] is False and oom["over_by_bytes"] == 9 * 10**9
+    assert ok["cpu_compiler_temp_bytes"] == 900 * 10**9  # carried, labelled, not used
+    assert ok["temp_bytes"] == 30 * 10**9
+    over = model.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
+    assert over["fits"] is False and over["over_by_bytes"] == 9 * 10**9
+    assert "saved activations" in over["fits_reason"]
+    # without remat the estimate is an upper bound: over HBM is "unknown", not an OOM
+    loose = model.memory_verdict({**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True},
+                                 0, H200)
+    assert loose["fits"] is None and "upper bound" in loose["fits_reason"]
+    oom = model.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
+    assert oom["fits"] is False and oom["fits_reason"].startswith("the train state alone")
+
+
+def test_residuals_classified_hand_built():
+    L = 16
+    at_b = [{"shape": (4, L, 8), "dtype": "bfloat16", "bytes": 1024},      # activation
+            {"shape": (8, 32), "dtype": "bfloat16", "bytes": 512},         # weight copy
+            {"shape": (4, 2, L, L), "dtype": "float32", "bytes": 8192},    # scores
+            {"shape": (4, L, 100), "dtype": "float32", "bytes": 25600}]    # logits
+    at_2b = [{**r, "bytes": r["bytes"] * (1 if r["shape"] == (8, 32) else 2)} for r in at_b]
+    flash = memory.classify(at_b, at_2b, L, flash=True)
+    assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
+                     "largest_batch_bytes": 25600, "largest_constant_bytes": 512}
+    kept = memory.classify(at_b, at_2b, L, flash=False)
+    assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
+    # 8 devices hold the batch: activations split, the weight copy whole
+    assert memory.per_device(flash, 8) == {"residual_bytes": 26624 / 8 + 512,
+                                          "largest_bytes": 25600 / 8}
+    assert memory.batch_shards({"data": 2, "fsdp": 4, "tensor": 2}) == 8
+    with pytest.raises(ValueError):
+        memory.classify(at_b, at_2b[:2], L, flash=False)
+
+
+def test_peak_adds_state_gradients_residuals_and_the_larger_transient():
+    res = {"residual_bytes": 50.0, "largest_bytes": 8.0, "block_recompute_bytes": 5.0,
+           "method": "hand-built"}
+    p = memory.peak(11.0, 4.0, res, gathered_param_bytes=2.0)
+    assert p["transient_bytes"] == 8.0 + 2.0  # logits gradient beats one block's recompute
+    assert p["total_bytes"] == 11.0 + 4.0 + 50.0 + 10.0
+    p = memory.peak(11.0, 4.0, {**res, "block_recompute_bytes": 9.0})
+    assert p["transient_bytes"] == 9.0 and p["label"] == "predicted"
+
+
+def test_saved_residuals_are_what_jax_reports(capsys):
+    """memory.saved_residuals against jax.ad_checkpoint.print_saved_residuals on the same
+    loss: the same values, less those JAX reports as arguments (parameters, batch)."""
+    import re
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxdist.train_step import DTYPES, split_model
+
+    cfg = build_model(RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
+                                train=TrainConfig(remat="dots")))[0]
+    mine = memory.saved_residuals(cfg, "float32", 4)
+    graphdef, params, ms = nnx.eval_shape(lambda: split_model(cfg, DTYPES["float32"], 0))
+    batch = {k: jax.ShapeDtypeStruct((4, *v.shape[1:]), v.dtype)
+             for k, v in cfg.synthetic_batch(np.random.default_rng(0), 1).items()}
+    print_saved_residuals(
+        lambda p, b: cfg.loss(nnx.merge(graphdef, p, ms, copy=True), b), params, batch)
+    lines = [ln for ln in capsys.readouterr().out.splitlines()
+             if ln.strip() and "from the argument" not in ln]
+    itemsize = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1, "f16": 2}
+    theirs = []
+    for ln in lines:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", ln).groups()
+        theirs.append(itemsize[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    assert sorted(r["bytes"] for r in mine) == sorted(theirs)
+    assert len(mine) == 31  # measured: llama-tiny, 2 blocks, dots policy
+
+
+def test_micro_batches_halve_activations_and_carry_an_accumulator():
+    from jaxdist import dryrun
+
+    cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
+                    train=TrainConfig(layout="fsdp", batch_size=16, remat="dots"))
+    model_cfg = build_model(cfg)[0]
+    state = dryrun.plan(cfg, parse_mesh("2x4"))
+    args = ({"data": 2, "fsdp": 4}, state["state_bytes_per_device"],
+            state["state_bytes_global"]["params"], False, True)
+    one = memory.predict_memory(model_cfg, "float32", 16, 1, *args)
+    two = memory.predict_memory(model_cfg, "float32", 16, 2, *args)
+    assert one["gradient_bytes"] == state["state_bytes_per_device"]["params"]
+    assert two["gradient_bytes"] == 2 * one["gradient_bytes"]
+    # activations follow the micro-batch (measured: 493,124 -> 246,692 bytes per device; the
+    # 260 bytes that do not halve are batch-independent values)
+    assert (one["residual_bytes"], two["residual_bytes"]) == (493_124, 246_692)
+    assert one["gathered_param_bytes"] > 0 and not one["upper_bound"]
+
+
+def test_memory_estimate_against_the_compiled_step_in_float32():
+    """A real measurement: XLA:CPU's temp bytes of the compiled step for a tiny f32 llama
+    without remat (no bf16 copies, no remat the CPU compiler could ignore). The estimate
+    (gradients + saved residuals + working set) is measured at 1.13x: XLA fuses cheap
+    elementwise producers into the backward instead of keeping them, so the jaxpr's
+    residuals are a slight upper bound."""
+    from jaxdist import dryrun
+
+    cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32",
+                                      model_opts="seq_len=128,mlp_hidden=256"),
+                    train=TrainConfig(layout="fsdp", batch_size=16, remat="none"))
+    model_cfg = build_model(cfg)[0]
+    shape = parse_mesh("1x1")
+    compiled = program.figures(cfg, model_cfg, shape)["memory"]["temp_bytes"]
+    state = dryrun.plan(cfg, shape)
+    est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
+                                state["state_bytes_per_device"],
+                                state["state_bytes_global"]["params"], False, True)
+    assert est["gathered_param_bytes"] == 0  # one device: nothing sharded, nothing gathered
+    ratio = (est["total_bytes"] - est["state_bytes"]) / compiled
+    assert 1.0 <= ratio <= 1.2, ratio
 
 
 def test_aggregate_and_extrapolate_hand_built():
@@ -186,8 +327,13 @@ def test_attention_scores_separates_scores_from_activations(monkeypatch):
     assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
 
 
-def test_flash_attention_applies_to_bf16_decoders_only():
-    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+def test_flash_attention_applies_to_bf16_cudnn_decoders_only():
+    # attention=default is XLA attention in JAX 0.10 on a GPU too (the L x L scores stay)
+    default = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+    assert not program.flash_attention_applies(default, "bfloat16")
+    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny",
+                                                    model_opts="attention=cudnn")))[0]
+    assert program.cpu_compilable(llama).attention == "xla"  # compiled here as XLA's
     assert program.flash_attention_applies(llama, "bfloat16")
     assert not program.flash_attention_applies(llama, "float32")
     mlp = build_model(RunConfig(model=ModelConfig(model="mlp-tiny")))[0]
@@ -196,18 +342,21 @@ def test_flash_attention_applies_to_bf16_decoders_only():
         dataclasses.replace(llama, attention="xla"), "bfloat16")
 
 
-def test_validation_quick_form_out_of_sample_throughput_band():
+def test_validation_quick_form_out_of_sample_bands():
     """experiments.predict --validate --quick, in process (8 devices): the torch.compile run
-    of torchtitan's Llama3.1-8B on 8xH100 is out of sample (the calibration record is the
-    same run without torch.compile). Memory misses by far (README, Predict): not asserted."""
+    of torchtitan's Llama3.1-8B on 8xH100 is out of sample for throughput (the Hopper
+    calibration record is the same run without torch.compile) and for memory (nothing in
+    the memory model is calibrated). Measured: 0.86 and 1.04."""
     from experiments.predict import CALIBRATION, CASES, validate
 
     case = next(c for c in CASES if c.name == "tt24-t1-fsdp-compile")
-    assert case.small and case.name != CALIBRATION
+    assert case.small and case.name not in CALIBRATION
     (row,) = validate([case])
     assert row["role"] == "out-of-sample"
     assert row["published_tokens_per_s_per_gpu"] == 6667
     assert 0.75 <= row["ratio_tokens_per_s_per_gpu"] <= 1.25
+    assert row["published_memory_gib"] == 77.0
+    assert 0.85 <= row["ratio_memory_gib"] <= 1.15
 
 
 def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
@@ -215,5 +364,5 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     # with overlap; the step is the communication, and so is the bottleneck.
     flops = 14.7 * PEAK * EFF
     t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(27.6 + 3 * 10e-6)
+    assert t["step_s"] == pytest.approx(27.6 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"

@@ -15,5 +15,6 @@ status, seconds, stderr tail) and DIR/logs/<run-name>.{out,err,status.json}.
 Preset format, report and the commands of the two studies: docs/suite.md.
 
 Modules, in the order a suite uses them: settings (run keys and values), presets (the TOML
-file), matrix (the runs, in order), runner (running them), cli (the command line).
+file), matrix (the runs, in order), runner (running them), cli (the command line); plan
+(`--plan --hardware PART`: the preset's [plan] rows predicted, nothing run).
 """

@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the planned commands in order and start nothing")
     p.add_argument("--list-presets", action="store_true", help="list built-in presets")
+    p.add_argument("--plan", action="store_true",
+                   help="predict the preset's [plan] rows (full-size models) on --hardware "
+                        "instead of running anything: one plan.json per row and a ranking "
+                        "(PREDICTED) in --out (default runs/plan-<preset>[-quick])")
+    p.add_argument("--hardware", default="",
+                   help="with --plan: the GPU part to predict for (jaxdist.hardware, e.g. h200)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="with --plan: override the part's GPUs per node")
     return p
 
 
@@ -64,6 +72,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_presets:
         return _list_presets()
+    if args.plan or args.hardware:
+        return _main_plan(args)
     try:
         preset, runs, out = prepare(args)
     except UsageError as e:
@@ -88,6 +98,27 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\nsuite: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def _main_plan(args) -> int:
+    from experiments.suite.plan import main_plan
+
+    try:
+        if not args.plan:
+            raise UsageError("--hardware applies only with --plan (predict the preset's plan "
+                             "rows); add --plan or drop --hardware")
+        if not args.preset:
+            raise UsageError(f"--preset is required; built-in presets: "
+                             f"{', '.join(preset_names())}")
+        path = find_preset(args.preset)
+        out = (Path(args.out) if args.out else Path("runs") /
+               f"plan-{path.stem}{'-quick' if args.quick else ''}").absolute()
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file, not a directory")
+        return main_plan(args, path, run_keys(), out)
+    except UsageError as e:
+        print(f"suite: error: {e}", file=sys.stderr)
+        return 2
 
 
 def prepare(args) -> tuple[Preset, list[Planned], Path]:

@@ -16,7 +16,7 @@ from jaxdist.errors import UsageError
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 PRESET_KEYS = ("name", "description", "models", "repeats", "settings", "layouts", "variants",
-               "sweep", "env", "timeout_s", "quick")
+               "sweep", "env", "timeout_s", "quick", "plan")
 QUICK_KEYS = ("models", "repeats", "settings", "layouts", "variants", "sweep", "env",
               "timeout_s")
 

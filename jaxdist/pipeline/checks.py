@@ -7,11 +7,27 @@ from jaxdist.pipeline.parts import check_depth
 from jaxdist.pipeline.schedule import check_schedule
 
 
+def check_moe_data(model_cfg, data: int) -> None:
+    """MoE's balance loss is a mean over each micro-batch's tokens (not a per-row mean like
+    the cross-entropy): with `data` manual in the pipeline's shard_map each data shard would
+    average only its own rows, a different loss from one device's. On `fsdp` (left to the
+    partitioner) the mean is over the whole micro-batch, as on one device."""
+    if getattr(model_cfg, "family", None) == "moe" and data > 1:
+        raise UsageError(f"moe under the pipeline layouts needs data=1 (got data={data}): "
+                         f"its balance loss would be averaged per data shard; put the batch "
+                         f"on fsdp instead (fsdp_pp, e.g. --mesh fsdp:{data},stage:2)")
+
+
 def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, virtual: int,
-                   eval_every: int = 0) -> None:
+                   eval_every: int = 0, data: int = 1) -> None:
     V = virtual if schedule == "interleaved" else 1
     check_schedule(schedule, stages, microbatches, V)
     check_depth(model_cfg, stages, V)
+    check_moe_data(model_cfg, data)
     if eval_every:
-        raise UsageError("--eval-every is not implemented for the pipeline layouts (pp, "
-                         "tp_pp, fsdp_pp); drop it or use another layout")
+        # Evaluation is test-split accuracy on an image dataset (jaxdist/loop.py evaluate);
+        # the pipeline layouts run decoders, which read tokens (models/build.py), so there
+        # is nothing a pipelined forward could be evaluated on.
+        raise UsageError("--eval-every measures test-split accuracy on an image dataset "
+                         "(digits, cifar10, mnist), which the decoders of the pipeline "
+                         "layouts (pp, tp_pp, fsdp_pp) cannot read; drop --eval-every")

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.errors import UsageError
+from jaxdist.pipeline.checks import check_moe_data
 from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
@@ -45,6 +46,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
                          "--mesh data:2,stage:4")
+    check_moe_data(model_cfg, mesh.shape.get("data", 1))
     V = virtual if schedule == "interleaved" else 1
     sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
@@ -84,7 +86,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         return {"params": params, "model_state": state["model_state"], "opt": opt}, loss
 
     def correct_fn(state, batch):
-        raise UsageError("evaluation (--eval-every) is not implemented for pipeline layouts")
+        raise UsageError("--eval-every measures accuracy on an image dataset, which the "
+                         "pipeline layouts' decoders cannot read")
 
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0), mesh,

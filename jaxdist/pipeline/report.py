@@ -11,42 +11,70 @@ import jax
 import numpy as np
 
 from jaxdist import comm, metrics
+from jaxdist.pipeline.step import pattern_runs
 
 
-def stage_sends(hlo_text: str, mesh_shape: dict[str, int]) -> dict:
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def stage_sends(hlo_text: str, mesh_shape: dict[str, int],
+                branch_runs: list[int] | None = None) -> dict:
     """Bytes each stage sends per step over the `stage` axis, per device (a device of
     stage s sends its own shard of each activation or gradient): the collective-permutes
     whose pairs change only the stage coordinate, each pair's source counted, times how
-    often the op runs."""
+    often the op runs.
+
+    The tick loop sends through a `lax.switch` over the schedule's send patterns
+    (jaxdist/pipeline/step.py), one branch per pattern holding exactly its ppermutes; XLA
+    cannot say how often each branch of a conditional runs, so `branch_runs` (how many
+    ticks take each pattern, from the table that drives the switch) weighs the branches of
+    the conditional whose branches hold the stage permutes. Sizes and pairs are the HLO's."""
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
     if "stage" not in names:
         return {"by_stage": [], "total_bytes": 0, "messages": 0}
     axis = names.index("stage")
     S = sizes[axis]
-    runs = comm.executions(hlo_text)
-    by_stage = [0] * S
-    messages = 0
-    current = None
+
+    def stage_pairs(line):
+        out = []
+        for src, dst in comm.permute_pairs(line) or []:
+            a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
+            # One replica of the other axes: the pairs whose source has all other coords 0.
+            others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
+            only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
+            if src != dst and others_zero and only_stage:
+                out.append(int(a[axis]))
+        return out
+
+    permutes, branch_lists, current = [], [], None
     for line in comm.statements(hlo_text):
         opened = comm.header(line)
         if opened:
             current = opened.group(2)
             continue
+        branches = _BRANCHES.search(line)
+        if branches:
+            branch_lists.append([b.strip().lstrip("%") for b in branches.group(1).split(",")])
         m = comm.INSTRUCTION.match(line)
-        if not m or m.group("op") not in ("collective-permute", "collective-permute-start"):
-            continue
-        pairs = comm.permute_pairs(line) or []
-        _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
-                                  m.group("rest"))
-        times = max(runs.get(current, 1), 1)
-        # One replica of the other axes: the pairs whose source has all other coords 0.
-        for src, dst in pairs:
-            a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
-            others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
-            only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
-            if src != dst and others_zero and only_stage:
-                by_stage[a[axis]] += result * times
-                messages += times
+        if m and m.group("op") in ("collective-permute", "collective-permute-start"):
+            _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
+                                      m.group("rest"))
+            permutes.append((current, result, stage_pairs(line)))
+    runs = comm.executions(hlo_text)
+    sending = {c for c, _, pairs in permutes if pairs}
+    for branches in branch_lists:
+        if branch_runs is not None and sending & set(branches):
+            if len(branches) != len(branch_runs):
+                raise ValueError(f"send switch has {len(branches)} branches in the HLO, "
+                                 f"the schedule {len(branch_runs)} patterns")
+            runs.update(zip(branches, branch_runs))
+    by_stage = [0] * S
+    messages = 0
+    for computation, result, sources in permutes:
+        times = runs.get(computation, 1)
+        for src in sources:
+            by_stage[src] += result * times
+            messages += times
     return {"by_stage": by_stage, "total_bytes": sum(by_stage), "messages": messages}
 
 
@@ -84,7 +112,7 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     sched = program.schedule
     mesh = program.batch_sharding.mesh
     act = local_activation_bytes(program, batch_size)
-    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape))
+    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape), pattern_runs(sched))
     boundaries = sched.chunks - 1
     analytic = 2 * act * sched.microbatches * boundaries
     flops = metrics.compiled_flops(compiled)
@@ -92,7 +120,8 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     mem = metrics.compiled_memory(compiled) or {}
     return {
         **sched.summary(),
-        "analytic_bubble_formula": ("(S-1)/(V*M+S-1)" if sched.virtual > 1
+        "analytic_bubble_formula": ("(S-1)/(3M+S-1)" if sched.split_backward else
+                                    "(S-1)/(V*M+S-1)" if sched.virtual > 1
                                     else "(S-1)/(M+S-1)"),
         # Idle stage-ticks run nothing (a per-stage lax.switch), so the bubble costs time,
         # not FLOPs; the compiled/model ratio shows the stage-level recompute instead.

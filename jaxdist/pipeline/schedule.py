@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 from jaxdist.errors import UsageError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-IDLE, FWD, BWD = 0, 1, 2
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class Op:
-    kind: int   # FWD or BWD
+    kind: int   # FWD, BWD (zb-h1: the input gradient only, "B") or WGT (zb-h1's "W")
     mb: int     # micro-batch
     v: int      # virtual chunk index on this stage (chunk = v * S + stage)
 
@@ -50,6 +50,12 @@ class Schedule:
     act_slots_by_stage: list[int] = field(default_factory=list)
 
     @property
+    def split_backward(self) -> bool:
+        """ZB-H1: the backward is two operations, B (input gradient, sent on at once) and W
+        (weight gradient, run later to fill the bubble)."""
+        return self.name == "zb-h1"
+
+    @property
     def ticks(self) -> int:
         return len(self.ops)
 
@@ -68,8 +74,12 @@ class Schedule:
         return self.idle_stage_ticks() / (self.ticks * self.stages)
 
     def analytic_bubble(self) -> float:
-        """(S-1)/(M+S-1) for V = 1; (S-1)/(V*M+S-1) interleaved (Narayanan et al. 2021)."""
+        """(S-1)/(M+S-1) for V = 1; (S-1)/(V*M+S-1) interleaved (Narayanan et al. 2021);
+        ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism, Sec. 2: with F, B and W
+        of equal length the bubble is (S-1) of the 3M + S - 1 units): (S-1)/(3M+S-1)."""
         S, V, M = self.stages, self.virtual, self.microbatches
+        if self.split_backward:
+            return (S - 1) / (3 * M + S - 1)
         return (S - 1) / (V * M + S - 1)
 
     def sends(self, t: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -98,7 +108,7 @@ def _orders(name: str, S: int, V: int, M: int) -> list[list[Op]]:
     if name == "gpipe":
         return [[Op(FWD, i, 0) for i in range(M)] + [Op(BWD, i, 0) for i in range(M)]
                 for _ in range(S)]
-    if name == "1f1b":
+    if name in ("1f1b", "zb-h1"):  # zb-h1: the same F and B order; W added as it runs
         orders = []
         for s in range(S):
             warm = min(S - 1 - s, M)
@@ -151,9 +161,11 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
         count[s] += 1
         return count[s] - 1
 
+    split = sched.split_backward
+    in_flight, pending_w = [0] * S, [[] for _ in range(S)]
     t = 0
-    while any(pos[s] < len(orders[s]) for s in range(S)):
-        if t > 4 * (V * M + S) + 8:
+    while any(pos[s] < len(orders[s]) or pending_w[s] for s in range(S)):
+        if t > 6 * (V * M + S) + 8:
             raise RuntimeError(f"schedule {name} S={S} V={V} M={M} deadlocked")
         # Arrivals: what was sent at tick t-1 is in its slot at the start of tick t.
         recv = [[-1, -1] for _ in range(S)]
@@ -179,21 +191,32 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
                 c = op.v * S + s
                 if op.kind == FWD:
                     ready = c == 0 or done.get((FWD, c - 1, op.mb), t) < t
+                    # ZB-H1 keeps 1F1B's peak memory: at most S micro-batches between
+                    # their F and their W on any stage, so a W goes first when full.
+                    if split and in_flight[s] >= S and pending_w[s]:
+                        ready = False
                 else:
                     ready = done.get((FWD, c, op.mb), t) < t and (
                         c == last or done.get((BWD, c + 1, op.mb), t) < t)
                 if not ready:
                     op = None
+                else:
+                    pos[s] += 1
+            if op is None and split and pending_w[s]:  # a W fills what would be a bubble
+                op = Op(WGT, pending_w[s].pop(0), 0)
             row.append(op)
             if op is None:
                 reads.append((-1, -1))
                 continue
-            pos[s] += 1
             key = (op.v, op.mb)
             a = act_slot[s].get(key, -1)
-            g = grad_slot[s].get(key, -1) if op.kind == BWD else -1
+            g = grad_slot[s].get(key, -1) if op.kind != FWD else -1
             reads.append((a, g))
-            if op.kind == BWD:  # the backward is the last use of both slots
+            if split:
+                in_flight[s] += {FWD: 1, BWD: 0, WGT: -1}[op.kind]
+                if op.kind == BWD:
+                    pending_w[s].append(op.mb)
+            if op.kind == (WGT if split else BWD):  # the last use of both slots
                 if a >= 0:
                     free_act[s].append(act_slot[s].pop(key))
                 if g >= 0:
@@ -218,7 +241,7 @@ def check_schedule(name: str, stages: int, microbatches: int, virtual: int) -> N
         raise UsageError(f"--microbatches must be a positive integer, got {microbatches}")
     if virtual < 1:
         raise UsageError(f"--pp-virtual must be a positive integer, got {virtual}")
-    if name in ("1f1b", "interleaved") and microbatches < stages:
+    if name in ("1f1b", "interleaved", "zb-h1") and microbatches < stages:
         raise UsageError(f"--pp-schedule {name} needs at least as many micro-batches as "
                          f"stages: --microbatches {microbatches} < stage={stages}; use "
                          f"--microbatches {stages} or more (or --pp-schedule gpipe)")

@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.pipeline.parts import Parts
-from jaxdist.pipeline.schedule import BWD, FWD, Schedule
+from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule
 
 
 def _tables(sched: Schedule) -> dict[str, np.ndarray]:
     """The schedule as integer arrays [tick, stage]: what each stage does at each tick."""
     T, S = sched.ticks, sched.stages
     tab = {k: np.zeros((T, S), np.int32) for k in
-           ("fwd", "bwd", "mb", "v", "act", "grad", "recv_act", "recv_grad")}
+           ("fwd", "bwd", "wgt", "mb", "v", "act", "grad", "recv_act", "recv_grad")}
     for t in range(T):
         for s, op in enumerate(sched.ops[t]):
             tab["recv_act"][t, s], tab["recv_grad"][t, s] = sched.recv_slots[t][s]
@@ -45,37 +45,30 @@ def _tables(sched: Schedule) -> dict[str, np.ndarray]:
                 tab["act"][t, s] = tab["grad"][t, s] = -1
                 continue
             tab["fwd"][t, s], tab["bwd"][t, s] = op.kind == FWD, op.kind == BWD
+            tab["wgt"][t, s] = op.kind == WGT
             tab["mb"][t, s], tab["v"][t, s] = op.mb, op.v
             tab["act"][t, s], tab["grad"][t, s] = sched.read_slots[t][s]
     return tab
 
 
-def signature(sched: Schedule, t: int) -> tuple:
-    """What the compiled program of tick t depends on statically: whether any stage runs
-    a forward / a backward, and the pairs of each direction's ppermute."""
-    fwd_pairs, bwd_pairs = sched.sends(t)
-    kinds = {op.kind for op in sched.ops[t] if op is not None}
-    return (FWD in kinds, BWD in kinds, tuple(fwd_pairs), tuple(bwd_pairs))
+def send_patterns(sched: Schedule) -> tuple[list[tuple], np.ndarray]:
+    """(patterns, pattern index per tick): the distinct (forward pairs, backward pairs) of
+    the ticks' sends, in first-use order. The tick loop runs a `lax.switch` over them, one
+    branch per pattern holding exactly that pattern's ppermutes."""
+    patterns, index = [], np.zeros(sched.ticks, np.int32)
+    for t in range(sched.ticks):
+        fwd_pairs, bwd_pairs = sched.sends(t)
+        key = (tuple(fwd_pairs), tuple(bwd_pairs))
+        if key not in patterns:
+            patterns.append(key)
+        index[t] = patterns.index(key)
+    return patterns, index
 
 
-def segments(sched: Schedule, max_period: int = 4) -> list[tuple[int, int, int]]:
-    """(first tick, period p, repeats r): runs of ticks whose signatures repeat with period
-    p are compiled once as a loop of r iterations over p ticks (GPipe's and 1F1B's steady
-    states), the rest tick by tick, so compile time grows with S rather than M."""
-    sigs = [signature(sched, t) for t in range(sched.ticks)]
-    out, t = [], 0
-    while t < len(sigs):
-        best = (1, 1)
-        for p in range(1, max_period + 1):
-            r = 1
-            while t + (r + 1) * p <= len(sigs) and sigs[t + r * p:t + (r + 1) * p] == \
-                    sigs[t:t + p]:
-                r += 1
-            if r >= 2 and r * p > best[0] * best[1]:
-                best = (p, r)
-        out.append((t, *best))
-        t += best[0] * best[1]
-    return out
+def pattern_runs(sched: Schedule) -> list[int]:
+    """How many ticks take each send pattern's branch (the order of `send_patterns`)."""
+    patterns, index = send_patterns(sched)
+    return [int((index == k).sum()) for k in range(len(patterns))]
 
 
 def _store(buffer, slot, value):
@@ -94,34 +87,56 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
     stage grads, shared grads), to run inside shard_map over `stage`."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
     tables = _tables(sched)
-    sigs = [signature(sched, t) for t in range(sched.ticks)]
+    patterns, pattern_of_tick = send_patterns(sched)
 
-    # Traced once and called at every tick (nested jit: the model is not re-traced per tick).
+    # Traced once, called from the one tick body.
     forward = jax.jit(parts.stage)
 
     @jax.jit
     def backward(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
-        _, vjp = jax.vjp(lambda c, sh, x_: parts.stage(c, sh, x_, tokens, is_first, is_last),
+        # Through the jitted forward: its traced program is reused, not traced again.
+        _, vjp = jax.vjp(lambda c, sh, x_: forward(c, sh, x_, tokens, is_first, is_last),
                          chunk, shared, x)
         return vjp((dy, dloss))
+
+    @jax.jit
+    def input_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
+        _, vjp = jax.vjp(lambda x_: forward(chunk, shared, x_, tokens, is_first, is_last), x)
+        return vjp((dy, dloss))[0]
+
+    @jax.jit
+    def weight_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
+        _, vjp = jax.vjp(lambda c, sh: forward(c, sh, x, tokens, is_first, is_last),
+                         chunk, shared)
+        return vjp((dy, dloss))
+
+    split = sched.split_backward
+
+    def sender(fwd_pairs, bwd_pairs):
+        def send(y, dx):
+            return (jax.lax.ppermute(y, "stage", list(fwd_pairs)) if fwd_pairs
+                    else jnp.zeros_like(y),
+                    jax.lax.ppermute(dx, "stage", list(bwd_pairs)) if bwd_pairs
+                    else jnp.zeros_like(dx))
+        return send
+    senders = [sender(*p) for p in patterns]
 
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
         local = jax.tree.map(lambda a: a[0], stage_params)  # [V, K, ...]
         table = {k: jnp.asarray(a) for k, a in tables.items()}
+        pattern = jnp.asarray(pattern_of_tick)
 
         def chunk_of(v):
             return jax.tree.map(lambda a: a[v], local) if V > 1 else \
                 jax.tree.map(lambda a: a[0], local)
 
-        def tick(carry, t, sig):
+        def tick(carry, t):
             acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg = carry
-            any_fwd, any_bwd, fwd_pairs, bwd_pairs = sig
             row = {k: a[t, s] for k, a in table.items()}
             # What the neighbours sent at the tick before lands in its slot (-1: nothing).
             acts = _store(acts, row["recv_act"], fwd_msg)
             grads_in = _store(grads_in, row["recv_grad"], bwd_msg)
-            fwd_msg, bwd_msg = jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg)
             v, mb = row["v"], row["mb"]
             is_first = (s == 0) & (v == 0)
             is_last = (s == S - 1) & (v == V - 1)
@@ -142,42 +157,49 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 y, loss = forward(chunk, shared, x, tokens, is_first, is_last)
                 return g_l, g_s, ls + loss, y, jnp.zeros_like(bwd_msg)
 
+            dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+
+            def accumulate(g_l, g_s, d_chunk, d_shared):
+                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
+                return g_l, jax.tree.map(jnp.add, g_s, d_shared)
+
             def bwd(acc):
                 g_l, g_s, ls = acc
-                dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+                if split:  # ZB-H1's B: the input gradient only, sent on at once
+                    dx = input_grad(chunk, shared, x, tokens, is_first, is_last, dy,
+                                    jnp.float32(1.0 / M))
+                    return g_l, g_s, ls, jnp.zeros_like(fwd_msg), dx
                 d_chunk, d_shared, dx = backward(chunk, shared, x, tokens, is_first, is_last,
                                                  dy, jnp.float32(1.0 / M))
-                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
-                return (g_l, jax.tree.map(jnp.add, g_s, d_shared), ls,
+                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
                         jnp.zeros_like(fwd_msg), dx)
 
-            branches = [idle] + ([fwd] if any_fwd else []) + ([bwd] if any_bwd else [])
-            index = (row["fwd"] * int(any_fwd) + row["bwd"] * (1 + int(any_fwd))
-                     if any_bwd else row["fwd"])
+            def wgt(acc):  # ZB-H1's W: the weight gradients, from the same x and dy
+                g_l, g_s, ls = acc
+                d_chunk, d_shared = weight_grad(chunk, shared, x, tokens, is_first, is_last,
+                                                dy, jnp.float32(1.0 / M))
+                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
+                        jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg))
+
+            branches = [idle, fwd, bwd] + ([wgt] if split else [])
+            index = row["fwd"] + 2 * row["bwd"] + (3 * row["wgt"] if split else 0)
             g_local, g_shared, loss_sum, y, dx = jax.lax.switch(
                 index, branches, (g_local, g_shared, loss_sum))
-            if fwd_pairs:
-                fwd_msg = jax.lax.ppermute(y, "stage", list(fwd_pairs))
-            if bwd_pairs:
-                bwd_msg = jax.lax.ppermute(dx, "stage", list(bwd_pairs))
-            return acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg
+            # The tick's messages: every stage takes the same branch (the pattern is the
+            # tick's, not the stage's), which holds exactly the pairs that send at this
+            # tick, so no byte moves that the schedule does not send.
+            fwd_msg, bwd_msg = (jax.lax.switch(pattern[t], senders, y, dx)
+                                if len(senders) > 1 else senders[0](y, dx))
+            return (acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg), None
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
         carry = (jnp.zeros((sched.act_slots, *act_shape), act_dtype),
                  jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act)
-        for first, period, repeats in segments(sched):
-            if repeats == 1:
-                for j in range(period):
-                    carry = tick(carry, first + j, sigs[first + j])
-                continue
-
-            def body(c, i, first=first, period=period):
-                for j in range(period):
-                    c = tick(c, first + i * period + j, sigs[first + j])
-                return c, None
-            carry, _ = jax.lax.scan(body, carry, jnp.arange(repeats))
+        # One loop over every tick: the program holds one tick (one forward, one backward,
+        # one switch of send patterns), so compile time does not grow with S or M.
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         _, _, g_local, g_shared, loss_sum, _, _ = carry
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")

@@ -7,27 +7,24 @@ from jaxdist import dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, get_hardware
 from jaxdist.mesh import MeshShape
-from jaxdist.predict import model, program
+from jaxdist.predict import memory, model, program
 from models.build import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
 
 
-def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
+def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = None) -> dict:
+    """The predicted plan; `cache` (a dict, optional) keeps compiles for later calls whose
+    program is the same (a suite's rows: e.g. variants that change only --overlap)."""
     hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
-    if cfg.train.layout in PIPELINE_LAYOUTS:
-        raise UsageError(f"--hardware does not predict pipeline layouts yet "
-                         f"({', '.join(PIPELINE_LAYOUTS)}); use --dry-run without it for "
-                         f"their memory plan")
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
         raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.metrics.PEAKS")
+    if cfg.train.layout in PIPELINE_LAYOUTS:
+        return predict_pipeline_plan(cfg, shape, hw, cache)
     model_cfg, _ = build_model(cfg)
     state = dryrun.plan(cfg, shape)
-    figures = program.step_figures(cfg, model_cfg, shape, blocks)
+    figures, quadratic = compiled_figures(cfg, model_cfg, shape, blocks, cache)
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
-    quadratic = None
-    if program.flash_attention_applies(model_cfg, cfg.model.dtype):
-        quadratic = program.attention_scores(cfg, model_cfg, shape, figures.get("depth_1"),
-                                             figures.get("depth_2"))
+    if quadratic is not None:
         temp -= max(0.0, quadratic["temp_bytes"])
         bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
     mesh = dict(shape.axis_sizes)
@@ -35,6 +32,7 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
     step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
                            mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
                            cfg.train.microbatches, cfg.model.matmul_precision)
+    step = exposed_by_link(step)
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
@@ -54,12 +52,122 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto") -> dict:
                          "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
                          "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
                                 "keeps no L x L scores; XLA:CPU keeps them"}},
-        "memory": model.memory_verdict(state["state_bytes_per_device"]["total"],
-                                       int(max(0.0, temp)), hw),
+        "memory": memory_estimate(cfg, model_cfg, state, quadratic is not None, mesh, hw,
+                                  int(max(0.0, temp))),
         "time": step,
         "throughput": model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
     }
+
+
+def compiled_figures(cfg, model_cfg, shape: MeshShape, blocks: str, cache: dict | None):
+    """(step figures, attention-score part or None), compiled once per distinct program."""
+    key = ("step", repr(model_cfg), cfg.train.layout, tuple(shape.axis_sizes.items()),
+           cfg.train.batch_size, cfg.model.dtype, cfg.model.matmul_precision,
+           cfg.train.optimizer, cfg.train.microbatches, blocks)
+    if cache is not None and key in cache:
+        return cache[key]
+    figures = program.step_figures(cfg, model_cfg, shape, blocks)
+    quadratic = None
+    if program.flash_attention_applies(model_cfg, cfg.model.dtype):
+        quadratic = program.attention_scores(cfg, model_cfg, shape, figures.get("depth_1"),
+                                             figures.get("depth_2"))
+    if cache is not None:
+        cache[key] = (figures, quadratic)
+    return figures, quadratic
+
+
+def exposed_by_link(step: dict) -> dict:
+    """The step's device time and its exposed communication split by link (intra-node,
+    inter-node): all of it without overlap; with overlap, the exposed part shared in
+    proportion to each link's time (the ranking's stacked bars)."""
+    comm_total = step["intra_node_s"] + step["inter_node_s"]
+    share = step["comm_exposed_s"] / comm_total if comm_total else 0.0
+    return {**step, "device_s": max(step["compute_s"], step["hbm_s"]),
+            "exposed_intra_node_s": step["intra_node_s"] * share,
+            "exposed_inter_node_s": step["inter_node_s"] * share}
+
+
+def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, int], hw,
+                    cpu_temp_bytes: int) -> dict:
+    """The memory verdict of a one-program layout: jaxdist.predict.memory's peak estimate
+    (exact state from `state`, dryrun.plan's) against the part's HBM."""
+    peak = memory.predict_memory(
+        model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
+        state["state_bytes_per_device"], state["state_bytes_global"]["params"], flash,
+        program.is_stack(model_cfg))
+    return model.memory_verdict(peak, cpu_temp_bytes, hw)
+
+
+def pipeline_memory(memory_plan: dict, hw) -> dict:
+    """The memory verdict of a pipeline: the pipeline memory plan's worst stage (exact state,
+    estimated activations) against the part's HBM."""
+    worst = max(memory_plan["stages"], key=lambda s: s["total"])
+    state_bytes = worst["params"] + worst["opt"]
+    need = worst["total"]
+    fits = need <= hw.hbm_bytes
+    return {"label": model.LABEL, "state_bytes": state_bytes,
+            "temp_bytes": worst["activation_stash"] + worst["activation_working"],
+            "temp_note": "activations estimated per stage (stash from the schedule table, "
+                         "one chunk's backward by Korthikanti et al. 2022, attention scores "
+                         "included), jaxdist.pipeline.plan",
+            "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,
+            "fits_reason": None if fits else "state + estimated activations of stage "
+                                             f"{worst['stage']} exceed HBM",
+            "over_by_bytes": max(0, need - hw.hbm_bytes),
+            "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": memory_plan["stages"]}
+
+
+def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) -> dict:
+    """pp, tp_pp, fsdp_pp: the step tick by tick from the executed schedule table
+    (jaxdist.predict.pipeline); memory from the pipeline memory plan (exact state per stage,
+    activations estimated), against the part's HBM."""
+    from jaxdist.pipeline.plan import plan_pipeline
+    from jaxdist.predict.pipeline import pipeline_step
+
+    model_cfg, _ = build_model(cfg)
+    memory_plan = plan_pipeline(cfg, shape)
+    mesh = dict(shape.axis_sizes)
+    n = shape.size
+    pred = pipeline_step(cfg, model_cfg, mesh, hw, cache)
+    tokens = model_cfg.tokens_per_sample
+    batch = cfg.train.batch_size
+    return {
+        "label": model.LABEL, "dry_run": True, "layout": cfg.train.layout, "mesh": mesh,
+        "model": memory_plan["model"], "batch_size": batch,
+        "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
+        "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
+        "compiled": {"method": pred["method"], "flops_per_device": pred["flops_per_device"],
+                     "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
+        "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
+                     **pred["time"]["pipeline"]},
+        "memory": pipeline_memory(memory_plan, hw),
+        "time": pred["time"],
+        "throughput": model.throughput(pred["time"], tokens * batch if tokens else None,
+                                       model_cfg.flops_per_sample() * batch, n),
+    }
+
+
+def memory_line(p: dict) -> str:
+    """The memory verdict in words: jaxdist.predict.memory's estimate for one program, the
+    pipeline memory plan's worst stage for a pipeline."""
+    from jaxdist.writers import human_bytes
+
+    mem = p["memory"]
+    if "pipeline" in p:
+        parts = f"activations (estimated, worst stage) {human_bytes(mem['temp_bytes'])}"
+        cpu = ""
+    else:
+        parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + saved activations "
+                 f"{human_bytes(mem['residual_bytes'])} + working set "
+                 f"{human_bytes(mem['transient_bytes'])}")
+        cpu = (f" (XLA:CPU's temp bytes, an upper bound: "
+               f"{human_bytes(mem['cpu_compiler_temp_bytes'])})")
+    verdict = {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
+        mem["fits"], f"unknown: {mem['fits_reason']}")
+    return (f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + {parts} = "
+            f"{human_bytes(mem['total_bytes'])} of {human_bytes(mem['hbm_bytes'])} HBM -> "
+            f"{verdict}{cpu}")
 
 
 def format_prediction(p: dict) -> str:
@@ -75,18 +183,23 @@ def format_prediction(p: dict) -> str:
         f"  step compiled on simulated CPU devices: {p['compiled']['method']}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
-        f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + compiler temp "
-        f"{human_bytes(mem['temp_bytes'])} (XLA:CPU, an upper bound) = "
-        f"{human_bytes(mem['total_bytes'])} of "
-        f"{human_bytes(mem['hbm_bytes'])} HBM -> " +
-        {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
-            mem["fits"], f"unknown: {mem['fits_reason']}"),
+        memory_line(p),
         f"  time per step: compute {t['compute_s'] * ms:.1f} ms, HBM {t['hbm_s'] * ms:.1f} ms, "
         f"intra-node comm {t['intra_node_s'] * ms:.1f} ms, inter-node comm "
         f"{t['inter_node_s'] * ms:.1f} ms (exposed {t['comm_exposed_s'] * ms:.1f} ms; "
         f"overlap: {t['overlap']}), bubble {t['bubble_s'] * ms:.1f} ms",
         f"  predicted step {t['step_s'] * ms:.1f} ms; bottleneck: {t['bottleneck']}",
     ]
+    if "pipeline" in p:
+        pp = p["pipeline"]
+        lines.insert(-1, f"  pipeline {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+                         f"M={pp['microbatches']}: {pp['ticks']} ticks, {pp['ticks_s'] * ms:.1f} "
+                         f"ms (stage {pp['critical_stage']} busy "
+                         f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "
+                         f"{pp['send_intra_node_s'] * ms:.1f} ms intra-node, "
+                         f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; counted bubble "
+                         f"{pp['bubble_fraction_of_ticks']:.1%} of the ticks (table: "
+                         f"{pp['schedule_bubble']:.1%} of stage-ticks idle)")
     if thr["tokens_per_s_per_gpu"] is not None:
         lines.append(f"  predicted {thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                      f"MFU {thr['mfu']:.1%}")

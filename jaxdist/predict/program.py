@@ -6,10 +6,14 @@ decoder is a stack of identical blocks, so the step is compiled at depth 1 and 2
 figure is extrapolated linearly, F(d) = F(1) + (d - 1) (F(2) - F(1)); exact for a uniform
 stack (tests/test_predict.py compares it with a full compile of a 4-block model).
 
-Attention: on a GPU in bf16, `jax.nn.dot_product_attention` runs cuDNN's fused (flash)
-attention, which keeps no L x L score matrix; XLA:CPU, which compiles the step here, keeps
+Attention: with `attention=cudnn` a GPU runs `jax.nn.dot_product_attention` as cuDNN's
+fused (flash) attention, which keeps no L x L score matrix; XLA:CPU cannot compile cuDNN, so
+the step is compiled here with the XLA implementation (same shapes and FLOPs), which keeps
 them. `attention_scores` measures that part of the temporaries and bytes accessed per block
-(compiles at L and at L/2 with twice the batch) and the prediction leaves it out.
+(compiles at L and at L/2 with twice the batch) and the prediction leaves it out. With
+`attention=default` JAX 0.10 itself picks the XLA implementation on every platform
+("defaults to None, which currently falls back to xla", jax.nn.dot_product_attention's
+docstring), so a GPU keeps the scores too and nothing is removed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def figures(cfg, model_cfg, shape: MeshShape) -> dict:
     """One compile of the step for `model_cfg` on the mesh (jax must have shape.size CPU
     devices): {flops, bytes_accessed, comm (aggregated), memory (compiler's)}."""
     mesh = build_mesh(shape, jax.devices()[:shape.size])
+    model_cfg = cpu_compilable(model_cfg)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh,
                             cfg.train.seed, cfg.train.microbatches, cfg.model.matmul_precision)
@@ -114,8 +119,17 @@ def attention_scores(cfg, model_cfg, shape: MeshShape, one: dict | None = None,
             "bytes_accessed": scores(lambda f: f["bytes_accessed"])}
 
 
+def cpu_compilable(model_cfg):
+    """`model_cfg` with cuDNN attention replaced by XLA's (same shapes and FLOPs): XLA:CPU
+    cannot compile the cuDNN custom call."""
+    if getattr(model_cfg, "attention", None) == "cudnn":
+        return dataclasses.replace(model_cfg, attention="xla")
+    return model_cfg
+
+
 def flash_attention_applies(model_cfg, dtype: str) -> bool:
-    """cuDNN flash attention: decoders (jax.nn.dot_product_attention) in bf16 on Ampere and
-    newer (every part in jaxdist.hardware), even sequence length for the fit."""
+    """cuDNN flash attention: decoders asking for it (`attention=cudnn`) in bf16 on Ampere
+    and newer (every part in jaxdist.hardware), even sequence length for the fit. Not
+    `attention=default`: JAX 0.10 runs that as XLA attention on a GPU too."""
     return is_stack(model_cfg) and dtype == "bfloat16" and model_cfg.seq_len % 2 == 0 and \
-        getattr(model_cfg, "attention", "default") in ("default", "cudnn")
+        getattr(model_cfg, "attention", "default") == "cudnn"

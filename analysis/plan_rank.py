@@ -1,0 +1,166 @@
+"""The ranking of a suite's predicted plans (`experiments.suite --plan`): every row's
+plan.json, ranked per model by predicted tokens/s per GPU, with the step broken down into
+stacked bars: compute (or HBM, whichever bounds the device), exposed communication by link
+(intra-node, inter-node) and the pipeline bubble. Everything here is PREDICTED and is kept
+apart from the measured tables of analysis.report (no plan is ever read as a run).
+
+`python -m analysis.plan_rank DIR` rewrites DIR/ranking.{json,md,png} from DIR/*/plan.json.
+Imports no jax.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from analysis.text import GiB, md_escape
+
+LABEL = "PREDICTED"
+TERMS = ("device", "intra-node", "inter-node", "pipeline bubble")
+
+
+def bars(plan: dict) -> dict:
+    """The step's stacked terms in seconds (they add up to the predicted step): device time
+    (named compute or HBM), exposed communication by link, bubble."""
+    t = plan["time"]
+    device = t.get("device_s", max(t["compute_s"], t["hbm_s"]))
+    if "exposed_intra_node_s" in t:
+        intra, inter = t["exposed_intra_node_s"], t["exposed_inter_node_s"]
+    else:  # a plan.json written before the split: share the exposed part by link
+        total = t["intra_node_s"] + t["inter_node_s"]
+        share = t["comm_exposed_s"] / total if total else 0.0
+        intra, inter = t["intra_node_s"] * share, t["inter_node_s"] * share
+    return {"device": device, "device_name": "HBM" if t["hbm_s"] > t["compute_s"] else "compute",
+            "intra-node": intra, "inter-node": inter, "pipeline bubble": t.get("bubble_s", 0.0)}
+
+
+def row(name: str, plan: dict) -> dict:
+    t, m, thr = plan["time"], plan["memory"], plan["throughput"]
+    pp = plan.get("pipeline") or {}
+    return {"name": name, "model": plan["model"]["name"], "layout": plan["layout"],
+            "mesh": ",".join(f"{k}:{v}" for k, v in plan["mesh"].items() if v > 1) or "1",
+            "schedule": pp.get("schedule"), "microbatches": pp.get("microbatches"),
+            "batch_size": plan["batch_size"], "step_s": t["step_s"],
+            "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],
+            "memory_gib": m["total_bytes"] / GiB, "fits": m["fits"],
+            "bottleneck": t["bottleneck"], "bars": bars(plan), "label": "predicted"}
+
+
+def load_plans(directory: Path) -> list[tuple[str, dict]]:
+    return [(p.parent.name, json.loads(p.read_text()))
+            for p in sorted(Path(directory).glob("*/plan.json"))]
+
+
+def rank(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows grouped by model, each group best first: rows that do not fit (OOM) last, then
+    predicted tokens/s per GPU (step time where a model has no tokens)."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["model"], []).append(r)
+    for group in out.values():
+        group.sort(key=lambda r: (r["fits"] is False, -(r["tokens_per_s_per_gpu"] or 0),
+                                  r["step_s"]))
+    return out
+
+
+def write_ranking(directory: Path, meta: dict | None = None) -> dict:
+    """ranking.json, ranking.md and ranking.png in `directory` from its */plan.json."""
+    directory = Path(directory)
+    ranked = rank([row(n, p) for n, p in load_plans(directory)])
+    hardware = meta.get("hardware") if meta else None
+    ranking = {"label": "predicted", "meta": meta or {}, "models": ranked}
+    (directory / "ranking.json").write_text(json.dumps(ranking, indent=1))
+    (directory / "ranking.md").write_text(format_ranking(ranking, markdown=True) + "\n")
+    if ranked:
+        plot_ranking(ranked, directory / "ranking.png", hardware)
+    return ranking
+
+
+def _fits(f) -> str:
+    return {True: "yes", False: "OOM"}.get(f, "?")
+
+
+def format_ranking(ranking: dict, markdown: bool = False) -> str:
+    """One table per model, best first; every figure predicted."""
+    meta = ranking.get("meta", {})
+    lines = [f"{LABEL} (not measured) on {meta.get('hardware', '?')}: ranked by predicted "
+             f"tokens/s per GPU; the step split into device time (compute or HBM), exposed "
+             f"communication by link and the pipeline bubble (seconds). GiB/dev: the train state "
+             f"(exact) + XLA:CPU's temporaries (an upper bound; fits '?' = unknown) for "
+             f"non-pipeline rows; + activations estimated per stage for pipeline rows"]
+    head = ["rank", "run", "mesh", "schedule", "GiB/dev", "fits", "step s", "tok/s/GPU",
+            "MFU", "device", "intra", "inter", "bubble", "bottleneck"]
+    for model, rows in ranking["models"].items():
+        lines.append("")
+        lines.append(f"{'### ' if markdown else ''}{model} ({LABEL})")
+        table = []
+        for i, r in enumerate(rows, 1):
+            b = r["bars"]
+            sched = f"{r['schedule']} M={r['microbatches']}" if r["schedule"] else "-"
+            table.append([str(i), r["name"], r["mesh"], sched, f"{r['memory_gib']:.1f}",
+                          _fits(r["fits"]), f"{r['step_s']:.2f}",
+                          f"{r['tokens_per_s_per_gpu'] or 0:,.0f}", f"{r['mfu']:.1%}",
+                          f"{b['device']:.2f} ({b['device_name']})", f"{b['intra-node']:.2f}",
+                          f"{b['inter-node']:.2f}", f"{b['pipeline bubble']:.2f}",
+                          r["bottleneck"]])
+        if markdown:
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "---|" * len(head))
+            lines += ["| " + " | ".join(md_escape(c) for c in t) + " |" for t in table]
+        else:
+            widths = [max(len(x) for x in col) for col in zip(head, *table)]
+            for t in [head] + table:
+                lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    if meta.get("wall_s") is not None:
+        lines += ["", f"predicted {meta.get('rows')} rows in {meta['wall_s']:.0f} s of wall "
+                      f"time here ({meta.get('compiles_cached')} distinct compiles kept)"]
+    return "\n".join(lines)
+
+
+def plot_ranking(ranked: dict[str, list[dict]], path: Path, hardware: str | None) -> None:
+    """Stacked horizontal bars, one panel per model (their steps differ by orders of
+    magnitude), best at the top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = sum(len(v) for v in ranked.values())
+    fig, axes = plt.subplots(len(ranked), 1, figsize=(9, 0.42 * n + 1.6 * len(ranked)),
+                             squeeze=False, gridspec_kw={"height_ratios": [
+                                 len(v) + 2 for v in ranked.values()]})
+    colours = {"device": "#4c72b0", "intra-node": "#dd8452", "inter-node": "#c44e52",
+               "pipeline bubble": "#8c8c8c"}
+    for ax, (model, rows) in zip(axes[:, 0], ranked.items()):
+        names = [f"{r['name']} ({_fits(r['fits'])})" for r in rows][::-1]
+        left = [0.0] * len(rows)
+        for term in TERMS:
+            widths = [r["bars"][term] for r in rows][::-1]
+            label = "compute / HBM" if term == "device" else (
+                f"exposed comm, {term}" if term != "pipeline bubble" else term)
+            ax.barh(names, widths, left=left, color=colours[term], label=label)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_title(f"{model}: {LABEL} step time on {hardware or '?'} (not measured)",
+                     fontsize=9)
+        ax.set_xlabel("predicted seconds per step")
+        ax.tick_params(axis="y", labelsize=7)
+    axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print("usage: python -m analysis.plan_rank DIR (a suite --plan output directory)",
+              file=sys.stderr)
+        return 2
+    old = Path(args[0]) / "ranking.json"
+    meta = json.loads(old.read_text()).get("meta") if old.is_file() else None
+    print(format_ranking(write_ranking(Path(args[0]), meta)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""`python -m experiments.suite --preset P --plan --hardware H`: the preset's [plan] rows
+(full-size models; [plan.quick] for tiny ones) predicted on H, nothing run. Each row is the
+`experiments.run --dry-run --hardware H` of its settings (same parser, same checks); one
+plan.json per row under OUT/NAME/, then the ranking (analysis.plan_rank): ranking.json,
+ranking.md and ranking.png, all labelled PREDICTED.
+
+Compiles are shared across rows whose program is the same (`cache`, see
+jaxdist.predict.plan), and the wall time of the whole plan is measured and recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from experiments.suite.settings import settings_table
+from jaxdist.config import Key
+from jaxdist.errors import UsageError
+
+PLAN_KEYS = ("settings", "models", "rows", "quick", "pp_schedules")
+QUICK_KEYS = ("settings", "models", "rows", "pp_schedules")
+
+
+@dataclass
+class PlanRow:
+    name: str       # model-row, e.g. llama3-70b-tp_pp_4x4_dp2
+    model: str
+    row: str
+    settings: dict
+
+
+def plan_rows(data: dict, quick: bool, keys: dict[str, Key], label: str) -> list[PlanRow]:
+    """The [plan] table of a preset (parsed TOML) expanded into one row per model x row
+    entry, each with its settings; a mistake is one UsageError naming the entry."""
+    plan = data.get("plan")
+    if not isinstance(plan, dict) or not plan.get("rows"):
+        raise UsageError(f"{label} has no [plan] rows ([[plan.rows]]); --plan needs them "
+                         f"(see experiments/presets/go2025.toml)")
+    _check(plan, PLAN_KEYS, f"{label} [plan]")
+    q = plan.get("quick", {}) if quick else {}
+    if quick and not q:
+        raise UsageError(f"--plan --quick: {label} has no [plan.quick] block")
+    _check(q, QUICK_KEYS, f"{label} [plan.quick]")
+    settings = settings_table(plan.get("settings", {}), keys, f"{label} [plan.settings]")
+    quick_settings = settings_table(q.get("settings", {}), keys,
+                                    f"{label} [plan.quick.settings]")
+    per_model = {m: settings_table(t, keys, f"{label} [plan.models.{m}]")
+                 for m, t in plan.get("models", {}).items()}
+    tiny, quick_rows = q.get("models", {}), q.get("rows", {})
+    rows = []
+    for i, entry in enumerate(plan["rows"]):
+        entry = dict(entry)
+        name, models = entry.pop("name", None), entry.pop("models", None)
+        if not isinstance(name, str) or not isinstance(models, list) or not models:
+            raise UsageError(f"{label}: plan.rows[{i}] needs name = \"...\" and models = "
+                             f"[...]")
+        own = settings_table(entry, keys, f"{label} plan.rows.{name}")
+        if quick and name not in quick_rows:
+            continue
+        for model in models:
+            if not quick:
+                merged = {**settings, **per_model.get(model, {}), **own, "model": model}
+            elif model in tiny:  # quick: its settings over the row's, the tiny twin
+                model = tiny[model]
+                merged = {**settings, **own, **quick_settings,
+                          **settings_table(quick_rows[name], keys,
+                                           f"{label} plan.quick.rows.{name}"),
+                          "model": model}
+            else:
+                continue
+            for sched, values in _schedules(merged, q.get("pp_schedules",
+                                                          plan.get("pp_schedules")), label):
+                rows.append(PlanRow(f"{model}-{name}{sched}", model, name, values))
+    unknown = [n for n in quick_rows if n not in {e.get("name") for e in plan["rows"]}]
+    if unknown:
+        raise UsageError(f"{label}: [plan.quick.rows.{unknown[0]}] names no plan row")
+    return rows
+
+
+def _schedules(settings: dict, schedules, label: str) -> list[tuple[str, dict]]:
+    """A pipeline row once per schedule of `pp_schedules` (name suffix, settings); its
+    chunks' compiles are shared, only the tick model differs. Other rows once."""
+    from sharding.pipeline import PIPELINE_LAYOUTS
+
+    if not schedules or settings.get("layout") not in PIPELINE_LAYOUTS:
+        return [("", settings)]
+    if not isinstance(schedules, list) or not all(isinstance(x, str) for x in schedules):
+        raise UsageError(f"{label}: pp_schedules must be a list of schedule names")
+    return [(f"-{x}", {**settings, "pp_schedule": x}) for x in schedules]
+
+
+def _check(table: dict, allowed, where: str) -> None:
+    for k in table:
+        if k not in allowed:
+            raise UsageError(f"{where}: unknown entry {k!r}; entries are {', '.join(allowed)}")
+
+
+def row_config(row: PlanRow, hardware: str, gpus_per_node: int):
+    """(RunConfig, MeshShape) of a row, through experiments.run's own parser and checks."""
+    from experiments import run as run_mod
+    from jaxdist.config import to_argv
+
+    parser = run_mod.build_parser()
+    parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
+    values = {**row.settings, "dry_run": True, "hardware": hardware}
+    if gpus_per_node:
+        values["gpus_per_node"] = gpus_per_node
+    cfg = run_mod.from_namespace(parser.parse_args(to_argv(values)))
+    shape = run_mod.validate(cfg)
+    if shape.size is None:
+        raise UsageError(f"plan row {row.name}: needs an explicit mesh")
+    run_mod.check_batch(cfg, shape)
+    return cfg, shape
+
+
+def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int = 0,
+             cache: dict | None = None, log=print) -> dict:
+    """Predict every row, write OUT/NAME/plan.json and the ranking; returns the ranking.
+    JAX must have as many CPU devices as the largest mesh (main sets it)."""
+    from analysis.plan_rank import write_ranking
+    from jaxdist.hardware import get_hardware
+    from jaxdist.predict.plan import predict_plan
+    from jaxdist.record import ensure_writable_dir, write_json
+
+    get_hardware(hardware)  # unknown part: the one-line error before any compile
+    configs = [(row, *row_config(row, hardware, gpus_per_node)) for row in rows]
+    cache = {} if cache is None else cache
+    ensure_writable_dir(out, "--out")  # after every row's checks: bad input writes nothing
+    started = time.perf_counter()
+    timings = []
+    for row, cfg, shape in configs:
+        t0 = time.perf_counter()
+        plan = predict_plan(cfg, shape, cache=cache)
+        plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
+        (out / row.name).mkdir(exist_ok=True)
+        write_json(out / row.name / "plan.json", plan)
+        timings.append({"row": row.name, "wall_s": time.perf_counter() - t0})
+        log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
+            f"({timings[-1]['wall_s']:.1f} s to predict)")
+    meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
+            "row_wall_s": timings, "compiles_cached": len(cache),
+            "note": "wall time of the predictions on this machine (simulated CPU devices)"}
+    return write_ranking(out, meta)
+
+
+def devices_needed(rows: list[PlanRow]) -> int:
+    from jaxdist.mesh import parse_mesh
+
+    return max(math.prod(parse_mesh(r.settings["mesh"]).axis_sizes.values()) for r in rows)
+
+
+def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
+    """The --plan branch of experiments.suite's main (its errors: one line, exit 2)."""
+    import tomllib
+
+    from analysis.plan_rank import format_ranking
+
+    from jaxdist.hardware import get_hardware
+
+    if not args.hardware:
+        raise UsageError("--plan needs --hardware PART (e.g. --hardware h200)")
+    get_hardware(args.hardware, args.gpus_per_node)
+    data = tomllib.loads(preset_path.read_text())
+    rows = plan_rows(data, args.quick, keys, f"preset {preset_path}")
+    if not rows:
+        raise UsageError(f"preset {preset_path}: no plan rows left")
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices_needed(rows))
+    print(f"suite plan {data.get('name', preset_path.stem)}{' (quick)' if args.quick else ''}: "
+          f"{len(rows)} rows on {args.hardware} -> {out} (PREDICTED, nothing is run)",
+          flush=True)
+    ranking = run_plan(rows, args.hardware, out, args.gpus_per_node,
+                       log=lambda s: print(s, flush=True))
+    print(format_ranking(ranking))
+    print(f"\nranking: {out / 'ranking.md'}; wall time {ranking['meta']['wall_s']:.0f} s")
+    return 0
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text())

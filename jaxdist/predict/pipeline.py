@@ -1,0 +1,371 @@
+"""Predicting a pipelined step (pp, tp_pp, fsdp_pp) on real GPUs, tick by tick from the
+schedule table the step executes (jaxdist/pipeline/schedule.py).
+
+What is compiled (simulated CPU devices, abstract shapes): the pipeline program's own pieces,
+built from the same `Parts` and the same shard_map (over `stage` and `data`, tensor and fsdp
+left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (the mesh with
+`stage` cut to 1):
+- a chunk's forward and its backward (the recompute + vjp of `Parts.stage`) for one
+  micro-batch, for a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks, and the
+  last chunk's (with the head and loss) at 1 block: its head is K-independent, so its K-block
+  figures are the 1-block ones plus (K-1) blocks. Every stage embeds (a `where`, not a cond),
+  so first and middle chunks cost the same;
+- the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
+  over `stage`), then the optimizer update, at full depth.
+Each op's time is `jaxdist.predict.model.step_time` of its figures (compute or HBM, its own
+collectives by link, the overlap policy). The tick loop runs in lockstep (every tick ends in
+its ppermutes), so a tick lasts as long as its slowest stage's op plus its sends: each send is
+one micro-batch's activation (forward) or gradient (backward) per device, over NVLink when
+both stages' devices are in one node, else the NICs (the device order), one hop of latency.
+The bubble is counted, not assumed: the ticks' total minus the busiest stage's own work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdist import comm, metrics
+from jaxdist.hardware import Hardware, constant
+from jaxdist.predict.model import LABEL, aggregate, ring_latency, step_time
+from jaxdist.predict.program import flash_attention_applies
+from jaxdist.pipeline.schedule import BWD, FWD, Schedule, build_schedule
+from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
+from sharding import get_layout
+
+
+def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
+    """Node index of every device, over the mesh axes (row-major device order, host-major:
+    as jaxdist.predict.model.crosses_nodes numbers them)."""
+    return np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values())) // gpus_per_node
+
+
+def send_crosses_nodes(mesh: dict[str, int], src: int, dst: int, gpus_per_node: int) -> bool:
+    """Whether stage src's devices send to a stage dst device in another node."""
+    node = node_of(mesh, gpus_per_node)
+    axis = list(mesh).index("stage")
+    return bool(np.any(np.take(node, src, axis=axis) != np.take(node, dst, axis=axis)))
+
+
+def send_time(nbytes: float, inter: bool, hw: Hardware) -> float:
+    bandwidth = (hw.inter_node_bandwidth if inter else hw.intra_node_bandwidth) * \
+        constant("link_efficiency")
+    # One point-to-point step: NCCL's base latency plus one NVLink/PCIe or network hop.
+    return nbytes / bandwidth + ring_latency("collective-permute", 2, 2 if inter else 1, hw)
+
+
+def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
+           precision: str) -> dict:
+    """One op's time from its figures; exposed communication split by link."""
+    t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype, overlap,
+                  matmul_precision=precision)
+    comm_total = t["intra_node_s"] + t["inter_node_s"]
+    share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
+    return {"seconds": t["step_s"], "device_s": max(t["compute_s"], t["hbm_s"]),
+            "compute_s": t["compute_s"], "hbm_s": t["hbm_s"],
+            "intra_node_s": t["intra_node_s"], "inter_node_s": t["inter_node_s"],
+            "exposed_intra_node_s": t["intra_node_s"] * share,
+            "exposed_inter_node_s": t["inter_node_s"] * share,
+            "flops": fig["flops"], "bytes_accessed": fig["bytes_accessed"],
+            "collectives": t["collectives"]}
+
+
+def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Hardware,
+               mesh: dict[str, int]) -> dict:
+    """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
+    (FWD) or backward (BWD), `last` for the chunk holding the head; `tail`: op_row of the
+    gradient reduction and optimizer; `act_bytes`: one message per device."""
+    S, last_chunk = sched.stages, sched.chunks - 1
+    busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
+                           "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
+                          0.0) for _ in range(S)]
+    ticks_s = 0.0
+    sends = {"intra-node": 0.0, "inter-node": 0.0}
+    messages = 0
+    for t in range(sched.ticks):
+        longest = 0.0
+        for s, op in enumerate(sched.ops[t]):
+            if op is None:
+                continue
+            row = ops[(op.kind, sched.chunk(s, op.v) == last_chunk)]
+            for k in busy[s]:
+                busy[s][k] += row[k]
+            longest = max(longest, row["seconds"])
+        ticks_s += longest
+        for pairs in sched.sends(t):  # one ppermute per direction, one after the other
+            if not pairs:
+                continue
+            times = [(send_time(act_bytes, inter, hw), inter) for inter in
+                     (send_crosses_nodes(mesh, a, b, hw.gpus_per_node) for a, b in pairs)]
+            seconds, inter = max(times)
+            sends["inter-node" if inter else "intra-node"] += seconds
+            messages += len(pairs)
+    critical = max(range(S), key=lambda s: busy[s]["seconds"])
+    work = busy[critical]
+    bubble = ticks_s - work["seconds"]
+    terms = {"compute": work["device_s"] + tail["device_s"],
+             "intra-node": work["exposed_intra_node_s"] + sends["intra-node"] +
+             tail["exposed_intra_node_s"],
+             "inter-node": work["exposed_inter_node_s"] + sends["inter-node"] +
+             tail["exposed_inter_node_s"],
+             "pipeline bubble": bubble}
+    compute_s, hbm_s = work["compute_s"] + tail["compute_s"], work["hbm_s"] + tail["hbm_s"]
+    device_name = "HBM" if hbm_s > compute_s else "compute"
+    named = {device_name if k == "compute" else k: v for k, v in terms.items()}
+    step = ticks_s + sends["intra-node"] + sends["inter-node"] + tail["seconds"]
+    # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
+    # tail (as jaxdist.predict.model reports it); exposed_*: what adds to the step.
+    return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
+            "device_s": terms["compute"],
+            "intra_node_s": work["intra_node_s"] + sends["intra-node"] + tail["intra_node_s"],
+            "inter_node_s": work["inter_node_s"] + sends["inter-node"] + tail["inter_node_s"],
+            "exposed_intra_node_s": terms["intra-node"],
+            "exposed_inter_node_s": terms["inter-node"],
+            "comm_exposed_s": terms["intra-node"] + terms["inter-node"],
+            "bubble_s": bubble, "bottleneck": max(named, key=named.get),
+            "pipeline": {"ticks": sched.ticks, "ticks_s": ticks_s, "critical_stage": critical,
+                         "critical_stage_work_s": work["seconds"],
+                         "bubble_fraction_of_ticks": bubble / ticks_s if ticks_s else 0.0,
+                         "schedule_bubble": sched.bubble(),
+                         "send_intra_node_s": sends["intra-node"],
+                         "send_inter_node_s": sends["inter-node"], "messages": messages,
+                         "message_bytes": act_bytes, "tail_s": tail["seconds"],
+                         "lockstep": "each tick lasts as long as its slowest stage's op, "
+                                     "then its sends (the tick loop ends every tick in "
+                                     "ppermutes)"}}
+
+
+# ---- compiling the pieces -------------------------------------------------------------
+
+def stage_mesh(sizes: dict[str, int]) -> Mesh:
+    """One stage's devices: the mesh with `stage` = 1 (kept as an axis for the specs)."""
+    dims = {"stage": 1, **{a: n for a, n in sizes.items() if a != "stage"}}
+    devices = np.array(jax.devices()[:math.prod(dims.values())]).reshape(tuple(dims.values()))
+    return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
+
+
+def _read(compiled, sizes: dict) -> dict:
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    memory = metrics.compiled_memory(compiled) or {}
+    return {"flops": metrics.compiled_flops(compiled) or 0.0,
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "comm": aggregate(comm.collectives(compiled.as_text(), sizes)),
+            "memory": {"temp_bytes": memory.get("temp_bytes", 0)}}
+
+
+def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
+               rows: int) -> dict:
+    """One chunk of `blocks` blocks: its forward or backward for one micro-batch of `rows`
+    rows per data shard, compiled on one stage's devices as the pipeline step runs it."""
+    from jaxdist.pipeline.program import pipeline_state
+
+    mesh = stage_mesh(sizes)
+    small = dataclasses.replace(model_cfg, depth=blocks)
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    _, abstract, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1)
+    specs = get_layout(cfg.train.layout)(abstract, mesh)
+    sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), specs["params"],
+                           is_leaf=lambda x: isinstance(x, P))
+    dtype = DTYPES[cfg.model.dtype]
+    data = mesh.shape["data"]
+    L, D = model_cfg.seq_len, model_cfg.width
+    act = jax.ShapeDtypeStruct((rows * data, L, D), dtype)
+    tokens = jax.ShapeDtypeStruct((rows * data, L + 1), jnp.int32)
+    M = cfg.train.microbatches
+
+    def run(stage_params, shared, tokens_BL1, x, dy):
+        chunk = jax.tree.map(lambda a: a[0, 0], stage_params)
+        if kind == FWD:
+            return parts.stage(chunk, shared, x, tokens_BL1, False, last)
+        _, vjp = jax.vjp(lambda c, sh, x_: parts.stage(c, sh, x_, tokens_BL1, False, last),
+                         chunk, shared, x)
+        d_chunk, d_shared, dx = vjp((dy, jnp.float32(1.0 / M)))
+        return jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx
+
+    stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
+    shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
+    out = ((P("data"), P()) if kind == FWD else (stage_specs, shared_specs, P("data")))
+    fn = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
+                                                  P("data"), P("data")),
+                       out_specs=out, axis_names={"stage", "data"}, check_vma=False)
+    batch = NamedSharding(mesh, P("data"))
+    jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
+                                               batch, batch)),
+                     mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
+    compiled = jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"],
+                            tokens, act, act).compile()
+    return _read(compiled, dict(mesh.shape))
+
+
+def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int) -> dict:
+    """The step after the ticks, on the whole mesh at full depth: gradients summed over
+    stages (shared) and averaged over data, then the optimizer update."""
+    from jaxdist.pipeline.plan import pipeline_planning_state
+
+    devices = np.array(jax.devices()[:math.prod(sizes.values())]).reshape(
+        tuple(sizes.values()))
+    mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V)
+    specs = get_layout(cfg.train.layout)(state, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    params = state["params"]
+
+    def reduce(g_stages, g_shared):
+        g_shared = jax.lax.psum(g_shared, "stage")
+        return jax.lax.pmean((g_stages, g_shared), "data")
+
+    stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
+    shared_specs = jax.tree.map(lambda _: P(), params["shared"])
+
+    def tail(state, grads):
+        g_stages, g_shared = jax.shard_map(
+            reduce, mesh=mesh, in_specs=(stage_specs, shared_specs),
+            out_specs=(stage_specs, shared_specs), axis_names={"stage", "data"},
+            check_vma=False)(grads["stages"], grads["shared"])
+        grads = jax.lax.with_sharding_constraint({"stages": g_stages, "shared": g_shared},
+                                                 shardings["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "model_state": state["model_state"], "opt": opt}
+
+    jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
+                     out_shardings=shardings, donate_argnums=0)
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(state, params).compile()
+    return _read(compiled, sizes)
+
+
+# ---- the whole prediction ----------------------------------------------------------------
+
+def linear(base: dict, one: dict, two: dict, blocks: int) -> dict:
+    """base + (blocks - 1) x (two - one), figure by figure and collective by collective."""
+    k = blocks - 1
+    rows: dict = {}
+    for sign, figs in ((1, base), (k, two), (-k, one)):
+        for r in figs["comm"]:
+            key = (r["kind"], tuple(r["axes"]), r["group_size"])
+            row = rows.setdefault(key, {"kind": r["kind"], "axes": list(r["axes"]),
+                                        "group_size": r["group_size"], "count": 0,
+                                        "bytes": 0, "ring_bytes": 0.0})
+            for f in ("count", "bytes", "ring_bytes"):
+                row[f] += sign * r[f]
+    return {"flops": base["flops"] + k * (two["flops"] - one["flops"]),
+            "bytes_accessed": base["bytes_accessed"] + k * (two["bytes_accessed"] -
+                                                            one["bytes_accessed"]),
+            "memory": {"temp_bytes": base["memory"]["temp_bytes"] + k * (
+                two["memory"]["temp_bytes"] - one["memory"]["temp_bytes"])},
+            "comm": [r for r in rows.values() if r["count"] > 0 or r["ring_bytes"] > 0]}
+
+
+def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
+    """The L x L attention-score part of an op's bytes accessed and temp bytes, as
+    jaxdist.predict.program.attention_scores measures it for the whole step: per block
+    (2 blocks - 1 block), at L and at L/2 with twice the rows (same tokens), S = 2 (P(1) -
+    P(2)); times the blocks. Never negative (nothing is added back)."""
+    def part(get):
+        return max(0.0, blocks * 2 * ((get(two) - get(one)) - (get(h2) - get(h1))))
+    return {"bytes_accessed": part(lambda f: f["bytes_accessed"]),
+            "temp_bytes": part(lambda f: f["memory"]["temp_bytes"])}
+
+
+def microbatch_rows(cfg, sizes: dict) -> int:
+    """Rows of one micro-batch per data shard (the shard_map's manual `data`); fsdp_pp's
+    rows are split further over fsdp by the partitioner."""
+    return cfg.train.batch_size // (cfg.train.microbatches * sizes.get("data", 1))
+
+
+def message_bytes(cfg, model_cfg, sizes: dict) -> float:
+    """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
+    at the boundary, rows over the batch axes, the full width (jaxdist.pipeline.report)."""
+    shards = sizes.get("data", 1) * (sizes.get("fsdp", 1) if cfg.train.layout == "fsdp_pp"
+                                     else 1)
+    rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
+    return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
+
+
+def cached(cache: dict | None, key, make):
+    """Compiles shared across predictions (rows of a suite with the same program)."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None = None) -> dict:
+    """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
+    layout's step on `hw`."""
+    S = sizes["stage"]
+    V = cfg.train.pp_virtual if cfg.train.pp_schedule == "interleaved" else 1
+    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V)
+    K = model_cfg.depth // (S * V)
+    rows = microbatch_rows(cfg, sizes)
+    inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
+    common = (repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
+              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches)
+
+    def op(blocks, kind, last):
+        return cached(cache, ("op", *common, blocks, kind, last),
+                      lambda: op_figures(cfg, model_cfg, sizes, blocks, kind, last, rows))
+
+    flash = flash_attention_applies(model_cfg, cfg.model.dtype)
+    half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
+    half_common = (repr(half), *common[1:3], 2 * rows, *common[4:])
+
+    def half_op(blocks, kind):
+        return cached(cache, ("op", *half_common, blocks, kind, False),
+                      lambda: op_figures(cfg, half, sizes, blocks, kind, False, 2 * rows))
+
+    figs, removed = {}, {}
+    for kind in (FWD, BWD):
+        one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
+        scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), K)
+                  if flash else None)
+        for last, base in ((False, one), (True, last1)):
+            fig = linear(base, one, two, K)
+            if scores is not None:
+                fig["bytes_accessed"] -= scores["bytes_accessed"]
+                fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
+            figs[(kind, last)] = fig
+        removed[kind] = scores
+    tail = cached(cache, ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V),
+                  lambda: tail_figures(cfg, model_cfg, sizes, S, V))
+    args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
+    ops = {k: op_row(f, *args) for k, f in figs.items()}
+    tail_row = op_row(tail, *args)
+    time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes)
+    time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
+                       "to its length; stage sends exposed" if cfg.compiler.overlap
+                       else "none")
+    time["peak_flops_per_device"] = hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision)
+    time["collectives"] = tail_row["collectives"]
+    names = {(FWD, False): "forward", (FWD, True): "forward_last",
+             (BWD, False): "backward", (BWD, True): "backward_last"}
+    per_op = {names[k]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
+                                           "intra_node_s", "inter_node_s",
+                                           "exposed_intra_node_s", "exposed_inter_node_s",
+                                           "flops", "bytes_accessed", "collectives")}
+              for k, r in ops.items()}
+    per_op["tail"] = {f: tail_row[f] for f in per_op["forward"]}
+    c, last = time["pipeline"]["critical_stage"], sched.chunks - 1
+    flops = tail["flops"] + sum(ops[(o.kind, sched.chunk(c, o.v) == last)]["flops"]
+                                for o in (row[c] for row in sched.ops) if o is not None)
+    per_op["flash_attention"] = None if not flash else {
+        "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
+                                         "backward": removed[BWD]["bytes_accessed"]},
+        "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
+               "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
+    return {"time": time, "ops": per_op, "schedule": sched.summary(),
+            "blocks_per_chunk": K, "flops_per_device": flops,
+            "method": f"chunk forward/backward compiled at 1 and 2 blocks on one stage's "
+                      f"devices, extrapolated to {K}; tail (gradient reduction, optimizer) "
+                      f"compiled at full depth; ticks from the {sched.name} table"}

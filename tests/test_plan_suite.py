@@ -1,0 +1,138 @@
+"""`experiments.suite --plan`: the preset's plan rows, the quick form end to end (one
+plan.json per row, the ranking, compiles shared across rows), bad input, and the ranking's
+breakdown (analysis.plan_rank) on hand-built plans. Every figure here is PREDICTED."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from analysis import plan_rank
+from experiments.suite.plan import plan_rows
+from jaxdist.config import keys
+from jaxdist.errors import UsageError
+from tests.helpers import ROOT
+
+
+def suite(*args):
+    """experiments.suite in a process of its own (it sets its own device count), compiled
+    at XLA's CPU optimisation level 0 like the other tests (numbers, not speed, are read)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_backend_optimization_level=0")
+    return subprocess.run([sys.executable, "-m", "experiments.suite", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+GO2025 = Path(__file__).resolve().parents[1] / "experiments" / "presets" / "go2025.toml"
+
+
+def go_rows(quick=False):
+    return plan_rows(tomllib.loads(GO2025.read_text()), quick, keys(), "go2025")
+
+
+def test_go2025_plan_rows_are_go_et_al_grid():
+    rows = {r.name: r.settings for r in go_rows()}
+    for model in ("gpt3-175b", "llama3-70b"):
+        for layout in ("fsdp", "hsdp", "tp", "fsdp_tp"):
+            assert rows[f"{model}-{layout}"]["layout"] == layout
+    gpt = {n: s["mesh"] for n, s in rows.items() if n.startswith("gpt3-175b-") and "pp" in n}
+    assert sorted(set(gpt.values())) == ["stage:16,tensor:2", "stage:32", "stage:4,tensor:8",
+                                         "stage:8,tensor:4"]
+    llama = {s["mesh"] for n, s in rows.items() if n.startswith("llama3-70b-tp_pp")}
+    assert llama == {"data:2,stage:2,tensor:8", "data:2,stage:4,tensor:4",
+                     "data:2,stage:8,tensor:2"}
+    assert rows["mixtral-8x7b-ep"]["mesh"] == "data:4,expert:8"
+    # Every pipeline row under both schedules; per-model batches; 23 rows in all.
+    assert rows["gpt3-175b-tp_pp_4x8-gpipe"]["pp_schedule"] == "gpipe"
+    assert rows["gpt3-175b-tp_pp_4x8-1f1b"]["pp_schedule"] == "1f1b"
+    assert rows["gpt3-175b-tp_pp_4x8-1f1b"]["batch_size"] == 64
+    assert rows["llama3-70b-tp_pp_4x4_dp2-1f1b"]["microbatches"] == 16
+    assert len(rows) == 23
+    quick = {r.name: r.settings for r in go_rows(quick=True)}
+    assert sorted(quick) == ["gpt-tiny-fsdp", "gpt-tiny-tp_pp_4x8-1f1b",
+                             "gpt-tiny-tp_pp_4x8-gpipe"]
+    assert quick["gpt-tiny-tp_pp_4x8-1f1b"]["batch_size"] == 8
+
+
+def test_plan_rows_bad_input():
+    with pytest.raises(UsageError, match="has no \\[plan\\] rows"):
+        plan_rows({"models": ["x"]}, False, keys(), "p")
+    with pytest.raises(UsageError, match="unknown entry 'rowz'"):
+        plan_rows({"plan": {"rows": [{"name": "a", "models": ["gpt-tiny"]}], "rowz": 1}},
+                  False, keys(), "p")
+    with pytest.raises(UsageError, match="plan.rows.a"):
+        plan_rows({"plan": {"rows": [{"name": "a", "models": ["gpt-tiny"], "bogus": 1}]}},
+                  False, keys(), "p")
+
+
+def test_quick_plan_end_to_end(tmp_path):
+    out = tmp_path / "plan"
+    r = suite("--preset", "go2025", "--plan", "--quick",
+                "--hardware", "h200", "--gpus-per-node", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    plans = sorted(p.parent.name for p in out.glob("*/plan.json"))
+    assert plans == ["gpt-tiny-fsdp", "gpt-tiny-tp_pp_4x8-1f1b", "gpt-tiny-tp_pp_4x8-gpipe"]
+    for name in plans:
+        plan = json.loads((out / name / "plan.json").read_text())
+        assert plan["label"] == "predicted" and plan["row"]["name"] == name
+    ranking = json.loads((out / "ranking.json").read_text())
+    assert ranking["label"] == "predicted"
+    assert [r["name"] for r in ranking["models"]["gpt-tiny"]] and \
+        len(ranking["models"]["gpt-tiny"]) == 3
+    # fsdp: one step compile; tp_pp: 6 op compiles + the tail, shared by gpipe and 1f1b.
+    assert ranking["meta"]["compiles_cached"] == 8
+    assert ranking["meta"]["wall_s"] > 0 and len(ranking["meta"]["row_wall_s"]) == 3
+    assert (out / "ranking.md").read_text().startswith("PREDICTED (not measured) on h200")
+    assert (out / "ranking.png").stat().st_size > 10_000
+    assert "PREDICTED" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--plan"], "--plan needs --hardware"),
+    (["--plan", "--hardware", "h900"], "unknown --hardware 'h900'; known: h100-sxm"),
+    (["--hardware", "h200"], "--hardware applies only with --plan"),
+])
+def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
+    out = tmp_path / "o"
+    r = suite("--preset", "go2025", "--quick", "--out", str(out),
+                *args)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def plan(step, compute, hbm, intra, inter, exposed, bubble=0.0, tps=100.0, layout="fsdp",
+         fits=True):
+    t = {"step_s": step, "compute_s": compute, "hbm_s": hbm, "intra_node_s": intra,
+         "inter_node_s": inter, "comm_exposed_s": exposed, "bubble_s": bubble,
+         "bottleneck": "compute"}
+    return {"label": "predicted", "model": {"name": "m"}, "layout": layout,
+            "mesh": {"data": 4, "fsdp": 8}, "batch_size": 8, "time": t,
+            "memory": {"total_bytes": 2 ** 30, "fits": fits},
+            "throughput": {"tokens_per_s_per_gpu": tps, "mfu": 0.5}}
+
+
+def test_ranking_bars_add_up_to_the_step():
+    # Overlap: 3 s of communication (1 intra, 2 inter) behind 2 s of compute -> 1 s exposed,
+    # shared by link 1/3, 2/3.
+    b = plan_rank.bars(plan(3.0, 2.0, 1.0, 1.0, 2.0, 1.0))
+    assert b["device"] == 2.0 and b["device_name"] == "compute"
+    assert b["intra-node"] == pytest.approx(1 / 3) and b["inter-node"] == pytest.approx(2 / 3)
+    b = plan_rank.bars(plan(6.0, 1.0, 3.0, 1.0, 2.0, 3.0))
+    assert (b["device"], b["device_name"], b["intra-node"], b["inter-node"]) == \
+        (3.0, "HBM", 1.0, 2.0)
+
+
+def test_ranking_orders_by_tokens_per_gpu(tmp_path):
+    # A row that does not fit goes last whatever its speed; unknown (None) ranks by speed.
+    for name, tps, fits in (("slow", 10.0, True), ("fast", 30.0, None), ("mid", 20.0, True),
+                            ("oom", 99.0, False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plan.json").write_text(json.dumps(plan(1, 1, 0, 0, 0, 0, tps=tps,
+                                                                   fits=fits)))
+    ranking = plan_rank.write_ranking(tmp_path, {"hardware": "h200"})
+    assert [r["name"] for r in ranking["models"]["m"]] == ["fast", "mid", "slow", "oom"]
+    text = (tmp_path / "ranking.md").read_text()
+    assert text.index("| 1 | fast |") < text.index("| 2 | mid |") < text.index("| 3 | slow |")
