@@ -161,6 +161,9 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
             free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
             was = {(section, name): saved.get(section, {}).get(name, default[section][name])
                    for section, fields in now.items() for name in fields}
+            if not was["checkpoint", "checkpoint_dir"]:
+                raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
+                                 f"checkpoint, so it cannot be resumed; choose another --logdir")
             differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
                       for section, fields in now.items() for name, value in fields.items()
                       if name not in free and was[section, name] != value]

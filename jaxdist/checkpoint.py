@@ -64,9 +64,10 @@ def saved_meta(directory: Path, step: int) -> dict | None:
 
 
 def check_directory(path: str, resume: bool, mine: dict) -> None:
-    """--checkpoint-dir before the run starts, touching nothing: a folder (or one that can be
-    made) that this run may write, and empty unless --resume continues checkpoints of the
-    same run line (`mine`: its identity). Fails fast where Orbax would retry for minutes."""
+    """--checkpoint-dir before the run starts: a folder (or one that can be made) that this
+    run may write, and empty unless --resume continues checkpoints of the same run line
+    (`mine`: its identity). Fails fast where Orbax would retry for minutes. A refusal
+    touches nothing (the write test puts back the folder's modification time)."""
     directory = Path(path)
     existing = directory
     while not existing.exists() and existing != existing.parent:
@@ -77,15 +78,23 @@ def check_directory(path: str, resume: bool, mine: dict) -> None:
     if not existing.is_dir():
         raise UsageError(f"--checkpoint-dir {directory}: {existing} is a file, not a "
                          f"folder; choose a path under a folder")
+    if existing == directory:
+        _check_contents(directory, resume, mine)
     try:  # root ignores permission bits, so only a real write tells
+        before = existing.stat()
         os.rmdir(tempfile.mkdtemp(prefix=".jaxdist-write-test-", dir=existing))
+        os.utime(existing, ns=(before.st_atime_ns, before.st_mtime_ns))
     except OSError as e:
         raise UsageError(f"cannot write to --checkpoint-dir {directory}: "
                          f"{e.strerror or e}") from None
-    if existing != directory:
-        return  # made by this run
+
+
+def _check_contents(directory: Path, resume: bool, mine: dict) -> None:
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError as e:
+        raise UsageError(f"cannot read --checkpoint-dir {directory}: {e.strerror or e}") from None
     steps = step_folders(directory)
-    entries = sorted(os.listdir(directory))
     if not resume:
         if steps:
             raise UsageError(f"--checkpoint-dir {directory} already holds checkpoints (steps "

@@ -175,9 +175,10 @@ def interrupted(tmp_path_factory):
                                            "now 5"),
     (["--mesh", "8", "--batch-size", "8"], "--mesh was '2x4', now '8'; --batch-size was 16, "
                                            "now 8"),
-    (["--model-opts", "width=32"], "--model-opts was '', now 'width=32'"),
 ])
 def test_interrupted_logdir_with_other_settings_is_refused(interrupted, change, named):
+    """Layout, mesh and batch may change on a resume from the checkpoint folder (it
+    reshards), but not in the interrupted run's own record."""
     args, logdir = interrupted
     before = _snapshot(logdir.parent)
     line = _refused(run_cli(*args, *change, "--resume"))
@@ -187,12 +188,35 @@ def test_interrupted_logdir_with_other_settings_is_refused(interrupted, change, 
     assert _snapshot(logdir.parent) == before
 
 
-def test_interrupted_logdir_is_reused_only_to_resume(interrupted):
+def test_interrupted_logdir_is_reused_only_to_resume(interrupted, tmp_path):
+    from experiments.run import build_parser, make_logdir
+
     args, logdir = interrupted
     before = _snapshot(logdir.parent)
+    # The same command without --resume: its checkpoint folder answers first.
     line = _refused(run_cli(*args))
-    assert line == (f"run: error: --logdir {logdir} holds an interrupted run; resume it with "
-                    f"the same command plus --resume, or choose another --logdir")
+    assert line == (f"run: error: --checkpoint-dir {logdir.parent / 'ck'} already holds "
+                    f"checkpoints (steps 2); pass --resume to continue them or choose an "
+                    f"empty folder")
+    # Another model is another run line in both folders; the checkpoints answer first.
+    line = _refused(run_cli(*args, "--model-opts", "width=32", "--resume"))
+    assert line == (f"run: error: --checkpoint-dir {logdir.parent / 'ck'} is from an "
+                    f"incompatible run (model_opts '' vs 'width=32'); resume with that run's "
+                    f"settings or choose another folder")
+    assert _snapshot(logdir.parent) == before
+    cfg = from_namespace(build_parser().parse_args(args))
+    with pytest.raises(UsageError) as refused:
+        make_logdir(cfg, "2x4")
+    assert str(refused.value) == (f"--logdir {logdir} holds an interrupted run; resume it "
+                                  f"with the same command plus --resume, or choose another "
+                                  f"--logdir")
+    # A run without --checkpoint-dir saved nothing to resume from.
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"status": "interrupted", "config": cfg.to_dict() | {"checkpoint": {}}}))
+    cfg = from_namespace(build_parser().parse_args([*ARGS, "--logdir", str(tmp_path)]))
+    with pytest.raises(UsageError, match="holds an interrupted run that saved no checkpoint, "
+                                         "so it cannot be resumed; choose another --logdir"):
+        make_logdir(cfg, "2x4")
     assert _snapshot(logdir.parent) == before
 
 
