@@ -145,10 +145,10 @@ class Checkpointer:
         self.meta = meta
         self.save_s = 0.0
         self.saved_steps: list[int] = []
-        mine = {k: meta[k] for k in IDENTITY}
-        self.policy = KeepLatestOwn(KEEP, {s for s in step_folders(self.directory)
-                                           if not mismatch(saved_meta(self.directory, s)
-                                                           or {}, mine)})
+        # Steps already here that this run line wrote (a --resume continues them).
+        own = {s for s in step_folders(self.directory)
+               if not mismatch(saved_meta(self.directory, s) or {}, meta)}
+        self.policy = KeepLatestOwn(KEEP, own)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(preservation_policy=self.policy,
