@@ -73,7 +73,16 @@ def validate(cfg: RunConfig) -> MeshShape:
                          f"{cfg.loop.warmup + cfg.loop.steps - 1}")
     if not cfg.train.lr > 0:
         raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
+    check_checkpoint_dir(cfg)
     return shape
+
+
+def check_checkpoint_dir(cfg: RunConfig) -> None:
+    """--checkpoint-dir: a writable folder, empty unless --resume continues its checkpoints
+    (jaxdist/checkpoint.py). A dry run writes none, and --layout ps refuses the flag."""
+    if cfg.checkpoint.checkpoint_dir and not cfg.output.dry_run and cfg.train.layout != "ps":
+        from jaxdist.checkpoint import check_directory, identity
+        check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume, identity(cfg))
 
 
 def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
@@ -135,12 +144,36 @@ def _remove_except(path: Path, kept: set[Path]) -> None:
 
 
 def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
-    """Create the run directory (or reuse --logdir, also an existing one)."""
+    """Create the run directory (or reuse --logdir: an existing folder without a run, or an
+    interrupted run's, only to resume it with the same settings plus --resume)."""
     if cfg.output.logdir:
         path = Path(cfg.output.logdir)
-        status = _status(path / "results.json")
+        status, saved = _status(path / "results.json")
         if status is not None and status != "interrupted":
             raise UsageError(f"--logdir {path} already holds a finished run; choose another")
+        if status == "interrupted":
+            now, default = (json.loads(json.dumps(c.to_dict())) for c in (cfg, RunConfig()))
+            if cfg.checkpoint.checkpoint_dir:  # the folder, however it is spelled
+                now["checkpoint"]["checkpoint_dir"] = str(
+                    Path(cfg.checkpoint.checkpoint_dir).absolute())
+            # The resume flag, the progress bar and this launch's process wiring may change;
+            # a setting newer than the record was at its default.
+            free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
+            was = {(section, name): saved.get(section, {}).get(name, default[section][name])
+                   for section, fields in now.items() for name in fields}
+            if not was["checkpoint", "checkpoint_dir"]:
+                raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
+                                 f"checkpoint, so it cannot be resumed; choose another --logdir")
+            differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
+                      for section, fields in now.items() for name, value in fields.items()
+                      if name not in free and was[section, name] != value]
+            if differ:
+                raise UsageError(f"--logdir {path} holds an interrupted run with other "
+                                 f"settings ({'; '.join(differ)}); resume it with its own "
+                                 f"settings plus --resume, or choose another --logdir")
+            if not cfg.checkpoint.resume:
+                raise UsageError(f"--logdir {path} holds an interrupted run; resume it with "
+                                 f"the same command plus --resume, or choose another --logdir")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
@@ -163,14 +196,20 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
     return run_dir
 
 
-def _status(results_json: Path) -> str | None:
-    """`status` of an existing results.json (runs from before it existed: complete)."""
+def _status(results_json: Path) -> tuple[str | None, dict]:
+    """(`status`, config as run) of an existing results.json (runs from before `status`
+    existed: complete); its checkpoint folder as the absolute path the run used."""
     if not results_json.exists():
-        return None
+        return None, {}
     try:
-        return json.loads(results_json.read_text()).get("status", "complete")
-    except (OSError, ValueError):
-        return "complete"  # unreadable: do not write over it
+        results = json.loads(results_json.read_text())
+        saved = results.get("config") or {}
+        folder = (results.get("checkpoint") or {}).get("directory")
+        if folder:
+            saved.setdefault("checkpoint", {})["checkpoint_dir"] = folder
+        return results.get("status", "complete"), saved
+    except (OSError, ValueError, AttributeError):
+        return "complete", {}  # unreadable: do not write over it
 
 
 def report_interrupt(results: dict, logdir: Path | None) -> int:

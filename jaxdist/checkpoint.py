@@ -5,10 +5,22 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 killed mid-write never replaces the last good checkpoint and `latest_step()` never sees it.
 Restoring onto the new program's abstract state (shapes + shardings) reshards: a checkpoint
 saved under fsdp on 2x4 restores under ddp on 8 devices or fsdp on 4x2.
+
+A run never deletes what it did not write. Orbax's CheckpointManager garbage-collects every
+numbered folder it finds in its directory (`_load_checkpoint_infos` lists them all, and the
+preservation policy drops all but the latest N), so: `check_directory` refuses, before
+anything is compiled, a new run pointed at a folder that holds anything, and a --resume of
+checkpoints from another run line; and the manager's preservation policy only ever drops
+steps whose saved identity is this run's (`KeepLatestOwn`). A marker file names the run
+line that owns the folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,12 +31,111 @@ from jaxdist.errors import UsageError
 
 # What must match for a checkpoint to be resumable; layout and mesh may change (reshard).
 IDENTITY = ("model", "model_opts", "dataset", "optimizer", "dtype")
+KEEP = 3  # latest checkpoints of this run line kept
+MARKER = "jaxdist-checkpoints.json"  # {"identity": {...}}: the run line this folder holds
 
 
 def identity(cfg) -> dict:
     return {"model": cfg.model.model, "model_opts": cfg.model.model_opts,
             "dataset": cfg.data.dataset, "optimizer": cfg.train.optimizer,
             "dtype": cfg.model.dtype}
+
+
+def mismatch(saved: dict, mine: dict) -> list[str]:
+    """'field saved vs mine' for each identity field that differs."""
+    return [f"{k} {saved.get(k)!r} vs {mine[k]!r}" for k in IDENTITY if saved.get(k) != mine[k]]
+
+
+def step_folders(directory: Path) -> list[int]:
+    """Complete checkpoints: Orbax names each step's folder by its number (a save in
+    progress is `N.orbax-checkpoint-tmp-*`)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def saved_meta(directory: Path, step: int) -> dict | None:
+    """The JSON meta a jaxdist checkpoint holds (step/meta/metadata), None if it has none."""
+    try:
+        meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def check_directory(path: str, resume: bool, mine: dict) -> None:
+    """--checkpoint-dir before the run starts: a folder (or one that can be made) that this
+    run may write, and empty unless --resume continues checkpoints of the same run line
+    (`mine`: its identity). Fails fast where Orbax would retry for minutes. A refusal
+    touches nothing (the write test puts back the folder's modification time)."""
+    directory = Path(path)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == directory and not directory.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory} is a file, not a folder; "
+                         f"choose a folder")
+    if not existing.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory}: {existing} is a file, not a "
+                         f"folder; choose a path under a folder")
+    if existing == directory:
+        _check_contents(directory, resume, mine)
+    try:  # root ignores permission bits, so only a real write tells
+        before = existing.stat()
+        os.rmdir(tempfile.mkdtemp(prefix=".jaxdist-write-test-", dir=existing))
+        os.utime(existing, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError as e:
+        raise UsageError(f"cannot write to --checkpoint-dir {directory}: "
+                         f"{e.strerror or e}") from None
+
+
+def _check_contents(directory: Path, resume: bool, mine: dict) -> None:
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError as e:
+        raise UsageError(f"cannot read --checkpoint-dir {directory}: {e.strerror or e}") from None
+    steps = step_folders(directory)
+    if not resume:
+        if steps:
+            raise UsageError(f"--checkpoint-dir {directory} already holds checkpoints (steps "
+                             f"{', '.join(map(str, steps))}); pass --resume to continue "
+                             f"them or choose an empty folder")
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise UsageError(f"--checkpoint-dir {directory} is not empty (it holds {shown}); "
+                             f"choose an empty folder")
+        return
+    owners = []  # (what, the identity it records)
+    if (directory / MARKER).exists():
+        try:
+            owners.append((f"--checkpoint-dir {directory}",
+                           json.loads((directory / MARKER).read_text())["identity"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UsageError(f"--checkpoint-dir {directory}: {MARKER} is unreadable; "
+                             f"choose another folder") from None
+    for step in steps:
+        meta = saved_meta(directory, step)
+        if meta is None:
+            raise UsageError(f"--checkpoint-dir {directory}: step folder {step} is not a "
+                             f"jaxdist checkpoint; choose another folder")
+        owners.append((f"checkpoint {step} in --checkpoint-dir {directory}", meta))
+    for what, saved in owners:
+        differs = mismatch(saved, mine)
+        if differs:
+            raise UsageError(f"{what} is from an incompatible run ({'; '.join(differs)}); "
+                             f"resume with that run's settings or choose another folder")
+
+
+@dataclasses.dataclass
+class KeepLatestOwn:
+    """Orbax's LatestN over this run line's steps only: any other numbered folder in the
+    directory (not written with this identity) is always preserved."""
+    n: int
+    own: set[int]
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep = set(sorted(c.step for c in checkpoints if c.step in self.own)[-self.n:])
+        return [c.step not in self.own or c.step in keep for c in checkpoints]
 
 
 class Checkpointer:
@@ -34,10 +145,14 @@ class Checkpointer:
         self.meta = meta
         self.save_s = 0.0
         self.saved_steps: list[int] = []
+        # Steps already here that this run line wrote (a --resume continues them).
+        own = {s for s in step_folders(self.directory)
+               if not mismatch(saved_meta(self.directory, s) or {}, meta)}
+        self.policy = KeepLatestOwn(KEEP, own)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=True,
-                                                 create=True))
+            options=ocp.CheckpointManagerOptions(preservation_policy=self.policy,
+                                                 enable_async_checkpointing=True, create=True))
 
     def due(self, steps_done: int) -> bool:
         """A save is scheduled after this step (--checkpoint-every)."""
@@ -53,6 +168,10 @@ class Checkpointer:
             return
         start = time.perf_counter()
         meta = dict(self.meta, step=steps_done, data_position=data_position)
+        marker = self.directory / MARKER
+        if jax.process_index() == 0 and not marker.exists():
+            marker.write_text(json.dumps({"identity": {k: self.meta[k] for k in IDENTITY}}))
+        self.policy.own.add(steps_done)
         self.manager.save(steps_done, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self.save_s += time.perf_counter() - start  # the blocking part; writing goes on
@@ -65,8 +184,7 @@ class Checkpointer:
         """(state laid out by `shardings`, saved meta) of checkpoint `step`."""
         meta = self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
-        mismatched = [f"{k} {meta.get(k)!r} vs {self.meta[k]!r}" for k in IDENTITY
-                      if meta.get(k) != self.meta[k]]
+        mismatched = mismatch(meta, self.meta)
         if mismatched:
             raise UsageError(f"checkpoint {step} in {self.directory} is from an incompatible "
                              f"run ({'; '.join(mismatched)})")

@@ -185,11 +185,14 @@ def test_discard_removes_only_what_the_run_created(tmp_path):
 
 def test_an_interrupted_logdir_can_be_reused(tmp_path):
     from experiments.run import make_logdir
-    from jaxdist.config import OutputConfig, RunConfig
+    from jaxdist.config import CheckpointConfig, OutputConfig, RunConfig
     from jaxdist.errors import UsageError
 
-    cfg = RunConfig(output=OutputConfig(logdir=str(tmp_path)))
-    (tmp_path / "results.json").write_text('{"status": "interrupted"}')
+    # Reused only to resume it: its own settings plus --resume (tests/test_run_dirs_safety.py).
+    ck = CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    cfg = RunConfig(output=OutputConfig(logdir=str(tmp_path)), checkpoint=ck)
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"status": "interrupted", "config": {"checkpoint": {"checkpoint_dir": ck.checkpoint_dir}}}))
     assert make_logdir(cfg, "2").path == tmp_path
     (tmp_path / "results.json").write_text('{"status": "complete"}')
     with pytest.raises(UsageError, match="already holds a finished run"):
