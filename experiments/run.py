@@ -11,12 +11,8 @@ if __name__ == "__main__":  # Ctrl-C while JAX is imported: noted, then handled 
     defer_signals()
 
 import argparse  # noqa: E402
-import json
-import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist import distributed
@@ -26,7 +22,7 @@ from models.build import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
-from jaxdist.record import ensure_writable_dir
+from experiments.run_dirs import make_logdir, wrote_record
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from jaxdist.pipeline.checks import check_pipeline
 from sharding import check_layout, get_layout
@@ -108,110 +104,6 @@ def print_notices(cfg: RunConfig) -> None:
         print(line, file=sys.stderr)
 
 
-@dataclass
-class RunDir:
-    """A run directory and what this run made in it, so a failed run removes exactly that:
-    never a directory the user pointed --logdir at, nor what was in it before."""
-    path: Path
-    created: Path | None        # topmost directory this run created (None: it existed)
-    before: frozenset[str] = frozenset()  # entries of an existing directory at the start
-
-    def discard(self, keep: tuple[str, ...] = ()) -> None:
-        """Remove what this run wrote; files matching the globs in `keep` (logs an error
-        message points to) stay, with the folders that hold them."""
-        kept = {p.absolute() for pattern in keep for p in self.path.glob(pattern)}
-        if self.created is not None:
-            roots = [self.created]
-        elif self.path.is_dir():
-            roots = [p.absolute() for p in self.path.iterdir() if p.name not in self.before]
-        else:
-            roots = []
-        for root in roots:
-            _remove_except(root, kept)
-
-
-def _remove_except(path: Path, kept: set[Path]) -> None:
-    if not path.exists() and not path.is_symlink():
-        return
-    if not any(k == path or path in k.parents for k in kept):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    elif path.is_dir() and not path.is_symlink():
-        for child in path.iterdir():
-            _remove_except(child, kept)
-
-
-def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
-    """Create the run directory (or reuse --logdir: an existing folder without a run, or an
-    interrupted run's, only to resume it with the same settings plus --resume)."""
-    if cfg.output.logdir:
-        path = Path(cfg.output.logdir)
-        status, saved = _status(path / "results.json")
-        if status is not None and status != "interrupted":
-            raise UsageError(f"--logdir {path} already holds a finished run; choose another")
-        if status == "interrupted":
-            now, default = (json.loads(json.dumps(c.to_dict())) for c in (cfg, RunConfig()))
-            if cfg.checkpoint.checkpoint_dir:  # the folder, however it is spelled
-                now["checkpoint"]["checkpoint_dir"] = str(
-                    Path(cfg.checkpoint.checkpoint_dir).absolute())
-            # The resume flag, the progress bar and this launch's process wiring may change;
-            # a setting newer than the record was at its default.
-            free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
-            was = {(section, name): saved.get(section, {}).get(name, default[section][name])
-                   for section, fields in now.items() for name in fields}
-            if not was["checkpoint", "checkpoint_dir"]:
-                raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
-                                 f"checkpoint, so it cannot be resumed; choose another --logdir")
-            differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
-                      for section, fields in now.items() for name, value in fields.items()
-                      if name not in free and was[section, name] != value]
-            if differ:
-                raise UsageError(f"--logdir {path} holds an interrupted run with other "
-                                 f"settings ({'; '.join(differ)}); resume it with its own "
-                                 f"settings plus --resume, or choose another --logdir")
-            if not cfg.checkpoint.resume:
-                raise UsageError(f"--logdir {path} holds an interrupted run; resume it with "
-                                 f"the same command plus --resume, or choose another --logdir")
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
-        suffix = 1
-        while path.exists():
-            suffix += 1
-            path = path.with_name(f"{stamp}-{cfg.train.layout}-{mesh_label}-"
-                                  f"{cfg.model.model}-{suffix}")
-    top = path.absolute()
-    while not top.parent.exists():
-        top = top.parent
-    created = top if not top.exists() else None
-    before = frozenset(os.listdir(path)) if created is None and path.is_dir() else frozenset()
-    run_dir = RunDir(path, created, before)
-    try:
-        ensure_writable_dir(path, "--logdir")
-    except UsageError:
-        run_dir.discard()
-        raise
-    return run_dir
-
-
-def _status(results_json: Path) -> tuple[str | None, dict]:
-    """(`status`, config as run) of an existing results.json (runs from before `status`
-    existed: complete); its checkpoint folder as the absolute path the run used."""
-    if not results_json.exists():
-        return None, {}
-    try:
-        results = json.loads(results_json.read_text())
-        saved = results.get("config") or {}
-        folder = (results.get("checkpoint") or {}).get("directory")
-        if folder:
-            saved.setdefault("checkpoint", {})["checkpoint_dir"] = folder
-        return results.get("status", "complete"), saved
-    except (OSError, ValueError, AttributeError):
-        return "complete", {}  # unreadable: do not write over it
-
-
 def report_interrupt(results: dict, logdir: Path | None) -> int:
     """The one line an interrupted run prints; its exit status (130 SIGINT, 143 SIGTERM)."""
     info = results["interrupted"]
@@ -281,7 +173,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
     from jaxdist import loop
-    from jaxdist.writers import format_summary
+    from jaxdist.summary import format_summary
 
     if cfg.compiler.overlap and platform.backend != "gpu":
         print(f"notice: --overlap has no effect on {platform.backend} (its flags are for "
@@ -299,7 +191,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
               file=sys.stderr)
         return 130
     except BaseException as e:
-        if _wrote_record(logdir, loop_started):  # what it measured stays
+        if wrote_record(logdir, loop_started):  # what it measured stays
             print(f"run: failed after writing {logdir / 'results.json'}; {logdir} is kept",
                   file=sys.stderr)
         elif run_dir is not None:
@@ -359,7 +251,7 @@ def main_dry_run(cfg: RunConfig) -> int:
 def main_ps(cfg: RunConfig) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
-    from jaxdist.writers import format_summary
+    from jaxdist.summary import format_summary
     from ps.shard_client import PSError
     from ps.driver import run_ps, validate_ps
 
@@ -396,12 +288,6 @@ def main_ps(cfg: RunConfig) -> int:
     print(f"\nresults:     {logdir / 'results.json'}")
     print(f"TensorBoard: tensorboard --logdir {logdir}")
     return 0
-
-
-def _wrote_record(logdir: Path | None, since: float) -> bool:
-    """Whether this run wrote results.json (at or after `since`)."""
-    record = logdir / "results.json" if logdir is not None else None
-    return record is not None and record.exists() and record.stat().st_mtime >= since
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             print(f"torch_run: error: {e}", file=sys.stderr)
             return 1
         raise
-    from jaxdist.writers import format_summary
+    from jaxdist.summary import format_summary
 
     print()
     print(format_summary(results))

@@ -25,10 +25,12 @@ from collections import defaultdict
 
 import numpy as np
 
+# The HLO text reader (instructions, computations, how often each runs) is jaxdist.hlo;
+# these names are read through comm by the pipeline report and the predictor too.
+from jaxdist.hlo import (INSTRUCTION, conditionals, execution_counts, executions,  # noqa: F401
+                         header, statements)
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# `%name = <shape> <opcode>(`: the shape may be a (nested) tuple with spaces in it.
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-                          r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")
 _BITS = {"pred": 8, "token": 0}
 
@@ -155,129 +157,6 @@ def _ring_factor(kind: str, n: int) -> float:
     if n <= 1:
         return 0.0
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
-
-
-def statements(hlo_text: str):
-    """One HLO instruction or computation header per item. XLA prints one per line; HLO
-    written by hand (XLA's own tests) wraps long ones: a line that does not open an
-    instruction (`name = `), a computation or its closing brace continues the one before,
-    as does every line while a bracket is open (e.g. a multi-line backend_config)."""
-    pending: list[str] = []
-    depth = 0
-    for line in hlo_text.splitlines():
-        bare = _QUOTED.sub("", line)
-        delta = sum(bare.count(c) for c in "([{") - sum(bare.count(c) for c in ")]}")
-        opened = header(line)
-        opens = opened or _IS_INSTRUCTION.match(line)
-        if pending and depth > 0 and not opens:
-            pending.append(line.strip())
-            depth += delta
-            continue
-        stands_alone = opened or line.lstrip().startswith("}") or not line.strip()
-        if opens or stands_alone or not pending:
-            if pending:
-                yield " ".join(pending)
-            pending, depth = [], 0
-            if stands_alone:
-                yield line
-                continue
-        pending.append(line.strip())
-        depth += delta
-    if pending:
-        yield " ".join(pending)
-
-
-_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
-_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_IS_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s+=\s")
-_CALLS = re.compile(r"(?:body|to_apply|calls|condition)=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def header(line: str) -> re.Match | None:
-    return None if _IS_INSTRUCTION.match(line) else _COMPUTATION.match(line)
-
-
-_BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRUE_FALSE = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
-
-
-def branches(line: str) -> list[str]:
-    """A conditional's branch computations in index order (a predicated one: [false, true],
-    index 0 being false as for lax.cond); [] for any other instruction."""
-    listed = _BRANCH_LIST.search(line)
-    if listed:
-        return [b.strip().lstrip("%") for b in listed.group(1).split(",") if b.strip()]
-    named = dict(_TRUE_FALSE.findall(line))
-    return [named["false"], named["true"]] if len(named) == 2 else []
-
-
-def conditionals(hlo_text: str) -> list[tuple[str, list[str]]]:
-    """(computation holding it, its branches) of every conditional, in text order."""
-    out, current = [], None
-    for line in statements(hlo_text):
-        opened = header(line)
-        if opened:
-            current = opened.group(2)
-        elif INSTRUCTION.match(line) and INSTRUCTION.match(line).group("op") == "conditional":
-            out.append((current, branches(line)))
-    return out
-
-
-def execution_counts(hlo_text: str, branch_runs: dict[str, float] | None = None
-                     ) -> tuple[dict[str, float], set[str]]:
-    """How many times each computation runs per step, and which of those counts are upper
-    bounds. A while loop's body (e.g. the scan over micro-batches) runs its known trip count
-    times, and so do the collectives in it; an async-start's wrapped computation runs once
-    per run of the async-start. How often each branch of a conditional runs is data the HLO
-    does not hold: `branch_runs` gives it (runs per step, per device on average) by branch
-    computation; a branch it does not name is counted as running every time its
-    conditional does (an upper bound), and it and what it calls are returned as such."""
-    branch_runs = branch_runs or {}
-    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
-    entry, current = None, None
-    for line in statements(hlo_text):
-        m = header(line)
-        if m:
-            current = m.group(2)
-            entry = current if m.group(1) else entry
-            continue
-        instruction = INSTRUCTION.match(line)
-        # The -update and -done halves of an async op name the same computation as its
-        # -start; following them too would count the wrapped collective two or three times.
-        if current is None or instruction and \
-                instruction.group("op").endswith(("-done", "-update")):
-            continue
-        trip = _TRIP.search(line)
-        for callee in _CALLS.findall(line):
-            body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
-            repeat = int(trip.group(1)) if trip and body else 1
-            calls[current].append((callee, repeat, False))
-        calls[current].extend((branch, 1, True) for branch in branches(line))
-    runs: dict[str, float] = defaultdict(int)
-    guessed: set[str] = set()
-
-    def visit(name: str, times: float, bound: bool, depth: int = 0) -> None:
-        if depth > 50:  # a malformed or recursive graph: count what we have
-            return
-        runs[name] += times
-        if bound:
-            guessed.add(name)
-        for callee, repeat, is_branch in calls.get(name, ()):
-            if is_branch and callee in branch_runs:
-                visit(callee, branch_runs[callee], bound, depth + 1)
-            else:
-                visit(callee, times * repeat, bound or is_branch, depth + 1)
-
-    if entry is not None:
-        visit(entry, 1, False)
-    return dict(runs), guessed
-
-
-def executions(hlo_text: str, branch_runs: dict[str, float] | None = None
-               ) -> dict[str, float]:
-    """execution_counts' runs per computation."""
-    return execution_counts(hlo_text, branch_runs)[0]
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")

@@ -103,7 +103,7 @@ def _same(a, b) -> bool:
 
 
 def format_plan(p: dict) -> str:
-    from jaxdist.writers import human_bytes, replicated_text
+    from jaxdist.summary import human_bytes, replicated_text
 
     devices = 1
     for n in p["mesh"].values():

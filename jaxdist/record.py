@@ -235,8 +235,7 @@ class RunRecord:
         mb = self.cfg("train", "microbatches", 1) or 1
         if mb > 1:
             parts.append(f"mb{mb}")
-        # compiler.overlap (train.overlap in records from before the compiler config)
-        if self.cfg("compiler", "overlap") or self.cfg("train", "overlap"):
+        if self.cfg("compiler", "overlap") or self.cfg("train", "overlap"):  # older records
             parts.append("overlap")
         return "+".join(parts)
 

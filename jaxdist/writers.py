@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from jaxdist.record import write_json
+from jaxdist.summary import format_markdown
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
 # on the training curves, not on these one-point charts ("trial" as in HParams' Trial ID).
@@ -61,21 +62,12 @@ CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 class RunWriter:
     """Everything a run writes under its directory."""
 
     def __init__(self, logdir: Path, config: dict):
         # Imported here: tensorboardX imports torch when it is installed (~3 s), which a
-        # --dry-run (human_bytes) or bad input should not wait for.
+        # --dry-run or bad input should not wait for.
         from tensorboardX import SummaryWriter
 
         self.logdir = logdir
@@ -181,8 +173,7 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
             start.hparams[key].bool_value = bool(value)
         else:
             start.hparams[key].number_value = float(value)
-    # The plugin has no "interrupted" status (SUCCESS, FAILURE, RUNNING, UNKNOWN only); an
-    # interrupted run did not fail, so it is UNKNOWN here and its record says "interrupted".
+    # No "interrupted" status in the plugin (SUCCESS, FAILURE, RUNNING, UNKNOWN): UNKNOWN.
     status = (api_pb2.STATUS_SUCCESS if results.get("status", "complete") == "complete"
               else api_pb2.STATUS_UNKNOWN)
     end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
@@ -255,151 +246,3 @@ def predicted_scalars(results: dict) -> dict[str, float]:
                  for k, v in p["measured_over_predicted"].items()}}
     return {f"predicted/{k}": float(v) for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-# ---------------------------------------------------------------- printed summary
-
-def replicated_text(sharding: dict) -> str:
-    """Replicated bytes and what they are. `replicated_leaves` counts non-scalar leaves
-    only, while the bytes include scalars (step counters, replicated by design)."""
-    size, leaves = sharding["replicated_bytes"], sharding["replicated_leaves"]
-    if not size:
-        return "nothing replicated"
-    if not leaves:
-        return f"{human_bytes(size)} (scalars only: step counters)"
-    return f"{human_bytes(size)} ({leaves} non-scalar leaves, plus any scalar counters)"
-
-
-def summary_rows(results: dict) -> list[tuple[str, str]]:
-    """(label, value) rows of the summary; a value the run does not have reads 'n/a'."""
-    t = results.get("step_time_s") or {}
-    mem = results.get("memory") or {}
-    env = results.get("env") or {}
-    throughput = results.get("throughput") or {}
-    compiled = mem.get("compiled") or {}
-    loss = results.get("loss") or []
-    rows = [
-        ("layout / mesh", f"{results['layout']} on " +
-         " x ".join(f"{k}={v}" for k, v in results["mesh"].items())),
-        ("model", f"{results['model']['name']} ({_num(results['model'].get('params'), '{:,}')}"
-                  f" params)"),
-        ("devices", f"{env.get('num_devices', 'n/a')} x {env.get('device_kind', 'n/a')} "
-                    f"({env.get('backend', 'n/a')}"
-                    f"{', simulated' if env.get('simulated') else ''})"),
-    ]
-    if results.get("status", "complete") != "complete":
-        rows.append(("status", str(results["status"])))
-    rows += [
-        ("compile", _num(results.get("compile_s"), "{:.2f} s") + (
-            f" ({results['compile_note']})" if results.get("compile_s") is None
-            and results.get("compile_note") else "")),
-        ("step time p50 / p90 / p99", " / ".join(_ms(t.get(k)) for k in ("p50", "p90", "p99"))),
-        ("step time mean ± ci95", _mean_line(t)),
-        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s",
-                            throughput.get("reason") or t.get("reason")) + (
-            f", {throughput['tokens_per_s']:.0f} tokens/s"
-            if throughput.get("tokens_per_s") is not None else "")),
-        ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
-        ("state per device (shards)", human_bytes(mem.get("state_bytes_per_device"))),
-        ("compiler bound per device",
-         f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
-         f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
-         is not None else _num(None, "", mem.get("compiled_reason"))),
-        ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
-         mem.get("measured_peak_bytes") is not None else
-         f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
-    ]
-    shard = results.get("sharding")
-    if shard:
-        rows.append(("state sharded / replicated",
-                     f"{human_bytes(shard['sharded_bytes'])} / {replicated_text(shard)}"))
-    pp = results.get("pipeline")
-    if pp:
-        rows += [
-            ("pipeline", f"{pp['schedule']} S={pp['stages']} V={pp['virtual']} "
-                         f"M={pp['microbatches']}: bubble {pp['bubble']:.1%} counted vs "
-                         f"{pp['analytic_bubble']:.1%} {pp['analytic_bubble_formula']}"),
-            ("pipeline stage bytes", f"{human_bytes(pp['stage_bytes']['total'])} sent per "
-                                     f"step (by stage: " + ", ".join(
-                                         human_bytes(b) for b in pp['stage_bytes']['by_stage'])
-             + f") vs analytic {human_bytes(pp['stage_bytes']['analytic'])}"),
-            ("pipeline memory", f"params by stage " + ", ".join(
-                human_bytes(b) for b in pp["memory"]["param_bytes_by_stage"]) +
-             f"; activation stash {pp['live_activation_slots']} x "
-             f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
-        ]
-    rows += [
-        ("collectives per step", _comm_line(results.get("comm"), results.get("comm_reason"))),
-        ("power / energy", _power_line(results.get("power"))),
-        ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
-    ]
-    if results.get("accuracy"):
-        last = results["accuracy"][-1]
-        rows.append(("test accuracy", f"{last['accuracy']:.2%} at step {last['step']}"))
-    return rows
-
-
-def format_summary(results: dict) -> str:
-    """The table printed at the end of a run."""
-    rows = summary_rows(results)
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-def format_markdown(results: dict) -> str:
-    """The same table for TensorBoard's Text tab."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-    lines = ["| | |", "|---|---|"]
-    lines += [f"| {cell(name)} | {cell(value)} |" for name, value in summary_rows(results)]
-    return "\n".join(lines)
-
-
-def _num(value, fmt: str, reason: str | None = None) -> str:
-    """`value` formatted, else n/a with the record's reason when it gives one."""
-    if value is None:
-        return f"n/a ({reason})" if reason else "n/a"
-    return fmt.format(value)
-
-
-def _ms(seconds) -> str:
-    return _num(None if seconds is None else seconds * 1e3, "{:.2f} ms")
-
-
-def _mean_line(t: dict) -> str:
-    if t.get("mean") is None:
-        return f"n/a ({t['reason']})" if t.get("reason") else "n/a"
-    ci = (f" ± {_ms(t['ci95'])}" if t.get("ci95") is not None
-          else " ± n/a (one step: no interval)")
-    note = f"; {t['profiled_note']}" if t.get("profiled_note") else ""
-    return f"{_ms(t['mean'])}{ci} (n={t.get('n', 'n/a')}{note})"
-
-
-def _mfu_line(mfu: dict) -> str:
-    value, hfu = mfu.get("value"), mfu.get("hfu")
-    if value is None and hfu is None:
-        return f"n/a ({mfu.get('reason') or 'not computed'})"
-    line = f"mfu {_num(value, '{:.1%}')}, hfu {_num(hfu, '{:.1%}')}"
-    return line + (f" ({mfu['reason']})" if mfu.get("reason") else "")
-
-
-def _comm_line(block: dict | None, reason: str | None = None) -> str:
-    if not block:
-        return _num(None, "", reason)
-    kinds = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in block["by_kind"].items())
-    line = f"{kinds or 'none'}; ring estimate {human_bytes(int(block['total_ring_bytes']))}"
-    if block.get("analytic_ring_bytes"):
-        line += f" vs analytic {human_bytes(int(block['analytic_ring_bytes']))}"
-    return line
-
-
-def _power_line(power: dict | None) -> str:
-    if not power or not power.get("available"):
-        return f"n/a ({(power or {}).get('reason', 'not measured')})"
-    line = (f"avg {_num(power.get('avg_w'), '{:.0f} W')}, "
-            f"{_num(power.get('energy_per_step_j'), '{:.4g} J/step')}, "
-            f"{_num(power.get('energy_per_sample_j'), '{:.4g} J/sample')}, "
-            f"{_num(power.get('samples_per_s_per_mj'), '{:.4g} samples/(s*MJ)')}")
-    if power.get("flags"):
-        line += " [" + ", ".join(f["code"] for f in power["flags"]) + "]"
-    return line

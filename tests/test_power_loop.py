@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from jaxdist import loop, telemetry
-from jaxdist.writers import format_summary
+from jaxdist.summary import format_summary
 from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
                             OutputConfig, RunConfig, TrainConfig)
 from jaxdist.devices import select_devices

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from jaxdist.record import RunRecord, check
-from jaxdist.writers import format_summary
+from jaxdist.summary import format_summary
 from ps import collect
 from tests.helpers import ROOT, run_cli
 

@@ -189,7 +189,8 @@ def test_interrupted_logdir_with_other_settings_is_refused(interrupted, change, 
 
 
 def test_interrupted_logdir_is_reused_only_to_resume(interrupted, tmp_path):
-    from experiments.run import build_parser, make_logdir
+    from experiments.run import build_parser
+    from experiments.run_dirs import make_logdir
 
     args, logdir = interrupted
     before = _snapshot(logdir.parent)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from jaxdist.writers import (format_markdown, format_summary, run_hparams, run_metrics,
-                             summary_rows, trial_name)
+from jaxdist.summary import format_markdown, format_summary, summary_rows
+from jaxdist.writers import run_hparams, run_metrics, trial_name
 
 
 def results(**changes) -> dict:

@@ -106,7 +106,7 @@ def plan_pipeline(cfg, shape) -> dict:
 
 
 def format_pipeline_plan(p: dict) -> str:
-    from jaxdist.writers import human_bytes
+    from jaxdist.summary import human_bytes
 
     pp = p["pipeline"]
     devices = math.prod(p["mesh"].values())

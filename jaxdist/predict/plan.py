@@ -152,7 +152,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
 def memory_line(p: dict) -> str:
     """The memory verdict in words: jaxdist.predict.memory's estimate for one program, the
     pipeline memory plan's worst stage for a pipeline."""
-    from jaxdist.writers import human_bytes
+    from jaxdist.summary import human_bytes
 
     mem = p["memory"]
     if "pipeline" in p:
@@ -172,7 +172,7 @@ def memory_line(p: dict) -> str:
 
 
 def format_prediction(p: dict) -> str:
-    from jaxdist.writers import human_bytes
+    from jaxdist.summary import human_bytes
 
     hw, mem, t, thr = p["hardware"], p["memory"], p["time"], p["throughput"]
     mesh = " x ".join(f"{k}={v}" for k, v in p["mesh"].items())

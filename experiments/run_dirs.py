@@ -1,0 +1,126 @@
+"""The run directory of `experiments.run`: made (or an existing --logdir reused: a folder
+without a run, or an interrupted run's to resume it), and on failure what this run made in
+it removed, never what was there before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxdist.config import RunConfig
+from jaxdist.errors import UsageError
+from jaxdist.record import ensure_writable_dir
+
+
+@dataclass
+class RunDir:
+    """A run directory and what this run made in it, so a failed run removes exactly that:
+    never a directory the user pointed --logdir at, nor what was in it before."""
+    path: Path
+    created: Path | None        # topmost directory this run created (None: it existed)
+    before: frozenset[str] = frozenset()  # entries of an existing directory at the start
+
+    def discard(self, keep: tuple[str, ...] = ()) -> None:
+        """Remove what this run wrote; files matching the globs in `keep` (logs an error
+        message points to) stay, with the folders that hold them."""
+        kept = {p.absolute() for pattern in keep for p in self.path.glob(pattern)}
+        if self.created is not None:
+            roots = [self.created]
+        elif self.path.is_dir():
+            roots = [p.absolute() for p in self.path.iterdir() if p.name not in self.before]
+        else:
+            roots = []
+        for root in roots:
+            _remove_except(root, kept)
+
+
+def _remove_except(path: Path, kept: set[Path]) -> None:
+    if not path.exists() and not path.is_symlink():
+        return
+    if not any(k == path or path in k.parents for k in kept):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    elif path.is_dir() and not path.is_symlink():
+        for child in path.iterdir():
+            _remove_except(child, kept)
+
+
+def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
+    """Create the run directory (or reuse --logdir: an existing folder without a run, or an
+    interrupted run's, only to resume it with the same settings plus --resume)."""
+    if cfg.output.logdir:
+        path = Path(cfg.output.logdir)
+        status, saved = _status(path / "results.json")
+        if status is not None and status != "interrupted":
+            raise UsageError(f"--logdir {path} already holds a finished run; choose another")
+        if status == "interrupted":
+            now, default = (json.loads(json.dumps(c.to_dict())) for c in (cfg, RunConfig()))
+            if cfg.checkpoint.checkpoint_dir:  # the folder, however it is spelled
+                now["checkpoint"]["checkpoint_dir"] = str(
+                    Path(cfg.checkpoint.checkpoint_dir).absolute())
+            # The resume flag, the progress bar and this launch's process wiring may change;
+            # a setting newer than the record was at its default.
+            free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
+            was = {(section, name): saved.get(section, {}).get(name, default[section][name])
+                   for section, fields in now.items() for name in fields}
+            if not was["checkpoint", "checkpoint_dir"]:
+                raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
+                                 f"checkpoint, so it cannot be resumed; choose another --logdir")
+            differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
+                      for section, fields in now.items() for name, value in fields.items()
+                      if name not in free and was[section, name] != value]
+            if differ:
+                raise UsageError(f"--logdir {path} holds an interrupted run with other "
+                                 f"settings ({'; '.join(differ)}); resume it with its own "
+                                 f"settings plus --resume, or choose another --logdir")
+            if not cfg.checkpoint.resume:
+                raise UsageError(f"--logdir {path} holds an interrupted run; resume it with "
+                                 f"the same command plus --resume, or choose another --logdir")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = path.with_name(f"{stamp}-{cfg.train.layout}-{mesh_label}-"
+                                  f"{cfg.model.model}-{suffix}")
+    top = path.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    created = top if not top.exists() else None
+    before = frozenset(os.listdir(path)) if created is None and path.is_dir() else frozenset()
+    run_dir = RunDir(path, created, before)
+    try:
+        ensure_writable_dir(path, "--logdir")
+    except UsageError:
+        run_dir.discard()
+        raise
+    return run_dir
+
+
+def _status(results_json: Path) -> tuple[str | None, dict]:
+    """(`status`, config as run) of an existing results.json (runs from before `status`
+    existed: complete); its checkpoint folder as the absolute path the run used."""
+    if not results_json.exists():
+        return None, {}
+    try:
+        results = json.loads(results_json.read_text())
+        saved = results.get("config") or {}
+        folder = (results.get("checkpoint") or {}).get("directory")
+        if folder:
+            saved.setdefault("checkpoint", {})["checkpoint_dir"] = folder
+        return results.get("status", "complete"), saved
+    except (OSError, ValueError, AttributeError):
+        return "complete", {}  # unreadable: do not write over it
+
+
+def wrote_record(logdir: Path | None, since: float) -> bool:
+    """Whether this run wrote results.json (at or after `since`)."""
+    record = logdir / "results.json" if logdir is not None else None
+    return record is not None and record.exists() and record.stat().st_mtime >= since
