@@ -44,7 +44,7 @@ def _wait_for_steps(proc, timeout=60):
     pytest.fail("the run exited before compiling")
 
 
-def _finish(procs, timeout=60):
+def _finish(procs, timeout=120):
     """(returncode, stderr) of each; whatever is still running is killed."""
     out = []
     try:
