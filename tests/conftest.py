@@ -17,21 +17,23 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-# Tests that start servers or several processes on 127.0.0.1 ports (jax.distributed
-# coordinators, gRPC shard servers, gloo, tensorboard) run on one xdist worker, one at a
-# time: under `make test -n 2` a two-process run once failed at exit while other such tests
-# ran beside it, never alone (a port or coordination-service clash is the suspect).
-PORT_TESTS = {"test_multiprocess.py", "test_interrupt.py", "test_ps_run.py",
-              "test_ps_server.py", "test_chaos_ps.py", "test_torch_ref.py",
-              "test_compare.py", "test_tensorboard.py", "test_record.py"}
+# Modules whose module-scoped fixtures start runs (a PS job, torch ranks, a suite, CLI runs):
+# under `make test -n 2 --dist loadgroup` all of a module's tests go to one xdist worker, so
+# each fixture runs once instead of once per worker. (A "ports" group once kept every
+# process- and port-using test on one worker, for a two-process failure at exit that was in
+# fact the interrupted run's hparams crash, fixed since: writers.hparams_summaries.)
+SHARED_FIXTURES = {"test_compare.py", "test_equivalence.py", "test_ps_record.py",
+                   "test_ps_run.py", "test_ps_server.py", "test_record.py", "test_run_cli.py",
+                   "test_run_dirs_safety.py", "test_suite_report.py",
+                   "test_tensor_parallel.py", "test_tensorboard.py", "test_torch_ref.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        if item.path.name in PORT_TESTS:
-            item.add_marker(pytest.mark.xdist_group("ports"))
+        if item.path.name in SHARED_FIXTURES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def pytest_runtest_logreport(report):
