@@ -87,7 +87,8 @@ def format_ranking(ranking: dict, markdown: bool = False) -> str:
     lines = [f"{LABEL} (not measured) on {meta.get('hardware', '?')}: ranked by predicted "
              f"tokens/s per GPU; the step split into device time (compute or HBM), exposed "
              f"communication by link and the pipeline bubble (seconds). GiB/dev: the train state "
-             f"(exact) + XLA:CPU's temporaries (an upper bound; fits '?' = unknown) for "
+             f"(exact) + gradients + saved activations + working set (jaxdist.predict.memory; "
+             f"fits '?' = unknown: an estimate without remat, an upper bound, over HBM) for "
              f"non-pipeline rows; + activations estimated per stage for pipeline rows"]
     head = ["rank", "run", "mesh", "schedule", "GiB/dev", "fits", "step s", "tok/s/GPU",
             "MFU", "device", "intra", "inter", "bubble", "bottleneck"]
