@@ -74,7 +74,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
                          f"M={pp['microbatches']}: bubble {pp['bubble']:.1%} counted vs "
                          f"{pp['analytic_bubble']:.1%} {pp['analytic_bubble_formula']}"),
             ("pipeline stage bytes", f"{human_bytes(pp['stage_bytes']['total'])} sent per "
-                                     f"step (by stage: " + ", ".join(
+                                     f"step, a device of each stage summed (by stage: " +
+                                     ", ".join(
                                          human_bytes(b) for b in pp['stage_bytes']['by_stage'])
              + f") vs analytic {human_bytes(pp['stage_bytes']['analytic'])}"),
             ("pipeline memory", f"params by stage " + ", ".join(
@@ -83,7 +84,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
              f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
         ]
     rows += [
-        ("collectives per step", _comm_line(results.get("comm"), results.get("comm_reason"))),
+        ("collectives per device/step", _comm_line(results.get("comm"), results.get("comm_reason"))),
         ("power / energy", _power_line(results.get("power"))),
         ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
     ]

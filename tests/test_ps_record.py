@@ -75,7 +75,7 @@ def test_ps_summary_says_why_every_figure_is_missing(ps_run):
     proc, _, r, _ = ps_run
     tp = r["throughput"]
     assert BARE_NA.findall(proc.stdout) == [], proc.stdout
-    assert re.search(r"\n  collectives per step +n/a \(not XLA collectives: workers exchange "
+    assert re.search(r"\n  collectives per device/step +n/a \(not XLA collectives: workers exchange "
                      r"gradients and parameters with the shards over gRPC", proc.stdout)
     assert (f"  job throughput         {tp['samples_per_s']:.1f} samples/s = 24 samples (by "
             f"worker: w0 12, w1 12) / {tp['window_s']:.3f} s shared window") in proc.stdout
@@ -117,7 +117,7 @@ def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
     assert BARE_NA.findall(proc.stdout) == [], proc.stdout
     assert re.search(r"\n  compiler bound per device +n/a \(eager PyTorch: no compiled "
                      r"program, so no compiler bound\)\n", proc.stdout)
-    assert re.search(r"\n  collectives per step +n/a \(not read for PyTorch: its collectives "
+    assert re.search(r"\n  collectives per device/step +n/a \(not read for PyTorch: its collectives "
                      r"\(gloo/NCCL, eager\) are not analysed", proc.stdout)
     r = json.loads((tmp_path / "t" / "results.json").read_text())
     assert check(r) == [] and r["comm"] is None
