@@ -25,10 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-# The HLO text reader (instructions, computations, how often each runs) is jaxdist.hlo;
-# these names are read through comm by the pipeline report and the predictor too.
-from jaxdist.hlo import (INSTRUCTION, conditionals, execution_counts, executions,  # noqa: F401
-                         header, statements)
+from jaxdist.hlo import INSTRUCTION, execution_counts, header, statements
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist import comm
+from jaxdist import comm, hlo
 from jaxdist.data import TrainStream
 from jaxdist.loop import comm_block
 from jaxdist.mesh import MeshShape
@@ -213,7 +213,7 @@ def test_conditional_branches_in_a_loop_are_weighed_or_marked_upper_bounds():
     x = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P("data")))
     which = jax.ShapeDtypeStruct((6,), jnp.int32, sharding=NamedSharding(mesh, P()))
     hlo_text = f.lower(x, which).compile().as_text()
-    conds = comm.conditionals(hlo_text)
+    conds = hlo.conditionals(hlo_text)
     assert len(conds) == 1 and len(conds[0][1]) == 2
     small_branch, big_branch = conds[0][1]
     guessed = comm.collectives(hlo_text, {"data": 2})

@@ -118,6 +118,14 @@ def test_two_processes_stop_on_the_same_step(tmp_path):
     assert results["interrupted"]["timed_steps"] == results["steps_done"]
 
 
+def _tiny_run(logdir, warmup: int, steps: int) -> dict:
+    """mlp-tiny on 2x4 in this process (loop.run), its outputs in `logdir`."""
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=warmup, steps=steps),
+                    output=OutputConfig(progress=False))
+    return loop.run(cfg, select_devices(MeshShape(2, 4)), logdir, log=lambda *_: None)
+
+
 class StopAfter:
     """Stands in for jaxdist.stop.StopRequest: a SIGINT "arrives" once `n` steps are done."""
     def __init__(self, n):
@@ -143,10 +151,7 @@ class StopAfter:
 
 def test_stopped_in_warmup_has_no_step_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "StopRequest", StopAfter(2))
-    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
-                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=5, steps=5),
-                    output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = _tiny_run(tmp_path, warmup=5, steps=5)
     assert results["status"] == "interrupted" and results["steps_done"] == 2
     steps = results["step_time_s"]
     assert steps["n"] == 0 and steps["mean"] is None and steps["p50"] is None
@@ -166,10 +171,7 @@ def test_stopped_after_timed_steps_keeps_its_record_and_tensorboard_summary(tmp_
     from tensorboard.plugins.hparams import api_pb2, metadata
 
     monkeypatch.setattr(loop, "StopRequest", StopAfter(4))
-    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
-                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=1, steps=10),
-                    output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = _tiny_run(tmp_path, warmup=1, steps=10)
     assert results["status"] == "interrupted" and results["steps_done"] == 4
     assert results["step_time_s"]["n"] == 3 == results["interrupted"]["timed_steps"]
     assert json.loads((tmp_path / "results.json").read_text())["steps_done"] == 4
@@ -181,10 +183,7 @@ def test_stopped_after_timed_steps_keeps_its_record_and_tensorboard_summary(tmp_
 
 
 def test_a_complete_run_says_so(tmp_path):
-    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
-                    train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=1, steps=2),
-                    output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = _tiny_run(tmp_path, warmup=1, steps=2)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["status"] == "complete" and on_disk["interrupted"] is None
     assert on_disk["steps_done"] == 3 == len(results["loss"])

@@ -9,7 +9,7 @@ import math
 import jax
 import numpy as np
 
-from jaxdist import comm, metrics
+from jaxdist import comm, hlo, metrics
 from jaxdist.pipeline.schedule import BWD, FWD, WGT
 from jaxdist.pipeline.step import pattern_runs
 
@@ -32,12 +32,12 @@ def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
     axis = names.index("stage")
     out, current = [], None
-    for line in comm.statements(hlo_text):
-        opened = comm.header(line)
+    for line in hlo.statements(hlo_text):
+        opened = hlo.header(line)
         if opened:
             current = opened.group(2)
             continue
-        m = comm.INSTRUCTION.match(line)
+        m = hlo.INSTRUCTION.match(line)
         if m and m.group("op") in ("collective-permute", "collective-permute-start"):
             _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
                                       m.group("rest"))
@@ -45,7 +45,8 @@ def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str
     return out
 
 
-def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict[str, float]:
+def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
+                permutes: list | None = None) -> dict[str, float]:
     """How often each branch of the tick loop's switches runs per step, per device on
     average (XLA cannot say; the schedule table that drives the switches can), by branch
     computation, for jaxdist.comm.collectives:
@@ -56,9 +57,10 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict[str, f
     - the two-way conditionals directly inside an action's branch: the head's
       `lax.cond(is_last, ...)` of jaxdist/pipeline/parts.py, true on the last chunk only.
     Any other conditional stays unnamed, so its collectives are marked upper bounds."""
-    conds = comm.conditionals(hlo_text)
+    conds = hlo.conditionals(hlo_text)
     S = sched.stages
-    permutes = _stage_permutes(hlo_text, mesh_shape) if "stage" in mesh_shape else []
+    if permutes is None:  # _stage_permutes' list, when the caller has it
+        permutes = _stage_permutes(hlo_text, mesh_shape) if "stage" in mesh_shape else []
     sending = {c for c, _, pairs in permutes if pairs}
     runs: dict[str, float] = {}
     send = [b for _, b in conds if sending & set(b)]
@@ -96,10 +98,11 @@ def stage_sends(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict:
     are the HLO's."""
     if "stage" not in mesh_shape:
         return {"by_stage": [], "total_bytes": 0, "messages": 0}
-    runs = comm.executions(hlo_text, switch_runs(hlo_text, mesh_shape, sched))
+    permutes = _stage_permutes(hlo_text, mesh_shape)
+    runs = hlo.executions(hlo_text, switch_runs(hlo_text, mesh_shape, sched, permutes))
     by_stage = [0] * mesh_shape["stage"]
     messages = 0
-    for computation, result, sources in _stage_permutes(hlo_text, mesh_shape):
+    for computation, result, sources in permutes:
         times = runs.get(computation, 1)
         for src in sources:
             by_stage[src] += result * times

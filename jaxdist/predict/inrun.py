@@ -21,6 +21,7 @@ from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, check_nodes, get_hardware
 from jaxdist.predict import model
 from jaxdist.predict.program import flash_attention_applies
+from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def part_for_device_kind(device_kind: str | None) -> str | None:
@@ -47,7 +48,7 @@ def run_memory(cfg, model_cfg, shape, mesh: dict, hw, cpu_temp_bytes: int) -> di
     from jaxdist import dryrun
     from jaxdist.predict.plan import memory_estimate, pipeline_memory
 
-    if cfg.train.layout in ("pp", "tp_pp", "fsdp_pp"):
+    if cfg.train.layout in PIPELINE_LAYOUTS:
         from jaxdist.pipeline.plan import plan_pipeline
         return pipeline_memory(plan_pipeline(cfg, shape), hw)
     return memory_estimate(cfg, model_cfg, dryrun.plan(cfg, shape),
@@ -87,7 +88,7 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
     n = len(platform.devices)
     mem = results["memory"]
     temp = (mem.get("compiled") or {}).get("temp_bytes") or 0
-    if cfg.train.layout in ("pp", "tp_pp", "fsdp_pp"):
+    if cfg.train.layout in PIPELINE_LAYOUTS:
         if jax.process_count() > 1:
             return absent("pipeline layouts are predicted from op pieces compiled on one "
                           "process's devices; this run has several processes (use --dry-run "
