@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -64,3 +65,12 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: 
     return subprocess.run([sys.executable, "-m", "experiments.run", *args, "--no-progress"],
                           cwd=cwd or ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@dataclass(frozen=True)
+class FakeGPU:
+    """A device of a multi-host GPU cluster as jax lists it (id, host), for device-order tests."""
+    id: int
+    process_index: int
+    platform: str = "gpu"
+    device_kind: str = "NVIDIA H200"

@@ -1,9 +1,9 @@
-from dataclasses import dataclass
 
 import pytest
 
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, hybrid_device_array, parse_mesh
+from tests.helpers import FakeGPU
 
 
 @pytest.mark.parametrize("text, shape", [
@@ -48,14 +48,6 @@ def test_axes_and_labels():
 
 def test_minus_one_resolves_to_every_device():
     assert parse_mesh("-1").resolve(32) == MeshShape(32, 1)
-
-
-@dataclass(frozen=True)
-class FakeGPU:
-    id: int
-    process_index: int
-    platform: str = "gpu"
-    device_kind: str = "NVIDIA H200"
 
 
 def test_fsdp_axis_stays_inside_a_host():

@@ -257,16 +257,8 @@ def test_multi_host_stage_placement_keeps_tensor_in_a_host():
     """Megatron's placement on several hosts: a stage's tensor group is inside one host (the
     NVLink domain) and the stage-to-stage sends cross hosts. Devices carry their host as
     process_index and are listed in a scrambled order, as a cluster may report them."""
-    from dataclasses import dataclass
-
     from jaxdist.mesh import MeshShape, hybrid_device_array
-
-    @dataclass(frozen=True)
-    class FakeGPU:
-        id: int
-        process_index: int
-        platform: str = "gpu"
-        device_kind: str = "NVIDIA H200"
+    from tests.helpers import FakeGPU
 
     def hosts(n_hosts, per_host):
         return [FakeGPU(h * per_host + i, h) for i in range(per_host)
