@@ -189,6 +189,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
     sizes = [mesh_shape[a] for a in names]
     everyone = list(range(math.prod(sizes)))
     runs, guessed = execution_counts(hlo_text, branch_runs)
+    # Computations an async-start wraps: their collectives run asynchronously (XLA:GPU).
+    wrapped = set(re.findall(r"async-start\(.*?calls=%?([\w.\-]+)", hlo_text))
     out = []
     current = None
     for line in statements(hlo_text):
@@ -230,7 +232,11 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
         out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
                     "axes": _spanned_axes(names, sizes, links),
                     "ring_bytes": buffer * times * _ring_factor(kind, n),
-                    "upper_bound": current in guessed})
+                    "upper_bound": current in guessed,
+                    "async": op.endswith("-start") or current in wrapped,
+                    "dtypes": sorted(set(re.findall(r"\b(bf16|f16|f32|f64|s32|u32|s8|u8|"
+                                                    r"f8e4m3fn|f8e5m2|pred)\[",
+                                                    m.group("shape"))))})
     return out
 
 

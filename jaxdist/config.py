@@ -35,6 +35,10 @@ class CompilerConfig:
     overlap: bool = _opt(False, "overlap communication with compute on GPU: XLA's latency-"
                          "hiding scheduler and async collectives (no effect on CPU)")
     xla_flags: str = _opt("", "extra XLA flags, appended to XLA_FLAGS before JAX starts")
+    compiler: str = _opt("auto", "which XLA compiles a --hardware prediction: gpu (XLA:GPU for "
+                         "the part's topology, no GPU needed; `make gpu-compiler`), cpu "
+                         "(XLA:CPU on simulated devices), auto (gpu when installed)",
+                         choices=("auto", "gpu", "cpu"))
 
 
 @dataclass(frozen=True)

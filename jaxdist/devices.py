@@ -33,6 +33,26 @@ OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
                  "--xla_gpu_enable_highest_priority_async_stream=true")
 
 
+_NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
+
+def decide_platform() -> str | None:
+    """The one place that decides whether JAX may start its GPU backend. With the jax-cuda12
+    plugin installed (for XLA:GPU compiles without a device) but no NVIDIA driver, the plugin
+    would fail at start-up and print a traceback before falling back to CPU: JAX_PLATFORMS is
+    then set to cpu (the CUDA topology for device-less compiles works beside it). A
+    JAX_PLATFORMS the user set, or a machine with a driver, is left alone. Returns what it
+    set, or None."""
+    if os.environ.get("JAX_PLATFORMS") or any(os.path.exists(p) for p in _NVIDIA_DRIVER):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is None:
+        return None
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return "cpu"
+
+
 def configure_xla_flags(extra: str, overlap: bool) -> str:
     """Append the user's flags (and the overlap set) to XLA_FLAGS before any backend starts.
     Returns the flags added."""

@@ -22,14 +22,13 @@ from jaxdist.mesh import build_mesh
 from jaxdist.record import write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
-from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
+from jaxdist import compiled as compiled_mod
+from jaxdist.train_step import compiled_step_flops, put_batch
 from jaxdist.writers import NullWriter, RunWriter
-from jaxdist.pipeline.program import PipelineProgram, build_pipeline_program
+from jaxdist.pipeline.program import PipelineProgram
 from jaxdist.pipeline.report import pipeline_block, switch_runs
 from jaxdist.predict.inrun import safe_prediction_block
 from models.build import build_model
-from sharding import get_layout
-from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
@@ -37,17 +36,8 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
     """One run; `stop` is the entry point's StopRequest (installed early), else the loop
     installs its own for its duration."""
     model_cfg, dataset = build_model(cfg)
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    mesh = build_mesh(platform.shape, platform.devices)
-    if cfg.train.layout in PIPELINE_LAYOUTS:
-        program = build_pipeline_program(
-            model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh, cfg.train.seed,
-            cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
-            matmul_precision=cfg.model.matmul_precision)
-    else:
-        program = build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout),
-                                mesh, cfg.train.seed, cfg.train.microbatches,
-                                matmul_precision=cfg.model.matmul_precision)
+    program = compiled_mod.step_program(cfg, model_cfg,
+                                        build_mesh(platform.shape, platform.devices))
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps
@@ -246,6 +236,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
                                       *metrics.measured_peak(platform.devices)),
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
         "comm": comm_block(cfg.train.layout, compiled, program),
+        "program": program_block(cfg, platform, program, compiled),
         "pipeline": (pipeline_block(program, compiled, state, batch,
                                     model_cfg.flops_per_sample() * batch,
                                     len(platform.devices))
@@ -256,6 +247,22 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     if results["pipeline"]:  # bytes each stage sends, beside the analytic activation volume
         results["comm"]["stage"] = results["pipeline"]["stage_bytes"]
     return results
+
+
+def program_block(cfg, platform, program, compiled) -> dict:
+    """results["program"]: which compiler built the step, its kernels per step per device
+    (jaxdist.kernels) and XLA's own cost counts; never fails the run it describes."""
+    try:
+        mesh_shape = dict(program.batch_sharding.mesh.shape)
+        runs = (switch_runs(compiled.as_text(), mesh_shape, program.schedule)
+                if isinstance(program, PipelineProgram) else None)
+        reading = compiled_mod.read(compiled, compiled_mod.run_devices(platform), mesh_shape,
+                                    runs)
+    except Exception as e:  # noqa: BLE001 - the run's measurement stands
+        return {"compiler": None, "reason": f"{type(e).__name__}: {e}"}
+    return {"compiler": reading["label"], "kernels": reading["kernels"],
+            "kernels_upper_bound": reading["kernels_upper_bound"],
+            "xla_cost": reading["xla_cost"]}
 
 
 def mfu_block(cfg, model_cfg, program, compiled, device_kind: str, num_devices: int,

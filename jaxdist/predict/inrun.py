@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxdist import comm
+from jaxdist import compiled as compiled_mod
 from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, check_nodes, get_hardware
 from jaxdist.predict import model
@@ -56,6 +56,18 @@ def run_memory(cfg, model_cfg, shape, mesh: dict, hw, cpu_temp_bytes: int) -> di
                            cpu_temp_bytes)
 
 
+def prediction_target(cfg, platform, hw):
+    """Where the prediction's program comes from: a GPU run's own devices; for a simulated
+    run, XLA:GPU for `hw`'s topology when the GPU compiler is here (--compiler auto/gpu),
+    else the run's own simulated devices (XLA:CPU)."""
+    from jaxdist.gpu_targets import target_for
+
+    if platform.backend == "gpu" or cfg.compiler.compiler == "cpu" or \
+            compiled_mod.gpu_compiler_missing() or target_for(hw.name) is None:
+        return compiled_mod.run_devices(platform)
+    return compiled_mod.gpu_topology(hw, len(platform.devices))
+
+
 def safe_prediction_block(cfg, platform, model_cfg, program, compiled, results: dict) -> dict:
     """prediction_block, never failing the run it is added to: an error becomes the reason."""
     flops = (results.get("mfu") or {}).get("compiled_flops_per_step")
@@ -88,19 +100,28 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
     n = len(platform.devices)
     mem = results["memory"]
     temp = (mem.get("compiled") or {}).get("temp_bytes") or 0
+    target = prediction_target(cfg, platform, hw)
     if cfg.train.layout in PIPELINE_LAYOUTS:
         if jax.process_count() > 1:
             return absent("pipeline layouts are predicted from op pieces compiled on one "
                           "process's devices; this run has several processes (use --dry-run "
                           "--hardware)")
         from jaxdist.predict.pipeline import pipeline_step
-        step = pipeline_step(cfg, model_cfg, mesh, hw)["time"]
+        step = pipeline_step(cfg, model_cfg, mesh, hw, target=target)["time"]
     else:
-        cost = compiled.cost_analysis()
-        cost = (cost[0] if isinstance(cost, list) else cost) or {}
-        ops = model.aggregate(comm.collectives(compiled.as_text() or "", mesh))
-        step = model.step_time(step_flops or 0.0, float(cost.get("bytes accessed", 0.0)), ops,
-                               hw, mesh, cfg.model.dtype, cfg.compiler.overlap,
+        if target.device_less:  # a simulated run predicted from XLA:GPU's program for hw
+            from jaxdist.predict.program import figures
+            fig = figures(cfg, model_cfg, platform.shape, target)
+            flops, bytes_accessed, ops = fig["flops"], fig["bytes_accessed"], fig["comm"]
+        else:  # the run's own compiled step
+            reading = compiled_mod.read(compiled, target, mesh, step_flops=step_flops)
+            flops, bytes_accessed = reading["flops"], reading["bytes_accessed"]
+            ops = model.aggregate(reading["collectives"])
+        if not flops:
+            return absent(f"{target.compiler}'s program gave no FLOPs for this step, so no "
+                          f"compute time can be predicted")
+        step = model.step_time(flops, bytes_accessed, ops, hw, mesh, cfg.model.dtype,
+                               cfg.compiler.overlap,
                                matmul_precision=cfg.model.matmul_precision)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
@@ -114,9 +135,10 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
     simulated = platform.simulated or platform.backend == "cpu"
     return {
         "label": model.LABEL, "available": True, "hardware": hw.name, "source": source,
-        "basis": f"this run's compiled step ({platform.backend}) through "
+        "compiler": target.label,
+        "basis": f"this run's step compiled by {target.label}, through "
                  f"jaxdist.predict.model" + (" (pipeline: the tick model, its op pieces "
-                                             "compiled on this run's devices)"
+                                             "compiled there)"
                                              if "pipeline" in step else ""),
         "predicted": {"step_s": step["step_s"],
                       "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],

@@ -31,10 +31,10 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdist import comm, metrics
+from jaxdist import compiled as compiled_mod
 from jaxdist.hardware import Hardware, constant
 from jaxdist.predict.model import LABEL, aggregate, ring_latency, step_time
-from jaxdist.predict.program import flash_attention_applies
+from jaxdist.predict.program import cpu_compilable, flash_attention_applies
 from jaxdist.pipeline.schedule import BWD, FWD, Schedule, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from sharding import get_layout
@@ -143,30 +143,35 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
 
 # ---- compiling the pieces -------------------------------------------------------------
 
-def stage_mesh(sizes: dict[str, int]) -> Mesh:
-    """One stage's devices: the mesh with `stage` = 1 (kept as an axis for the specs)."""
+def stage_mesh(sizes: dict[str, int], target) -> Mesh:
+    """One stage's devices (the first node's, as stage 0 holds them): the mesh with `stage`
+    = 1 (kept as an axis for the specs)."""
     dims = {"stage": 1, **{a: n for a, n in sizes.items() if a != "stage"}}
-    devices = np.array(jax.devices()[:math.prod(dims.values())]).reshape(tuple(dims.values()))
+    devices = np.array(target.devices[:math.prod(dims.values())]).reshape(
+        tuple(dims.values()))
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def _read(compiled, sizes: dict) -> dict:
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}
-    memory = metrics.compiled_memory(compiled) or {}
-    return {"flops": metrics.compiled_flops(compiled) or 0.0,
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "comm": aggregate(comm.collectives(compiled.as_text(), sizes)),
-            "memory": {"temp_bytes": memory.get("temp_bytes", 0)}}
+def _read(jitted, args, target, sizes: dict) -> dict:
+    """Compile and read through jaxdist.compiled: an op's or the tail's figures."""
+    compiled, seconds = compiled_mod.compile_timed(jitted, *args)
+    reading = compiled_mod.read(compiled, target, sizes, compile_s=seconds)
+    if not target.gpu and not reading["flops"]:
+        raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
+                                        "pipeline op")
+    return {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
+            "comm": aggregate(reading["collectives"]),
+            "memory": {"temp_bytes": reading["memory"].get("temp_bytes", 0)},
+            "kernels": reading["kernels"]}
 
 
 def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
-               rows: int) -> dict:
+               rows: int, target) -> dict:
     """One chunk of `blocks` blocks: its forward or backward for one micro-batch of `rows`
     rows per data shard, compiled on one stage's devices as the pipeline step runs it."""
     from jaxdist.pipeline.program import pipeline_state
 
-    mesh = stage_mesh(sizes)
+    mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     _, abstract, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1)
@@ -199,17 +204,16 @@ def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
                                                batch, batch)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
-    compiled = jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"],
-                            tokens, act, act).compile()
-    return _read(compiled, dict(mesh.shape))
+    return _read(jitted, (abstract["params"]["stages"], abstract["params"]["shared"], tokens,
+                          act, act), target, dict(mesh.shape))
 
 
-def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int) -> dict:
+def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> dict:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
     from jaxdist.pipeline.plan import pipeline_planning_state
 
-    devices = np.array(jax.devices()[:math.prod(sizes.values())]).reshape(
+    devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
     mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
@@ -239,9 +243,7 @@ def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int) -> dict:
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)
-    with jax.set_mesh(mesh):
-        compiled = jitted.lower(state, params).compile()
-    return _read(compiled, sizes)
+    return _read(MeshJit(jitted, mesh), (state, params), target, sizes)
 
 
 # ---- the whole prediction ----------------------------------------------------------------
@@ -301,7 +303,8 @@ def cached(cache: dict | None, key, make):
     return cache[key]
 
 
-def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None = None) -> dict:
+def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None = None,
+                  target=None) -> dict:
     """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
     layout's step on `hw`."""
     S = sizes["stage"]
@@ -309,21 +312,27 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V)
     K = model_cfg.depth // (S * V)
     rows = microbatch_rows(cfg, sizes)
+    target = target or compiled_mod.simulated_cpu(math.prod(sizes.values()))
+    # XLA:GPU compiles cuDNN attention itself; XLA:CPU's scores are measured and removed.
+    flash = not target.gpu and flash_attention_applies(model_cfg, cfg.model.dtype)
+    if not target.gpu:
+        model_cfg = cpu_compilable(model_cfg)
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
-    common = (repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
+    common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
               cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches)
 
     def op(blocks, kind, last):
         return cached(cache, ("op", *common, blocks, kind, last),
-                      lambda: op_figures(cfg, model_cfg, sizes, blocks, kind, last, rows))
+                      lambda: op_figures(cfg, model_cfg, sizes, blocks, kind, last, rows,
+                                         target))
 
-    flash = flash_attention_applies(model_cfg, cfg.model.dtype)
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
-    half_common = (repr(half), *common[1:3], 2 * rows, *common[4:])
+    half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
 
     def half_op(blocks, kind):
         return cached(cache, ("op", *half_common, blocks, kind, False),
-                      lambda: op_figures(cfg, half, sizes, blocks, kind, False, 2 * rows))
+                      lambda: op_figures(cfg, half, sizes, blocks, kind, False, 2 * rows,
+                                         target))
 
     figs, removed = {}, {}
     for kind in (FWD, BWD):
@@ -338,7 +347,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
             figs[(kind, last)] = fig
         removed[kind] = scores
     tail = cached(cache, ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V),
-                  lambda: tail_figures(cfg, model_cfg, sizes, S, V))
+                  lambda: tail_figures(cfg, model_cfg, sizes, S, V, target))
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
@@ -364,7 +373,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                                          "backward": removed[BWD]["bytes_accessed"]},
         "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
                "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
-    return {"time": time, "ops": per_op, "schedule": sched.summary(),
+    return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
             "blocks_per_chunk": K, "flops_per_device": flops,
             "method": f"chunk forward/backward compiled at 1 and 2 blocks on one stage's "
                       f"devices, extrapolated to {K}; tail (gradient reduction, optimizer) "

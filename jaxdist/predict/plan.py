@@ -3,7 +3,7 @@ turned into a predicted memory verdict and step time on NAME (jaxdist.predict.mo
 
 from __future__ import annotations
 
-from jaxdist import dryrun
+from jaxdist import compiled, dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
@@ -23,7 +23,8 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
         return predict_pipeline_plan(cfg, shape, hw, cache)
     model_cfg, _ = build_model(cfg)
     state = dryrun.plan(cfg, shape)
-    figures, quadratic = compiled_figures(cfg, model_cfg, shape, blocks, cache)
+    target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
+    figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache)
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
     if quadratic is not None:
         temp -= max(0.0, quadratic["temp_bytes"])
@@ -45,7 +46,10 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
         "batch_size": batch,
         "hardware": {**{k: v for k, v in vars(hw).items()}, "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
-        "compiled": {"method": figures["method"], "flops_per_device": figures["flops"],
+        "compiled": {"compiler": target.label, "gpu": target.gpu,
+                     "method": figures["method"], "flops_per_device": figures["flops"],
+                     "kernels": figures.get("kernels", {}),
+                     "compile_s": figures.get("compile_s"),
                      "bytes_accessed_per_device": figures["bytes_accessed"],
                      "memory": figures["memory"],
                      "flash_attention": None if quadratic is None else {
@@ -53,26 +57,30 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
                          "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
                          "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
                                 "keeps no L x L scores; XLA:CPU keeps them"}},
-        "memory": memory_estimate(cfg, model_cfg, state, quadratic is not None, mesh, hw,
-                                  int(max(0.0, temp))),
+        "memory": memory_estimate(cfg, model_cfg, state, quadratic is not None or (
+            target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype)),
+            mesh, hw, int(max(0.0, temp)), figures["memory"] if target.gpu else None),
         "time": step,
         "throughput": model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
     }
 
 
-def compiled_figures(cfg, model_cfg, shape: MeshShape, blocks: str, cache: dict | None):
-    """(step figures, attention-score part or None), compiled once per distinct program."""
-    key = ("step", repr(model_cfg), cfg.train.layout, tuple(shape.axis_sizes.items()),
-           cfg.train.batch_size, cfg.model.dtype, cfg.model.matmul_precision,
-           cfg.train.optimizer, cfg.train.microbatches, blocks)
+def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
+                     cache: dict | None):
+    """(step figures, attention-score part or None), compiled once per distinct program.
+    The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
+    XLA:GPU's program holds the cuDNN calls themselves."""
+    key = ("step", target.label, repr(model_cfg), cfg.train.layout,
+           tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
+           cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks)
     if cache is not None and key in cache:
         return cache[key]
-    figures = program.step_figures(cfg, model_cfg, shape, blocks)
+    figures = program.step_figures(cfg, model_cfg, shape, target, blocks)
     quadratic = None
-    if program.flash_attention_applies(model_cfg, cfg.model.dtype):
-        quadratic = program.attention_scores(cfg, model_cfg, shape, figures.get("depth_1"),
-                                             figures.get("depth_2"))
+    if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
+        quadratic = program.attention_scores(cfg, model_cfg, shape, target,
+                                             figures.get("depth_1"), figures.get("depth_2"))
     if cache is not None:
         cache[key] = (figures, quadratic)
     return figures, quadratic
@@ -90,13 +98,17 @@ def exposed_by_link(step: dict) -> dict:
 
 
 def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, int], hw,
-                    cpu_temp_bytes: int) -> dict:
+                    cpu_temp_bytes: int, gpu_memory: dict | None = None) -> dict:
     """The memory verdict of a one-program layout: jaxdist.predict.memory's peak estimate
-    (exact state from `state`, dryrun.plan's) against the part's HBM."""
+    (exact state from `state`, dryrun.plan's) against the part's HBM; with the XLA:GPU
+    program's buffer assignment (`gpu_memory`), that decides the verdict and the hand
+    estimate stands beside it with the ratio."""
     peak = memory.predict_memory(
         model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
         state["state_bytes_per_device"], state["state_bytes_global"]["params"], flash,
         program.is_stack(model_cfg))
+    if gpu_memory:
+        return model.gpu_memory_verdict(peak, gpu_memory, hw)
     return model.memory_verdict(peak, cpu_temp_bytes, hw)
 
 
@@ -130,7 +142,8 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     memory_plan = plan_pipeline(cfg, shape)
     mesh = dict(shape.axis_sizes)
     n = shape.size
-    pred = pipeline_step(cfg, model_cfg, mesh, hw, cache)
+    target = compiled.for_part(hw, n, cfg.compiler.compiler)
+    pred = pipeline_step(cfg, model_cfg, mesh, hw, cache, target)
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
@@ -138,7 +151,8 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
         "model": memory_plan["model"], "batch_size": batch,
         "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
-        "compiled": {"method": pred["method"], "flops_per_device": pred["flops_per_device"],
+        "compiled": {"compiler": target.label, "gpu": target.gpu,
+                     "method": pred["method"], "flops_per_device": pred["flops_per_device"],
                      "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
         "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
                      **pred["time"]["pipeline"]},
@@ -155,6 +169,17 @@ def memory_line(p: dict) -> str:
     from jaxdist.summary import human_bytes
 
     mem = p["memory"]
+    verdict = {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
+        mem["fits"], f"unknown: {mem['fits_reason']}")
+    if mem.get("source") == "XLA:GPU buffer assignment":
+        c = mem["compiler"]
+        return (f"  memory per device (XLA:GPU buffer assignment): arguments "
+                f"{human_bytes(c['argument_bytes'])} + outputs {human_bytes(c['output_bytes'])}"
+                f" - aliased {human_bytes(c['alias_bytes'])} + temporaries "
+                f"{human_bytes(c['temp_bytes'])} = {human_bytes(mem['total_bytes'])} of "
+                f"{human_bytes(mem['hbm_bytes'])} HBM -> {verdict}; hand estimate "
+                f"{human_bytes(mem['hand_estimate_bytes'])} (hand / compiler "
+                f"{mem['hand_over_compiler']:.2f})")
     if "pipeline" in p:
         parts = f"activations (estimated, worst stage) {human_bytes(mem['temp_bytes'])}"
         cpu = ""
@@ -164,8 +189,6 @@ def memory_line(p: dict) -> str:
                  f"{human_bytes(mem['transient_bytes'])}")
         cpu = (f" (XLA:CPU's temp bytes, an upper bound: "
                f"{human_bytes(mem['cpu_compiler_temp_bytes'])})")
-    verdict = {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
-        mem["fits"], f"unknown: {mem['fits_reason']}")
     return (f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + {parts} = "
             f"{human_bytes(mem['total_bytes'])} of {human_bytes(mem['hbm_bytes'])} HBM -> "
             f"{verdict}{cpu}")
@@ -181,7 +204,8 @@ def format_prediction(p: dict) -> str:
         f"PREDICTED (not measured): {p['model']['name']} ({p['model']['params']:,} params), "
         f"layout {p['layout']}, mesh {mesh} on {hw['name']} ({hw['nodes']} node(s) of "
         f"{hw['gpus_per_node']}), global batch {p['batch_size']}",
-        f"  step compiled on simulated CPU devices: {p['compiled']['method']}" +
+        f"  compiler: {p['compiled'].get('compiler', 'XLA:CPU on simulated CPU devices')}; "
+        f"{p['compiled']['method']}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
         memory_line(p),
@@ -201,6 +225,10 @@ def format_prediction(p: dict) -> str:
                          f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; counted bubble "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the ticks (table: "
                          f"{pp['schedule_bubble']:.1%} of stage-ticks idle)")
+    if p["compiled"].get("kernels"):
+        from jaxdist.kernels import format_inventory
+        lines.append("  kernels per step per device (the compiled program):")
+        lines += format_inventory({"kernels": p["compiled"]["kernels"]})
     if thr["tokens_per_s_per_gpu"] is not None:
         lines.append(f"  predicted {thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                      f"MFU {thr['mfu']:.1%}")

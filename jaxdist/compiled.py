@@ -1,0 +1,276 @@
+"""One home for compiled programs: where a step is compiled for (a `Target`: simulated CPU
+devices, a run's own devices, or a GPU cluster's topology with no GPU present, compiled by
+the real XLA:GPU here) and what the compiled program says (`read`: FLOPs, bytes, collectives,
+memory, kernels). The loop, the dry-run prediction, the pipeline predictor and the in-run
+prediction all compile and read through it, so every figure names its compiler.
+
+XLA:GPU without a device (../shared/notes/gpu-compiler.md): jax-cuda12's PJRT plugin builds a
+compile-only topology from a target description (`jaxdist.gpu_targets`); `jit(...).lower(
+abstract args).compile()` then runs XLA:GPU's whole pipeline. Two gaps it leaves are closed
+here and only here: `cost_analysis()` is not offered for such a program (`xla_cost` runs XLA's
+HloCostAnalysis over the optimized module through jax's private binding, and fails loudly if
+that binding moves), and no autotuning runs (GEMM tilings are XLA's heuristics).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import time
+from dataclasses import dataclass
+
+from jaxdist import comm, kernels, metrics
+from jaxdist.errors import UsageError
+from jaxdist.gpu_targets import TARGETS, target_for
+
+INSTALL_HINT = "install it with `make gpu-compiler` (pip install 'jax[cuda12]==0.10.2')"
+COMPILERS = ("auto", "gpu", "cpu")
+
+
+class ProgramError(RuntimeError):
+    """A compiled program could not be read as promised (e.g. a private XLA binding moved)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a program is compiled for, and the words every figure from it carries."""
+    compiler: str          # "XLA:GPU" or "XLA:CPU"
+    devices: tuple
+    label: str
+    device_less: bool = False
+    part: str | None = None
+
+    @property
+    def gpu(self) -> bool:
+        return self.compiler == "XLA:GPU"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_compiler_missing() -> str | None:
+    """None when XLA:GPU can compile here without a device; else why not, in one line."""
+    if importlib.util.find_spec("jax_plugins") is None or \
+            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return f"the GPU compiler (jax-cuda12 plugin) is not installed; {INSTALL_HINT}"
+    try:
+        _topology("probe", TARGETS["h100-sxm"].text(), "1x1x1")
+    except Exception as e:  # noqa: BLE001 - any failure means: not usable, and why
+        return (f"the GPU compiler failed to load ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160]}); reinstall it with `make gpu-compiler`")
+    return None
+
+
+def _topology(name: str, target_text: str, topology: str):
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(name, "cuda", target_config=target_text,
+                                        topology=topology)
+
+
+def gpu_topology(hw, num_devices: int) -> Target:
+    """`num_devices` GPUs of part `hw` as a cluster would hold them: hosts of
+    `hw.gpus_per_node` (process index = host), host-major, compiled without a device."""
+    spec = target_for(hw.name)
+    if spec is None:
+        have = ", ".join(TARGETS)
+        raise UsageError(f"{hw.name} has no XLA:GPU target description (parts with one: "
+                         f"{have}); plan it with XLA:CPU's program: --compiler cpu")
+    per_host = min(num_devices, hw.gpus_per_node)
+    hosts = -(-num_devices // per_host)
+    if per_host * hosts != num_devices:
+        raise UsageError(f"the mesh's {num_devices} devices do not fill hosts of "
+                         f"{hw.gpus_per_node} GPUs; give --gpus-per-node a divisor of "
+                         f"{num_devices}")
+    missing = gpu_compiler_missing()
+    if missing:
+        raise UsageError(f"--compiler gpu: {missing}")
+    try:
+        devices = tuple(_topology(hw.name, spec.text(), f"1x{hosts}x{per_host}").devices)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"the GPU compiler rejected the {hw.name} target "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); reinstall "
+                         f"it with `make gpu-compiler`") from None
+    derived = " (target derived from a sibling part's, see jaxdist.gpu_targets)" \
+        if spec.derived else ""
+    return Target("XLA:GPU", devices,
+                  f"XLA:GPU {spec.sm}, compiled without a device, {hosts} host(s) x "
+                  f"{per_host} {hw.name}{derived}", device_less=True, part=hw.name)
+
+
+def simulated_cpu(num_devices: int, why: str = "") -> Target:
+    import jax
+
+    devices = tuple(jax.devices("cpu")[:num_devices])
+    if len(devices) < num_devices:
+        raise UsageError(f"{num_devices} simulated CPU devices are needed, {len(devices)} "
+                         f"exist (the CPU device count is fixed once JAX has started)")
+    return Target("XLA:CPU", devices, f"XLA:CPU on {num_devices} simulated CPU devices" +
+                  (f" ({why})" if why else ""))
+
+
+def run_devices(platform) -> Target:
+    """A run's own devices: XLA:GPU on GPUs, XLA:CPU on (simulated) CPU devices."""
+    if platform.backend == "gpu":
+        return Target("XLA:GPU", tuple(platform.devices),
+                      f"XLA:GPU on {len(platform.devices)} x {platform.device_kind}")
+    return simulated_cpu(len(platform.devices)) if platform.simulated else \
+        Target("XLA:CPU", tuple(platform.devices), f"XLA:CPU on {len(platform.devices)} "
+                                                    f"{platform.backend} devices")
+
+
+def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
+    """Where a prediction for part `hw` compiles: XLA:GPU for its topology when the GPU
+    compiler is here (auto, gpu), else XLA:CPU on simulated devices, saying why (auto, cpu).
+    A part without a target description under auto is refused: its figures would silently
+    come from the other compiler."""
+    if choice not in COMPILERS:
+        raise UsageError(f"unknown --compiler {choice!r}; choose from {', '.join(COMPILERS)}")
+    if choice == "cpu":
+        return simulated_cpu(num_devices, "--compiler cpu")
+    missing = gpu_compiler_missing()
+    if missing and choice == "auto":
+        return simulated_cpu(num_devices, "GPU compiler not installed")
+    return gpu_topology(hw, num_devices)
+
+
+def step_program(cfg, model_cfg, mesh):
+    """The train step's program for `mesh`, exactly as a run builds it (one-program layouts
+    or a pipeline); the devices under the mesh decide the compiler."""
+    from jaxdist.pipeline.program import build_pipeline_program
+    from jaxdist.train_step import build_program, make_optimizer
+    from sharding import get_layout
+    from sharding.pipeline import PIPELINE_LAYOUTS
+
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    if cfg.train.layout in PIPELINE_LAYOUTS:
+        return build_pipeline_program(
+            model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh, cfg.train.seed,
+            cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
+            matmul_precision=cfg.model.matmul_precision)
+    return build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh,
+                         cfg.train.seed, cfg.train.microbatches,
+                         matmul_precision=cfg.model.matmul_precision)
+
+
+def abstract_batch(model_cfg, batch_size: int) -> dict:
+    """The global batch as shapes (nothing allocated)."""
+    import jax
+    import numpy as np
+
+    one = model_cfg.synthetic_batch(np.random.default_rng(0), 1)
+    return {k: jax.ShapeDtypeStruct((batch_size, *v.shape[1:]), v.dtype)
+            for k, v in one.items()}
+
+
+def compile_step(cfg, model_cfg, shape, target: Target):
+    """(program, compiled, seconds): the step for mesh `shape` on `target`'s devices,
+    compiled from abstract shapes."""
+    from jaxdist.mesh import build_mesh
+
+    program = step_program(cfg, model_cfg, build_mesh(shape, target.devices[:shape.size]))
+    compiled, seconds = compile_timed(program.step, program.abstract_state,
+                                      abstract_batch(model_cfg, cfg.train.batch_size))
+    return program, compiled, seconds
+
+
+def compile_timed(lowerable, *args):
+    """(compiled, seconds) of `lowerable.lower(*args).compile()`; an XLA error is re-raised
+    as XLA's own message, never replaced by another compiler's figures."""
+    start = time.perf_counter()
+    compiled = lowerable.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def xla_cost(compiled) -> dict:
+    """XLA's cost analysis of the compiled program: {"flops", "bytes accessed", ...} per
+    device, a while body counted once. A program compiled without a device does not offer
+    it; XLA's HloCostAnalysis is then run over its optimized module (jax's private
+    `hlo_module_cost_analysis`, here alone). Raises ProgramError rather than return zeros."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - UNIMPLEMENTED on a device-less GPU program
+        cost = None
+    if isinstance(cost, list):
+        cost = cost[0] if cost else None
+    if cost:
+        return dict(cost)
+    try:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+        module = compiled.runtime_executable().hlo_modules()[0]
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    except Exception as e:  # noqa: BLE001
+        raise ProgramError(f"XLA's cost analysis is not available for this program and the "
+                           f"private fallback failed ({type(e).__name__}: {e}); jax's "
+                           f"internals moved: update jaxdist.compiled.xla_cost") from e
+    if not cost or "flops" not in cost:
+        raise ProgramError("XLA's HloCostAnalysis returned no flops for this program")
+    return dict(cost)
+
+
+def read(compiled, target: Target, axis_sizes: dict[str, int],
+         branch_runs: dict[str, float] | None = None, step_flops: float | None = None,
+         compile_s: float | None = None) -> dict:
+    """What the compiled program says, per device per step.
+
+    flops / bytes_accessed: XLA:GPU: the kernel inventory's (every loop body times its trip
+    count, cuDNN attention counted); XLA:CPU: XLA's cost analysis as before (`step_flops`,
+    the caller's micro-batch-corrected count, when given). `xla_cost` keeps XLA's own counts
+    beside them."""
+    hlo = compiled.as_text() or ""
+    cost = xla_cost(compiled)
+    inventory = kernels.inventory(hlo, branch_runs)
+    if target.gpu:
+        flops, bytes_accessed = inventory["flops"], inventory["bytes"]
+        basis = ("kernel inventory of the XLA:GPU program: matmul FLOPs and each kernel's "
+                 "operand + result bytes, every loop body times its trip count")
+    else:
+        flops = step_flops if step_flops is not None else float(cost.get("flops", 0.0))
+        bytes_accessed = float(cost.get("bytes accessed", 0.0))
+        basis = "XLA:CPU's cost analysis (a loop body counted once; micro-batches corrected)"
+    memory = metrics.compiled_memory(compiled) or {}
+    return {"compiler": target.compiler, "label": target.label,
+            "flops": float(flops), "bytes_accessed": float(bytes_accessed), "basis": basis,
+            "xla_cost": {"flops": float(cost.get("flops", 0.0)),
+                         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                         "note": "XLA's HloCostAnalysis: a while body counted once"},
+            "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs),
+            "memory": {k: v for k, v in memory.items() if k.endswith("_bytes")},
+            "kernels": inventory["kernels"], "kernels_upper_bound": inventory["upper_bound"],
+            "compile_s": compile_s}
+
+
+def differences(gpu: dict, cpu: dict) -> list[str]:
+    """How two readings of the same step differ, in words: collective dtype, op choice and
+    combining, and bytes per kind (GPU / CPU)."""
+    def by_kind(reading):
+        out: dict = {}
+        for op in reading["collectives"]:
+            row = out.setdefault(op["kind"], {"count": 0.0, "bytes": 0.0, "dtypes": set()})
+            row["count"] += op["times"]
+            row["bytes"] += op["bytes"]
+            row["dtypes"].update(op.get("dtypes", ()))
+        return out
+
+    g, c = by_kind(gpu), by_kind(cpu)
+    lines = []
+    for kind in sorted(set(g) | set(c)):
+        a, b = g.get(kind), c.get(kind)
+        if a and not b:
+            lines.append(f"{kind}: only XLA:GPU emits it ({a['bytes']:,.0f} B in "
+                         f"{a['count']:g} ops)")
+        elif b and not a:
+            lines.append(f"{kind}: only XLA:CPU emits it ({b['bytes']:,.0f} B in "
+                         f"{b['count']:g} ops)")
+        else:
+            ratio = a["bytes"] / b["bytes"] if b["bytes"] else math.inf
+            dt = "" if a["dtypes"] == b["dtypes"] else \
+                f"; dtype {'/'.join(sorted(a['dtypes']))} vs {'/'.join(sorted(b['dtypes']))}"
+            comb = "" if a["count"] == b["count"] else \
+                f"; {a['count']:g} vs {b['count']:g} ops"
+            lines.append(f"{kind}: {a['bytes']:,.0f} vs {b['bytes']:,.0f} B "
+                         f"(GPU/CPU {ratio:.2f}){comb}{dt}")
+    async_ops = sum(1 for op in gpu["collectives"] if op.get("async"))
+    lines.append(f"async collectives: {async_ops} of {len(gpu['collectives'])} on XLA:GPU, "
+                 f"{sum(1 for op in cpu['collectives'] if op.get('async'))} of "
+                 f"{len(cpu['collectives'])} on XLA:CPU")
+    return lines

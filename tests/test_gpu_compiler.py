@@ -1,0 +1,200 @@
+"""XLA:GPU compiling the project's own step for 4 hosts x 8 H200 with no GPU present
+(jaxdist.compiled.gpu_topology): for every layout, the program's collectives are async pairs,
+their bytes are the analytic volume at the dtype XLA:GPU moves, and the state each device
+holds is the exact shard bytes the CPU path plans. Skipped, with the reason, where the GPU
+compiler is not installed (`make gpu-compiler`)."""
+
+import dataclasses
+
+import pytest
+
+from jaxdist import compiled, kernels, metrics
+from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
+from jaxdist.errors import UsageError
+from jaxdist.hardware import get_hardware
+from jaxdist.mesh import parse_mesh
+from models.build import build_model
+
+pytestmark = pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                                reason=str(compiled.gpu_compiler_missing()))
+
+H200 = get_hardware("h200")
+PIPE = "depth=4"
+CASES = {  # layout: (model, mesh, model options, micro-batches)
+    "ddp": ("gpt-tiny", "4x8", "", 1), "zero1": ("gpt-tiny", "4x8", "", 1),
+    "fsdp": ("gpt-tiny", "4x8", "", 1), "hsdp": ("gpt-tiny", "4x8", "", 1),
+    "tp": ("gpt-tiny", "data:4,tensor:8", "", 1),
+    "fsdp_tp": ("gpt-tiny", "data:4,tensor:8", "", 1),
+    "ep": ("moe-tiny", "data:4,expert:8", "", 1),
+    "pp": ("gpt-tiny", "data:8,stage:4", PIPE, 4),
+    "tp_pp": ("gpt-tiny", "data:1,stage:4,tensor:8", PIPE, 4),
+    "fsdp_pp": ("gpt-tiny", "fsdp:8,stage:4", PIPE, 4),
+}
+_compiled: dict = {}
+
+
+def config(layout: str, batch: int = 64) -> RunConfig:
+    model, mesh, opts, mb = CASES[layout]
+    return RunConfig(mesh=MeshConfig(mesh=mesh),
+                     model=ModelConfig(model=model, model_opts=opts, dtype="bfloat16"),
+                     train=TrainConfig(layout=layout, batch_size=batch, microbatches=mb))
+
+
+def gpu_step(layout: str):
+    """(cfg, program, reading) of the layout's step compiled by XLA:GPU, once per module."""
+    if layout not in _compiled:
+        cfg = config(layout)
+        model_cfg, _ = build_model(cfg)
+        shape = parse_mesh(cfg.mesh.mesh)
+        target = compiled.gpu_topology(H200, shape.size)
+        runs = None
+        program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+        if layout.endswith("pp"):
+            from jaxdist.pipeline.report import switch_runs
+            runs = switch_runs(comp.as_text(), dict(shape.axis_sizes), program.schedule)
+        _compiled[layout] = (cfg, program, compiled.read(comp, target, shape.axis_sizes, runs,
+                                                         compile_s=seconds))
+    return _compiled[layout]
+
+
+def by_kind_axes(reading) -> dict:
+    out: dict = {}
+    for op in reading["collectives"]:
+        row = out.setdefault((op["kind"], "+".join(op["axes"])), {"bytes": 0, "dtypes": set()})
+        row["bytes"] += op["bytes"]
+        row["dtypes"].update(op["dtypes"])
+    return out
+
+
+def params(program) -> int:
+    import jax
+    return sum(x.size for x in jax.tree.leaves(program.abstract_state["params"]))
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_every_layout_compiles_for_32_h200_with_async_collectives(layout):
+    cfg, program, reading = gpu_step(layout)
+    assert reading["compiler"] == "XLA:GPU"
+    assert "XLA:GPU sm_90, compiled without a device, 4 host(s) x 8 h200" in reading["label"]
+    assert reading["collectives"], "a 32-device step moves data"
+    sync = [op for op in reading["collectives"] if not op["async"]]
+    assert not sync, f"sync collectives in XLA:GPU's program: {sync}"
+    assert not reading["kernels_upper_bound"]
+    assert any(k.startswith("collective (async)") for k in reading["kernels"])
+    # The state each device holds (donated, so aliased) is exactly the planned shard bytes,
+    # the figure the CPU path and --dry-run give from shapes.
+    planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
+                                               dict(parse_mesh(cfg.mesh.mesh).axis_sizes))
+    assert reading["memory"]["alias_bytes"] == planned["total"]
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "fsdp", "hsdp"])
+def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
+    _, program, reading = gpu_step(layout)
+    p = params(program)
+    rows = by_kind_axes(reading)
+    scalars = 1024  # the loss and a few f32 scalars ride along (bytes, not a fraction)
+    if layout in ("ddp", "zero1"):  # float32 gradients all-reduced whole
+        ar = rows[("all-reduce", "data+fsdp")]
+        assert 0 <= ar["bytes"] - 4 * p <= scalars and ar["dtypes"] == {"f32"}
+    if layout == "zero1":  # updated float32 parameters gathered from their shards
+        assert rows[("all-gather", "data+fsdp")]["bytes"] == 4 * p
+    if layout in ("fsdp", "hsdp"):
+        axis = "data+fsdp" if layout == "fsdp" else "fsdp"
+        # bf16 weights gathered for compute, bf16 gradients reduce-scattered: half of f32
+        assert rows[("all-gather", axis)]["bytes"] == 2 * p
+        assert rows[("all-gather", axis)]["dtypes"] == {"bf16"}
+        assert 0 <= rows[("reduce-scatter", axis)]["bytes"] - 2 * p <= scalars
+        assert "all-gather" not in {k for k, _ in rows if _ == "data"}
+    if layout == "hsdp":  # each fsdp group's gradient shard averaged across groups
+        assert 0 <= rows[("all-reduce", "data")]["bytes"] - 2 * p / 8 <= scalars
+
+
+def test_pipeline_sends_equal_the_analytic_stage_bytes():
+    cfg, program, reading = gpu_step("tp_pp")
+    model_cfg, _ = build_model(cfg)
+    sends = sum(op["bytes"] for op in reading["collectives"]
+                if op["kind"] == "collective-permute")
+    S, M = 4, cfg.train.microbatches
+    rows = cfg.train.batch_size // M  # data = 1
+    # 2 directions x M micro-batches x (S - 1) boundaries x one bf16 activation, over S stages
+    analytic = 2 * M * (S - 1) * rows * model_cfg.seq_len * model_cfg.width * 2 / S
+    assert sends == pytest.approx(analytic)
+
+
+def test_tensor_parallel_moves_bf16_activations():
+    _, _, reading = gpu_step("tp")
+    tensor = by_kind_axes(reading)[("all-reduce", "tensor")]
+    assert "bf16" in tensor["dtypes"]
+
+
+def test_gpu_and_cpu_programs_side_by_side_name_their_differences():
+    """fsdp on one host of 8: XLA:GPU moves bf16 and reduce-scatters, XLA:CPU all-reduces
+    float32 gradients whole; the differences say so."""
+    cfg = dataclasses.replace(config("fsdp"), mesh=MeshConfig(mesh="1x8"))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh("1x8")
+    readings = {}
+    for target in (compiled.gpu_topology(H200, 8), compiled.simulated_cpu(8)):
+        _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+        readings[target.compiler] = compiled.read(comp, target, shape.axis_sizes)
+    gpu, cpu = readings["XLA:GPU"], readings["XLA:CPU"]
+    assert "1 host(s) x 8 h200" in gpu["label"]
+    total = {k: sum(op["bytes"] for op in r["collectives"]) for k, r in readings.items()}
+    assert total["XLA:GPU"] < 0.6 * total["XLA:CPU"]
+    lines = compiled.differences(gpu, cpu)
+    assert any(line.startswith("reduce-scatter: only XLA:GPU emits it") for line in lines)
+    assert any("all-gather" in line and "bf16 vs f32" in line for line in lines), lines
+    # The same state shards under both compilers.
+    assert gpu["memory"]["alias_bytes"] == cpu["memory"]["alias_bytes"]
+
+
+def test_cudnn_attention_is_compiled_as_cudnn_and_counted():
+    cfg = RunConfig(mesh=MeshConfig(mesh="1x8"),
+                    model=ModelConfig(model="llama-tiny", model_opts="attention=cudnn",
+                                      dtype="bfloat16"),
+                    train=TrainConfig(layout="fsdp", batch_size=16))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh("1x8")
+    target = compiled.gpu_topology(H200, 8)
+    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    inv = kernels.inventory(comp.as_text())
+    fwd = inv["kernels"]["attention (cuDNN) forward"]
+    bwd = inv["kernels"]["attention (cuDNN) backward"]
+    depth = model_cfg.depth
+    assert fwd["launches"] == depth and bwd["launches"] == depth
+    # causal: half of 2 (fwd) and 5 (bwd) matmuls of 2 B H L L Dh, B = 2 rows per device
+    B, H, L = 2, model_cfg.heads, model_cfg.seq_len
+    one = 2 * B * H * L * L * (model_cfg.width // H)
+    assert fwd["flops"] == pytest.approx(depth * one * 2 * 0.5)
+    assert bwd["flops"] == pytest.approx(depth * one * 5 * 0.5)
+
+
+def test_kernel_flops_count_every_loop_iteration():
+    """A scan's body counted trip-count times (XLA's cost analysis counts it once)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    target = compiled.gpu_topology(H200, 8)
+    mesh = Mesh(list(target.devices), ("d",))
+
+    def f(w, x):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=5)
+        return y.sum()
+
+    fn = jax.jit(jax.grad(f), in_shardings=(NamedSharding(mesh, P()),
+                                            NamedSharding(mesh, P("d"))))
+    comp, _ = compiled.compile_timed(fn, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+                                     jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
+    reading = compiled.read(comp, target, {"d": 8})
+    body = 3 * 2 * 8 * 256 * 256  # forward, input and weight gradients of 8 rows per device
+    assert reading["flops"] == 5 * body
+    assert reading["xla_cost"]["flops"] < 2 * body  # XLA's own count: the body once
+
+
+def test_part_without_target_and_unfilled_hosts_are_one_line_errors():
+    with pytest.raises(UsageError, match="l4 has no XLA:GPU target description.*--compiler cpu"):
+        compiled.gpu_topology(get_hardware("l4"), 8)
+    with pytest.raises(UsageError, match="do not fill hosts of 8 GPUs"):
+        compiled.gpu_topology(H200, 12)
