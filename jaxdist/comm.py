@@ -230,6 +230,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
             buffer = result
         times = runs.get(current, 1)
         out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
+                    "name": line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%"),
+                    "computation": current,
                     "axes": _spanned_axes(names, sizes, links),
                     "ring_bytes": buffer * times * _ring_factor(kind, n),
                     "upper_bound": current in guessed,

@@ -161,6 +161,16 @@ def abstract_batch(model_cfg, batch_size: int) -> dict:
             for k, v in one.items()}
 
 
+# --overlap for a device-less XLA:GPU compile: the flags a run sets in XLA_FLAGS
+# (jaxdist.devices.OVERLAP_FLAGS), given per compile since that process's XLA is already up.
+OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                   "xla_gpu_enable_highest_priority_async_stream": True}
+
+
+def compile_options(cfg, target: Target) -> dict | None:
+    return OVERLAP_OPTIONS if target.device_less and cfg.compiler.overlap else None
+
+
 def compile_step(cfg, model_cfg, shape, target: Target):
     """(program, compiled, seconds): the step for mesh `shape` on `target`'s devices,
     compiled from abstract shapes."""
@@ -168,15 +178,17 @@ def compile_step(cfg, model_cfg, shape, target: Target):
 
     program = step_program(cfg, model_cfg, build_mesh(shape, target.devices[:shape.size]))
     compiled, seconds = compile_timed(program.step, program.abstract_state,
-                                      abstract_batch(model_cfg, cfg.train.batch_size))
+                                      abstract_batch(model_cfg, cfg.train.batch_size),
+                                      options=compile_options(cfg, target))
     return program, compiled, seconds
 
 
-def compile_timed(lowerable, *args):
-    """(compiled, seconds) of `lowerable.lower(*args).compile()`; an XLA error is re-raised
-    as XLA's own message, never replaced by another compiler's figures."""
+def compile_timed(lowerable, *args, options: dict | None = None):
+    """(compiled, seconds) of `lowerable.lower(*args).compile(options)`; an XLA error is
+    re-raised as XLA's own message, never replaced by another compiler's figures."""
     start = time.perf_counter()
-    compiled = lowerable.lower(*args).compile()
+    lowered = lowerable.lower(*args)
+    compiled = lowered.compile(options) if options else lowered.compile()
     return compiled, time.perf_counter() - start
 
 

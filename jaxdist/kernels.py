@@ -23,7 +23,7 @@ import math
 import re
 from collections import defaultdict
 
-from jaxdist.hlo import INSTRUCTION, execution_counts, header, statements
+from jaxdist.hlo import INSTRUCTION, branches, execution_counts, header, statements
 
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|"
                     r"f32|f64|c64|c128)\[([\d,]*)\]")
@@ -161,13 +161,12 @@ def kernel_kind(op: str, line: str) -> str | None:
     return op
 
 
-def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> dict:
-    """{"kernels": {kind: {"launches", "flops", "bytes"}}, "flops", "bytes" (all kernels
-    but collectives), "upper_bound"}: every kernel of the program weighed by how often it runs per step."""
-    runs, guessed = execution_counts(hlo_text, branch_runs)
+def _parse(hlo_text: str):
+    """(instructions in text order as (computation, name, op, shape, rest, line), shapes by
+    name, computations that fusions or reducers call)."""
     shapes: dict[str, str] = {}
     parsed = []
-    fused: set[str] = set()  # computations a fusion or a reducer calls: not kernels of their own
+    fused: set[str] = set()
     current = None
     for line in statements(hlo_text):
         opened = header(line)
@@ -183,46 +182,118 @@ def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> dic
         if op == "fusion" or "to_apply=" in line:
             fused.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line))
         parsed.append((current, name, op, m.group("shape"), m.group("rest"), line))
-    # FLOPs of a fused computation's dots go to the fusion that calls it.
+    return parsed, shapes, fused
+
+
+def _dtype(shapes: list[str]) -> str:
+    """The first operand's element type, as a jaxdist dtype name where one applies."""
+    found = arrays(shapes[0]) if shapes else []
+    return {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(
+        found[0][0] if found else "", found[0][0] if found else "")
+
+
+def schedule(hlo_text: str) -> dict[str, list[dict]]:
+    """Every computation's items in schedule order (XLA prints a scheduled module's
+    instructions in the order they run): kernels {"kernel", kind, flops, bytes, dtype},
+    async collective halves {"start"/"done", "name"}, sync collectives {"sync", "name"}, and
+    calls into other computations {"call", "callee", "repeat" (a while's trip count),
+    "branch"}. Fusion bodies and reducers are folded into their kernel."""
+    parsed, shapes, fused = _parse(hlo_text)
     fused_flops: dict[str, float] = defaultdict(float)
     for comp, _, op, shape, rest, _ in parsed:
         if op == "dot" and comp in fused:
             operands = _operand_names(rest)
             fused_flops[comp] += dot_flops(shape, shapes.get(operands[0], ""), rest) \
                 if operands else 0.0
-    kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0.0, "flops": 0.0,
-                                                    "bytes": 0.0})
-    bound = False
-    for comp, _, op, shape, rest, line in parsed:
+    wrapped = {}  # async-start name -> the computation it wraps
+    out: dict[str, list[dict]] = defaultdict(list)
+    for comp, name, op, shape, rest, line in parsed:
         if comp in fused:
+            continue
+        operands = _operand_names(rest)
+        if op in ("while", "conditional", "call"):
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            for callee in re.findall(r"(?:body|to_apply|calls)=%?([\w.\-]+)", line):
+                out[comp].append({"item": "call", "callee": callee, "branch": False,
+                                  "repeat": int(trip.group(1)) if trip and op == "while"
+                                  else 1})
+            for branch in branches(line):
+                out[comp].append({"item": "call", "callee": branch, "branch": True,
+                                  "repeat": 1})
+            continue
+        if op == "async-start":
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            wrapped[name] = called.group(1) if called else ""
+            out[comp].append({"item": "start", "name": name,
+                              "wraps": wrapped[name]})
+            continue
+        if op.endswith("-done"):
+            out[comp].append({"item": "done", "name": operands[0] if operands else ""})
             continue
         kind = kernel_kind(op, line)
         if kind is None:
             continue
-        times = runs.get(comp, 0)
-        if not times:
+        if kind.startswith("collective"):
+            out[comp].append({"item": "start" if op.endswith("-start") else "sync",
+                              "name": name})
             continue
-        bound |= comp in guessed
-        operands = [shapes.get(n, "") for n in _operand_names(rest)]
+        args = [shapes.get(n, "") for n in operands]
         if op == "fusion":
             called = re.search(r"calls=%?([\w.\-]+)", line)
             flops = fused_flops.get(called.group(1), 0.0) if called else 0.0
         elif op == "dot":
-            flops = dot_flops(shape, operands[0] if operands else "", rest)
+            flops = dot_flops(shape, args[0] if args else "", rest)
         elif kind == "gemm (cuBLAS)":
-            flops = gemm_call_flops(shape, operands[0] if operands else "", line)
+            flops = gemm_call_flops(shape, args[0] if args else "", line)
         elif kind.startswith("attention (cuDNN)"):
-            flops = attention_flops(operands, line, kind.endswith("backward"))
+            flops = attention_flops(args, line, kind.endswith("backward"))
         else:
             flops = 0.0
-        result = shape_bytes(shape)
-        if kind == "gemm (cuBLAS)" and len(arrays(shape)) > 1:
-            result = shape_bytes(shape) - shape_bytes(" ".join(
-                f"{t}[{','.join(map(str, d))}]" for t, d in arrays(shape)[1:]))
-        row = kernels[kind]
-        row["launches"] += times
-        row["flops"] += flops * times
-        row["bytes"] += (sum(shape_bytes(s) for s in operands) + result) * times
+        result = arrays(shape)[:1] if kind == "gemm (cuBLAS)" else arrays(shape)
+        nbytes = sum(shape_bytes(a) for a in args) + sum(
+            _BYTES[t] * math.prod(d) for t, d in result)
+        out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
+                          "dtype": _dtype(args), "seq": _seq(line, kind)})
+    return dict(out)
+
+
+def _seq(line: str, kind: str) -> int | None:
+    """The key sequence length of a cuDNN attention call (its rate depends on it)."""
+    if not kind.startswith("attention"):
+        return None
+    dims = _backend_config(line).get("cudnn_fmha_backend_config", {}).get(
+        "intermediate_tensor_shape", {}).get("dimensions", [])
+    return int(dims[-1]) if len(dims) == 4 else None
+
+
+def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> dict:
+    """{"kernels": {kind: {"launches", "flops", "bytes"}}, "flops", "bytes" (all kernels
+    but collectives), "upper_bound"}: every kernel of the program weighed by how often it
+    runs per step."""
+    runs, guessed = execution_counts(hlo_text, branch_runs)
+    kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0.0, "flops": 0.0,
+                                                    "bytes": 0.0})
+    bound = False
+    program = schedule(hlo_text)
+    # A collective inside an async-start's wrapped computation runs asynchronously.
+    wrapped = {i["wraps"] for items in program.values() for i in items if i.get("wraps")}
+    for comp, items in program.items():
+        times = runs.get(comp, 0)
+        if not times:
+            continue
+        for item in items:
+            if item["item"] == "kernel":
+                kind, flops, nbytes = item["kind"], item["flops"], item["bytes"]
+            elif item["item"] in ("start", "sync") and not item.get("wraps"):
+                sync = item["item"] == "sync" and comp not in wrapped
+                kind, flops, nbytes = f"collective ({'sync' if sync else 'async'})", 0.0, 0.0
+            else:
+                continue
+            bound |= comp in guessed
+            row = kernels[kind]
+            row["launches"] += times
+            row["flops"] += flops * times
+            row["bytes"] += nbytes * times
     return {"kernels": dict(sorted(kernels.items())),
             "flops": sum(r["flops"] for r in kernels.values()),
             # A collective's traffic is timed as communication, not as HBM work.
@@ -235,6 +306,6 @@ def format_inventory(inv: dict) -> list[str]:
     """One line per kernel kind: launches per step, GFLOP, MB."""
     lines = []
     for kind, r in inv["kernels"].items():
-        lines.append(f"    {kind:<34}{r['launches']:>10,.0f} launches{r['flops'] / 1e12:>12,.3f} "
+        lines.append(f"    {kind:<40}{r['launches']:>10,.0f} launches{r['flops'] / 1e12:>12,.3f} "
                      f"TFLOP{r['bytes'] / 1e9:>12,.3f} GB")
     return lines

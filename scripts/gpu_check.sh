@@ -15,7 +15,9 @@
 #     against the peak of the precision it ran at (TF32 vs FP32).
 #  6. JAX vs PyTorch on mlp-10m, float32, both at --matmul-precision highest (FP32 both
 #     sides) — skipped with a message when torch is missing.
-#  7. One table (scripts/gpu_table.py --check); exit 1 when a figure is missing.
+#  7. XLA:GPU with the device vs compiled without one (scripts/compare_compilers.py
+#     --with-device): memory and collectives of both, the source of every plan's figures.
+#  8. One table (scripts/gpu_table.py --check); exit 1 when a figure is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -130,6 +132,15 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
 else
   echo "torch with CUDA is not installed here: the JAX vs PyTorch row is missing"
 fi
+
+say "XLA:GPU with the device vs without (gpt-tiny bf16 ddp, fsdp, tp_pp; llama-tiny cuDNN)"
+# The figures every plan gives come from the device-less compile: they must match this GPU's.
+timeout 240 "$PY" scripts/compare_compilers.py --with-device --layouts ddp,fsdp \
+    --hardware "${GPU_PART:-h200}" 2>&1 | tee "$OUT/compilers.log" \
+  || echo "   compiler comparison failed (see $OUT/compilers.log)"
+timeout 120 "$PY" scripts/compare_compilers.py --with-device --layouts fsdp \
+    --model llama-tiny --model-opts attention=cudnn --batch-size 8 \
+    --hardware "${GPU_PART:-h200}" 2>&1 | tee -a "$OUT/compilers.log" || true
 
 say "summary ($OUT)"
 runs=()

@@ -140,6 +140,29 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Hardwar
             "peak_flops_per_device": peak}
 
 
+def kernel_step(kt: dict, comm: list[dict], hw: Hardware, mesh: dict[str, int],
+                dtype: str, matmul_precision: str = "default") -> dict:
+    """`step_time`'s record from the kernel-by-kernel model (jaxdist.predict.kernels_time)
+    of an XLA:GPU program: device time is the sum of its kernels, communication is exposed
+    where the program's schedule leaves it uncovered."""
+    exposed = {"intra-node": kt["exposed_intra_node_s"], "inter-node":
+               kt["exposed_inter_node_s"]}
+    terms = {"compute": kt["compute_s"], "HBM": kt["hbm_s"] + kt["launch_s"], **exposed}
+    return {"label": LABEL, "model": "kernel by kernel (XLA:GPU program, published rates)",
+            "step_s": kt["device_s"] + kt["comm_exposed_s"], "compute_s": kt["compute_s"],
+            "hbm_s": kt["hbm_s"], "launch_s": kt["launch_s"],
+            "intra_node_s": kt["intra_node_s"], "inter_node_s": kt["inter_node_s"],
+            "comm_exposed_s": kt["comm_exposed_s"], "bubble_s": 0.0,
+            "exposed_intra_node_s": kt["exposed_intra_node_s"],
+            "exposed_inter_node_s": kt["exposed_inter_node_s"],
+            "overlap": "as XLA:GPU's schedule places each collective between its start and "
+                       "done", "bottleneck": max(terms, key=terms.get),
+            "upper_bound": kt["upper_bound"], "by_kind": kt["by_kind"], "rates": kt["rates"],
+            "collectives": [{**op, **collective_time(op, hw, mesh)} for op in comm],
+            "peak_flops_per_device": hw.peak_flops(dtype, matmul_precision),
+            "device_s_exact": kt["device_s"]}
+
+
 def throughput(step: dict, tokens_per_step: int | None, model_flops_per_step: float,
                num_devices: int) -> dict:
     seconds, peak = step["step_s"], step["peak_flops_per_device"]

@@ -33,7 +33,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import compiled as compiled_mod
 from jaxdist.hardware import Hardware, constant
-from jaxdist.predict.model import LABEL, aggregate, ring_latency, step_time
+from jaxdist.predict.depth import linear
+from jaxdist.predict.model import LABEL, aggregate, kernel_step, ring_latency, step_time
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies
 from jaxdist.pipeline.schedule import BWD, FWD, Schedule, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
@@ -62,16 +63,23 @@ def send_time(nbytes: float, inter: bool, hw: Hardware) -> float:
 
 def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
            precision: str) -> dict:
-    """One op's time from its figures; exposed communication split by link."""
-    t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype, overlap,
-                  matmul_precision=precision)
-    comm_total = t["intra_node_s"] + t["inter_node_s"]
-    share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
-    return {"seconds": t["step_s"], "device_s": max(t["compute_s"], t["hbm_s"]),
+    """One op's time from its figures (kernel by kernel where XLA:GPU's program was read
+    with the part's rates, else the roofline); exposed communication split by link."""
+    if "kernel_time" in fig:
+        t = kernel_step(fig["kernel_time"], fig["comm"], hw, mesh, dtype, precision)
+        device, exposed = t["device_s_exact"], (t["exposed_intra_node_s"],
+                                                t["exposed_inter_node_s"])
+    else:
+        t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype,
+                      overlap, matmul_precision=precision)
+        comm_total = t["intra_node_s"] + t["inter_node_s"]
+        share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
+        device = max(t["compute_s"], t["hbm_s"])
+        exposed = (t["intra_node_s"] * share, t["inter_node_s"] * share)
+    return {"seconds": t["step_s"], "device_s": device,
             "compute_s": t["compute_s"], "hbm_s": t["hbm_s"],
             "intra_node_s": t["intra_node_s"], "inter_node_s": t["inter_node_s"],
-            "exposed_intra_node_s": t["intra_node_s"] * share,
-            "exposed_inter_node_s": t["inter_node_s"] * share,
+            "exposed_intra_node_s": exposed[0], "exposed_inter_node_s": exposed[1],
             "flops": fig["flops"], "bytes_accessed": fig["bytes_accessed"],
             "collectives": t["collectives"]}
 
@@ -152,21 +160,30 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def _read(jitted, args, target, sizes: dict) -> dict:
-    """Compile and read through jaxdist.compiled: an op's or the tail's figures."""
-    compiled, seconds = compiled_mod.compile_timed(jitted, *args)
+def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
+    """Compile and read through jaxdist.compiled: an op's or the tail's figures, timed
+    kernel by kernel when XLA:GPU compiled it and `hw` has published rates."""
+    from jaxdist.predict.plan import has_rates
+
+    compiled, seconds = compiled_mod.compile_timed(
+        jitted, *args, options=compiled_mod.compile_options(cfg, target))
     reading = compiled_mod.read(compiled, target, sizes, compile_s=seconds)
     if not target.gpu and not reading["flops"]:
         raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
                                         "pipeline op")
-    return {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
-            "comm": aggregate(reading["collectives"]),
-            "memory": {"temp_bytes": reading["memory"].get("temp_bytes", 0)},
-            "kernels": reading["kernels"]}
+    out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
+           "comm": aggregate(reading["collectives"]),
+           "memory": {"temp_bytes": reading["memory"].get("temp_bytes", 0)},
+           "kernels": reading["kernels"]}
+    if target.gpu and hw is not None and has_rates(hw):
+        from jaxdist.predict import kernels_time
+        out["kernel_time"] = kernels_time.step_time(
+            compiled.as_text(), reading["collectives"], hw, sizes, cfg.model.matmul_precision)
+    return out
 
 
 def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
-               rows: int, target) -> dict:
+               rows: int, target, hw=None) -> dict:
     """One chunk of `blocks` blocks: its forward or backward for one micro-batch of `rows`
     rows per data shard, compiled on one stage's devices as the pipeline step runs it."""
     from jaxdist.pipeline.program import pipeline_state
@@ -205,10 +222,10 @@ def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                                                batch, batch)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
     return _read(jitted, (abstract["params"]["stages"], abstract["params"]["shared"], tokens,
-                          act, act), target, dict(mesh.shape))
+                          act, act), target, dict(mesh.shape), cfg, hw)
 
 
-def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> dict:
+def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target, hw=None) -> dict:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
     from jaxdist.pipeline.plan import pipeline_planning_state
@@ -243,30 +260,10 @@ def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> dict:
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)
-    return _read(MeshJit(jitted, mesh), (state, params), target, sizes)
+    return _read(MeshJit(jitted, mesh), (state, params), target, sizes, cfg, hw)
 
 
 # ---- the whole prediction ----------------------------------------------------------------
-
-def linear(base: dict, one: dict, two: dict, blocks: int) -> dict:
-    """base + (blocks - 1) x (two - one), figure by figure and collective by collective."""
-    k = blocks - 1
-    rows: dict = {}
-    for sign, figs in ((1, base), (k, two), (-k, one)):
-        for r in figs["comm"]:
-            key = (r["kind"], tuple(r["axes"]), r["group_size"])
-            row = rows.setdefault(key, {"kind": r["kind"], "axes": list(r["axes"]),
-                                        "group_size": r["group_size"], "count": 0,
-                                        "bytes": 0, "ring_bytes": 0.0})
-            for f in ("count", "bytes", "ring_bytes"):
-                row[f] += sign * r[f]
-    return {"flops": base["flops"] + k * (two["flops"] - one["flops"]),
-            "bytes_accessed": base["bytes_accessed"] + k * (two["bytes_accessed"] -
-                                                            one["bytes_accessed"]),
-            "memory": {"temp_bytes": base["memory"]["temp_bytes"] + k * (
-                two["memory"]["temp_bytes"] - one["memory"]["temp_bytes"])},
-            "comm": [r for r in rows.values() if r["count"] > 0 or r["ring_bytes"] > 0]}
-
 
 def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
     """The L x L attention-score part of an op's bytes accessed and temp bytes, as
@@ -324,7 +321,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     def op(blocks, kind, last):
         return cached(cache, ("op", *common, blocks, kind, last),
                       lambda: op_figures(cfg, model_cfg, sizes, blocks, kind, last, rows,
-                                         target))
+                                         target, hw))
 
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
@@ -332,7 +329,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     def half_op(blocks, kind):
         return cached(cache, ("op", *half_common, blocks, kind, False),
                       lambda: op_figures(cfg, half, sizes, blocks, kind, False, 2 * rows,
-                                         target))
+                                         target, hw))
 
     figs, removed = {}, {}
     for kind in (FWD, BWD):
@@ -347,7 +344,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
             figs[(kind, last)] = fig
         removed[kind] = scores
     tail = cached(cache, ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V),
-                  lambda: tail_figures(cfg, model_cfg, sizes, S, V, target))
+                  lambda: tail_figures(cfg, model_cfg, sizes, S, V, target, hw))
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)

@@ -24,22 +24,27 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
     model_cfg, _ = build_model(cfg)
     state = dryrun.plan(cfg, shape)
     target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
-    figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache)
+    figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
     if quadratic is not None:
         temp -= max(0.0, quadratic["temp_bytes"])
         bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
     mesh = dict(shape.axis_sizes)
     n = shape.size
-    step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
-                           mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
-                           cfg.train.microbatches, cfg.model.matmul_precision)
+    if "kernel_time" in figures:  # XLA:GPU's program, kernel by kernel
+        step = model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
+                                 cfg.model.dtype, cfg.model.matmul_precision)
+    else:
+        step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
+                               mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
+                               cfg.train.microbatches, cfg.model.matmul_precision)
     step = exposed_by_link(step)
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
         "label": model.LABEL,
         "dry_run": True,
+        "settings": plan_settings(cfg, model_cfg),
         "layout": cfg.train.layout,
         "mesh": mesh,
         "model": state["model"],
@@ -66,17 +71,27 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
     }
 
 
+def plan_settings(cfg, model_cfg) -> dict:
+    """The settings a plan's hints read (next_steps)."""
+    return {"dtype": cfg.model.dtype, "remat": cfg.train.remat,
+            "microbatches": cfg.train.microbatches,
+            "attention": getattr(model_cfg, "attention", None),
+            "decoder": program.is_stack(model_cfg)}
+
+
 def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
-                     cache: dict | None):
+                     cache: dict | None, hw=None):
     """(step figures, attention-score part or None), compiled once per distinct program.
     The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
     XLA:GPU's program holds the cuDNN calls themselves."""
     key = ("step", target.label, repr(model_cfg), cfg.train.layout,
            tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
-           cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks)
+           cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks,
+           hw.name if hw else None, cfg.compiler.overlap)
     if cache is not None and key in cache:
         return cache[key]
-    figures = program.step_figures(cfg, model_cfg, shape, target, blocks)
+    figures = program.step_figures(cfg, model_cfg, shape, target, blocks,
+                                   hw if target.gpu and has_rates(hw) else None)
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
         quadratic = program.attention_scores(cfg, model_cfg, shape, target,
@@ -86,10 +101,26 @@ def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
     return figures, quadratic
 
 
+def has_rates(hw) -> bool:
+    """Whether the part has the published kernel rates the kernel model needs; else the
+    roofline model (jaxdist.predict.model.step_time) times the program."""
+    from jaxdist.predict import rates
+    try:
+        for kind, dtype in (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
+                            ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
+                            ("attention_bwd", "bfloat16")):
+            rates.rate(hw.name, kind, dtype)
+    except KeyError:
+        return False
+    return True
+
+
 def exposed_by_link(step: dict) -> dict:
     """The step's device time and its exposed communication split by link (intra-node,
     inter-node): all of it without overlap; with overlap, the exposed part shared in
     proportion to each link's time (the ranking's stacked bars)."""
+    if "device_s_exact" in step:  # the kernel model knows both, from the program's schedule
+        return {**step, "device_s": step["device_s_exact"]}
     comm_total = step["intra_node_s"] + step["inter_node_s"]
     share = step["comm_exposed_s"] / comm_total if comm_total else 0.0
     return {**step, "device_s": max(step["compute_s"], step["hbm_s"]),
@@ -147,7 +178,8 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
-        "label": model.LABEL, "dry_run": True, "layout": cfg.train.layout, "mesh": mesh,
+        "label": model.LABEL, "dry_run": True, "settings": plan_settings(cfg, model_cfg),
+        "layout": cfg.train.layout, "mesh": mesh,
         "model": memory_plan["model"], "batch_size": batch,
         "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
@@ -194,10 +226,33 @@ def memory_line(p: dict) -> str:
             f"{verdict}{cpu}")
 
 
-def format_prediction(p: dict) -> str:
-    from jaxdist.summary import human_bytes
+def next_steps(p: dict) -> list[str]:
+    """What would bring a plan that does not fit (OOM or unknown) under HBM, from its own
+    settings: the levers a user has, cheapest first."""
+    if p["memory"]["fits"] is True:
+        return []
+    cfg = p.get("settings", {})
+    if p["memory"].get("fits_reason", "").startswith("the train state alone"):
+        more = "more devices on fsdp or a layout that shards the state further (fsdp, fsdp_tp)"
+        return [f"the state alone is over HBM: {more}"]
+    hints = []
+    if cfg.get("dtype") == "float32":
+        hints.append("--dtype bfloat16 (half the activations)")
+    if cfg.get("remat") == "none" and cfg.get("decoder"):
+        hints.append("--remat full (keeps only block inputs)")
+    if cfg.get("attention") == "default" and cfg.get("decoder"):
+        hints.append("--model-opts attention=cudnn (flash attention: no L x L scores)")
+    if "pipeline" in p:
+        hints.append(f"more micro-batches (--microbatches {2 * cfg.get('microbatches', 1)}: "
+                     f"smaller activations per slot) or more stages")
+    else:
+        hints.append(f"--microbatches {2 * cfg.get('microbatches', 1)} (activations of one "
+                     f"slice at a time)")
+    return hints
 
-    hw, mem, t, thr = p["hardware"], p["memory"], p["time"], p["throughput"]
+
+def format_prediction(p: dict) -> str:
+    hw, t, thr = p["hardware"], p["time"], p["throughput"]
     mesh = " x ".join(f"{k}={v}" for k, v in p["mesh"].items())
     ms = 1e3
     lines = [
@@ -209,6 +264,12 @@ def format_prediction(p: dict) -> str:
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
         memory_line(p),
+        f"  time per step, kernel by kernel from the program (published rates, "
+        f"{'none fitted' if not t.get('fitted') else t['fitted']}): compute-bound kernels "
+        f"{t['compute_s'] * ms:.1f} ms, memory-bound {t['hbm_s'] * ms:.1f} ms, launches "
+        f"{t['launch_s'] * ms:.1f} ms; intra-node comm {t['intra_node_s'] * ms:.1f} ms, "
+        f"inter-node {t['inter_node_s'] * ms:.1f} ms, exposed {t['comm_exposed_s'] * ms:.1f} ms "
+        f"(where XLA's schedule leaves it uncovered)" if "launch_s" in t else
         f"  time per step: compute {t['compute_s'] * ms:.1f} ms, HBM {t['hbm_s'] * ms:.1f} ms, "
         f"intra-node comm {t['intra_node_s'] * ms:.1f} ms, inter-node comm "
         f"{t['inter_node_s'] * ms:.1f} ms (exposed {t['comm_exposed_s'] * ms:.1f} ms; "
@@ -222,13 +283,18 @@ def format_prediction(p: dict) -> str:
                          f"ms (stage {pp['critical_stage']} busy "
                          f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "
                          f"{pp['send_intra_node_s'] * ms:.1f} ms intra-node, "
-                         f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; counted bubble "
-                         f"{pp['bubble_fraction_of_ticks']:.1%} of the ticks (table: "
-                         f"{pp['schedule_bubble']:.1%} of stage-ticks idle)")
+                         f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node")
+        lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage-ticks idle "
+                         f"(counted from the schedule table: the formula's figure); "
+                         f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
+                         f"(each tick weighted by its predicted duration)")
     if p["compiled"].get("kernels"):
         from jaxdist.kernels import format_inventory
         lines.append("  kernels per step per device (the compiled program):")
         lines += format_inventory({"kernels": p["compiled"]["kernels"]})
+    hints = next_steps(p)
+    if hints:
+        lines.append(f"  to fit: {'; '.join(hints)}")
     if thr["tokens_per_s_per_gpu"] is not None:
         lines.append(f"  predicted {thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                      f"MFU {thr['mfu']:.1%}")

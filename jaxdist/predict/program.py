@@ -23,25 +23,37 @@ import dataclasses
 
 from jaxdist import compiled as compiled_mod
 from jaxdist.mesh import MeshShape
+from jaxdist.predict.depth import linear_times
 from jaxdist.predict.model import aggregate
 from jaxdist.train_step import compiled_step_flops
 
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
 
-def figures(cfg, model_cfg, shape: MeshShape, target) -> dict:
+def figures(cfg, model_cfg, shape: MeshShape, target, hw=None) -> dict:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
     (jaxdist.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
-    compile_s}."""
+    compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
+    kernel by kernel (jaxdist.predict.kernels_time)."""
     if not target.gpu:
         model_cfg = cpu_compilable(model_cfg)
     program, compiled, seconds = compiled_mod.compile_step(cfg, model_cfg, shape, target)
     step_flops = None if target.gpu else compiled_step_flops(program, compiled)
-    reading = compiled_mod.read(compiled, target, shape.axis_sizes, step_flops=step_flops,
-                                compile_s=seconds)
-    return {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
-            "comm": aggregate(reading["collectives"]), "memory": reading["memory"],
-            "kernels": reading["kernels"], "compile_s": seconds}
+    runs = None
+    if getattr(program, "schedule", None) is not None:  # a pipeline's switches, by its table
+        from jaxdist.pipeline.report import switch_runs
+        runs = switch_runs(compiled.as_text(), dict(shape.axis_sizes), program.schedule)
+    reading = compiled_mod.read(compiled, target, shape.axis_sizes, runs,
+                                step_flops=step_flops, compile_s=seconds)
+    out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
+           "comm": aggregate(reading["collectives"]), "memory": reading["memory"],
+           "kernels": reading["kernels"], "compile_s": seconds}
+    if target.gpu and hw is not None:
+        from jaxdist.predict import kernels_time
+        out["kernel_time"] = kernels_time.step_time(
+            compiled.as_text(), reading["collectives"], hw, dict(shape.axis_sizes),
+            cfg.model.matmul_precision, runs)
+    return out
 
 
 def is_stack(model_cfg) -> bool:
@@ -76,10 +88,14 @@ def extrapolate(one: dict, two: dict, depth: int) -> dict:
             "comm": comm_rows,
             "memory": {k: line(one["memory"][k], two["memory"][k]) for k in one["memory"]},
             "kernels": dict(sorted(kernels.items())),
-            "compile_s": one.get("compile_s", 0) + two.get("compile_s", 0)}
+            "compile_s": one.get("compile_s", 0) + two.get("compile_s", 0),
+            **({"kernel_time": linear_times(one["kernel_time"], one["kernel_time"],
+                                            two["kernel_time"], depth - 1)}
+               if "kernel_time" in one else {})}
 
 
-def step_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str = "auto") -> dict:
+def step_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str = "auto",
+                 hw=None) -> dict:
     """Figures of the full step; blocks: "full" (compile everything), "extrapolate" (depth
     1 and 2) or "auto" (extrapolate a stack deeper than FULL_DEPTH_MAX)."""
     depth = getattr(model_cfg, "depth", None)
@@ -87,9 +103,9 @@ def step_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str = "auto")
     if blocks == "extrapolate" and not stack:
         blocks = "full"
     if blocks == "full" or (blocks == "auto" and (not stack or depth <= FULL_DEPTH_MAX)):
-        return {**figures(cfg, model_cfg, shape, target), "method": "full compile"}
-    one = figures(cfg, dataclasses.replace(model_cfg, depth=1), shape, target)
-    two = figures(cfg, dataclasses.replace(model_cfg, depth=2), shape, target)
+        return {**figures(cfg, model_cfg, shape, target, hw), "method": "full compile"}
+    one = figures(cfg, dataclasses.replace(model_cfg, depth=1), shape, target, hw)
+    two = figures(cfg, dataclasses.replace(model_cfg, depth=2), shape, target, hw)
     return {**extrapolate(one, two, depth), "depth_1": one, "depth_2": two,
             "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
 

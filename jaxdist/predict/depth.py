@@ -1,0 +1,43 @@
+"""Figures across depth: a decoder is a stack of identical blocks, so every figure read from
+its program (FLOPs, bytes, collectives, temporaries, the kernel model's seconds) is linear in
+the number of blocks. Compiled at 1 and 2 blocks, a K-block figure is base + (K - 1) (two -
+one), where base is the 1-block figure of the piece itself (e.g. the last chunk, with the
+head)."""
+
+from __future__ import annotations
+
+
+def linear(base: dict, one: dict, two: dict, blocks: int) -> dict:
+    """base + (blocks - 1) x (two - one), figure by figure and collective by collective."""
+    k = blocks - 1
+    rows: dict = {}
+    for sign, figs in ((1, base), (k, two), (-k, one)):
+        for r in figs["comm"]:
+            key = (r["kind"], tuple(r["axes"]), r["group_size"])
+            row = rows.setdefault(key, {"kind": r["kind"], "axes": list(r["axes"]),
+                                        "group_size": r["group_size"], "count": 0,
+                                        "bytes": 0, "ring_bytes": 0.0})
+            for f in ("count", "bytes", "ring_bytes"):
+                row[f] += sign * r[f]
+    return {"flops": base["flops"] + k * (two["flops"] - one["flops"]),
+            "bytes_accessed": base["bytes_accessed"] + k * (two["bytes_accessed"] -
+                                                            one["bytes_accessed"]),
+            "memory": {"temp_bytes": base["memory"]["temp_bytes"] + k * (
+                two["memory"]["temp_bytes"] - one["memory"]["temp_bytes"])},
+            "comm": [r for r in rows.values() if r["count"] > 0 or r["ring_bytes"] > 0],
+            **({"kernel_time": linear_times(base["kernel_time"], one["kernel_time"],
+                                            two["kernel_time"], k)}
+               if "kernel_time" in base else {})}
+
+
+def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
+    """The kernel model's seconds, base + k (two - one), term by term (sums over kernels)."""
+    out = {f: base[f] + k * (two[f] - one[f]) for f, v in base.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    kinds = set(base["by_kind"]) | set(one["by_kind"]) | set(two["by_kind"])
+    out["by_kind"] = {n: base["by_kind"].get(n, 0.0) + k * (two["by_kind"].get(n, 0.0) -
+                                                            one["by_kind"].get(n, 0.0))
+                      for n in kinds}
+    out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
+    out["rates"] = base["rates"]
+    return out

@@ -1,0 +1,165 @@
+"""The step's time read from the XLA:GPU program kernel by kernel, in schedule order.
+
+Each kernel (jaxdist.kernels.schedule) costs max(FLOPs / the achievable rate of its kind and
+dtype, bytes / the achievable HBM rate) + one launch: GEMM fusions and cuBLAS calls at the
+part's achievable dense matmul rate, cuDNN attention at its forward / backward rate for its
+sequence length, everything else at the streaming HBM rate (jaxdist.predict.rates: published
+microbenchmarks, each cited; nothing fitted to a training run). Each collective costs what
+jaxdist.predict.model.collective_time says (NCCL's ring: bandwidth by link, latency per
+step), and an async one is hidden only behind the kernels XLA's latency-hiding scheduler
+placed between its `-start` and its `-done`; what the kernels there do not cover is exposed.
+Loop bodies count their trip count; a conditional's branches count as often as the caller
+says they run (`branch_runs`), else every time (flagged).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from jaxdist import kernels
+from jaxdist.hardware import Hardware
+from jaxdist.predict import rates
+from jaxdist.predict.model import collective_time
+
+GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused convolution",
+              "cuDNN fusion")
+
+
+class Rates:
+    """The part's achievable rates, looked up once."""
+
+    def __init__(self, hw: Hardware):
+        self.hw = hw
+        self.gemm_bf16 = rates.rate(hw.name, "gemm", "bfloat16").value
+        self.hbm = rates.rate(hw.name, "hbm_copy", rates.ANY_DTYPE).value
+        self.launch = rates.rate(hw.name, "launch", rates.ANY_DTYPE).value
+        self.attention = {kind: rates.rate(hw.name, kind, "bfloat16").value
+                          for kind in ("attention_fwd", "attention_bwd")}
+        self.curve = rates.attention_curve(hw.name, "bfloat16")
+        self.sources = {k: rates.rate(hw.name, k, d).source for k, d in
+                        (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
+                         ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
+                         ("attention_bwd", "bfloat16"))}
+
+    def gemm(self, dtype: str, precision: str) -> float:
+        """bf16 (and f16) at the measured rate; float32 at the same fraction of its own peak
+        (TF32 or FP32 by --matmul-precision)."""
+        if dtype in ("bfloat16", "float16"):
+            return self.gemm_bf16
+        peak32 = self.hw.peak_flops("float32", precision)
+        peak16 = self.hw.peak_flops("bfloat16")
+        return self.gemm_bf16 * peak32 / peak16 if peak32 and peak16 else self.gemm_bf16
+
+    def attention_rate(self, backward: bool, seq: int | None) -> float:
+        kind = "attention_bwd" if backward else "attention_fwd"
+        if not self.curve or seq is None:
+            return self.attention[kind]
+        lengths = [p[0] for p in self.curve]
+        i = min(bisect.bisect_left(lengths, seq), len(lengths) - 1)
+        return self.curve[i][2 if backward else 1]
+
+    def kernel(self, item: dict, precision: str) -> tuple[float, str]:
+        """(seconds, what bounds it: "compute" or "HBM") of one kernel launch."""
+        kind = item["kind"]
+        memory = item["bytes"] / self.hbm
+        if kind in GEMM_KINDS and item["flops"]:
+            compute = item["flops"] / self.gemm(item["dtype"], precision)
+        elif kind.startswith("attention (cuDNN)"):
+            compute = item["flops"] / self.attention_rate(kind.endswith("backward"),
+                                                          item["seq"])
+        else:
+            compute = 0.0
+        return max(compute, memory) + self.launch, "compute" if compute > memory else "HBM"
+
+
+def step_time(hlo_text: str, collectives: list[dict], hw: Hardware, mesh: dict[str, int],
+              precision: str = "default", branch_runs: dict[str, float] | None = None) -> dict:
+    """{device_s, compute_s, hbm_s, launch_s, comm_s, intra/inter_node_s, exposed_*_s,
+    upper_bound, by_kind}: seconds per step of the program, per device."""
+    program = kernels.schedule(hlo_text)
+    r = Rates(hw)
+    comm = {}  # instruction name -> (seconds per run, link)
+    for op in collectives:
+        one = {**op, "count": 1, "ring_bytes": op["ring_bytes"] / max(op["times"], 1e-12)}
+        t = collective_time(one, hw, mesh)
+        comm[op["name"]] = (t["seconds"], t["link"])
+        comm.setdefault(f"@{op['computation']}", (t["seconds"], t["link"]))
+    totals = {"compute_s": 0.0, "hbm_s": 0.0, "launch_s": 0.0, "intra-node": 0.0,
+              "inter-node": 0.0, "exposed intra-node": 0.0, "exposed inter-node": 0.0}
+    by_kind: dict[str, float] = {}
+    flags = {"upper_bound": False}
+
+    def collective(item) -> tuple[float, str]:
+        if item.get("wraps"):  # an async-start: the collective it wraps
+            return comm.get(f"@{item['wraps']}", (0.0, "intra-node"))
+        return comm.get(item["name"], (0.0, "intra-node"))
+
+    def walk(name: str, times: float, depth: int = 0) -> float:
+        """Adds `times` runs of computation `name` to the totals; returns its device time."""
+        if depth > 50:
+            return 0.0
+        device = 0.0
+        open_ops: dict[str, list] = {}  # start name -> [seconds, link, covered]
+        for item in program.get(name, ()):
+            kind = item["item"]
+            if kind == "kernel":
+                seconds, bound = r.kernel(item, precision)
+                totals["compute_s" if bound == "compute" else "hbm_s"] += \
+                    (seconds - r.launch) * times
+                totals["launch_s"] += r.launch * times
+                by_kind[item["kind"]] = by_kind.get(item["kind"], 0.0) + seconds * times
+                spent = seconds
+            elif kind == "call":
+                if not item["branch"]:
+                    callee_times = times * item["repeat"]
+                elif branch_runs and item["callee"] in branch_runs:
+                    callee_times = branch_runs[item["callee"]]  # runs per step, absolute
+                else:  # how often a branch runs is not in the HLO: every time (a bound)
+                    flags["upper_bound"] = True
+                    callee_times = times
+                spent = walk(item["callee"], callee_times, depth + 1) / max(times, 1e-12)
+            elif kind == "start":
+                seconds, link = collective(item)
+                totals[link] += seconds * times
+                open_ops[item["name"]] = [seconds, link, 0.0]
+                continue
+            elif kind == "done":
+                op = open_ops.pop(item["name"], None)
+                if op is not None:
+                    totals[f"exposed {op[1]}"] += max(0.0, op[0] - op[2]) * times
+                continue
+            else:  # a synchronous collective: nothing hides it
+                seconds, link = collective(item)
+                totals[link] += seconds * times
+                totals[f"exposed {link}"] += seconds * times
+                continue
+            device += spent
+            for op in open_ops.values():
+                op[2] += spent
+        for seconds, link, covered in open_ops.values():  # never closed here: exposed
+            totals[f"exposed {link}"] += max(0.0, seconds - covered) * times
+        return device * times
+
+    from jaxdist.hlo import execution_counts
+    entry = _entry(hlo_text)
+    device = walk(entry, 1.0) if entry else 0.0
+    _, guessed = execution_counts(hlo_text, branch_runs)
+    exposed = totals["exposed intra-node"] + totals["exposed inter-node"]
+    return {"device_s": device, "compute_s": totals["compute_s"], "hbm_s": totals["hbm_s"],
+            "launch_s": totals["launch_s"], "intra_node_s": totals["intra-node"],
+            "inter_node_s": totals["inter-node"],
+            "exposed_intra_node_s": totals["exposed intra-node"],
+            "exposed_inter_node_s": totals["exposed inter-node"],
+            "comm_exposed_s": exposed, "step_s": device + exposed,
+            "upper_bound": flags["upper_bound"] or bool(guessed),
+            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "rates": r.sources}
+
+
+def _entry(hlo_text: str) -> str | None:
+    from jaxdist.hlo import header, statements
+    for line in statements(hlo_text):
+        m = header(line)
+        if m and m.group(1):
+            return m.group(2)
+    return None
