@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from analysis.match import key as match_key
 from analysis.text import GiB, fmt_ratio, ratio
-from jaxdist.record import RunRecord
+from jaxdist.record import COMPILER_BOUND, RunRecord
 
 # The published quantities that a per-GPU normalisation makes comparable across GPU counts:
 # throughput per device. Step time, peak memory and MFU depend on the GPU count and kind.
@@ -22,7 +22,7 @@ FAMILY_WORDS = {"gpt": ("llama", "gpt", "t5", "transformer", "mixtral"),
 LAYOUT_CLASS = {"fsdp_tp": "fsdp+tp"}
 
 
-def layout_classes(run: RunRecordRecord) -> set[str]:
+def layout_classes(run: RunRecord) -> set[str]:
     """Record layouts a run can be set beside: its own class, and "single" on one device."""
     classes = {LAYOUT_CLASS.get(run.layout, run.layout)}
     if run.devices == 1:
@@ -67,6 +67,12 @@ def ours(run: RunRecord, kind: str):
         m = r["mfu"]
         return (m["value"], None) if m.get("value") is not None else (None, m.get("reason"))
     raise ValueError(kind)
+
+
+def bound_not_measured(run: RunRecord, kind: str) -> str | None:
+    """COMPILER_BOUND where our peak is the compiler's bound set beside a published measured
+    peak (an upper bound, so the table must say it is not a measurement), else None."""
+    return COMPILER_BOUND if kind == "peak_gib" and run.peak_basis == COMPILER_BOUND else None
 
 
 def record_mismatches(run: RunRecord, rec: dict) -> tuple[list[str], list[str]]:
@@ -121,7 +127,9 @@ def published_section(runs: list[RunRecord], records: list[dict], top: int):
              "counts as tf32) all match; when only the hardware or GPU count differs, a "
              "throughput per device becomes a per-GPU normalised ratio, labelled so; "
              "otherwise \"not comparable\" with every mismatch named. A run on CPU devices is "
-             "never set against a GPU figure.", "",
+             "never set against a GPU figure. Where our peak memory is the compiler's "
+             f"allocation bound it says \"{COMPILER_BOUND}\" (published peaks are "
+             "measured).", "",
              "| JAX run | record | source | metric | published | ours | verdict | mismatches |"
              " their read-out |", "|---|---|---|---|---|---|---|---|---|"]
     rows, shown = [], 0
@@ -159,13 +167,16 @@ def published_section(runs: list[RunRecord], records: list[dict], top: int):
                      if src.get("repo") and src.get("commit") else src.get("url") or src["title"])
             if src.get("locator"):
                 where += f", {src['locator']}"
+            bound = bound_not_measured(run, kind)
+            shown_ours = _fmt_ours(kind, mine) + (f" ({bound})" if bound and mine else "")
             lines.append(f"| {label} | {rid} | {where} | {rec['metric']} | {rec['value']:g} "
-                         f"{rec['unit']} | {_fmt_ours(kind, mine)} | {verdict} | "
+                         f"{rec['unit']} | {shown_ours} | {verdict} | "
                          f"{'; '.join(hard + hw) or 'none'} | {rec['readout']} |")
             rows.append({"section": "published", "model": run.model, "layout": run.layout,
                          "devices": run.devices, "batch": run.batch, "dtype": run.dtype,
                          "framework": "JAX", "record": rid, "metric": rec["metric"],
                          "published": rec["value"], "unit": rec["unit"], "ours": mine,
+                         "ours_basis": bound or ("measured" if kind == "peak_gib" else None),
                          "verdict": verdict, "mismatches": "; ".join(hard + hw)})
             shown += 1
         if len(scored) > top:
@@ -184,9 +195,12 @@ def published_verdict(run: RunRecord, rec: dict, kind: str, mine, theirs, why, h
         return f"not comparable ({what} vs {rec.get('device') or rec['hardware']})"
     if mine is None:
         return f"n/a: ours not measured ({why})"
+    bound = bound_not_measured(run, kind)
     if hard or (hw and kind not in PER_GPU_KINDS):
-        return "not comparable"
+        return f"not comparable (ours: {bound})" if bound else "not comparable"
     x = ratio(mine, theirs)
+    if bound:
+        return f"ours is the {bound}: ratio {fmt_ratio(x)} is an upper bound"
     return f"per-GPU normalised ratio {fmt_ratio(x)}" if hw else f"comparable: ratio {fmt_ratio(x)}"
 
 

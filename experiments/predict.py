@@ -1,19 +1,27 @@
 """`python -m experiments.predict --validate`: jaxdist's predictions (jaxdist.predict) beside
 the published measurements in analysis/baselines/published.json, with the ratio.
 
-Each case is a record jaxdist can express: the model as a `llama3-70b` with size overrides
-and cuDNN flash attention (torchtitan runs SDPA's flash kernel), the batch, sequence, GPUs
-and layout of the record. Throughput: the compute efficiency of each GPU generation is
-calibrated on one record (CALIBRATION: one Hopper, one Ampere); the other rows are
-out-of-sample. Memory has no calibrated constant: every memory row is out-of-sample.
-Everything printed is `predicted` beside `published` (torchtitan's memory figure is the
-CUDA caching allocator's peak reserved bytes, `max_reserved_gib` in its train loop's log).
+Each case is a published run jaxdist can express: the model as a `llama3-70b` with size
+overrides and cuDNN flash attention (MaxText ran cudnn_flash_te, torchtitan SDPA's flash
+kernel), the batch, sequence, GPUs, layout and remat policy of the run. Throughput: at most
+one record per GPU generation calibrates (CALIBRATION: one Hopper, one Ampere); every other row
+is out of sample. Memory has no calibrated constant: every memory row is out of sample. A row
+whose configuration repeats another's (`same_as`) is printed but counted once. Everything
+printed is `predicted` beside `published` (torchtitan's memory figure is the CUDA caching
+allocator's peak reserved bytes, `max_reserved_gib` in its train loop's log).
+
+Published figures become tokens/s per GPU as their source defines them: torchtitan logs
+tokens/s per GPU; JAX-Toolbox gives the step time (batch x sequence / GPUs / step); MaxText
+gives TFLOP/s per chip in its own analytic count, converted back with that count
+(`maxtext_flops_per_token`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +29,17 @@ from pathlib import Path
 PUBLISHED = Path(__file__).resolve().parents[1] / "analysis" / "baselines" / "published.json"
 GIB = 2 ** 30
 
+_ATTN = "attention=cudnn"
 LLAMA31_8B = ("vocab=128256,seq_len=8192,depth=32,width=4096,heads=32,kv_heads=8,"
-              "mlp_hidden=14336,attention=cudnn")
+              "mlp_hidden=14336," + _ATTN)
+LLAMA2_7B = ("vocab=32000,seq_len=4096,depth=32,width=4096,heads=32,kv_heads=32,"
+             "mlp_hidden=11008," + _ATTN)
 LLAMA2_13B = ("vocab=32000,seq_len=4096,depth=40,width=5120,heads=40,kv_heads=40,"
-              "mlp_hidden=13824,attention=cudnn")
-LLAMA3_70B = "seq_len=8192,attention=cudnn"
+              "mlp_hidden=13824," + _ATTN)
+LLAMA2_70B = "vocab=32000,seq_len=4096," + _ATTN        # llama3-70b's shape, Llama 2's vocab
+LLAMA3_70B = "seq_len=8192," + _ATTN
+LLAMA31_405B = ("vocab=128256,seq_len=8192,depth=126,width=16384,heads=128,kv_heads=8,"
+                "mlp_hidden=53248," + _ATTN)
 
 
 @dataclass(frozen=True)
@@ -37,33 +51,102 @@ class Case:
     model_opts: str
     mesh: str
     batch: int
-    remat: str                    # torchtitan's selective (op) AC ~ "dots", full AC ~ "full"
+    remat: str                    # torchtitan's selective (op) AC and MaxText's
+    layout: str = "fsdp"          # minimal_flash ~ "dots", full AC ~ "full"
     small: bool = False           # part of the quick form run by the test suite
+    same_as: str = ""             # the case whose configuration this one repeats
 
 
 # compute_efficiency_hopper and _ampere (jaxdist.hardware) were set from these records'
 # throughput, one per GPU generation; nothing else is calibrated.
 CALIBRATION = ("tt24-t1-fsdp", "tt-a100-l3-8b-sac-op")
+
+
+def _maxtext_a3(vms: int) -> Case:
+    # MaxText configs/a3/llama_2_7b/{N}vm.sh: ici_fsdp 8 x dcn_data N, 4 per device
+    return Case(f"maxtext-a3-7b-{vms}vm", f"maxtext-a3-llama2-7b-{vms}vm", None, "h100-sxm",
+                LLAMA2_7B, f"data:{vms},fsdp:8", 32 * vms, "dots", "hsdp", small=vms == 1)
+
+
 CASES = (
     Case("tt24-t1-fsdp", "tt24-t1-fsdp-tps", "tt24-t1-fsdp-mem", "h100-sxm", LLAMA31_8B,
-         "1x8", 16, "dots", small=True),
-    # The same run under torch.compile: XLA fuses the step jaxdist would run, so this is the
-    # closer analogue, kept out of sample.
+         "1x8", 16, "dots"),
+    # The same run under torch.compile: the same configuration for jaxdist, so it counts once;
+    # its memory is out of sample (nothing in the memory model is fitted).
     Case("tt24-t1-fsdp-compile", "tt24-t1-fsdp-compile-tps", "tt24-t1-fsdp-compile-mem",
-         "h100-sxm", LLAMA31_8B, "1x8", 16, "dots", small=True),
+         "h100-sxm", LLAMA31_8B, "1x8", 16, "dots", small=True, same_as="tt24-t1-fsdp"),
     Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", "h100-sxm", LLAMA31_8B,
          "1x128", 256, "dots"),
+    Case("jaxtoolbox-7b", "jaxtoolbox-maxtext-llama2-7b-step", None, "h100-sxm", LLAMA2_7B,
+         "1x8", 16, "dots", small=True),
+    *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
+    Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, "h100-sxm", LLAMA31_8B,
+         "data:1,fsdp:8,tensor:8", 96, "dots", "fsdp_tp"),
+    Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, "h100-sxm", LLAMA3_70B,
+         "data:1,fsdp:32,tensor:8", 512, "full", "fsdp_tp"),
+    Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, "h100-sxm", LLAMA31_405B,
+         "data:1,fsdp:16,tensor:8", 32, "full", "fsdp_tp"),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
          "1x64", 64, "dots"),
     Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
          "1x64", 128, "none"),
+    Case("tt-a100-l2-13b-sac-op", "tt-a100-l2-13b-sac-op-wps", None, "a100-sxm-80gb",
+         LLAMA2_13B, "1x64", 128, "dots"),
     Case("tt-a100-l3-70b-full", "tt-a100-l3-70b-full-wps", None, "a100-sxm-80gb", LLAMA3_70B,
          "1x64", 64, "full"),
+    Case("tt-a100-l2-70b-full", "tt-a100-l2-70b-full-wps", None, "a100-sxm-80gb", LLAMA2_70B,
+         "1x64", 128, "full"),
+    Case("tt-a100-l2-70b-sac-op", "tt-a100-l2-70b-sac-op-wps", None, "a100-sxm-80gb",
+         LLAMA2_70B, "1x64", 64, "dots"),
 )
+# Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
+# Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block
+# recomputed; jaxdist's remat is one policy for every block), pipeline rows (all Float8 +
+# AsyncTP), Paxml GPT (sequence length not stated), FSDP1 blog rows (no per-run config).
 
 
 def published() -> dict:
     return {r["id"]: r for r in json.loads(PUBLISHED.read_text())["records"]}
+
+
+def model_dims(case: Case) -> dict:
+    """The case's model fields: llama3-70b's, with its --model-opts overrides."""
+    dims = {"vocab": 128256, "seq_len": 8192, "depth": 80, "width": 8192, "heads": 64,
+            "kv_heads": 8, "mlp_hidden": 28672}
+    for item in case.model_opts.split(","):
+        key, value = item.split("=")
+        if key in dims:
+            dims[key] = int(value)
+    return dims
+
+
+def maxtext_flops_per_token(dims: dict) -> float:
+    """MaxText's count behind its TFLOP/s/chip at commit efb6d9e4 (the A3 README's), maxtext
+    MaxText/maxtext_utils.py calculate_tflops_training_per_device: 6 x all parameters
+    (embedding and head included) + causal attention 12 x heads x layers x head_dim x seq / 2,
+    per token."""
+    w, hd = dims["width"], dims["width"] // dims["heads"]
+    block = (w * hd * (2 * dims["heads"] + 2 * dims["kv_heads"]) + 3 * w * dims["mlp_hidden"]
+             + 2 * w)
+    params = 2 * dims["vocab"] * w + dims["depth"] * block + w
+    return 6 * params + 6 * dims["heads"] * dims["depth"] * hd * dims["seq_len"]
+
+
+def gpus(case: Case) -> int:
+    from jaxdist.mesh import parse_mesh
+    return parse_mesh(case.mesh).size
+
+
+def published_tokens_per_s_per_gpu(case: Case, rec: dict) -> float:
+    """The record's throughput as tokens/s per GPU (see the module docstring)."""
+    metric, unit, value = rec["metric"], rec["unit"], rec["value"]
+    if metric == "step_latency" and unit == "s":
+        return case.batch * model_dims(case)["seq_len"] / gpus(case) / value
+    if metric == "achieved_TFLOPS_per_GPU" and "MaxText" in rec["framework"]:
+        return value * 1e12 / maxtext_flops_per_token(model_dims(case))
+    if metric == "throughput_per_gpu" and unit.startswith("tokens/s"):
+        return value
+    raise ValueError(f"{rec['id']}: no tokens/s/GPU reading of {metric} in {unit}")
 
 
 def case_config(case: Case):
@@ -72,53 +155,95 @@ def case_config(case: Case):
     return RunConfig(mesh=MeshConfig(mesh=case.mesh),
                      model=ModelConfig(model="llama3-70b", model_opts=case.model_opts,
                                        dtype="bfloat16"),
-                     train=TrainConfig(layout="fsdp", batch_size=case.batch, remat=case.remat),
+                     train=TrainConfig(layout=case.layout, batch_size=case.batch,
+                                       remat=case.remat),
                      compiler=CompilerConfig(overlap=True),
                      output=OutputConfig(dry_run=True, hardware=case.hardware))
 
 
 def validate(cases) -> list[dict]:
     """One row per case: predicted and published tokens/s/GPU and memory, and the ratios.
-    JAX must have enough CPU devices for the largest mesh (see main)."""
+    JAX must have enough CPU devices for the largest mesh (see main). Cases of the same
+    configuration share one compile."""
     from jaxdist.mesh import parse_mesh
     from jaxdist.predict.plan import predict_plan
 
-    records = published()
-    rows = []
+    records, cache, rows = published(), {}, []
     for case in cases:
-        plan = predict_plan(case_config(case), parse_mesh(case.mesh))
+        plan = predict_plan(case_config(case), parse_mesh(case.mesh), cache=cache)
         tps = plan["throughput"]["tokens_per_s_per_gpu"]
         mem = plan["memory"]["total_bytes"] / GIB
+        rid = case.throughput_id or case.memory_id
         row = {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
-               "out-of-sample", "hardware": case.hardware, "mesh": case.mesh,
+               "out-of-sample", "same_as": case.same_as,
+               "framework": records[rid]["framework"], "hardware": case.hardware,
+               "gpus": gpus(case), "layout": case.layout, "mesh": case.mesh,
                "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
                "bottleneck": plan["time"]["bottleneck"]}
-        for what, rid, value in (("tokens_per_s_per_gpu", case.throughput_id, tps),
-                                 ("memory_gib", case.memory_id, mem)):
-            pub = records[rid]["value"] if rid else None
-            row[f"published_{what}"] = pub
+        tput = case.throughput_id and published_tokens_per_s_per_gpu(
+            case, records[case.throughput_id])
+        for what, pub, value in (("tokens_per_s_per_gpu", tput, tps),
+                                 ("memory_gib", case.memory_id and
+                                  records[case.memory_id]["value"], mem)):
+            row[f"published_{what}"] = pub or None
             row[f"ratio_{what}"] = value / pub if pub else None
         rows.append(row)
     return rows
 
 
+def independent(rows: list[dict], what: str) -> list[dict]:
+    """The out-of-sample rows with a published figure, each configuration once. Throughput:
+    not the calibration records nor their repeats. Memory has nothing fitted: every row,
+    a repeat counted only when its first configuration has no figure."""
+    rated = [r for r in rows if r[f"ratio_{what}"]]
+    calibration = {r["case"] for r in rated if r["role"] == "calibration"}
+    if what == "tokens_per_s_per_gpu":
+        return [r for r in rated if r["case"] not in calibration and not r["same_as"]]
+    names = {r["case"] for r in rated}
+    return [r for r in rated if r["same_as"] not in names]
+
+
+def summary(rows: list[dict], what: str) -> dict | None:
+    """Median |log ratio| and the worst row over `independent` rows."""
+    rated = independent(rows, what)
+    if not rated:
+        return None
+    worst = max(rated, key=lambda r: abs(math.log(r[f"ratio_{what}"])))
+    return {"rows": len(rated),
+            "median_abs_log_ratio": statistics.median(abs(math.log(r[f"ratio_{what}"]))
+                                                      for r in rated),
+            "worst": worst["case"], "worst_ratio": worst[f"ratio_{what}"]}
+
+
 def format_rows(rows: list[dict]) -> str:
     def num(x, fmt):
         return format(x, fmt) if x is not None else "-"
-    head = (f"{'record':<22}{'role':<15}{'tok/s/GPU pub':>14}{'predicted':>11}{'ratio':>7}"
+    head = (f"{'record':<22}{'framework':<22}{'GPUs':>5} {'layout':<8}{'sample':<14}"
+            f"{'tok/s/GPU pub':>14}{'predicted':>11}{'ratio':>7}"
             f"{'GiB pub':>9}{'predicted':>11}{'ratio':>7}  bottleneck")
     lines = ["predicted vs published (predicted / published)", head]
     for r in rows:
-        lines.append(f"{r['case']:<22}{r['role']:<15}"
+        sample = "calibration" if r["role"] == "calibration" else (
+            "out, repeat" if r["same_as"] else "out")
+        lines.append(f"{r['case']:<22}{r['framework'][:21]:<22}{r['gpus']:>5} "
+                     f"{r['layout']:<8}{sample:<14}"
                      f"{num(r['published_tokens_per_s_per_gpu'], ',.0f'):>14}"
                      f"{num(r['predicted_tokens_per_s_per_gpu'], ',.0f'):>11}"
                      f"{num(r['ratio_tokens_per_s_per_gpu'], '.2f'):>7}"
                      f"{num(r['published_memory_gib'], '.1f'):>9}"
                      f"{num(r['predicted_memory_gib'], '.1f'):>11}"
                      f"{num(r['ratio_memory_gib'], '.2f'):>7}  {r['bottleneck']}")
-    lines.append("calibration: throughput only (one compute efficiency per GPU generation); "
-                 "memory has no calibrated constant, every memory row is out of sample; "
-                 "published memory is torchtitan's peak reserved (max_reserved_gib)")
+    for what, label in (("tokens_per_s_per_gpu", "throughput"), ("memory_gib", "memory")):
+        s = summary(rows, what)
+        if s:
+            lines.append(f"{label}: {s['rows']} independent out-of-sample rows, median |log "
+                         f"ratio| {s['median_abs_log_ratio']:.3f}, worst {s['worst']} "
+                         f"({s['worst_ratio']:.2f})")
+    fitted = sorted({r["case"] for r in rows if r["role"] == "calibration"})
+    lines.append(f"fitted: {len(CALIBRATION)} numbers (one compute efficiency per GPU "
+                 f"generation) on {', '.join(CALIBRATION)} ({len(fitted)} in this table); "
+                 "memory has none (the sample column is throughput's); published memory is "
+                 "torchtitan's peak reserved (max_reserved_gib)")
     return "\n".join(lines)
 
 
@@ -159,7 +284,7 @@ def main(argv=None) -> int:
     import jax
     jax.config.update("jax_platforms", "cpu")
     cases = [c for c in CASES if c.small or not args.quick]
-    jax.config.update("jax_num_cpu_devices", max(int(c.mesh.split("x")[1]) for c in cases))
+    jax.config.update("jax_num_cpu_devices", max(gpus(c) for c in cases))
     rows = validate(cases)
     print(format_rows(rows))
     if args.json:

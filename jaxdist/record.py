@@ -147,7 +147,7 @@ def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: in
 PYTORCH_UNRECORDED = "not recorded (PyTorch's default: float32 matmuls, TF32 convolutions)"
 # GPUs without TF32 tensor cores: float32 stays float32 at every precision.
 PRE_AMPERE = ("V100", "T4", "P100", "P40", "K80")
-MEASURED, COMPILER_BOUND = "measured", "compiler allocation bound"
+MEASURED, COMPILER_BOUND = "measured", "compiler bound, not measured"
 
 
 class RecordError(ValueError):
@@ -358,7 +358,7 @@ class RunRecord:
     @property
     def peak(self):
         """Peak bytes per device: measured where the backend reports it, else the compiler's
-        allocation bound, else None (`peak_basis` says which)."""
+        bound (an upper bound; `peak_basis` says "compiler bound, not measured"), else None."""
         return self.measured_peak if self.measured_peak is not None else self.compiled_bound
 
     @property

@@ -114,3 +114,48 @@ def test_variant_reads_compiler_overlap(tmp_path):
     for config in ({"compiler": {"overlap": True}}, {"train": {"overlap": True}}):
         (tmp_path / "results.json").write_text(json.dumps({**header, "config": config}))
         assert RunRecord.load(tmp_path).variant == "overlap"
+
+
+def gpu_run(measured_peak, compiled_peak=30 * 2 ** 30):
+    """A gpt-small ddp run on 8 H100s (batch 64, 128 tokens), results.json as written."""
+    from pathlib import Path
+
+    return RunRecord(Path("gpu"), {
+        "framework": "jax", "layout": "ddp", "mesh": {"data": 8},
+        "model": {"name": "gpt-small", "params": 1, "tokens_per_sample": 128},
+        "config": {"model": {"model": "gpt-small", "dtype": "bfloat16",
+                             "matmul_precision": "default"},
+                   "train": {"batch_size": 64, "optimizer": "adamw"}},
+        "env": {"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "num_devices": 8,
+                "num_processes": 1, "simulated": False},
+        "step_time_s": {"p50": 0.5, "p99": 0.5},
+        "throughput": {"samples_per_s": 128.0, "tokens_per_s": 16384.0},
+        "memory": {"measured_peak_bytes": measured_peak,
+                   "measured_peak_reason": None if measured_peak else "no allocator stats",
+                   "compiled": {"peak_bytes": compiled_peak}},
+        "mfu": {"value": 0.4, "reason": None}, "loss": [1.0]})
+
+
+def test_peak_falling_back_to_the_compiler_bound_says_not_measured():
+    """A published peak is measured; when ours is the compiler's bound the record and the
+    published comparison both say "compiler bound, not measured", never a plain ratio."""
+    from analysis.published import published_section
+
+    assert COMPILER_BOUND == "compiler bound, not measured"
+    rec = {"id": "mem", "framework": "PyTorch", "strategy": "DDP", "layout": "ddp",
+           "model": "gpt-small", "jaxdist_model": "gpt-small", "hardware": "8x H100",
+           "device": "H100", "num_gpus": 8, "dtype": "bfloat16", "local_batch": 8,
+           "seq_len": 128, "metric": "peak_memory_per_gpu", "unit": "GiB", "value": 20.0,
+           "readout": "max", "source": {"title": "t", "url": "https://example.org"}}
+    bound = gpu_run(None)
+    assert (bound.peak, bound.peak_basis) == (30 * 2 ** 30, COMPILER_BOUND)
+    lines, rows, _ = published_section([bound], [rec], top=1)
+    assert rows[0]["verdict"] == ("ours is the compiler bound, not measured: ratio 1.50x is "
+                                  "an upper bound")
+    assert rows[0]["ours_basis"] == COMPILER_BOUND
+    assert any("30.000 GiB (compiler bound, not measured)" in line for line in lines)
+    _, rows, _ = published_section([bound], [dict(rec, local_batch=4)], top=1)
+    assert rows[0]["verdict"] == "not comparable (ours: compiler bound, not measured)"
+    measured = gpu_run(24 * 2 ** 30)
+    _, rows, _ = published_section([measured], [rec], top=1)
+    assert (rows[0]["verdict"], rows[0]["ours_basis"]) == ("comparable: ratio 1.20x", "measured")
