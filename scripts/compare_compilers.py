@@ -37,7 +37,7 @@ def reading_of(cfg, target, blocks: str):
 
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
-    return program.step_figures(cfg, model_cfg, shape, target, blocks)
+    return program.step_figures(cfg, model_cfg, shape, blocks, target)
 
 
 def by_kind(comm_rows) -> dict:

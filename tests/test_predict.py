@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from jaxdist import compiled
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
@@ -263,7 +264,10 @@ def test_aggregate_and_extrapolate_hand_built():
             "ring_bytes": 8.75}] * 3
     agg = model.aggregate(ops)
     assert agg == [{"kind": "all-gather", "axes": ["fsdp"], "group_size": 8, "count": 3,
-                    "bytes": 30, "ring_bytes": 26.25}]
+                    "bytes": 30, "ring_bytes": 26.25, "upper_bound": False, "async": False}]
+    # A count from a branch without a frequency stays flagged through the aggregate.
+    flagged = model.aggregate(ops + [{**ops[0], "upper_bound": True, "async": True}])
+    assert flagged[0]["upper_bound"] and flagged[0]["async"] and flagged[0]["count"] == 4
     one = {"flops": 10.0, "bytes_accessed": 5.0, "memory": {"temp_bytes": 100},
            "comm": [{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}]}
     two = {"flops": 16.0, "bytes_accessed": 7.0, "memory": {"temp_bytes": 130},
@@ -295,8 +299,9 @@ def test_depth_extrapolation_equals_full_compile_for_4_blocks():
 
 
 def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
+    """The XLA:CPU path (--compiler cpu): the roofline model over XLA:CPU's program."""
     proc = run_cli("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
-                   "--batch-size", "16", "--logdir", str(tmp_path / "p"))
+                   "--batch-size", "16", "--logdir", str(tmp_path / "p"), "--compiler", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("PREDICTED (not measured): gpt-tiny")
     assert "applies only" not in proc.stderr  # --batch-size is read here
@@ -312,10 +317,35 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
         16 * 32 / t["step_s"] / 8)
 
 
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_dry_run_hardware_compiles_with_xla_gpu_and_times_kernel_by_kernel(tmp_path):
+    """With the GPU compiler installed, --dry-run --hardware reads XLA:GPU's program for
+    one node of 8 H200: its buffer assignment decides memory, its kernels the step time."""
+    proc = run_cli("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
+                   "--batch-size", "16", "--dtype", "bfloat16", "--logdir", str(tmp_path / "p"))
+    assert proc.returncode == 0, proc.stderr
+    assert "compiler: XLA:GPU sm_90, compiled without a device, 1 host(s) x 8 h200" in \
+        proc.stdout
+    assert "kernel by kernel" in proc.stdout and "gemm fusion (Triton)" in proc.stdout
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["compiled"]["gpu"] and plan["compiled"]["kernels"]
+    t, mem = plan["time"], plan["memory"]
+    assert t["step_s"] == pytest.approx(t["device_s"] + t["comm_exposed_s"])
+    assert t["device_s"] >= t["compute_s"] + t["hbm_s"] + t["launch_s"] - 1e-12
+    assert mem["source"] == "XLA:GPU buffer assignment"
+    c = mem["compiler"]
+    assert mem["total_bytes"] == c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + \
+        c["temp_bytes"]
+    assert c["alias_bytes"] == 202_756  # the donated state: exactly dryrun.plan's shards
+    assert mem["hand_over_compiler"] == pytest.approx(mem["hand_estimate_bytes"] /
+                                                      mem["total_bytes"])
+
+
 def test_attention_scores_separates_scores_from_activations(monkeypatch):
     # Hand-built compiles: per block, temp = 5 bytes per token + 3 per token x L (scores),
     # plus 1000 outside the blocks; bytes accessed 7 per token x L per block.
-    def fake(cfg, model_cfg, shape):
+    def fake(cfg, model_cfg, shape, target=None, hw=None):
         tokens, L = cfg.train.batch_size * model_cfg.seq_len, model_cfg.seq_len
         return {"memory": {"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)},
                 "bytes_accessed": model_cfg.depth * 7 * tokens * L}

@@ -16,9 +16,12 @@ def linear(base: dict, one: dict, two: dict, blocks: int) -> dict:
             key = (r["kind"], tuple(r["axes"]), r["group_size"])
             row = rows.setdefault(key, {"kind": r["kind"], "axes": list(r["axes"]),
                                         "group_size": r["group_size"], "count": 0,
-                                        "bytes": 0, "ring_bytes": 0.0})
+                                        "bytes": 0, "ring_bytes": 0.0, "upper_bound": False,
+                                        "async": False})
             for f in ("count", "bytes", "ring_bytes"):
                 row[f] += sign * r[f]
+            for f in ("upper_bound", "async"):
+                row[f] |= bool(r.get(f))
     return {"flops": base["flops"] + k * (two["flops"] - one["flops"]),
             "bytes_accessed": base["bytes_accessed"] + k * (two["bytes_accessed"] -
                                                             one["bytes_accessed"]),

@@ -25,6 +25,16 @@ GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused c
               "cuDNN fusion")
 
 
+def has_rates(hw: Hardware) -> bool:
+    """Whether the part has every published rate this model needs; else the roofline model
+    (jaxdist.predict.model.step_time) times the program."""
+    try:
+        Rates(hw)
+    except KeyError:
+        return False
+    return True
+
+
 class Rates:
     """The part's achievable rates, looked up once."""
 

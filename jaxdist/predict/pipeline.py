@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import compiled as compiled_mod
 from jaxdist.hardware import Hardware, constant
+from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear
 from jaxdist.predict.model import LABEL, aggregate, kernel_step, ring_latency, step_time
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies
@@ -163,8 +164,6 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
 def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
     """Compile and read through jaxdist.compiled: an op's or the tail's figures, timed
     kernel by kernel when XLA:GPU compiled it and `hw` has published rates."""
-    from jaxdist.predict.plan import has_rates
-
     compiled, seconds = compiled_mod.compile_timed(
         jitted, *args, options=compiled_mod.compile_options(cfg, target))
     reading = compiled_mod.read(compiled, target, sizes, compile_s=seconds)
@@ -175,8 +174,7 @@ def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
            "comm": aggregate(reading["collectives"]),
            "memory": {"temp_bytes": reading["memory"].get("temp_bytes", 0)},
            "kernels": reading["kernels"]}
-    if target.gpu and hw is not None and has_rates(hw):
-        from jaxdist.predict import kernels_time
+    if target.gpu and hw is not None and kernels_time.has_rates(hw):
         out["kernel_time"] = kernels_time.step_time(
             compiled.as_text(), reading["collectives"], hw, sizes, cfg.model.matmul_precision)
     return out

@@ -7,7 +7,7 @@ from jaxdist import compiled, dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
-from jaxdist.predict import memory, model, program
+from jaxdist.predict import kernels_time, memory, model, program
 from models.build import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
 
@@ -90,8 +90,8 @@ def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
            hw.name if hw else None, cfg.compiler.overlap)
     if cache is not None and key in cache:
         return cache[key]
-    figures = program.step_figures(cfg, model_cfg, shape, target, blocks,
-                                   hw if target.gpu and has_rates(hw) else None)
+    figures = program.step_figures(cfg, model_cfg, shape, blocks, target,
+                                   hw if target.gpu and kernels_time.has_rates(hw) else None)
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
         quadratic = program.attention_scores(cfg, model_cfg, shape, target,
@@ -99,20 +99,6 @@ def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
     if cache is not None:
         cache[key] = (figures, quadratic)
     return figures, quadratic
-
-
-def has_rates(hw) -> bool:
-    """Whether the part has the published kernel rates the kernel model needs; else the
-    roofline model (jaxdist.predict.model.step_time) times the program."""
-    from jaxdist.predict import rates
-    try:
-        for kind, dtype in (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
-                            ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
-                            ("attention_bwd", "bfloat16")):
-            rates.rate(hw.name, kind, dtype)
-    except KeyError:
-        return False
-    return True
 
 
 def exposed_by_link(step: dict) -> dict:

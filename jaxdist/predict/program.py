@@ -30,11 +30,12 @@ from jaxdist.train_step import compiled_step_flops
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
 
-def figures(cfg, model_cfg, shape: MeshShape, target, hw=None) -> dict:
+def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None) -> dict:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
     (jaxdist.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
     compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
-    kernel by kernel (jaxdist.predict.kernels_time)."""
+    kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices."""
+    target = target or compiled_mod.simulated_cpu(shape.size)
     if not target.gpu:
         model_cfg = cpu_compilable(model_cfg)
     program, compiled, seconds = compiled_mod.compile_step(cfg, model_cfg, shape, target)
@@ -77,7 +78,8 @@ def extrapolate(one: dict, two: dict, depth: int) -> dict:
         zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
         a, b = a or zero, b or zero
         comm_rows.append({"kind": kind, "axes": list(axes), "group_size": n,
-                          **{f: line(a[f], b[f]) for f in ("count", "bytes", "ring_bytes")}})
+                          **{f: line(a[f], b[f]) for f in ("count", "bytes", "ring_bytes")},
+                          **{f: bool(a.get(f) or b.get(f)) for f in ("upper_bound", "async")}})
     kernels = {}
     for kind in set(one.get("kernels", {})) | set(two.get("kernels", {})):
         a = one.get("kernels", {}).get(kind, {"launches": 0, "flops": 0.0, "bytes": 0.0})
@@ -94,7 +96,7 @@ def extrapolate(one: dict, two: dict, depth: int) -> dict:
                if "kernel_time" in one else {})}
 
 
-def step_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str = "auto",
+def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=None,
                  hw=None) -> dict:
     """Figures of the full step; blocks: "full" (compile everything), "extrapolate" (depth
     1 and 2) or "auto" (extrapolate a stack deeper than FULL_DEPTH_MAX)."""
@@ -110,7 +112,7 @@ def step_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str = "auto",
             "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
 
 
-def attention_scores(cfg, model_cfg, shape: MeshShape, target, one: dict | None = None,
+def attention_scores(cfg, model_cfg, shape: MeshShape, target=None, one: dict | None = None,
                      two: dict | None = None) -> dict:
     """The L x L attention-score part, at full sequence length and depth, of temp bytes and
     bytes accessed. Per block (depth 2 - depth 1), at the same tokens per step: P(k) =
