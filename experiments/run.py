@@ -44,6 +44,12 @@ def validate(cfg: RunConfig) -> MeshShape:
     get_layout(cfg.train.layout)
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
+    if (cfg.train.layout in PIPELINE_LAYOUTS and shape.stage == 1 and shape.size
+            and model_cfg.family in ("gpt", "moe")):  # other families: check_layout says so
+        raise UsageError(f"layout {cfg.train.layout!r} needs a stage axis, which mesh "
+                         f"{cfg.mesh.mesh} lacks (the short form puts stage fifth: "
+                         f"DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh "
+                         f"{stage_example(cfg.train.layout, shape)}")
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
     if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
@@ -71,6 +77,17 @@ def validate(cfg: RunConfig) -> MeshShape:
         raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
     check_checkpoint_dir(cfg)
     return shape
+
+
+def stage_example(layout: str, shape: MeshShape) -> str:
+    """A mesh with a stage axis on the same devices for a pipeline layout: the layout's own
+    inner axis (tp_pp: tensor, fsdp_pp: fsdp) kept, 2 stages (or all) from the rest."""
+    inner = {"tp_pp": "tensor", "fsdp_pp": "fsdp"}.get(layout)
+    kept = getattr(shape, inner) if inner else 1
+    rest = shape.size // kept
+    stages = 2 if rest % 2 == 0 and rest > 2 else rest
+    sizes = {"data": rest // stages, "stage": stages, **({inner: kept} if kept > 1 else {})}
+    return ",".join(f"{a}:{n}" for a, n in sizes.items())
 
 
 def check_checkpoint_dir(cfg: RunConfig) -> None:
@@ -173,13 +190,14 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
     from jaxdist import loop
-    from jaxdist.summary import format_summary
+    from jaxdist.summary import format_summary, mesh_text
 
     if cfg.compiler.overlap and platform.backend != "gpu":
         print(f"notice: --overlap has no effect on {platform.backend} (its flags are for "
               f"XLA:GPU); ignored", file=sys.stderr)
     if platform.simulated:
-        print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
+        print(f"No accelerator in use: simulating mesh "
+              f"{mesh_text(platform.shape.axis_sizes)} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
     loop_started = time.time()

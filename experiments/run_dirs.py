@@ -13,7 +13,8 @@ from pathlib import Path
 
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
-from jaxdist.record import ensure_writable_dir
+from jaxdist.record import ensure_writable_dir, pipeline_schedule
+from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 @dataclass
@@ -84,12 +85,16 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
                                  f"the same command plus --resume, or choose another --logdir")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
+        layout = cfg.train.layout
+        if layout in PIPELINE_LAYOUTS:  # a gpipe and a 1f1b run differ by name
+            layout += "-" + pipeline_schedule({"schedule": cfg.train.pp_schedule,
+                                               "virtual": cfg.train.pp_virtual})
+        what = f"{layout}-{mesh_label}-{cfg.model.model}"
+        path = Path("runs") / f"{stamp}-{what}"
         suffix = 1
         while path.exists():
             suffix += 1
-            path = path.with_name(f"{stamp}-{cfg.train.layout}-{mesh_label}-"
-                                  f"{cfg.model.model}-{suffix}")
+            path = path.with_name(f"{stamp}-{what}-{suffix}")
     top = path.absolute()
     while not top.parent.exists():
         top = top.parent
