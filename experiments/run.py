@@ -85,7 +85,10 @@ def stage_example(layout: str, shape: MeshShape) -> str:
     inner = {"tp_pp": "tensor", "fsdp_pp": "fsdp"}.get(layout)
     kept = getattr(shape, inner) if inner else 1
     rest = shape.size // kept
-    stages = 2 if rest % 2 == 0 and rest > 2 else rest
+    if rest == 1 and kept % 2 == 0:  # every device on the inner axis: give half to stage
+        kept, rest = kept // 2, 2
+    stages = 2 if rest % 2 == 0 or rest == 1 else rest
+    rest = max(rest, stages)
     sizes = {"data": rest // stages, "stage": stages, **({inner: kept} if kept > 1 else {})}
     return ",".join(f"{a}:{n}" for a, n in sizes.items())
 

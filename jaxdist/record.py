@@ -96,8 +96,8 @@ def ensure_writable_dir(path: Path, flag: str) -> None:
 
     file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if file is not None:
-        raise UsageError(f"{flag} {path}: {file} is a file; {flag} takes a folder (new or "
-                         f"existing)")
+        raise UsageError(f"cannot write to {flag} {path}: {file} is a file, not a folder "
+                         f"({flag} takes a folder, new or existing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
