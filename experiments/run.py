@@ -22,7 +22,7 @@ from models.build import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
-from experiments.run_dirs import make_logdir, wrote_record
+from experiments.run_dirs import make_logdir, resume_folder, wrote_record
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from jaxdist.pipeline.checks import check_pipeline
 from sharding import check_layout, get_layout
@@ -124,16 +124,21 @@ def print_notices(cfg: RunConfig) -> None:
         print(line, file=sys.stderr)
 
 
-def report_interrupt(results: dict, logdir: Path | None) -> int:
-    """The one line an interrupted run prints; its exit status (130 SIGINT, 143 SIGTERM)."""
+def report_interrupt(results: dict, logdir: Path | None, chosen: bool) -> int:
+    """The one line an interrupted run prints, saying which command works next (`chosen`:
+    the user named --logdir, which now holds this record); its exit status (130 SIGINT,
+    143 SIGTERM)."""
     info = results["interrupted"]
     ck = results.get("checkpoint")
     if ck and ck["saved_steps"]:
         resume = (f"checkpoint at step {ck['saved_steps'][-1]} in {ck['directory']}; resume "
                   f"with the same command plus --resume")
+    elif chosen:  # the record is kept: the folder takes no other run
+        resume = ("no checkpoint (give --checkpoint-dir DIR to make a run resumable); to "
+                  "start again from step 0 run the same command with another --logdir")
     else:
-        resume = ("no checkpoint (to make a run resumable give --checkpoint-dir DIR), so a "
-                  "rerun starts from step 0")
+        resume = ("no checkpoint (give --checkpoint-dir DIR to make a run resumable); the "
+                  "same command starts again from step 0 in a new folder")
     where = f"results (status interrupted) in {logdir / 'results.json'}; " if logdir else ""
     print(f"run: interrupted by {info['signal']} after {results['steps_done']} of "
           f"{info['steps_planned']} steps; {where}{resume}", file=sys.stderr)
@@ -143,6 +148,11 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
+    try:
+        cfg = resume_folder(cfg)
+    except UsageError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        return 2
     if cfg.output.hardware and not cfg.output.dry_run:  # a real run predicts it at the end
         from jaxdist.hardware import get_hardware
         try:
@@ -222,7 +232,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
             return 2
         raise
     if results["status"] == "interrupted":
-        return report_interrupt(results, logdir)
+        return report_interrupt(results, logdir, bool(cfg.output.logdir))
     if logdir is None:
         return 0
     print()
