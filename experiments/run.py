@@ -173,21 +173,34 @@ def main(argv=None) -> int:
 
 
 def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
+    run_dir = None
     try:
         shape = validate(cfg)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
         configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
+        # Process 0 writes the outputs; the others only compute. A --logdir it refuses is
+        # known before the join, so the others hear why and stop with it.
+        if topo.process_id == 0 and cfg.output.logdir:
+            try:
+                run_dir = make_logdir(cfg, shape.label)
+            except UsageError as e:
+                distributed.refuse(topo, cfg.dist.init_timeout, str(e))
+                raise
         distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
         check_batch(cfg, platform.shape)
-        # Process 0 writes the outputs; the others only compute.
-        run_dir = make_logdir(cfg, platform.shape.label) if topo.process_id == 0 else None
+        if topo.process_id == 0 and run_dir is None:  # its name needs the resolved mesh
+            run_dir = make_logdir(cfg, platform.shape.label)
     except UsageError as e:
+        if run_dir is not None:
+            run_dir.discard()
         print(f"run: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C twice
+        if run_dir is not None:
+            run_dir.discard()
         print("run: interrupted before the first step; nothing was written", file=sys.stderr)
         return 130
     logdir = run_dir.path if run_dir else None
