@@ -133,12 +133,13 @@ def report_interrupt(results: dict, logdir: Path | None, chosen: bool) -> int:
     if ck and ck["saved_steps"]:
         resume = (f"checkpoint at step {ck['saved_steps'][-1]} in {ck['directory']}; resume "
                   f"with the same command plus --resume")
-    elif chosen:  # the record is kept: the folder takes no other run
-        resume = ("no checkpoint (give --checkpoint-dir DIR to make a run resumable); to "
-                  "start again from step 0 run the same command with another --logdir")
     else:
-        resume = ("no checkpoint (give --checkpoint-dir DIR to make a run resumable); the "
-                  "same command starts again from step 0 in a new folder")
+        why = ("a parameter-server run does not resume" if results.get("layout") == "ps" else
+               "no checkpoint (give --checkpoint-dir DIR to make a run resumable)")
+        # A chosen --logdir keeps the record and takes no other run.
+        resume = why + ("; to start again from step 0 run the same command with another "
+                        "--logdir" if chosen else "; the same command starts again from "
+                        "step 0 in a new folder")
     where = f"results (status interrupted) in {logdir / 'results.json'}; " if logdir else ""
     print(f"run: interrupted by {info['signal']} after {results['steps_done']} of "
           f"{info['steps_planned']} steps; {where}{resume}", file=sys.stderr)
@@ -327,6 +328,8 @@ def main_ps(cfg: RunConfig) -> int:
                   f"(logs in {logdir / 'ps'})", file=sys.stderr)
             return 130
         raise
+    if results["status"] == "interrupted":
+        return report_interrupt(results, logdir, bool(cfg.output.logdir))
     print()
     print(format_summary(results))
     print(f"\nresults:     {logdir / 'results.json'}")
