@@ -46,8 +46,8 @@ def validate(cfg: RunConfig) -> MeshShape:
     shape = parse_mesh(cfg.mesh.mesh)
     if (cfg.train.layout in PIPELINE_LAYOUTS and shape.stage == 1 and shape.size
             and model_cfg.family in ("gpt", "moe")):  # other families: check_layout says so
-        raise UsageError(f"layout {cfg.train.layout!r} needs a stage axis, which mesh "
-                         f"{cfg.mesh.mesh} lacks (the short form puts stage fifth: "
+        raise UsageError(f"layout {cfg.train.layout!r} splits over the stage axis, which "
+                         f"this mesh does not have (the short form puts stage fifth: "
                          f"DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh "
                          f"{stage_example(cfg.train.layout, shape)}")
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)

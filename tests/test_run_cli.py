@@ -94,8 +94,8 @@ BAD = [
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
     # stage is the fifth short position; the error shows a mesh with one, on these devices
     (["--layout", "pp", "--model", "gpt-tiny", "--mesh", "2x4x1"],
-     "layout 'pp' needs a stage axis, which mesh 2x4x1 lacks (the short form puts stage "
-     "fifth: DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh data:4,stage:2"),
+     "layout 'pp' splits over the stage axis, which this mesh does not have (the short "
+     "form puts stage fifth: DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh data:4,stage:2"),
     (["--layout", "tp_pp", "--model", "gpt-tiny", "--mesh", "1x1x4"],
      "e.g. --mesh data:1,stage:2,tensor:2"),
     (["--xla-flags=--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
