@@ -220,14 +220,20 @@ def _memory_basis(runs) -> tuple[str, object]:
     """The memory figure every run of a ratio has: measured peak, else the compiler's
     allocation bound, else the exact train-state bytes."""
     if all(r.measured_peak is not None for r in runs):
-        return "measured peak per device", lambda r: r.measured_peak
+        return MEASURED_BASIS, lambda r: r.measured_peak
     if all(r.compiled_bound is not None for r in runs):
-        return ("compiler allocation bound per device (argument+output-alias+temp: an upper "
-                "bound, not a measured peak)", lambda r: r.compiled_bound)
+        return BOUND_BASIS, lambda r: r.compiled_bound
     return STATE_BASIS, lambda r: r.state_bytes
 
 
 STATE_BASIS = "train-state bytes per device (exact)"
+MEASURED_BASIS = "measured peak per device"
+BOUND_BASIS = ("compiler allocation bound per device (argument+output-alias+temp: an upper "
+               "bound, not a measured peak)")
+# The row's title says which figure it divides: "peak memory" only when it was measured.
+MEMORY_TITLES = {MEASURED_BASIS: "FSDP/DDP peak memory",
+                 BOUND_BASIS: "FSDP/DDP compiler bound on peak memory",
+                 STATE_BASIS: "FSDP/DDP train-state bytes"}
 
 
 def ratios(runs) -> list[Ratio]:
@@ -253,7 +259,7 @@ def ratios(runs) -> list[Ratio]:
             basis, get = _memory_basis(ddp + fsdp)
             less = lambda v, f, d: f"{v:.3f} ({(1 - v) * 100:.0f}% less" + (  # noqa: E731
                 f"; DDP/FSDP {d / f:.2f}x)" if f else ")")
-            add("FSDP/DDP peak memory", "mem", fsdp, ddp, get, less, basis, ddp + fsdp)
+            add(MEMORY_TITLES[basis], "mem", fsdp, ddp, get, less, basis, ddp + fsdp)
             if basis != STATE_BASIS:
                 add("FSDP/DDP train-state bytes", "mem", fsdp, ddp, lambda r: r.state_bytes,
                     lambda v, f, d: f"{v:.3f} ({(1 - v) * 100:.0f}% less)",

@@ -114,6 +114,16 @@ def _tick_bytes(n: float) -> str:
     return f"{n:.3g} B"
 
 
+def byte_ticks(vmax: float, bins: int = 6) -> list[float]:
+    """Tick positions at round numbers of the largest binary unit under `vmax` (0, 2, 4, 6,
+    8 MiB), where matplotlib's decimal ticks read 1.91 / 3.81 / 5.72 MiB."""
+    from matplotlib.ticker import MaxNLocator
+
+    unit = next((u for u in (2 ** 30, 2 ** 20, 2 ** 10) if vmax >= u), 1)
+    ticks = MaxNLocator(bins, steps=[1, 2, 2.5, 5, 10]).tick_values(0, vmax / unit)
+    return [t * unit for t in ticks if 0 <= t * unit <= vmax * 1.0001]
+
+
 MEMORY_SERIES = (("train state (shards)", lambda r: r.state_bytes),
                  ("compiler allocation bound", lambda r: r.compiled_bound),
                  ("measured peak", lambda r: r.measured_peak))
@@ -136,8 +146,9 @@ def plot_memory(runs, path: Path) -> bool:
                            label=label)
             ax.bar_label(drawn, labels=[_tick_bytes(v) if v is not None else "n/a"
                                         for v in vals], fontsize=6, rotation=90, padding=2)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick_bytes(v)))
         ax.margins(y=0.25)   # headroom for the value labels
+        ax.set_yticks(byte_ticks(ax.get_ylim()[1]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _tick_bytes(v)))
         _dress(ax, model, "memory per device", rs, "bytes per device", ticks=(x, groups),
                legend=bool(series))
     _save(fig, path)

@@ -77,6 +77,64 @@ def variant_lines(runs) -> list[str]:
             "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
+# A ps worker holds the parameters only; beside ddp's figure (parameters and optimizer
+# state) it would read as a saving the servers pay for.
+PS_STATE = " (a worker's parameters; optimizer state on the servers)"
+
+
+def pipeline_lines(runs) -> list[str]:
+    """Pipeline runs side by side: schedule, bubble (counted from the table as executed, and
+    the analytic formula) and the bytes stages send each other per step."""
+    rows = []
+    for r in runs:
+        pp = r.results.get("pipeline")
+        if not pp:
+            continue
+        sb = pp.get("stage_bytes") or {}
+        rows.append(
+            f"| {md_escape(r.name)} | {md_escape(r.bar)} | {pp['schedule']} | "
+            f"{pp['stages']} | {pp.get('virtual', 1)} | {pp['microbatches']} | "
+            f"{pp['bubble']:.1%} | {pp['analytic_bubble']:.1%} "
+            f"{md_escape(pp.get('analytic_bubble_formula', ''))} | "
+            f"{human_bytes(sb.get('total'))} | {human_bytes(sb.get('analytic'))} | "
+            f"{human_bytes((pp.get('memory') or {}).get('activation_stash_bytes'))} |")
+    if not rows:
+        return []
+    return ["## Pipeline: bubble and stage bytes", "",
+            "Bubble: idle stage-ticks over all stage-ticks, counted from the schedule table "
+            "as executed, beside the analytic formula. Stage bytes: what the stages send "
+            "each other per step (activations forward, gradients backward), from the "
+            "compiled HLO, a device of each stage summed, beside the analytic volume "
+            "(`pipeline` in results.json).", "",
+            "| run | run as | schedule | S | V | M | bubble | analytic | stage bytes/step | "
+            "analytic | activation stash |", "|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows, ""]
+
+
+def comm_left_out(runs) -> list[str]:
+    """The runs comm.png leaves out, and why (it dropped parameter-server runs silently)."""
+    by: dict[str, set[str]] = {}
+    for r in runs:
+        why = ("parameter server: gradients and parameters go to the shard servers over "
+               "gRPC, not XLA collectives; its bytes per step are in the table below"
+               if r.layout == "ps" else r.results.get("comm_reason") or "no `comm` recorded")
+        by.setdefault(why, set()).add(r.group)
+    return [f"Left out of the figure: {md_escape(', '.join(sorted(groups)))} ({md_escape(why)})."
+            for why, groups in sorted(by.items())] + ([""] if by else [])
+
+
+def energy_reasons(runs) -> list[str]:
+    """Why energy is missing, one line per reason with the runs it applies to."""
+    by: dict[str, list[str]] = {}
+    for r in runs:
+        reason = (r.results.get("power") or {}).get("reason", "not measured")
+        by.setdefault(reason, []).append(r.group)
+    return ["Not measured in any run:", ""] + [
+        f"- {md_escape(reason)}: {len(groups)} run{'s' if len(groups) > 1 else ''} "
+        f"({md_escape(', '.join(sorted(set(groups))))})" for reason, groups in sorted(by.items())
+    ] + [""]
+
+
 def runs_table(runs) -> list[str]:
     lines = ["| run | layout | model | mesh | batch | step p50 (ms) | step p99 (ms) | "
              "samples/s | state/device | compiler bound | measured peak | energy (J/sample) | "
@@ -87,7 +145,8 @@ def runs_table(runs) -> list[str]:
             f"| {md_escape(r.name)} | {md_escape(r.group)} | {md_escape(r.model)} | "
             f"{r.mesh} | {r.batch if r.batch is not None else 'n/a'} | {ms(r.step_p50)} | "
             f"{ms(r.step_p99)} | {num(r.samples_per_s, '{:.1f}')} | "
-            f"{human_bytes(r.state_bytes)} | {human_bytes(r.compiled_bound)} | "
+            f"{human_bytes(r.state_bytes)}{PS_STATE if r.layout == 'ps' else ''} | "
+            f"{human_bytes(r.compiled_bound)} | "
             f"{human_bytes(r.measured_peak)} | {num(r.energy_per_sample, '{:.4g}')} | "
             f"{'n/a' if acc is None else f'{acc:.1%}'} |")
     lines.append("")
@@ -128,7 +187,8 @@ CAPTIONS = {
                    "allocation bound (`memory.compiled.peak_bytes`: argument + output - alias "
                    "+ temp, an upper bound, not a measured peak) and the measured peak "
                    "(`memory.measured_peak_bytes`, where the backend reports one); linear "
-                   "scale, each bar's value written on it."),
+                   "scale, each bar's value written on it. A parameter-server run's train "
+                   "state is a worker's parameters: its optimizer state is on the servers."),
     "energy.png": ("Energy per sample", "`power.energy_per_sample_j` of runs with power "
                                         "telemetry."),
     "accuracy.png": ("Accuracy against wall time (parameter server and DDP)",
@@ -157,12 +217,11 @@ def figure_lines(runs, figures) -> list[str]:
                 text += f" The runs shown differ in settings: {md_escape(mixed)}."
             lines += [text, "", f"![{title}]({name})", ""]
         elif name == "energy.png":
-            reasons = sorted({(r.results.get("power") or {}).get("reason", "not measured")
-                              for r in runs})
-            lines += ["Not measured in any run: " + "; ".join(map(md_escape, reasons[:3])), ""]
+            lines += energy_reasons(runs)
         else:
             lines += [ABSENT[name], ""]
         if name == "comm.png":
+            lines += comm_left_out([r for r in runs if not FIGURE_RUNS[name](r)])
             lines += comm_lines(runs)
     return lines
 
@@ -192,6 +251,7 @@ def build_markdown(root: Path, runs, failures, problems, meta, figures, rs, unli
               "this study's ratio falls in the claim's range.", "", *claims.ratio_lines(rs, unlike)]
     lines += ["## All runs", "", *runs_table(runs)]
     lines += variant_lines(runs)
+    lines += pipeline_lines(runs)
     lines += figure_lines(runs, figures)
     missing = [r.name for r in runs if not r.step_times]
     if missing:

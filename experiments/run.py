@@ -22,7 +22,7 @@ from models.build import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
-from experiments.run_dirs import make_logdir, wrote_record
+from experiments.run_dirs import make_logdir, resume_folder, wrote_record
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 from jaxdist.pipeline.checks import check_pipeline
 from sharding import check_layout, get_layout
@@ -44,6 +44,12 @@ def validate(cfg: RunConfig) -> MeshShape:
     get_layout(cfg.train.layout)
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
+    if (cfg.train.layout in PIPELINE_LAYOUTS and shape.stage == 1 and shape.size
+            and model_cfg.family in ("gpt", "moe")):  # other families: check_layout says so
+        raise UsageError(f"layout {cfg.train.layout!r} splits over the stage axis, which "
+                         f"this mesh does not have (the short form puts stage fifth: "
+                         f"DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh "
+                         f"{stage_example(cfg.train.layout, shape)}")
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
     if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
@@ -71,6 +77,20 @@ def validate(cfg: RunConfig) -> MeshShape:
         raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
     check_checkpoint_dir(cfg)
     return shape
+
+
+def stage_example(layout: str, shape: MeshShape) -> str:
+    """A mesh with a stage axis on the same devices for a pipeline layout: the layout's own
+    inner axis (tp_pp: tensor, fsdp_pp: fsdp) kept, 2 stages (or all) from the rest."""
+    inner = {"tp_pp": "tensor", "fsdp_pp": "fsdp"}.get(layout)
+    kept = getattr(shape, inner) if inner else 1
+    rest = shape.size // kept
+    if rest == 1 and kept % 2 == 0:  # every device on the inner axis: give half to stage
+        kept, rest = kept // 2, 2
+    stages = 2 if rest % 2 == 0 or rest == 1 else rest
+    rest = max(rest, stages)
+    sizes = {"data": rest // stages, "stage": stages, **({inner: kept} if kept > 1 else {})}
+    return ",".join(f"{a}:{n}" for a, n in sizes.items())
 
 
 def check_checkpoint_dir(cfg: RunConfig) -> None:
@@ -104,16 +124,22 @@ def print_notices(cfg: RunConfig) -> None:
         print(line, file=sys.stderr)
 
 
-def report_interrupt(results: dict, logdir: Path | None) -> int:
-    """The one line an interrupted run prints; its exit status (130 SIGINT, 143 SIGTERM)."""
+def report_interrupt(results: dict, logdir: Path | None, chosen: bool) -> int:
+    """The one line an interrupted run prints, saying which command works next (`chosen`:
+    the user named --logdir, which now holds this record); its exit status (130 SIGINT,
+    143 SIGTERM)."""
     info = results["interrupted"]
     ck = results.get("checkpoint")
     if ck and ck["saved_steps"]:
         resume = (f"checkpoint at step {ck['saved_steps'][-1]} in {ck['directory']}; resume "
                   f"with the same command plus --resume")
     else:
-        resume = ("no checkpoint (to make a run resumable give --checkpoint-dir DIR), so a "
-                  "rerun starts from step 0")
+        why = ("a parameter-server run does not resume" if results.get("layout") == "ps" else
+               "no checkpoint (give --checkpoint-dir DIR to make a run resumable)")
+        # A chosen --logdir keeps the record and takes no other run.
+        resume = why + ("; to start again from step 0 run the same command with another "
+                        "--logdir" if chosen else "; the same command starts again from "
+                        "step 0 in a new folder")
     where = f"results (status interrupted) in {logdir / 'results.json'}; " if logdir else ""
     print(f"run: interrupted by {info['signal']} after {results['steps_done']} of "
           f"{info['steps_planned']} steps; {where}{resume}", file=sys.stderr)
@@ -123,6 +149,11 @@ def report_interrupt(results: dict, logdir: Path | None) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
+    try:
+        cfg = resume_folder(cfg)
+    except UsageError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        return 2
     if cfg.output.hardware and not cfg.output.dry_run:  # a real run predicts it at the end
         from jaxdist.hardware import get_hardware
         try:
@@ -143,21 +174,34 @@ def main(argv=None) -> int:
 
 
 def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
+    run_dir = None
     try:
         shape = validate(cfg)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
         configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
+        # Process 0 writes the outputs; the others only compute. A --logdir it refuses is
+        # known before the join, so the others hear why and stop with it.
+        if topo.process_id == 0 and cfg.output.logdir:
+            try:
+                run_dir = make_logdir(cfg, shape.label)
+            except UsageError as e:
+                distributed.refuse(topo, cfg.dist.init_timeout, str(e))
+                raise
         distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
         check_batch(cfg, platform.shape)
-        # Process 0 writes the outputs; the others only compute.
-        run_dir = make_logdir(cfg, platform.shape.label) if topo.process_id == 0 else None
+        if topo.process_id == 0 and run_dir is None:  # its name needs the resolved mesh
+            run_dir = make_logdir(cfg, platform.shape.label)
     except UsageError as e:
+        if run_dir is not None:
+            run_dir.discard()
         print(f"run: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C twice
+        if run_dir is not None:
+            run_dir.discard()
         print("run: interrupted before the first step; nothing was written", file=sys.stderr)
         return 130
     logdir = run_dir.path if run_dir else None
@@ -173,13 +217,14 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
     # input should not wait for.
     from jaxdist import loop
-    from jaxdist.summary import format_summary
+    from jaxdist.summary import format_summary, mesh_text
 
     if cfg.compiler.overlap and platform.backend != "gpu":
         print(f"notice: --overlap has no effect on {platform.backend} (its flags are for "
               f"XLA:GPU); ignored", file=sys.stderr)
     if platform.simulated:
-        print(f"No accelerator in use: simulating mesh {platform.shape.label} on "
+        print(f"No accelerator in use: simulating mesh "
+              f"{mesh_text(platform.shape.axis_sizes)} on "
               f"{len(platform.devices)} host CPU devices. Step times are functional, not "
               f"performance figures; memory figures (shard bytes, compiler) are exact.")
     loop_started = time.time()
@@ -201,7 +246,7 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
             return 2
         raise
     if results["status"] == "interrupted":
-        return report_interrupt(results, logdir)
+        return report_interrupt(results, logdir, bool(cfg.output.logdir))
     if logdir is None:
         return 0
     print()
@@ -288,6 +333,8 @@ def main_ps(cfg: RunConfig) -> int:
                   f"(logs in {logdir / 'ps'})", file=sys.stderr)
             return 130
         raise
+    if results["status"] == "interrupted":
+        return report_interrupt(results, logdir, bool(cfg.output.logdir))
     print()
     print(format_summary(results))
     print(f"\nresults:     {logdir / 'results.json'}")

@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
-from jaxdist.record import ensure_writable_dir
+from jaxdist.record import ensure_writable_dir, pipeline_schedule
+from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 @dataclass
@@ -84,12 +85,16 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
                                  f"the same command plus --resume, or choose another --logdir")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{stamp}-{cfg.train.layout}-{mesh_label}-{cfg.model.model}"
+        layout = cfg.train.layout
+        if layout in PIPELINE_LAYOUTS:  # a gpipe and a 1f1b run differ by name
+            layout += "-" + pipeline_schedule({"schedule": cfg.train.pp_schedule,
+                                               "virtual": cfg.train.pp_virtual})
+        what = f"{layout}-{mesh_label}-{cfg.model.model}"
+        path = Path("runs") / f"{stamp}-{what}"
         suffix = 1
         while path.exists():
             suffix += 1
-            path = path.with_name(f"{stamp}-{cfg.train.layout}-{mesh_label}-"
-                                  f"{cfg.model.model}-{suffix}")
+            path = path.with_name(f"{stamp}-{what}-{suffix}")
     top = path.absolute()
     while not top.parent.exists():
         top = top.parent
@@ -102,6 +107,24 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
         run_dir.discard()
         raise
     return run_dir
+
+
+def resume_folder(cfg: RunConfig) -> RunConfig:
+    """--resume without --checkpoint-dir: the checkpoint folder of the interrupted run in
+    --logdir, which its record names; without one, a one-line error that says what works."""
+    if not cfg.checkpoint.resume or cfg.checkpoint.checkpoint_dir or cfg.train.layout == "ps":
+        return cfg
+    status, saved = _status(Path(cfg.output.logdir) / "results.json") if cfg.output.logdir \
+        else (None, {})
+    folder = (saved.get("checkpoint") or {}).get("checkpoint_dir")
+    if status == "interrupted" and folder:
+        return replace(cfg, checkpoint=replace(cfg.checkpoint, checkpoint_dir=folder))
+    if status == "interrupted":
+        raise UsageError(f"--resume: --logdir {cfg.output.logdir} holds an interrupted run "
+                         f"that saved no checkpoint, so there is nothing to resume; to start "
+                         f"again from step 0 drop --resume and choose another --logdir")
+    raise UsageError("--resume needs --checkpoint-dir DIR (the folder the interrupted run "
+                     "saved to), or --logdir of an interrupted run that saved checkpoints")
 
 
 def _status(results_json: Path) -> tuple[str | None, dict]:

@@ -76,17 +76,31 @@ def initialize(topo: Topology, timeout_s: int) -> None:
                                initialization_timeout=timeout_s)
 
 
-def join(topo: Topology, timeout_s: float) -> None:
+def join(topo: Topology, timeout_s: float, refusal: str | None = None) -> None:
+    """Meet every process at the join point. `refusal` (process 0 only): process 0 will not
+    start (its --logdir, say); each process that arrives is told at once why, and the same
+    one-line error ends every process within seconds, not at its --init-timeout."""
     host, _, port = topo.coordinator.rpartition(":")
     address = (host, int(port) + 1)
     deadline = time.monotonic() + timeout_s
     if topo.process_id == 0:
-        _host_join(address, topo.num_processes, deadline, timeout_s)
+        _host_join(address, topo.num_processes, deadline, timeout_s, refusal)
     else:
         _reach_join(address, topo.process_id, deadline, timeout_s)
 
 
-def _host_join(address, num_processes: int, deadline: float, timeout_s: float) -> None:
+def refuse(topo: Topology, timeout_s: float, reason: str) -> None:
+    """Process 0 refused to start: tell the others (auto-detected clusters have no join
+    point; their launcher ends the job)."""
+    if topo.multi and not topo.auto and topo.process_id == 0:
+        try:
+            join(topo, timeout_s, refusal=reason)
+        except UsageError:
+            pass
+
+
+def _host_join(address, num_processes: int, deadline: float, timeout_s: float,
+               refusal: str | None = None) -> None:
     joined: dict[int, socket.socket] = {}
     with socket.create_server(address, reuse_port=False) as server:
         while len(joined) < num_processes - 1:
@@ -94,6 +108,8 @@ def _host_join(address, num_processes: int, deadline: float, timeout_s: float) -
             if left <= 0:
                 missing = sorted(set(range(1, num_processes)) - set(joined))
                 _tell(joined, {"ok": False, "missing": missing})
+                if refusal:
+                    raise UsageError(refusal)
                 raise UsageError(f"process(es) {', '.join(map(str, missing))} of "
                                  f"{num_processes} did not join within {timeout_s:g} s "
                                  f"(--init-timeout); is every process started?")
@@ -104,9 +120,15 @@ def _host_join(address, num_processes: int, deadline: float, timeout_s: float) -
                 continue
             conn.settimeout(5)
             try:
-                joined[json.loads(conn.recv(64))["process"]] = conn
+                process = json.loads(conn.recv(64))["process"]
             except (OSError, ValueError, KeyError):
                 conn.close()
+                continue
+            joined[process] = conn
+            if refusal:  # told now: it need not wait for the slowest peer
+                _tell({process: conn}, {"ok": False, "error": refusal})
+        if refusal:
+            raise UsageError(refusal)
         _tell(joined, {"ok": True})
 
 
@@ -137,6 +159,8 @@ def _reach_join(address, process_id: int, deadline: float, timeout_s: float) -> 
             reply = json.loads(conn.recv(4096) or b"{}")
         except (OSError, ValueError):
             reply = {}
+    if reply.get("error"):
+        raise UsageError(f"process 0: {reply['error']}")
     if not reply.get("ok"):
         missing = reply.get("missing")
         what = (f"process(es) {', '.join(map(str, missing))} did not join" if missing else

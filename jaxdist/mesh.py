@@ -17,10 +17,11 @@ import re
 from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
+from jaxdist.record import mesh_spec
 
 AXES = ("data", "fsdp", "tensor", "expert", "stage")
-_FORMS = ("DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2, 2x1x4x1x4), axis:size pairs "
-          "(data:1,fsdp:4,tensor:8; data:2,stage:4,tensor:4), N, or -1")
+_FORMS = ("DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2; stage is fifth: 2x1x4x1x4), "
+          "axis:size pairs (data:1,fsdp:4,tensor:8; data:2,stage:4,tensor:4), N, or -1")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,13 @@ class MeshShape:
         return None if self.data == -1 else math.prod(self.axis_sizes.values())
 
     @property
+    def spec(self) -> str:
+        """The mesh as `--mesh` takes it back (`4x8`, `data:2,stage:4`)."""
+        return mesh_spec(self.axis_sizes)
+
+    @property
     def label(self) -> str:
+        """For folder names (no `:` or `,`); what a user reads is `spec`."""
         if self.stage > 1:  # the positional form has no place for stage: name every axis
             return "-".join(f"{a}{n}" for a, n in self.axis_sizes.items()
                             if n > 1 or a == "data")

@@ -94,6 +94,10 @@ def ensure_writable_dir(path: Path, flag: str) -> None:
     the flag (root bypasses permission bits, so only an actual write tells)."""
     from jaxdist.errors import UsageError
 
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        raise UsageError(f"cannot write to {flag} {path}: {file} is a file, not a folder "
+                         f"({flag} takes a folder, new or existing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -139,6 +143,22 @@ def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: in
     return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device, "compiled": compiled,
             "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
+
+
+def mesh_spec(mesh: dict) -> str:
+    """A recorded mesh as `--mesh` takes it back: `4x8`, `2x2x2`; with a stage axis (it has
+    no short position before the fifth) named: `data:2,stage:4,tensor:2` (data and every
+    axis over 1). ps meshes (workers x devices) as sizes joined."""
+    if mesh.get("stage", 1) > 1:
+        return ",".join(f"{a}:{mesh[a]}" for a in ("data", "fsdp", "stage", "tensor", "expert")
+                        if a in mesh and (mesh[a] > 1 or a == "data"))
+    return "x".join(str(v) for v in mesh.values())
+
+
+def pipeline_schedule(pp: dict) -> str:
+    """A pipeline block's schedule as runs are named by it: `1f1b`, `interleaved-v2`."""
+    v = pp.get("virtual", 1)
+    return pp["schedule"] + (f"-v{v}" if v > 1 else "")
 
 
 # ---------------------------------------------------------------------------- reading
@@ -227,8 +247,10 @@ class RunRecord:
 
     @property
     def variant(self) -> str:
-        """Step options that change what a step does: remat-X, mbN, overlap ('' for none)."""
-        parts = []
+        """Step options that change what a step does: the pipeline schedule (1f1b,
+        interleaved-v2), remat-X, mbN, overlap ('' for none)."""
+        pp = self._block("pipeline")
+        parts = [pipeline_schedule(pp)] if pp.get("schedule") else []
         remat = self.cfg("train", "remat", "none")
         if remat and remat != "none":
             parts.append(f"remat-{remat}")
@@ -255,8 +277,8 @@ class RunRecord:
 
     @property
     def mesh(self) -> str:
-        """Axis sizes joined: `4x8`."""
-        return "x".join(str(v) for v in (self.results.get("mesh") or {}).values()) or "?"
+        """As `--mesh` takes it: `4x8`, `data:2,stage:4` (mesh_spec)."""
+        return mesh_spec(self.results.get("mesh") or {}) or "?"
 
     @property
     def bar(self) -> str:
@@ -275,17 +297,9 @@ class RunRecord:
         """The global batch."""
         return self.cfg("train", "batch_size")
 
-    @property
-    def dtype(self) -> str:
-        return self.cfg("model", "dtype", "float32")
-
-    @property
-    def optimizer(self) -> str | None:
-        return self.cfg("train", "optimizer")
-
-    @property
-    def dataset(self) -> str | None:
-        return self.cfg("data", "dataset")
+    dtype = property(lambda self: self.cfg("model", "dtype", "float32"))
+    optimizer = property(lambda self: self.cfg("train", "optimizer"))
+    dataset = property(lambda self: self.cfg("data", "dataset"))
 
     @property
     def matmul_precision(self) -> str:
@@ -302,13 +316,8 @@ class RunRecord:
         b = self._block("env").get("backend")
         return "gpu" if b in ("gpu", "cuda") else b
 
-    @property
-    def device_kind(self) -> str | None:
-        return self._block("env").get("device_kind")
-
-    @property
-    def simulated(self) -> bool:
-        return bool(self._block("env").get("simulated"))
+    device_kind = property(lambda self: self._block("env").get("device_kind"))
+    simulated = property(lambda self: bool(self._block("env").get("simulated")))
 
     def precision_class(self) -> str:
         """The arithmetic of float32 matmuls as published records name it: float32 compute at
@@ -324,21 +333,11 @@ class RunRecord:
         """A statistic of the timed steps' latency (p50, p99, mean, n, ...), seconds."""
         return self._block("step_time_s").get(q)
 
-    @property
-    def step_p50(self):
-        return self.step_p("p50")
+    step_p50 = property(lambda self: self.step_p("p50"))
+    step_p99 = property(lambda self: self.step_p("p99"))
 
-    @property
-    def step_p99(self):
-        return self.step_p("p99")
-
-    @property
-    def samples_per_s(self):
-        return self._block("throughput").get("samples_per_s")
-
-    @property
-    def tokens_per_s(self):
-        return self._block("throughput").get("tokens_per_s")
+    samples_per_s = property(lambda self: self._block("throughput").get("samples_per_s"))
+    tokens_per_s = property(lambda self: self._block("throughput").get("tokens_per_s"))
 
     @property
     def state_bytes(self):
@@ -378,17 +377,13 @@ class RunRecord:
         power = self._block("power")
         return power.get("energy_per_sample_j") if power.get("available") else None
 
-    @property
-    def accuracy(self) -> list:
-        return self.results.get("accuracy") or []
+    accuracy = property(lambda self: self.results.get("accuracy") or [])
 
     @property
     def final_accuracy(self):
         return self.accuracy[-1]["accuracy"] if self.accuracy else None
 
-    @property
-    def loss(self) -> list:
-        return self.results.get("loss") or []
+    loss = property(lambda self: self.results.get("loss") or [])
 
     @property
     def train_time(self):

@@ -3,6 +3,8 @@ row per figure, "n/a" with the reason where the run does not have it."""
 
 from __future__ import annotations
 
+from jaxdist.record import mesh_spec
+
 
 def human_bytes(n: int | None) -> str:
     if n is None:
@@ -11,6 +13,13 @@ def human_bytes(n: int | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def mesh_text(mesh: dict) -> str:
+    """`stage=2 x data=2 x fsdp=1 x tensor=2 (--mesh data:2,stage:2,tensor:2)`: every axis,
+    outer to inner, and the form `--mesh` takes back. The console's first line and the
+    summary both say it so."""
+    return " x ".join(f"{k}={v}" for k, v in mesh.items()) + f" (--mesh {mesh_spec(mesh)})"
 
 
 def replicated_text(sharding: dict) -> str:
@@ -33,8 +42,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
     compiled = mem.get("compiled") or {}
     loss = results.get("loss") or []
     rows = [
-        ("layout / mesh", f"{results['layout']} on " +
-         " x ".join(f"{k}={v}" for k, v in results["mesh"].items())),
+        ("layout / mesh", f"{results['layout']} on {mesh_text(results['mesh'])}"),
         ("model", f"{results['model']['name']} ({_num(results['model'].get('params'), '{:,}')}"
                   f" params)"),
         ("devices", f"{env.get('num_devices', 'n/a')} x {env.get('device_kind', 'n/a')} "

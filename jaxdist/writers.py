@@ -17,24 +17,32 @@ import json
 import time
 from pathlib import Path
 
-from jaxdist.record import write_json
+from jaxdist.record import mesh_spec, pipeline_schedule, write_json
 from jaxdist.summary import format_markdown
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
 # on the training curves, not on these one-point charts ("trial" as in HParams' Trial ID).
 METRIC_PREFIX = "trial/"
+# On simulated devices (the `simulated` column) a time is functional, not performance.
+SIM = "; functional only if simulated"
 # (tag without the prefix, column title): the run-level figures, in HParams column order.
+# TensorBoard ticks the first five by default: time, the three memory figures and the
+# pipeline's bubble, so memory and schedules compare without opening the column menu.
 METRICS = (
-    ("step_time_p50_s", "step p50 (s)"),
-    ("step_time_p99_s", "step p99 (s)"),
-    ("samples_per_s", "samples/s"),
-    ("tokens_per_s", "tokens/s"),
-    ("mfu", "MFU"),
-    ("hfu", "HFU"),
+    ("step_time_p50_s", f"step p50 (s{SIM})"),
     ("state_bytes_per_device", "state bytes/device"),
     ("compiler_bound_bytes", "compiler bound bytes/device"),
     ("measured_peak_bytes", "measured peak bytes/device"),
+    ("pp_bubble", "pipeline bubble (counted)"),
+    ("step_time_p99_s", f"step p99 (s{SIM})"),
+    ("samples_per_s", f"samples/s ({SIM[2:]})"),
+    ("tokens_per_s", f"tokens/s ({SIM[2:]})"),
+    ("mfu", "MFU"),
+    ("hfu", "HFU"),
     ("comm_ring_bytes", "ring bytes/device/step"),
+    ("pp_stage_bytes", "pipeline stage bytes/step (a device per stage)"),
+    ("pp_bubble_analytic", "pipeline bubble (analytic)"),
+    ("pp_activation_stash_bytes", "pipeline activation stash bytes"),
     ("energy_per_step_j", "energy/step (J)"),
     ("energy_per_sample_j", "energy/sample (J)"),
     ("accuracy", "test accuracy"),
@@ -47,17 +55,18 @@ METRICS = (
 )
 # name -> type of the settings that define a run. Left out on purpose: flags that do not
 # change what is measured (checkpointing, multi-process wiring, output paths, telemetry
-# knobs) and, for runs other than ps, the ps settings.
+# knobs) and, for runs other than ps, the ps settings. Counts are strings: TensorBoard
+# prints every number to 5 significant digits (8 devices would read `8.0000`).
 HPARAMS = {
-    "layout": str, "mesh": str, "devices": float, "device_kind": str, "model": str,
-    "params": float, "batch": float, "dtype": str, "matmul_precision": str,
-    "optimizer": str, "lr": float, "microbatches": float, "remat": str, "overlap": bool,
-    "dataset": str, "seed": float, "framework": str, "backend": str, "simulated": bool,
-    "ps_mode": str, "ps_shards": float, "ps_staleness": float,
+    "layout": str, "mesh": str, "schedule": str, "devices": int, "device_kind": str,
+    "model": str, "params": int, "batch": int, "dtype": str, "matmul_precision": str,
+    "optimizer": str, "lr": float, "microbatches": int, "remat": str, "overlap": bool,
+    "dataset": str, "seed": int, "framework": str, "backend": str, "simulated": bool,
+    "ps_mode": str, "ps_shards": int, "ps_staleness": int,
 }
 # Marked as differing so TensorBoard shows these columns first (it shows 5 by default,
 # differing ones first, then by name): without them no row says which run it is.
-IDENTITY = ("devices", "layout", "mesh", "model")
+IDENTITY = ("devices", "layout", "mesh", "model", "schedule")
 CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
 
@@ -109,19 +118,11 @@ class NullWriter:
 
 # ---------------------------------------------------------------------- HParams
 
-def mesh_label(mesh: dict) -> str:
-    """{"data": 4, "fsdp": 8} -> "4x8" (ps: workers x devices per worker)."""
-    return "x".join(str(v) for v in mesh.values())
-
-
 def trial_name(results: dict, started: float) -> str:
-    """`fsdp@4x8 gpt-tiny 11-30 13:34:12`: what the run is first, so a narrow column cuts
-    the time, not the identity."""
-    framework = results.get("framework", "jax")
-    prefix = "" if framework == "jax" else f"{framework} "
-    stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(started))
-    return (f"{prefix}{results['layout']}@{mesh_label(results['mesh'])} "
-            f"{results['model']['name']} {stamp}")
+    """`11-30 13:34:12`: when the run started, which tells runs apart (TensorBoard merges
+    rows of one name) and fits the 10-em Trial ID column whole; what the run is, the
+    identity columns say."""
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(started))
 
 
 def run_hparams(results: dict) -> dict:
@@ -130,7 +131,9 @@ def run_hparams(results: dict) -> dict:
     train, model = cfg.get("train") or {}, cfg.get("model") or {}
     env = results.get("env") or {}
     hp = {
-        "layout": results["layout"], "mesh": mesh_label(results["mesh"]),
+        "layout": results["layout"], "mesh": mesh_spec(results["mesh"]),
+        "schedule": (pipeline_schedule(results["pipeline"]) if results.get("pipeline")
+                     else None),
         "devices": env.get("num_devices"), "device_kind": env.get("device_kind"),
         "model": results["model"]["name"], "params": results["model"].get("params"),
         "batch": train.get("batch_size"), "dtype": model.get("dtype"),
@@ -157,8 +160,8 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
     from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 
-    types = {str: api_pb2.DATA_TYPE_STRING, float: api_pb2.DATA_TYPE_FLOAT64,
-             bool: api_pb2.DATA_TYPE_BOOL}
+    types = {str: api_pb2.DATA_TYPE_STRING, int: api_pb2.DATA_TYPE_STRING,
+             float: api_pb2.DATA_TYPE_FLOAT64, bool: api_pb2.DATA_TYPE_BOOL}
     experiment = api_pb2.Experiment(
         hparam_infos=[api_pb2.HParamInfo(name=k, type=types[t], differs=k in IDENTITY)
                       for k, t in HPARAMS.items()],
@@ -169,6 +172,8 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
         kind = HPARAMS[key]
         if kind is str:
             start.hparams[key].string_value = str(value)
+        elif kind is int:
+            start.hparams[key].string_value = str(int(value))
         elif kind is bool:
             start.hparams[key].bool_value = bool(value)
         else:

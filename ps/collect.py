@@ -147,8 +147,11 @@ def _breakdown(ref: dict, stats: list[dict], warmup: int, steps: int, workers: i
     }
 
 
-def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None) -> dict:
-    """Worker files + shard stats -> results.json and TensorBoard events (RunWriter)."""
+def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
+            interrupted: str | None = None) -> dict:
+    """Worker files + shard stats -> results.json and TensorBoard events (RunWriter).
+    `interrupted`: the signal that stopped the run; the workers wrote what they measured
+    up to the step each stopped after, and the record says `interrupted`."""
     from jax.sharding import PartitionSpec as P
     import jax
 
@@ -175,9 +178,13 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
     losses = []
     for t in range(total):
         values = [r["losses"][t] for r in workers.values() if len(r["losses"]) > t]
+        if not values:  # interrupted: no worker got this far
+            break
         losses.append(sum(values) / len(values))
     timed = ref["step_s"][warmup:]
-    steps = metrics.latency_stats(timed)
+    steps = (metrics.latency_stats(timed) if timed else
+             dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
+                  n=0, reason="interrupted before the first timed step (after warm-up)"))
     model_cfg, _, abstract_params, abstract_ms = abstract_model(cfg)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
@@ -261,15 +268,18 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
     memory["servers_note"] = ("state_bytes_per_device counts a worker's replicated parameters "
                               "(+ model state); parameters and optimizer state live on the "
                               "shard servers: ps.server_bytes_per_shard")
-    # A worker writes its file only after its last step, and a PS run stopped by a signal
-    # writes no results (experiments.run.main_ps): whatever is here ran to the end.
+    # A worker writes its file after its last step, or after the step it stopped at when
+    # the run was interrupted (ps.launch.stop_workers).
     results = {
         **record.header("jax", "ps", {"workers": num_workers, "devices_per_worker": devices},
                         cfg, model_cfg, shard_map.total),
         "env": env,
-        "status": "complete",
+        "status": "interrupted" if interrupted else "complete",
         "steps_done": steps_done,  # loop iterations of each reporting worker (warm-up too)
-        "interrupted": None,
+        "interrupted": {"signal": interrupted, "received_here": True, "steps_planned": total,
+                        "timed_steps": len(timed),
+                        "steps_done_per_worker": ps_block["steps_done_per_worker"]}
+        if interrupted else None,
         "compile_s": ref["compile_s"],
         "step_time_s": steps,
         "warmup_step_time_s": ref["step_s"][:warmup],
@@ -295,8 +305,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None)
         for t, loss in enumerate(losses):
             step_s = ref["step_s"][t] if t < len(ref["step_s"]) else 0.0
             writer.step(t, loss, step_s, t >= warmup)
-            for w, r in workers.items():
-                if t < len(r["step_s"]):
+            for w, r in workers.items():  # timed steps only, as train/step_time_s
+                if warmup <= t < len(r["step_s"]):
                     writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
         for point in ref["accuracy"]:
             writer.scalar("eval/accuracy", point["accuracy"], point["step"])

@@ -92,16 +92,23 @@ def run_ps(cfg, shape, logdir: Path, log=print) -> dict:
             f"{shape.fsdp} host CPU device(s). Step times are functional, not performance "
             f"figures.")
     launch = Launch(cfg, shape, psdir, log)
+    interrupted = None
     with procs.TerminationHandlers():
         try:
             launch.start_servers()
             launch.start_workers()
             launch.wait_servers()
-            launch.watch()
+            try:
+                launch.watch()
+            except (KeyboardInterrupt, SystemExit) as e:  # SystemExit: TerminationHandlers
+                interrupted = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+                log(f"ps: interrupted by {interrupted}: each worker stops after its current "
+                    f"step and writes what it measured")
+                launch.stop_workers()  # a second Ctrl-C here stops at once, without results
             stats = launch.stats()
         finally:
             procs.stop_all(launch.children)
-    results = collect(cfg, shape, logdir, stats, shard_map, launch)
+    results = collect(cfg, shape, logdir, stats, shard_map, launch, interrupted)
     log(format_ps(results))
     return results
 

@@ -212,6 +212,26 @@ class Launch:
             first = self.dead_workers[0]
             raise PSError(f"every worker failed; worker {first['worker']}: {first['error']}")
 
+    def stop_workers(self) -> None:
+        """The run was interrupted: each worker stops after its current step and writes what
+        it measured (SIGINT, ps.worker.STOP). One that has stopped is retired on every shard,
+        so a sync barrier does not wait for it and the others finish their step; one still
+        running after --ps-timeout-s is killed (its figures are lost)."""
+        running = {w for w, child in enumerate(self.workers) if child.poll() is None}
+        for w in running:
+            os.kill(self.workers[w].pid, signal.SIGINT)
+        deadline = time.monotonic() + self.cfg.ps.ps_timeout_s
+        while running and time.monotonic() < deadline:
+            for w in sorted(running):
+                if self.workers[w].poll() is not None:
+                    running.discard(w)
+                    self.retire_everywhere(w, "stopped: the run was interrupted")
+            time.sleep(0.05)
+        for w in running:
+            self.log(f"ps: worker {w} did not stop within {self.cfg.ps.ps_timeout_s:g} s "
+                     f"(--ps-timeout-s); killed, without its figures")
+            procs.stop(self.workers[w], grace_s=0.0)
+
     def _worker_died(self, w: int, child, rc: int, done: set[int] = frozenset()) -> None:
         tail = child.log_tail(3)
         error = tail.splitlines()[-1] if tail else ""

@@ -24,6 +24,9 @@ from pathlib import Path
 from jaxdist.record import memory_block, write_json
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
+# SIGINT from the launcher (its run was interrupted): stop after the current step and
+# write what was measured. main() installs the handler; run_worker reads the list.
+STOP: list[str] = []
 # Shards start at the same time as the workers (or later, under a scheduler): waiting for
 # them the first time is allowed longer than one call's --ps-timeout-s.
 CONNECT_TIMEOUT_S = 120.0
@@ -187,6 +190,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     pulled = None      # (waited, seconds) when the parameters for this step are already here
     batch = local_batch(0)
     for t in range(total):
+        if STOP:  # between steps: every push this worker sent has been answered
+            break
         if t == cfg.loop.warmup:
             window[0] = time.time()
         t0 = time.perf_counter()
@@ -245,6 +250,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     measured, measured_reason = metrics.measured_peak(platform.devices)
     result = {
         "worker": worker, "pid": os.getpid(), "steps_done": len(losses),
+        "interrupted": STOP[0] if STOP else None,
         "losses": losses, "step_s": step_s, "compute_s": compute_s, "pull_wait_s": waits,
         "push_s": client.push_s, "pull_s": client.pull_s,
         "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
@@ -271,6 +277,7 @@ def main(argv=None) -> int:
     from ps.shard_client import PSError
 
     procs.parent_watchdog()
+    signal.signal(signal.SIGINT, lambda signum, frame: STOP.append("SIGINT"))
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
     log = lambda msg: print(f"[worker {args.worker}] {msg}", flush=True)  # noqa: E731

@@ -69,3 +69,35 @@ def test_incomplete_distributed_flags(tmp_path):
     proc = run_cli("--mesh", "2x4", "--model", "mlp-tiny", "--num-processes", "2", cwd=tmp_path)
     assert proc.returncode == 2
     assert "needs all of --coordinator" in proc.stderr
+
+
+def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(tmp_path):
+    """Process 1 used to wait out its --init-timeout after process 0 had refused --logdir."""
+    import socket
+
+    finished = tmp_path / "done"
+    finished.mkdir()
+    (finished / "results.json").write_text('{"status": "complete"}')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    start = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *COMMON, "--mesh", "2x4", "--no-progress",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--init-timeout", "120", "--logdir", str(finished)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        out = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    elapsed = time.monotonic() - start
+    reason = f"--logdir {finished} already holds a finished run; choose another"
+    assert [p.returncode for p in procs] == [2, 2], out
+    assert out[0][1].strip() == f"run: error: {reason}"
+    assert out[1][1].strip() == f"run: error: process 0: {reason}"
+    assert elapsed < 60  # seconds of start-up, not the 120 s --init-timeout
+    assert (finished / "results.json").read_text() == '{"status": "complete"}'

@@ -371,3 +371,55 @@ def test_killing_the_launcher_leaves_no_orphans(tmp_path):
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(10)
     assert_no_orphans(logdir, pids)
+
+
+def test_ctrl_c_keeps_a_ps_runs_results_marked_interrupted(tmp_path):
+    """SIGINT used to stop a PS run without results (workers wrote only at the end). Now
+    every worker stops after its current step and writes what it measured, sync's barrier
+    lets the others finish theirs, and the record says `interrupted`; per-worker step-time
+    curves hold timed steps only."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    logdir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=FAST_XLA)
+    env.pop("JAXDIST_PS_FAULT", None)
+    args = [*SYNC_SMALL[:-3], "2", "--steps", "100000"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", "--layout", "ps", *args,
+         "--logdir", str(logdir), "--no-progress"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        logs = [logdir / "ps" / f"worker{w}.log" for w in (0, 1)]
+        while not all(p.exists() and "all workers ready" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        time.sleep(2.0)  # some timed steps
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("run:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    r = results(logdir)
+    assert check(r) == []
+    assert r["status"] == "interrupted" and r["interrupted"]["signal"] == "SIGINT"
+    assert 2 < r["steps_done"] < 100002 and len(r["loss"]) == r["steps_done"]
+    assert lines[0].startswith(f"run: interrupted by SIGINT after {r['steps_done']} of "
+                               f"100002 steps; results (status interrupted) in ")
+    assert lines[0].endswith("a parameter-server run does not resume; to start again from "
+                             "step 0 run the same command with another --logdir")
+    for w in (0, 1):
+        worker = json.loads((logdir / "ps" / f"worker{w}.json").read_text())
+        assert worker["interrupted"] == "SIGINT" and worker["steps_done"] > 2
+    assert r["step_time_s"]["n"] == r["steps_done"] - 2
+    scalars = read_scalars(logdir)
+    for w in (0, 1):  # warm-up steps 0 and 1 are not on the per-worker curves
+        assert scalars[f"train/worker{w}/step_time_s"][0][0] == 2
+    assert_no_orphans(logdir, json.loads((logdir / "ps" / "pids.json").read_text()))

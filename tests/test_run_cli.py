@@ -41,7 +41,9 @@ def test_end_to_end_results_json(e2e):
 
 def test_end_to_end_console(e2e):
     proc, logdir = e2e
-    assert "simulating mesh 4x8 on 32 host CPU devices" in proc.stdout
+    # The same words as the summary's mesh row, with the form --mesh takes back.
+    assert "simulating mesh data=4 x fsdp=8 (--mesh 4x8) on 32 host CPU devices" in proc.stdout
+    assert "fsdp on data=4 x fsdp=8 (--mesh 4x8)" in proc.stdout
     assert "not performance figures" in proc.stdout
     assert "step time p50 / p90 / p99" in proc.stdout
     assert f"tensorboard --logdir {logdir}" in proc.stdout
@@ -90,6 +92,12 @@ BAD = [
     (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp; the "
                                               "mesh has tensor=2 (layouts for this mesh: "),
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
+    # stage is the fifth short position; the error shows a mesh with one, on these devices
+    (["--layout", "pp", "--model", "gpt-tiny", "--mesh", "2x4x1"],
+     "layout 'pp' splits over the stage axis, which this mesh does not have (the short "
+     "form puts stage fifth: DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh data:4,stage:2"),
+    (["--layout", "tp_pp", "--model", "gpt-tiny", "--mesh", "1x1x4"],
+     "e.g. --mesh data:1,stage:2,tensor:2"),
     (["--xla-flags=--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
     # The value as its own word, as the README writes it: it reaches XLA (argparse alone
     # reads "--xla..." as a missing value).
@@ -120,6 +128,25 @@ def test_unwritable_logdir(tmp_path):
     assert "cannot write to --logdir" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_logdir_at_a_file_says_a_folder_is_expected(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
+                   "--logdir", str(blocker), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"cannot write to --logdir {blocker}: {blocker} is a file, not a folder " \
+           f"(--logdir takes a folder, new or existing)" in proc.stderr
+    assert "File exists" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert blocker.read_text() == "not a directory"
+
+
+def test_mesh_help_names_the_stage_axis():
+    from experiments.run import build_parser
+    text = " ".join(build_parser().format_help().split())
+    assert "DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]]" in text and "data:2,stage:4" in text
 
 
 def test_mesh_that_does_not_match_the_devices(tmp_path):

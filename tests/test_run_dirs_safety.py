@@ -230,3 +230,54 @@ def test_interrupted_run_resumes_in_its_logdir(tmp_path):
     assert results["status"] == "complete"
     assert results["start_step"] == 2 and results["steps_done"] == 4
     assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [2]
+
+
+def test_resume_without_checkpoint_dir_continues_the_logdirs_checkpoints(tmp_path):
+    """`--resume` on an interrupted run's --logdir finds its checkpoint folder in the record
+    (it asked for --checkpoint-dir before: a dead end after the advice to add --resume)."""
+    args, logdir = _interrupted_run(tmp_path)
+    i = args.index("--checkpoint-dir")
+    proc = run_cli(*args[:i], *args[i + 2:], "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from checkpoint 2" in proc.stdout
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["status"] == "complete" and results["start_step"] == 2
+
+
+def test_resume_of_a_run_without_checkpoints_says_what_works(tmp_path):
+    from experiments.run import build_parser
+    from experiments.run_dirs import resume_folder
+
+    cfg = from_namespace(build_parser().parse_args([*ARGS, "--logdir", str(tmp_path)]))
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"status": "interrupted", "config": cfg.to_dict() | {"checkpoint": {}}}))
+    resumed = from_namespace(build_parser().parse_args([*ARGS, "--logdir", str(tmp_path),
+                                                        "--resume"]))
+    with pytest.raises(UsageError) as refused:
+        resume_folder(resumed)
+    assert str(refused.value) == (f"--resume: --logdir {tmp_path} holds an interrupted run "
+                                  f"that saved no checkpoint, so there is nothing to resume; "
+                                  f"to start again from step 0 drop --resume and choose "
+                                  f"another --logdir")
+    # The advice holds: the same command with another --logdir is a new run.
+    from experiments.run_dirs import make_logdir
+    other = from_namespace(build_parser().parse_args([*ARGS, "--logdir", str(tmp_path / "b")]))
+    assert make_logdir(other, "2x4").path == tmp_path / "b"
+    with pytest.raises(UsageError, match="--resume needs --checkpoint-dir DIR"):
+        resume_folder(from_namespace(build_parser().parse_args([*ARGS, "--resume"])))
+
+
+@pytest.mark.parametrize("chosen, advice", [
+    (True, "to start again from step 0 run the same command with another --logdir"),
+    (False, "the same command starts again from step 0 in a new folder")])
+def test_interrupt_line_without_checkpoint_gives_a_command_that_works(tmp_path, capsys,
+                                                                      chosen, advice):
+    """It said "a rerun starts from step 0", and the rerun was refused (the folder keeps
+    the interrupted record)."""
+    from experiments.run import report_interrupt
+
+    results = {"interrupted": {"signal": "SIGINT", "steps_planned": 10}, "steps_done": 3,
+               "checkpoint": None}
+    assert report_interrupt(results, tmp_path, chosen) == 130
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(advice) and "a rerun starts from step 0" not in line

@@ -21,7 +21,7 @@ import pytest
 from jaxdist import loop
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
-from jaxdist.mesh import MeshShape
+from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.writers import METRIC_PREFIX, run_hparams
 
 try:
@@ -31,6 +31,9 @@ except ImportError:  # the check needs the server itself, not only the event wri
 
 STEPS, WARMUP = 3, 1
 LAYOUTS = ("ddp", "fsdp")
+# Two pipeline runs that differ only in the schedule: the table must tell them apart.
+SCHEDULES = ("gpipe", "1f1b")
+RUNS = (*LAYOUTS, *(f"pp-{s}" for s in SCHEDULES))
 
 
 def _free_port() -> int:
@@ -54,6 +57,15 @@ def server(tmp_path_factory):
                         loop=LoopConfig(warmup=WARMUP, steps=STEPS),
                         output=OutputConfig(progress=False))
         loop.run(cfg, select_devices(MeshShape(2, 4)), logdir / layout, log=lambda *_: None)
+    for schedule in SCHEDULES:
+        cfg = RunConfig(mesh=MeshConfig(mesh="data:4,stage:2"),
+                        model=ModelConfig(model="gpt-tiny"),
+                        train=TrainConfig(layout="pp", batch_size=16, microbatches=2,
+                                          pp_schedule=schedule),
+                        loop=LoopConfig(warmup=WARMUP, steps=STEPS),
+                        output=OutputConfig(progress=False))
+        loop.run(cfg, select_devices(parse_mesh("data:4,stage:2")), logdir / f"pp-{schedule}",
+                 log=lambda *_: None)
     port = _free_port()
     exe = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or "tensorboard"
     # --load_fast=false: the pure-Python reader (the Rust one is a separate download).
@@ -67,7 +79,7 @@ def server(tmp_path_factory):
         while True:
             try:  # up, and done loading both runs
                 tags = _get(base, "/data/plugin/scalars/tags")
-                if all("train/loss" in tags.get(run, {}) for run in LAYOUTS):
+                if all("train/loss" in tags.get(run, {}) for run in RUNS):
                     break
             except OSError:
                 pass
@@ -101,15 +113,17 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
                                    "STATUS_RUNNING"],
                "colParams": [{"hparam": "layout"}]}
     groups = _get(base, "/data/plugin/hparams/session_groups", request=json.dumps(request))
-    rows = {g["hparams"]["layout"]: g for g in groups["sessionGroups"]}
+    rows = {g["hparams"]["layout"]: g for g in groups["sessionGroups"]
+            if g["hparams"]["layout"] in LAYOUTS}
     assert sorted(rows) == sorted(LAYOUTS)
+    assert len(groups["sessionGroups"]) == len(RUNS)  # no two runs merged into one row
     for layout, group in rows.items():
         results = json.loads((logdir / layout / "results.json").read_text())
-        assert group["name"].startswith(f"{layout}@2x4 mlp-tiny ")  # readable trial name
+        assert len(group["name"]) <= 15  # the Trial ID column (10 em) shows it whole
         assert group["hparams"]["mesh"] == "2x4"
         assert group["hparams"]["model"] == "mlp-tiny"
-        assert group["hparams"]["devices"] == 8
-        assert group["hparams"]["params"] == 6922
+        assert group["hparams"]["devices"] == "8"  # a string: a number reads `8.0000`
+        assert group["hparams"]["params"] == "6922"
         assert set(group["hparams"]) == set(run_hparams(results))  # ps_* absent
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert values[METRIC_PREFIX + "state_bytes_per_device"] == \
@@ -121,6 +135,38 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
         # Not measured on CPU: no value at all rather than a zero.
         assert METRIC_PREFIX + "mfu" not in values
         assert METRIC_PREFIX + "energy_per_step_j" not in values
+
+
+def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_shown(server):
+    base, logdir = server
+    experiment = _get(base, "/data/plugin/hparams/experiment",
+                      request=json.dumps({"experimentName": ""}))
+    # What TensorBoard ticks by default: the first five columns after sorting (differing
+    # first, then by name) and the first five metrics.
+    shown = [h["name"] for h in experiment["hparamInfos"]][:5]
+    assert "schedule" in shown and "mesh" in shown
+    titles = {m["name"]["tag"]: m.get("displayName", "") for m in experiment["metricInfos"]}
+    first = [m["name"]["tag"] for m in experiment["metricInfos"]][:5]
+    assert {METRIC_PREFIX + t for t in ("state_bytes_per_device", "compiler_bound_bytes",
+                                        "measured_peak_bytes", "pp_bubble")} <= set(first)
+    assert "functional only if simulated" in titles[METRIC_PREFIX + "step_time_p50_s"]
+    request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
+               "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
+               "colParams": [{"hparam": "layout"}]}
+    groups = _get(base, "/data/plugin/hparams/session_groups", request=json.dumps(request))
+    rows = {g["hparams"].get("schedule"): g for g in groups["sessionGroups"]
+            if g["hparams"]["layout"] == "pp"}
+    assert sorted(rows) == sorted(SCHEDULES)
+    for schedule, group in rows.items():
+        results = json.loads((logdir / f"pp-{schedule}" / "results.json").read_text())
+        assert group["hparams"]["mesh"] == "data:4,stage:2"  # pastes back into --mesh
+        assert parse_mesh(group["hparams"]["mesh"]).axis_sizes == results["mesh"]
+        values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+        pp = results["pipeline"]
+        assert values[METRIC_PREFIX + "pp_bubble"] == pytest.approx(pp["bubble"])
+        assert values[METRIC_PREFIX + "pp_stage_bytes"] == pp["stage_bytes"]["total"]
+        assert values[METRIC_PREFIX + "compiler_bound_bytes"] == \
+            results["memory"]["compiled"]["peak_bytes"]
 
 
 def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(server):

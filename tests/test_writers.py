@@ -127,9 +127,11 @@ def test_metrics_leave_out_what_was_not_measured():
         "comm_ring_bytes": 0.0, "final_loss": 2.4}
 
 
-def test_trial_name_is_readable_and_markdown_escapes_pipes():
-    assert trial_name(results(), 0.0).startswith("fsdp@2x4 mlp-tiny ")
-    assert trial_name(results(framework="pytorch"), 0.0).startswith("pytorch fsdp@2x4 ")
+def test_trial_name_fits_the_trial_id_column_and_markdown_escapes_pipes():
+    # TensorBoard's Trial ID column is 10 em wide and cut `ddp@8x1 gpt-tiny 11-30 ...` at
+    # 15 characters; the identity columns say what the run is.
+    assert len(trial_name(results(), 0.0)) <= 15
+    assert trial_name(results(), 0.0) != trial_name(results(), 1.0)
     md = format_markdown(results(model={"name": "a|b", "params": 1}))
     assert "| model | a\\|b (1 params) |" in md.splitlines()
 
@@ -142,3 +144,47 @@ def test_ps_figures_are_metrics_not_one_point_charts():
     m = run_metrics(r)
     assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"],
             m["ps_staleness_mean"], m["ps_staleness_max"]) == (0.001, 0.004, 2500.0, 0.5, 2.0)
+
+
+PIPELINE = {"schedule": "interleaved", "stages": 2, "virtual": 2, "microbatches": 4,
+            "bubble": 0.2, "analytic_bubble": 0.2, "analytic_bubble_formula": "(S-1)/(VM+S-1)",
+            "live_activation_slots": 4,
+            "stage_bytes": {"total": 4096, "analytic": 4096, "by_stage": [2048, 2048]},
+            "memory": {"activation_stash_bytes": 1024, "activation_bytes_per_microbatch": 256,
+                       "param_bytes_by_stage": [100, 100]}}
+
+
+def test_a_pipeline_run_has_its_schedule_as_a_column_and_bubble_and_stage_bytes_as_metrics():
+    r = results(layout="tp_pp", mesh={"stage": 2, "data": 1, "fsdp": 1, "tensor": 2},
+                pipeline=PIPELINE)
+    hp = run_hparams(r)
+    assert hp["schedule"] == "interleaved-v2"
+    assert hp["mesh"] == "data:1,stage:2,tensor:2"  # what --mesh takes back
+    from jaxdist.writers import IDENTITY, METRICS
+    assert "schedule" in IDENTITY  # shown by default
+    m = run_metrics(r)
+    assert (m["pp_bubble"], m["pp_stage_bytes"]) == (0.2, 4096.0)
+    tags = [tag for tag, _ in METRICS]
+    assert {"pp_bubble", "pp_stage_bytes"} <= set(tags)
+    assert "schedule" not in run_hparams(results())  # absent, not empty, for others
+
+
+def test_memory_metrics_are_among_the_five_shown_by_default_and_times_say_functional():
+    from jaxdist.writers import METRICS
+    first = [tag for tag, _ in METRICS[:5]]
+    assert {"state_bytes_per_device", "compiler_bound_bytes", "measured_peak_bytes"} <= \
+        set(first)
+    titles = dict(METRICS)
+    for tag in ("step_time_p50_s", "step_time_p99_s", "samples_per_s", "tokens_per_s"):
+        assert "functional only if simulated" in titles[tag]
+
+
+def test_a_pipeline_mesh_reads_the_same_in_the_summary_and_parses_back():
+    from jaxdist.mesh import MeshShape, parse_mesh
+    shape = MeshShape(2, 1, 2, 1, 2)
+    r = results(layout="tp_pp", mesh=shape.axis_sizes, pipeline=PIPELINE)
+    assert row(r, "layout / mesh") == \
+        "tp_pp on stage=2 x data=2 x fsdp=1 x tensor=2 (--mesh data:2,stage:2,tensor:2)"
+    assert parse_mesh(shape.spec) == shape
+    assert parse_mesh(run_hparams(r)["mesh"]) == shape
+    assert row(results(), "layout / mesh") == "fsdp on data=2 x fsdp=4 (--mesh 2x4)"
