@@ -57,9 +57,11 @@ class Case:
     same_as: str = ""             # the case whose configuration this one repeats
 
 
-# compute_efficiency_hopper and _ampere (jaxdist.hardware) were set from these records'
-# throughput, one per GPU generation; nothing else is calibrated.
-CALIBRATION = ("tt24-t1-fsdp", "tt-a100-l3-8b-sac-op")
+# kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
+# per GPU generation, were set from these records' throughput; nothing else in that model is
+# fitted. (The roofline fallback, used without XLA:GPU, has its own two: compute_efficiency_*,
+# on tt24-t1-fsdp and tt-a100-l3-8b-sac-op.)
+CALIBRATION = ("maxtext-a3-7b-2vm", "tt-a100-l3-8b-sac-op")
 
 
 def _maxtext_a3(vms: int) -> Case:
@@ -76,28 +78,28 @@ CASES = (
     Case("tt24-t1-fsdp-compile", "tt24-t1-fsdp-compile-tps", "tt24-t1-fsdp-compile-mem",
          "h100-sxm", LLAMA31_8B, "1x8", 16, "dots", small=True, same_as="tt24-t1-fsdp"),
     Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", "h100-sxm", LLAMA31_8B,
-         "1x128", 256, "dots"),
+         "16x8", 256, "dots"),
     Case("jaxtoolbox-7b", "jaxtoolbox-maxtext-llama2-7b-step", None, "h100-sxm", LLAMA2_7B,
          "1x8", 16, "dots", small=True),
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
     Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, "h100-sxm", LLAMA31_8B,
-         "data:1,fsdp:8,tensor:8", 96, "dots", "fsdp_tp"),
+         "data:8,tensor:8", 96, "dots", "fsdp_tp"),
     Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, "h100-sxm", LLAMA3_70B,
-         "data:1,fsdp:32,tensor:8", 512, "full", "fsdp_tp"),
+         "data:32,tensor:8", 512, "full", "fsdp_tp"),
     Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, "h100-sxm", LLAMA31_405B,
-         "data:1,fsdp:16,tensor:8", 32, "full", "fsdp_tp"),
+         "data:16,tensor:8", 32, "full", "fsdp_tp"),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
-         "1x64", 64, "dots"),
+         "8x8", 64, "dots"),
     Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
-         "1x64", 128, "none"),
+         "8x8", 128, "none"),
     Case("tt-a100-l2-13b-sac-op", "tt-a100-l2-13b-sac-op-wps", None, "a100-sxm-80gb",
-         LLAMA2_13B, "1x64", 128, "dots"),
+         LLAMA2_13B, "8x8", 128, "dots"),
     Case("tt-a100-l3-70b-full", "tt-a100-l3-70b-full-wps", None, "a100-sxm-80gb", LLAMA3_70B,
-         "1x64", 64, "full"),
+         "8x8", 64, "full"),
     Case("tt-a100-l2-70b-full", "tt-a100-l2-70b-full-wps", None, "a100-sxm-80gb", LLAMA2_70B,
-         "1x64", 128, "full"),
+         "8x8", 128, "full"),
     Case("tt-a100-l2-70b-sac-op", "tt-a100-l2-70b-sac-op-wps", None, "a100-sxm-80gb",
-         LLAMA2_70B, "1x64", 64, "dots"),
+         LLAMA2_70B, "8x8", 64, "dots"),
 )
 # Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
 # Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block
@@ -170,15 +172,28 @@ def validate(cases) -> list[dict]:
 
     records, cache, rows = published(), {}, []
     for case in cases:
-        plan = predict_plan(case_config(case), parse_mesh(case.mesh), cache=cache)
+        try:
+            plan = predict_plan(case_config(case), parse_mesh(case.mesh), cache=cache)
+        except Exception as e:  # noqa: BLE001 - a row the compiler rejects is a row, named
+            first = str(e).strip().splitlines()
+            reason = next((ln for ln in first if "Error" in ln), first[0] if first else "")
+            rows.append(failed_row(case, records, f"{type(e).__name__}: {reason[:200]}"))
+            continue
         tps = plan["throughput"]["tokens_per_s_per_gpu"]
-        mem = plan["memory"]["total_bytes"] / GIB
+        # Published memory is PyTorch's caching-allocator peak: set beside it the hand model
+        # (state + gradients + saved residuals + working set, framework-neutral); a JAX
+        # plan's XLA:GPU buffer assignment, what XLA would allocate, is kept beside it.
+        mem = plan["memory"].get("hand_estimate_bytes", plan["memory"]["total_bytes"]) / GIB
+        xla_mem = (plan["memory"]["total_bytes"] / GIB
+                   if plan["memory"].get("source") == "XLA:GPU buffer assignment" else None)
         rid = case.throughput_id or case.memory_id
         row = {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
                "out-of-sample", "same_as": case.same_as,
                "framework": records[rid]["framework"], "hardware": case.hardware,
                "gpus": gpus(case), "layout": case.layout, "mesh": case.mesh,
                "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
+               "xla_gpu_memory_gib": xla_mem, "compiler": plan["compiled"].get("compiler"),
+               "time_model": plan["time"].get("model", "roofline (FLOPs / calibrated peak)"),
                "bottleneck": plan["time"]["bottleneck"]}
         tput = case.throughput_id and published_tokens_per_s_per_gpu(
             case, records[case.throughput_id])
@@ -189,6 +204,20 @@ def validate(cases) -> list[dict]:
             row[f"ratio_{what}"] = value / pub if pub else None
         rows.append(row)
     return rows
+
+
+def failed_row(case, records: dict, reason: str) -> dict:
+    """A case whose prediction failed (e.g. XLA:GPU rejected the program): kept in the table
+    with the reason, with no ratio."""
+    rid = case.throughput_id or case.memory_id
+    return {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
+            "out-of-sample", "same_as": case.same_as, "framework": records[rid]["framework"],
+            "hardware": case.hardware, "gpus": gpus(case), "layout": case.layout,
+            "mesh": case.mesh, "predicted_tokens_per_s_per_gpu": None,
+            "predicted_memory_gib": None, "xla_gpu_memory_gib": None, "compiler": None,
+            "time_model": None, "bottleneck": f"failed: {reason}",
+            "published_tokens_per_s_per_gpu": None, "ratio_tokens_per_s_per_gpu": None,
+            "published_memory_gib": None, "ratio_memory_gib": None}
 
 
 def independent(rows: list[dict], what: str) -> list[dict]:
@@ -239,11 +268,11 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"{label}: {s['rows']} independent out-of-sample rows, median |log "
                          f"ratio| {s['median_abs_log_ratio']:.3f}, worst {s['worst']} "
                          f"({s['worst_ratio']:.2f})")
-    fitted = sorted({r["case"] for r in rows if r["role"] == "calibration"})
-    lines.append(f"fitted: {len(CALIBRATION)} numbers (one compute efficiency per GPU "
-                 f"generation) on {', '.join(CALIBRATION)} ({len(fitted)} in this table); "
-                 "memory has none (the sample column is throughput's); published memory is "
-                 "torchtitan's peak reserved (max_reserved_gib)")
+    models = sorted({r["time_model"] for r in rows if r.get("time_model")})
+    lines.append(f"time model: {'; '.join(models) or '-'}; fitted: {len(CALIBRATION)} numbers "
+                 f"(one kernel efficiency per GPU generation) on {', '.join(CALIBRATION)}; "
+                 "memory has none (the sample column is throughput's): the hand estimate is "
+                 "set beside torchtitan's peak reserved (max_reserved_gib)")
     return "\n".join(lines)
 
 

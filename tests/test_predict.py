@@ -411,13 +411,14 @@ def test_published_figures_as_tokens_per_s_per_gpu():
     assert 11_271 / 11_362 == pytest.approx(1, abs=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason="the FLOPs/(peak x 0.339) model predicts 33.8% MFU on "
-                   "Hopper; measured ratios 0.64 (jaxtoolbox-7b) and 0.64 (maxtext-a3-7b-1vm). "
-                   "Flips when the kernel-by-kernel model (issue 22 item 1) lands")
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason="the kernel model reads XLA:GPU's program: "
+                           f"{compiled.gpu_compiler_missing()}")
 def test_validation_quick_form_out_of_sample_bands():
     """experiments.predict --validate --quick, in process (8 devices): the JAX runs of
     Llama2-7B on 8xH100 (JAX-Toolbox MaxText, FSDP 8, 2/GPU; MaxText A3 1 VM, 4/GPU) are out
-    of sample and share no configuration with a calibration record."""
+    of sample and share no configuration with a calibration record (Hopper's is MaxText on 2
+    A3 VMs, 16 GPUs). Measured: 0.86 and 0.89 (the kernel model over XLA:GPU's program)."""
     from experiments.predict import CALIBRATION, CASES, validate
 
     cases = [c for c in CASES if c.name in ("jaxtoolbox-7b", "maxtext-a3-7b-1vm")]

@@ -44,3 +44,32 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
     out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
     out["rates"] = base["rates"]
     return out
+
+
+def minus(a: dict, b: dict) -> dict:
+    """a - b, figure by figure, never below zero: the part of program a that program b
+    (a prefix of its work) does not do, e.g. a whole backward less its input gradient."""
+    rows = {(r["kind"], tuple(r["axes"]), r["group_size"]): dict(r) for r in a["comm"]}
+    for r in b["comm"]:
+        row = rows.get((r["kind"], tuple(r["axes"]), r["group_size"]))
+        if row is not None:
+            for f in ("count", "bytes", "ring_bytes"):
+                row[f] = max(0, row[f] - r[f])
+    out = {"flops": max(0.0, a["flops"] - b["flops"]),
+           "bytes_accessed": max(0.0, a["bytes_accessed"] - b["bytes_accessed"]),
+           "memory": {"temp_bytes": max(0, a["memory"]["temp_bytes"] -
+                                        b["memory"]["temp_bytes"])},
+           "comm": [r for r in rows.values() if r["count"] > 0]}
+    if "kernel_time" in a and "kernel_time" in b:
+        ka, kb = a["kernel_time"], b["kernel_time"]
+        kt = {f: max(0.0, v - kb.get(f, 0.0)) for f, v in ka.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        kt["by_kind"] = {k: max(0.0, v - kb["by_kind"].get(k, 0.0))
+                         for k, v in ka["by_kind"].items()}
+        kt["upper_bound"] = ka["upper_bound"] or kb["upper_bound"]
+        kt["rates"] = ka["rates"]
+        # the device time is what the kernel terms add up to
+        kt["device_s"] = kt["compute_s"] + kt["hbm_s"] + kt["launch_s"]
+        kt["step_s"] = kt["device_s"] + kt["comm_exposed_s"]
+        out["kernel_time"] = kt
+    return out

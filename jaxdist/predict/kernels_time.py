@@ -4,7 +4,8 @@ Each kernel (jaxdist.kernels.schedule) costs max(FLOPs / the achievable rate of 
 dtype, bytes / the achievable HBM rate) + one launch: GEMM fusions and cuBLAS calls at the
 part's achievable dense matmul rate, cuDNN attention at its forward / backward rate for its
 sequence length, everything else at the streaming HBM rate (jaxdist.predict.rates: published
-microbenchmarks, each cited; nothing fitted to a training run). Each collective costs what
+microbenchmarks, each cited), all scaled by the generation's one fitted number, the kernel
+efficiency (jaxdist.hardware.MODEL_CONSTANTS, fitted on one named record). Each collective costs what
 jaxdist.predict.model.collective_time says (NCCL's ring: bandwidth by link, latency per
 step), and an async one is hidden only behind the kernels XLA's latency-hiding scheduler
 placed between its `-start` and its `-done`; what the kernels there do not cover is exposed.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import bisect
 
 from jaxdist import kernels
-from jaxdist.hardware import Hardware
+from jaxdist.hardware import Hardware, kernel_efficiency
 from jaxdist.predict import rates
 from jaxdist.predict.model import collective_time
 
@@ -40,12 +41,15 @@ class Rates:
 
     def __init__(self, hw: Hardware):
         self.hw = hw
-        self.gemm_bf16 = rates.rate(hw.name, "gemm", "bfloat16").value
-        self.hbm = rates.rate(hw.name, "hbm_copy", rates.ANY_DTYPE).value
+        # The one fitted number of the generation scales every rate (not the launch cost).
+        k = self.efficiency = kernel_efficiency(hw)
+        self.gemm_bf16 = k * rates.rate(hw.name, "gemm", "bfloat16").value
+        self.hbm = k * rates.rate(hw.name, "hbm_copy", rates.ANY_DTYPE).value
         self.launch = rates.rate(hw.name, "launch", rates.ANY_DTYPE).value
-        self.attention = {kind: rates.rate(hw.name, kind, "bfloat16").value
+        self.attention = {kind: k * rates.rate(hw.name, kind, "bfloat16").value
                           for kind in ("attention_fwd", "attention_bwd")}
-        self.curve = rates.attention_curve(hw.name, "bfloat16")
+        self.curve = tuple((n, k * f, k * b) for n, f, b in
+                           rates.attention_curve(hw.name, "bfloat16"))
         self.sources = {k: rates.rate(hw.name, k, d).source for k, d in
                         (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
                          ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
@@ -163,7 +167,7 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Hardware, mesh: dict[s
             "comm_exposed_s": exposed, "step_s": device + exposed,
             "upper_bound": flags["upper_bound"] or bool(guessed),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "rates": r.sources}
+            "rates": r.sources, "kernel_efficiency": r.efficiency}
 
 
 def _entry(hlo_text: str) -> str | None:

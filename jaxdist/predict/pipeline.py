@@ -34,10 +34,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxdist import compiled as compiled_mod
 from jaxdist.hardware import Hardware, constant
 from jaxdist.predict import kernels_time
-from jaxdist.predict.depth import linear
+from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.model import LABEL, aggregate, kernel_step, ring_latency, step_time
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies
-from jaxdist.pipeline.schedule import BWD, FWD, Schedule, build_schedule
+from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from sharding import get_layout
 
@@ -152,6 +152,9 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
 
 # ---- compiling the pieces -------------------------------------------------------------
 
+FULL = -1  # a compile of B and W together, from which W's figures are taken (FULL - B)
+
+
 def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     """One stage's devices (the first node's, as stage 0 holds them): the mesh with `stage`
     = 1 (kept as an axis for the specs)."""
@@ -182,8 +185,10 @@ def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
 
 def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                rows: int, target, hw=None) -> dict:
-    """One chunk of `blocks` blocks: its forward or backward for one micro-batch of `rows`
-    rows per data shard, compiled on one stage's devices as the pipeline step runs it."""
+    """One chunk of `blocks` blocks for one micro-batch of `rows` rows per data shard,
+    compiled on one stage's devices as the pipeline step runs it: its forward (FWD), B
+    (BWD: the forward recomputed and the input gradient) or the whole backward (FULL: B and
+    the weight gradients; W is FULL - B, see pipeline_step)."""
     from jaxdist.pipeline.program import pipeline_state
 
     mesh = stage_mesh(sizes, target)
@@ -204,6 +209,10 @@ def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
         chunk = jax.tree.map(lambda a: a[0, 0], stage_params)
         if kind == FWD:
             return parts.stage(chunk, shared, x, tokens_BL1, False, last)
+        if kind == BWD:  # B: the forward recomputed, the input gradient only
+            _, vjp = jax.vjp(lambda x_: parts.stage(chunk, shared, x_, tokens_BL1, False,
+                                                    last), x)
+            return vjp((dy, jnp.float32(1.0 / M)))[0]
         _, vjp = jax.vjp(lambda c, sh, x_: parts.stage(c, sh, x_, tokens_BL1, False, last),
                          chunk, shared, x)
         d_chunk, d_shared, dx = vjp((dy, jnp.float32(1.0 / M)))
@@ -211,7 +220,8 @@ def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
 
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
-    out = ((P("data"), P()) if kind == FWD else (stage_specs, shared_specs, P("data")))
+    out = {FWD: (P("data"), P()), BWD: P("data")}.get(kind, (stage_specs, shared_specs,
+                                                             P("data")))
     fn = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
                                                   P("data"), P("data")),
                        out_specs=out, axis_names={"stage", "data"}, check_vma=False)
@@ -330,7 +340,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                                          target, hw))
 
     figs, removed = {}, {}
-    for kind in (FWD, BWD):
+    for kind in (FWD, BWD, FULL):
         one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
         scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), K)
                   if flash else None)
@@ -341,6 +351,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                 fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
             figs[(kind, last)] = fig
         removed[kind] = scores
+    for last in (False, True):  # W: the weight gradients from B's residuals, no forward again
+        figs[(WGT, last)] = minus(figs.pop((FULL, last)), figs[(BWD, last)])
     tail = cached(cache, ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V),
                   lambda: tail_figures(cfg, model_cfg, sizes, S, V, target, hw))
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
@@ -353,7 +365,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     time["peak_flops_per_device"] = hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision)
     time["collectives"] = tail_row["collectives"]
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
-             (BWD, False): "backward", (BWD, True): "backward_last"}
+             (BWD, False): "input_gradient", (BWD, True): "input_gradient_last",
+             (WGT, False): "weight_gradient", (WGT, True): "weight_gradient_last"}
     per_op = {names[k]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
                                            "intra_node_s", "inter_node_s",
                                            "exposed_intra_node_s", "exposed_inter_node_s",
@@ -365,7 +378,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                                 for o in (row[c] for row in sched.ops) if o is not None)
     per_op["flash_attention"] = None if not flash else {
         "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
-                                         "backward": removed[BWD]["bytes_accessed"]},
+                                         "input_gradient": removed[BWD]["bytes_accessed"],
+                                         "backward": removed[FULL]["bytes_accessed"]},
         "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
                "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
