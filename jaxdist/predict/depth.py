@@ -43,6 +43,7 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
                       for n in kinds}
     out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
     out["rates"] = base["rates"]
+    out["kernel_efficiency"] = base.get("kernel_efficiency")
     return out
 
 
@@ -68,6 +69,7 @@ def minus(a: dict, b: dict) -> dict:
                          for k, v in ka["by_kind"].items()}
         kt["upper_bound"] = ka["upper_bound"] or kb["upper_bound"]
         kt["rates"] = ka["rates"]
+        kt["kernel_efficiency"] = ka.get("kernel_efficiency")
         # the device time is what the kernel terms add up to
         kt["device_s"] = kt["compute_s"] + kt["hbm_s"] + kt["launch_s"]
         kt["step_s"] = kt["device_s"] + kt["comm_exposed_s"]

@@ -158,6 +158,7 @@ def kernel_step(kt: dict, comm: list[dict], hw: Hardware, mesh: dict[str, int],
             "overlap": "as XLA:GPU's schedule places each collective between its start and "
                        "done", "bottleneck": max(terms, key=terms.get),
             "upper_bound": kt["upper_bound"], "by_kind": kt["by_kind"], "rates": kt["rates"],
+            "kernel_efficiency": kt.get("kernel_efficiency"),
             "collectives": [{**op, **collective_time(op, hw, mesh)} for op in comm],
             "peak_flops_per_device": hw.peak_flops(dtype, matmul_precision),
             "device_s_exact": kt["device_s"]}

@@ -250,8 +250,8 @@ def format_prediction(p: dict) -> str:
         ("; L x L attention scores removed (flash attention on the GPU)"
          if p["compiled"]["flash_attention"] else ""),
         memory_line(p),
-        f"  time per step, kernel by kernel from the program (published rates, "
-        f"{'none fitted' if not t.get('fitted') else t['fitted']}): compute-bound kernels "
+        f"  time per step, kernel by kernel from the program (published rates x the "
+        f"fitted kernel efficiency {t.get('kernel_efficiency', 0):.3f}): compute-bound kernels "
         f"{t['compute_s'] * ms:.1f} ms, memory-bound {t['hbm_s'] * ms:.1f} ms, launches "
         f"{t['launch_s'] * ms:.1f} ms; intra-node comm {t['intra_node_s'] * ms:.1f} ms, "
         f"inter-node {t['inter_node_s'] * ms:.1f} ms, exposed {t['comm_exposed_s'] * ms:.1f} ms "

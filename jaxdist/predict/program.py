@@ -35,10 +35,19 @@ def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None) -> dict:
     (jaxdist.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
     compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
     kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices."""
+    return figures_of(cfg, [model_cfg], shape, target, hw)[0]
+
+
+def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None) -> list[dict]:
+    """`figures` of several models, compiled side by side (jaxdist.compiled.compile_steps)."""
     target = target or compiled_mod.simulated_cpu(shape.size)
     if not target.gpu:
-        model_cfg = cpu_compilable(model_cfg)
-    program, compiled, seconds = compiled_mod.compile_step(cfg, model_cfg, shape, target)
+        model_cfgs = [cpu_compilable(m) for m in model_cfgs]
+    return [read_figures(cfg, shape, target, hw, *built)
+            for built in compiled_mod.compile_steps(cfg, model_cfgs, shape, target)]
+
+
+def read_figures(cfg, shape: MeshShape, target, hw, program, compiled, seconds) -> dict:
     step_flops = None if target.gpu else compiled_step_flops(program, compiled)
     runs = None
     if getattr(program, "schedule", None) is not None:  # a pipeline's switches, by its table
@@ -106,8 +115,8 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=
         blocks = "full"
     if blocks == "full" or (blocks == "auto" and (not stack or depth <= FULL_DEPTH_MAX)):
         return {**figures(cfg, model_cfg, shape, target, hw), "method": "full compile"}
-    one = figures(cfg, dataclasses.replace(model_cfg, depth=1), shape, target, hw)
-    two = figures(cfg, dataclasses.replace(model_cfg, depth=2), shape, target, hw)
+    one, two = figures_of(cfg, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
+                          shape, target, hw)
     return {**extrapolate(one, two, depth), "depth_1": one, "depth_2": two,
             "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
 
