@@ -19,7 +19,7 @@ from jaxdist.errors import UsageError
 from models.layers import (REMAT_POLICIES, PreNormBlock, block_runner, embed, layer_norm,
                            linear)
 from models.registry import register
-from models.sequence_parallel import sequence_shards, whole_sequence
+from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
 
 class CausalSelfAttention(nnx.Module):
@@ -68,7 +68,8 @@ def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
     ln1 = layer_norm(width, **kw)
     attn = CausalSelfAttention(width, heads, **kw)
     ln2 = layer_norm(width, **kw)
-    return PreNormBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw), sequence_parallel)
+    block = SequenceParallelBlock if sequence_parallel else PreNormBlock
+    return block(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
 
 
 class GPT(nnx.Module):
@@ -87,7 +88,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
         x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
-        run_block = block_runner(PreNormBlock, self.remat)
+        run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)

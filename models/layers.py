@@ -16,7 +16,6 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError, choices
-from models.sequence_parallel import active, sublayer
 
 KAIMING_FAN_OUT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
 KAIMING_FAN_IN = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
@@ -91,26 +90,14 @@ def block_runner(block_cls, remat: str):
 
 class PreNormBlock(nnx.Module):
     """A pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). The attribute
-    names (ln1, attn, ln2, mlp) are the ones sharding/logical.py matches.
+    names (ln1, attn, ln2, mlp) are the ones sharding/logical.py matches."""
 
-    `sequence_parallel` (Megatron-SP, Korthikanti et al. 2022): the residual stream and the
-    norms run on 1/T of the sequence on each device of the `tensor` axis; the norm's output
-    is all-gathered before attention and the MLP, and their (row-parallel, partial-sum)
-    outputs are reduce-scattered back to sequence shards, where tp all-reduces them. Only
-    the sequence shard of each norm's output is kept for the backward, which gathers it
-    again (models/sequence_parallel.py)."""
-
-    def __init__(self, ln1, attn, ln2, mlp, sequence_parallel: bool = False):
+    def __init__(self, ln1, attn, ln2, mlp):
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
-        self.sequence_parallel = sequence_parallel
 
     def __call__(self, x_BLD):
-        if not (self.sequence_parallel and active()):  # no tensor axis: nothing to split
-            x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
-            return x_BLD + self.mlp(self.ln2(x_BLD))
-        # x arrives as sequence shards (models/sequence_parallel.py: sequence_shards)
-        x_BLD = x_BLD + sublayer(self.attn, self.ln1(x_BLD))
-        return x_BLD + sublayer(self.mlp, self.ln2(x_BLD))
+        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        return x_BLD + self.mlp(self.ln2(x_BLD))
 
 
 # ---- config pieces ----------------------------------------------------------------------

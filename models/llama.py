@@ -18,7 +18,7 @@ from jaxdist.errors import UsageError
 from models.gpt import GPTConfig
 from models.layers import PreNormBlock, block_runner, embed, linear, rms_norm
 from models.registry import register
-from models.sequence_parallel import sequence_shards, whole_sequence
+from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
 
 def rope(x_BLNH, theta: float):
@@ -84,8 +84,8 @@ def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
     ln1 = rms_norm(cfg.width, **kw)
     attn = Attention(cfg, **kw)
     ln2 = rms_norm(cfg.width, **kw)
-    return PreNormBlock(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw),
-                        cfg.sequence_parallel)
+    block = SequenceParallelBlock if cfg.sequence_parallel else PreNormBlock
+    return block(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw))
 
 
 class Llama(nnx.Module):
@@ -100,7 +100,7 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens_BL):
         x_BLD = self.tok(tokens_BL)
-        run_block = block_runner(PreNormBlock, self.remat)
+        run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)

@@ -22,6 +22,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from models.layers import PreNormBlock
+
 
 
 def active() -> bool:
@@ -126,3 +128,15 @@ def sublayer(module, h_BlD):
         return out if bias is None else out + bias
 
     return _map(local, (_sequence(), _param_specs(state)), _sequence())(h_BlD, state)
+
+
+class SequenceParallelBlock(PreNormBlock):
+    """PreNormBlock with its norms and residual stream on sequence shards: its input and
+    output are sequence shards (`sequence_shards` before the first block, `whole_sequence`
+    after the last). Without a tensor axis it is PreNormBlock."""
+
+    def __call__(self, x_BLD):
+        if not active():
+            return super().__call__(x_BLD)
+        x_BLD = x_BLD + sublayer(self.attn, self.ln1(x_BLD))
+        return x_BLD + sublayer(self.mlp, self.ln2(x_BLD))
