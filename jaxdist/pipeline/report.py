@@ -162,8 +162,9 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
         "compiled_over_model_flops": (compiled_total / model_flops_per_step
                                       if compiled_total and model_flops_per_step else None),
         "flops_note": "idle stage-ticks compute nothing (lax.switch per stage); compiled "
-                      "FLOPs count the forward recomputed in each backward (about 4/3 of "
-                      "the model's), the optimizer update, and XLA's cost of the switch "
+                      "FLOPs count the forward recomputed in each B and the input-gradient "
+                      "chain run again in each W (about 5/3 of the model's), the optimizer "
+                      "update, and XLA's cost of the switch "
                       "(per device: the branches as XLA's cost analysis counts them)",
         "stage_bytes": {"by_stage": sends["by_stage"], "total": sends["total_bytes"],
                         "messages": sends["messages"],

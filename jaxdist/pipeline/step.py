@@ -8,15 +8,18 @@ looks up its own action by its stage index, and the messages of that tick go out
 so the compiled step moves no byte the schedule does not (the `comm` block counts them).
 
 Every stage runs the same program; at each tick a `lax.switch` on the stage's own row runs
-its forward, its backward or nothing, so an idle stage-tick computes no throw-away work
+its forward (F), the input gradient (B), the weight gradient (W) or nothing (one F-unit of
+the table each, jaxdist/pipeline/schedule.py), so an idle stage-tick computes no throw-away work
 (unlike MaxText's circular pipeline, which computes and discards it). A tick where no stage
 runs a forward has no forward branch compiled. Runs of ticks whose pattern repeats (the
 steady states) are one `lax.scan`, so compile time grows with S, not M.
 
 Memory: a forward stores only its input activation, in a slot of a fixed buffer of
-`act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); the backward
-recomputes the chunk from it under `jax.vjp` (stage-level rematerialisation, as torchtitan's
-and Megatron's recompute options), so live activations are bounded by the schedule, not M.
+`act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); B recomputes the
+chunk from it under `jax.vjp` (stage-level rematerialisation, as torchtitan's and Megatron's
+recompute options), so live activations are bounded by the schedule, not M. B keeps the
+vjp's residuals (less the inputs they forward: weights, the stored activation) in
+`res_slots` buffers until W, which rebuilds the vjp from them and so runs no forward.
 
 Placement of embeddings and head: they are small next to the blocks (gpt3-175b: 0.6 B of
 175 B parameters), so every stage holds them (`shared`), the first chunk's stage uses the
@@ -96,9 +99,9 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
     pullback = {}  # the vjp's tree structure and which residuals are its own inputs
 
     def linearize(chunk, shared, x, tokens, is_first, is_last):
-        """(input gradient's function, residual leaves, forwarded-input index per leaf):
-        the chunk's forward recomputed under `jax.vjp`. A residual that is one of the
-        inputs (a weight, the stored activation) is not stored again: W passes it anew."""
+        """(the chunk's vjp, its residual leaves to store): the chunk's forward recomputed
+        under `jax.vjp`. A residual that is one of the inputs (a weight, the stored
+        activation) is not stored again: W passes it anew."""
         _, vjp = jax.vjp(lambda c, sh, x_: forward(c, sh, x_, tokens, is_first, is_last),
                          chunk, shared, x)
         leaves, tree = jax.tree.flatten(vjp)
