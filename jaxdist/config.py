@@ -87,6 +87,10 @@ class TrainConfig:
                             "Qi et al. 2023)",
                             choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     pp_virtual: int = _opt(1, "model chunks per pipeline stage for --pp-schedule interleaved")
+    sequence_parallel: bool = _opt(False, "Megatron sequence parallelism (tp, fsdp_tp, tp_pp "
+                                   "on gpt and llama models): norms and residual stream "
+                                   "split over tensor along the sequence, each block's "
+                                   "all-reduces become reduce-scatter + all-gather")
 
 
 @dataclass(frozen=True)

@@ -37,4 +37,38 @@ def build_model(cfg):
         if not hasattr(model_cfg, "remat"):
             raise UsageError(f"--remat applies to gpt models, not {cfg.model.model!r}")
         model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
+    if cfg.train.sequence_parallel:
+        check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
+        model_cfg = dataclasses.replace(model_cfg, sequence_parallel=True)
     return adapt_model(model_cfg, dataset), dataset
+
+
+SEQUENCE_PARALLEL_LAYOUTS = ("tp", "fsdp_tp", "tp_pp")
+
+
+def check_sequence_parallel(layout: str, mesh: str, model_cfg, model: str) -> None:
+    """--sequence-parallel splits each block's sequence, heads and MLP columns over the
+    tensor axis (models/sequence_parallel.py): a tensor layout, a tensor axis, and sizes it
+    divides."""
+    from jaxdist.mesh import parse_mesh
+
+    if layout not in SEQUENCE_PARALLEL_LAYOUTS:
+        raise UsageError(f"--sequence-parallel splits activations over the tensor axis of a "
+                         f"tensor-parallel layout; layout {layout!r} has none (use "
+                         f"{', '.join(SEQUENCE_PARALLEL_LAYOUTS)})")
+    if getattr(model_cfg, "family", None) != "gpt" or not hasattr(model_cfg,
+                                                                   "sequence_parallel"):
+        raise UsageError(f"--sequence-parallel applies to the dense decoders (gpt, llama "
+                         f"models), not {model!r}")
+    tensor = parse_mesh(mesh).axis_sizes.get("tensor", 1)
+    if tensor < 2:
+        raise UsageError(f"--sequence-parallel needs a tensor axis of size 2 or more; mesh "
+                         f"{mesh!r} has tensor={tensor} (e.g. --mesh data:2,tensor:2)")
+    hidden = getattr(model_cfg, "mlp_hidden", model_cfg.mlp_ratio * model_cfg.width)
+    sizes = {"seq_len": model_cfg.seq_len, "heads": model_cfg.heads,
+             "kv_heads": getattr(model_cfg, "kv_heads", model_cfg.heads), "mlp": hidden}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % tensor]
+    if bad:
+        raise UsageError(f"--sequence-parallel splits the sequence, heads and MLP over "
+                         f"tensor={tensor}: {', '.join(bad)} not divisible by {tensor}; "
+                         f"use --model-opts with multiples of {tensor}")

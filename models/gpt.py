@@ -19,6 +19,7 @@ from jaxdist.errors import UsageError
 from models.layers import (REMAT_POLICIES, PreNormBlock, block_runner, embed, layer_norm,
                            linear)
 from models.registry import register
+from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
 
 class CausalSelfAttention(nnx.Module):
@@ -31,12 +32,19 @@ class CausalSelfAttention(nnx.Module):
         self.v = linear(width, width, dtype=dtype, rngs=rngs)
         self.out = linear(width, width, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BLD):
+    row = "out"  # the row-parallel projection (models/sequence_parallel.py)
+
+    def column(self, x_BLD):
+        """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
         B, L, D = x_BLD.shape
-        q_BLNH, k_BLNH, v_BLNH = (proj(x_BLD).reshape(B, L, self.heads, D // self.heads)
+        # -1 heads: under sequence parallelism this runs on one device's heads only
+        q_BLNH, k_BLNH, v_BLNH = (proj(x_BLD).reshape(B, L, -1, D // self.heads)
                                   for proj in (self.q, self.k, self.v))
         y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLNH, v_BLNH, is_causal=True)
-        return self.out(y_BLNH.reshape(B, L, D))
+        return y_BLNH.reshape(B, L, -1)
+
+    def __call__(self, x_BLD):
+        return self.out(self.column(x_BLD))
 
 
 class MLPBlock(nnx.Module):
@@ -44,17 +52,24 @@ class MLPBlock(nnx.Module):
         self.up = linear(width, hidden, dtype=dtype, rngs=rngs)
         self.down = linear(hidden, width, dtype=dtype, rngs=rngs)
 
+    row = "down"
+
+    def column(self, x_BLD):
+        return nnx.gelu(self.up(x_BLD))
+
     def __call__(self, x_BLD):
-        return self.down(nnx.gelu(self.up(x_BLD)))
+        return self.down(self.column(x_BLD))
 
 
-def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs) -> PreNormBlock:
+def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
+              sequence_parallel: bool = False) -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
     attn = CausalSelfAttention(width, heads, **kw)
     ln2 = layer_norm(width, **kw)
-    return PreNormBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
+    block = SequenceParallelBlock if sequence_parallel else PreNormBlock
+    return block(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
 
 
 class GPT(nnx.Module):
@@ -62,18 +77,22 @@ class GPT(nnx.Module):
         self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
         self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(
-            gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs)
+            gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
+                      sequence_parallel=cfg.sequence_parallel)
             for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
+        self.sequence_parallel = cfg.sequence_parallel
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
         x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
-        run_block = block_runner(PreNormBlock, self.remat)
+        run_block = block_runner(type(self.blocks[0]), self.remat)
+        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
+        x_BLD = whole_sequence(x_BLD, self.sequence_parallel)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
 
 
@@ -86,6 +105,8 @@ class GPTConfig:
     heads: int = 8
     mlp_ratio: int = 4
     remat: str = "none"
+    # Megatron sequence parallelism inside each block (--sequence-parallel; layers.py)
+    sequence_parallel: bool = False
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (models.build.adapt_model)
 

@@ -18,6 +18,7 @@ from jaxdist.errors import UsageError
 from models.gpt import GPTConfig
 from models.layers import PreNormBlock, block_runner, embed, linear, rms_norm
 from models.registry import register
+from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
 
 def rope(x_BLNH, theta: float):
@@ -42,16 +43,23 @@ class Attention(nnx.Module):
         self.v = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
         self.out = linear(cfg.heads * head_dim, cfg.width, **kw)
 
+    row = "out"  # the row-parallel projection (models/sequence_parallel.py)
+
     def __call__(self, x_BLD):
+        return self.out(self.column(x_BLD))
+
+    def column(self, x_BLD):
+        """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
         B, L, D = x_BLD.shape
         hd = D // self.heads
-        q_BLNH = rope(self.q(x_BLD).reshape(B, L, self.heads, hd), self.theta)
-        k_BLKH = rope(self.k(x_BLD).reshape(B, L, self.kv_heads, hd), self.theta)
-        v_BLKH = self.v(x_BLD).reshape(B, L, self.kv_heads, hd)
+        # -1 heads: under sequence parallelism this runs on one device's heads only
+        q_BLNH = rope(self.q(x_BLD).reshape(B, L, -1, hd), self.theta)
+        k_BLKH = rope(self.k(x_BLD).reshape(B, L, -1, hd), self.theta)
+        v_BLKH = self.v(x_BLD).reshape(B, L, -1, hd)
         # dot_product_attention takes fewer key/value heads than query heads (GQA) directly.
         y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True,
                                               implementation=self.implementation)
-        return self.out(y_BLNH.reshape(B, L, D))
+        return y_BLNH.reshape(B, L, -1)
 
 
 class SwiGLU(nnx.Module):
@@ -61,8 +69,13 @@ class SwiGLU(nnx.Module):
         self.up = linear(width, hidden, **kw)
         self.down = linear(hidden, width, **kw)
 
+    row = "down"
+
+    def column(self, x_BLD):
+        return nnx.silu(self.gate(x_BLD)) * self.up(x_BLD)
+
     def __call__(self, x_BLD):
-        return self.down(nnx.silu(self.gate(x_BLD)) * self.up(x_BLD))
+        return self.down(self.column(x_BLD))
 
 
 def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
@@ -71,7 +84,8 @@ def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
     ln1 = rms_norm(cfg.width, **kw)
     attn = Attention(cfg, **kw)
     ln2 = rms_norm(cfg.width, **kw)
-    return PreNormBlock(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw))
+    block = SequenceParallelBlock if cfg.sequence_parallel else PreNormBlock
+    return block(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw))
 
 
 class Llama(nnx.Module):
@@ -82,12 +96,15 @@ class Llama(nnx.Module):
         self.ln_f = rms_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
+        self.sequence_parallel = cfg.sequence_parallel
 
     def __call__(self, tokens_BL):
         x_BLD = self.tok(tokens_BL)
-        run_block = block_runner(PreNormBlock, self.remat)
+        run_block = block_runner(type(self.blocks[0]), self.remat)
+        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
+        x_BLD = whole_sequence(x_BLD, self.sequence_parallel)
         return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
 
 

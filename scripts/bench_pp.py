@@ -5,16 +5,24 @@ of gpt-tiny (depth 8, batch 64) on 4 simulated CPU devices (mesh stage:4) and pr
 bubble counted from the schedule beside the analytic formula, the compiler's temp bytes per
 device, the stage-to-stage bytes per step read from the compiled HLO (beside the analytic
 activation volume), and last the 1F1B / GPipe ratio of the activation memory (temp bytes).
-Only compiled, never run: the figures are the compiler's and the schedule's, no timings.
 
-Usage: python scripts/bench_pp.py [--ms 4,8,16,32]
+Then the step length: the table's cost in F-units (each tick as long as its busiest stage;
+F, B and W one unit each) and the measured wall time of the step (median of --runs after
+one warm-up, on the same 4 simulated devices), as 1F1B / GPipe at equal M. Both run the
+same forward, B and W bodies, so a tick's work is the same in both and only the table
+differs. Simulated CPU devices share the host's cores, so the measured ratio is functional,
+not a performance figure.
+
+Usage: python scripts/bench_pp.py [--ms 4,8,16,32] [--runs 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,7 +46,21 @@ S, BATCH = 4, 64
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
-def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
+def step_seconds(program, compiled, batch, runs: int) -> float:
+    """Median wall time of the compiled step over `runs` runs after one warm-up."""
+    state = program.init()
+    state, loss = compiled(state, batch)
+    loss.block_until_ready()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        state, loss = compiled(state, batch)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(cfg, schedule: str, virtual: int, M: int, runs: int = 0) -> dict:
     shape = parse_mesh(f"stage:{S}")
     program = build_pipeline_program(cfg, "float32", make_optimizer("adamw", 1e-3),
                                      get_layout("pp"), build_mesh(shape, jax.devices()[:S]),
@@ -52,21 +74,23 @@ def measure(cfg, schedule: str, virtual: int, M: int) -> dict:
     return {"bubble": sched.bubble(), "analytic": sched.analytic_bubble(),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "stash": sched.act_slots * act, "stage_bytes": sends["total_bytes"],
-            "stage_analytic": 2 * act * M * (sched.chunks - 1)}
+            "stage_analytic": 2 * act * M * (sched.chunks - 1), "cost": sched.cost(),
+            "seconds": step_seconds(program, compiled, batch, runs) if runs else None}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="4,8,16,32", help="micro-batch counts")
+    parser.add_argument("--runs", type=int, default=5, help="timed steps of gpipe and 1f1b")
     args = parser.parse_args()
     cfg = get_model("gpt-tiny", {"depth": "8"})
     rows = {}
-    print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device; compiled, not run")
+    print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device")
     print(f"{'schedule':<16}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
           f"{'stash bytes':>13}{'stage bytes':>13}{'analytic':>11}")
     for M in (int(m) for m in args.ms.split(",")):
         for name, V in SCHEDULES:
-            r = measure(cfg, name, V, M)
+            r = measure(cfg, name, V, M, args.runs if name in ("gpipe", "1f1b") else 0)
             rows[(name, M)] = r
             label = name + (f" V={V}" if V > 1 else "")
             print(f"{label:<16}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
@@ -78,6 +102,13 @@ def main() -> int:
         z = rows[("zb-h1", M)]
         print(f"  M={M:<3} temp {o['temp'] / g['temp']:.3f}   stash "
               f"{o['stash'] / g['stash']:.3f}   (zb-h1 / 1f1b temp {z['temp'] / o['temp']:.3f})")
+    print("\n1F1B / GPipe step at equal M: table cost (F-units) and measured wall time "
+          "(functional: simulated devices share the host's cores)")
+    for M in sorted({m for _, m in rows}):
+        g, o = rows[("gpipe", M)], rows[("1f1b", M)]
+        print(f"  M={M:<3} table {o['cost']}/{g['cost']} = {o['cost'] / g['cost']:.3f}   "
+              f"measured {o['seconds'] * 1e3:.1f}/{g['seconds'] * 1e3:.1f} ms = "
+              f"{o['seconds'] / g['seconds']:.3f}")
     return 0
 
 

@@ -2,9 +2,12 @@
 their tables, pipelined losses equal to one device's, 1F1B's bounded activation memory,
 stage-to-stage bytes read from the compiled HLO, and bad input."""
 
+import re
+
 import jax
 import pytest
 
+from jaxdist import hlo
 from jaxdist.data import TrainStream
 from jaxdist.errors import UsageError
 from jaxdist.mesh import build_mesh, parse_mesh
@@ -26,11 +29,34 @@ BATCH = 8
 def test_bubble_counted_equals_analytic(name, S, M):
     sched = build_schedule(name, S, M)
     assert sched.bubble() == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
-    assert sched.ticks == 2 * (M + S - 1)
-    # every forward and backward of every micro-batch on every stage, once
-    ops = [(s, op.kind, op.mb) for row in sched.ops for s, op in enumerate(row) if op]
-    assert sorted(ops) == sorted({(s, k, m) for s in range(S) for k in (1, 2)
-                                  for m in range(M)})
+    assert sched.ticks == 3 * (M + S - 1)  # one F-unit per tick, a backward B + W = 2
+    # every forward, B and W of every micro-batch on every stage, once, W right after B
+    when = {(s, op.kind, op.mb): t for t, row in enumerate(sched.ops)
+            for s, op in enumerate(row) if op}
+    assert sorted(when) == sorted((s, k, m) for s in range(S) for k in (1, 2, 3)
+                                  for m in range(M))
+    assert all(when[(s, 3, m)] == when[(s, 2, m)] + 1 for s in range(S) for m in range(M))
+
+
+# F-units of each op as the issue counts them: F = 1, a whole backward B = 2, and zb-h1's
+# halves B = W = 1. Every tick holds one op per stage, so here a backward is B + W.
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("M", [4, 8, 16])
+def test_1f1b_costs_no_more_than_gpipe(S, M):
+    """At equal M the executed table of 1F1B is no longer than GPipe's (x 1.02), both
+    (M+S-1)(F+B) F-units, while 1F1B keeps S activations to GPipe's M. Before, each tick
+    held one F or one whole B and lasted its slowest stage's op: 1F1B's ticks that mixed a
+    forward and a backward lasted a backward (S=4, M=8: 40 F-units against GPipe's 33)."""
+    gpipe, ofob = build_schedule("gpipe", S, M), build_schedule("1f1b", S, M)
+    assert gpipe.cost() == 3 * (M + S - 1)
+    assert ofob.cost() <= 1.02 * gpipe.cost()
+    assert ofob.act_slots * M == gpipe.act_slots * S
+    # the cost is the table's: every tick as long as its busiest stage
+    for sched in (gpipe, ofob):
+        assert sched.cost() == sum(max(len(sched.stage_ops(t, s)) for s in range(S))
+                                   for t in range(sched.ticks))
+    interleaved = build_schedule("interleaved", S, M, virtual=2)
+    assert interleaved.cost() == 3 * M * 2 + 3 * (S - 1)  # V*M(F+B) + the (S-1)(F+B) bubble
 
 
 @pytest.mark.parametrize("S,M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16)])
@@ -49,6 +75,7 @@ def test_zb_h1_bubble_and_memory(S, M):
     assert sched.bubble() == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
     assert sched.analytic_bubble() == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
     assert sched.act_slots == build_schedule("1f1b", S, M).act_slots == S
+    assert sched.cost() == sched.ticks < build_schedule("1f1b", S, M).cost()
     when = {(s, op.kind, op.mb): t for t, row in enumerate(sched.ops)
             for s, op in enumerate(row) if op}
     assert sorted(when) == sorted((s, k, m) for s in range(S) for k in (1, 2, 3)
@@ -104,6 +131,52 @@ def test_1f1b_temp_memory_below_gpipe():
     # measured: 3,852,280 vs 3,462,528 bytes, a gap of 0.99 x the 6 activations
     assert temps["1f1b"] < temps["gpipe"]
     assert temps["gpipe"] - temps["1f1b"] >= 0.9 * (M - S) * act
+
+
+_CALLS = re.compile(r"(?:body|to_apply|calls|condition|true_computation|false_computation)"
+                    r"=%?([\w.\-]+)")
+
+
+def _dots_by_computation(hlo_text: str):
+    """computation name -> the dot ops it runs, those of the computations it calls included
+    (fusions, conditionals' branches, loops' bodies), each counted once."""
+    own, calls, current = {}, {}, None
+    for line in hlo.statements(hlo_text):
+        opened = hlo.header(line)
+        if opened:
+            current = opened.group(2)
+            own[current], calls[current] = 0, []
+            continue
+        m = hlo.INSTRUCTION.match(line)
+        if m and current is not None:
+            own[current] += m.group("op") == "dot"
+            calls[current] += _CALLS.findall(line) + hlo.branches(line)
+
+    def total(name):
+        return own.get(name, 0) + sum(total(c) for c in calls.get(name, []))
+    return total
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_w_runs_no_forward(schedule, blocks):
+    """W computes the weight gradients from the residuals B kept: its branch of the compiled
+    step holds B's input-gradient dots (B's own minus the forward it recomputes) and one
+    weight-gradient dot per kernel, and no forward dot. A gpt chunk's forward has 8 dots a
+    block (q, k, v, out, up, down, QK^T, PV) and the head's under its cond. (Before, zb-h1's
+    W ran jax.vjp of the forward again: 27 dots at one block, not 18.)"""
+    S, M = 2, 2
+    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, depth=S * blocks)
+    batch = put_batch(TrainStream(cfg, None, BATCH, 0).batch(0), program.batch_sharding)
+    text = program.step.lower(program.abstract_state, batch).compile().as_text()
+    dots = _dots_by_computation(text)
+    action = [b for _, b in hlo.conditionals(text) if len(b) == 4]
+    assert len(action) == 1  # idle, F, B, W
+    idle, f, b, w = (dots(name) for name in action[0])
+    kernels = 6 * blocks + 1  # + the head
+    assert (idle, f) == (0, 8 * blocks + 1)
+    assert w == (b - f) + kernels
+    assert b - f == 10 * blocks + 1  # 6 kernels' and 4 attention input-gradient dots, head
 
 
 # ------------------------------------------------------------------ bad input

@@ -65,8 +65,9 @@ _TX = make_optimizer("adamw", 1e-2)
 _REFERENCE, _INITIAL = {}, {}
 
 
-def _cfg(model, depth):
-    return get_model(model, {k: str(v) for k, v in {**OPTS[model], "depth": depth}.items()})
+def _cfg(model, depth, **extra):
+    return get_model(model, {k: str(v) for k, v in {**OPTS[model], "depth": depth,
+                                                     **extra}.items()})
 
 
 def _reference(model, depth, microbatches=1):
@@ -125,9 +126,9 @@ def test_zb_h1_equals_single_device(model, layout, S, M):
                 _reference(model, S))
 
 
-def _check_case(model, layout, mesh, schedule, V, S, M, reference):
+def _check_case(model, layout, mesh, schedule, V, S, M, reference, **extra):
     depth = S * V
-    cfg = _cfg(model, depth)
+    cfg = _cfg(model, depth, **extra)
     shape = parse_mesh(mesh)
     program = build_pipeline_program(cfg, "float32", _TX, get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,

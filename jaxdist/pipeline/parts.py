@@ -21,6 +21,7 @@ from flax import nnx
 from jaxdist.errors import UsageError
 from jaxdist.train_step import DTYPES
 from models.gpt import REMAT_POLICIES
+from models.sequence_parallel import sequence_shards, whole_sequence
 
 SHARED = ("tok", "pos", "ln_f", "head")
 
@@ -33,6 +34,7 @@ class Parts:
     blocks_per_chunk: int
     aux_weight: float | None  # MoE: weight of the balance loss; None for dense decoders
     remat: str = "none"       # --remat: per-block recompute inside a chunk's backward
+    sequence_parallel: bool = False  # the blocks' output whole again (the stage message)
 
     def embed(self, shared, tokens_BL):
         tok = nnx.merge(self.shared_graphdefs["tok"], shared["tok"])
@@ -50,6 +52,7 @@ class Parts:
             return nnx.merge(self.block_graphdef, params)(x)
         if self.remat != "none":  # keep block inputs only (or also matmuls: "dots")
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
+        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for j in range(self.blocks_per_chunk):
             out = run_block(jax.tree.map(lambda a: a[j], chunk), x_BLD)
             if self.aux_weight is None:
@@ -57,7 +60,7 @@ class Parts:
             else:
                 x_BLD, a = out
                 aux = aux + a
-        return x_BLD, aux
+        return whole_sequence(x_BLD, self.sequence_parallel), aux
 
     def head_loss(self, shared, x_BLD, targets_BL):
         ln_f = nnx.merge(self.shared_graphdefs["ln_f"], shared["ln_f"])
@@ -119,7 +122,8 @@ def split_pipeline_model(model_cfg, dtype_name: str, seed: int, stages: int, vir
                   for name in shared}
     parts = Parts(block_gd, shared_gds, depth, K,
                   getattr(model_cfg, "aux_weight", None) if model_cfg.family == "moe"
-                  else None, getattr(model_cfg, "remat", "none"))
+                  else None, getattr(model_cfg, "remat", "none"),
+                  getattr(model_cfg, "sequence_parallel", False))
     return parts, {"stages": stacked, "shared": shared}
 
 

@@ -52,7 +52,7 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     computation, for jaxdist.comm.collectives:
     - the send switch (the conditional whose branches hold the stage permutes): the ticks
       taking each send pattern (every stage takes the tick's pattern);
-    - the action switch (idle, forward, backward[, weight] of jaxdist/pipeline/step.py): the
+    - the action switch (idle, forward, B, W of jaxdist/pipeline/step.py): the
       ticks at which a stage runs each action, averaged over stages;
     - the two-way conditionals directly inside an action's branch: the head's
       `lax.cond(is_last, ...)` of jaxdist/pipeline/parts.py, true on the last chunk only.
@@ -70,7 +70,7 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
             raise ValueError(f"send switch has {len(send[0])} branches in the HLO, "
                              f"the schedule {len(patterns)} patterns")
         runs.update(zip(send[0], patterns))
-    kinds = [FWD, BWD] + ([WGT] if sched.split_backward else [])
+    kinds = [FWD, BWD, WGT]
     action = [b for _, b in conds if len(b) == 1 + len(kinds) and b not in send]
     if len(action) != 1:
         return runs  # not the step's shape: leave every other branch an upper bound
@@ -162,8 +162,9 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
         "compiled_over_model_flops": (compiled_total / model_flops_per_step
                                       if compiled_total and model_flops_per_step else None),
         "flops_note": "idle stage-ticks compute nothing (lax.switch per stage); compiled "
-                      "FLOPs count the forward recomputed in each backward (about 4/3 of "
-                      "the model's), the optimizer update, and XLA's cost of the switch "
+                      "FLOPs count the forward recomputed in each B and the input-gradient "
+                      "chain run again in each W (about 5/3 of the model's), the optimizer "
+                      "update, and XLA's cost of the switch "
                       "(per device: the branches as XLA's cost analysis counts them)",
         "stage_bytes": {"by_stage": sends["by_stage"], "total": sends["total_bytes"],
                         "messages": sends["messages"],

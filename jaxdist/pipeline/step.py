@@ -8,15 +8,18 @@ looks up its own action by its stage index, and the messages of that tick go out
 so the compiled step moves no byte the schedule does not (the `comm` block counts them).
 
 Every stage runs the same program; at each tick a `lax.switch` on the stage's own row runs
-its forward, its backward or nothing, so an idle stage-tick computes no throw-away work
+its forward (F), the input gradient (B), the weight gradient (W) or nothing (one F-unit of
+the table each, jaxdist/pipeline/schedule.py), so an idle stage-tick computes no throw-away work
 (unlike MaxText's circular pipeline, which computes and discards it). A tick where no stage
 runs a forward has no forward branch compiled. Runs of ticks whose pattern repeats (the
 steady states) are one `lax.scan`, so compile time grows with S, not M.
 
 Memory: a forward stores only its input activation, in a slot of a fixed buffer of
-`act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); the backward
-recomputes the chunk from it under `jax.vjp` (stage-level rematerialisation, as torchtitan's
-and Megatron's recompute options), so live activations are bounded by the schedule, not M.
+`act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); B recomputes the
+chunk from it under `jax.vjp` (stage-level rematerialisation, as torchtitan's and Megatron's
+recompute options), so live activations are bounded by the schedule, not M. B keeps the
+vjp's residuals (less the inputs they forward: weights, the stored activation) in
+`res_slots` buffers until W, which rebuilds the vjp from them and so runs no forward.
 
 Placement of embeddings and head: they are small next to the blocks (gpt3-175b: 0.6 B of
 175 B parameters), so every stage holds them (`shared`), the first chunk's stage uses the
@@ -37,10 +40,11 @@ def _tables(sched: Schedule) -> dict[str, np.ndarray]:
     """The schedule as integer arrays [tick, stage]: what each stage does at each tick."""
     T, S = sched.ticks, sched.stages
     tab = {k: np.zeros((T, S), np.int32) for k in
-           ("fwd", "bwd", "wgt", "mb", "v", "act", "grad", "recv_act", "recv_grad")}
+           ("fwd", "bwd", "wgt", "mb", "v", "act", "grad", "res", "recv_act", "recv_grad")}
     for t in range(T):
         for s, op in enumerate(sched.ops[t]):
             tab["recv_act"][t, s], tab["recv_grad"][t, s] = sched.recv_slots[t][s]
+            tab["res"][t, s] = sched.read_res[t][s]
             if op is None:
                 tab["act"][t, s] = tab["grad"][t, s] = -1
                 continue
@@ -91,26 +95,31 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
     # Traced once, called from the one tick body.
     forward = jax.jit(parts.stage)
+    split = sched.split_backward
+    pullback = {}  # the vjp's tree structure and which residuals are its own inputs
 
-    @jax.jit
-    def backward(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
-        # Through the jitted forward: its traced program is reused, not traced again.
+    def linearize(chunk, shared, x, tokens, is_first, is_last):
+        """(the chunk's vjp, its residual leaves to store): the chunk's forward recomputed
+        under `jax.vjp`. A residual that is one of the inputs (a weight, the stored
+        activation) is not stored again: W passes it anew."""
         _, vjp = jax.vjp(lambda c, sh, x_: forward(c, sh, x_, tokens, is_first, is_last),
                          chunk, shared, x)
-        return vjp((dy, dloss))
+        leaves, tree = jax.tree.flatten(vjp)
+        inputs = jax.tree.leaves((chunk, shared)) + [x]
+        forwarded = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None)
+                          for leaf in leaves)
+        pullback.setdefault("tree", tree)
+        pullback.setdefault("forwarded", forwarded)
+        if forwarded != pullback["forwarded"]:
+            raise RuntimeError("the chunk's vjp residuals differ between traces")
+        return vjp, [leaf for leaf, i in zip(leaves, forwarded) if i is None]
 
-    @jax.jit
-    def input_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
-        _, vjp = jax.vjp(lambda x_: forward(chunk, shared, x_, tokens, is_first, is_last), x)
-        return vjp((dy, dloss))[0]
-
-    @jax.jit
-    def weight_grad(chunk, shared, x, tokens, is_first, is_last, dy, dloss):
-        _, vjp = jax.vjp(lambda c, sh: forward(c, sh, x, tokens, is_first, is_last),
-                         chunk, shared)
-        return vjp((dy, dloss))
-
-    split = sched.split_backward
+    def restore(stored, chunk, shared, x):
+        """The vjp rebuilt from B's stored residuals and the inputs it forwarded."""
+        inputs = jax.tree.leaves((chunk, shared)) + [x]
+        it = iter(stored)
+        leaves = [next(it) if i is None else inputs[i] for i in pullback["forwarded"]]
+        return jax.tree.unflatten(pullback["tree"], leaves)
 
     def sender(fwd_pairs, bwd_pairs):
         def send(y, dx):
@@ -132,7 +141,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 jax.tree.map(lambda a: a[0], local)
 
         def tick(carry, t):
-            acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg = carry
+            (acts, grads_in, res, held, g_local, g_shared, loss_sum, fwd_msg,
+             bwd_msg) = carry
             row = {k: a[t, s] for k, a in table.items()}
             # What the neighbours sent at the tick before lands in its slot (-1: nothing).
             acts = _store(acts, row["recv_act"], fwd_msg)
@@ -149,58 +159,62 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             # data / tensor group), which takes that branch as a whole; the ppermutes
             # between stages are outside.
             def idle(acc):
-                g_l, g_s, ls = acc
-                return g_l, g_s, ls, jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg)
+                return (*acc, jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg))
 
             def fwd(acc):
-                g_l, g_s, ls = acc
+                g_l, g_s, ls, res, held = acc
                 y, loss = forward(chunk, shared, x, tokens, is_first, is_last)
-                return g_l, g_s, ls + loss, y, jnp.zeros_like(bwd_msg)
+                return g_l, g_s, ls + loss, res, held, y, jnp.zeros_like(bwd_msg)
 
             dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
+            cotangent = (dy, jnp.float32(1.0 / M))
 
-            def accumulate(g_l, g_s, d_chunk, d_shared):
+            def bwd(acc):  # B: the input gradient; the residuals are kept for W
+                g_l, g_s, ls, res, held = acc
+                vjp, stored = linearize(chunk, shared, x, tokens, is_first, is_last)
+                dx = vjp(cotangent)[2]  # the weight gradients are not computed (unused)
+                res = tuple(_store(b, row["res"], r) for b, r in zip(res, stored))
+                # zb-h1 sends dx now; the others hold it until their W ends the backward.
+                return g_l, g_s, ls, res, dx, jnp.zeros_like(fwd_msg), (
+                    dx if split else jnp.zeros_like(bwd_msg))
+
+            def wgt(acc):  # W: the weight gradients from B's residuals, no forward rerun
+                g_l, g_s, ls, res, held = acc
+                vjp = restore([_read(b, row["res"]) for b in res], chunk, shared, x)
+                d_chunk, d_shared, _ = vjp(cotangent)
                 g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
-                return g_l, jax.tree.map(jnp.add, g_s, d_shared)
+                g_s = jax.tree.map(jnp.add, g_s, d_shared)
+                return g_l, g_s, ls, res, held, jnp.zeros_like(fwd_msg), (
+                    jnp.zeros_like(bwd_msg) if split else held)
 
-            def bwd(acc):
-                g_l, g_s, ls = acc
-                if split:  # ZB-H1's B: the input gradient only, sent on at once
-                    dx = input_grad(chunk, shared, x, tokens, is_first, is_last, dy,
-                                    jnp.float32(1.0 / M))
-                    return g_l, g_s, ls, jnp.zeros_like(fwd_msg), dx
-                d_chunk, d_shared, dx = backward(chunk, shared, x, tokens, is_first, is_last,
-                                                 dy, jnp.float32(1.0 / M))
-                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
-                        jnp.zeros_like(fwd_msg), dx)
-
-            def wgt(acc):  # ZB-H1's W: the weight gradients, from the same x and dy
-                g_l, g_s, ls = acc
-                d_chunk, d_shared = weight_grad(chunk, shared, x, tokens, is_first, is_last,
-                                                dy, jnp.float32(1.0 / M))
-                return (*accumulate(g_l, g_s, d_chunk, d_shared), ls,
-                        jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg))
-
-            branches = [idle, fwd, bwd] + ([wgt] if split else [])
-            index = row["fwd"] + 2 * row["bwd"] + (3 * row["wgt"] if split else 0)
-            g_local, g_shared, loss_sum, y, dx = jax.lax.switch(
-                index, branches, (g_local, g_shared, loss_sum))
+            g_local, g_shared, loss_sum, res, held, y, dx = jax.lax.switch(
+                row["fwd"] + 2 * row["bwd"] + 3 * row["wgt"], [idle, fwd, bwd, wgt],
+                (g_local, g_shared, loss_sum, res, held))
             # The tick's messages: every stage takes the same branch (the pattern is the
             # tick's, not the stage's), which holds exactly the pairs that send at this
             # tick, so no byte moves that the schedule does not send.
             fwd_msg, bwd_msg = (jax.lax.switch(pattern[t], senders, y, dx)
                                 if len(senders) > 1 else senders[0](y, dx))
-            return (acts, grads_in, g_local, g_shared, loss_sum, fwd_msg, bwd_msg), None
+            return (acts, grads_in, res, held, g_local, g_shared, loss_sum, fwd_msg,
+                    bwd_msg), None
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
+        # B's residuals (the chunk's activations its vjp keeps, less its own inputs), one
+        # buffer per leaf with sched.res_slots slots: one for a W right after its B,
+        # more while zb-h1 defers its W.
+        tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
+        flag = jax.ShapeDtypeStruct((), jnp.bool_)
+        stored = jax.eval_shape(lambda *a: linearize(*a)[1], chunk_of(0), shared,
+                                zeros_act, tok, flag, flag)
+        res0 = tuple(jnp.zeros((sched.res_slots, *r.shape), r.dtype) for r in stored)
         carry = (jnp.zeros((sched.act_slots, *act_shape), act_dtype),
-                 jnp.zeros((sched.grad_slots, *act_shape), act_dtype),
+                 jnp.zeros((sched.grad_slots, *act_shape), act_dtype), res0, zeros_act,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act)
         # One loop over every tick: the program holds one tick (one forward, one backward,
         # one switch of send patterns), so compile time does not grow with S or M.
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
-        _, _, g_local, g_shared, loss_sum, _, _ = carry
+        g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")
         if data_axis is not None:  # each data shard's mean over its rows -> global mean

@@ -1,0 +1,142 @@
+"""Megatron sequence parallelism (Korthikanti et al. 2022, Reducing Activation Recomputation
+in Large Transformer Models, Sec. 4.2.2) inside a pre-norm block.
+
+Under tensor parallelism the norms and the residual stream are computed whole on every
+device of the `tensor` axis, and the row-parallel outputs of attention and the MLP are
+all-reduced. With sequence parallelism those regions hold 1/T of the sequence: the
+row-parallel matmul's partial sums are reduce-scattered into sequence shards, and the
+norm's output is all-gathered before the next column-parallel matmul; in the backward each
+becomes the other: per block and micro-batch 4 all-gathers and 4 reduce-scatters of one
+activation, tp's volume (its 4 all-reduces). Both are written out (`all_gather`,
+`psum_scatter`) in a `shard_map` over `tensor` and the batch axes, with the sublayer's own
+heads or MLP columns on each device, because with sharding constraints alone XLA:CPU
+all-reduces the partial sums and slices them where a reduce-scatter belongs. The norms'
+inputs and the residual stream are then kept for the backward as sequence shards. The
+gathered norm output is kept whole for the weight gradients (Megatron keeps its shard and
+gathers again in the backward: less memory, one more all-gather per sublayer).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.layers import PreNormBlock
+
+
+
+def active() -> bool:
+    """Whether the ambient mesh has a tensor axis to split the sequence over."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.shape.get("tensor", 1) > 1
+
+
+def _batch_axes() -> tuple[str, ...]:
+    """The axes the batch is split over here (jaxdist's batch_spec: all but tensor and
+    stage), less those an enclosing shard_map made manual (the pipeline's data)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh.axis_names
+                 if a not in ("tensor", "stage") and a not in set(mesh.manual_axes))
+
+
+def _map(fn, in_specs, out_specs):
+    """fn in a shard_map over tensor and the batch axes (so the batch stays split; with
+    tensor alone manual the partitioner gathers it), the rest left to the partitioner."""
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                         axis_names={"tensor", *_batch_axes()})
+
+
+def _sequence():
+    return P(_batch_axes() or None, "tensor", None)
+
+
+def _whole():
+    return P(_batch_axes() or None)
+
+
+def _local_slice(x_BLD):
+    """This tensor device's part of the sequence (inside the shard_map: no communication)."""
+    n = x_BLD.shape[1] // jax.sharding.get_abstract_mesh().shape["tensor"]
+    return jax.lax.dynamic_slice_in_dim(x_BLD, jax.lax.axis_index("tensor") * n, n, axis=1)
+
+
+def _all_gather(x_BlD):
+    return jax.lax.all_gather(x_BlD, "tensor", axis=1, tiled=True)
+
+
+# The entry into and the exit from the sequence-parallel blocks, each the other's transpose:
+# written in shard_maps so that the partitioner never splits the tokens' sequence (their
+# shifted slices would then need neighbour exchanges, which inside a pipeline stage's
+# branch would wait for the other stages).
+@jax.custom_vjp
+def to_sequence_shards(x_BLD):
+    """An activation whole on every tensor device -> its sequence shard (a slice)."""
+    return _map(_local_slice, _whole(), _sequence())(x_BLD)
+
+
+@jax.custom_vjp
+def from_sequence_shards(x_BlD):
+    """Sequence shards -> the whole activation on every tensor device (an all-gather)."""
+    return _map(_all_gather, _sequence(), _whole())(x_BlD)
+
+
+to_sequence_shards.defvjp(lambda x: (to_sequence_shards(x), None),
+                          lambda _, g: (from_sequence_shards(g),))
+from_sequence_shards.defvjp(lambda x: (from_sequence_shards(x), None),
+                            lambda _, g: (to_sequence_shards(g),))
+
+
+def sequence_shards(x_BLD, sequence_parallel: bool):
+    """Before the first sequence-parallel block: the activation's sequence shard."""
+    return to_sequence_shards(x_BLD) if sequence_parallel and active() else x_BLD
+
+
+def whole_sequence(x_BLD, sequence_parallel: bool):
+    """After the last sequence-parallel block: the activation whole again (for the final
+    norm and head, or the pipeline's next stage)."""
+    return from_sequence_shards(x_BLD) if sequence_parallel and active() else x_BLD
+
+
+def _param_specs(state):
+    """Megatron's split of a sublayer's parameters over tensor, by their logical axes
+    (sharding/logical.py, the tp layout's rule): heads and MLP hidden over tensor."""
+    from sharding.logical import logical_axes
+
+    def spec(path, leaf):
+        axes = logical_axes(path) or (None,) * leaf.ndim
+        return P(*("tensor" if a in ("heads", "mlp") else None for a in axes))
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def sublayer(module, h_BlD):
+    """module (attention or MLP: `column`, then its row-parallel projection `row`) on the
+    all-gathered norm output h, its output reduce-scattered back to sequence shards: inside a
+    shard_map over tensor (and the batch axes), on each device's own heads or MLP columns,
+    so the backward's partial input gradients go straight into the transposed all-gather
+    (a reduce-scatter)."""
+    graphdef, state = nnx.split(module)
+
+    def local(h, state):
+        m = nnx.merge(graphdef, state)
+        row = getattr(m, m.row)
+        y, kernel, bias = row.promote_dtype(
+            (m.column(_all_gather(h)), row.kernel[...],
+             row.bias[...] if row.bias is not None else None), dtype=row.dtype)
+        part = row.dot_general(y, kernel, (((2,), (0,)), ((), ())), precision=row.precision)
+        out = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
+        return out if bias is None else out + bias
+
+    return _map(local, (_sequence(), _param_specs(state)), _sequence())(h_BlD, state)
+
+
+class SequenceParallelBlock(PreNormBlock):
+    """PreNormBlock with its norms and residual stream on sequence shards: its input and
+    output are sequence shards (`sequence_shards` before the first block, `whole_sequence`
+    after the last). Without a tensor axis it is PreNormBlock."""
+
+    def __call__(self, x_BLD):
+        if not active():
+            return super().__call__(x_BLD)
+        x_BLD = x_BLD + sublayer(self.attn, self.ln1(x_BLD))
+        return x_BLD + sublayer(self.mlp, self.ln2(x_BLD))
