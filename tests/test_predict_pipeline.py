@@ -10,7 +10,7 @@ from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfi
                             TrainConfig)
 from jaxdist.hardware import Hardware, constant
 from jaxdist.mesh import parse_mesh
-from jaxdist.pipeline.schedule import BWD, FWD, build_schedule
+from jaxdist.pipeline.schedule import BWD, FWD, WGT, build_schedule
 from jaxdist.predict import pipeline as pp
 
 # A made-up part, so every figure below is simple arithmetic.
@@ -37,68 +37,72 @@ def test_sends_cross_nodes_from_the_device_order():
     assert pp.send_crosses_nodes(mesh, 0, 1, 2)               # a node per stage
 
 
-def test_gpipe_ticks_by_hand():
-    # GPipe S=2 M=2 runs 6 ticks: s0 F0 | s0 F1, s1 F0 | s1 F1 | s1 B0 | s0 B0, s1 B1 | s0 B1;
-    # stage 1 holds the head: its forward 1.5 s, backward 3 s; stage 0's 1 s and 2 s.
-    sched = build_schedule("gpipe", 2, 2)
-    ops = {(FWD, False): op(1.0), (BWD, False): op(2.0), (FWD, True): op(1.5, 0.25),
-           (BWD, True): op(3.0, 0.5)}
-    mesh = {"stage": 2, "data": 1, "fsdp": 1}
-    t = pp.tick_model(sched, ops, op(0.5), 4e9, HW, mesh)   # 1 GPU per node: sends cross
-    assert t["pipeline"]["ticks_s"] == pytest.approx(1 + 1.5 + 1.5 + 3 + 3 + 2)
-    assert t["pipeline"]["critical_stage"] == 1
-    assert t["pipeline"]["critical_stage_work_s"] == pytest.approx(9.0)
-    assert t["bubble_s"] == pytest.approx(3.0)
-    send = 4e9 / (50e9 * LINK) + INTER_LAT
-    assert t["pipeline"]["messages"] == 4    # 2 directions x M x (S - 1) boundaries
-    assert t["pipeline"]["send_inter_node_s"] == pytest.approx(4 * send)
+def unit_ops(f=1.0, b=1.0, w=1.0, comm=0.0):
+    """Every chunk's F, B and W at the given seconds (the head's chunk alike)."""
+    return {(k, last): op(t, comm) for k, t in ((FWD, f), (BWD, b), (WGT, w))
+            for last in (False, True)}
+
+
+@pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 2, 4)])
+def test_ticks_last_their_slowest_stage_op(name, S, M):
+    # The tick model and the table agree: each tick lasts its busiest stage's op (F 1 s,
+    # B 2 s, W 3 s), ticks one after the other.
+    sched = build_schedule(name, S, M)
+    mesh = {"stage": S, "data": 1, "fsdp": 1}
+    t = pp.tick_model(sched, unit_ops(1.0, 2.0, 3.0, 0.25), op(0.5), 4e9, HW, mesh)
+    assert t["pipeline"]["ticks_s"] == pytest.approx(sched.cost({FWD: 1, BWD: 2, WGT: 3}))
+    busy = 6.0 * M  # every stage runs M forwards, B and W
+    assert t["pipeline"]["critical_stage_work_s"] == pytest.approx(busy)
+    assert t["bubble_s"] == pytest.approx(t["pipeline"]["ticks_s"] - busy)
+    send = 4e9 / (50e9 * LINK) + INTER_LAT  # 1 GPU per node: every send crosses nodes
+    assert t["pipeline"]["messages"] == 2 * M * (S - 1)
+    sends = sum(bool(f) + bool(b) for f, b in (sched.sends(i) for i in range(sched.ticks)))
+    assert t["pipeline"]["send_inter_node_s"] == pytest.approx(sends * send)
     assert t["pipeline"]["send_intra_node_s"] == 0
-    # Link time of the critical stage's ops (hidden: not in the step), sends, tail.
-    assert t["intra_node_s"] == pytest.approx(2 * 0.25 + 2 * 0.5)
-    assert t["exposed_intra_node_s"] == 0 and t["inter_node_s"] == pytest.approx(4 * send)
-    assert t["step_s"] == pytest.approx(12.0 + 4 * send + 0.5)
+    assert t["intra_node_s"] == pytest.approx(3 * M * 0.25)  # hidden: not in the step
+    assert t["step_s"] == pytest.approx(t["pipeline"]["ticks_s"] + sends * send + 0.5)
     parts = t["device_s"] + t["exposed_intra_node_s"] + t["exposed_inter_node_s"] + t["bubble_s"]
     assert parts == pytest.approx(t["step_s"])
-    assert t["device_s"] == pytest.approx(9.5)   # the critical stage's work + the tail
-    assert t["bottleneck"] == "compute"
     # The same in one node: the sends go over NVLink.
-    one_node = dataclasses.replace(HW, gpus_per_node=2)
-    t = pp.tick_model(sched, ops, op(0.5), 4e9, one_node, mesh)
+    one_node = dataclasses.replace(HW, gpus_per_node=S)
+    t = pp.tick_model(sched, unit_ops(), op(0.5), 4e9, one_node, mesh)
     assert t["pipeline"]["send_intra_node_s"] == pytest.approx(
-        4 * (4e9 / (400e9 * LINK) + INTRA_LAT))
+        sends * (4e9 / (400e9 * LINK) + INTRA_LAT))
 
 
 @pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("gpipe", 4, 8), ("1f1b", 4, 4),
                                       ("1f1b", 4, 16), ("1f1b", 3, 6)])
 def test_equal_op_times_give_the_schedule_bubble(name, S, M):
-    # Every op 1 s, no head difference: the counted bubble is the table's idle fraction,
-    # which equals (S-1)/(M+S-1) (tests/test_pipeline.py).
+    # Every op (F, B, W) 1 s, no head difference: the counted bubble is the table's idle
+    # fraction, which equals (S-1)/(M+S-1) (tests/test_pipeline.py).
     sched = build_schedule(name, S, M)
-    ops = {(k, last): op(1.0) for k in (FWD, BWD) for last in (False, True)}
-    t = pp.tick_model(sched, ops, op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
+    t = pp.tick_model(sched, unit_ops(), op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
     assert t["pipeline"]["ticks_s"] == sched.ticks
     assert t["pipeline"]["bubble_fraction_of_ticks"] == pytest.approx((S - 1) / (M + S - 1))
-    assert t["bubble_s"] == pytest.approx(2 * (S - 1))
+    assert t["bubble_s"] == pytest.approx(3 * (S - 1))
 
 
-def test_lockstep_1f1b_ticks_last_a_backward():
-    # 1F1B mixes forwards and backwards in a tick: with backward = 2 x forward, its ticks
-    # cost more than GPipe's, whose ticks are all-forward or all-backward.
-    ops = {(FWD, last): op(1.0) for last in (False, True)}
-    ops.update({(BWD, last): op(2.0) for last in (False, True)})
-    mesh = {"stage": 4, "data": 1, "fsdp": 1}
-    gpipe = pp.tick_model(build_schedule("gpipe", 4, 8), ops, op(0.0), 0.0, HW, mesh)
-    ofob = pp.tick_model(build_schedule("1f1b", 4, 8), ops, op(0.0), 0.0, HW, mesh)
-    assert gpipe["pipeline"]["ticks_s"] == pytest.approx(3 * (8 + 3))   # (M+S-1)(F+B)
-    assert ofob["pipeline"]["ticks_s"] > gpipe["pipeline"]["ticks_s"]
-    assert ofob["bottleneck"] == "compute"
+@pytest.mark.parametrize("S", [2, 4])
+def test_1f1b_costs_gpipe_at_equal_work_per_tick(S):
+    """Issue 23: at equal M, 1F1B's predicted step <= GPipe's x 1.02 when every tick holds
+    equal work (F = B = W); a B or W that costs more than F still makes a lockstep 1F1B tick
+    that mixes them last the longer op."""
+    mesh = {"stage": S, "data": 1, "fsdp": 1}
+    for M in (S, 2 * S, 4 * S):
+        gpipe = pp.tick_model(build_schedule("gpipe", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
+        ofob = pp.tick_model(build_schedule("1f1b", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
+        assert ofob["step_s"] <= 1.02 * gpipe["step_s"]
+    heavy = unit_ops(1.0, 2.0, 2.0)
+    gpipe = pp.tick_model(build_schedule("gpipe", S, 8), heavy, op(0.0), 0.0, HW, mesh)
+    ofob = pp.tick_model(build_schedule("1f1b", S, 8), heavy, op(0.0), 0.0, HW, mesh)
+    assert gpipe["pipeline"]["ticks_s"] == pytest.approx(5 * (8 + S - 1))   # (M+S-1)(F+B+W)
+    assert ofob["pipeline"]["ticks_s"] >= gpipe["pipeline"]["ticks_s"]
 
 
 def test_bubble_can_be_the_bottleneck():
-    ops = {(k, last): op(1.0) for k in (FWD, BWD) for last in (False, True)}
-    t = pp.tick_model(build_schedule("gpipe", 8, 2), ops, op(0.0), 0.0, HW,
+    t = pp.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
                       {"stage": 8, "data": 1, "fsdp": 1})
-    assert t["bubble_s"] == pytest.approx(14.0) and t["device_s"] == pytest.approx(4.0)
+    assert t["bubble_s"] == pytest.approx(21.0) and t["device_s"] == pytest.approx(6.0)
     assert t["bottleneck"] == "pipeline bubble"
 
 
@@ -158,8 +162,9 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert t["step_s"] == pytest.approx(p["ticks_s"] + p["send_inter_node_s"] + p["tail_s"])
     assert t["step_s"] == pytest.approx(t["device_s"] + t["exposed_intra_node_s"] +
                                         t["exposed_inter_node_s"] + t["bubble_s"])
-    # 7 compiles: forward and backward at 1 and 2 blocks and the head's at 1; the tail.
-    assert len(cache) == 7
+    # 10 compiles: F, B and the whole backward (W = whole - B) at 1 and 2 blocks and the
+    # head's at 1; the tail.
+    assert len(cache) == 10
     ops = plan["compiled"]["ops"]
     two_blocks = [v for k, v in cache.items() if k[0] == "op" and k[-3:] == (2, FWD, False)]
     assert ops["forward"]["flops"] == two_blocks[0]["flops"]   # K = 2: the compile itself
@@ -167,7 +172,7 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.
     gpipe = predict_plan(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2"), cache=cache)
-    assert len(cache) == 7
+    assert len(cache) == 10
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
     assert gpipe["pipeline"]["ticks"] == build_schedule("gpipe", 2, 4).ticks
 
@@ -182,7 +187,9 @@ def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
                 xla_flags="--xla_backend_optimization_level=0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("PREDICTED (not measured): gpt-tiny")
-    assert "pipeline gpipe S=2 V=1 M=2: 6 ticks" in r.stdout
+    # F, B and W one tick each: 3 (M + S - 1) ticks
+    assert "pipeline gpipe S=2 V=1 M=2: 9 ticks" in r.stdout
+    assert "bubble, two ways: 33.3% of stage-ticks idle" in r.stdout
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
-    assert plan["label"] == "predicted" and plan["pipeline"]["ticks"] == 6
+    assert plan["label"] == "predicted" and plan["pipeline"]["ticks"] == 9
     assert plan["pipeline"]["schedule_bubble"] == pytest.approx(1 / 3)
