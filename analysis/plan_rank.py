@@ -113,6 +113,8 @@ def format_ranking(ranking: dict, markdown: bool = False) -> str:
             widths = [max(len(x) for x in col) for col in zip(head, *table)]
             for t in [head] + table:
                 lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    if meta.get("compilers"):
+        lines += ["", f"programs compiled by: {'; '.join(meta['compilers'])}"]
     if meta.get("wall_s") is not None:
         lines += ["", f"predicted {meta.get('rows')} rows in {meta['wall_s']:.0f} s of wall "
                       f"time here ({meta.get('compiles_cached')} distinct compiles kept)"]

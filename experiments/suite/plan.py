@@ -137,12 +137,16 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
         (out / row.name).mkdir(exist_ok=True)
         write_json(out / row.name / "plan.json", plan)
-        timings.append({"row": row.name, "wall_s": time.perf_counter() - t0})
+        timings.append({"row": row.name, "wall_s": time.perf_counter() - t0,
+                        "compiler": plan["compiled"].get("compiler")})
         log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles_cached": len(cache),
-            "note": "wall time of the predictions on this machine (simulated CPU devices)"}
+            "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
+            "note": "wall time of the predictions on this machine; every row's program "
+                    "compiled by the compiler(s) named (XLA:GPU without a device where "
+                    "installed)"}
     return write_ranking(out, meta)
 
 
