@@ -446,3 +446,21 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
     assert t["step_s"] == pytest.approx(27.6 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
+
+
+def test_plans_that_do_not_fit_say_what_would():
+    """Issue 24 item 5: an OOM or unknown plan names the levers, from its own settings."""
+    from jaxdist.predict.plan import next_steps
+
+    plan = {"memory": {"fits": None, "fits_reason": "the state fits; the estimate ..."},
+            "settings": {"dtype": "float32", "remat": "none", "microbatches": 1,
+                         "attention": "default", "decoder": True}}
+    hints = next_steps(plan)
+    assert hints[0].startswith("--dtype bfloat16") and "--remat full" in hints[1]
+    assert "attention=cudnn" in hints[2] and hints[3].startswith("--microbatches 2")
+    pipeline = {**plan, "pipeline": {}, "settings": {**plan["settings"], "dtype": "bfloat16",
+                                                     "remat": "full", "microbatches": 8}}
+    assert next_steps(pipeline)[-1].startswith("more micro-batches (--microbatches 16")
+    state = {"memory": {"fits": False, "fits_reason": "the train state alone exceeds HBM"}}
+    assert "shards the state further" in next_steps(state)[0]
+    assert next_steps({"memory": {"fits": True}}) == []
