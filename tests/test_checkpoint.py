@@ -119,4 +119,7 @@ def test_resume_needs_a_directory(tmp_path):
     proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4", "--resume",
                    cwd=tmp_path)
     assert proc.returncode == 2
-    assert "need --checkpoint-dir" in proc.stderr
+    # One line that says what to give: the folder, or an interrupted run's --logdir
+    assert "--resume needs --checkpoint-dir DIR" in proc.stderr
+    assert "or --logdir of an interrupted run" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -37,12 +37,14 @@ def test_datasheet_figures():
 
 def test_every_constant_says_why():
     assert set(MODEL_CONSTANTS) == {
-        "compute_efficiency_hopper", "compute_efficiency_ampere", "hbm_efficiency",
+        "compute_efficiency_hopper", "compute_efficiency_ampere",
+        "kernel_efficiency_hopper", "kernel_efficiency_ampere", "hbm_efficiency",
         "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
         "network_hop_latency_s"}
     # every part names an efficiency and an intra-node link that have a constant
     for hw in HARDWARE.values():
         assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
+        assert f"kernel_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
         assert f"{hw.intra_node_link}_hop_latency_s" in MODEL_CONSTANTS
     assert all(len(c.why) > 40 for c in MODEL_CONSTANTS.values())
 
