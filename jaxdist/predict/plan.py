@@ -3,6 +3,8 @@ turned into a predicted memory verdict and step time on NAME (jaxdist.predict.mo
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from jaxdist import compiled, dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
@@ -24,7 +26,13 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
     model_cfg, _ = build_model(cfg)
     state = dryrun.plan(cfg, shape)
     target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
-    figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
+    mesh = dict(shape.axis_sizes)
+    # The hand estimate traces the loss (Python) while XLA compiles (threads without the
+    # GIL): the two overlap on two cores.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        hand = pool.submit(hand_memory, cfg, model_cfg, state, mesh)
+        figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
+        peak = hand.result()
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
     if quadratic is not None:
         temp -= max(0.0, quadratic["temp_bytes"])
@@ -64,7 +72,7 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
                                 "keeps no L x L scores; XLA:CPU keeps them"}},
         "memory": memory_estimate(cfg, model_cfg, state, quadratic is not None or (
             target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype)),
-            mesh, hw, int(max(0.0, temp)), figures["memory"] if target.gpu else None),
+            mesh, hw, int(max(0.0, temp)), figures["memory"] if target.gpu else None, peak),
         "time": step,
         "throughput": model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
@@ -114,16 +122,23 @@ def exposed_by_link(step: dict) -> dict:
             "exposed_inter_node_s": step["inter_node_s"] * share}
 
 
-def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, int], hw,
-                    cpu_temp_bytes: int, gpu_memory: dict | None = None) -> dict:
-    """The memory verdict of a one-program layout: jaxdist.predict.memory's peak estimate
-    (exact state from `state`, dryrun.plan's) against the part's HBM; with the XLA:GPU
-    program's buffer assignment (`gpu_memory`), that decides the verdict and the hand
-    estimate stands beside it with the ratio."""
-    peak = memory.predict_memory(
+def hand_memory(cfg, model_cfg, state: dict, mesh: dict[str, int]) -> dict:
+    """jaxdist.predict.memory's peak estimate (exact state from `state`, dryrun.plan's)."""
+    return memory.predict_memory(
         model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
-        state["state_bytes_per_device"], state["state_bytes_global"]["params"], flash,
+        state["state_bytes_per_device"], state["state_bytes_global"]["params"],
+        program.flash_attention_applies(model_cfg, cfg.model.dtype),
         program.is_stack(model_cfg))
+
+
+def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, int], hw,
+                    cpu_temp_bytes: int, gpu_memory: dict | None = None,
+                    peak: dict | None = None) -> dict:
+    """The memory verdict of a one-program layout: the hand estimate (`peak`, else
+    hand_memory's) against the part's HBM; with the XLA:GPU program's buffer assignment
+    (`gpu_memory`), that decides the verdict and the hand estimate stands beside it with the
+    ratio."""
+    peak = peak or hand_memory(cfg, model_cfg, state, mesh)
     if gpu_memory:
         return model.gpu_memory_verdict(peak, gpu_memory, hw)
     return model.memory_verdict(peak, cpu_temp_bytes, hw)
