@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxdist.hlo import INSTRUCTION, execution_counts, header, statements
+from jaxdist.hlo import execution_counts, instructions
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")
@@ -192,15 +192,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
     # Computations an async-start wraps: their collectives run asynchronously (XLA:GPU).
     wrapped = set(re.findall(r"async-start\(.*?calls=%?([\w.\-]+)", hlo_text))
     out = []
-    current = None
-    for line in statements(hlo_text):
-        opened = header(line)
-        if opened:
-            current = opened.group(2)
-            continue
-        m = INSTRUCTION.match(line)
-        if not m:
-            continue
+    for current, name, m, line in instructions(hlo_text):
         op = m.group("op")
         kind = op[:-len("-start")] if op.endswith("-start") else op
         if kind not in KINDS:
@@ -230,7 +222,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
             buffer = result
         times = runs.get(current, 1)
         out.append({"kind": kind, "bytes": buffer * times, "times": times, "group_size": n,
-                    "name": line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%"),
+                    "name": name,
                     "computation": current,
                     "axes": _spanned_axes(names, sizes, links),
                     "ring_bytes": buffer * times * _ring_factor(kind, n),

@@ -58,6 +58,28 @@ _BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRUE_FALSE = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
 
 
+def instructions(hlo_text: str):
+    """(computation, instruction name, INSTRUCTION match, statement) of every instruction,
+    in text order (a scheduled module's order)."""
+    current = None
+    for line in statements(hlo_text):
+        opened = header(line)
+        if opened:
+            current = opened.group(2)
+            continue
+        m = INSTRUCTION.match(line)
+        if m:
+            yield current, line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%"), m, line
+
+
+def entry_computation(hlo_text: str) -> str | None:
+    for line in statements(hlo_text):
+        m = header(line)
+        if m and m.group(1):
+            return m.group(2)
+    return None
+
+
 def branches(line: str) -> list[str]:
     """A conditional's branch computations in index order (a predicated one: [false, true],
     index 0 being false as for lax.cond); [] for any other instruction."""

@@ -23,7 +23,7 @@ import math
 import re
 from collections import defaultdict
 
-from jaxdist.hlo import INSTRUCTION, branches, execution_counts, header, statements
+from jaxdist.hlo import branches, execution_counts, instructions
 
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|"
                     r"f32|f64|c64|c128)\[([\d,]*)\]")
@@ -167,16 +167,7 @@ def _parse(hlo_text: str):
     shapes: dict[str, str] = {}
     parsed = []
     fused: set[str] = set()
-    current = None
-    for line in statements(hlo_text):
-        opened = header(line)
-        if opened:
-            current = opened.group(2)
-            continue
-        m = INSTRUCTION.match(line)
-        if not m:
-            continue
-        name = line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%")
+    for current, name, m, line in instructions(hlo_text):
         shapes[name] = m.group("shape")
         op = m.group("op")
         if op == "fusion" or "to_apply=" in line:

@@ -154,8 +154,8 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Hardware, mesh: dict[s
             totals[f"exposed {link}"] += max(0.0, seconds - covered) * times
         return device * times
 
-    from jaxdist.hlo import execution_counts
-    entry = _entry(hlo_text)
+    from jaxdist.hlo import entry_computation, execution_counts
+    entry = entry_computation(hlo_text)
     device = walk(entry, 1.0) if entry else 0.0
     _, guessed = execution_counts(hlo_text, branch_runs)
     exposed = totals["exposed intra-node"] + totals["exposed inter-node"]
@@ -168,12 +168,3 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Hardware, mesh: dict[s
             "upper_bound": flags["upper_bound"] or bool(guessed),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "rates": r.sources, "kernel_efficiency": r.efficiency}
-
-
-def _entry(hlo_text: str) -> str | None:
-    from jaxdist.hlo import header, statements
-    for line in statements(hlo_text):
-        m = header(line)
-        if m and m.group(1):
-            return m.group(2)
-    return None
