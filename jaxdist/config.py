@@ -157,6 +157,11 @@ class OutputConfig:
                          "plan.json with --logdir); on a run, in results.json beside the "
                          "measured figures")
     gpus_per_node: int = _opt(0, "with --hardware: GPUs per node (0: the part's usual node)")
+    pp_runtime: str = _opt("jaxdist", "with --hardware on a pipeline layout: predict the "
+                           "schedule as jaxdist's tick loop runs it (jaxdist: lockstep ticks, "
+                           "each as long as its slowest stage's op) or as Megatron-LM runs it "
+                           "(megatron: each stage starts its next op once its input arrived)",
+                           choices=("jaxdist", "megatron"))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("overlap", "matmul_precision"),
          lambda c: not c.output.dry_run or bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(("gpus_per_node",), lambda c: bool(c.output.hardware), "--hardware"),
+    Rule(("pp_runtime",), lambda c: bool(c.output.hardware) and c.train.layout in _PIPELINE,
+         "--hardware on the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_schedule", "pp_virtual"), lambda c: c.train.layout in _PIPELINE,
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",

@@ -99,6 +99,33 @@ def test_1f1b_costs_gpipe_at_equal_work_per_tick(S):
     assert ofob["pipeline"]["ticks_s"] >= gpipe["pipeline"]["ticks_s"]
 
 
+@pytest.mark.parametrize("S", [2, 4])
+def test_megatron_runtime_1f1b_costs_gpipe_at_unequal_op_times(S):
+    """Issue 23: run as Megatron runs a schedule (each stage starts its next op once its
+    input arrived, no lockstep), 1F1B costs GPipe's (M+S-1)(F+B+W) even when B and W cost
+    more than F, where jaxdist's lockstep 1F1B costs more; sends add one hop per stage."""
+    mesh = {"stage": S, "data": 1, "fsdp": 1}
+    heavy = unit_ops(1.0, 2.0, 1.5)
+    for M in (S, 2 * S, 8):
+        t = {name: {rt: pp.tick_model(build_schedule(name, S, M), heavy, op(0.25), 0.0, HW,
+                                      mesh, rt) for rt in ("jaxdist", "megatron")}
+             for name in ("gpipe", "1f1b")}
+        for name in ("gpipe", "1f1b"):
+            ideal = (M + S - 1) * 4.5
+            assert t[name]["megatron"]["pipeline"]["ticks_s"] == pytest.approx(
+                ideal, rel=0.05), name
+            assert t[name]["megatron"]["step_s"] <= t[name]["jaxdist"]["step_s"] + 1e-9
+        assert t["1f1b"]["megatron"]["step_s"] <= 1.02 * t["gpipe"]["megatron"]["step_s"]
+        assert t["1f1b"]["jaxdist"]["step_s"] > t["gpipe"]["jaxdist"]["step_s"]
+        assert t["1f1b"]["megatron"]["pipeline"]["runtime"] == "megatron"
+    # With sends, each arrival waits one message: (S-1) hops forward and back in the fill.
+    msg = 4e9
+    send = msg / (50e9 * LINK) + INTER_LAT
+    g = pp.tick_model(build_schedule("gpipe", S, 4), unit_ops(), op(0.0), msg, HW, mesh,
+                      "megatron")
+    assert g["pipeline"]["ticks_s"] == pytest.approx(3 * (4 + S - 1) + 2 * (S - 1) * send)
+
+
 def test_bubble_can_be_the_bottleneck():
     t = pp.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
                       {"stage": 8, "data": 1, "fsdp": 1})

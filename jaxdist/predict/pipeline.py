@@ -85,11 +85,46 @@ def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
             "collectives": t["collectives"]}
 
 
+def dataflow_seconds(sched: Schedule, ops: dict, act_bytes: float, hw: Hardware,
+                     mesh: dict[str, int]) -> float:
+    """The ticks' length when every stage runs its operations in the table's order, each as
+    soon as the stage is free and its input has arrived (Megatron's runtime: point-to-point
+    sends between otherwise independent stages), instead of in lockstep ticks. An input
+    arrives one send after the op that produced it ended on the neighbouring stage."""
+    S, last_chunk = sched.stages, sched.chunks - 1
+    ends_backward = BWD if sched.split_backward else WGT
+    free = [0.0] * S
+    end: dict[tuple[int, int, int], float] = {}  # (kind, chunk, mb) -> when it ended
+    sends: dict[tuple[int, int], float] = {}
+
+    def arrival(kind: int, chunk: int, mb: int, src: int, dst: int) -> float:
+        if (src, dst) not in sends:
+            sends[(src, dst)] = send_time(act_bytes, send_crosses_nodes(mesh, src, dst,
+                                                                        hw.gpus_per_node), hw)
+        return end[(kind, chunk, mb)] + sends[(src, dst)]
+
+    for t in range(sched.ticks):  # the table is a topological order of the dependencies
+        for s, op in enumerate(sched.ops[t]):
+            if op is None:
+                continue
+            c = sched.chunk(s, op.v)
+            ready = free[s]
+            if op.kind == FWD and c > 0:
+                ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
+            elif op.kind == BWD and c < last_chunk:
+                ready = max(ready, arrival(ends_backward, c + 1, op.mb, (c + 1) % S, s))
+            free[s] = ready + ops[(op.kind, c == last_chunk)]["seconds"]
+            end[(op.kind, c, op.mb)] = free[s]
+    return max(free)
+
+
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Hardware,
-               mesh: dict[str, int]) -> dict:
+               mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
     """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
     (FWD) or backward (BWD), `last` for the chunk holding the head; `tail`: op_row of the
-    gradient reduction and optimizer; `act_bytes`: one message per device."""
+    gradient reduction and optimizer; `act_bytes`: one message per device. `runtime`:
+    jaxdist (its tick loop, in lockstep) or megatron (the same table, each stage driven by
+    its own inputs: `dataflow_seconds`)."""
     S, last_chunk = sched.stages, sched.chunks - 1
     busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
                            "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
@@ -115,19 +150,24 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
             seconds, inter = max(times)
             sends["inter-node" if inter else "intra-node"] += seconds
             messages += len(pairs)
+    lockstep_s, dataflow_s = ticks_s + sends["intra-node"] + sends["inter-node"], \
+        dataflow_seconds(sched, ops, act_bytes, hw, mesh)
+    exposed = sends  # jaxdist: every tick's sends follow its ops
+    if runtime == "megatron":  # a send delays only the op waiting for it (in dataflow_s)
+        ticks_s, exposed = dataflow_s, {"intra-node": 0.0, "inter-node": 0.0}
     critical = max(range(S), key=lambda s: busy[s]["seconds"])
     work = busy[critical]
     bubble = ticks_s - work["seconds"]
     terms = {"compute": work["device_s"] + tail["device_s"],
-             "intra-node": work["exposed_intra_node_s"] + sends["intra-node"] +
+             "intra-node": work["exposed_intra_node_s"] + exposed["intra-node"] +
              tail["exposed_intra_node_s"],
-             "inter-node": work["exposed_inter_node_s"] + sends["inter-node"] +
+             "inter-node": work["exposed_inter_node_s"] + exposed["inter-node"] +
              tail["exposed_inter_node_s"],
              "pipeline bubble": bubble}
     compute_s, hbm_s = work["compute_s"] + tail["compute_s"], work["hbm_s"] + tail["hbm_s"]
     device_name = "HBM" if hbm_s > compute_s else "compute"
     named = {device_name if k == "compute" else k: v for k, v in terms.items()}
-    step = ticks_s + sends["intra-node"] + sends["inter-node"] + tail["seconds"]
+    step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail["seconds"]
     # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
     # tail (as jaxdist.predict.model reports it); exposed_*: what adds to the step.
     return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
@@ -145,9 +185,13 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
                          "send_intra_node_s": sends["intra-node"],
                          "send_inter_node_s": sends["inter-node"], "messages": messages,
                          "message_bytes": act_bytes, "tail_s": tail["seconds"],
-                         "lockstep": "each tick lasts as long as its slowest stage's op, "
-                                     "then its sends (the tick loop ends every tick in "
-                                     "ppermutes)"}}
+                         "runtime": runtime, "lockstep_s": lockstep_s,
+                         "dataflow_s": dataflow_s,
+                         "lockstep": "jaxdist: each tick lasts as long as its slowest "
+                                     "stage's op, then its sends (the tick loop ends every "
+                                     "tick in ppermutes)",
+                         "dataflow": "megatron: each stage runs its next op as soon as it "
+                                     "is free and the op's input has arrived"}}
 
 
 # ---- compiling the pieces -------------------------------------------------------------
@@ -358,7 +402,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
-    time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes)
+    time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
+                      cfg.output.pp_runtime)
     time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
                        "to its length; stage sends exposed" if cfg.compiler.overlap
                        else "none")
