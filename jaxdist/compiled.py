@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -185,28 +186,38 @@ def compile_step(cfg, model_cfg, shape, target: Target):
 
 def compile_steps(cfg, model_cfgs: list, shape, target: Target) -> list[tuple]:
     """compile_step for several models (a decoder at depth 1 and 2) at once: traced and
-    lowered one after the other (Python), then compiled side by side in threads (XLA's
-    compile releases the GIL and is mostly single-threaded: two cores, half the wait)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    lowered one after the other (Python), then compiled side by side (compile_lowered)."""
     from jaxdist.mesh import build_mesh
 
-    lowered = []
+    programs, lowered = [], []
     for model_cfg in model_cfgs:
         program = step_program(cfg, model_cfg, build_mesh(shape, target.devices[:shape.size]))
-        lowered.append((program, program.step.lower(
-            program.abstract_state, abstract_batch(model_cfg, cfg.train.batch_size))))
-    options = compile_options(cfg, target)
+        programs.append(program)
+        lowered.append(program.step.lower(program.abstract_state,
+                                          abstract_batch(model_cfg, cfg.train.batch_size)))
+    done = compile_lowered(lowered, compile_options(cfg, target))
+    return [(program, compiled, seconds) for program, (compiled, seconds) in
+            zip(programs, done)]
+
+
+COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
+    """[(compiled, seconds)] of lowered programs, compiled side by side in threads: XLA's
+    compile releases the GIL and is mostly single-threaded, so on two cores two programs
+    take about the time of one. An XLA error is raised as XLA's own message."""
+    from concurrent.futures import ThreadPoolExecutor
 
     def compile_one(low):
         start = time.perf_counter()
         compiled = low.compile(options) if options else low.compile()
         return compiled, time.perf_counter() - start
 
-    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        done = list(pool.map(compile_one, [low for _, low in lowered]))
-    return [(program, compiled, seconds) for (program, _), (compiled, seconds) in
-            zip(lowered, done)]
+    if len(lowered) <= 1:
+        return [compile_one(low) for low in lowered]
+    with ThreadPoolExecutor(max_workers=min(len(lowered), COMPILE_THREADS)) as pool:
+        return list(pool.map(compile_one, lowered))
 
 
 def compile_timed(lowerable, *args, options: dict | None = None):
