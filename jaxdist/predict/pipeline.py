@@ -23,6 +23,7 @@ The bubble is counted, not assumed: the ticks' total minus the busiest stage's o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -208,11 +209,9 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
-    """Compile and read through jaxdist.compiled: an op's or the tail's figures, timed
-    kernel by kernel when XLA:GPU compiled it and `hw` has published rates."""
-    compiled, seconds = compiled_mod.compile_timed(
-        jitted, *args, options=compiled_mod.compile_options(cfg, target))
+def _read(compiled, seconds: float, target, sizes: dict, cfg, hw=None) -> dict:
+    """Read a compiled op or tail through jaxdist.compiled: its figures, timed kernel by
+    kernel when XLA:GPU compiled it and `hw` has published rates."""
     reading = compiled_mod.read(compiled, target, sizes, compile_s=seconds)
     if not target.gpu and not reading["flops"]:
         raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
@@ -227,10 +226,24 @@ def _read(jitted, args, target, sizes: dict, cfg, hw=None) -> dict:
     return out
 
 
-def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
-               rows: int, target, hw=None) -> dict:
-    """One chunk of `blocks` blocks for one micro-batch of `rows` rows per data shard,
-    compiled on one stage's devices as the pipeline step runs it: its forward (FWD), B
+def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> dict:
+    """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
+    not in `cache` lowered one by one, compiled side by side (jaxdist.compiled.compile_lowered),
+    read, and kept in `cache`."""
+    cache = {} if cache is None else cache
+    todo = [k for k in pieces if k not in cache]
+    built = [pieces[k]() for k in todo]
+    done = compiled_mod.compile_lowered([low for low, _ in built],
+                                        compiled_mod.compile_options(cfg, target))
+    for k, (_, sizes), (compiled, seconds) in zip(todo, built, done):
+        cache[k] = _read(compiled, seconds, target, sizes, cfg, hw)
+    return {k: cache[k] for k in pieces}
+
+
+def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
+               rows: int, target) -> tuple:
+    """(lowered, mesh sizes) of one chunk of `blocks` blocks for one micro-batch of `rows`
+    rows per data shard, on one stage's devices as the pipeline step runs it: its forward (FWD), B
     (BWD: the forward recomputed and the input gradient) or the whole backward (FULL: B and
     the weight gradients; W is FULL - B, see pipeline_step)."""
     from jaxdist.pipeline.program import pipeline_state
@@ -273,11 +286,11 @@ def op_figures(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
                                                batch, batch)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
-    return _read(jitted, (abstract["params"]["stages"], abstract["params"]["shared"], tokens,
-                          act, act), target, dict(mesh.shape), cfg, hw)
+    return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
+                        act, act), dict(mesh.shape)
 
 
-def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target, hw=None) -> dict:
+def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
     from jaxdist.pipeline.plan import pipeline_planning_state
@@ -312,7 +325,7 @@ def tail_figures(cfg, model_cfg, sizes: dict, S: int, V: int, target, hw=None) -
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)
-    return _read(MeshJit(jitted, mesh), (state, params), target, sizes, cfg, hw)
+    return MeshJit(jitted, mesh).lower(state, params), sizes
 
 
 # ---- the whole prediction ----------------------------------------------------------------
@@ -343,15 +356,6 @@ def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 
 
-def cached(cache: dict | None, key, make):
-    """Compiles shared across predictions (rows of a suite with the same program)."""
-    if cache is None:
-        return make()
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
-
-
 def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None = None,
                   target=None) -> dict:
     """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
@@ -368,20 +372,27 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
         model_cfg = cpu_compilable(model_cfg)
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
     common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
-              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches)
-
-    def op(blocks, kind, last):
-        return cached(cache, ("op", *common, blocks, kind, last),
-                      lambda: op_figures(cfg, model_cfg, sizes, blocks, kind, last, rows,
-                                         target, hw))
-
+              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches,
+              bool(compiled_mod.compile_options(cfg, target)))
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
+    pieces = {}
+    for kind in (FWD, BWD, FULL):
+        for blocks, last in ((1, False), (2, False), (1, True)):
+            pieces[("op", *common, blocks, kind, last)] = functools.partial(
+                op_lowered, cfg, model_cfg, sizes, blocks, kind, last, rows, target)
+            if flash and not last:  # the scores' part, at L/2 with twice the rows
+                pieces[("op", *half_common, blocks, kind, False)] = functools.partial(
+                    op_lowered, cfg, half, sizes, blocks, kind, False, 2 * rows, target)
+    tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V)
+    pieces[tail_key] = functools.partial(tail_lowered, cfg, model_cfg, sizes, S, V, target)
+    got = compile_pieces(cache, pieces, target, cfg, hw)
+
+    def op(blocks, kind, last):
+        return got[("op", *common, blocks, kind, last)]
 
     def half_op(blocks, kind):
-        return cached(cache, ("op", *half_common, blocks, kind, False),
-                      lambda: op_figures(cfg, half, sizes, blocks, kind, False, 2 * rows,
-                                         target, hw))
+        return got[("op", *half_common, blocks, kind, False)]
 
     figs, removed = {}, {}
     for kind in (FWD, BWD, FULL):
@@ -395,10 +406,13 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                 fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
             figs[(kind, last)] = fig
         removed[kind] = scores
+    # XLA:GPU's temporaries of a K-block chunk's whole backward: the working set the
+    # memory plan counts (XLA:CPU's are an upper bound: the hand estimate stands there)
+    working = (max(figs[(FULL, last)]["memory"]["temp_bytes"] for last in (False, True))
+               if target.gpu else None)
     for last in (False, True):  # W: the weight gradients from B's residuals, no forward again
         figs[(WGT, last)] = minus(figs.pop((FULL, last)), figs[(BWD, last)])
-    tail = cached(cache, ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V),
-                  lambda: tail_figures(cfg, model_cfg, sizes, S, V, target, hw))
+    tail = got[tail_key]
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
@@ -428,7 +442,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
         "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
                "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
-            "blocks_per_chunk": K, "flops_per_device": flops,
+            "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
             "method": f"chunk forward/backward compiled at 1 and 2 blocks on one stage's "
                       f"devices, extrapolated to {K}; tail (gradient reduction, optimizer) "
                       f"compiled at full depth; ticks from the {sched.name} table"}
