@@ -10,8 +10,9 @@ of its chunks (counted from the schedule's table: M for GPipe, about S for 1F1B)
 b x L x D elements, b = batch / (M x batch shards); and while it runs a backward, one
 chunk's K blocks recomputed for one micro-batch, at Korthikanti et al. 2022's count per
 block of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel
-size, a: heads; the last term is the stored attention scores, which a fused flash attention
-would not keep), scaled to the compute dtype; with --remat full, the K block inputs plus one
+size, a: heads; 34/t for the first two terms with sequence parallel; the last term is the
+stored attention scores, which cuDNN's flash attention does not keep), scaled to the
+compute dtype; with --remat full, the K block inputs plus one
 block's internals. Gradients in flight (one slot each) are
 counted like activations.
 """
@@ -54,11 +55,16 @@ def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int) -> d
     return {"params": params, "model_state": {}, "opt": jax.eval_shape(tx.init, params)}
 
 
-def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int) -> float:
+def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
+                           flash: bool = False, sequence_parallel: bool = False) -> float:
     """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
-    Models), Eq. 2 with tensor parallelism: bytes one block keeps for its backward."""
+    Models), Eq. 2 with tensor parallelism, Eq. 4 with sequence parallelism (the 10 bytes
+    per element outside the tensor-parallel regions split over t too): bytes one block
+    keeps for its backward. Flash attention keeps no L x L scores (the 5aL/(Dt) term)."""
     L, D, a = model_cfg.seq_len, model_cfg.width, model_cfg.heads
-    return L * rows * D * (10 + 24 / tensor + 5 * a * L / (D * tensor)) * itemsize / 2
+    linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
+    scores = 0.0 if flash else 5 * a * L / (D * tensor)
+    return L * rows * D * (linear + scores) * itemsize / 2
 
 
 def plan_pipeline(cfg, shape) -> dict:
@@ -82,15 +88,21 @@ def plan_pipeline(cfg, shape) -> dict:
     act = rows * model_cfg.seq_len * model_cfg.width * itemsize
     K = model_cfg.depth // (S * V)
     tensor = sizes.get("tensor", 1) if cfg.train.layout == "tp_pp" else 1
-    block = block_activation_bytes(model_cfg, rows, tensor, itemsize)
+    flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
+             cfg.model.dtype == "bfloat16")
+    block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
+                                   getattr(model_cfg, "sequence_parallel", False))
     # --remat full: the chunk's backward keeps each block's input and one block's internals
     working = (K * block if getattr(model_cfg, "remat", "none") == "none"
                else K * act + block)
     stages = []
     for s in range(S):
         stash = (sched.act_slots_by_stage[s] + sched.grad_slots) * act
-        total = per_device["params"] + per_device["opt"] + stash + working
+        # the step accumulates the stage's gradients over its micro-batches: one more
+        # copy of its parameters, as they are sharded
+        total = 2 * per_device["params"] + per_device["opt"] + stash + working
         stages.append({"stage": s, "params": per_device["params"], "opt": per_device["opt"],
+                       "gradients": per_device["params"],
                        "activation_stash": stash, "activation_working": int(working),
                        "total": int(total), "fits_h200": total <= H200_BYTES})
     return {
@@ -116,11 +128,11 @@ def format_pipeline_plan(p: dict) -> str:
              f"M={pp['microbatches']}, {pp['blocks_per_chunk']} blocks per chunk, "
              f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
              f"{pp['bubble']:.1%}; nothing allocated",
-             f"  {'stage':<6}{'params':>12}{'optimizer':>12}{'act stash':>12}"
-             f"{'act working':>13}{'total':>12}  fits H200 (141 GB)"]
+             f"  {'stage':<6}{'params':>12}{'gradients':>12}{'optimizer':>12}"
+             f"{'act stash':>12}{'act working':>13}{'total':>12}  fits H200 (141 GB)"]
     for s in p["stages"]:
         lines.append(f"  {s['stage']:<6}{human_bytes(s['params']):>12}"
-                     f"{human_bytes(s['opt']):>12}{human_bytes(s['activation_stash']):>12}"
+                     f"{human_bytes(s['gradients']):>12}{human_bytes(s['opt']):>12}{human_bytes(s['activation_stash']):>12}"
                      f"{human_bytes(s['activation_working']):>13}"
                      f"{human_bytes(s['total']):>12}  {'yes' if s['fits_h200'] else 'NO'}")
     lines.append("  per device; activations estimated (stash from the schedule, working set "

@@ -144,23 +144,34 @@ def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, in
     return model.memory_verdict(peak, cpu_temp_bytes, hw)
 
 
-def pipeline_memory(memory_plan: dict, hw) -> dict:
+def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None) -> dict:
     """The memory verdict of a pipeline: the pipeline memory plan's worst stage (exact state,
-    estimated activations) against the part's HBM."""
-    worst = max(memory_plan["stages"], key=lambda s: s["total"])
+    activations stashed per the schedule table) against the part's HBM. The working set of
+    one chunk's backward: XLA:GPU's temporaries of that op (`compiled_working`, extrapolated
+    to the chunk's blocks) where compiled for a GPU, else the hand estimate."""
+    stages = memory_plan["stages"]
+    if compiled_working is not None:
+        stages = [{**s, "activation_working_hand": s["activation_working"],
+                   "activation_working": int(compiled_working),
+                   "total": s["total"] - s["activation_working"] + int(compiled_working)}
+                  for s in stages]
+    worst = max(stages, key=lambda s: s["total"])
     state_bytes = worst["params"] + worst["opt"]
     need = worst["total"]
     fits = need <= hw.hbm_bytes
+    working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
+               if compiled_working is not None else
+               "one chunk's backward by Korthikanti et al. 2022")
     return {"label": model.LABEL, "state_bytes": state_bytes,
+            "gradient_bytes": worst["gradients"],
             "temp_bytes": worst["activation_stash"] + worst["activation_working"],
-            "temp_note": "activations estimated per stage (stash from the schedule table, "
-                         "one chunk's backward by Korthikanti et al. 2022, attention scores "
-                         "included), jaxdist.pipeline.plan",
+            "temp_note": f"activations per stage: stash counted from the schedule table, "
+                         f"working set of {working} (jaxdist.pipeline.plan)",
             "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,
-            "fits_reason": None if fits else "state + estimated activations of stage "
+            "fits_reason": None if fits else "state + gradients + activations of stage "
                                              f"{worst['stage']} exceed HBM",
             "over_by_bytes": max(0, need - hw.hbm_bytes),
-            "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": memory_plan["stages"]}
+            "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": stages}
 
 
 def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) -> dict:
@@ -189,7 +200,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
                      "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
         "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
                      **pred["time"]["pipeline"]},
-        "memory": pipeline_memory(memory_plan, hw),
+        "memory": pipeline_memory(memory_plan, hw, pred.get("working_temp_bytes")),
         "time": pred["time"],
         "throughput": model.throughput(pred["time"], tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
@@ -214,7 +225,8 @@ def memory_line(p: dict) -> str:
                 f"{human_bytes(mem['hand_estimate_bytes'])} (hand / compiler "
                 f"{mem['hand_over_compiler']:.2f})")
     if "pipeline" in p:
-        parts = f"activations (estimated, worst stage) {human_bytes(mem['temp_bytes'])}"
+        parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
+                 f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}")
         cpu = ""
     else:
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + saved activations "
@@ -284,7 +296,10 @@ def format_prediction(p: dict) -> str:
                          f"ms (stage {pp['critical_stage']} busy "
                          f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "
                          f"{pp['send_intra_node_s'] * ms:.1f} ms intra-node, "
-                         f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node")
+                         f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; timed as "
+                         f"{pp['runtime']} runs it (jaxdist's lockstep ticks "
+                         f"{pp['lockstep_s'] * ms:.1f} ms, Megatron's dataflow "
+                         f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
         lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage-ticks idle "
                          f"(counted from the schedule table: the formula's figure); "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
