@@ -1,6 +1,7 @@
 """A Mixtral-style mixture-of-experts decoder: Llama blocks whose MLP is a set of SwiGLU
 experts with top-2 routing, a capacity limit per expert, and the auxiliary load-balancing
-loss of Switch/GShard. `mixtral-8x7b` (full size, for --dry-run) and `moe-tiny` (runs here).
+loss of Switch/GShard. `mixtral-8x7b` and `mixtral-8x22b` (full size, for --dry-run) and
+`moe-tiny` (runs here).
 
 Routing is GShard-style with dense dispatch and combine tensors, so the whole layer is a few
 einsums: with experts sharded over the `expert` mesh axis (layout `ep`) and tokens over the
@@ -140,6 +141,10 @@ class MoEConfig(LlamaConfig):
 
 register("mixtral-8x7b", MoEConfig(vocab=32000, seq_len=4096, depth=32, width=4096, heads=32,
                                    kv_heads=8, mlp_hidden=14336, rope_theta=1e6))
+# Mixtral-8x22B (Mistral AI's config.json: 56 layers, hidden 6144, 48 heads over 8 KV heads,
+# FFN 16384, vocabulary 32768, 8 experts top-2); Go et al. 2025 ran it at sequence 4096.
+register("mixtral-8x22b", MoEConfig(vocab=32768, seq_len=4096, depth=56, width=6144, heads=48,
+                                    kv_heads=8, mlp_hidden=16384, rope_theta=1e6))
 register("moe-small", MoEConfig(vocab=8192, seq_len=128, depth=4, width=256, heads=8,
                                 kv_heads=4, mlp_hidden=512, experts=8))
 register("moe-tiny", MoEConfig(vocab=256, seq_len=32, depth=2, width=64, heads=4, kv_heads=2,

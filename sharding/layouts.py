@@ -87,7 +87,8 @@ def fsdp_tp(state, mesh: Mesh):
 
 
 @register_layout("ep", "expert parallel: whole experts per device of the expert axis, tokens "
-                 "dispatched to them (all-to-all); the rest replicated, batch over all axes",
+                 "dispatched to them (all-to-all); heads, expert hidden and vocabulary over "
+                 "tensor (EP x TP); batch over the other axes",
                  mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",),
                  requires=("expert",))
 def ep(state, mesh: Mesh):

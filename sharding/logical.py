@@ -42,8 +42,10 @@ RULES = {
     # parameter sharded over data and fsdp at once.
     "fsdp_tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                 "embed": ("data", "fsdp")},
-    # Expert parallel: each device of the `expert` axis holds whole experts.
-    "ep": {"experts": "expert"},
+    # Expert parallel: each device of the `expert` axis holds whole experts; with a
+    # `tensor` axis, Megatron's EP x TP: heads, every expert's hidden and the vocabulary
+    # split over it as under tp.
+    "ep": {"experts": "expert", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
 }
 
 
