@@ -28,32 +28,46 @@ def suite(*args):
 GO2025 = Path(__file__).resolve().parents[1] / "experiments" / "presets" / "go2025.toml"
 
 
-def go_rows(quick=False):
-    return plan_rows(tomllib.loads(GO2025.read_text()), quick, keys(), "go2025")
+def go_rows(quick=False, hardware="h200"):
+    return plan_rows(tomllib.loads(GO2025.read_text()), quick, keys(), "go2025", hardware)
 
 
 def test_go2025_plan_rows_are_go_et_al_grid():
+    """Issue 23: the grid as Go et al. ran it: batch 128 at micro-batch 1 (M = 128 / DP),
+    bf16, cuDNN flash attention, sequence parallel with TP > 1, four variants, Megatron's
+    runtime for the pipelines; 32 H200 and 64 H100 each get their own rows."""
     rows = {r.name: r.settings for r in go_rows()}
-    for model in ("gpt3-175b", "llama3-70b"):
-        for layout in ("fsdp", "hsdp", "tp", "fsdp_tp"):
-            assert rows[f"{model}-{layout}"]["layout"] == layout
-    gpt = {n: s["mesh"] for n, s in rows.items() if n.startswith("gpt3-175b-") and "pp" in n}
-    assert sorted(set(gpt.values())) == ["stage:16,tensor:2", "stage:32", "stage:4,tensor:8",
-                                         "stage:8,tensor:4"]
-    llama = {s["mesh"] for n, s in rows.items() if n.startswith("llama3-70b-tp_pp")}
-    assert llama == {"data:2,stage:2,tensor:8", "data:2,stage:4,tensor:4",
-                     "data:2,stage:8,tensor:2"}
-    assert rows["mixtral-8x7b-ep"]["mesh"] == "data:4,expert:8"
-    # Every pipeline row under both schedules; per-model batches; 23 rows in all.
-    assert rows["gpt3-175b-tp_pp_4x8-gpipe"]["pp_schedule"] == "gpipe"
-    assert rows["gpt3-175b-tp_pp_4x8-1f1b"]["pp_schedule"] == "1f1b"
-    assert rows["gpt3-175b-tp_pp_4x8-1f1b"]["batch_size"] == 64
-    assert rows["llama3-70b-tp_pp_4x4_dp2-1f1b"]["microbatches"] == 16
-    assert len(rows) == 23
+    meshes = {m: {s["mesh"] for n, s in rows.items() if n.startswith(m) and "pp" in n}
+              for m in ("gpt3-175b", "llama3-70b")}
+    assert meshes["gpt3-175b"] == {"stage:16,tensor:2", "stage:8,tensor:4",
+                                   "stage:4,tensor:8", "stage:32"}
+    assert meshes["llama3-70b"] == {"data:2,stage:2,tensor:8", "data:2,stage:4,tensor:4",
+                                    "data:2,stage:8,tensor:2", "data:2,stage:16"}
+    for name, s in rows.items():
+        assert s["batch_size"] == 128 and s["dtype"] == "bfloat16", name
+        assert s["model_opts"] == "attention=cudnn" and s["pp_runtime"] == "megatron"
+        dp = {"data:2": 2}.get(s["mesh"][:6], 1)
+        if s["layout"] in ("tp_pp", "pp"):
+            assert s["microbatches"] == 128 // dp, name
+        assert s.get("sequence_parallel", False) == ("tensor" in s["mesh"] and
+                                                      s["layout"] != "ep"), name
+    for v, changes in (("base", {}), ("recompute", {"remat": "full"}),
+                       ("overlap", {"overlap": True}),
+                       ("both", {"remat": "full", "overlap": True})):
+        s = rows[f"llama3-70b-fsdp_tp-{v}"]
+        assert {k: s[k] for k in ("remat", "overlap") if k in s} == changes
+    assert rows["gpt3-175b-tp_pp_4x8-both-gpipe"]["pp_schedule"] == "gpipe"
+    assert rows["mixtral-8x22b-ep8_tp4-base"]["mesh"] == "data:1,tensor:4,expert:8"
+    assert len(rows) == 84
+    h100 = {r.name: r.settings for r in go_rows(hardware="h100-sxm")}
+    assert {s["mesh"] for s in h100.values() if s["layout"] == "tp_pp"} == {
+        "stage:32,tensor:2", "stage:16,tensor:4", "stage:8,tensor:8",
+        "data:2,stage:4,tensor:8", "data:2,stage:8,tensor:4", "data:2,stage:16,tensor:2"}
+    assert not set(h100) & set(rows)
     quick = {r.name: r.settings for r in go_rows(quick=True)}
-    assert sorted(quick) == ["gpt-tiny-fsdp", "gpt-tiny-tp_pp_4x8-1f1b",
-                             "gpt-tiny-tp_pp_4x8-gpipe"]
-    assert quick["gpt-tiny-tp_pp_4x8-1f1b"]["batch_size"] == 8
+    assert sorted(quick) == ["gpt-tiny-fsdp_tp-both", "gpt-tiny-tp_pp_4x8-both-1f1b",
+                             "gpt-tiny-tp_pp_4x8-both-gpipe"]
+    assert quick["gpt-tiny-tp_pp_4x8-both-1f1b"]["batch_size"] == 8
 
 
 def test_plan_rows_bad_input():
@@ -61,6 +75,17 @@ def test_plan_rows_bad_input():
         plan_rows({"models": ["x"]}, False, keys(), "p")
     with pytest.raises(UsageError, match="unknown entry 'rowz'"):
         plan_rows({"plan": {"rows": [{"name": "a", "models": ["gpt-tiny"]}], "rowz": 1}},
+                  False, keys(), "p")
+    with pytest.raises(UsageError, match="hardware must be a list"):
+        plan_rows({"plan": {"rows": [{"name": "a", "models": ["m"], "hardware": "h200"}]}},
+                  False, keys(), "p")
+    with pytest.raises(UsageError, match="unknown variant 'x'; variants are base"):
+        plan_rows({"plan": {"rows": [{"name": "a", "models": ["m"]}],
+                            "variants": [{"name": "base"}], "quick": {"variants": ["x"]}}},
+                  True, keys(), "p")
+    with pytest.raises(UsageError, match="plan.variants.v"):
+        plan_rows({"plan": {"rows": [{"name": "a", "models": ["m"]}],
+                            "variants": [{"name": "v", "remat": "sometimes"}]}},
                   False, keys(), "p")
     with pytest.raises(UsageError, match="plan.rows.a"):
         plan_rows({"plan": {"rows": [{"name": "a", "models": ["gpt-tiny"], "bogus": 1}]}},
@@ -73,7 +98,8 @@ def test_quick_plan_end_to_end(tmp_path):
                 "--hardware", "h200", "--gpus-per-node", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     plans = sorted(p.parent.name for p in out.glob("*/plan.json"))
-    assert plans == ["gpt-tiny-fsdp", "gpt-tiny-tp_pp_4x8-1f1b", "gpt-tiny-tp_pp_4x8-gpipe"]
+    assert plans == ["gpt-tiny-fsdp_tp-both", "gpt-tiny-tp_pp_4x8-both-1f1b",
+                     "gpt-tiny-tp_pp_4x8-both-gpipe"]
     for name in plans:
         plan = json.loads((out / name / "plan.json").read_text())
         assert plan["label"] == "predicted" and plan["row"]["name"] == name
@@ -81,7 +107,7 @@ def test_quick_plan_end_to_end(tmp_path):
     assert ranking["label"] == "predicted"
     assert [r["name"] for r in ranking["models"]["gpt-tiny"]] and \
         len(ranking["models"]["gpt-tiny"]) == 3
-    # fsdp: one step compile; tp_pp: F, B and the whole backward at 1 and 2 blocks and the
+    # fsdp_tp: one step compile; tp_pp: F, B and the whole backward at 1 and 2 blocks and the
     # head's at 1 (9) + the tail, shared by gpipe and 1f1b.
     assert ranking["meta"]["compiles_cached"] == 11
     assert ranking["meta"]["wall_s"] > 0 and len(ranking["meta"]["row_wall_s"]) == 3

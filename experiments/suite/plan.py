@@ -20,8 +20,8 @@ from experiments.suite.settings import settings_table
 from jaxdist.config import Key
 from jaxdist.errors import UsageError
 
-PLAN_KEYS = ("settings", "models", "rows", "quick", "pp_schedules")
-QUICK_KEYS = ("settings", "models", "rows", "pp_schedules")
+PLAN_KEYS = ("settings", "models", "rows", "quick", "pp_schedules", "variants")
+QUICK_KEYS = ("settings", "models", "rows", "pp_schedules", "variants")
 
 
 @dataclass
@@ -32,9 +32,12 @@ class PlanRow:
     settings: dict
 
 
-def plan_rows(data: dict, quick: bool, keys: dict[str, Key], label: str) -> list[PlanRow]:
+def plan_rows(data: dict, quick: bool, keys: dict[str, Key], label: str,
+              hardware: str | None = None) -> list[PlanRow]:
     """The [plan] table of a preset (parsed TOML) expanded into one row per model x row
-    entry, each with its settings; a mistake is one UsageError naming the entry."""
+    entry (x variant of [[plan.variants]], x schedule of pp_schedules), each with its
+    settings; an entry with `hardware = [...]` only for those parts (None: every entry). A
+    mistake is one UsageError naming the entry."""
     plan = data.get("plan")
     if not isinstance(plan, dict) or not plan.get("rows"):
         raise UsageError(f"{label} has no [plan] rows ([[plan.rows]]); --plan needs them "
@@ -49,16 +52,24 @@ def plan_rows(data: dict, quick: bool, keys: dict[str, Key], label: str) -> list
                                     f"{label} [plan.quick.settings]")
     per_model = {m: settings_table(t, keys, f"{label} [plan.models.{m}]")
                  for m, t in plan.get("models", {}).items()}
+    variants = _variants(plan.get("variants"), q.get("variants"), keys, label)
     tiny, quick_rows = q.get("models", {}), q.get("rows", {})
     rows = []
     for i, entry in enumerate(plan["rows"]):
         entry = dict(entry)
         name, models = entry.pop("name", None), entry.pop("models", None)
+        parts = entry.pop("hardware", None)
         if not isinstance(name, str) or not isinstance(models, list) or not models:
             raise UsageError(f"{label}: plan.rows[{i}] needs name = \"...\" and models = "
                              f"[...]")
+        if parts is not None and (not isinstance(parts, list) or
+                                  not all(isinstance(x, str) for x in parts)):
+            raise UsageError(f"{label}: plan.rows.{name}: hardware must be a list of parts, "
+                             f"e.g. [\"h200\"]")
         own = settings_table(entry, keys, f"{label} plan.rows.{name}")
         if quick and name not in quick_rows:
+            continue
+        if hardware is not None and parts is not None and not quick and hardware not in parts:
             continue
         for model in models:
             if not quick:
@@ -71,13 +82,34 @@ def plan_rows(data: dict, quick: bool, keys: dict[str, Key], label: str) -> list
                           "model": model}
             else:
                 continue
-            for sched, values in _schedules(merged, q.get("pp_schedules",
-                                                          plan.get("pp_schedules")), label):
-                rows.append(PlanRow(f"{model}-{name}{sched}", model, name, values))
+            for variant, changes in variants:
+                for sched, values in _schedules({**merged, **changes},
+                                                q.get("pp_schedules", plan.get("pp_schedules")),
+                                                label):
+                    rows.append(PlanRow(f"{model}-{name}{variant}{sched}", model, name,
+                                        values))
     unknown = [n for n in quick_rows if n not in {e.get("name") for e in plan["rows"]}]
     if unknown:
         raise UsageError(f"{label}: [plan.quick.rows.{unknown[0]}] names no plan row")
     return rows
+
+
+def _variants(tables, keep, keys: dict[str, Key], label: str) -> list[tuple[str, dict]]:
+    """[(name suffix, settings)] of [[plan.variants]] (each a name and the settings it
+    changes), those named in `keep` where given; one unnamed variant without any."""
+    if tables is None:
+        return [("", {})]
+    if not isinstance(tables, list) or not all(isinstance(t, dict) and
+                                               isinstance(t.get("name"), str) for t in tables):
+        raise UsageError(f"{label}: [[plan.variants]] entries each need name = \"...\"")
+    names = [t["name"] for t in tables]
+    for n in keep or ():
+        if n not in names:
+            raise UsageError(f"{label} [plan.quick] variants: unknown variant {n!r}; "
+                             f"variants are {', '.join(names)}")
+    return [(f"-{t['name']}", settings_table({k: v for k, v in t.items() if k != "name"},
+                                             keys, f"{label} plan.variants.{t['name']}"))
+            for t in tables if keep is None or t["name"] in keep]
 
 
 def _schedules(settings: dict, schedules, label: str) -> list[tuple[str, dict]]:
@@ -168,7 +200,7 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
         raise UsageError("--plan needs --hardware PART (e.g. --hardware h200)")
     get_hardware(args.hardware, args.gpus_per_node)
     data = tomllib.loads(preset_path.read_text())
-    rows = plan_rows(data, args.quick, keys, f"preset {preset_path}")
+    rows = plan_rows(data, args.quick, keys, f"preset {preset_path}", args.hardware)
     if not rows:
         raise UsageError(f"preset {preset_path}: no plan rows left")
     import jax
