@@ -44,7 +44,15 @@ def row(name: str, plan: dict) -> dict:
             "batch_size": plan["batch_size"], "step_s": t["step_s"],
             "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],
             "memory_gib": m["total_bytes"] / GiB, "fits": m["fits"],
-            "bottleneck": t["bottleneck"], "bars": bars(plan), "label": "predicted"}
+            "bottleneck": t["bottleneck"], "bars": bars(plan), "label": "predicted",
+            "bubble": pp.get("bubble_fraction_of_ticks"), "runtime": pp.get("runtime"),
+            # the step under each pipeline runtime (the sends and the tail included)
+            "step_by_runtime": None if "lockstep_s" not in pp else {
+                "jaxdist": pp["lockstep_s"] + pp["tail_s"],
+                "megatron": pp["dataflow_s"] + pp["tail_s"]},
+            # the share of the step the busiest link carries traffic
+            "link_busy": max(t["intra_node_s"], t["inter_node_s"]) / t["step_s"]
+            if t["step_s"] else 0.0}
 
 
 def load_plans(directory: Path) -> list[tuple[str, dict]]:
