@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.errors import UsageError
+from models.attention import causal_attention
 from models.gpt import GPTConfig
 from models.layers import PreNormBlock, block_runner, embed, linear, rms_norm
 from models.registry import register
@@ -56,9 +56,8 @@ class Attention(nnx.Module):
         q_BLNH = rope(self.q(x_BLD).reshape(B, L, -1, hd), self.theta)
         k_BLKH = rope(self.k(x_BLD).reshape(B, L, -1, hd), self.theta)
         v_BLKH = self.v(x_BLD).reshape(B, L, -1, hd)
-        # dot_product_attention takes fewer key/value heads than query heads (GQA) directly.
-        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True,
-                                              implementation=self.implementation)
+        # fewer key/value heads than query heads (GQA) are taken directly
+        y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation)
         return y_BLNH.reshape(B, L, -1)
 
 

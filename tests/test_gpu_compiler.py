@@ -170,6 +170,37 @@ def test_cudnn_attention_is_compiled_as_cudnn_and_counted():
     assert bwd["flops"] == pytest.approx(depth * one * 5 * 0.5)
 
 
+@pytest.mark.parametrize("layout, mesh, sp, mb", [
+    ("fsdp_tp", "data:2,tensor:4", False, 1),  # GQA: 2 kv heads over tensor 4 (repeated)
+    ("fsdp_tp", "data:4,tensor:2", False, 1),
+    ("tp", "data:4,tensor:2", True, 1),        # sequence parallel
+    ("tp_pp", "data:2,stage:2,tensor:2", False, 2),
+])
+def test_cudnn_attention_compiles_under_the_tensor_layouts(layout, mesh, sp, mb):
+    """XLA:GPU's cuDNN partitioning rule takes q, k, v only in one sharding (models/
+    attention.py): each tensor layout gets the cuDNN forward and backward, each device on
+    its own rows and query heads (the FLOPs of B / data rows and heads / tensor)."""
+    cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
+                    model=ModelConfig(model="llama-tiny", model_opts="attention=cudnn",
+                                      dtype="bfloat16"),
+                    train=TrainConfig(layout=layout, batch_size=16, microbatches=mb,
+                                      sequence_parallel=sp))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(mesh)
+    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape,
+                                       compiled.gpu_topology(H200, shape.size))
+    found = kernels.inventory(comp.as_text())["kernels"]
+    fwd, bwd = found["attention (cuDNN) forward"], found["attention (cuDNN) backward"]
+    if mb > 1:
+        return  # a pipeline's calls sit in its schedule's branches: present is the claim
+    depth, sizes = model_cfg.depth, shape.axis_sizes
+    assert fwd["launches"] == depth and bwd["launches"] == depth
+    B, H, L = 16 // sizes["data"], model_cfg.heads // sizes["tensor"], model_cfg.seq_len
+    one = 2 * B * H * L * L * (model_cfg.width // model_cfg.heads)
+    assert fwd["flops"] == pytest.approx(depth * one * 2 * 0.5)
+    assert bwd["flops"] == pytest.approx(depth * one * 5 * 0.5)
+
+
 def test_kernel_flops_count_every_loop_iteration():
     """A scan's body counted trip-count times (XLA's cost analysis counts it once)."""
     import jax

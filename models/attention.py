@@ -1,0 +1,82 @@
+"""Causal dot-product attention for the decoders, and how the cuDNN kernel is placed.
+
+`implementation=None` / "xla" is `jax.nn.dot_product_attention` as written: the partitioner
+shards it like any other XLA op. cuDNN's fused attention (`implementation="cudnn"`) is a
+custom call with its own partitioning rule, and that rule only accepts q, k and v with one
+and the same sharding (batch and heads only): under the tensor layouts XLA's propagation
+gives them different ones (fsdp_tp: the embed-sharded k/v weights; GQA: kv heads that the
+tensor axis does not divide), and inside a pipeline stage's partly manual shard_map the rule
+cannot read the shardings at all (no mesh for its custom_partitioning). So the cuDNN call
+runs in a shard_map over every axis not already manual, q, k and v entering it with one spec:
+batch over the batch axes, heads over `tensor` (where it divides them), sequence and head
+dim whole; each device then calls cuDNN on its own rows and heads, with no partitioning rule
+involved. Where kv heads do not divide over `tensor` they are repeated first, just enough
+that they do (each query head keeps its own kv head; a contiguous block of query heads per
+device meets the block of kv heads it uses).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+def _free_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes not made manual by an enclosing shard_map, in mesh order."""
+    manual = set(mesh.manual_axes)
+    return tuple(a for a in mesh.axis_names if a not in manual)
+
+
+def kv_repeats(heads: int, kv_heads: int, tensor: int) -> int:
+    """The fewest copies of each kv head that let `tensor` divide them while each still
+    serves a whole group of query heads; 1 when no repeat is needed (or possible: query
+    heads that `tensor` does not divide stay whole)."""
+    if heads % tensor or kv_heads % tensor == 0:
+        return 1
+    group = heads // kv_heads
+    return next(r for r in range(1, group + 1)
+                if group % r == 0 and (kv_heads * r) % tensor == 0)
+
+
+def qkv_spec(mesh, batch: int, heads: int) -> P:
+    """[B, L, N, H] over the free axes: batch over those but tensor and stage (where they
+    divide it), heads over tensor (where it divides them), L and H whole."""
+    free = _free_axes(mesh)
+    batch_axes = tuple(a for a in free if a not in ("tensor", "stage"))
+    if batch % math.prod(mesh.shape[a] for a in batch_axes):
+        batch_axes = ()
+    tensor = "tensor" if "tensor" in free and heads % mesh.shape["tensor"] == 0 else None
+    return P(batch_axes or None, None, tensor, None)
+
+
+def _cudnn(q_BLNH, k_BLKH, v_BLKH):
+    return jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True,
+                                        implementation="cudnn")
+
+
+def sharded_alike(attend, q_BLNH, k_BLKH, v_BLKH):
+    """attend(q, k, v) in a shard_map over the free mesh axes, q, k and v entering it with
+    one spec (`qkv_spec`), kv heads repeated where `tensor` would not divide them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = () if mesh.empty else _free_axes(mesh)
+    if not free:
+        return attend(q_BLNH, k_BLKH, v_BLKH)  # one device, or all axes manual already
+    heads, kv_heads = q_BLNH.shape[2], k_BLKH.shape[2]
+    r = kv_repeats(heads, kv_heads, mesh.shape["tensor"] if "tensor" in free else 1)
+    if r > 1:
+        k_BLKH, v_BLKH = (jnp.repeat(x, r, axis=2) for x in (k_BLKH, v_BLKH))
+    spec = qkv_spec(mesh, q_BLNH.shape[0], heads)
+    return jax.shard_map(attend, in_specs=(spec, spec, spec), out_specs=spec,
+                         axis_names=set(free), check_vma=False)(q_BLNH, k_BLKH, v_BLKH)
+
+
+def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None):
+    """softmax(q k^T / sqrt(H), causal) v, with fewer kv heads than query heads (GQA)
+    taken directly; cuDNN's kernel with q, k and v sharded alike (see the module doc)."""
+    if implementation == "cudnn":
+        return sharded_alike(_cudnn, q_BLNH, k_BLKH, v_BLKH)
+    return jax.nn.dot_product_attention(q_BLNH, k_BLKH, v_BLKH, is_causal=True,
+                                        implementation=implementation)
