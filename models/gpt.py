@@ -1,7 +1,7 @@
 """A decoder-only GPT: pre-LayerNorm blocks, learned positions, untied LM head.
 
-Attention is written with plain nnx.Linear projections and jax.nn.dot_product_attention so
-every parameter is an ordinary 2-D kernel (or 1-D bias) that the sharding rules can place.
+Attention is written with plain nnx.Linear projections and jax.nn.dot_product_attention
+(models/attention.py: `attention=cudnn` for cuDNN's flash attention) so every parameter is an ordinary 2-D kernel (or 1-D bias) that the sharding rules can place.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from flax import nnx
 from jaxdist.errors import UsageError
 from models.layers import (REMAT_POLICIES, PreNormBlock, block_runner, embed, layer_norm,
                            linear)
+from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, width: int, heads: int, *, dtype, rngs):
-        self.heads = heads
+    def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None):
+        self.heads, self.implementation = heads, implementation
         # Separate q, k, v projections (not one fused qkv): splitting each one's output over
         # the `tensor` axis then gives every device whole heads (Megatron column parallel).
         self.q = linear(width, width, dtype=dtype, rngs=rngs)
@@ -40,7 +41,7 @@ class CausalSelfAttention(nnx.Module):
         # -1 heads: under sequence parallelism this runs on one device's heads only
         q_BLNH, k_BLNH, v_BLNH = (proj(x_BLD).reshape(B, L, -1, D // self.heads)
                                   for proj in (self.q, self.k, self.v))
-        y_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BLNH, v_BLNH, is_causal=True)
+        y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation)
         return y_BLNH.reshape(B, L, -1)
 
     def __call__(self, x_BLD):
@@ -62,11 +63,12 @@ class MLPBlock(nnx.Module):
 
 
 def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
-              sequence_parallel: bool = False) -> PreNormBlock:
+              sequence_parallel: bool = False, attention: str = "default") -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
-    attn = CausalSelfAttention(width, heads, **kw)
+    attn = CausalSelfAttention(width, heads, **kw,
+                               implementation=None if attention == "default" else attention)
     ln2 = layer_norm(width, **kw)
     block = SequenceParallelBlock if sequence_parallel else PreNormBlock
     return block(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
@@ -78,7 +80,7 @@ class GPT(nnx.Module):
         self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(
             gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
-                      sequence_parallel=cfg.sequence_parallel)
+                      sequence_parallel=cfg.sequence_parallel, attention=cfg.attention)
             for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
@@ -107,12 +109,17 @@ class GPTConfig:
     remat: str = "none"
     # Megatron sequence parallelism inside each block (--sequence-parallel; layers.py)
     sequence_parallel: bool = False
+    # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
+    # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
+    attention: str = "default"
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (models.build.adapt_model)
 
     def validate(self) -> None:
         if self.remat not in REMAT_POLICIES:
             raise UsageError(f"remat {self.remat!r}: choose from {', '.join(REMAT_POLICIES)}")
+        if self.attention not in ("default", "xla", "cudnn"):
+            raise UsageError(f"attention={self.attention!r}: choose from default, xla, cudnn")
         if self.width % self.heads:
             raise UsageError(f"gpt width={self.width} is not divisible by heads={self.heads}")
 

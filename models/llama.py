@@ -113,16 +113,10 @@ class LlamaConfig(GPTConfig):
     kv_heads: int = 8
     mlp_hidden: int = 1024
     rope_theta: float = 500000.0
-    # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
-    # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16).
-    attention: str = "default"
     family: str = "gpt"  # a decoder: the layouts and data of the gpt family apply
 
     def validate(self) -> None:
-        super().validate()
-        if self.attention not in ("default", "xla", "cudnn"):
-            raise UsageError(f"llama attention={self.attention!r}: choose from default, xla, "
-                             f"cudnn")
+        super().validate()  # attention too (GPTConfig)
         if self.heads % self.kv_heads:
             raise UsageError(f"llama heads={self.heads} is not a multiple of "
                              f"kv_heads={self.kv_heads}")
