@@ -16,6 +16,7 @@ Failure policy, so a worker never hangs:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,7 +97,14 @@ class ShardClient:
 
     def _start(self, method, request, timeout: float, metadata):
         """A unary call in flight now; `.result()` is its reply (or its grpc.RpcError)."""
-        return self._calls.submit(method, request, timeout=timeout, metadata=metadata)
+        entered = threading.Event()
+
+        def call():
+            entered.set()
+            return method(request, timeout=timeout, metadata=metadata)
+        future = self._calls.submit(call)
+        entered.wait()
+        return future
 
     def _retry(self, what: str, fn, rpc_timeout: float):
         first_failure = None
