@@ -36,6 +36,14 @@ from ps.buffers import GradientBuffers
 from ps.shard_optimizer import ShardOptimizer, mean_in_worker_order
 
 
+def _all_finite(x: np.ndarray) -> bool:
+    """Whether every element is finite. A finite sum says so in one pass without a
+    temporary (an inf or nan anywhere makes the sum inf or nan); only a sum that is not
+    finite, which finite values can also give by overflowing, is checked element-wise."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.sum(x))) or bool(np.isfinite(x).all())
+
+
 class PSFault(Exception):
     """A request the shard refuses. `kind` maps to a gRPC status in the servicer:
     invalid (INVALID_ARGUMENT), precondition (FAILED_PRECONDITION), restarted
@@ -106,7 +114,7 @@ class ShardCore:
         if epoch == self.epoch and version > self.version:
             raise PSFault("invalid", f"version {version} is from the future (shard is at "
                                      f"version {self.version})")
-        if not np.isfinite(grad).all():
+        if not _all_finite(grad):
             raise PSFault("invalid", "gradient has non-finite values")
         if self.mode == "sync":
             return self._push_sync(worker, step, grad)
@@ -325,12 +333,12 @@ class ShardCore:
             return
         workers = sorted(self.pending)
         step = self.version
-        if self._apply_update(mean_in_worker_order(self.pending), 1.0,
-                              f"sync step {step} of workers {workers}"):
+        mean = mean_in_worker_order(self.pending, out=self.buffers.take())
+        if self._apply_update(mean, 1.0, f"sync step {step} of workers {workers}"):
             self.accounting.applied(0, 1.0, len(workers))
         for w in workers:
             self.last_step[w] = step
-        held = list(self.pending.values())
+        held = [*self.pending.values(), mean]  # the update is done with the mean
         self.pending.clear()
         for buf in held:
             self.buffers.give(buf)

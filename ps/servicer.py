@@ -116,7 +116,7 @@ class ShardServicer:
         step = meta["step"] + 1
         pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
                             "min_version": step, "epoch": meta["epoch"]})
-        return wire.encode({"op": "reply", **reply}) + self.pull_one(pull, context)
+        return self.pull_one(pull, context, first=wire.encode({"op": "reply", **reply}))
 
     def _push(self, request_iterator, context):
         self._auth(context)
@@ -189,17 +189,19 @@ class ShardServicer:
         finally:
             release()
 
-    def pull_one(self, request, context):
+    def pull_one(self, request, context, first: bytes = b""):
+        """The parameters as one message; `first` (a frame) goes in front of them in the
+        same join, not by concatenating a second copy of the whole message."""
         self._auth(context)
         worker, release = self._admit(context)
         try:
             produce = self._pull_source(request, context, worker)
             e0 = time.perf_counter()
-            message = produce(wire.bundle)
+            message = produce(lambda *args, **kw: wire.bundle(*args, first=first, **kw))
             self.encode_s += time.perf_counter() - e0
         finally:
             release()
-        self.bytes_out += len(message)
+        self.bytes_out += len(message) - len(first)  # parameter frames, as counted before
         return message
 
     def control(self, request, context):

@@ -132,10 +132,13 @@ def frames(op: str, pieces, source: np.ndarray, chunk: int, meta: dict, source_o
 
 
 def bundle(op: str, pieces, source: np.ndarray, chunk: int, meta: dict,
-           source_offset=None) -> bytes:
-    """Every frame in one message (a small transfer as one unary call), one copy."""
-    return b"".join(x for part in frame_parts(op, pieces, source, chunk, meta, source_offset)
-                    for x in part)
+           source_offset=None, first: bytes = b"") -> bytes:
+    """Every frame in one message (a small transfer as one unary call), one copy;
+    `first` (an encoded frame) leads the message."""
+    parts = [first] if first else []
+    for head, view in frame_parts(op, pieces, source, chunk, meta, source_offset):
+        parts += (head, view)
+    return b"".join(parts)
 
 
 class Assembler:

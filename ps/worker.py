@@ -116,12 +116,13 @@ class Program:
         views = [flat[l.offset:l.offset + l.size].reshape(l.shape) for l in self.leaves]
         return jax.device_put(jax.tree.unflatten(self.treedef, views), self.replicated)
 
-    def flatten(self, grads):
-        """A gradient tree back to one flat host vector (waits for the devices)."""
+    def flatten(self, grads, out=None):
+        """A gradient tree back to one flat host vector (waits for the devices), into `out`
+        when given (a reused buffer: a fresh one is page-faulted in every step)."""
         import jax
         import numpy as np
 
-        out = np.empty(self.total, np.float32)
+        out = np.empty(self.total, np.float32) if out is None else out
         for leaf, g in zip(self.leaves, jax.tree.leaves(grads)):
             out[leaf.offset:leaf.offset + leaf.size] = np.asarray(g).reshape(-1)
         return out
@@ -188,6 +189,9 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     report_every = max(1, total // 10)
     sync = cfg.ps.ps_mode == "sync"
     pulled = None      # (waited, seconds) when the parameters for this step are already here
+    # Gradients alternate between two buffers: the previous step's stays intact for a
+    # re-push after a shard restart (client.last_push) while this one is written.
+    grad_buffers = [np.empty(shard_map.total, np.float32) for _ in range(2)]
     batch = local_batch(0)
     for t in range(total):
         if STOP:  # between steps: every push this worker sent has been answered
@@ -204,7 +208,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         c0 = time.perf_counter()
         params = program.params(flat)
         loss, grads, model_state = compiled(params, model_state, batch)
-        grad = program.flatten(grads)
+        grad = program.flatten(grads, grad_buffers[t % 2])
         if cfg.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
             norm = float(np.linalg.norm(grad))
             if norm > cfg.ps.ps_clip_norm:

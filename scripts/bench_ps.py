@@ -228,8 +228,12 @@ def format_breakdown(b: dict) -> str:
             f"{ms(s['wait_per_pull'])} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    """The flags, checked: a bad value is one line and exit status 2."""
+    from jaxdist.errors import OneLineParser, unknown
+    from models.registry import model_names
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,40,400", help="MB, comma-separated")
     parser.add_argument("--shards", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=3)
@@ -241,9 +245,34 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    shard_counts = [int(s) for s in args.shards.split(",")]
+    args = parser.parse_args(argv)
+
+    def counts(flag, text):
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            parser.error(f"{flag} takes positive integers, comma-separated; got {text!r}")
+        return values
+    args.sizes, args.shards = counts("--sizes", args.sizes), counts("--shards", args.shards)
+    for flag in ("repeats", "batch_size", "workers", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got "
+                         f"{getattr(args, flag)}")
+    if args.batch_size % args.workers:
+        parser.error(f"--batch-size {args.batch_size} is not divisible by --workers "
+                     f"{args.workers}")
+    args.model = [m.strip() for m in args.model.split(",")]
+    for model in args.model:
+        if model not in model_names():
+            parser.error(unknown("model", model, model_names()))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    sizes, shard_counts = args.sizes, args.shards
 
     rows, ratios = [], []
     print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs", flush=True)
@@ -266,7 +295,7 @@ def main() -> None:
         mesh = f"{args.workers}x1"
         print(f"\nstep time p50, {args.workers} workers x 1 device, batch {args.batch_size}, "
               f"adamw ({args.steps} timed steps):")
-        for model in args.model.split(","):
+        for model in args.model:
             common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup", "3",
                       "--steps", str(args.steps), "--optimizer", "adamw"]
             ddp = cli_run(["--layout", "ddp", "--mesh", mesh, *common])["step_time_s"]["p50"]

@@ -122,3 +122,17 @@ def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
     r = json.loads((tmp_path / "t" / "results.json").read_text())
     assert check(r) == [] and r["comm"] is None
     assert r["memory"]["compiled_reason"].startswith("eager PyTorch")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "4,x"], "--sizes takes positive integers"),
+    (["--shards", "0"], "--shards takes positive integers"),
+    (["--model", "mlp,nope"], "unknown model 'nope'"),
+    (["--batch-size", "63"], "not divisible by --workers 2"),
+    (["--steps", "0"], "--steps must be at least 1")])
+def test_bench_ps_bad_input_is_one_line_and_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ps.py"), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert message in proc.stderr

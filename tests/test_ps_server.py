@@ -415,3 +415,53 @@ def test_data_calls_must_name_their_worker(sync_server):
     assert _code(lambda: list(calls["Pull"](pull, timeout=5, metadata=(
         ("x-jaxdist-worker", "1"),)))) == "INVALID_ARGUMENT"   # frames of another worker
     channel.close()
+
+
+def test_sync_steps_start_no_grpc_thread_per_call(sync_server, monkeypatch):
+    """Two workers take three sync steps (the push of t and the pull of t+1 in one
+    PushPullOne call per shard) and agree on the parameters. A gRPC future on an idle
+    channel starts a polling thread for each call and ends it after (~0.4 ms of CPU per
+    call here): the calls now run as blocking calls on threads the client keeps, so no
+    such thread starts during the steps."""
+    import threading
+
+    import grpc._channel
+
+    spins = []
+    real_spin = grpc._channel._run_channel_spin_thread
+    monkeypatch.setattr(grpc._channel, "_run_channel_spin_thread",
+                        lambda state: (spins.append(1), real_spin(state))[1])
+    _, address = sync_server
+    smap = shard_map_for(CFG, 1)
+    clients = [PSClient([address], smap, w, "sync", max_message_bytes=64 << 20, timeout_s=10)
+               for w in range(2)]
+    for c in clients:
+        c.connect()
+    first = clients[0].shards[0].control("info")["version"]
+    before = clients[0].shards[0].control("stats")
+    flats = [np.zeros(smap.total, np.float32) for _ in clients]
+    errors = []
+
+    def steps(w):
+        try:
+            for t in range(first, first + 3):
+                grad = np.full(smap.total, 0.01 * (w + 1), np.float32)
+                assert clients[w].start_push(t, grad, then_pull=(t + 1, flats[w]))() >= 0
+        except Exception as e:  # reported below, with the thread's own message
+            errors.append(e)
+    threads = [threading.Thread(target=steps, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert spins == []
+    np.testing.assert_array_equal(flats[0], flats[1])
+    after = clients[0].shards[0].control("stats")
+    assert after["version"] == first + 3
+    # bytes counted alike on both sides; the push's reply frame is not parameters
+    assert after["bytes_in"] - before["bytes_in"] == sum(c.push_bytes for c in clients)
+    assert after["bytes_out"] - before["bytes_out"] == sum(c.pull_bytes for c in clients)
+    for c in clients:
+        assert c.pull_bytes > 3 * smap.total * 4
+        c.close()
