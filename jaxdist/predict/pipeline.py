@@ -373,7 +373,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
     common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
               cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches,
-              bool(compiled_mod.compile_options(cfg, target)))
+              cfg.compiler.overlap and target.device_less)
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}
