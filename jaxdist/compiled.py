@@ -240,8 +240,13 @@ def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
 
     if len(lowered) <= 1:
         return [compile_one(low) for low in lowered]
+    first = []
+    if options and "xla_gpu_kernel_cache_file" in options:
+        # the first program alone: the others (a deeper decoder, the other pipeline ops)
+        # then find most of their kernels in the cache instead of compiling them twice
+        first, lowered = [compile_one(lowered[0])], lowered[1:]
     with ThreadPoolExecutor(max_workers=min(len(lowered), COMPILE_THREADS)) as pool:
-        return list(pool.map(compile_one, lowered))
+        return first + list(pool.map(compile_one, lowered))
 
 
 def compile_timed(lowerable, *args, options: dict | None = None):
