@@ -229,3 +229,31 @@ def test_part_without_target_and_unfilled_hosts_are_one_line_errors():
         compiled.gpu_topology(get_hardware("l4"), 8)
     with pytest.raises(UsageError, match="do not fill hosts of 8 GPUs"):
         compiled.gpu_topology(H200, 12)
+
+
+def test_kernel_cache_reuses_cubins_and_changes_no_figure():
+    """Device-less compiles share XLA:GPU's kernel cache (compiled.kernel_cache_options):
+    the same step compiled again through the cache reads the same memory, collectives and
+    kernels as without it, and the cache file holds the compiled kernels."""
+    import os
+
+    cfg = config("fsdp_tp")
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+    options = compiled.compile_options(cfg, target)
+    assert options == compiled.kernel_cache_options()
+    assert compiled.compile_options(cfg, compiled.simulated_cpu(8)) is None
+    from jaxdist.mesh import build_mesh
+
+    program = compiled.step_program(cfg, model_cfg,
+                                    build_mesh(shape, target.devices[:shape.size]))
+    batch = compiled.abstract_batch(model_cfg, cfg.train.batch_size)
+    lowered = [program.step.lower(program.abstract_state, batch) for _ in range(2)]
+    (with_cache, _), = compiled.compile_lowered(lowered[:1], options)
+    (without, _), = compiled.compile_lowered(lowered[1:], None)
+    assert os.path.getsize(options["xla_gpu_kernel_cache_file"]) > 0
+    a, b = (compiled.read(c, target, shape.axis_sizes) for c in (with_cache, without))
+    assert a["memory"] == b["memory"]
+    assert a["collectives"] == b["collectives"]
+    assert a["kernels"] == b["kernels"]
