@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from analysis import plan_rank
+from jaxdist import compiled
 from experiments.suite.plan import plan_rows
 from jaxdist.config import keys
 from jaxdist.errors import UsageError
@@ -57,8 +58,8 @@ def test_go2025_plan_rows_are_go_et_al_grid():
         s = rows[f"llama3-70b-fsdp_tp-{v}"]
         assert {k: s[k] for k in ("remat", "overlap") if k in s} == changes
     assert rows["gpt3-175b-tp_pp_4x8-both-gpipe"]["pp_schedule"] == "gpipe"
-    assert rows["mixtral-8x22b-ep8_tp4-base"]["mesh"] == "data:1,tensor:4,expert:8"
-    assert len(rows) == 84
+    assert rows["mixtral-8x22b-ep4_tp2_dp4-base"]["mesh"] == "data:4,tensor:2,expert:4"
+    assert len(rows) == 88
     h100 = {r.name: r.settings for r in go_rows(hardware="h100-sxm")}
     assert {s["mesh"] for s in h100.values() if s["layout"] == "tp_pp"} == {
         "stage:32,tensor:2", "stage:16,tensor:4", "stage:8,tensor:8",
@@ -128,6 +129,27 @@ def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
     assert r.returncode == 2
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason="XLA:GPU's topology places hosts; simulated CPU devices are one host")
+def test_plan_row_that_cannot_be_placed_fails_before_any_compile(tmp_path):
+    """A row whose mesh cannot be laid out on the part's nodes (here fsdp over 32 GPUs of
+    8-GPU nodes: only data crosses nodes) is one line naming the row, exit 2, before any
+    row is predicted or anything is written."""
+    preset = tmp_path / "p.toml"
+    preset.write_text('name = "p"\n[plan]\n[plan.settings]\nbatch_size = 32\n'
+                      '[[plan.rows]]\nname = "ok"\nlayout = "fsdp"\nmesh = "4x8"\n'
+                      'models = ["gpt-tiny"]\n'
+                      '[[plan.rows]]\nname = "wide"\nlayout = "fsdp"\nmesh = "1x32"\n'
+                      'models = ["gpt-tiny"]\n')
+    out = tmp_path / "o"
+    r = suite("--preset", str(preset), "--plan", "--hardware", "h200", "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "plan row gpt-tiny-wide: mesh 1x32" in lines[0]
+    assert "only data crosses hosts" in lines[0]
+    assert "predicted" not in r.stdout and not out.exists()
 
 
 def plan(step, compute, hbm, intra, inter, exposed, bubble=0.0, tps=100.0, layout="fsdp",

@@ -157,8 +157,9 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     from jaxdist.predict.plan import predict_plan
     from jaxdist.record import ensure_writable_dir, write_json
 
-    get_hardware(hardware)  # unknown part: the one-line error before any compile
+    hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
     configs = [(row, *row_config(row, hardware, gpus_per_node)) for row in rows]
+    check_topologies(configs, hw)
     cache = {} if cache is None else cache
     ensure_writable_dir(out, "--out")  # after every row's checks: bad input writes nothing
     started = time.perf_counter()
@@ -180,6 +181,21 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
                     "compiled by the compiler(s) named (XLA:GPU without a device where "
                     "installed)"}
     return write_ranking(out, meta)
+
+
+def check_topologies(configs: list[tuple], hw) -> None:
+    """Every row's mesh laid out on the part's nodes (only `data`, or `stage` then `data`,
+    crosses hosts: jaxdist.mesh) before anything compiles: a row that cannot be placed is one
+    line naming it, not a failure after the rows before it were predicted."""
+    from jaxdist import compiled
+    from jaxdist.mesh import build_mesh
+
+    for row, cfg, shape in configs:
+        target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
+        try:
+            build_mesh(shape, target.devices[:shape.size])
+        except UsageError as e:
+            raise UsageError(f"plan row {row.name}: {e}") from None
 
 
 def devices_needed(rows: list[PlanRow]) -> int:
