@@ -69,9 +69,18 @@ def test_findings_and_schedule_pairs(dirs):
     assert (p["gpipe_megatron"], p["1f1b_megatron"]) == (10.0, 10.0)
     assert (p["gpipe_gib"], p["1f1b_gib"]) == (90, 40)
     f = {x["finding"].split(" ")[0]: x for x in go2025.findings(h200, h100)}
-    assert f["Fewer,"]["agrees"] == "yes"  # 10 s on 32 H200 <= 11 s on 64 H100
-    assert "best 32 H200 tp_pp_4x8 10.0 s vs best 64 H100 tp_pp_8x8 11.0 s" in \
+    # 10 s on 32 H200 (12.8 tok/s/GPU here) <= 11 s on 64 H100 (11.6)
+    assert f["Fewer,"]["agrees"] == "yes"
+    assert "best 32 H200 tp_pp_4x8 (both) 10.0 s, 13 tok/s/GPU vs best 64 H100 tp_pp_8x8 " \
+           "(both) 11.0 s, 12 tok/s/GPU (bottleneck compute / inter-node)" in \
         f["Fewer,"]["predicted"]
+    # per GPU but not per batch: the H100 grid twice as fast per step, half as fast per GPU
+    slow = [dict(r, step_s=20.0, tokens_per_s_per_gpu=6.4) if r["entry"] == "tp_pp_4x8" else r
+            for r in h200]
+    fast = [dict(r, step_s=11.5, tokens_per_s_per_gpu=5.0) for r in h100]
+    assert go2025.findings(slow, fast)[0]["agrees"] == "partly: faster per GPU, not per batch"
+    assert go2025.findings(slow, [dict(r, tokens_per_s_per_gpu=20.0) for r in fast])[0][
+        "agrees"] == "no"
     # TPxPP links busy 10%, 10% and 18% vs fsdp_tp 50% (the OOM row left out)
     assert f["TP"]["agrees"] == "yes" and "busy 10% of" in f["TP"]["predicted"]
     assert "vs 50% (fsdp_tp" in f["TP"]["predicted"]
