@@ -11,7 +11,7 @@ from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfi
 from jaxdist.hardware import Hardware, constant
 from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BWD, FWD, WGT, build_schedule
-from jaxdist.predict import pipeline as pp
+from jaxdist.predict import pipeline as pp, ticks
 
 # A made-up part, so every figure below is simple arithmetic.
 HW = Hardware("test", "NVIDIA H200", 100e9, 1e12, 400e9, 50e9, 1, 700, ())
@@ -30,11 +30,11 @@ def op(seconds, comm=0.0):
 
 def test_sends_cross_nodes_from_the_device_order():
     mesh = {"stage": 4, "data": 1, "fsdp": 1, "tensor": 2}   # stage s: devices 2s, 2s+1
-    assert not pp.send_crosses_nodes(mesh, 0, 1, 4)           # nodes: stages 0,1 | 2,3
-    assert pp.send_crosses_nodes(mesh, 1, 2, 4)
-    assert pp.send_crosses_nodes(mesh, 3, 0, 4)
-    assert not pp.send_crosses_nodes(mesh, 2, 3, 4)
-    assert pp.send_crosses_nodes(mesh, 0, 1, 2)               # a node per stage
+    assert not ticks.send_crosses_nodes(mesh, 0, 1, 4)           # nodes: stages 0,1 | 2,3
+    assert ticks.send_crosses_nodes(mesh, 1, 2, 4)
+    assert ticks.send_crosses_nodes(mesh, 3, 0, 4)
+    assert not ticks.send_crosses_nodes(mesh, 2, 3, 4)
+    assert ticks.send_crosses_nodes(mesh, 0, 1, 2)               # a node per stage
 
 
 def unit_ops(f=1.0, b=1.0, w=1.0, comm=0.0):
@@ -49,7 +49,7 @@ def test_ticks_last_their_slowest_stage_op(name, S, M):
     # B 2 s, W 3 s), ticks one after the other.
     sched = build_schedule(name, S, M)
     mesh = {"stage": S, "data": 1, "fsdp": 1}
-    t = pp.tick_model(sched, unit_ops(1.0, 2.0, 3.0, 0.25), op(0.5), 4e9, HW, mesh)
+    t = ticks.tick_model(sched, unit_ops(1.0, 2.0, 3.0, 0.25), op(0.5), 4e9, HW, mesh)
     assert t["pipeline"]["ticks_s"] == pytest.approx(sched.cost({FWD: 1, BWD: 2, WGT: 3}))
     busy = 6.0 * M  # every stage runs M forwards, B and W
     assert t["pipeline"]["critical_stage_work_s"] == pytest.approx(busy)
@@ -65,7 +65,7 @@ def test_ticks_last_their_slowest_stage_op(name, S, M):
     assert parts == pytest.approx(t["step_s"])
     # The same in one node: the sends go over NVLink.
     one_node = dataclasses.replace(HW, gpus_per_node=S)
-    t = pp.tick_model(sched, unit_ops(), op(0.5), 4e9, one_node, mesh)
+    t = ticks.tick_model(sched, unit_ops(), op(0.5), 4e9, one_node, mesh)
     assert t["pipeline"]["send_intra_node_s"] == pytest.approx(
         sends * (4e9 / (400e9 * LINK) + INTRA_LAT))
 
@@ -76,7 +76,7 @@ def test_equal_op_times_give_the_schedule_bubble(name, S, M):
     # Every op (F, B, W) 1 s, no head difference: the counted bubble is the table's idle
     # fraction, which equals (S-1)/(M+S-1) (tests/test_pipeline.py).
     sched = build_schedule(name, S, M)
-    t = pp.tick_model(sched, unit_ops(), op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
+    t = ticks.tick_model(sched, unit_ops(), op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
     assert t["pipeline"]["ticks_s"] == sched.ticks
     assert t["pipeline"]["bubble_fraction_of_ticks"] == pytest.approx((S - 1) / (M + S - 1))
     assert t["bubble_s"] == pytest.approx(3 * (S - 1))
@@ -89,12 +89,12 @@ def test_1f1b_costs_gpipe_at_equal_work_per_tick(S):
     that mixes them last the longer op."""
     mesh = {"stage": S, "data": 1, "fsdp": 1}
     for M in (S, 2 * S, 4 * S):
-        gpipe = pp.tick_model(build_schedule("gpipe", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
-        ofob = pp.tick_model(build_schedule("1f1b", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
+        gpipe = ticks.tick_model(build_schedule("gpipe", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
+        ofob = ticks.tick_model(build_schedule("1f1b", S, M), unit_ops(), op(0.0), 0.0, HW, mesh)
         assert ofob["step_s"] <= 1.02 * gpipe["step_s"]
     heavy = unit_ops(1.0, 2.0, 2.0)
-    gpipe = pp.tick_model(build_schedule("gpipe", S, 8), heavy, op(0.0), 0.0, HW, mesh)
-    ofob = pp.tick_model(build_schedule("1f1b", S, 8), heavy, op(0.0), 0.0, HW, mesh)
+    gpipe = ticks.tick_model(build_schedule("gpipe", S, 8), heavy, op(0.0), 0.0, HW, mesh)
+    ofob = ticks.tick_model(build_schedule("1f1b", S, 8), heavy, op(0.0), 0.0, HW, mesh)
     assert gpipe["pipeline"]["ticks_s"] == pytest.approx(5 * (8 + S - 1))   # (M+S-1)(F+B+W)
     assert ofob["pipeline"]["ticks_s"] >= gpipe["pipeline"]["ticks_s"]
 
@@ -107,7 +107,7 @@ def test_megatron_runtime_1f1b_costs_gpipe_at_unequal_op_times(S):
     mesh = {"stage": S, "data": 1, "fsdp": 1}
     heavy = unit_ops(1.0, 2.0, 1.5)
     for M in (S, 2 * S, 8):
-        t = {name: {rt: pp.tick_model(build_schedule(name, S, M), heavy, op(0.25), 0.0, HW,
+        t = {name: {rt: ticks.tick_model(build_schedule(name, S, M), heavy, op(0.25), 0.0, HW,
                                       mesh, rt) for rt in ("jaxdist", "megatron")}
              for name in ("gpipe", "1f1b")}
         for name in ("gpipe", "1f1b"):
@@ -121,13 +121,13 @@ def test_megatron_runtime_1f1b_costs_gpipe_at_unequal_op_times(S):
     # With sends, each arrival waits one message: (S-1) hops forward and back in the fill.
     msg = 4e9
     send = msg / (50e9 * LINK) + INTER_LAT
-    g = pp.tick_model(build_schedule("gpipe", S, 4), unit_ops(), op(0.0), msg, HW, mesh,
+    g = ticks.tick_model(build_schedule("gpipe", S, 4), unit_ops(), op(0.0), msg, HW, mesh,
                       "megatron")
     assert g["pipeline"]["ticks_s"] == pytest.approx(3 * (4 + S - 1) + 2 * (S - 1) * send)
 
 
 def test_bubble_can_be_the_bottleneck():
-    t = pp.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
+    t = ticks.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
                       {"stage": 8, "data": 1, "fsdp": 1})
     assert t["bubble_s"] == pytest.approx(21.0) and t["device_s"] == pytest.approx(6.0)
     assert t["bottleneck"] == "pipeline bubble"

@@ -1,0 +1,166 @@
+"""The pipeline step's time from its schedule table (jaxdist/pipeline/schedule.py) and its
+ops' times: the tick model of jaxdist's lockstep tick loop, and the same table run as
+Megatron runs it (each stage starting its next op once its input has arrived). The ops'
+figures come from jaxdist.predict.pipeline, which compiles them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxdist.hardware import Hardware, constant
+from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule
+from jaxdist.predict.model import LABEL, kernel_step, ring_latency, step_time
+
+
+def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
+    """Node index of every device, over the mesh axes (row-major device order, host-major:
+    as jaxdist.predict.model.crosses_nodes numbers them)."""
+    return np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values())) // gpus_per_node
+
+
+def send_crosses_nodes(mesh: dict[str, int], src: int, dst: int, gpus_per_node: int) -> bool:
+    """Whether stage src's devices send to a stage dst device in another node."""
+    node = node_of(mesh, gpus_per_node)
+    axis = list(mesh).index("stage")
+    return bool(np.any(np.take(node, src, axis=axis) != np.take(node, dst, axis=axis)))
+
+
+def send_time(nbytes: float, inter: bool, hw: Hardware) -> float:
+    bandwidth = (hw.inter_node_bandwidth if inter else hw.intra_node_bandwidth) * \
+        constant("link_efficiency")
+    # One point-to-point step: NCCL's base latency plus one NVLink/PCIe or network hop.
+    return nbytes / bandwidth + ring_latency("collective-permute", 2, 2 if inter else 1, hw)
+
+
+def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
+           precision: str) -> dict:
+    """One op's time from its figures (kernel by kernel where XLA:GPU's program was read
+    with the part's rates, else the roofline); exposed communication split by link."""
+    if "kernel_time" in fig:
+        t = kernel_step(fig["kernel_time"], fig["comm"], hw, mesh, dtype, precision)
+        device, exposed = t["device_s_exact"], (t["exposed_intra_node_s"],
+                                                t["exposed_inter_node_s"])
+    else:
+        t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype,
+                      overlap, matmul_precision=precision)
+        comm_total = t["intra_node_s"] + t["inter_node_s"]
+        share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
+        device = max(t["compute_s"], t["hbm_s"])
+        exposed = (t["intra_node_s"] * share, t["inter_node_s"] * share)
+    return {"seconds": t["step_s"], "device_s": device,
+            "compute_s": t["compute_s"], "hbm_s": t["hbm_s"],
+            "intra_node_s": t["intra_node_s"], "inter_node_s": t["inter_node_s"],
+            "exposed_intra_node_s": exposed[0], "exposed_inter_node_s": exposed[1],
+            "flops": fig["flops"], "bytes_accessed": fig["bytes_accessed"],
+            "collectives": t["collectives"]}
+
+
+def dataflow_seconds(sched: Schedule, ops: dict, act_bytes: float, hw: Hardware,
+                     mesh: dict[str, int]) -> float:
+    """The ticks' length when every stage runs its operations in the table's order, each as
+    soon as the stage is free and its input has arrived (Megatron's runtime: point-to-point
+    sends between otherwise independent stages), instead of in lockstep ticks. An input
+    arrives one send after the op that produced it ended on the neighbouring stage."""
+    S, last_chunk = sched.stages, sched.chunks - 1
+    ends_backward = BWD if sched.split_backward else WGT
+    free = [0.0] * S
+    end: dict[tuple[int, int, int], float] = {}  # (kind, chunk, mb) -> when it ended
+    sends: dict[tuple[int, int], float] = {}
+
+    def arrival(kind: int, chunk: int, mb: int, src: int, dst: int) -> float:
+        if (src, dst) not in sends:
+            sends[(src, dst)] = send_time(act_bytes, send_crosses_nodes(mesh, src, dst,
+                                                                        hw.gpus_per_node), hw)
+        return end[(kind, chunk, mb)] + sends[(src, dst)]
+
+    for t in range(sched.ticks):  # the table is a topological order of the dependencies
+        for s, op in enumerate(sched.ops[t]):
+            if op is None:
+                continue
+            c = sched.chunk(s, op.v)
+            ready = free[s]
+            if op.kind == FWD and c > 0:
+                ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
+            elif op.kind == BWD and c < last_chunk:
+                ready = max(ready, arrival(ends_backward, c + 1, op.mb, (c + 1) % S, s))
+            free[s] = ready + ops[(op.kind, c == last_chunk)]["seconds"]
+            end[(op.kind, c, op.mb)] = free[s]
+    return max(free)
+
+
+def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Hardware,
+               mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
+    """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
+    (FWD) or backward (BWD), `last` for the chunk holding the head; `tail`: op_row of the
+    gradient reduction and optimizer; `act_bytes`: one message per device. `runtime`:
+    jaxdist (its tick loop, in lockstep) or megatron (the same table, each stage driven by
+    its own inputs: `dataflow_seconds`)."""
+    S, last_chunk = sched.stages, sched.chunks - 1
+    busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
+                           "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
+                          0.0) for _ in range(S)]
+    ticks_s = 0.0
+    sends = {"intra-node": 0.0, "inter-node": 0.0}
+    messages = 0
+    for t in range(sched.ticks):
+        longest = 0.0
+        for s, op in enumerate(sched.ops[t]):
+            if op is None:
+                continue
+            row = ops[(op.kind, sched.chunk(s, op.v) == last_chunk)]
+            for k in busy[s]:
+                busy[s][k] += row[k]
+            longest = max(longest, row["seconds"])
+        ticks_s += longest
+        for pairs in sched.sends(t):  # one ppermute per direction, one after the other
+            if not pairs:
+                continue
+            times = [(send_time(act_bytes, inter, hw), inter) for inter in
+                     (send_crosses_nodes(mesh, a, b, hw.gpus_per_node) for a, b in pairs)]
+            seconds, inter = max(times)
+            sends["inter-node" if inter else "intra-node"] += seconds
+            messages += len(pairs)
+    lockstep_s, dataflow_s = ticks_s + sends["intra-node"] + sends["inter-node"], \
+        dataflow_seconds(sched, ops, act_bytes, hw, mesh)
+    exposed = sends  # jaxdist: every tick's sends follow its ops
+    if runtime == "megatron":  # a send delays only the op waiting for it (in dataflow_s)
+        ticks_s, exposed = dataflow_s, {"intra-node": 0.0, "inter-node": 0.0}
+    critical = max(range(S), key=lambda s: busy[s]["seconds"])
+    work = busy[critical]
+    bubble = ticks_s - work["seconds"]
+    terms = {"compute": work["device_s"] + tail["device_s"],
+             "intra-node": work["exposed_intra_node_s"] + exposed["intra-node"] +
+             tail["exposed_intra_node_s"],
+             "inter-node": work["exposed_inter_node_s"] + exposed["inter-node"] +
+             tail["exposed_inter_node_s"],
+             "pipeline bubble": bubble}
+    compute_s, hbm_s = work["compute_s"] + tail["compute_s"], work["hbm_s"] + tail["hbm_s"]
+    device_name = "HBM" if hbm_s > compute_s else "compute"
+    named = {device_name if k == "compute" else k: v for k, v in terms.items()}
+    step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail["seconds"]
+    # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
+    # tail (as jaxdist.predict.model reports it); exposed_*: what adds to the step.
+    return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
+            "device_s": terms["compute"],
+            "intra_node_s": work["intra_node_s"] + sends["intra-node"] + tail["intra_node_s"],
+            "inter_node_s": work["inter_node_s"] + sends["inter-node"] + tail["inter_node_s"],
+            "exposed_intra_node_s": terms["intra-node"],
+            "exposed_inter_node_s": terms["inter-node"],
+            "comm_exposed_s": terms["intra-node"] + terms["inter-node"],
+            "bubble_s": bubble, "bottleneck": max(named, key=named.get),
+            "pipeline": {"ticks": sched.ticks, "ticks_s": ticks_s, "critical_stage": critical,
+                         "critical_stage_work_s": work["seconds"],
+                         "bubble_fraction_of_ticks": bubble / ticks_s if ticks_s else 0.0,
+                         "schedule_bubble": sched.bubble(),
+                         "send_intra_node_s": sends["intra-node"],
+                         "send_inter_node_s": sends["inter-node"], "messages": messages,
+                         "message_bytes": act_bytes, "tail_s": tail["seconds"],
+                         "runtime": runtime, "lockstep_s": lockstep_s,
+                         "dataflow_s": dataflow_s,
+                         "lockstep": "jaxdist: each tick lasts as long as its slowest "
+                                     "stage's op, then its sends (the tick loop ends every "
+                                     "tick in ppermutes)",
+                         "dataflow": "megatron: each stage runs its next op as soon as it "
+                                     "is free and the op's input has arrived"}}
