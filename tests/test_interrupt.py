@@ -33,7 +33,7 @@ def _start(args, **kw):
                             text=True, start_new_session=True, **kw)
 
 
-def _wait_for_steps(proc, timeout=60):
+def _wait_for_steps(proc, timeout=180):
     """Block until the run has compiled (its log line), then let it take some steps."""
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
@@ -44,7 +44,7 @@ def _wait_for_steps(proc, timeout=60):
     pytest.fail("the run exited before compiling")
 
 
-def _finish(procs, timeout=120):
+def _finish(procs, timeout=300):
     """(returncode, stderr) of each; whatever is still running is killed."""
     out = []
     try:

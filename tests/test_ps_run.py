@@ -400,7 +400,7 @@ def test_ctrl_c_keeps_a_ps_runs_results_marked_interrupted(tmp_path):
             time.sleep(0.1)
         time.sleep(2.0)  # some timed steps
         launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=60)
+        out, err = launcher.communicate(timeout=180)
     finally:
         if launcher.poll() is None:
             launcher.kill()
