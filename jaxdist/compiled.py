@@ -208,30 +208,44 @@ def compile_step(cfg, model_cfg, shape, target: Target):
     return program, compiled, seconds
 
 
-def compile_steps(cfg, model_cfgs: list, shape, target: Target) -> list[tuple]:
+def compile_steps(cfg, model_cfgs: list, shape, target: Target,
+                  memo: dict | None = None) -> list[tuple]:
     """compile_step for several models (a decoder at depth 1 and 2) at once: traced and
-    lowered one after the other (Python), then compiled side by side (compile_lowered)."""
+    lowered one after the other (Python), compiled side by side (compile_lowered). With
+    `memo` (a suite plan's), a lowering is kept for later calls that differ only in compile
+    options (--overlap's flags): the lowered program does not depend on them."""
     from jaxdist.mesh import build_mesh
 
-    programs, lowered = [], []
-    for model_cfg in model_cfgs:
-        program = step_program(cfg, model_cfg, build_mesh(shape, target.devices[:shape.size]))
-        programs.append(program)
-        lowered.append(program.step.lower(program.abstract_state,
-                                          abstract_batch(model_cfg, cfg.train.batch_size)))
-    done = compile_lowered(lowered, compile_options(cfg, target))
-    return [(program, compiled, seconds) for program, (compiled, seconds) in
-            zip(programs, done)]
+    memo = {} if memo is None else memo
+    keys = [("lowered step", target.label, repr(m), repr(cfg.model), repr(cfg.train),
+             tuple(shape.axis_sizes.items())) for m in model_cfgs]
+
+    def lower(key, model_cfg):
+        if key not in memo:
+            program = step_program(cfg, model_cfg, build_mesh(shape,
+                                                              target.devices[:shape.size]))
+            memo[key] = (program, program.step.lower(
+                program.abstract_state, abstract_batch(model_cfg, cfg.train.batch_size)))
+        return memo[key][1]
+
+    done = compile_lowered([functools.partial(lower, k, m) for k, m in zip(keys, model_cfgs)],
+                           compile_options(cfg, target))
+    return [(memo[k][0], compiled, seconds) for k, (compiled, seconds) in zip(keys, done)]
 
 
 COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
-    """[(compiled, seconds)] of lowered programs, compiled side by side in threads: XLA's
-    compile releases the GIL and is mostly single-threaded, so on two cores two programs
-    take about the time of one. An XLA error is raised as XLA's own message."""
+    """[(compiled, seconds)] of lowered programs (or of callables that lower one, called here
+    in order), compiled side by side in threads: XLA's compile releases the GIL and is mostly
+    single-threaded, so on two cores two programs take about the time of one, and a program
+    is lowered (Python) while the one before it compiles. An XLA error is raised as XLA's
+    own message."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def get(item):
+        return item() if callable(item) else item
 
     def compile_one(low):
         start = time.perf_counter()
@@ -239,14 +253,19 @@ def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
         return compiled, time.perf_counter() - start
 
     if len(lowered) <= 1:
-        return [compile_one(low) for low in lowered]
-    first = []
-    if options and "xla_gpu_kernel_cache_file" in options:
-        # the first program alone: the others (a deeper decoder, the other pipeline ops)
-        # then find most of their kernels in the cache instead of compiling them twice
-        first, lowered = [compile_one(lowered[0])], lowered[1:]
+        return [compile_one(get(item)) for item in lowered]
     with ThreadPoolExecutor(max_workers=min(len(lowered), COMPILE_THREADS)) as pool:
-        return first + list(pool.map(compile_one, lowered))
+        first = pool.submit(compile_one, get(lowered[0]))
+        if options and "xla_gpu_kernel_cache_file" in options:
+            # the others (a deeper decoder, the other pipeline ops) start once the first is
+            # compiled, to find most of their kernels in the cache instead of compiling them
+            # twice; they are lowered meanwhile
+            rest = [get(item) for item in lowered[1:]]
+            first.result()
+            rest = [pool.submit(compile_one, low) for low in rest]
+        else:
+            rest = [pool.submit(compile_one, get(item)) for item in lowered[1:]]
+        return [first.result()] + [f.result() for f in rest]
 
 
 def compile_timed(lowerable, *args, options: dict | None = None):
@@ -287,14 +306,14 @@ def xla_cost(compiled) -> dict:
 
 def read(compiled, target: Target, axis_sizes: dict[str, int],
          branch_runs: dict[str, float] | None = None, step_flops: float | None = None,
-         compile_s: float | None = None) -> dict:
+         compile_s: float | None = None, hlo: str | None = None) -> dict:
     """What the compiled program says, per device per step.
 
     flops / bytes_accessed: XLA:GPU: the kernel inventory's (every loop body times its trip
     count, cuDNN attention counted); XLA:CPU: XLA's cost analysis as before (`step_flops`,
     the caller's micro-batch-corrected count, when given). `xla_cost` keeps XLA's own counts
-    beside them."""
-    hlo = compiled.as_text() or ""
+    beside them. `hlo`: the program's text where the caller already has it."""
+    hlo = hlo if hlo is not None else (compiled.as_text() or "")
     cost = xla_cost(compiled)
     inventory = kernels.inventory(hlo, branch_runs)
     if target.gpu:
@@ -305,16 +324,21 @@ def read(compiled, target: Target, axis_sizes: dict[str, int],
         flops = step_flops if step_flops is not None else float(cost.get("flops", 0.0))
         bytes_accessed = float(cost.get("bytes accessed", 0.0))
         basis = "XLA:CPU's cost analysis (a loop body counted once; micro-batches corrected)"
-    memory = metrics.compiled_memory(compiled) or {}
     return {"compiler": target.compiler, "label": target.label,
             "flops": float(flops), "bytes_accessed": float(bytes_accessed), "basis": basis,
             "xla_cost": {"flops": float(cost.get("flops", 0.0)),
                          "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
                          "note": "XLA's HloCostAnalysis: a while body counted once"},
             "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs),
-            "memory": {k: v for k, v in memory.items() if k.endswith("_bytes")},
+            "memory": memory_bytes(compiled),
             "kernels": inventory["kernels"], "kernels_upper_bound": inventory["upper_bound"],
             "compile_s": compile_s}
+
+
+def memory_bytes(compiled) -> dict:
+    """The compiler's per-device byte figures of a compiled program ({} where it has none)."""
+    memory = metrics.compiled_memory(compiled) or {}
+    return {k: v for k, v in memory.items() if k.endswith("_bytes")}
 
 
 def differences(gpu: dict, cpu: dict) -> list[str]:

@@ -18,6 +18,7 @@ conditional branches by the caller's counts), and:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -183,12 +184,14 @@ def _dtype(shapes: list[str]) -> str:
         found[0][0] if found else "", found[0][0] if found else "")
 
 
+@functools.lru_cache(maxsize=2)  # one program is read by inventory() and then timed
 def schedule(hlo_text: str) -> dict[str, list[dict]]:
     """Every computation's items in schedule order (XLA prints a scheduled module's
     instructions in the order they run): kernels {"kernel", kind, flops, bytes, dtype},
     async collective halves {"start"/"done", "name"}, sync collectives {"sync", "name"}, and
     calls into other computations {"call", "callee", "repeat" (a while's trip count),
-    "branch"}. Fusion bodies and reducers are folded into their kernel."""
+    "branch"}. Fusion bodies and reducers are folded into their kernel. Shared between
+    callers (cached): read it, never change it."""
     parsed, shapes, fused = _parse(hlo_text)
     fused_flops: dict[str, float] = defaultdict(float)
     for comp, _, op, shape, rest, _ in parsed:

@@ -257,3 +257,35 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
     assert a["memory"] == b["memory"]
     assert a["collectives"] == b["collectives"]
     assert a["kernels"] == b["kernels"]
+
+
+@pytest.mark.parametrize("layout,mesh", [("fsdp_tp", "data:2,tensor:2"),
+                                         ("tp_pp", "stage:2,tensor:2")])
+def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
+    """A suite plan's cache (jaxdist.predict.plan): the --overlap variant of a row reuses the
+    base row's lowerings (its flags are compile options only), is compiled again with its
+    flags, and predicts exactly what the same settings predict with no cache."""
+    from jaxdist.config import CompilerConfig, OutputConfig
+    from jaxdist.predict.plan import compiles_in, predict_plan
+
+    def cfg(overlap):
+        return RunConfig(mesh=MeshConfig(mesh=mesh),
+                         model=ModelConfig(model="gpt-tiny", model_opts="depth=4",
+                                           dtype="bfloat16"),
+                         train=TrainConfig(layout=layout, batch_size=8, microbatches=4),
+                         compiler=CompilerConfig(overlap=overlap),
+                         output=OutputConfig(dry_run=True, hardware="h200", gpus_per_node=2))
+
+    def lowerings(cache):
+        return sum(1 for k in cache if str(k[0]).startswith("lowered"))
+
+    shape, cache = parse_mesh(mesh), {}
+    predict_plan(cfg(False), shape, cache=cache)
+    lowered, compiles = lowerings(cache), compiles_in(cache)
+    assert lowered > 0 and compiles > 0
+    with_cache = predict_plan(cfg(True), shape, cache=cache)
+    assert lowerings(cache) == lowered and compiles_in(cache) == 2 * compiles
+    alone = predict_plan(cfg(True), shape)
+    for part in ("time", "memory", "throughput"):
+        assert with_cache[part] == alone[part], part
+    assert with_cache["compiled"]["flops_per_device"] == alone["compiled"]["flops_per_device"]

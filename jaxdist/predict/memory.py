@@ -113,10 +113,17 @@ def per_device(c: dict, shards: int) -> dict:
                                  c["largest_constant_bytes"])}
 
 
+_SUMMARIES: dict = {}  # traced once per process: a suite's variants share most traces
+
+
 def _summary(model_cfg, dtype_name, batch, flash) -> dict:
-    seq = getattr(model_cfg, "seq_len", None)
-    return classify(saved_residuals(model_cfg, dtype_name, batch),
-                    saved_residuals(model_cfg, dtype_name, 2 * batch), seq, flash)
+    key = (repr(model_cfg), dtype_name, batch, flash)
+    if key not in _SUMMARIES:
+        seq = getattr(model_cfg, "seq_len", None)
+        _SUMMARIES[key] = classify(saved_residuals(model_cfg, dtype_name, batch),
+                                   saved_residuals(model_cfg, dtype_name, 2 * batch), seq,
+                                   flash)
+    return dict(_SUMMARIES[key])
 
 
 def residual_figures(model_cfg, dtype_name: str, micro_batch: int, shards: int,

@@ -34,10 +34,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import compiled as compiled_mod
 from jaxdist.hardware import Hardware
-from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear, minus
-from jaxdist.predict.model import aggregate
-from jaxdist.predict.program import cpu_compilable, flash_attention_applies
+from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
 from jaxdist.predict.ticks import op_row, tick_model
 from jaxdist.pipeline.schedule import BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
@@ -58,35 +56,32 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def _read(compiled, seconds: float, target, sizes: dict, cfg, hw=None) -> dict:
-    """Read a compiled op or tail through jaxdist.compiled: its figures, timed kernel by
-    kernel when XLA:GPU compiled it and `hw` has published rates."""
-    reading = compiled_mod.read(compiled, target, sizes, compile_s=seconds)
-    if not target.gpu and not reading["flops"]:
-        raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
-                                        "pipeline op")
-    out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
-           "comm": aggregate(reading["collectives"]),
-           "memory": {"temp_bytes": reading["memory"].get("temp_bytes", 0)},
-           "kernels": reading["kernels"]}
-    if target.gpu and hw is not None and kernels_time.has_rates(hw):
-        out["kernel_time"] = kernels_time.step_time(
-            compiled.as_text(), reading["collectives"], hw, sizes, cfg.model.matmul_precision)
-    return out
-
-
 def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> dict:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
-    not in `cache` lowered one by one, compiled side by side (jaxdist.compiled.compile_lowered),
-    read, and kept in `cache`."""
+    not in `cache` lowered one by one (while the first compiles), compiled side by side
+    (jaxdist.compiled.compile_lowered), read, and kept in `cache`. A key names the lowered
+    program; the compile options (--overlap's flags) are added to it for the compile, so
+    variants that differ only in them lower once."""
     cache = {} if cache is None else cache
-    todo = [k for k in pieces if k not in cache]
-    built = [pieces[k]() for k in todo]
-    done = compiled_mod.compile_lowered([low for low, _ in built],
-                                        compiled_mod.compile_options(cfg, target))
+    options = compiled_mod.compile_options(cfg, target)
+    flags = tuple(sorted((options or {}).items()))
+    todo = [k for k in pieces if (*k, flags) not in cache]
+
+    def lower(k):
+        if ("lowered", *k) not in cache:
+            cache[("lowered", *k)] = pieces[k]()
+        return cache[("lowered", *k)][0]
+
+    done = compiled_mod.compile_lowered([functools.partial(lower, k) for k in todo], options)
+    built = [cache[("lowered", *k)] for k in todo]
     for k, (_, sizes), (compiled, seconds) in zip(todo, built, done):
-        cache[k] = _read(compiled, seconds, target, sizes, cfg, hw)
-    return {k: cache[k] for k in pieces}
+        fig = read_program(compiled, seconds, target, sizes, cfg, hw, memo=cache)
+        if not target.gpu and not fig["flops"]:
+            raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
+                                            "pipeline op")
+        fig["memory"] = {"temp_bytes": fig["memory"].get("temp_bytes", 0)}
+        cache[(*k, flags)] = fig
+    return {k: cache[(*k, flags)] for k in pieces}
 
 
 def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
@@ -221,8 +216,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
         model_cfg = cpu_compilable(model_cfg)
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
     common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
-              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches,
-              cfg.compiler.overlap and target.device_less)
+              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches)
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}

@@ -3,6 +3,7 @@ turned into a predicted memory verdict and step time on NAME (jaxdist.predict.mo
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxdist import compiled, dryrun
@@ -24,13 +25,15 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
     if cfg.train.layout in PIPELINE_LAYOUTS:
         return predict_pipeline_plan(cfg, shape, hw, cache)
     model_cfg, _ = build_model(cfg)
-    state = dryrun.plan(cfg, shape)
+    settings = (repr(cfg.model), repr(cfg.train), tuple(shape.axis_sizes.items()))
+    state = memo(cache, ("dryrun plan", *settings), lambda: dryrun.plan(cfg, shape))
     target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
     mesh = dict(shape.axis_sizes)
     # The hand estimate traces the loss (Python) while XLA compiles (threads without the
     # GIL): the two overlap on two cores.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        hand = pool.submit(hand_memory, cfg, model_cfg, state, mesh)
+        hand = pool.submit(memo, cache, ("hand memory", *settings),
+                           lambda: hand_memory(cfg, model_cfg, state, mesh))
         figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
         peak = hand.result()
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
@@ -87,6 +90,22 @@ def plan_settings(cfg, model_cfg) -> dict:
             "decoder": program.is_stack(model_cfg)}
 
 
+def memo(cache: dict | None, key: tuple, make):
+    """make()'s value, kept in `cache` (a suite plan's) under `key` for later rows whose
+    settings are the same (a variant that changes only --overlap): a copy each time."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return copy.deepcopy(cache[key])
+
+
+def compiles_in(cache: dict) -> int:
+    """The distinct compiles a plan's `cache` holds (a one-program step, a pipeline op or
+    tail), beside the lowerings, readings and estimates it also keeps."""
+    return sum(1 for k in cache if k[0] in ("step", "op", "tail"))
+
+
 def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
                      cache: dict | None, hw=None):
     """(step figures, attention-score part or None), compiled once per distinct program.
@@ -99,7 +118,8 @@ def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
     if cache is not None and key in cache:
         return cache[key]
     figures = program.step_figures(cfg, model_cfg, shape, blocks, target,
-                                   hw if target.gpu and kernels_time.has_rates(hw) else None)
+                                   hw if target.gpu and kernels_time.has_rates(hw) else None,
+                                   cache)
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
         quadratic = program.attention_scores(cfg, model_cfg, shape, target,
@@ -182,7 +202,9 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     from jaxdist.predict.pipeline import pipeline_step
 
     model_cfg, _ = build_model(cfg)
-    memory_plan = plan_pipeline(cfg, shape)
+    memory_plan = memo(cache, ("pipeline plan", repr(cfg.model), repr(cfg.train),
+                               tuple(shape.axis_sizes.items())),
+                       lambda: plan_pipeline(cfg, shape))
     mesh = dict(shape.axis_sizes)
     n = shape.size
     target = compiled.for_part(hw, n, cfg.compiler.compiler)

@@ -19,10 +19,13 @@ picks the XLA implementation on every platform, so a GPU keeps the scores too.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 
 from jaxdist import compiled as compiled_mod
 from jaxdist.mesh import MeshShape
+from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
 from jaxdist.predict.model import aggregate
 from jaxdist.train_step import compiled_step_flops
@@ -30,40 +33,60 @@ from jaxdist.train_step import compiled_step_flops
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
 
-def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None) -> dict:
+def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None, memo=None) -> dict:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
     (jaxdist.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
     compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
-    kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices."""
-    return figures_of(cfg, [model_cfg], shape, target, hw)[0]
+    kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices.
+    `memo` (a dict, optional: a suite plan's) keeps lowerings and readings for later calls."""
+    return figures_of(cfg, [model_cfg], shape, target, hw, memo)[0]
 
 
-def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None) -> list[dict]:
+def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
+               memo=None) -> list[dict]:
     """`figures` of several models, compiled side by side (jaxdist.compiled.compile_steps)."""
     target = target or compiled_mod.simulated_cpu(shape.size)
     if not target.gpu:
         model_cfgs = [cpu_compilable(m) for m in model_cfgs]
-    return [read_figures(cfg, shape, target, hw, *built)
-            for built in compiled_mod.compile_steps(cfg, model_cfgs, shape, target)]
-
-
-def read_figures(cfg, shape: MeshShape, target, hw, program, compiled, seconds) -> dict:
-    step_flops = None if target.gpu else compiled_step_flops(program, compiled)
-    runs = None
-    if getattr(program, "schedule", None) is not None:  # a pipeline's switches, by its table
-        from jaxdist.pipeline.report import switch_runs
-        runs = switch_runs(compiled.as_text(), dict(shape.axis_sizes), program.schedule)
-    reading = compiled_mod.read(compiled, target, shape.axis_sizes, runs,
-                                step_flops=step_flops, compile_s=seconds)
-    out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
-           "comm": aggregate(reading["collectives"]), "memory": reading["memory"],
-           "kernels": reading["kernels"], "compile_s": seconds}
-    if target.gpu and hw is not None:
-        from jaxdist.predict import kernels_time
-        out["kernel_time"] = kernels_time.step_time(
-            compiled.as_text(), reading["collectives"], hw, dict(shape.axis_sizes),
-            cfg.model.matmul_precision, runs)
+    out = []
+    for program, compiled, seconds in compiled_mod.compile_steps(cfg, model_cfgs, shape,
+                                                                 target, memo):
+        step_flops = None if target.gpu else compiled_step_flops(program, compiled)
+        runs = None
+        if getattr(program, "schedule", None) is not None:  # a pipeline's switches
+            from jaxdist.pipeline.report import switch_runs
+            runs = switch_runs(compiled.as_text(), dict(shape.axis_sizes), program.schedule)
+        out.append(read_program(compiled, seconds, target, dict(shape.axis_sizes), cfg, hw,
+                                runs, step_flops, memo))
     return out
+
+
+def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
+                 runs: dict | None = None, step_flops: float | None = None,
+                 memo: dict | None = None) -> dict:
+    """{flops, bytes_accessed, comm (aggregated), memory, kernels, compile_s} of a compiled
+    program through jaxdist.compiled.read, and `kernel_time` (timed kernel by kernel) when
+    XLA:GPU compiled it and `hw` has published rates. Everything but the compiler's memory
+    is a function of the program's text: with `memo`, a program whose text was read before
+    (e.g. a variant whose flags left the program unchanged) is not parsed again."""
+    hlo = compiled.as_text() or ""
+    timed = target.gpu and hw is not None and kernels_time.has_rates(hw)
+    key = ("reading", hashlib.blake2b(hlo.encode(), digest_size=16).digest(), target.label,
+           tuple(sizes.items()), tuple(sorted((runs or {}).items())), step_flops,
+           repr(hw) if timed else None, cfg.model.matmul_precision)
+    if memo is not None and key in memo:
+        return {**copy.deepcopy(memo[key]), "memory": compiled_mod.memory_bytes(compiled),
+                "compile_s": seconds}
+    reading = compiled_mod.read(compiled, target, sizes, runs, step_flops=step_flops,
+                                compile_s=seconds, hlo=hlo)
+    out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
+           "comm": aggregate(reading["collectives"]), "kernels": reading["kernels"]}
+    if timed:
+        out["kernel_time"] = kernels_time.step_time(hlo, reading["collectives"], hw, sizes,
+                                                    cfg.model.matmul_precision, runs)
+    if memo is not None:
+        memo[key] = copy.deepcopy(out)
+    return {**out, "memory": reading["memory"], "compile_s": seconds}
 
 
 def is_stack(model_cfg) -> bool:
@@ -106,17 +129,17 @@ def extrapolate(one: dict, two: dict, depth: int) -> dict:
 
 
 def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=None,
-                 hw=None) -> dict:
+                 hw=None, memo: dict | None = None) -> dict:
     """Figures of the full step; blocks: "full" (compile everything), "extrapolate" (depth
-    1 and 2) or "auto" (extrapolate a stack deeper than FULL_DEPTH_MAX)."""
+    1 and 2) or "auto" (extrapolate a stack deeper than FULL_DEPTH_MAX). `memo`: figures_of's."""
     depth = getattr(model_cfg, "depth", None)
     stack = is_stack(model_cfg) and depth > 2
     if blocks == "extrapolate" and not stack:
         blocks = "full"
     if blocks == "full" or (blocks == "auto" and (not stack or depth <= FULL_DEPTH_MAX)):
-        return {**figures(cfg, model_cfg, shape, target, hw), "method": "full compile"}
+        return {**figures(cfg, model_cfg, shape, target, hw, memo), "method": "full compile"}
     one, two = figures_of(cfg, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
-                          shape, target, hw)
+                          shape, target, hw, memo)
     return {**extrapolate(one, two, depth), "depth_1": one, "depth_2": two,
             "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
 
