@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ps.allocator import keep_freed_memory
 from ps.shard_client import PSError, Restarted, ShardClient
 
 
@@ -22,6 +23,7 @@ class PSClient:
         if len(addresses) != shard_map.num_shards:
             raise PSError(f"{len(addresses)} server addresses for a map of "
                           f"{shard_map.num_shards} shards")
+        keep_freed_memory()  # every message would page-fault its memory in again
         self.map, self.worker, self.mode = shard_map, worker, mode
         self.shards = [ShardClient(k, a, max_message_bytes=max_message_bytes,
                                    timeout_s=timeout_s, token=token, tls_cert=tls_cert)

@@ -28,6 +28,7 @@ import grpc
 from jaxdist.errors import UsageError
 from ps import wire
 from ps.admission import CallGate, Refused, pool_size
+from ps.allocator import keep_freed_memory
 from ps.shard_client import FAULT_KEY, TOKEN_KEY
 from ps.core import PSFault, ShardCore
 
@@ -250,6 +251,7 @@ class ShardServicer:
 def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes: int,
                num_workers: int, tls_cert: str = "", tls_key: str = "") -> tuple:
     """(grpc server, bound port). Raises UsageError if the address cannot be bound."""
+    keep_freed_memory()  # every message would page-fault its memory in again
     # Data calls are capped per worker (ps.admission); the rest of the pool is for control.
     pool = ThreadPoolExecutor(max_workers=pool_size(num_workers),
                               thread_name_prefix="ps-shard")

@@ -109,12 +109,21 @@ class Program:
                                  else lambda: abstract_state)
         self.num_devices = mesh.devices.size
 
+    def views(self, flat):
+        """The flat host vector as a tree of numpy views of it (no copy). The compiled step
+        takes them as they are: it moves host arguments to its input shardings itself, at
+        ~0.3 ms a step against ~0.75 ms for device_put of the tree and the batch first
+        (mlp, measured here), on the GIL the push's threads need. Same values, same bits."""
+        import jax
+
+        views = [flat[l.offset:l.offset + l.size].reshape(l.shape) for l in self.leaves]
+        return jax.tree.unflatten(self.treedef, views)
+
     def params(self, flat):
         """The flat host vector as a parameter tree on the devices (replicated)."""
         import jax
 
-        views = [flat[l.offset:l.offset + l.size].reshape(l.shape) for l in self.leaves]
-        return jax.device_put(jax.tree.unflatten(self.treedef, views), self.replicated)
+        return jax.device_put(self.views(flat), self.replicated)
 
     def flatten(self, grads, out=None):
         """A gradient tree back to one flat host vector (waits for the devices), into `out`
@@ -162,14 +171,14 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     rows = cfg.train.batch_size // num_workers
     lo, hi = worker * rows, (worker + 1) * rows
 
-    def local_batch(t):
-        return program.put({k: v[lo:hi] for k, v in stream.batch(t).items()})
+    def local_batch(t):  # host rows: the compiled step puts them on the devices
+        return {k: v[lo:hi] for k, v in stream.batch(t).items()}
 
     flat = np.zeros(shard_map.total, np.float32)
     model_state = program.init_model_state()
     params = program.params(flat)
     compiled, compile_s = timed(
-        lambda: program.grad.lower(params, model_state, local_batch(0)).compile())
+        lambda: program.grad.lower(params, model_state, program.put(local_batch(0))).compile())
     log(f"compiled the gradient step in {compile_s:.2f} s; {shard_map.describe()}")
     waited = client.start_together(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
     log(f"all workers ready (waited {waited:.2f} s)")
@@ -206,8 +215,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             waited, seconds = pulled
             phases["pull_s"].append(seconds)
         c0 = time.perf_counter()
-        params = program.params(flat)
-        loss, grads, model_state = compiled(params, model_state, batch)
+        loss, grads, model_state = compiled(program.views(flat), model_state, batch)
         grad = program.flatten(grads, grad_buffers[t % 2])
         if cfg.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
             norm = float(np.linalg.norm(grad))
