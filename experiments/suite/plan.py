@@ -154,7 +154,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     JAX must have as many CPU devices as the largest mesh (main sets it)."""
     from analysis.plan_rank import write_ranking
     from jaxdist.hardware import get_hardware
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist.predict.plan import compiles_in, predict_plan
     from jaxdist.record import ensure_writable_dir, write_json
 
     hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
@@ -175,7 +175,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
-            "row_wall_s": timings, "compiles_cached": len(cache),
+            "row_wall_s": timings, "compiles_cached": compiles_in(cache),
             "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
             "note": "wall time of the predictions on this machine; every row's program "
                     "compiled by the compiler(s) named (XLA:GPU without a device where "
