@@ -125,7 +125,7 @@ def format_ranking(ranking: dict, markdown: bool = False) -> str:
         lines += ["", f"programs compiled by: {'; '.join(meta['compilers'])}"]
     if meta.get("wall_s") is not None:
         lines += ["", f"predicted {meta.get('rows')} rows in {meta['wall_s']:.0f} s of wall "
-                      f"time here ({meta.get('compiles_cached')} distinct compiles kept)"]
+                      f"time here ({meta.get('compiles')} XLA compiles)"]
     return "\n".join(lines)
 
 

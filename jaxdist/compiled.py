@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -234,11 +235,18 @@ def compile_steps(cfg, model_cfgs: list, shape, target: Target,
 
 
 COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
+_COMPILES = [0]  # XLA compiles run by this process (compile_lowered's)
+_COMPILES_LOCK = threading.Lock()
+
+
+def compiles_run() -> int:
+    """How many programs compile_lowered has handed to XLA in this process so far."""
+    return _COMPILES[0]
 
 
 def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
     """[(compiled, seconds)] of lowered programs (or of callables that lower one, called here
-    in order), compiled side by side in threads: XLA's compile releases the GIL and is mostly
+    in order; one that returns None is skipped: (None, 0.0)), compiled side by side in threads: XLA's compile releases the GIL and is mostly
     single-threaded, so on two cores two programs take about the time of one, and a program
     is lowered (Python) while the one before it compiles. An XLA error is raised as XLA's
     own message."""
@@ -248,6 +256,10 @@ def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
         return item() if callable(item) else item
 
     def compile_one(low):
+        if low is None:  # the caller already has this program's figures
+            return None, 0.0
+        with _COMPILES_LOCK:
+            _COMPILES[0] += 1
         start = time.perf_counter()
         compiled = low.compile(options) if options else low.compile()
         return compiled, time.perf_counter() - start

@@ -65,6 +65,13 @@ def planning_state(model_cfg, dtype_name: str, tx) -> dict:
             "opt": jax.eval_shape(tx.init, params)}
 
 
+def planning_params(model_cfg, dtype_name: str):
+    """(params, model_state) as planning_state assembles them, without the optimizer state
+    (a pipeline stacks the blocks first and initialises the optimizer on that)."""
+    stacked = _stacked_model_state(model_cfg, dtype_name)
+    return stacked if stacked is not None else _abstract_split(model_cfg, dtype_name)
+
+
 def _abstract_split(model_cfg, dtype_name: str):
     _, params, model_state = nnx.eval_shape(
         lambda: split_model(model_cfg, DTYPES[dtype_name], 0))

@@ -171,10 +171,11 @@ def tiny_cfg(schedule="1f1b", depth=4):
 
 
 def test_tiny_pipeline_prediction_end_to_end():
-    from jaxdist.predict.plan import compiles_in, predict_plan
+    from jaxdist.compiled import compiles_run
+    from jaxdist.predict.plan import predict_plan
     from models.build import build_model
 
-    cache = {}
+    cache, compiles = {}, compiles_run()
     cfg = tiny_cfg()
     plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2"), cache=cache)
     t, p = plan["time"], plan["pipeline"]
@@ -190,8 +191,8 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert t["step_s"] == pytest.approx(t["device_s"] + t["exposed_intra_node_s"] +
                                         t["exposed_inter_node_s"] + t["bubble_s"])
     # 10 compiles: F, B and the whole backward (W = whole - B) at 1 and 2 blocks and the
-    # head's at 1; the tail (the cache also keeps their lowerings, readings, memory plan).
-    assert compiles_in(cache) == 10
+    # head's at 1; the tail.
+    assert compiles_run() - compiles == 10
     ops = plan["compiled"]["ops"]
     two_blocks = [v for k, v in cache.items() if k[0] == "op" and k[-4:-1] == (2, FWD, False)]
     assert ops["forward"]["flops"] == two_blocks[0]["flops"]   # K = 2: the compile itself
@@ -199,9 +200,29 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.
     gpipe = predict_plan(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2"), cache=cache)
-    assert compiles_in(cache) == 10
+    assert compiles_run() - compiles == 10
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
     assert gpipe["pipeline"]["ticks"] == build_schedule("gpipe", 2, 4).ticks
+
+
+def test_remat_variant_compiles_only_the_programs_recomputation_changes():
+    """A suite's --remat full variant beside its base row (one cache): a chunk's forward and
+    the tail (gradient reduction, optimizer) are the same lowered programs under
+    recomputation, so only B and the whole backward, at 1 and 2 blocks and the head's, are
+    compiled again (6 of 10), and the prediction equals one made with no cache."""
+    from jaxdist.compiled import compiles_run
+    from jaxdist.predict.plan import predict_plan
+
+    mesh, cache = parse_mesh("stage:2,tensor:2"), {}
+    predict_plan(tiny_cfg(), mesh, cache=cache)
+    full = dataclasses.replace(tiny_cfg(), train=dataclasses.replace(tiny_cfg().train,
+                                                                     remat="full"))
+    before = compiles_run()
+    shared = predict_plan(full, mesh, cache=cache)
+    assert compiles_run() - before == 6
+    alone = predict_plan(full, mesh)
+    assert shared["time"] == alone["time"]
+    assert shared["compiled"]["ops"] == alone["compiled"]["ops"]
 
 
 def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):

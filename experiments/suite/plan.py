@@ -154,7 +154,8 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     JAX must have as many CPU devices as the largest mesh (main sets it)."""
     from analysis.plan_rank import write_ranking
     from jaxdist.hardware import get_hardware
-    from jaxdist.predict.plan import compiles_in, predict_plan
+    from jaxdist import compiled
+    from jaxdist.predict.plan import predict_plan
     from jaxdist.record import ensure_writable_dir, write_json
 
     hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
@@ -162,7 +163,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     check_topologies(configs, hw)
     cache = {} if cache is None else cache
     ensure_writable_dir(out, "--out")  # after every row's checks: bad input writes nothing
-    started = time.perf_counter()
+    started, compiles = time.perf_counter(), compiled.compiles_run()
     timings = []
     for row, cfg, shape in configs:
         t0 = time.perf_counter()
@@ -175,7 +176,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
-            "row_wall_s": timings, "compiles_cached": compiles_in(cache),
+            "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
             "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
             "note": "wall time of the predictions on this machine; every row's program "
                     "compiled by the compiler(s) named (XLA:GPU without a device where "

@@ -44,9 +44,9 @@ def _stack_abstract(blocks: list, S: int, V: int):
 
 
 def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int) -> dict:
-    from jaxdist.dryrun import planning_state
+    from jaxdist.dryrun import planning_params
 
-    base = planning_state(model_cfg, dtype_name, tx)["params"]
+    base = planning_params(model_cfg, dtype_name)[0]
     pure = base.to_pure_dict() if isinstance(base, nnx.State) else base
     depth = model_cfg.depth
     blocks = [pure["blocks"][i] for i in range(depth)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 
 import jax
@@ -66,21 +67,35 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
     options = compiled_mod.compile_options(cfg, target)
     flags = tuple(sorted((options or {}).items()))
     todo = [k for k in pieces if (*k, flags) not in cache]
+    program_of: dict = {}  # piece -> its program's key: the lowered text, compiled and read
+    seen = {}
 
     def lower(k):
         if ("lowered", *k) not in cache:
             cache[("lowered", *k)] = pieces[k]()
-        return cache[("lowered", *k)][0]
+        low, sizes = cache[("lowered", *k)]
+        # A piece whose lowered program is one compiled before (a chunk's forward under
+        # --remat full: recomputation changes only backward programs) is not compiled again.
+        program_of[k] = ("program", hashlib.blake2b(low.as_text().encode(), digest_size=16)
+                         .digest(), flags, target.label, tuple(sizes.items()), repr(hw),
+                         cfg.model.matmul_precision)
+        first = program_of[k] not in cache and program_of[k] not in seen
+        seen[program_of[k]] = True
+        return low if first else None
 
     done = compiled_mod.compile_lowered([functools.partial(lower, k) for k in todo], options)
-    built = [cache[("lowered", *k)] for k in todo]
-    for k, (_, sizes), (compiled, seconds) in zip(todo, built, done):
+    for k, (compiled, seconds) in zip(todo, done):
+        if compiled is None:
+            continue
+        sizes = cache[("lowered", *k)][1]
         fig = read_program(compiled, seconds, target, sizes, cfg, hw, memo=cache)
         if not target.gpu and not fig["flops"]:
             raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
                                             "pipeline op")
         fig["memory"] = {"temp_bytes": fig["memory"].get("temp_bytes", 0)}
-        cache[(*k, flags)] = fig
+        cache[program_of[k]] = fig
+    for k in todo:
+        cache[(*k, flags)] = cache[program_of[k]]
     return {k: cache[(*k, flags)] for k in pieces}
 
 

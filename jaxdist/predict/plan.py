@@ -100,12 +100,6 @@ def memo(cache: dict | None, key: tuple, make):
     return copy.deepcopy(cache[key])
 
 
-def compiles_in(cache: dict) -> int:
-    """The distinct compiles a plan's `cache` holds (a one-program step, a pipeline op or
-    tail), beside the lowerings, readings and estimates it also keeps."""
-    return sum(1 for k in cache if k[0] in ("step", "op", "tail"))
-
-
 def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
                      cache: dict | None, hw=None):
     """(step figures, attention-score part or None), compiled once per distinct program.
