@@ -171,7 +171,10 @@ OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
 
 
 
-@functools.cache
+_KERNEL_CACHE: list[dict] = []
+_KERNEL_CACHE_LOCK = threading.Lock()  # a suite plan compiles from two threads
+
+
 def kernel_cache_options() -> dict:
     """XLA:GPU's kernel cache, one file per process: a kernel already compiled to a cubin
     (the same fusion in the depth-1 and depth-2 programs, in a variant that changes only
@@ -183,10 +186,14 @@ def kernel_cache_options() -> dict:
     import shutil
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="jaxdist-xla-kernels-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return {"xla_gpu_kernel_cache_file": os.path.join(folder, "kernels.bin"),
-            "xla_gpu_enable_llvm_module_compilation_parallelism": True}
+    with _KERNEL_CACHE_LOCK:
+        if not _KERNEL_CACHE:
+            folder = tempfile.mkdtemp(prefix="jaxdist-xla-kernels-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            _KERNEL_CACHE.append({
+                "xla_gpu_kernel_cache_file": os.path.join(folder, "kernels.bin"),
+                "xla_gpu_enable_llvm_module_compilation_parallelism": True})
+        return dict(_KERNEL_CACHE[0])
 
 
 def compile_options(cfg, target: Target) -> dict | None:

@@ -184,7 +184,7 @@ def _dtype(shapes: list[str]) -> str:
         found[0][0] if found else "", found[0][0] if found else "")
 
 
-@functools.lru_cache(maxsize=2)  # one program is read by inventory() and then timed
+@functools.lru_cache(maxsize=4)  # a program is read by inventory(), then timed (2 threads)
 def schedule(hlo_text: str) -> dict[str, list[dict]]:
     """Every computation's items in schedule order (XLA prints a scheduled module's
     instructions in the order they run): kernels {"kernel", kind, flops, bytes, dtype},

@@ -19,6 +19,7 @@ from pathlib import Path
 from experiments.suite.settings import settings_table
 from jaxdist.config import Key
 from jaxdist.errors import UsageError
+from jaxdist.record import ensure_writable_dir, write_json
 
 PLAN_KEYS = ("settings", "models", "rows", "quick", "pp_schedules", "variants")
 QUICK_KEYS = ("settings", "models", "rows", "pp_schedules", "variants")
@@ -148,24 +149,53 @@ def row_config(row: PlanRow, hardware: str, gpus_per_node: int):
     return cfg, shape
 
 
+PLAN_THREADS = 2  # entries predicted side by side: one lowers (Python) while one compiles
+
+
 def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int = 0,
-             cache: dict | None = None, log=print) -> dict:
+             log=print) -> dict:
     """Predict every row, write OUT/NAME/plan.json and the ranking; returns the ranking.
-    JAX must have as many CPU devices as the largest mesh (main sets it)."""
+    JAX must have as many CPU devices as the largest mesh (main sets it).
+
+    The rows of one model and [[plan.rows]] entry (its variants and schedules) share one
+    cache of compiles, lowerings and readings, dropped when the entry is done; two entries
+    are predicted side by side, so a core does not wait while the other compiles alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from analysis.plan_rank import write_ranking
-    from jaxdist.hardware import get_hardware
     from jaxdist import compiled
-    from jaxdist.predict.plan import predict_plan
-    from jaxdist.record import ensure_writable_dir, write_json
+    from jaxdist.hardware import get_hardware
 
     hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
     configs = [(row, *row_config(row, hardware, gpus_per_node)) for row in rows]
     check_topologies(configs, hw)
-    cache = {} if cache is None else cache
     ensure_writable_dir(out, "--out")  # after every row's checks: bad input writes nothing
+    entries: dict[tuple, list] = {}
+    for item in configs:
+        entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), compiled.compiles_run()
+    pool = ThreadPoolExecutor(max_workers=PLAN_THREADS, thread_name_prefix="plan")
+    try:
+        done = [pool.submit(predict_entry, items, out, log) for items in entries.values()]
+        timings = [t for f in done for t in f.result()]
+    finally:  # an error or Ctrl-C: no entry starts after it
+        pool.shutdown(wait=False, cancel_futures=True)
+    meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
+            "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
+            "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
+            "note": "wall time of the predictions on this machine, two plan entries side by "
+                    "side (a row's wall_s overlaps another's); every row's program compiled "
+                    "by the compiler(s) named (XLA:GPU without a device where installed)"}
+    return write_ranking(out, meta)
+
+
+def predict_entry(items: list[tuple], out: Path, log) -> list[dict]:
+    """Predict the rows of one entry in order with one cache; each row's plan.json."""
+    from jaxdist.predict.plan import predict_plan
+
+    cache: dict = {}
     timings = []
-    for row, cfg, shape in configs:
+    for row, cfg, shape in items:
         t0 = time.perf_counter()
         plan = predict_plan(cfg, shape, cache=cache)
         plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
@@ -175,13 +205,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
                         "compiler": plan["compiled"].get("compiler")})
         log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
-    meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
-            "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
-            "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
-            "note": "wall time of the predictions on this machine; every row's program "
-                    "compiled by the compiler(s) named (XLA:GPU without a device where "
-                    "installed)"}
-    return write_ranking(out, meta)
+    return timings
 
 
 def check_topologies(configs: list[tuple], hw) -> None:
