@@ -185,3 +185,31 @@ def test_ranking_orders_by_tokens_per_gpu(tmp_path):
     assert [r["name"] for r in ranking["models"]["m"]] == ["fast", "mid", "slow", "oom"]
     text = (tmp_path / "ranking.md").read_text()
     assert text.index("| 1 | fast |") < text.index("| 2 | mid |") < text.index("| 3 | slow |")
+
+
+def test_side_by_side_keeps_order_and_stops_at_the_first_error():
+    """The plan's entries run on two threads: results come back in task order, and after a
+    task fails no task starts; its error is raised."""
+    import threading
+
+    from experiments.suite.plan import side_by_side
+
+    names = set()
+
+    def task(i):
+        names.add(threading.current_thread().name)
+        return i * i
+
+    assert side_by_side([lambda i=i: task(i) for i in range(6)], 2) == [0, 1, 4, 9, 16, 25]
+    assert names <= {"plan-0", "plan-1"}
+    started = []
+
+    def failing(i):
+        started.append(i)
+        if i == 0:
+            raise UsageError("row 0 cannot be predicted")
+        return i
+
+    with pytest.raises(UsageError, match="row 0 cannot"):
+        side_by_side([lambda i=i: failing(i) for i in range(20)], 1)
+    assert started == [0]

@@ -10,8 +10,12 @@ jaxdist.predict.plan), and the wall time of the whole plan is measured and recor
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import queue
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +164,6 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     The rows of one model and [[plan.rows]] entry (its variants and schedules) share one
     cache of compiles, lowerings and readings, dropped when the entry is done; two entries
     are predicted side by side, so a core does not wait while the other compiles alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from analysis.plan_rank import write_ranking
     from jaxdist import compiled
     from jaxdist.hardware import get_hardware
@@ -174,12 +176,10 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     for item in configs:
         entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), compiled.compiles_run()
-    pool = ThreadPoolExecutor(max_workers=PLAN_THREADS, thread_name_prefix="plan")
-    try:
-        done = [pool.submit(predict_entry, items, out, log) for items in entries.values()]
-        timings = [t for f in done for t in f.result()]
-    finally:  # an error or Ctrl-C: no entry starts after it
-        pool.shutdown(wait=False, cancel_futures=True)
+    stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
+    done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
+                         for items in entries.values()], PLAN_THREADS, stop)
+    timings = [t for entry in done for t in entry]
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
             "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
@@ -189,8 +189,47 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     return write_ranking(out, meta)
 
 
-def predict_entry(items: list[tuple], out: Path, log) -> list[dict]:
-    """Predict the rows of one entry in order with one cache; each row's plan.json."""
+def side_by_side(tasks: list, threads: int, stop: threading.Event | None = None) -> list:
+    """[task() for task in tasks] on `threads` threads, in order; the first error (or a
+    Ctrl-C in the caller) sets `stop`, no task starts after it, and the error is raised. The
+    threads are daemons: a Ctrl-C does not wait for the tasks in progress."""
+    results: list = [None] * len(tasks)
+    errors: list = []
+    todo = queue.SimpleQueue()
+    for i in range(len(tasks)):
+        todo.put(i)
+    stop = stop or threading.Event()
+
+    def work():
+        while not stop.is_set():
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = tasks[i]()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                errors.append(e)
+                stop.set()
+
+    workers = [threading.Thread(target=work, daemon=True, name=f"plan-{n}")
+               for n in range(max(1, min(threads, len(tasks))))]
+    for w in workers:
+        w.start()
+    try:
+        for w in workers:
+            while w.is_alive():
+                w.join(0.5)
+    finally:
+        stop.set()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> list[dict]:
+    """Predict the rows of one entry in order with one cache; each row's plan.json (none
+    once `stop` is set)."""
     from jaxdist.predict.plan import predict_plan
 
     cache: dict = {}
@@ -198,6 +237,8 @@ def predict_entry(items: list[tuple], out: Path, log) -> list[dict]:
     for row, cfg, shape in items:
         t0 = time.perf_counter()
         plan = predict_plan(cfg, shape, cache=cache)
+        if stop.is_set():
+            break
         plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
         (out / row.name).mkdir(exist_ok=True)
         write_json(out / row.name / "plan.json", plan)
@@ -250,8 +291,14 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
     print(f"suite plan {data.get('name', preset_path.stem)}{' (quick)' if args.quick else ''}: "
           f"{len(rows)} rows on {args.hardware} -> {out} (PREDICTED, nothing is run)",
           flush=True)
-    ranking = run_plan(rows, args.hardware, out, args.gpus_per_node,
-                       log=lambda s: print(s, flush=True))
+    try:
+        ranking = run_plan(rows, args.hardware, out, args.gpus_per_node,
+                           log=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+        done = len(list(out.glob("*/plan.json")))
+        print(f"\nsuite: interrupted after {done} of {len(rows)} rows (their plan.json under "
+              f"{out}; no ranking: rerun the command to predict them all)", file=sys.stderr)
+        return 130
     print(format_ranking(ranking))
     print(f"\nranking: {out / 'ranking.md'}; wall time {ranking['meta']['wall_s']:.0f} s")
     return 0
