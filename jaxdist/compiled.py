@@ -252,11 +252,11 @@ def compiles_run() -> int:
 
 
 def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
-    """[(compiled, seconds)] of lowered programs (or of callables that lower one, called here
-    in order; one that returns None is skipped: (None, 0.0)), compiled side by side in threads: XLA's compile releases the GIL and is mostly
-    single-threaded, so on two cores two programs take about the time of one, and a program
-    is lowered (Python) while the one before it compiles. An XLA error is raised as XLA's
-    own message."""
+    """[(compiled, seconds)] of lowered programs, or of callables that lower one (called here
+    in order; one that returns None is skipped and gives (None, 0.0)), compiled side by side
+    in threads: XLA's compile releases the GIL and is mostly single-threaded, so on two cores
+    two programs take about the time of one, and a program is lowered (Python) while the one
+    before it compiles. An XLA error is raised as XLA's own message."""
     from concurrent.futures import ThreadPoolExecutor
 
     def get(item):

@@ -68,7 +68,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
     flags = tuple(sorted((options or {}).items()))
     todo = [k for k in pieces if (*k, flags) not in cache]
     program_of: dict = {}  # piece -> its program's key: the lowered text, compiled and read
-    seen = {}
+    seen: set = set()  # programs this call compiles
 
     def lower(k):
         if ("lowered", *k) not in cache:
@@ -80,7 +80,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
                          .digest(), flags, target.label, tuple(sizes.items()), repr(hw),
                          cfg.model.matmul_precision)
         first = program_of[k] not in cache and program_of[k] not in seen
-        seen[program_of[k]] = True
+        seen.add(program_of[k])
         return low if first else None
 
     done = compiled_mod.compile_lowered([functools.partial(lower, k) for k in todo], options)
