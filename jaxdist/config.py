@@ -123,8 +123,11 @@ class PSConfig:
                         "the token in JAXDIST_PS_TOKEN")
     ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers")
     ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
-    ps_max_message_mb: int = _opt(64, "gRPC message limit, set on both ends; tensors are "
+    ps_max_message_mb: int = _opt(64, "message limit, set on both ends; tensors are "
                                   "chunked below it")
+    ps_transport: str = _opt("tcp", "tcp: pushes and pulls that fit one message go over a "
+                             "plain TCP data port beside gRPC (faster; one more port per "
+                             "shard); grpc: everything over gRPC", choices=("tcp", "grpc"))
     ps_clip_norm: float = _opt(0.0, "clip each gradient to this global L2 norm (workers) and "
                                "each shard's applied update to it (servers); 0: off")
 

@@ -215,7 +215,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     scales = [s["lr_scale_mean"] for s in stats if s["lr_scale_mean"] is not None]
     ps_block = {
         "mode": cfg.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
-        "shards": cfg.ps.ps_shards,
+        "shards": cfg.ps.ps_shards, "transport": cfg.ps.ps_transport,
         "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
         "staleness_lr": cfg.ps.ps_staleness_lr,
         "mfu_time_per_batch_s": batch_s,  # what MFU divides by: global batch / job rate

@@ -26,6 +26,7 @@ from jaxdist.record import write_json  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
 from ps.servicer import ShardServicer, start_grpc  # noqa: E402
+from ps.tcp import DataServer  # noqa: E402
 
 TOKEN_ENV = "JAXDIST_PS_TOKEN"
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md
@@ -166,13 +167,17 @@ def main(argv=None) -> int:
     try:
         server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
+        if cfg.ps.ps_transport == "tcp":
+            servicer.data_port = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
+                                            cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key).port
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
     if args.ready_file:
         write_json(Path(args.ready_file), {"port": port, "pid": os.getpid(), "epoch": epoch,
                                            "fingerprint": shard_map.fingerprint})
-    log(f"serving on {cfg.ps.ps_bind}:{port} (mode {cfg.ps.ps_mode}, {workers} workers, "
+    data = f", data port {servicer.data_port}" if servicer.data_port else ""
+    log(f"serving on {cfg.ps.ps_bind}:{port}{data} (mode {cfg.ps.ps_mode}, {workers} workers, "
         f"epoch {epoch}, token {'required' if token else 'off'}, "
         f"tls {'on' if cfg.ps.ps_tls_cert else 'off'})")
     signal.signal(signal.SIGTERM, lambda *_: servicer.stop_event.set())

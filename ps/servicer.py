@@ -27,9 +27,8 @@ import grpc
 
 from jaxdist.errors import UsageError
 from ps import wire
-from ps.admission import CallGate, Refused, pool_size
+from ps.admission import FAULT_KEY, TOKEN_KEY, CallGate, Refused, pool_size
 from ps.allocator import keep_freed_memory
-from ps.shard_client import FAULT_KEY, TOKEN_KEY
 from ps.core import PSFault, ShardCore
 
 _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,6 +65,7 @@ class ShardServicer:
         self.on_push = on_push or (lambda: None)
         self.bytes_in = self.bytes_out = 0
         self.decode_s = self.encode_s = 0.0  # CPU time validating/copying frames in, making out
+        self.data_port: int | None = None    # ps.tcp's port for one-message data calls
 
     def handler(self):
         return grpc.method_handlers_generic_handler("jaxdist.ps.Shard", {
@@ -107,7 +107,7 @@ class ShardServicer:
     def push(self, request_iterator, context):
         return json.dumps(self._push(request_iterator, context)[0]).encode()
 
-    def push_pull_one(self, request, context):
+    def push_pull_one(self, request, context, join: bool = True):
         """Sync: the push of step t and the pull of step t+1 in one call (one message each
         way, no second call to hand the parameters over). Reply: a frame `op=reply` with
         the push's JSON fields, then the parameter frames."""
@@ -117,7 +117,8 @@ class ShardServicer:
         step = meta["step"] + 1
         pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
                             "min_version": step, "epoch": meta["epoch"]})
-        return self.pull_one(pull, context, first=wire.encode({"op": "reply", **reply}))
+        return self.pull_one(pull, context, first=wire.encode({"op": "reply", **reply}),
+                             join=join)
 
     def _push(self, request_iterator, context):
         self._auth(context)
@@ -190,19 +191,23 @@ class ShardServicer:
         finally:
             release()
 
-    def pull_one(self, request, context, first: bytes = b""):
+    def pull_one(self, request, context, first: bytes = b"", join: bool = True):
         """The parameters as one message; `first` (a frame) goes in front of them in the
-        same join, not by concatenating a second copy of the whole message."""
+        same join, not by concatenating a second copy of the whole message. `join=False`
+        returns the message's parts unjoined (views of the parameters), for a socket that
+        sends them as they are (ps.tcp)."""
         self._auth(context)
         worker, release = self._admit(context)
+        make = wire.bundle if join else wire.bundle_parts
         try:
             produce = self._pull_source(request, context, worker)
             e0 = time.perf_counter()
-            message = produce(lambda *args, **kw: wire.bundle(*args, first=first, **kw))
+            message = produce(lambda *args, **kw: make(*args, first=first, **kw))
             self.encode_s += time.perf_counter() - e0
         finally:
             release()
-        self.bytes_out += len(message) - len(first)  # parameter frames, as counted before
+        size = len(message) if join else sum(memoryview(p).nbytes for p in message)
+        self.bytes_out += size - len(first)  # parameter frames, as counted before
         return message
 
     def control(self, request, context):
@@ -245,7 +250,8 @@ class ShardServicer:
                 "version": self.core.version, "mode": self.core.mode,
                 "workers": self.core.num_workers, "size": self.core.size,
                 "pieces": len(self.pieces), "pid": os.getpid(),
-                "waiting": self.core.waiting()}
+                "waiting": self.core.waiting(),
+                **({"data_port": self.data_port} if self.data_port else {})}
 
 
 def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes: int,

@@ -24,11 +24,10 @@ import grpc
 import numpy as np
 
 from ps import wire
-from ps.admission import WORKER_KEY
+from ps.admission import FAULT_KEY, TOKEN_KEY, WORKER_KEY
+from ps.tcp import PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel
 
 SERVICE = "/jaxdist.ps.Shard/"
-TOKEN_KEY = "x-jaxdist-token"
-FAULT_KEY = "x-jaxdist-fault"
 UNARY_MAX_FRAMES = 4  # see ShardClient.small
 
 
@@ -72,8 +71,9 @@ class ShardClient:
     """One shard: raw calls with retry on UNAVAILABLE."""
 
     def __init__(self, shard: int, address: str, *, max_message_bytes: int, timeout_s: float,
-                 token: str = "", tls_cert: str = ""):
+                 token: str = "", tls_cert: str = "", transport: str = "tcp"):
         self.shard, self.address, self.timeout_s = shard, address, timeout_s
+        self.transport, self.tls_cert, self.data = transport, tls_cert, None
         self.channel = make_channel(address, max_message_bytes, tls_cert)
         self.frame_bytes = wire.frame_bytes(max_message_bytes)
         self.max_message_bytes = max_message_bytes
@@ -93,7 +93,30 @@ class ShardClient:
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)
+        if self.data is not None:
+            self.data.close()
         self.channel.close()
+
+    def _use_data_port(self, info: dict) -> None:
+        """With --ps-transport tcp and a shard that has a data port (ps.tcp), the
+        one-message data calls go there; everything else stays on gRPC."""
+        if self.transport != "tcp" or "data_port" not in info:
+            return
+        if self.data is None:
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            self.data = DataChannel(host, self._data_port, self.tls_cert)
+            self._push_one = self.data.method(PUSH_ONE)
+            self._pull_one = self.data.method(PULL_ONE)
+            self._push_pull_one = self.data.method(PUSH_PULL_ONE)
+        self.data.port = info["data_port"]
+
+    def _data_port(self) -> int:
+        """The shard's data port, asked again (a restarted shard listens on a new one)."""
+        info = json.loads(self._control(wire.encode({"op": "info"}), timeout=2.0,
+                                        metadata=self.metadata))
+        if "data_port" not in info:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "the shard has no data port")
+        return info["data_port"]
 
     def _start(self, method, request, timeout: float, metadata):
         """A unary call in flight now; `.result()` is its reply (or its grpc.RpcError)."""
@@ -151,13 +174,24 @@ class ShardClient:
         return json.loads(reply)
 
     def small(self, pieces) -> bool:
-        """Whether these pieces go as one message of up to UNARY_MAX_FRAMES frames: then a
-        push or pull is one unary call started on a kept thread (a gRPC client stream
-        costs a new thread per call and ~1 ms; measured on `mlp`, 1.35 MB per shard: a sync
-        step of 25 ms instead of 35). Larger transfers stream (a 15 MB unary push took
-        2-3x a stream's time)."""
-        limit = min(UNARY_MAX_FRAMES * self.frame_bytes, self.max_message_bytes - 65536)
+        """Whether these pieces go as one message: then a push or pull is one unary call
+        started on a kept thread. Over the data port (ps.tcp) that is any transfer under
+        the message limit. Over gRPC it is up to UNARY_MAX_FRAMES frames (a gRPC client
+        stream costs a new thread per call and ~1 ms; measured on `mlp`, 1.35 MB per shard:
+        a sync step of 25 ms instead of 35), and larger transfers stream (a 15 MB unary
+        push took 2-3x a stream's time)."""
+        limit = self.max_message_bytes - 65536
+        if self.data is None:
+            limit = min(UNARY_MAX_FRAMES * self.frame_bytes, limit)
         return sum(p.length * 4 + 256 for p in pieces) <= limit
+
+    def _one_message(self, pieces, source, meta: dict, source_offset=None):
+        """(a push as one message, its bytes): the data port sends the frames' parts as
+        they are; gRPC needs them joined (one copy)."""
+        parts = wire.bundle_parts("push", pieces, source, self.frame_bytes, meta,
+                                  source_offset)
+        size = sum(memoryview(p).nbytes for p in parts)
+        return (parts if self.data is not None else b"".join(parts)), size
 
     def start_push(self, pieces, source, meta: dict, source_offset=None):
         """Start a push; returns `finish() -> (reply, bytes sent)`. Small pushes are in
@@ -168,14 +202,14 @@ class ShardClient:
         timeout = self.timeout_s + 5
         md = self._data_metadata(meta["worker"])
         if self.small(pieces):
-            bundle = wire.bundle("push", pieces, source, self.frame_bytes, meta, source_offset)
+            bundle, size = self._one_message(pieces, source, meta, source_offset)
             first = [self._start(self._push_one, bundle, timeout, md)]
 
             def call(t):
                 if first:
                     return first.pop().result()
                 return self._push_one(bundle, timeout=t, metadata=md)
-            return lambda: (json.loads(self._retry(what, call, timeout)), len(bundle))
+            return lambda: (json.loads(bytes(self._retry(what, call, timeout))), size)
 
         sent = [0]
 
@@ -186,14 +220,14 @@ class ShardClient:
                     yield frame
             sent[0] = 0
             return self._push(stream(), timeout=t, metadata=md)
-        return lambda: (json.loads(self._retry(what, stream_call, timeout)), sent[0])
+        return lambda: (json.loads(bytes(self._retry(what, stream_call, timeout))), sent[0])
 
     def start_push_pull(self, pieces, source, meta: dict, layout: dict, dest: np.ndarray):
         """Sync, a transfer small enough for one message: push step t and pull step t+1
         in one call (PushPullOne). Returns `finish() -> (push reply, bytes sent, pull meta,
         bytes received)`; raises Restarted like a pull does."""
         what = f"push and pull of step {meta['step']}"
-        bundle = wire.bundle("push", pieces, source, self.frame_bytes, meta)
+        bundle, size = self._one_message(pieces, source, meta)
         md = self._data_metadata(meta["worker"])
         timeout = self.timeout_s + 5
         first = [self._start(self._push_pull_one, bundle, timeout, md)]
@@ -206,7 +240,7 @@ class ShardClient:
                 raise wire.WireError("reply frame missing")
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
             asm.add(rest)
-            return head, len(bundle), asm.finish(), asm.bytes
+            return head, size, asm.finish(), asm.bytes
 
         return self._finisher(what, call, timeout, "a malformed reply")
 
@@ -250,8 +284,10 @@ class ShardClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return json.loads(self._control(wire.encode({"op": "info"}), timeout=2.0,
+                info = json.loads(self._control(wire.encode({"op": "info"}), timeout=2.0,
                                                 metadata=self.metadata))
+                self._use_data_port(info)
+                return info
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE,
                                     grpc.StatusCode.DEADLINE_EXCEEDED):

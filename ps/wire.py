@@ -131,14 +131,20 @@ def frames(op: str, pieces, source: np.ndarray, chunk: int, meta: dict, source_o
         yield b"".join((head, view))
 
 
+def bundle_parts(op: str, pieces, source: np.ndarray, chunk: int, meta: dict,
+                 source_offset=None, first: bytes = b"") -> list:
+    """The parts of `bundle`'s message, not joined: a socket sends them as they are."""
+    parts = [first] if first else []
+    for head, view in frame_parts(op, pieces, source, chunk, meta, source_offset):
+        parts += (head, view)
+    return parts
+
+
 def bundle(op: str, pieces, source: np.ndarray, chunk: int, meta: dict,
            source_offset=None, first: bytes = b"") -> bytes:
     """Every frame in one message (a small transfer as one unary call), one copy;
     `first` (an encoded frame) leads the message."""
-    parts = [first] if first else []
-    for head, view in frame_parts(op, pieces, source, chunk, meta, source_offset):
-        parts += (head, view)
-    return b"".join(parts)
+    return b"".join(bundle_parts(op, pieces, source, chunk, meta, source_offset, first))
 
 
 class Assembler:

@@ -164,7 +164,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
                       max_message_bytes=cfg.ps.ps_max_message_mb << 20,
                       timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get("JAXDIST_PS_TOKEN", ""),
-                      tls_cert=cfg.ps.ps_tls_cert)
+                      tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport)
     client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
 
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)

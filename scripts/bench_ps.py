@@ -127,10 +127,11 @@ class TransportCore:
         return {}
 
 
-def _ps_server(shard, num_shards, total, ready_q, max_bytes):
+def _ps_server(shard, num_shards, total, ready_q, max_bytes, transport):
     os.environ["JAX_PLATFORMS"] = "cpu"
     from ps.servicer import ShardServicer, start_grpc
     from ps.shardmap import Leaf, build_shard_map
+    from ps.tcp import DataServer
     from ps import wire
 
     smap = build_shard_map([Leaf("w", (total,), "float32", 0, total)], num_shards,
@@ -138,13 +139,17 @@ def _ps_server(shard, num_shards, total, ready_q, max_bytes):
     core = TransportCore(smap.shard_size(shard))
     servicer = ShardServicer(core, smap, shard, frame_bytes=wire.frame_bytes(max_bytes))
     server, port = start_grpc(servicer, "127.0.0.1", 0, max_bytes, 1)
+    if transport == "tcp":
+        servicer.data_port = DataServer(servicer, "127.0.0.1", max_bytes, 1).port
     ready_q.put((shard, port))
     servicer.stop_event.wait()
     server.stop(0)
 
 
-def ps_roundtrip(nbytes: int, num_shards: int, repeats: int) -> tuple[float, float, float]:
-    """Best (push s, pull s, push+pull s) of nbytes over num_shards shard processes."""
+def ps_roundtrip(nbytes: int, num_shards: int, repeats: int,
+                 transport: str = "tcp") -> tuple[float, float, float]:
+    """Best (push s, pull s, push+pull s) of nbytes over num_shards shard processes, over
+    `transport` (--ps-transport)."""
     from ps.client import PSClient
     from ps.shardmap import Leaf, build_shard_map
 
@@ -152,15 +157,15 @@ def ps_roundtrip(nbytes: int, num_shards: int, repeats: int) -> tuple[float, flo
     max_bytes = 64 * MB
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ps_server, args=(k, num_shards, total, q, max_bytes),
-                         daemon=True) for k in range(num_shards)]
+    procs = [ctx.Process(target=_ps_server, args=(k, num_shards, total, q, max_bytes,
+                                                  transport), daemon=True) for k in range(num_shards)]
     for p in procs:
         p.start()
     ports = dict(q.get(timeout=120) for _ in procs)
     smap = build_shard_map([Leaf("w", (total,), "float32", 0, total)], num_shards,
                            chunk_elems=max(1, -(-total // num_shards)))
     client = PSClient([f"127.0.0.1:{ports[k]}" for k in range(num_shards)], smap, 0, "async",
-                      max_message_bytes=max_bytes, timeout_s=60)
+                      max_message_bytes=max_bytes, timeout_s=60, transport=transport)
     client.connect()
     grad = np.ones(total, np.float32)
     dest = np.empty(total, np.float32)

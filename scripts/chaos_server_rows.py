@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -171,6 +172,53 @@ def intact(before: np.ndarray, after: np.ndarray) -> str:
     return "yes" if ok else "NO"
 
 
+def closes(port: int, blob: bytes) -> bool:
+    """Whether the data port ends a connection that sent `blob` (after at most a reply)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(blob)
+        sock.shutdown(socket.SHUT_WR)  # a message cut short: the peer stops sending
+        try:
+            while sock.recv(65536):
+                pass
+        except socket.timeout:
+            return False
+    return True
+
+
+def data_port_row(a) -> Row:
+    """The corpus as one-message calls over the data port (ps.tcp), and bytes that are not
+    its messages: a wrong magic, a payload past the limit, metadata that is not JSON, a
+    request cut off midway."""
+    from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, DataChannel
+    row = Row("data port (TCP): corpus + raw bytes", "corpus refused as over gRPC; bad "
+                                                     "bytes end the connection; server up")
+    before = a.params()
+    port = a.control("info")["data_port"]
+    channel = DataChannel("127.0.0.1", lambda: port)
+    md = (("x-jaxdist-worker", "0"),)
+    codes, t0, n = {}, time.monotonic(), 0
+    for method, payload in corpus(a.map, random.Random(7)):
+        if method == "Control" or (isinstance(payload, list) and b"" in payload):
+            continue  # joined, an empty trailing frame vanishes: that push would be valid
+        fn = channel.method(PULL_ONE if method.startswith("Pull") else PUSH_ONE)
+        message = b"".join(payload) if isinstance(payload, list) else payload
+        code = code_of(lambda: fn(message, timeout=10, metadata=md))
+        codes[code] = codes.get(code, 0) + 1
+        n += 1
+    channel.close()
+    blobs = [b"GET / HTTP/1.1\r\n\r\n", _HEAD.pack(MAGIC, PUSH_ONE, 2, 1 << 60) + b"[]",
+             _HEAD.pack(MAGIC, PUSH_ONE, 5, 10) + b"nope!",
+             _HEAD.pack(MAGIC, PUSH_ONE, 2, 1 << 20) + b"[]" + bytes(1000)]
+    closed = sum(closes(port, blob) for blob in blobs)
+    row.detect_s = (time.monotonic() - t0) / (n + len(blobs))
+    row.observed = (", ".join(f"{k} {v}" for k, v in sorted(codes.items())) +
+                    f"; {closed} of {len(blobs)} raw connections ended")
+    row.intact = intact(before, a.params())
+    row.held = (set(codes) <= ACCEPTED and closed == len(blobs) and a.child.poll() is None
+                and row.intact == "yes")
+    return row
+
+
 def server_rows(tmp: Path, quick: bool) -> list[Row]:
     servers = {m: Server(tmp, m) for m in ("async", "sync")}
     rows = []
@@ -219,6 +267,8 @@ def server_rows(tmp: Path, quick: bool) -> list[Row]:
         row.intact = intact(before, a.params())
         row.held = set(got) == {"INVALID_ARGUMENT"} and row.intact == "yes"
         rows.append(row)
+
+        rows.append(data_port_row(a))
 
         # 3. a push from the future
         row = Row("push step 10**9 (async)", "FAILED_PRECONDITION; real pushes still apply")

@@ -1,13 +1,14 @@
 """scripts/chaos_ps.py --quick: real shard servers, launchers and workers on 127.0.0.1 under
 kill -9 and SIGSTOP, the malformed-push corpus, pushes from the future, overflowing
-gradients and idle streams. Every row of its table must hold, within a minute."""
+gradients, idle streams and bytes on the data port. Every row of its table must hold,
+within a minute."""
 
 import subprocess
 import sys
 
 from tests.helpers import ROOT
 
-ROWS = ["malformed-push corpus", "wire edge cases", "push step 10**9 (async)",
+ROWS = ["malformed-push corpus", "wire edge cases", "data port (TCP)", "push step 10**9 (async)",
         "2 x 3e38 gradient (sync)", "3e38 gradient (async, adamw)",
         "20 idle streams + 20 parked pulls (sync)", "SIGSTOP worker 1 (ssp)",
         "SIGSTOP worker 1 (sync)", "kill -9 worker 1 (async)", "SIGSTOP shard 0 (sync)"]

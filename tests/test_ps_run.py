@@ -90,6 +90,8 @@ def test_sync_results_and_tensorboard(sync_run):
     assert r["env"]["simulated"] is True and r["env"]["num_devices"] == 4
     assert r["step_time_s"]["n"] == 4 and len(r["loss"]) == 4
     ps = r["ps"]
+    assert ps["transport"] == "tcp"                 # the default: data calls on ps.tcp
+    assert "data port" in (logdir / "ps" / "shard0.log").read_text()
     assert sum(ps["shard_map"]["bytes_per_shard"]) == 6922 * 4
     assert [s["params_bytes"] for s in ps["server_bytes_per_shard"]] == \
         ps["shard_map"]["bytes_per_shard"]

@@ -249,13 +249,19 @@ def test_binding_beyond_loopback_needs_a_token():
     assert proc.returncode == 2 and "at least 16 characters" in proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-def test_tls(tmp_path):
+def make_cert(tmp_path):
+    """(certificate, key) naming 127.0.0.1, made by the openssl command."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(tmp_path):
+    cert, key = make_cert(tmp_path)
     proc, port = start_server(tmp_path, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key))
     try:
         secure = shard_client(f"127.0.0.1:{port}", token="", tls_cert=str(cert))

@@ -1,0 +1,193 @@
+"""The shard's data port (ps.tcp): one-message pushes and pulls over plain TCP beside gRPC,
+against a real `python -m ps.server`: the same results as over gRPC, the token checked
+before a payload is read, the message limit, TLS, deadlines on idle and partial requests,
+and the connection cap."""
+
+import json
+import shutil
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from ps.admission import pool_size
+from ps.client import PSClient
+from ps.shardmap import shard_map_for
+from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, _Call
+from tests.test_ps_server import (CFG, TOKEN, make_cert, server_env, start_server,
+                                  stop_server)
+
+SMAP = shard_map_for(CFG, 1)
+
+
+def client(port, worker=0, transport="tcp", **kw):
+    c = PSClient([f"127.0.0.1:{port}"], SMAP, worker, "async", max_message_bytes=64 << 20,
+                 timeout_s=5, transport=transport, **kw)
+    c.connect()
+    return c
+
+
+def raw_call(port, method, metadata, size, payload=b""):
+    """Send one request by hand; (status code, details) of the reply and whether the shard
+    closed the connection after it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    meta = json.dumps(metadata).encode()
+    with sock:
+        sock.sendall(_HEAD.pack(MAGIC, method, len(meta), size) + meta + payload)
+        head = b""
+        while len(head) < _HEAD.size:
+            chunk = sock.recv(_HEAD.size - len(head))
+            assert chunk, "closed without a reply"
+            head += chunk
+        magic, status, meta_len, _ = _HEAD.unpack(head)
+        assert magic == MAGIC
+        body = b""
+        while len(body) < meta_len:
+            body += sock.recv(meta_len - len(body))
+        sock.settimeout(1.0)  # well before the shard's idle deadline (--ps-timeout-s + 2)
+        try:
+            closed = sock.recv(1) == b""
+        except socket.timeout:
+            closed = False
+    return status, json.loads(body)["details"], closed
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    """(gRPC port, data port) of a shard that requires the token."""
+    proc, port = start_server(tmp_path_factory.mktemp("tcp"),
+                              env=server_env(JAXDIST_PS_TOKEN=TOKEN))
+    c = client(port, token=TOKEN)
+    yield port, c.shards[0].data.port
+    c.close()
+    stop_server(proc)
+
+
+def test_data_calls_go_over_the_data_port_and_match_grpc(token_server):
+    tcp = client(token_server[0], token=TOKEN)
+    assert tcp.shards[0].data is not None and tcp.shards[0].data.port
+    flat = np.empty(SMAP.total, np.float32)
+    tcp.pull(0, flat)
+    grad = np.linspace(-1, 1, SMAP.total, dtype=np.float32)
+    assert tcp.push(0, grad)[0]["status"] == "applied"
+    stats = tcp.shards[0].control("stats")
+    assert stats["bytes_in"] >= SMAP.total * 4      # the push arrived, over the data port
+    over_tcp, over_grpc = np.empty_like(flat), np.empty_like(flat)
+    tcp.pull(1, over_tcp)
+    plain = client(token_server[0], token=TOKEN, transport="grpc")
+    assert plain.shards[0].data is None
+    plain.pull(0, over_grpc)
+    np.testing.assert_array_equal(over_tcp, over_grpc)
+    assert not np.array_equal(over_tcp, flat)       # the push moved the parameters
+    tcp.close()
+    plain.close()
+
+
+def test_token_is_checked_before_the_size_and_before_any_payload(token_server):
+    data_port = token_server[1]
+    worker = ["x-jaxdist-worker", "0"]
+    status, details, closed = raw_call(data_port, PUSH_ONE,
+                                       [["x-jaxdist-token", "wrong" * 8], worker], 1 << 40)
+    assert status == grpc.StatusCode.UNAUTHENTICATED.value[0] and closed
+    status, details, closed = raw_call(data_port, PUSH_ONE,
+                                       [["x-jaxdist-token", TOKEN], worker], 1 << 40)
+    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and closed
+    assert "--ps-max-message-mb" in details
+    status, details, closed = raw_call(data_port, PULL_ONE, {"not": "pairs"}, 0)
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and closed
+    # a malformed frame is the servicer's: refused, and the connection stays usable
+    status, details, closed = raw_call(data_port, PULL_ONE,
+                                       [["x-jaxdist-token", TOKEN], worker], 4, b"JDP1")
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not closed
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_covers_the_data_port(tmp_path):
+    cert, key = make_cert(tmp_path)
+    proc, port = start_server(tmp_path, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key))
+    try:
+        c = client(port, tls_cert=str(cert))
+        assert c.shards[0].data is not None
+        flat = np.empty(SMAP.total, np.float32)
+        c.pull(0, flat)
+        assert c.push(0, np.ones(SMAP.total, np.float32))[0]["status"] == "applied"
+        data_port = c.shards[0].data.port
+        c.close()
+        with socket.create_connection(("127.0.0.1", data_port), timeout=10) as sock:
+            sock.sendall(_HEAD.pack(MAGIC, PULL_ONE, 2, 0) + b"[]")  # in clear: no answer
+            try:
+                got = sock.recv(64)
+            except ConnectionResetError:
+                got = b""
+            assert not got.startswith(MAGIC)
+    finally:
+        stop_server(proc)
+
+
+def test_idle_and_partial_requests_end_at_the_call_deadline(tmp_path):
+    proc, port = start_server(tmp_path, "--ps-timeout-s", "1")  # call deadline 1 + 2 s
+    try:
+        port = client(port).shards[0].data.port
+        for blob in (b"", _HEAD.pack(MAGIC, PUSH_ONE, 2, 100) + b"[]" + bytes(10)):
+            with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+                sock.sendall(blob)
+                t0 = time.monotonic()
+                assert sock.recv(1) == b""
+                assert 2.5 < time.monotonic() - t0 < 8
+    finally:
+        stop_server(proc)
+
+
+def test_connections_beyond_the_pool_are_closed_at_once(tmp_path):
+    proc, port = start_server(tmp_path)
+    try:
+        c = client(port)
+        data_port = c.shards[0].data.port
+        held = [socket.create_connection(("127.0.0.1", data_port)) for _ in range(pool_size(2))]
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", data_port), timeout=5) as extra:
+            assert extra.recv(1) == b""                  # closed, not served
+        for sock in held:
+            sock.close()
+        flat = np.empty(SMAP.total, np.float32)
+        deadline = time.monotonic() + 10
+        while True:  # the shard frees a slot when it sees a held connection close
+            try:
+                c.pull(0, flat)
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert np.isfinite(flat).all()
+        c.close()
+    finally:
+        stop_server(proc)
+
+
+def test_a_grpc_only_shard_is_used_over_grpc(tmp_path):
+    proc, port = start_server(tmp_path, "--ps-transport", "grpc")
+    try:
+        c = client(port)
+        assert "data_port" not in c.shards[0].control("info")
+        assert c.shards[0].data is None
+        flat = np.empty(SMAP.total, np.float32)
+        c.pull(0, flat)
+        assert c.push(0, np.ones(SMAP.total, np.float32))[0]["status"] == "applied"
+        c.close()
+    finally:
+        stop_server(proc)
+
+
+def test_cancel_answers_once_then_ends_the_connection():
+    a, b = socket.socketpair()
+    with a, b:
+        call = _Call(a, (), time.monotonic() + 5)
+        call.cancel()
+        assert call.reply(grpc.StatusCode.OK, payload=b"late") is False
+        head = b.recv(_HEAD.size)
+        _, status, meta_len, size = _HEAD.unpack(head)
+        assert status == grpc.StatusCode.CANCELLED.value[0] and size == 0
+        assert "deadline" in json.loads(b.recv(meta_len))["details"]
+        assert b.recv(1) == b""
