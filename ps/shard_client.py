@@ -25,10 +25,18 @@ import numpy as np
 
 from ps import wire
 from ps.admission import FAULT_KEY, TOKEN_KEY, WORKER_KEY
-from ps.tcp import PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel
+from ps.tcp import PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel, _Method
 
 SERVICE = "/jaxdist.ps.Shard/"
 UNARY_MAX_FRAMES = 4  # see ShardClient.small
+# A data-port request this small is sent on the calling thread (the socket takes it at
+# once); a larger one is sent from a kept thread, so K shards receive in parallel.
+INLINE_SEND_BYTES = 4 << 20
+
+
+def _nbytes(request) -> int:
+    parts = request if isinstance(request, list) else [request]
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class PSError(RuntimeError):
@@ -120,6 +128,8 @@ class ShardClient:
 
     def _start(self, method, request, timeout: float, metadata):
         """A unary call in flight now; `.result()` is its reply (or its grpc.RpcError)."""
+        if isinstance(method, _Method) and _nbytes(request) <= INLINE_SEND_BYTES:
+            return method.start(request, timeout, metadata)  # no thread: sent right here
         entered = threading.Event()
 
         def call():
@@ -190,8 +200,7 @@ class ShardClient:
         they are; gRPC needs them joined (one copy)."""
         parts = wire.bundle_parts("push", pieces, source, self.frame_bytes, meta,
                                   source_offset)
-        size = sum(memoryview(p).nbytes for p in parts)
-        return (parts if self.data is not None else b"".join(parts)), size
+        return (parts if self.data is not None else b"".join(parts)), _nbytes(parts)
 
     def start_push(self, pieces, source, meta: dict, source_offset=None):
         """Start a push; returns `finish() -> (reply, bytes sent)`. Small pushes are in

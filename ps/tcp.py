@@ -257,9 +257,8 @@ class DataChannel:
         self._idle: list = []
         self._lock = threading.Lock()
 
-    def method(self, method: int):
-        return lambda request, timeout=None, metadata=None: self.call(method, request,
-                                                                       timeout, metadata)
+    def method(self, method: int) -> "_Method":
+        return _Method(self, method)
 
     def _connection(self, deadline: float):
         with self._lock:
@@ -283,11 +282,23 @@ class DataChannel:
             sock = self.tls.wrap_socket(sock, server_hostname=self.host)
         return sock
 
-    def call(self, method: int, request, timeout, metadata) -> bytearray:
+    def send(self, method: int, request, timeout, metadata):
+        """Send a request now; (connection, deadline) to read its reply from."""
         deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
         sock = self._connection(deadline)
         try:
             _send(sock, _message(method, [list(p) for p in metadata or ()], request), deadline)
+        except socket.timeout:
+            sock.close()
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as e:
+            sock.close()
+            raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
+        return sock, deadline
+
+    def reply(self, sock, deadline: float) -> memoryview:
+        """The reply to the request sent on `sock`, or CallError."""
+        try:
             head = _recv_exact(sock, _HEAD.size, deadline)
             magic, status, meta_len, size = _HEAD.unpack(head)
             if magic != MAGIC or meta_len > MAX_META_BYTES or status not in _CODES:
@@ -306,8 +317,41 @@ class DataChannel:
             raise CallError(_CODES[status], str(meta.get("details", "")), meta.get("fault"))
         return payload
 
+    def call(self, method: int, request, timeout, metadata) -> memoryview:
+        return self.reply(*self.send(method, request, timeout, metadata))
+
     def close(self) -> None:
         with self._lock:
             for sock in self._idle:
                 sock.close()
             self._idle.clear()
+
+
+class _Method:
+    """One method of a DataChannel, called like a gRPC unary multi-callable; `start` sends
+    on the caller's thread and returns what `.result()` reads the reply from."""
+
+    def __init__(self, channel: DataChannel, method: int):
+        self.channel, self.method = channel, method
+
+    def __call__(self, request, timeout=None, metadata=None) -> memoryview:
+        return self.channel.call(self.method, request, timeout, metadata)
+
+    def start(self, request, timeout=None, metadata=None) -> "_Pending":
+        try:
+            return _Pending(self.channel, self.channel.send(self.method, request, timeout,
+                                                            metadata))
+        except CallError as e:
+            return _Pending(self.channel, error=e)
+
+
+class _Pending:
+    """A request on the wire: `.result()` is its reply or raises its CallError."""
+
+    def __init__(self, channel: DataChannel, sent=None, error: CallError | None = None):
+        self.channel, self.sent, self.error = channel, sent, error
+
+    def result(self) -> memoryview:
+        if self.error is not None:
+            raise self.error
+        return self.channel.reply(*self.sent)
