@@ -63,20 +63,57 @@ class CallError(grpc.RpcError):
         return ((FAULT_KEY, self._fault),) if self._fault else ()
 
 
-def _recv_exact(sock, n: int, deadline: float, *, idle: bool = False) -> memoryview:
-    """n bytes, or EOFError (peer closed; at a message boundary when `idle`) or
-    socket.timeout past `deadline`."""
-    # Not bytearray(n): zeroing 40 MB first cost as much as a copy. With ps.allocator's
-    # settings the memory of the last message is reused without page faults.
-    view, got = memoryview(np.empty(n, np.uint8)), 0
-    while got < n:
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise EOFError("connection closed" if idle and not got else
-                           f"connection closed after {got} of {n} bytes")
-        got += k
-    return view
+class _Reader:
+    """Reads one connection's messages. A small message arrives whole in one recv (its
+    header, JSON and payload land in a kept buffer: per recv Python sets a timeout and
+    polls, so three reads per message cost six more syscalls); a payload larger than the
+    buffer is read straight into its own array."""
+
+    SIZE = 1 << 16
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = memoryview(bytearray(self.SIZE))
+        self.start = self.end = 0
+        self.deadline, self.timeout_set = 0.0, False
+
+    def begin(self, deadline: float, timeout_set: bool = False) -> None:
+        """A message is due by `deadline` (the socket's timeout may already say so)."""
+        self.deadline, self.timeout_set = deadline, timeout_set
+
+    def _fill(self, view, got: int, need: int, idle: bool) -> int:
+        while got < need:
+            if not self.timeout_set:  # every recv after the first gets only the time left
+                self.sock.settimeout(max(1e-3, self.deadline - time.monotonic()))
+            self.timeout_set = False
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("connection closed" if idle and not got else
+                               f"connection closed after {got} of {need} bytes")
+            got += k
+        return got
+
+    def read(self, n: int, *, idle: bool = False, own: bool = False) -> memoryview:
+        """n bytes (EOFError if the peer closes; socket.timeout past the deadline). The
+        view is valid until the next read unless `own`: then it is the caller's."""
+        have = self.end - self.start
+        if n > self.SIZE or (own and n > have):
+            # Not bytearray(n): zeroing 40 MB first cost as much as a copy. With
+            # ps.allocator's settings the memory of the last message is reused.
+            out = memoryview(np.empty(n, np.uint8))
+            take = min(have, n)
+            out[:take] = self.buf[self.start:self.start + take]
+            self.start += take
+            self._fill(out, take, n, idle and not take)
+            return out
+        if have < n:
+            if self.start:
+                self.buf[:have] = self.buf[self.start:self.end]
+                self.start, self.end = 0, have
+            self.end = self._fill(self.buf, self.end, n, idle and not have)
+        out = self.buf[self.start:self.start + n]
+        self.start += n
+        return memoryview(bytes(out)) if own else out
 
 
 def _send(sock, parts, deadline: float) -> None:
@@ -196,7 +233,8 @@ class DataServer:
             if self.tls:
                 conn.settimeout(self.deadline_s)
                 conn = self.tls.wrap_socket(conn, server_side=True)
-            while self._one_call(conn):
+            reader = _Reader(conn)
+            while self._one_call(conn, reader):
                 pass
         except (OSError, EOFError, ssl.SSLError):
             pass  # peer gone, timed out or cancelled: nothing to answer
@@ -205,16 +243,18 @@ class DataServer:
             with self._lock:
                 self._live -= 1
 
-    def _one_call(self, conn) -> bool:
+    def _one_call(self, conn, reader: _Reader) -> bool:
         """Serve one request; False when the connection must end."""
-        head = _recv_exact(conn, _HEAD.size, time.monotonic() + self.deadline_s, idle=True)
+        reader.begin(time.monotonic() + self.deadline_s)  # an idle connection ends then
+        head = reader.read(_HEAD.size, idle=True)
         deadline = time.monotonic() + self.deadline_s  # the whole request, once it starts
+        reader.begin(deadline, timeout_set=True)
         magic, method, meta_len, size = _HEAD.unpack(head)
         if magic != MAGIC or method not in self.handlers or meta_len > MAX_META_BYTES:
             return False
         call = _Call(conn, (), deadline)
         try:
-            pairs = json.loads(bytes(_recv_exact(conn, meta_len, deadline)))
+            pairs = json.loads(bytes(reader.read(meta_len)))
             if not (isinstance(pairs, list) and all(
                     isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                     for p in pairs)):
@@ -232,7 +272,7 @@ class DataServer:
             call.reply(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message of {size} bytes exceeds "
                        f"the limit of {self.max_bytes} (--ps-max-message-mb)")
             return False
-        request = _recv_exact(conn, size, deadline)
+        request = reader.read(size)  # the handler is done with it before the next read
         try:
             result = self.handlers[method](request, call)
         except _Aborted as e:
@@ -263,11 +303,11 @@ class DataChannel:
     def _connection(self, deadline: float):
         with self._lock:
             while self._idle:
-                sock = self._idle.pop()
+                sock, reader = self._idle.pop()
                 # An idle connection the shard closed (its idle deadline, a restart) reads
                 # as ready: drop it rather than send a request into it.
                 if not select.select([sock], [], [], 0)[0]:
-                    return sock
+                    return sock, reader
                 sock.close()
         if self.port is None:
             self.port = self.resolve()  # raises CallError(UNAVAILABLE) while the shard is down
@@ -280,12 +320,12 @@ class DataChannel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls:
             sock = self.tls.wrap_socket(sock, server_hostname=self.host)
-        return sock
+        return sock, _Reader(sock)
 
     def send(self, method: int, request, timeout, metadata):
-        """Send a request now; (connection, deadline) to read its reply from."""
+        """Send a request now; (connection, its reader) to read the reply from."""
         deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        sock = self._connection(deadline)
+        sock, reader = self._connection(deadline)
         try:
             _send(sock, _message(method, [list(p) for p in metadata or ()], request), deadline)
         except socket.timeout:
@@ -294,17 +334,18 @@ class DataChannel:
         except OSError as e:
             sock.close()
             raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
-        return sock, deadline
+        reader.begin(deadline, timeout_set=True)  # _send set the socket's timeout
+        return sock, reader
 
-    def reply(self, sock, deadline: float) -> memoryview:
+    def reply(self, sock, reader: _Reader) -> memoryview:
         """The reply to the request sent on `sock`, or CallError."""
         try:
-            head = _recv_exact(sock, _HEAD.size, deadline)
+            head = reader.read(_HEAD.size)
             magic, status, meta_len, size = _HEAD.unpack(head)
             if magic != MAGIC or meta_len > MAX_META_BYTES or status not in _CODES:
                 raise EOFError("a reply that is not a jaxdist data frame")
-            meta = json.loads(bytes(_recv_exact(sock, meta_len, deadline)))
-            payload = _recv_exact(sock, size, deadline)
+            meta = json.loads(bytes(reader.read(meta_len)))
+            payload = reader.read(size, own=True)  # read by the caller after we reuse sock
         except socket.timeout:
             sock.close()
             raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
@@ -312,7 +353,7 @@ class DataChannel:
             sock.close()
             raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
         with self._lock:
-            self._idle.append(sock)
+            self._idle.append((sock, reader))
         if status:
             raise CallError(_CODES[status], str(meta.get("details", "")), meta.get("fault"))
         return payload
@@ -322,7 +363,7 @@ class DataChannel:
 
     def close(self) -> None:
         with self._lock:
-            for sock in self._idle:
+            for sock, _ in self._idle:
                 sock.close()
             self._idle.clear()
 
