@@ -1,9 +1,9 @@
 """Parameter-server transport and step-time benchmark.
 
 1. Push + pull throughput of 4, 40 and 400 MB of float32 across 1, 2 and 4 shard processes
-   (the real wire: ps.wire frames over gRPC streams, ps.client on the worker side, the real
-   servicer on the server side with a no-op core, so only transport is timed), beside a raw
-   loopback TCP transfer of the same bytes there and back, measured in the same run.
+   (the real wire: ps.wire frames, ps.client on the worker side, the real servicer on the
+   server side with a no-op core, so only transport is timed), beside a raw loopback TCP
+   transfer of the same bytes there and back, measured in the same run.
 2. ps-sync step time / ddp step time for the same model, workers and global batch, both
    through `python -m experiments.run`; and the ps-sync step against its own floor (P5):
    worker compute + the slowest shard's decode + apply + encode + the step's push and pull
@@ -13,8 +13,11 @@
 
     python scripts/bench_ps.py                 # everything (400 MB x 4 shards: ~2.5 GB RAM)
     python scripts/bench_ps.py --sizes 4,40 --shards 1,2 --repeats 2 --skip-step
-Prints a table, then the ratios last. Targets: throughput >= 0.5 x raw for >= 40 MB (P4);
-ps-sync step <= 1.25 x its floor (P5); ps-sync / ddp step time printed beside it.
+Both transports are measured (--transports tcp,grpc): tcp, the run's default, carries
+one-message pushes and pulls on the shard's data port (ps.tcp); grpc is everything over
+gRPC, the alternative it replaced. Prints a table, then the ratios last. Targets:
+throughput >= 0.5 x raw for >= 40 MB (P4); ps-sync step <= 1.25 x its floor (P5);
+ps-sync / ddp step time printed beside it.
 """
 
 from __future__ import annotations
@@ -245,6 +248,8 @@ def parse_args(argv=None):
     parser.add_argument("--skip-step", action="store_true", help="skip the step-time part")
     parser.add_argument("--skip-transport", action="store_true",
                         help="skip the throughput part")
+    parser.add_argument("--transports", default="tcp,grpc",
+                        help="--ps-transport values to measure, comma-separated")
     parser.add_argument("--model", default="mlp-tiny,mlp",
                         help="models of the step-time comparison, comma-separated")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -268,6 +273,10 @@ def parse_args(argv=None):
     if args.batch_size % args.workers:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --workers "
                      f"{args.workers}")
+    args.transports = [t.strip() for t in args.transports.split(",")]
+    for transport in args.transports:
+        if transport not in ("tcp", "grpc"):
+            parser.error(unknown("transport", transport, ["tcp", "grpc"]))
     args.model = [m.strip() for m in args.model.split(",")]
     for model in args.model:
         if model not in model_names():
@@ -277,25 +286,26 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    sizes, shard_counts = args.sizes, args.shards
+    sizes, shard_counts, transports = args.sizes, args.shards, args.transports
 
-    rows, ratios = [], []
-    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs", flush=True)
-    print(f"{'MB':>6} {'shards':>6} {'push s':>8} {'pull s':>8} {'ps MB/s':>9} "
-          f"{'raw MB/s':>9} {'ps/raw':>7}", flush=True)
+    ratios = []
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs; "
+          f"transports {', '.join(transports)} (the run's default: tcp)", flush=True)
+    print(f"{'MB':>6} {'shards':>6} {'transport':>9} {'push s':>8} {'pull s':>8} "
+          f"{'ps MB/s':>9} {'raw MB/s':>9} {'ps/raw':>7}", flush=True)
     for size in ([] if args.skip_transport else sizes):
         nbytes = size * MB
         raw = raw_roundtrip(nbytes, args.repeats)
         raw_rate = 2 * size / raw
         for k in shard_counts:
-            push, pull, both = ps_roundtrip(nbytes, k, args.repeats)
-            rate = 2 * size / both
-            rows.append((size, k, push, pull, rate, raw_rate))
-            print(f"{size:>6} {k:>6} {push:>8.3f} {pull:>8.3f} {rate:>9.0f} {raw_rate:>9.0f} "
-                  f"{rate / raw_rate:>7.2f}", flush=True)
-            ratios.append((size, k, rate / raw_rate))
+            for transport in transports:
+                push, pull, both = ps_roundtrip(nbytes, k, args.repeats, transport)
+                rate = 2 * size / both
+                print(f"{size:>6} {k:>6} {transport:>9} {push:>8.3f} {pull:>8.3f} {rate:>9.0f} "
+                      f"{raw_rate:>9.0f} {rate / raw_rate:>7.2f}", flush=True)
+                ratios.append((size, k, transport, rate / raw_rate))
 
-    step_ratios, floor_ratios = [], []
+    steps = []  # (model, transport, ps / ddp, ps / floor)
     if not args.skip_step:
         mesh = f"{args.workers}x1"
         print(f"\nstep time p50, {args.workers} workers x 1 device, batch {args.batch_size}, "
@@ -304,24 +314,25 @@ def main(argv=None) -> None:
             common = ["--model", model, "--batch-size", str(args.batch_size), "--warmup", "3",
                       "--steps", str(args.steps), "--optimizer", "adamw"]
             ddp = cli_run(["--layout", "ddp", "--mesh", mesh, *common])["step_time_s"]["p50"]
-            r = cli_run(["--layout", "ps", "--mesh", mesh, "--ps-shards", "2",
-                         "--ps-mode", "sync", *common])
-            ps = r["step_time_s"]["p50"]
-            step_ratios.append((model, ps / ddp))
-            print(f"  {model:<10} ddp {ddp * 1e3:8.2f} ms   ps sync (2 shards) "
-                  f"{ps * 1e3:8.2f} ms", flush=True)
-            print(format_breakdown(r["ps"]["time_breakdown_s"]), flush=True)
-            floor, terms = step_floor(r, args.repeats)
-            floor_ratios.append((model, ps / floor))
-            print("    floor " + " + ".join(f"{k} {v * 1e3:.2f}" for k, v in terms.items())
-                  + f" = {floor * 1e3:.2f} ms", flush=True)
+            print(f"  {model:<10} ddp {ddp * 1e3:8.2f} ms", flush=True)
+            for transport in transports:
+                r = cli_run(["--layout", "ps", "--mesh", mesh, "--ps-shards", "2",
+                             "--ps-mode", "sync", "--ps-transport", transport, *common])
+                ps = r["step_time_s"]["p50"]
+                print(f"  {model:<10} ps sync (2 shards, {transport}) {ps * 1e3:8.2f} ms",
+                      flush=True)
+                print(format_breakdown(r["ps"]["time_breakdown_s"]), flush=True)
+                floor, terms = step_floor(r, args.repeats)
+                print("    floor " + " + ".join(f"{k} {v * 1e3:.2f}" for k, v in terms.items())
+                      + f" = {floor * 1e3:.2f} ms", flush=True)
+                steps.append((model, transport, ps / ddp, ps / floor))
 
     print("\nratios (push+pull throughput / raw loopback TCP; target >= 0.5 for >= 40 MB):")
-    for size, k, r in ratios:
+    for size, k, transport, r in ratios:
         flag = "" if size < 40 else ("  ok" if r >= 0.5 else "  below target")
-        print(f"  {size:>4} MB x {k} shard(s): {r:.2f}{flag}")
-    for (model, ratio), (_, floor) in zip(step_ratios, floor_ratios):
-        print(f"ps-sync step / its floor ({model}): {floor:.2f} (target <= 1.25)"
+        print(f"  {size:>4} MB x {k} shard(s), {transport}: {r:.2f}{flag}")
+    for model, transport, ratio, floor in steps:
+        print(f"ps-sync step / its floor ({model}, {transport}): {floor:.2f} (target <= 1.25)"
               f"{'  ok' if floor <= 1.25 else '  above target'}; ps-sync / ddp step time: "
               f"{ratio:.2f}")
 

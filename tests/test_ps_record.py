@@ -128,6 +128,7 @@ def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
     (["--sizes", "4,x"], "--sizes takes positive integers"),
     (["--shards", "0"], "--shards takes positive integers"),
     (["--model", "mlp,nope"], "unknown model 'nope'"),
+    (["--transports", "tcp,udp"], "unknown transport 'udp'"),
     (["--batch-size", "63"], "not divisible by --workers 2"),
     (["--steps", "0"], "--steps must be at least 1")])
 def test_bench_ps_bad_input_is_one_line_and_exit_2(argv, message):
