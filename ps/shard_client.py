@@ -112,7 +112,8 @@ class ShardClient:
             return
         if self.data is None:
             host = self.address.rsplit(":", 1)[0].strip("[]")
-            self.data = DataChannel(host, self._data_port, self.tls_cert)
+            self.data = DataChannel(host, self._data_port, self.tls_cert,
+                                    self.max_message_bytes)
             self._push_one = self.data.method(PUSH_ONE)
             self._pull_one = self.data.method(PULL_ONE)
             self._push_pull_one = self.data.method(PUSH_PULL_ONE)

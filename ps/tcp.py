@@ -3,10 +3,10 @@ plain TCP connection, beside the gRPC port that keeps every other call.
 
 Why: gRPC Python copies each message several times and hands every call from its polling
 thread to a pool thread; on the 2-core machine a 40 MB push + pull over gRPC ran at
-0.35-0.55 of a raw loopback transfer and a sync `mlp-tiny` step spent ~5 ms above its floor
-in those hand-offs. Here a kept connection carries one call at a time, the request is read
-into one buffer, and the shard's connection thread runs the servicer's own handler: the
-token check, admission (per-worker caps and the server-side deadline), frame validation
+0.35-0.55 of a raw loopback transfer and a sync `mlp-tiny` step took 8.6 ms against a floor
+of 3.2 ms (docs/ps.md, "Measured"). Here a kept connection carries one call at a time,
+the request is read into one buffer, and the shard's connection thread runs the servicer's
+own handler: the token check, admission (per-worker caps and the server-side deadline), frame validation
 and the core are the same code as over gRPC; only the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,
@@ -283,16 +283,16 @@ class DataServer:
         call.deadline = time.monotonic() + self.deadline_s
         return call.reply(grpc.StatusCode.OK, payload=result)
 
-    def close(self) -> None:
-        self.sock.close()
-
 
 class DataChannel:
     """A worker's connections to one shard's data port. `method(id)` is called like a gRPC
     unary multi-callable: (request, timeout, metadata) -> reply bytes, or CallError."""
 
-    def __init__(self, host: str, resolve, tls_cert: str = ""):
+    def __init__(self, host: str, resolve, tls_cert: str = "",
+                 max_message_bytes: int = 64 << 20):
         self.host, self.resolve, self.port = host, resolve, None
+        # a reply is the parameters of a request under the limit, plus a reply frame
+        self.max_reply = max_message_bytes + MAX_META_BYTES
         self.tls = ssl.create_default_context(cafile=tls_cert) if tls_cert else None
         self._idle: list = []
         self._lock = threading.Lock()
@@ -310,16 +310,20 @@ class DataChannel:
                     return sock, reader
                 sock.close()
         if self.port is None:
-            self.port = self.resolve()  # raises CallError(UNAVAILABLE) while the shard is down
+            self.port = self.resolve()  # a grpc.RpcError (UNAVAILABLE) while the shard is down
         try:
             sock = socket.create_connection((self.host, self.port),
                                             timeout=max(1e-3, deadline - time.monotonic()))
         except OSError as e:
             self.port = None  # a restarted shard listens on another port: ask again
             raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.tls:
-            sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls:  # the handshake: a wrong certificate is an ssl.SSLError (OSError)
+                sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+        except OSError as e:
+            sock.close()
+            raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
         return sock, _Reader(sock)
 
     def send(self, method: int, request, timeout, metadata):
@@ -344,6 +348,8 @@ class DataChannel:
             magic, status, meta_len, size = _HEAD.unpack(head)
             if magic != MAGIC or meta_len > MAX_META_BYTES or status not in _CODES:
                 raise EOFError("a reply that is not a jaxdist data frame")
+            if size > self.max_reply:
+                raise EOFError(f"a reply of {size} bytes, over the message limit")
             meta = json.loads(bytes(reader.read(meta_len)))
             payload = reader.read(size, own=True)  # read by the caller after we reuse sock
         except socket.timeout:
@@ -382,14 +388,15 @@ class _Method:
         try:
             return _Pending(self.channel, self.channel.send(self.method, request, timeout,
                                                             metadata))
-        except CallError as e:
+        except grpc.RpcError as e:  # CallError, or the gRPC lookup of a new data port
             return _Pending(self.channel, error=e)
 
 
 class _Pending:
-    """A request on the wire: `.result()` is its reply or raises its CallError."""
+    """A request on the wire: `.result()` is its reply or raises its error (a
+    grpc.RpcError, as the retries in ps.shard_client expect)."""
 
-    def __init__(self, channel: DataChannel, sent=None, error: CallError | None = None):
+    def __init__(self, channel: DataChannel, sent=None, error: grpc.RpcError | None = None):
         self.channel, self.sent, self.error = channel, sent, error
 
     def result(self) -> memoryview:

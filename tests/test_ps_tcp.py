@@ -15,7 +15,7 @@ import pytest
 from ps.admission import pool_size
 from ps.client import PSClient
 from ps.shardmap import shard_map_for
-from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, _Call
+from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, CallError, DataChannel, _Call
 from tests.test_ps_server import (CFG, TOKEN, make_cert, server_env, start_server,
                                   stop_server)
 
@@ -191,3 +191,29 @@ def test_cancel_answers_once_then_ends_the_connection():
         assert status == grpc.StatusCode.CANCELLED.value[0] and size == 0
         assert "deadline" in json.loads(b.recv(meta_len))["details"]
         assert b.recv(1) == b""
+
+
+def test_a_reply_over_the_limit_is_refused_before_it_is_allocated():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        channel = DataChannel("127.0.0.1", lambda: srv.getsockname()[1],
+                              max_message_bytes=1 << 20)
+        pending = channel.method(PULL_ONE).start(b"x", timeout=5)
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(_HEAD.pack(MAGIC, 0, 2, 1 << 50) + b"{}")
+            with pytest.raises(CallError) as e:
+                pending.result()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "over the message limit" in e.value.details()
+
+
+def test_a_failed_port_lookup_is_an_error_of_the_call_not_of_start():
+    class LookupFailed(grpc.RpcError):  # what the gRPC `info` call raises: not a CallError
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    def resolve():
+        raise LookupFailed()
+    pending = DataChannel("127.0.0.1", resolve).method(PUSH_ONE).start(b"x", timeout=1)
+    with pytest.raises(LookupFailed):
+        pending.result()
