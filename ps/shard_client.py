@@ -1,6 +1,8 @@
 """One shard, seen from a worker or the launcher: the gRPC channel, the calls (streamed or
 as single messages of frames), retries and the errors they end in. ps.client drives K of
-these in parallel.
+these in parallel. With --ps-transport tcp the single-message data calls go to the shard's
+data port (ps.tcp) instead; they fail with the same gRPC status codes, so everything below
+holds for both.
 
 Failure policy, so a worker never hangs:
 - UNAVAILABLE (shard down, restarting, not up yet) is retried with backoff until
