@@ -1,26 +1,18 @@
-"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) over a
-plain TCP connection, beside the gRPC port that keeps every other call.
-
-Why: gRPC Python copies each message several times and hands every call from its polling
-thread to a pool thread; on the 2-core machine a 40 MB push + pull over gRPC ran at
-0.35-0.55 of a raw loopback transfer and a sync `mlp-tiny` step took 8.6 ms against a floor
-of 3.2 ms (docs/ps.md, "Measured"). Here a kept connection carries one call at a time,
-the request is read into one buffer, and the shard's connection thread runs the servicer's
-own handler: the token check, admission (per-worker caps and the server-side deadline), frame validation
-and the core are the same code as over gRPC; only the bytes move differently.
+"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) over
+plain TCP, beside the gRPC port that keeps every other call. gRPC Python copies each message
+several times and hands each call to a pool thread (docs/ps.md, "Measured": 40 MB push+pull
+at 0.35-0.55 of raw loopback TCP). Here a kept connection carries one call at a time and the
+connection's thread runs the servicer's own handler: token check, admission, validation and
+core are the same code as over gRPC; only the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,
 the JSON (request: the call's metadata as [key, value] pairs; reply: {details, fault}),
-then the payload (ps.wire frames). A reply's status is a grpc.StatusCode value (0: OK), so
-the client raises the same errors, with the same fault metadata, as a gRPC call would, and
-ps.shard_client's retries and restart handling apply unchanged.
-
-The port is ephemeral, announced in the shard's `info` (`data_port`); a client looks it up
-again when a connection is refused (a restarted shard listens on a new one). What a peer
-can do to it: the token is checked before any payload is read; a message larger than
---ps-max-message-mb, a bad magic or malformed metadata closes the connection; a request must
-arrive whole within the call deadline and an idle connection is closed after it; at most
-as many connections as the gRPC pool has threads are served at once (more are closed).
+then the payload (ps.wire frames). A reply's status is a grpc.StatusCode value, so the
+client raises the errors a gRPC call would and ps.shard_client's retries apply unchanged.
+The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
+checked before a payload is read; an oversized message, bad magic or bad metadata closes
+the connection; a request must arrive whole within the call deadline, an idle connection
+is closed after it; connections past the gRPC pool's size are closed at once.
 """
 
 from __future__ import annotations

@@ -160,8 +160,9 @@ def ps_roundtrip(nbytes: int, num_shards: int, repeats: int,
     max_bytes = 64 * MB
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ps_server, args=(k, num_shards, total, q, max_bytes,
-                                                  transport), daemon=True) for k in range(num_shards)]
+    procs = [ctx.Process(target=_ps_server, daemon=True,
+                         args=(k, num_shards, total, q, max_bytes, transport))
+             for k in range(num_shards)]
     for p in procs:
         p.start()
     ports = dict(q.get(timeout=120) for _ in procs)
