@@ -177,6 +177,8 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     run_dir = None
     try:
         shape = validate(cfg)
+        if shape.size is not None:  # known before any process or device starts
+            check_batch(cfg, shape)
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
         configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)

@@ -173,6 +173,10 @@ OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
 
 _KERNEL_CACHE: list[dict] = []
 _KERNEL_CACHE_LOCK = threading.Lock()  # a suite plan compiles from two threads
+# A kernel cache file to use (and keep) instead of this process's own: processes that run
+# one after another (plans of a study, the test suite's children) reuse each other's cubins.
+# Never give one file to processes that compile at the same time: XLA rewrites it unlocked.
+KERNEL_CACHE_ENV = "JAXDIST_XLA_KERNEL_CACHE"
 
 
 def kernel_cache_options() -> dict:
@@ -181,17 +185,21 @@ def kernel_cache_options() -> dict:
     --overlap, in F, B and the whole backward of a pipeline chunk) is not handed to ptxas
     again. ptxas dominates a device-less compile here (llama3-70b fsdp_tp depth 1: 12 of
     17 s), and the cache changes no HLO, schedule or buffer: only the cubins are reused.
-    The file lives in a temporary directory this process creates and removes."""
+    The file lives in a temporary directory this process creates and removes, unless
+    JAXDIST_XLA_KERNEL_CACHE names one."""
     import atexit
     import shutil
     import tempfile
 
     with _KERNEL_CACHE_LOCK:
         if not _KERNEL_CACHE:
-            folder = tempfile.mkdtemp(prefix="jaxdist-xla-kernels-")
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = os.environ.get(KERNEL_CACHE_ENV)
+            if not path:
+                folder = tempfile.mkdtemp(prefix="jaxdist-xla-kernels-")
+                atexit.register(shutil.rmtree, folder, ignore_errors=True)
+                path = os.path.join(folder, "kernels.bin")
             _KERNEL_CACHE.append({
-                "xla_gpu_kernel_cache_file": os.path.join(folder, "kernels.bin"),
+                "xla_gpu_kernel_cache_file": path,
                 "xla_gpu_enable_llvm_module_compilation_parallelism": True})
         return dict(_KERNEL_CACHE[0])
 

@@ -2,14 +2,42 @@
 starts, which is why this sits in conftest (imported before every test module).
 
 XLA's CPU optimisation level 0 cuts compile time about 4x (a ResNet init: 7 s -> 1.7 s on
-2 cores), and the legacy (non fusion-emitter) CPU path halves it again for CNNs. Tests compare numbers between layouts compiled the same way, never speed.
+2 cores), and the legacy (non fusion-emitter) CPU path halves it again for CNNs. Tests
+compare numbers between layouts compiled the same way, never speed.
+
+Everything here is set in the environment, so the processes the tests start (runs, PS
+shards and workers, plans) inherit it through tests.helpers.child_env:
+- the fast XLA flags above;
+- JAX_PLATFORMS=cpu: no process probes for a CUDA driver this machine does not have;
+- one persistent JAX compilation cache for the whole pytest session, shared by both xdist
+  workers and every child (a PS run's workers, the runs of test_run_cli/test_record/...
+  compile the same tiny programs again and again); file-locked (its size cap turns the lock
+  on), so two processes never read an entry half written;
+- one XLA:GPU kernel cache per xdist worker (jaxdist.compiled.KERNEL_CACHE_ENV), which the
+  worker's device-less compiles and its children's reuse in turn (never two writers at once).
+The folder is made by the process pytest started (the xdist controller), and removed by it.
 """
 
 import os
+import tempfile
+from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false").strip()
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+_SESSION_ENV = "JAXDIST_TEST_SESSION_DIR"
+OWNS_SESSION_DIR = _SESSION_ENV not in os.environ  # xdist workers inherit the controller's
+if OWNS_SESSION_DIR:
+    os.environ[_SESSION_ENV] = tempfile.mkdtemp(prefix="jaxdist-tests-")
+SESSION_DIR = Path(os.environ[_SESSION_ENV])
+
+if FAST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # workers inherit the controller's
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA_FLAGS}".strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SESSION_DIR / "jax-cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # at -O0 most compile < 1 s
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)      # >0: entries file-locked
+os.environ["JAXDIST_XLA_KERNEL_CACHE"] = str(
+    SESSION_DIR / f"xla-kernels-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.bin")
 
 import jax  # noqa: E402
 
@@ -44,3 +72,11 @@ def pytest_runtest_logreport(report):
         print(f"\n=== RERUN {report.nodeid} ({report.when}): the failed attempt ===\n"
               f"{report.longreprtext[-6000:]}\n=== end of the failed attempt ===",
               file=sys.stderr)
+
+
+def pytest_sessionfinish(session):
+    """The process that made the session's caches removes them; xdist workers leave them to
+    the controller."""
+    if OWNS_SESSION_DIR:
+        import shutil
+        shutil.rmtree(SESSION_DIR, ignore_errors=True)

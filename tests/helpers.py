@@ -60,11 +60,46 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: str = ""):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags)
-    return subprocess.run([sys.executable, "-m", "experiments.run", *args, "--no-progress"],
-                          cwd=cwd or ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def child_env(xla_flags: str = "", **extra: str) -> dict:
+    """The environment of a process a test starts: the session's (conftest: fast XLA flags,
+    CPU only, the shared compilation caches), this checkout on PYTHONPATH, `xla_flags`
+    appended to XLA_FLAGS, and `extra` variables."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    return env
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: str = "",
+            module: str = "experiments.run"):
+    """`python -m experiments.run ARGS --no-progress` in a child process (the real binary:
+    for what a process is the point of; bad input is checked in-process, cli_main)."""
+    return subprocess.run([sys.executable, "-m", module, *args, "--no-progress"],
+                          cwd=cwd or ROOT, env=child_env(xla_flags), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@dataclass
+class Exit:
+    """What an in-process `main(argv)` returned and printed, shaped like a finished process."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli_main(capsys, *args: str, main=None) -> Exit:
+    """`experiments.run.main([*args, "--no-progress"])` in this process, with what it printed
+    (argparse's exit 2 included). For bad input and CLI behaviour: no process start, no
+    second import of jax."""
+    if main is None:
+        from experiments.run import main
+    capsys.readouterr()
+    try:
+        code = main([*args, "--no-progress"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return Exit(code, out, err)
 
 
 @dataclass(frozen=True)
