@@ -15,7 +15,7 @@ import pytest
 
 from jaxdist.checkpoint import Checkpointer
 from jaxdist.mesh import MeshShape
-from tests.helpers import ROOT, run_cli, train
+from tests.helpers import ROOT, child_env, run_cli, train
 
 META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
         "dtype": "float32"}
@@ -56,7 +56,7 @@ def test_resume_after_kill_9_continues_exactly(tmp_path):
     ref_loss = json.loads((tmp_path / "ref" / "results.json").read_text())["loss"]
 
     ck = tmp_path / "ck"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     victim = subprocess.Popen(
         [sys.executable, "-m", "experiments.run", *ARGS, "--checkpoint-dir", str(ck),
          "--checkpoint-every", "50", "--logdir", str(tmp_path / "victim"), "--no-progress"],

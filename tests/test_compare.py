@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from analysis import baselines
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, child_env, run_cli
 
 RUN_ARGS = ["--model", "mlp-tiny", "--batch-size", "32", "--warmup", "1", "--steps", "3"]
 
 
 def compare(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "experiments.compare", *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -32,7 +32,7 @@ def pair(tmp_path_factory):
     jax_dir, torch_dir = base / "jax-ddp", base / "torch-ddp"
     proc = run_cli("--layout", "ddp", "--mesh", "2", *RUN_ARGS, "--logdir", str(jax_dir))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "experiments.torch_run", "--strategy", "ddp",
                            "--nproc", "2", *RUN_ARGS, "--logdir", str(torch_dir),
                            "--no-progress"], cwd=ROOT, env=env, capture_output=True,

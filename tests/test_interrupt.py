@@ -17,7 +17,7 @@ from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, R
                             TrainConfig)
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 # No warm-up: every step is timed, so an interrupt always lands after timed steps (the path
 # that writes TensorBoard's summary; one landing in warm-up writes results.json only).
@@ -27,7 +27,7 @@ LINE = re.compile(r"run: interrupted by (SIG\w+) after (\d+) of 1000000 steps")
 
 
 def _start(args, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", XLA_FLAGS="")
+    env = child_env(PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, **kw)

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, child_env, run_cli
 
 COMMON = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3"]
 
 
 def launch(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "experiments.launch", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -46,7 +46,7 @@ def test_missing_peer_is_named_within_the_timeout(tmp_path):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=""))
+                          env=child_env())
     elapsed = time.monotonic() - start
     assert proc.returncode == 2
     assert "[0] run: error: process(es) 1 of 2 did not join within 4 s" in proc.stdout
@@ -81,7 +81,7 @@ def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     start = time.monotonic()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "experiments.run", *COMMON, "--mesh", "2x4", "--no-progress",

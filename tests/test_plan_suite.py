@@ -16,13 +16,13 @@ from jaxdist import compiled
 from experiments.suite.plan import plan_rows
 from jaxdist.config import keys
 from jaxdist.errors import UsageError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 
 def suite(*args):
     """experiments.suite in a process of its own (it sets its own device count), compiled
     at XLA's CPU optimisation level 0 like the other tests (numbers, not speed, are read)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "experiments.suite", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 

@@ -17,7 +17,7 @@ import pytest
 from jaxdist.record import RunRecord, check
 from jaxdist.summary import format_summary
 from ps import collect
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT, child_env, run_cli
 
 WORKERS, BATCH, WARMUP, STEPS = 2, 8, 1, 3
 BARE_NA = re.compile(r"n/a(?! \()")  # an n/a not followed by its reason in parentheses
@@ -107,7 +107,7 @@ def test_no_timed_step_gives_no_throughput_and_says_why(ps_run):
 
 
 def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "experiments.torch_run", "--strategy", "ddp",
                            "--nproc", "2", "--model", "mlp-tiny", "--batch-size", "8",
                            "--warmup", "1", "--steps", "1", "--logdir", str(tmp_path / "t"),

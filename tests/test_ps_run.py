@@ -20,9 +20,8 @@ from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import check
 from jaxdist.procs import pids_alive, pids_mentioning
-from tests.helpers import read_scalars, run_cli, train
+from tests.helpers import child_env, read_scalars, run_cli, train
 
-FAST_XLA = "--xla_backend_optimization_level=0"
 DIGITS = ["--model", "mlp-tiny", "--dataset", "digits", "--lr", "0.003", "--batch-size", "60",
           "--warmup", "2", "--steps", "78", "--eval-every", "40"]
 STEPS = 80
@@ -35,8 +34,7 @@ def run_ps(logdir: Path, *args, fault: str = "", timeout=240):
         else:
             mp.delenv("JAXDIST_PS_FAULT", raising=False)
         start = time.monotonic()
-        proc = run_cli("--layout", "ps", *args, "--logdir", str(logdir), timeout=timeout,
-                       xla_flags=FAST_XLA)
+        proc = run_cli("--layout", "ps", *args, "--logdir", str(logdir), timeout=timeout)
         proc.seconds = time.monotonic() - start
     return proc
 
@@ -356,7 +354,7 @@ def test_killing_the_launcher_leaves_no_orphans(tmp_path):
     from tests.helpers import ROOT
 
     logdir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=FAST_XLA)
+    env = child_env()
     env.pop("JAXDIST_PS_FAULT", None)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "experiments.run", "--layout", "ps", *SYNC_SMALL[:-1],
@@ -387,7 +385,7 @@ def test_ctrl_c_keeps_a_ps_runs_results_marked_interrupted(tmp_path):
     from tests.helpers import ROOT
 
     logdir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=FAST_XLA)
+    env = child_env()
     env.pop("JAXDIST_PS_FAULT", None)
     args = [*SYNC_SMALL[:-3], "2", "--steps", "100000"]
     launcher = subprocess.Popen(

@@ -19,7 +19,7 @@ from ps import wire
 from ps.client import PSClient
 from ps.shard_client import PSError, ShardClient
 from ps.shardmap import shard_map_for
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 TOKEN = "a-test-token-of-32-characters!!!"
 CFG = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
@@ -30,8 +30,7 @@ ACCEPTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 
 
 def server_env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = child_env()
     env.pop("JAXDIST_PS_TOKEN", None)
     env.update(extra)
     return env

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxdist.record import check
-from tests.helpers import read_scalars, run_cli
+from tests.helpers import cli_main, read_scalars, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +109,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input(tmp_path, args, message):
-    proc = run_cli("--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "16", *args,
-                   cwd=tmp_path)
+def test_bad_input(tmp_path, monkeypatch, capsys, args, message):
+    argv = ("--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "16", *args)
+    if any(a.startswith("--xla") for a in args):  # XLA reads its flags once per process
+        proc = run_cli(*argv, cwd=tmp_path)
+    else:  # main(argv) as the binary calls it, in this process (8 simulated devices)
+        monkeypatch.chdir(tmp_path)
+        proc = cli_main(capsys, *argv)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -119,22 +123,24 @@ def test_bad_input(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []  # no runs/ directory, nothing half-written
 
 
-def test_unwritable_logdir(tmp_path):
+def test_unwritable_logdir(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
-                   "--logdir", str(blocker / "run"), cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "8",
+                    "--logdir", str(blocker / "run"))
     assert proc.returncode == 2
     assert "cannot write to --logdir" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_logdir_at_a_file_says_a_folder_is_expected(tmp_path):
+def test_logdir_at_a_file_says_a_folder_is_expected(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
-                   "--logdir", str(blocker), cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "8",
+                    "--logdir", str(blocker))
     assert proc.returncode == 2
     assert f"cannot write to --logdir {blocker}: {blocker} is a file, not a folder " \
            f"(--logdir takes a folder, new or existing)" in proc.stderr

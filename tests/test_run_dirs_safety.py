@@ -16,7 +16,7 @@ from jaxdist.config import from_namespace
 from jaxdist.devices import select_devices
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
-from tests.helpers import run_cli, train
+from tests.helpers import cli_main, train
 from tests.test_interrupt import StopAfter
 
 META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
@@ -52,11 +52,11 @@ def _save(directory: Path, steps, state, meta=META):
 
 # ------------------------------------------------------------------- --checkpoint-dir
 
-def test_new_run_refuses_a_folder_that_holds_checkpoints(tmp_path, state):
+def test_new_run_refuses_a_folder_that_holds_checkpoints(tmp_path, state, capsys):
     ck = tmp_path / "ck"
     _save(ck, [2, 4], state, dict(META, optimizer="sgd"))  # another run's
     before = _snapshot(ck)
-    line = _refused(run_cli(*RUN, "--checkpoint-every", "1", "--checkpoint-dir", str(ck),
+    line = _refused(cli_main(capsys, *RUN, "--checkpoint-every", "1", "--checkpoint-dir", str(ck),
                             "--logdir", str(tmp_path / "run")))
     assert line == (f"run: error: --checkpoint-dir {ck} already holds checkpoints (steps 2, "
                     f"4); pass --resume to continue them or choose an empty folder")
@@ -64,11 +64,12 @@ def test_new_run_refuses_a_folder_that_holds_checkpoints(tmp_path, state):
     assert not (tmp_path / "run").exists()
 
 
-def test_new_run_refuses_a_folder_with_anything_in_it(tmp_path):
+def test_new_run_refuses_a_folder_with_anything_in_it(tmp_path, monkeypatch, capsys):
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "notes.txt").write_text("mine")
-    line = _refused(run_cli(*RUN, "--checkpoint-dir", str(ck), cwd=tmp_path))
+    monkeypatch.chdir(tmp_path)
+    line = _refused(cli_main(capsys, *RUN, "--checkpoint-dir", str(ck)))
     assert line == (f"run: error: --checkpoint-dir {ck} is not empty (it holds notes.txt); "
                     f"choose an empty folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no runs/ either
@@ -101,7 +102,8 @@ def _unwritable(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["file", "parent is a file", "unwritable"])
-def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_at_once(tmp_path, case):
+def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_at_once(tmp_path, monkeypatch, capsys,
+                                                                 case):
     """Orbax retries such a path for ~5 minutes; the check answers before any device work."""
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -116,8 +118,9 @@ def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_at_once(tmp_path, case):
         path = _unwritable(tmp_path)
         message = message.format(path=path)
     started = time.monotonic()
-    line = _refused(run_cli(*RUN, "--checkpoint-every", "1", "--checkpoint-dir", str(path),
-                            cwd=tmp_path, timeout=60))
+    monkeypatch.chdir(tmp_path)
+    line = _refused(cli_main(capsys, *RUN, "--checkpoint-every", "1", "--checkpoint-dir",
+                             str(path)))
     assert time.monotonic() - started < 60
     assert line.startswith(f"run: error: {message}"), line
     assert blocker.read_text() == "not a folder"
@@ -176,31 +179,31 @@ def interrupted(tmp_path_factory):
     (["--mesh", "8", "--batch-size", "8"], "--mesh was '2x4', now '8'; --batch-size was 16, "
                                            "now 8"),
 ])
-def test_interrupted_logdir_with_other_settings_is_refused(interrupted, change, named):
+def test_interrupted_logdir_with_other_settings_is_refused(interrupted, capsys, change, named):
     """Layout, mesh and batch may change on a resume from the checkpoint folder (it
     reshards), but not in the interrupted run's own record."""
     args, logdir = interrupted
     before = _snapshot(logdir.parent)
-    line = _refused(run_cli(*args, *change, "--resume"))
+    line = _refused(cli_main(capsys, *args, *change, "--resume"))
     assert line == (f"run: error: --logdir {logdir} holds an interrupted run with other "
                     f"settings ({named}); resume it with its own settings plus --resume, or "
                     f"choose another --logdir")
     assert _snapshot(logdir.parent) == before
 
 
-def test_interrupted_logdir_is_reused_only_to_resume(interrupted, tmp_path):
+def test_interrupted_logdir_is_reused_only_to_resume(interrupted, tmp_path, capsys):
     from experiments.run import build_parser
     from experiments.run_dirs import make_logdir
 
     args, logdir = interrupted
     before = _snapshot(logdir.parent)
     # The same command without --resume: its checkpoint folder answers first.
-    line = _refused(run_cli(*args))
+    line = _refused(cli_main(capsys, *args))
     assert line == (f"run: error: --checkpoint-dir {logdir.parent / 'ck'} already holds "
                     f"checkpoints (steps 2); pass --resume to continue them or choose an "
                     f"empty folder")
     # Another model is another run line in both folders; the checkpoints answer first.
-    line = _refused(run_cli(*args, "--model-opts", "width=32", "--resume"))
+    line = _refused(cli_main(capsys, *args, "--model-opts", "width=32", "--resume"))
     assert line == (f"run: error: --checkpoint-dir {logdir.parent / 'ck'} is from an "
                     f"incompatible run (model_opts '' vs 'width=32'); resume with that run's "
                     f"settings or choose another folder")
@@ -221,9 +224,9 @@ def test_interrupted_logdir_is_reused_only_to_resume(interrupted, tmp_path):
     assert _snapshot(logdir.parent) == before
 
 
-def test_interrupted_run_resumes_in_its_logdir(tmp_path):
+def test_interrupted_run_resumes_in_its_logdir(tmp_path, capsys):
     args, logdir = _interrupted_run(tmp_path)
-    proc = run_cli(*args, "--resume")
+    proc = cli_main(capsys, *args, "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from checkpoint 2" in proc.stdout
     results = json.loads((logdir / "results.json").read_text())
@@ -232,12 +235,12 @@ def test_interrupted_run_resumes_in_its_logdir(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [2]
 
 
-def test_resume_without_checkpoint_dir_continues_the_logdirs_checkpoints(tmp_path):
+def test_resume_without_checkpoint_dir_continues_the_logdirs_checkpoints(tmp_path, capsys):
     """`--resume` on an interrupted run's --logdir finds its checkpoint folder in the record
     (it asked for --checkpoint-dir before: a dead end after the advice to add --resume)."""
     args, logdir = _interrupted_run(tmp_path)
     i = args.index("--checkpoint-dir")
-    proc = run_cli(*args[:i], *args[i + 2:], "--resume")
+    proc = cli_main(capsys, *args[:i], *args[i + 2:], "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from checkpoint 2" in proc.stdout
     results = json.loads((logdir / "results.json").read_text())

@@ -14,7 +14,7 @@ from analysis import claims, plots, report
 from experiments.suite import cli, matrix, presets, settings
 from jaxdist import config
 from jaxdist.record import RunRecord
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 # Two layouts x one model, plus an entry that fails inside the run (a global batch of 8 does
 # not split over 3 devices) between them: the suite must record it and go on.
@@ -56,8 +56,7 @@ NAMES = ["mlp-tiny-ddp-r1", "mlp-tiny-bad-r1", "mlp-tiny-fsdp-r1"]
 
 
 def run_module(module: str, *args: str, timeout: int = 300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -356,7 +355,7 @@ def test_a_run_killed_with_sigkill_is_listed_unfinished(tmp_path, capsys):
     import time
 
     logdir = tmp_path / "runs" / "killed-ddp"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "experiments.run", "--layout", "ddp",
                              "--mesh", "2", "--platform", "cpu", "--model", "mlp-tiny",
                              "--batch-size", "8", "--warmup", "0", "--steps", "1000000",

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxdist.record import check
 from models import get_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: make test installs "
                             "torch==2.13.0 (pip install torch==2.13.0 by hand)")
@@ -69,7 +69,7 @@ def test_same_padding_matches_jax_output_shape():
 
 
 def torch_run(*args, timeout=240, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = child_env()
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "experiments.torch_run", *args,
                            "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -168,7 +168,7 @@ def test_torch_missing_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['torch'] = None; "
             "from experiments.torch_run import main; sys.exit(main(['--model', 'mlp-tiny']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          text=True, timeout=60, env=child_env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
