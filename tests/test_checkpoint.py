@@ -15,7 +15,7 @@ import pytest
 
 from jaxdist.checkpoint import Checkpointer
 from jaxdist.mesh import MeshShape
-from tests.helpers import ROOT, child_env, run_cli, train
+from tests.helpers import ROOT, child_env, cli_main, run_cli, train
 
 META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
         "dtype": "float32"}
@@ -115,9 +115,10 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_resume_needs_a_directory(tmp_path):
-    proc = run_cli("--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4", "--resume",
-                   cwd=tmp_path)
+def test_resume_needs_a_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
+                    "--resume")
     assert proc.returncode == 2
     # One line that says what to give: the folder, or an interrupted run's --logdir
     assert "--resume needs --checkpoint-dir DIR" in proc.stderr

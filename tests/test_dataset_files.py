@@ -233,11 +233,12 @@ def test_cli_trains_on_cifar_files_and_reports_accuracy(tmp_path):
     assert results["accuracy"] and 0.0 <= results["accuracy"][-1]["accuracy"] <= 1.0
 
 
-def test_cli_dataset_without_data_dir(tmp_path):
-    from tests.helpers import run_cli
+def test_cli_dataset_without_data_dir(tmp_path, monkeypatch, capsys):
+    from tests.helpers import cli_main
 
-    proc = run_cli("--dataset", "mnist", "--model", "mlp-tiny", "--mesh", "2",
-                   "--batch-size", "8", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--dataset", "mnist", "--model", "mlp-tiny", "--mesh", "2",
+                    "--batch-size", "8")
     assert proc.returncode == 2
     assert "--dataset mnist needs --data-dir DIR" in proc.stderr
     assert list(tmp_path.iterdir()) == []

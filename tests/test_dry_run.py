@@ -10,7 +10,7 @@ from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
 from models.build import build_model
-from tests.helpers import run_cli
+from tests.helpers import cli_main, run_cli
 
 
 def test_llama3_70b_fsdp_on_4x8(tmp_path):
@@ -28,8 +28,9 @@ def test_llama3_70b_fsdp_on_4x8(tmp_path):
     assert per_device >= total / 32
 
 
-def test_dry_run_needs_an_explicit_mesh(tmp_path):
-    proc = run_cli("--dry-run", "--model", "gpt-tiny", "--mesh", "-1", cwd=tmp_path)
+def test_dry_run_needs_an_explicit_mesh(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--dry-run", "--model", "gpt-tiny", "--mesh", "-1")
     assert proc.returncode == 2
     assert "--dry-run needs an explicit mesh" in proc.stderr
 

@@ -5,7 +5,7 @@ import pytest
 from jaxdist import metrics
 from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, MODEL_CONSTANTS, get_hardware
-from tests.helpers import run_cli
+from tests.helpers import cli_main, run_cli
 
 KNOWN = "h100-sxm, h100-pcie, h200, a100-sxm-40gb, a100-sxm-80gb, a10g, l4"
 
@@ -72,17 +72,19 @@ def test_unknown_part_names_the_known_ones():
     assert str(e.value) == f"unknown --hardware 'tpu-v5'; known: {KNOWN}"
 
 
-def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path):
-    proc = run_cli("--dry-run", "--hardware", "h900", "--mesh", "2x4", cwd=tmp_path)
+def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--dry-run", "--hardware", "h900", "--mesh", "2x4")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
-def test_cli_unknown_hardware_on_a_real_run(tmp_path):
+def test_cli_unknown_hardware_on_a_real_run(tmp_path, monkeypatch, capsys):
     # A real run with --hardware carries the prediction (tests/test_inrun_prediction.py);
     # an unknown part is refused before anything starts.
-    proc = run_cli("--hardware", "h900", "--mesh", "2x4", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--hardware", "h900", "--mesh", "2x4")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
     assert list(tmp_path.iterdir()) == []

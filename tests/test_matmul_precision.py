@@ -13,7 +13,7 @@ from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
-from tests.helpers import run_cli
+from tests.helpers import cli_main, run_cli
 
 DOT = re.compile(r"stablehlo\.dot_general.*")
 
@@ -64,9 +64,9 @@ def test_run_records_the_precision(tmp_path):
     assert results["config"]["model"]["matmul_precision"] == "highest"
 
 
-def test_bad_precision_is_a_one_line_error(tmp_path):
+def test_bad_precision_is_a_one_line_error(tmp_path, capsys):
     logdir = tmp_path / "run"
-    proc = run_cli("--matmul-precision", "fast", "--logdir", str(logdir), timeout=60)
+    proc = cli_main(capsys, "--matmul-precision", "fast", "--logdir", str(logdir))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, lines
