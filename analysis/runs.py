@@ -26,6 +26,8 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] from every event file under logdir, read through the TFRecord
     framing (u64 length, u32 crc, payload, u32 crc) without the tensorboard package. A record
     cut short (a run killed while writing) ends that file."""
+    from jaxdist.tbx import tensorboardx
+    tensorboardx()  # without torch
     from tensorboardX.proto import event_pb2
 
     out: dict[str, list] = {}

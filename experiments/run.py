@@ -216,8 +216,8 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     if run_dir is not None:  # process 0 speaks for all
         print_notices(cfg)
 
-    # Imported only now: tensorboardX imports torch when it is installed (~3 s), which bad
-    # input should not wait for.
+    # Imported only now: the loop's writers and XLA plumbing, which bad input should not
+    # wait for.
     from jaxdist import loop
     from jaxdist.summary import format_summary, mesh_text
 

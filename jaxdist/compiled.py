@@ -169,13 +169,8 @@ OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                    "xla_gpu_enable_highest_priority_async_stream": True}
 
 
-
-
 _KERNEL_CACHE: list[dict] = []
 _KERNEL_CACHE_LOCK = threading.Lock()  # a suite plan compiles from two threads
-# A kernel cache file to use (and keep) instead of this process's own: processes that run
-# one after another (plans of a study, the test suite's children) reuse each other's cubins.
-# Never give one file to processes that compile at the same time: XLA rewrites it unlocked.
 KERNEL_CACHE_ENV = "JAXDIST_XLA_KERNEL_CACHE"
 
 
@@ -186,7 +181,7 @@ def kernel_cache_options() -> dict:
     again. ptxas dominates a device-less compile here (llama3-70b fsdp_tp depth 1: 12 of
     17 s), and the cache changes no HLO, schedule or buffer: only the cubins are reused.
     The file lives in a temporary directory this process creates and removes, unless
-    JAXDIST_XLA_KERNEL_CACHE names one."""
+    JAXDIST_XLA_KERNEL_CACHE names one (XLA rewrites it unlocked: one writer at a time)."""
     import atexit
     import shutil
     import tempfile

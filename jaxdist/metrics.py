@@ -10,7 +10,6 @@ from collections import defaultdict
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from scipy import stats
 
 
 def latency_stats(seconds) -> dict:
@@ -19,6 +18,8 @@ def latency_stats(seconds) -> dict:
     t = np.asarray(seconds, dtype=np.float64)
     n = t.size
     std = float(t.std(ddof=1)) if n > 1 else 0.0
+    from scipy import stats  # here: seconds of import that only a summary needs
+
     crit = float(stats.t.ppf(0.975, n - 1)) if n > 1 else None
     return {
         "n": int(n),

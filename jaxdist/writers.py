@@ -75,9 +75,11 @@ class RunWriter:
     """Everything a run writes under its directory."""
 
     def __init__(self, logdir: Path, config: dict):
-        # Imported here: tensorboardX imports torch when it is installed (~3 s), which a
-        # --dry-run or bad input should not wait for.
-        from tensorboardX import SummaryWriter
+        # Imported here, and without torch (jaxdist.tbx): a --dry-run or bad input should
+        # not wait for it.
+        from jaxdist.tbx import tensorboardx
+
+        SummaryWriter = tensorboardx().SummaryWriter
 
         self.logdir = logdir
         self.started = time.time()
@@ -158,6 +160,9 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
     whichever run TensorBoard reads it from lists every column), this session's start
     (its values and its name) and its end."""
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    from jaxdist.tbx import tensorboardx
+    tensorboardx()  # its proto modules, imported without torch
     from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 
     types = {str: api_pb2.DATA_TYPE_STRING, int: api_pb2.DATA_TYPE_STRING,

@@ -1,10 +1,9 @@
 """Shared test helpers: run the step for a few iterations, read TensorBoard files back,
-call the CLI as a subprocess."""
+call the CLI in this process (bad input) or as a child process (what a process is for)."""
 
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from analysis.runs import read_scalars  # noqa: F401 - the tests read events as analysis does
 from jaxdist.data import TrainStream
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
@@ -38,26 +38,6 @@ def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="
         state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
         losses.append(float(loss))
     return np.array(losses), state, program
-
-
-def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from every event file under logdir, read through the TFRecord
-    framing (u64 length, u32 crc, payload, u32 crc) without the tensorboard package."""
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, list] = {}
-    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            payload = data[pos + 12:pos + 12 + length]
-            pos += 12 + length + 4
-            event = event_pb2.Event.FromString(payload)
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
 
 
 def child_env(xla_flags: str = "", **extra: str) -> dict:

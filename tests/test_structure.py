@@ -189,13 +189,13 @@ def test_runtime_imports_no_entry_point():
     assert bad == []
 
 
-ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors"}
+ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors", "jaxdist.tbx"}
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "chex", "torch")
 
 
 def test_analysis_imports_no_jax_nor_anything_that_does():
-    """Readers of runs start in well under a second: they import jaxdist.record and
-    jaxdist.errors from the project (both import no jax), never models, sharding, ps or
+    """Readers of runs start in well under a second: they import jaxdist.record,
+    jaxdist.errors and jaxdist.tbx from the project (none imports jax), never models, sharding, ps or
     the rest of the runtime, and no heavy framework."""
     modules = source_modules()
     known = set(modules)
