@@ -231,8 +231,7 @@ def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
 
     r = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "2", "--model",
                 "gpt-tiny", "--layout", "pp", "--mesh", "stage:2", "--microbatches", "2",
-                "--pp-schedule", "gpipe", "--batch-size", "4", "--logdir", str(tmp_path / "p"),
-                xla_flags="--xla_backend_optimization_level=0")
+                "--pp-schedule", "gpipe", "--batch-size", "4", "--logdir", str(tmp_path / "p"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("PREDICTED (not measured): gpt-tiny")
     # F, B and W one tick each: 3 (M + S - 1) ticks

@@ -10,7 +10,6 @@ import pytest
 from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord
 from tests.helpers import ROOT, run_cli
 
-FAST_XLA = "--xla_backend_optimization_level=0"
 TINY = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3",
         "--no-progress"]
 
@@ -20,11 +19,10 @@ def produced(tmp_path_factory):
     """(fsdp run dir, ps-async run dir), each from a real run of the producer."""
     base = tmp_path_factory.mktemp("record")
     fsdp, ps = base / "fsdp", base / "ps"
-    proc = run_cli("--layout", "fsdp", "--mesh", "1x2", *TINY, "--logdir", str(fsdp),
-                   xla_flags=FAST_XLA)
+    proc = run_cli("--layout", "fsdp", "--mesh", "1x2", *TINY, "--logdir", str(fsdp))
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_cli("--layout", "ps", "--mesh", "2x1", "--ps-mode", "async", *TINY,
-                   "--logdir", str(ps), xla_flags=FAST_XLA, timeout=240)
+                   "--logdir", str(ps), timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return fsdp, ps
 
