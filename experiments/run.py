@@ -272,8 +272,10 @@ def main_dry_run(cfg: RunConfig) -> int:
             raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
         name = "dry_run.json"
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
+            from jaxdist.hardware import check_nodes, get_hardware
             from jaxdist.predict.plan import format_prediction, predict_plan
             check_batch(cfg, shape)
+            check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
             configure_host_devices(shape, "cpu")
             plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
         elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations

@@ -4,7 +4,6 @@ up; published records validate, and a malformed one is a one-line error (exit 2)
 
 import csv
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -5,7 +5,7 @@ import pytest
 from jaxdist import metrics
 from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, MODEL_CONSTANTS, get_hardware
-from tests.helpers import cli_main, run_cli
+from tests.helpers import cli_main
 
 KNOWN = "h100-sxm, h100-pcie, h200, a100-sxm-40gb, a100-sxm-80gb, a10g, l4"
 
@@ -56,9 +56,10 @@ def test_gpus_per_node_override():
         get_hardware("h200", -1)
 
 
-def test_cli_gpus_per_node_that_does_not_fill_nodes_is_refused(tmp_path):
-    proc = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "3", "--mesh", "4x8",
-                   "--model", "mlp-tiny", cwd=tmp_path)
+def test_cli_gpus_per_node_that_does_not_fill_nodes_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--dry-run", "--hardware", "h200", "--gpus-per-node", "3", "--mesh",
+                    "4x8", "--model", "mlp-tiny")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "run: error: the mesh's 32 devices do not fill nodes of 3 GPUs (h200); give "

@@ -2,7 +2,6 @@
 equal 1 process x 8 devices, and a peer that never starts gives a one-line error in time."""
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -3,7 +3,6 @@ plan.json per row, the ranking, compiles shared across rows), bad input, and the
 breakdown (analysis.plan_rank) on hand-built plans. Every figure here is PREDICTED."""
 
 import json
-import os
 import subprocess
 import sys
 import tomllib

@@ -7,7 +7,6 @@ one 2-rank PyTorch run, both mlp-tiny with a few steps."""
 
 import copy
 import json
-import os
 import re
 import subprocess
 import sys

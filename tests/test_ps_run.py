@@ -8,7 +8,6 @@ on 2 cores."""
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 

@@ -3,7 +3,6 @@
 batches, and a 2-process DDP / FSDP2 run on CPU that writes a schema-valid results.json."""
 
 import json
-import os
 import re
 import subprocess
 import sys
