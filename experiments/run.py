@@ -253,8 +253,9 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     print(format_summary(results))
     if platform.simulated:
         print("  (simulated devices: times above are not performance figures)")
+    from jaxdist.writers import tensorboard_hint
     print(f"\nresults:     {logdir / 'results.json'}")
-    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(tensorboard_hint(logdir))
     return 0
 
 
@@ -337,8 +338,9 @@ def main_ps(cfg: RunConfig) -> int:
         return report_interrupt(results, logdir, bool(cfg.output.logdir))
     print()
     print(format_summary(results))
+    from jaxdist.writers import tensorboard_hint
     print(f"\nresults:     {logdir / 'results.json'}")
-    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(tensorboard_hint(logdir))
     return 0
 
 

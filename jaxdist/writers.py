@@ -15,6 +15,10 @@ What a run shows in TensorBoard:
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -117,6 +121,36 @@ class RunWriter:
 
     def close(self) -> None:
         self.tb.close()
+
+
+def tensorboard_hint(run_dir: Path) -> str:
+    """The lines a run prints to open TensorBoard, each a command that runs as printed: on
+    the runs folder this run belongs to (its parent, where the runs a user compares are;
+    the run itself when its parent is the working directory), then on this run alone."""
+    exe = tensorboard_executable()
+    parent = run_dir.parent
+    cwd = Path.cwd()
+    every = (run_dir if parent == Path(".") or parent.absolute() in (cwd, Path(parent.anchor))
+             else parent)
+    line = f"TensorBoard: {exe} --logdir {shlex.quote(str(every))}"
+    if every != run_dir:
+        line += f"\n  this run alone: {exe} --logdir {shlex.quote(str(run_dir))}"
+    return line
+
+
+def tensorboard_executable() -> str:
+    """`tensorboard` when that name finds this Python's own (an active venv, or installed
+    on PATH); else the path of the one beside this Python (a venv that is not active); else
+    this Python running TensorBoard's module."""
+    beside = Path(os.path.abspath(sys.executable)).parent / "tensorboard"
+    on_path = shutil.which("tensorboard")
+    if beside.exists():
+        if on_path and os.path.samefile(on_path, beside):
+            return "tensorboard"
+        return shlex.quote(str(beside))
+    if on_path:
+        return "tensorboard"
+    return f"{shlex.quote(os.path.abspath(sys.executable))} -m tensorboard.main"
 
 
 class NullWriter:

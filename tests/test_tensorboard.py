@@ -240,3 +240,41 @@ def test_rows_are_named_by_run_folder_and_say_whether_the_run_finished(server):
         INTERRUPTED: ("interrupted", "3 of 11")}
     record = json.loads((logdir / INTERRUPTED / "results.json").read_text())
     assert record["status"] == "interrupted"
+
+
+def test_the_printed_tensorboard_command_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """What a run prints is pasted into a shell as it is (here with a loopback --host and a
+    free --port added): it starts TensorBoard on the runs folder, which serves this run."""
+    from experiments.run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--layout", "ddp", "--mesh", "2x4", "--model", "mlp-tiny", "--batch-size",
+                 "16", "--warmup", "1", "--steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    (run,) = (tmp_path / "runs").iterdir()
+    line = next(x for x in out.splitlines() if x.startswith("TensorBoard: "))
+    command = line.removeprefix("TensorBoard: ")
+    assert command.endswith(" --logdir runs")  # the folder of runs, not this one run
+    assert f"this run alone: {command}/{run.name}" in out
+    port = _free_port()
+    proc = subprocess.Popen(f"{command} --host 127.0.0.1 --port {port}",
+                            shell=True, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=""),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                runs = _get(f"http://127.0.0.1:{port}", "/data/runs")
+                if runs:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"`{command}` did not answer: rc {proc.poll()}, "
+                                     f"{proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        assert runs == [run.name]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the shell and TensorBoard
+        proc.wait(timeout=30)
