@@ -4,7 +4,8 @@ What a run shows in TensorBoard:
 - Time Series / Scalars: the per-step curves, `train/loss` and `train/step_time_s`
   (`train/warmup_step_time_s` for warm-up steps; ps runs add `train/worker<w>/step_time_s`),
   `eval/accuracy` and the power telemetry under `power/` (jaxdist/telemetry/outputs.py).
-- Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run.
+- Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run,
+  and a category `step time (s) by layout` with one chart per layout (custom_scalars).
 - HParams: one row per run, named by the run's folder (its path under the folder
   TensorBoard was given), with the settings that define the run, its `status` and `steps`
   as columns and its run-level figures as metrics. TensorBoard reads metric values from
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -86,6 +88,27 @@ HPARAMS = {
 IDENTITY = ("layout", "mesh", "model", "status", "steps")
 CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
+BY_LAYOUT = "step time (s) by layout"
+
+
+def custom_scalars(layout: str) -> dict:
+    """This run's Custom Scalars layout. TensorBoard merges the runs' layouts (categories
+    by title, equal charts once), so the `BY_LAYOUT` category gets one chart per layout
+    present, titled by it, over `train/<layout>/step_time_s`, which only runs of that
+    layout write. What the layout proto cannot say is left to TensorBoard: colours are
+    given per run (by its order), the legend is the Runs list (and each chart's Matches),
+    and "Ignore outliers in chart scaling" (on by default) scales each chart to the 5-95%
+    of its points, which in the overlay can cut off a slower layout's runs (a pipeline);
+    in their own layout's chart they are the points it is scaled to."""
+    return {**CUSTOM_SCALARS, BY_LAYOUT: {layout: ["Multiline", [layout_step_tag(layout,
+                                                                              regex=True)]]}}
+
+
+def layout_step_tag(layout: str, regex: bool = False) -> str:
+    """`train/<layout>/step_time_s`: the timed steps again, under the run's layout."""
+    if regex:
+        return f"^train/{re.escape(layout)}/step_time_s$"
+    return f"train/{layout}/step_time_s"
 
 
 class RunWriter:
@@ -100,12 +123,15 @@ class RunWriter:
         self.started = time.time()
         self.tb = SummaryWriter(logdir=str(logdir), flush_secs=5)
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
-        self.tb.add_custom_scalars(CUSTOM_SCALARS)
+        self.layout = (config.get("train") or {}).get("layout") or "run"
+        self.tb.add_custom_scalars(custom_scalars(self.layout))
 
     def step(self, index: int, loss: float, step_s: float, timed: bool) -> None:
         self.tb.add_scalar("train/loss", loss, index)
         self.tb.add_scalar("train/step_time_s" if timed else "train/warmup_step_time_s",
                            step_s, index)
+        if timed:
+            self.tb.add_scalar(layout_step_tag(self.layout), step_s, index)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.tb.add_scalar(tag, value, step)

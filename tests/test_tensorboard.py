@@ -204,7 +204,8 @@ def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(ser
         points = _get(base, "/data/plugin/scalars/scalars", run=run, tag="train/loss")
         assert [step for _, step, _ in points] == list(range(WARMUP + STEPS))
         per_step = {t for t in tags[run] if not t.startswith(METRIC_PREFIX)}
-        assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s"}
+        assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s",
+                            f"train/{run}/step_time_s"}  # the layout's own chart
     # Time Series lays tag groups out alphabetically: the one-point run figures come after
     # the training curves, so the first thing TensorBoard shows is train/.
     groups = sorted({t.split("/")[0] for run in LAYOUTS for t in tags[run]})
@@ -219,9 +220,28 @@ def test_summary_table_and_custom_scalars(server):
     summary = _get(base, "/data/plugin/text/text", run="ddp", tag="summary/text_summary")
     assert "state per device (shards)" in summary[0]["text"]
     layout = _get(base, "/data/plugin/custom_scalars/layout")
-    charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"]
+    charts = {(cat["title"], c["title"]): c["multiline"]["tag"] for cat in layout["category"]
               for c in cat["chart"]}
-    assert charts == {"loss": ["^train/loss$"], "step time (s)": ["^train/step_time_s$"]}
+    assert charts == {("train", "loss"): ["^train/loss$"],
+                      ("train", "step time (s)"): ["^train/step_time_s$"],
+                      **{("step time (s) by layout", layout): [f"^train/{layout}/step_time_s$"]
+                         for layout in ("ddp", "fsdp", "pp", "zero1")}}
+
+
+def test_each_layouts_step_time_chart_shows_every_run_of_that_layout_whole(server):
+    """The overlay's outlier scaling can cut a slower layout off; its own chart holds
+    every timed step of each of its runs, and no other layout's."""
+    base, _ = server
+    for layout, runs in (("pp", [f"pp-{s}" for s in SCHEDULES]), ("ddp", ["ddp"]),
+                         ("zero1", [INTERRUPTED])):
+        got = {}
+        for run in RUNS:  # what the chart asks for, run by run
+            payload = _get(base, "/data/plugin/custom_scalars/scalars", run=run,
+                           tag=f"^train/{layout}/step_time_s$")["tag_to_events"]
+            for points in payload.values():
+                got[run] = [step for _, step, _ in points]
+        timed = list(range(WARMUP, WARMUP + STEPS)) if layout != "zero1" else [1, 2]
+        assert got == {run: timed for run in runs}
 
 
 def test_rows_are_named_by_run_folder_and_say_whether_the_run_finished(server):
