@@ -120,7 +120,8 @@ def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
 def print_notices(cfg: RunConfig) -> None:
     """Flags given that do nothing here, one line each (jaxdist/notices.py), once the input
     is known to be valid: bad input stays a single error line."""
-    for line in notices(cfg):
+    from jaxdist.notices import disk_notices
+    for line in notices(cfg) + disk_notices(cfg):
         print(line, file=sys.stderr)
 
 

@@ -182,8 +182,10 @@ def restore_or_init(cfg: RunConfig, ckpt, program, stream, total_steps: int, log
     """(train state, first step): from the latest checkpoint with --resume, else fresh."""
     if cfg.checkpoint.resume:
         latest = ckpt.latest()
-        if latest is None:
-            log(f"--resume: no complete checkpoint in {ckpt.directory}; starting afresh")
+        if latest is None:  # nothing there at all: said before the compile (disk_notices)
+            if any(p.name.split(".")[0].isdigit() for p in ckpt.directory.iterdir()):
+                log(f"--resume: no complete checkpoint in {ckpt.directory} (only unfinished "
+                    f"saves); starting afresh at step 0")
         else:
             state, meta = ckpt.restore(latest, program.abstract_state, program.state_shardings)
             if meta["step"] >= total_steps:
