@@ -275,7 +275,9 @@ def main_dry_run(cfg: RunConfig) -> int:
             from jaxdist.predict.plan import format_prediction, predict_plan
             check_batch(cfg, shape)
             configure_host_devices(shape, "cpu")
-            plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
+            from jaxdist.xla_log import explained_xla_warnings
+            with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
+                plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
         elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
             from jaxdist.pipeline.plan import format_pipeline_plan, plan_pipeline
             configure_host_devices(MeshShape(1), "cpu")

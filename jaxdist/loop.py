@@ -77,10 +77,13 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
     try:
         with monitor:
             started = time.perf_counter()
-            bar = tqdm(range(start_step, total_steps), unit="step", file=sys.stderr,
-                       desc=f"{cfg.train.layout} {platform.shape.label}",
+            # Warm-up steps, then the timed ones the summary's n counts, each counted apart.
+            label = f"{cfg.train.layout} {platform.shape.spec}"
+            timed_n = total_steps - start_step - warmup
+            bar = tqdm(total=warmup or timed_n, unit="step", file=sys.stderr,
+                       desc=f"{label} warm-up" if warmup else f"{label} timed",
                        disable=not cfg.output.progress)
-            for i in bar:
+            for i in range(start_step, total_steps):
                 if profile and i == profile[0] and logdir is not None:
                     jax.profiler.start_trace(str(logdir))
                 if i == window_open:
@@ -96,6 +99,11 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                 losses.append(metrics.scalar(loss))
                 writer.step(i, losses[-1], step_s, timed_step)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                bar.update()
+                if warmup and steps_done == start_step + warmup and timed_n:
+                    bar.refresh()  # the warm-up's last count, then the timed steps from 0
+                    bar.set_description(f"{label} timed", refresh=False)
+                    bar.reset(total=timed_n)
                 # Asked on every process at every step (the multi-process protocol needs it).
                 stopping = stop.should_stop(steps_done) and steps_done < total_steps
                 # Checkpoint saves and evaluation are not training: the energy window
