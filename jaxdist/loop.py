@@ -19,7 +19,6 @@ from jaxdist.data import TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.record import write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist import compiled as compiled_mod
@@ -160,10 +159,9 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                               if profile and logdir is not None else None)
         if logdir is not None:
             monitor.write_outputs(Path(logdir), writer.tb)
-            if timer.timed_s:
-                writer.summary(results)
-            else:  # stopped in warm-up: no step-time figures for TensorBoard's summary
-                write_json(Path(logdir) / "results.json", results)
+            # Stopped in warm-up too: an HParams row that says `interrupted`, its step-time
+            # figures blank, rather than no row at all.
+            writer.summary(results)
     finally:
         writer.close()
     return results

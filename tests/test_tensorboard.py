@@ -298,3 +298,26 @@ def test_the_printed_tensorboard_command_runs_as_printed(tmp_path, monkeypatch, 
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # its own session: the shell and TensorBoard
         proc.wait(timeout=30)
+
+
+def test_a_run_stopped_in_warmup_still_has_a_row_that_says_interrupted(tmp_path):
+    """Stopped before any timed step: no step-time figures, but a row (status, steps, the
+    exact memory figures) rather than none, so the run is not missing from the table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(layout="fsdp", batch_size=16),
+                    loop=LoopConfig(warmup=5, steps=5), output=OutputConfig(progress=False))
+    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None,
+                       stop=_StopAt(2))
+    assert results["step_time_s"]["n"] == 0
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
+    start = metadata.parse_session_start_info_plugin_data(
+        events.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content)
+    assert (start.hparams["status"].string_value, start.hparams["steps"].string_value) == \
+        ("interrupted", "2 of 10")
+    tags = events.Tags()["scalars"]
+    assert METRIC_PREFIX + "state_gib_per_device" in tags
+    assert METRIC_PREFIX + "step_time_p50_s" not in tags  # blank, never a zero
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "interrupted"
