@@ -98,8 +98,9 @@ def custom_scalars(layout: str) -> dict:
     layout write. What the layout proto cannot say is left to TensorBoard: colours are
     given per run (by its order), the legend is the Runs list (and each chart's Matches),
     and "Ignore outliers in chart scaling" (on by default) scales each chart to the 5-95%
-    of its points, which in the overlay can cut off a slower layout's runs (a pipeline);
-    in their own layout's chart they are the points it is scaled to."""
+    of its points, which in the overlay can push a slower layout's runs (a pipeline) off
+    the chart; in their own layout's chart they are the points it is scaled to (single
+    steps above the 95th percentile are still clipped)."""
     return {**CUSTOM_SCALARS, BY_LAYOUT: {layout: ["Multiline", [layout_step_tag(layout,
                                                                               regex=True)]]}}
 
