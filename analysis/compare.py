@@ -10,13 +10,14 @@ line-up of mismatched numbers:
    counterpart are listed with the closest candidate and every field that differs.
 2. Ovi 2025's claims as ratios (analysis.claims: the report's table), when the runs needed
    are present.
-3. With --published: for each JAX run, the closest published records (analysis/baselines)
-   with each mismatch named (analysis.published). A run on CPU devices (simulated or not) is
-   never set against a GPU figure.
+3. With --published: for each JAX run, the published records of its model
+   (analysis/baselines) with each mismatch named, or "no comparable record"
+   (analysis.published). A run on CPU devices (simulated or not) is never set against a
+   GPU figure.
 
-Writes compare.md, compare.csv and compare.png under --out: a new or empty folder, or one
-compare wrote before (its marker, .jaxdist-compare, lists its files: only they are replaced);
-any other existing path is refused (analysis.outdir).
+Writes compare.md, compare.csv and (with a matched pair) compare.png under --out: a new or
+empty folder, or one compare wrote before (its marker, .jaxdist-compare, lists its files:
+only they are replaced); any other existing path is refused (analysis.outdir).
 """
 
 from __future__ import annotations
@@ -269,12 +270,15 @@ def main(argv=None) -> int:
         with outdir.staged(out, COMPARE) as tmp:
             (tmp / "compare.md").write_text(text)
             write_csv(tmp / "compare.csv", rows + ovi_rows + pub_rows)
-            plots.throughput_chart(tmp / "compare.png", chart, chart_where(chart))
+            if chart:  # a plot of JAX / PyTorch pairs, only where there is one
+                plots.throughput_chart(tmp / "compare.png", chart, chart_where(chart))
     except UsageError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
     print(text)
-    print(f"written: {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
+    written = ["compare.md", "compare.csv"] + (["compare.png"] if chart else [])
+    print("written: " + ", ".join(str(out / name) for name in written) +
+          ("" if chart else " (no compare.png: no matched JAX / PyTorch pair to plot)"))
     return 0
 
 
@@ -293,7 +297,10 @@ def _nothing_to_compare(runs, published) -> str:
     if not jax:
         return "no JAX run among RUNS (make one with python -m experiments.run)"
     if published:
-        return "no JAX run matches a PyTorch run, and no published record fits the JAX runs"
+        return ("no JAX run matches a PyTorch run, and no comparable published record: none "
+                "of the JAX runs' models" if torch else "no comparable published record: "
+                "none of the JAX runs' models (published records of other models are never "
+                "lined up)")
     run = jax[0]
     best, diff = closest(run, torch)
     return (f"no JAX run matches a PyTorch run: e.g. {run.path} vs the closest, {best.path}: "

@@ -13,11 +13,6 @@ from jaxdist.record import COMPILER_BOUND, RunRecord
 PER_GPU_KINDS = ("tokens_per_dev", "samples_per_dev")
 
 
-FAMILY_WORDS = {"gpt": ("llama", "gpt", "t5", "transformer", "mixtral"),
-                "llama": ("llama",), "moe": ("mixtral", "moe"),
-                "resnet": ("resnet",), "mlp": ("mlp",), "vgg": ("vgg",),
-                "densenet": ("densenet",), "efficientnet": ("efficientnet",),
-                "convnext": ("convnext",)}
 # jaxdist layout -> the published records' layout class (records normalise theirs the same way)
 LAYOUT_CLASS = {"fsdp_tp": "fsdp+tp"}
 
@@ -121,10 +116,11 @@ def _image_size(run: RunRecord):
 
 def published_section(runs: list[RunRecord], records: list[dict], top: int):
     lines = ["## JAX vs published figures", "",
-             "Closest published records per JAX run (fewest mismatches first). A ratio is "
-             "shown only when model, layout, per-device batch, sequence/image size and "
-             "precision (float32 at matmul precision default/high on an Ampere or newer GPU "
-             "counts as tf32) all match; when only the hardware or GPU count differs, a "
+             "Published records of each JAX run's model (fewest mismatches first; a run "
+             "with none reads \"no comparable record\": records of other models are never "
+             "lined up). A ratio is shown only when model, layout, per-device batch, "
+             "sequence/image size and precision (float32 at matmul precision default/high "
+             "on an Ampere or newer GPU counts as tf32) all match; when only the hardware or GPU count differs, a "
              "throughput per device becomes a per-GPU normalised ratio, labelled so; "
              "otherwise \"not comparable\" with every mismatch named. A run on CPU devices is "
              "never set against a GPU figure. Where our peak memory is the compiler's "
@@ -139,24 +135,24 @@ def published_section(runs: list[RunRecord], records: list[dict], top: int):
             jax_groups.setdefault(match_key(r), []).append(r)
     for key in sorted(jax_groups, key=str):
         run = jax_groups[key][0]
-        family = next((f for f in FAMILY_WORDS if run.model_name.startswith(f)),
-                      "")
-        scored = []
+        scored, unlike = [], 0
         for rec in records:
             q = quantity(rec)
             if q is None or rec["layout"] not in layout_classes(run) or rec.get("value") is None:
                 continue
+            if rec.get("jaxdist_model") != run.model_name:
+                unlike += 1
+                continue
             hard, hw = record_mismatches(run, rec)
-            words = FAMILY_WORDS.get(family, ())
-            related = any(w in rec["model"].lower() for w in words)
             measurable = ours(run, q[0])[0] is not None  # what we can set beside it first
-            scored.append((len(hard) + len(hw) + (0 if related else 1) + (0 if measurable else 1),
+            scored.append((len(hard) + len(hw) + (0 if measurable else 1),
                            rec["id"], rec, q, hard, hw))
         scored.sort(key=lambda s: (s[0], s[1]))
         label = f"{run.model} {run.layout} x{run.devices} b{run.batch} ({run.name})"
         if not scored:
-            lines.append(f"| {label} | (no published record for layout {run.layout}) | | | | "
-                         f"| | | |")
+            why = (f"{unlike} {run.layout} record(s), none of model {run.model}" if unlike
+                   else f"no published record for layout {run.layout}")
+            lines.append(f"| {label} | no comparable record ({why}) | | | | | | | |")
             continue
         for _, rid, rec, (kind, scale), hard, hw in scored[:top]:
             theirs = rec["value"] * scale
@@ -180,9 +176,9 @@ def published_section(runs: list[RunRecord], records: list[dict], top: int):
                          "verdict": verdict, "mismatches": "; ".join(hard + hw)})
             shown += 1
         if len(scored) > top:
-            lines.append(f"| {label} | ({len(scored) - top} more {run.layout} records, all "
-                         f"with at least as many mismatches; --top to list them) | | | | | | "
-                         f"| |")
+            lines.append(f"| {label} | ({len(scored) - top} more {run.model} {run.layout} "
+                         f"records, all with at least as many mismatches; --top to list "
+                         f"them) | | | | | | | |")
     return (lines + [""] if shown or len(lines) > 6 else []), rows, shown
 
 

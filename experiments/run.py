@@ -120,7 +120,8 @@ def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
 def print_notices(cfg: RunConfig) -> None:
     """Flags given that do nothing here, one line each (jaxdist/notices.py), once the input
     is known to be valid: bad input stays a single error line."""
-    for line in notices(cfg):
+    from jaxdist.notices import disk_notices
+    for line in notices(cfg) + disk_notices(cfg):
         print(line, file=sys.stderr)
 
 
@@ -255,8 +256,9 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     print(format_summary(results))
     if platform.simulated:
         print("  (simulated devices: times above are not performance figures)")
+    from jaxdist.writers import tensorboard_hint
     print(f"\nresults:     {logdir / 'results.json'}")
-    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(tensorboard_hint(logdir))
     return 0
 
 
@@ -277,7 +279,9 @@ def main_dry_run(cfg: RunConfig) -> int:
             check_batch(cfg, shape)
             check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
             configure_host_devices(shape, "cpu")
-            plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
+            from jaxdist.xla_log import explained_xla_warnings
+            with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
+                plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
         elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
             from jaxdist.pipeline.plan import format_pipeline_plan, plan_pipeline
             configure_host_devices(MeshShape(1), "cpu")
@@ -341,8 +345,9 @@ def main_ps(cfg: RunConfig) -> int:
         return report_interrupt(results, logdir, bool(cfg.output.logdir))
     print()
     print(format_summary(results))
+    from jaxdist.writers import tensorboard_hint
     print(f"\nresults:     {logdir / 'results.json'}")
-    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(tensorboard_hint(logdir))
     return 0
 
 

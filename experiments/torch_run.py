@@ -121,8 +121,9 @@ def main(argv=None) -> int:
     t = results["torch"]
     print(f"  {'pytorch':<26}  {results['env']['torch_version']}, {t['implementation']}, "
           f"{t['backend']}, {t['threads_per_process']} thread(s) per process")
+    from jaxdist.writers import tensorboard_hint
     print(f"\nresults:     {logdir / 'results.json'}")
-    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(tensorboard_hint(logdir))
     return 0
 
 

@@ -91,8 +91,7 @@ def gpu_topology(hw, num_devices: int) -> Target:
         raise UsageError(f"the GPU compiler rejected the {hw.name} target "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); reinstall "
                          f"it with `make gpu-compiler`") from None
-    derived = " (target derived from a sibling part's, see jaxdist.gpu_targets)" \
-        if spec.derived else ""
+    derived = f" ({spec.derived})" if spec.derived else ""
     return Target("XLA:GPU", devices,
                   f"XLA:GPU {spec.sm}, compiled without a device, {hosts} host(s) x "
                   f"{per_host} {hw.name}{derived}", device_less=True, part=hw.name)

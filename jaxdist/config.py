@@ -77,7 +77,8 @@ class TrainConfig:
     seed: int = _opt(0, "seed for parameters and synthetic data")
     microbatches: int = _opt(1, "gradient accumulation: split each device's batch into N "
                              "micro-batches inside the jitted step (same result as one batch)")
-    remat: str = _opt("none", "activation recomputation per block (gpt models)",
+    remat: str = _opt("none", "activation recomputation per block (the decoders: gpt, "
+                      "llama and moe models)",
                       choices=("none", "full", "dots"))
     pp_schedule: str = _opt("1f1b", "pipeline schedule of the pp, tp_pp and fsdp_pp layouts "
                             "over --microbatches: gpipe (all forwards, then all backwards; "

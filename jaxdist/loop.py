@@ -19,7 +19,6 @@ from jaxdist.data import TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.record import write_json
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
 from jaxdist import compiled as compiled_mod
@@ -77,10 +76,13 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
     try:
         with monitor:
             started = time.perf_counter()
-            bar = tqdm(range(start_step, total_steps), unit="step", file=sys.stderr,
-                       desc=f"{cfg.train.layout} {platform.shape.label}",
+            # Warm-up steps, then the timed ones the summary's n counts, each counted apart.
+            label = f"{cfg.train.layout} {platform.shape.spec}"
+            timed_n = total_steps - start_step - warmup
+            bar = tqdm(total=warmup or timed_n, unit="step", file=sys.stderr,
+                       desc=f"{label} warm-up" if warmup else f"{label} timed",
                        disable=not cfg.output.progress)
-            for i in bar:
+            for i in range(start_step, total_steps):
                 if profile and i == profile[0] and logdir is not None:
                     jax.profiler.start_trace(str(logdir))
                 if i == window_open:
@@ -96,6 +98,11 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                 losses.append(metrics.scalar(loss))
                 writer.step(i, losses[-1], step_s, timed_step)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+                bar.update()
+                if warmup and steps_done == start_step + warmup and timed_n:
+                    bar.refresh()  # the warm-up's last count, then the timed steps from 0
+                    bar.set_description(f"{label} timed", refresh=False)
+                    bar.reset(total=timed_n)
                 # Asked on every process at every step (the multi-process protocol needs it).
                 stopping = stop.should_stop(steps_done) and steps_done < total_steps
                 # Checkpoint saves and evaluation are not training: the energy window
@@ -152,10 +159,9 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                               if profile and logdir is not None else None)
         if logdir is not None:
             monitor.write_outputs(Path(logdir), writer.tb)
-            if timer.timed_s:
-                writer.summary(results)
-            else:  # stopped in warm-up: no step-time figures for TensorBoard's summary
-                write_json(Path(logdir) / "results.json", results)
+            # Stopped in warm-up too: an HParams row that says `interrupted`, its step-time
+            # figures blank, rather than no row at all.
+            writer.summary(results)
     finally:
         writer.close()
     return results
@@ -182,8 +188,10 @@ def restore_or_init(cfg: RunConfig, ckpt, program, stream, total_steps: int, log
     """(train state, first step): from the latest checkpoint with --resume, else fresh."""
     if cfg.checkpoint.resume:
         latest = ckpt.latest()
-        if latest is None:
-            log(f"--resume: no complete checkpoint in {ckpt.directory}; starting afresh")
+        if latest is None:  # nothing there at all: said before the compile (disk_notices)
+            if any(p.name.split(".")[0].isdigit() for p in ckpt.directory.iterdir()):
+                log(f"--resume: no complete checkpoint in {ckpt.directory} (only unfinished "
+                    f"saves); starting afresh at step 0")
         else:
             state, meta = ckpt.restore(latest, program.abstract_state, program.state_shardings)
             if meta["step"] >= total_steps:

@@ -11,7 +11,9 @@ ps` is "applies only to --layout ps", not also "only to --ps-mode ssp".
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from jaxdist.config import PSConfig, RunConfig
@@ -118,3 +120,45 @@ def notices(cfg: RunConfig) -> list[str]:
             lines.append(f"notice: {', '.join(map(_flag, idle))} {verb} only to {rule.only}; "
                          f"ignored")
     return lines
+
+
+def disk_notices(cfg: RunConfig) -> list[str]:
+    """What the folders named on the command line hold, where it changes what the run does
+    without a word otherwise: --resume with nothing to resume (a new or empty
+    --checkpoint-dir: the run starts at step 0) and a --logdir that already holds other
+    files (this run writes beside them). Read once the input is known to be valid."""
+    lines = []
+    ck = cfg.checkpoint
+    if ck.resume and ck.checkpoint_dir and not cfg.output.dry_run and cfg.train.layout != "ps":
+        folder = Path(ck.checkpoint_dir)
+        if not _checkpoint_steps(folder):
+            what = "does not exist yet" if not folder.exists() else "holds no checkpoint"
+            saves = ("" if ck.checkpoint_every else
+                     "; it saves one there only if interrupted (add --checkpoint-every N to "
+                     "save every N steps)")
+            lines.append(f"notice: --resume: --checkpoint-dir {folder} {what}, so there is "
+                         f"nothing to resume: this run starts at step 0{saves}")
+    if cfg.output.logdir:
+        folder = Path(cfg.output.logdir)
+        try:
+            entries = sorted(os.listdir(folder)) if folder.is_dir() else []
+        except OSError:
+            entries = []
+        # results.json there: the interrupted run this --resume continues (make_logdir
+        # refuses any other).
+        if entries and "results.json" not in entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            events = any(e.startswith("events.out.tfevents") for e in entries)
+            lines.append(f"notice: --logdir {folder} already holds other files ({shown}); "
+                         f"this run writes its own beside them" +
+                         ("; TensorBoard will show the event files there as part of this "
+                          "run" if events else ""))
+    return lines
+
+
+def _checkpoint_steps(folder: Path) -> list[str]:
+    """Orbax's step folders (`12`), complete or not (`12.orbax-checkpoint-tmp-...`)."""
+    try:
+        return [p for p in os.listdir(folder) if p.split(".")[0].isdigit()]
+    except OSError:
+        return []

@@ -4,16 +4,23 @@ What a run shows in TensorBoard:
 - Time Series / Scalars: the per-step curves, `train/loss` and `train/step_time_s`
   (`train/warmup_step_time_s` for warm-up steps; ps runs add `train/worker<w>/step_time_s`),
   `eval/accuracy` and the power telemetry under `power/` (jaxdist/telemetry/outputs.py).
-- Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run.
-- HParams: one row per run named `<layout>@<mesh> <model> <time>`, with the settings that
-  define the run as columns and its run-level figures as metrics. TensorBoard reads metric
-  values from scalars, so each metric is also a one-point scalar under `trial/`.
+- Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run,
+  and a category `step time (s) by layout` with one chart per layout (custom_scalars).
+- HParams: one row per run, named by the run's folder (its path under the folder
+  TensorBoard was given), with the settings that define the run, its `status` and `steps`
+  as columns and its run-level figures as metrics. TensorBoard reads metric values from
+  scalars, so each metric is also a one-point scalar under `trial/`.
 - Text: `summary` (the printed table, as markdown) and `config` (the whole RunConfig).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -25,50 +32,84 @@ from jaxdist.summary import format_markdown
 METRIC_PREFIX = "trial/"
 # On simulated devices (the `simulated` column) a time is functional, not performance.
 SIM = "; functional only if simulated"
+# TensorBoard prints a metric as `value.toPrecision(5)`: fixed notation from 1e-6 to 1e5,
+# exponent notation outside it, so 50692 bytes and 1.6e6 bytes read `50692` and `1.6000e+6`
+# in one column. Each figure is written in a unit that keeps it inside that range, so a
+# column reads in one format: bytes in GiB (1.1 kB to 97 TiB), throughputs in thousands.
+GIB = 2.0 ** 30
 # (tag without the prefix, column title): the run-level figures, in HParams column order.
-# TensorBoard ticks the first five by default: time, the three memory figures and the
-# pipeline's bubble, so memory and schedules compare without opening the column menu.
+# TensorBoard ticks the first five by default; at 1600 px the table shows the Trial ID, the
+# five default setting columns (IDENTITY) and the first metric, state per device (exact
+# even on simulated devices, where step times are functional only); then step time, the
+# compiler's bound, the measured peak and the pipeline's bubble.
 METRICS = (
+    ("state_gib_per_device", "state GiB/device"),
     ("step_time_p50_s", f"step p50 (s{SIM})"),
-    ("state_bytes_per_device", "state bytes/device"),
-    ("compiler_bound_bytes", "compiler bound bytes/device"),
-    ("measured_peak_bytes", "measured peak bytes/device"),
+    ("compiler_bound_gib", "compiler bound GiB/device"),
+    ("measured_peak_gib", "measured peak GiB/device"),
     ("pp_bubble", "pipeline bubble (counted)"),
     ("step_time_p99_s", f"step p99 (s{SIM})"),
-    ("samples_per_s", f"samples/s ({SIM[2:]})"),
-    ("tokens_per_s", f"tokens/s ({SIM[2:]})"),
+    ("ksamples_per_s", f"k samples/s ({SIM[2:]})"),
+    ("ktokens_per_s", f"k tokens/s ({SIM[2:]})"),
     ("mfu", "MFU"),
     ("hfu", "HFU"),
-    ("comm_ring_bytes", "ring bytes/device/step"),
-    ("pp_stage_bytes", "pipeline stage bytes/step (a device per stage)"),
+    ("comm_ring_gib", "ring GiB/device/step"),
+    ("pp_stage_gib", "pipeline stage GiB/step (a device per stage)"),
     ("pp_bubble_analytic", "pipeline bubble (analytic)"),
-    ("pp_activation_stash_bytes", "pipeline activation stash bytes"),
+    ("pp_activation_stash_gib", "pipeline activation stash GiB"),
     ("energy_per_step_j", "energy/step (J)"),
     ("energy_per_sample_j", "energy/sample (J)"),
     ("accuracy", "test accuracy"),
     ("final_loss", "final loss"),
     ("ps_push_p50_s", "ps push p50 (s)"),
     ("ps_pull_p50_s", "ps pull p50 (s)"),
-    ("ps_bytes_per_step", "ps bytes/step"),
+    ("ps_gib_per_step", "ps GiB/step"),
     ("ps_staleness_mean", "ps staleness mean"),
     ("ps_staleness_max", "ps staleness max"),
 )
 # name -> type of the settings that define a run. Left out on purpose: flags that do not
 # change what is measured (checkpointing, multi-process wiring, output paths, telemetry
 # knobs) and, for runs other than ps, the ps settings. Counts are strings: TensorBoard
-# prints every number to 5 significant digits (8 devices would read `8.0000`).
+# prints every number to 5 significant digits (8 devices would read `8.0000`). `status`
+# (complete / interrupted) and `steps` (steps run; `18 of 303` when interrupted) say
+# whether the row's figures are those of the whole run.
 HPARAMS = {
-    "layout": str, "mesh": str, "schedule": str, "devices": int, "device_kind": str,
+    "layout": str, "mesh": str, "schedule": str, "status": str, "steps": str,
+    "devices": int, "device_kind": str,
     "model": str, "params": int, "batch": int, "dtype": str, "matmul_precision": str,
     "optimizer": str, "lr": float, "microbatches": int, "remat": str, "overlap": bool,
     "dataset": str, "seed": int, "framework": str, "backend": str, "simulated": bool,
     "ps_mode": str, "ps_shards": int, "ps_staleness": int,
 }
 # Marked as differing so TensorBoard shows these columns first (it shows 5 by default,
-# differing ones first, then by name): without them no row says which run it is.
-IDENTITY = ("devices", "layout", "mesh", "model", "schedule")
+# differing ones first, then by name). The row's name (the run folder: time, layout and
+# mesh, model, a pipeline's schedule) says which run it is; these five say what it is and
+# whether it finished; devices and schedule are one tick away in the column menu.
+IDENTITY = ("layout", "mesh", "model", "status", "steps")
 CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
+BY_LAYOUT = "step time (s) by layout"
+
+
+def custom_scalars(layout: str) -> dict:
+    """This run's Custom Scalars layout. TensorBoard merges the runs' layouts (categories
+    by title, equal charts once), so the `BY_LAYOUT` category gets one chart per layout
+    present, titled by it, over `train/<layout>/step_time_s`, which only runs of that
+    layout write. What the layout proto cannot say is left to TensorBoard: colours are
+    given per run (by its order), the legend is the Runs list (and each chart's Matches),
+    and "Ignore outliers in chart scaling" (on by default) scales each chart to the 5-95%
+    of its points, which in the overlay can push a slower layout's runs (a pipeline) off
+    the chart; in their own layout's chart they are the points it is scaled to (single
+    steps above the 95th percentile are still clipped)."""
+    return {**CUSTOM_SCALARS, BY_LAYOUT: {layout: ["Multiline", [layout_step_tag(layout,
+                                                                              regex=True)]]}}
+
+
+def layout_step_tag(layout: str, regex: bool = False) -> str:
+    """`train/<layout>/step_time_s`: the timed steps again, under the run's layout."""
+    if regex:
+        return f"^train/{re.escape(layout)}/step_time_s$"
+    return f"train/{layout}/step_time_s"
 
 
 class RunWriter:
@@ -85,12 +126,15 @@ class RunWriter:
         self.started = time.time()
         self.tb = SummaryWriter(logdir=str(logdir), flush_secs=5)
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
-        self.tb.add_custom_scalars(CUSTOM_SCALARS)
+        self.layout = (config.get("train") or {}).get("layout") or "run"
+        self.tb.add_custom_scalars(custom_scalars(self.layout))
 
     def step(self, index: int, loss: float, step_s: float, timed: bool) -> None:
         self.tb.add_scalar("train/loss", loss, index)
         self.tb.add_scalar("train/step_time_s" if timed else "train/warmup_step_time_s",
                            step_s, index)
+        if timed:
+            self.tb.add_scalar(layout_step_tag(self.layout), step_s, index)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.tb.add_scalar(tag, value, step)
@@ -100,13 +144,42 @@ class RunWriter:
         write_json(self.logdir / "results.json", results)
         for name, value in {**summary_scalars(results), **predicted_scalars(results)}.items():
             self.tb.add_scalar(name, value, 0)
-        for event in hparams_summaries(results, trial_name(results, self.started),
-                                       self.started):
+        for event in hparams_summaries(results, self.started):
             self.tb.file_writer.add_summary(event)
         self.tb.add_text("summary", format_markdown(results), 0)
 
     def close(self) -> None:
         self.tb.close()
+
+
+def tensorboard_hint(run_dir: Path) -> str:
+    """The lines a run prints to open TensorBoard, each a command that runs as printed: on
+    the runs folder this run belongs to (its parent, where the runs a user compares are;
+    the run itself when its parent is the working directory), then on this run alone."""
+    exe = tensorboard_executable()
+    parent = run_dir.parent
+    cwd = Path.cwd()
+    every = (run_dir if parent == Path(".") or parent.absolute() in (cwd, Path(parent.anchor))
+             else parent)
+    line = f"TensorBoard: {exe} --logdir {shlex.quote(str(every))}"
+    if every != run_dir:
+        line += f"\n  this run alone: {exe} --logdir {shlex.quote(str(run_dir))}"
+    return line
+
+
+def tensorboard_executable() -> str:
+    """`tensorboard` when that name finds this Python's own (an active venv, or installed
+    on PATH); else the path of the one beside this Python (a venv that is not active); else
+    this Python running TensorBoard's module."""
+    beside = Path(os.path.abspath(sys.executable)).parent / "tensorboard"
+    on_path = shutil.which("tensorboard")
+    if beside.exists():
+        if on_path and os.path.samefile(on_path, beside):
+            return "tensorboard"
+        return shlex.quote(str(beside))
+    if on_path:
+        return "tensorboard"
+    return f"{shlex.quote(os.path.abspath(sys.executable))} -m tensorboard.main"
 
 
 class NullWriter:
@@ -120,13 +193,6 @@ class NullWriter:
 
 # ---------------------------------------------------------------------- HParams
 
-def trial_name(results: dict, started: float) -> str:
-    """`11-30 13:34:12`: when the run started, which tells runs apart (TensorBoard merges
-    rows of one name) and fits the 10-em Trial ID column whole; what the run is, the
-    identity columns say."""
-    return time.strftime("%m-%d %H:%M:%S", time.localtime(started))
-
-
 def run_hparams(results: dict) -> dict:
     """The settings that define a run (HPARAMS), from results.json; absent ones left out."""
     cfg = results.get("config") or {}
@@ -136,6 +202,8 @@ def run_hparams(results: dict) -> dict:
         "layout": results["layout"], "mesh": mesh_spec(results["mesh"]),
         "schedule": (pipeline_schedule(results["pipeline"]) if results.get("pipeline")
                      else None),
+        # Runs from before `status` existed finished.
+        "status": results.get("status", "complete"), "steps": steps_text(results),
         "devices": env.get("num_devices"), "device_kind": env.get("device_kind"),
         "model": results["model"]["name"], "params": results["model"].get("params"),
         "batch": train.get("batch_size"), "dtype": model.get("dtype"),
@@ -155,10 +223,24 @@ def run_hparams(results: dict) -> dict:
     return {k: v for k, v in hp.items() if v is not None}
 
 
-def hparams_summaries(results: dict, name: str, started: float) -> list:
+def steps_text(results: dict) -> str | None:
+    """The `steps` column: the steps run, warm-up included (`23`); an interrupted run's
+    against those planned (`18 of 303`), as its one-line message says."""
+    done = results.get("steps_done")
+    if done is None:
+        done = len(results.get("loss") or []) or None
+    if done is None:
+        return None
+    planned = (results.get("interrupted") or {}).get("steps_planned")
+    return f"{done} of {planned}" if planned else str(done)
+
+
+def hparams_summaries(results: dict, started: float) -> list:
     """The hparams plugin's three summaries: the experiment (the same in every run, so
     whichever run TensorBoard reads it from lists every column), this session's start
-    (its values and its name) and its end."""
+    (its values) and its end. The session has no group name, so TensorBoard names the row
+    by the session's run: the run folder's path under the folder it was given, `runs` for
+    the runs `experiments.run` makes (one folder per row, never two runs merged)."""
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
     from jaxdist.tbx import tensorboardx
@@ -172,7 +254,7 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
                       for k, t in HPARAMS.items()],
         metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=METRIC_PREFIX + tag),
                                          display_name=title) for tag, title in METRICS])
-    start = plugin_data_pb2.SessionStartInfo(group_name=name, start_time_secs=started)
+    start = plugin_data_pb2.SessionStartInfo(start_time_secs=started)
     for key, value in run_hparams(results).items():
         kind = HPARAMS[key]
         if kind is str:
@@ -183,7 +265,8 @@ def hparams_summaries(results: dict, name: str, started: float) -> list:
             start.hparams[key].bool_value = bool(value)
         else:
             start.hparams[key].number_value = float(value)
-    # No "interrupted" status in the plugin (SUCCESS, FAILURE, RUNNING, UNKNOWN): UNKNOWN.
+    # No "interrupted" status in the plugin (SUCCESS, FAILURE, RUNNING, UNKNOWN): UNKNOWN;
+    # the `status` column says which.
     status = (api_pb2.STATUS_SUCCESS if results.get("status", "complete") == "complete"
               else api_pb2.STATUS_UNKNOWN)
     end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
@@ -206,15 +289,16 @@ def run_metrics(results: dict) -> dict[str, float]:
     mfu = results.get("mfu") or {}
     power = results.get("power") or {}
     accuracy = results.get("accuracy") or []
+    throughput = results.get("throughput") or {}
     out = {
         "step_time_p50_s": t.get("p50"), "step_time_p99_s": t.get("p99"),
-        "samples_per_s": (results.get("throughput") or {}).get("samples_per_s"),
-        "tokens_per_s": (results.get("throughput") or {}).get("tokens_per_s"),
+        "ksamples_per_s": _per(throughput.get("samples_per_s"), 1e3),
+        "ktokens_per_s": _per(throughput.get("tokens_per_s"), 1e3),
         "mfu": mfu.get("value"), "hfu": mfu.get("hfu"),
-        "state_bytes_per_device": mem.get("state_bytes_per_device"),
-        "compiler_bound_bytes": (mem.get("compiled") or {}).get("peak_bytes"),
-        "measured_peak_bytes": mem.get("measured_peak_bytes"),
-        "comm_ring_bytes": (results.get("comm") or {}).get("total_ring_bytes"),
+        "state_gib_per_device": _per(mem.get("state_bytes_per_device"), GIB),
+        "compiler_bound_gib": _per((mem.get("compiled") or {}).get("peak_bytes"), GIB),
+        "measured_peak_gib": _per(mem.get("measured_peak_bytes"), GIB),
+        "comm_ring_gib": _per((results.get("comm") or {}).get("total_ring_bytes"), GIB),
         "energy_per_step_j": power.get("energy_per_step_j") if power.get("available") else None,
         "energy_per_sample_j": (power.get("energy_per_sample_j") if power.get("available")
                                 else None),
@@ -224,24 +308,34 @@ def run_metrics(results: dict) -> dict[str, float]:
     pp = results.get("pipeline")
     if pp:  # the schedule's bubble (counted, analytic), stage bytes, activation stash
         out.update({"pp_bubble": pp["bubble"], "pp_bubble_analytic": pp["analytic_bubble"],
-                    "pp_stage_bytes": pp["stage_bytes"]["total"],
-                    "pp_stage_bytes_analytic": pp["stage_bytes"]["analytic"],
-                    "pp_activation_stash_bytes": pp["memory"]["activation_stash_bytes"]})
+                    "pp_stage_gib": pp["stage_bytes"]["total"] / GIB,
+                    "pp_stage_gib_analytic": pp["stage_bytes"]["analytic"] / GIB,
+                    "pp_activation_stash_gib": pp["memory"]["activation_stash_bytes"] / GIB})
     ps = results.get("ps")
     if ps:
         out["ps_push_p50_s"] = (ps.get("push_latency_s") or {}).get("p50")
         out["ps_pull_p50_s"] = (ps.get("pull_latency_s") or {}).get("p50")
         moved = ps.get("bytes_per_step") or {}
         if moved:
-            out["ps_bytes_per_step"] = moved.get("push", 0) + moved.get("pull", 0)
+            out["ps_gib_per_step"] = (moved.get("push", 0) + moved.get("pull", 0)) / GIB
         out["ps_staleness_mean"] = (ps.get("staleness") or {}).get("mean")
         out["ps_staleness_max"] = (ps.get("staleness") or {}).get("max")
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
+def _per(value, unit: float) -> float | None:
+    return None if value is None else value / unit
+
+
 def summary_scalars(results: dict) -> dict[str, float]:
-    """The run-level scalars written at the end (the HParams metrics' values)."""
-    return {METRIC_PREFIX + k: v for k, v in run_metrics(results).items()}
+    """The run-level scalars written at the end: the HParams metrics' values, and two
+    figures in the record's own units (not columns), which readers of the event files
+    (tests/test_run_cli.py) compare with results.json."""
+    record = {"samples_per_s": (results.get("throughput") or {}).get("samples_per_s"),
+              "state_bytes_per_device": (results.get("memory") or {}).get(
+                  "state_bytes_per_device")}
+    return {**{METRIC_PREFIX + k: v for k, v in run_metrics(results).items()},
+            **{METRIC_PREFIX + k: float(v) for k, v in record.items() if v is not None}}
 
 
 def predicted_scalars(results: dict) -> dict[str, float]:

@@ -35,7 +35,8 @@ def build_model(cfg):
     model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
     if cfg.train.remat != "none":
         if not hasattr(model_cfg, "remat"):
-            raise UsageError(f"--remat applies to gpt models, not {cfg.model.model!r}")
+            raise UsageError(f"--remat applies to the decoders (gpt, llama and moe models), "
+                             f"not {cfg.model.model!r}")
         model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)

@@ -47,19 +47,22 @@ def ddp(state, mesh: Mesh):
     return replicated(state)
 
 
-@register_layout("zero1", "parameters replicated; optimizer state sharded over all devices")
+@register_layout("zero1", "parameters replicated; optimizer state sharded over all devices",
+                 min_devices=2)
 def zero1(state, mesh: Mesh):
     return {"params": replicated(state["params"]),
             "model_state": replicated(state["model_state"]),
             "opt": sharded(state["opt"], mesh, tuple(mesh.axis_names))}
 
 
-@register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices")
+@register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices",
+                 min_devices=2)
 def fsdp(state, mesh: Mesh):
     return sharded(state, mesh, tuple(mesh.axis_names))
 
 
-@register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis")
+@register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis",
+                 requires=("fsdp",))
 def hsdp(state, mesh: Mesh):
     return sharded(state, mesh, ("fsdp",))
 

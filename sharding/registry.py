@@ -8,6 +8,7 @@ statistics) and `opt` (optimizer state).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from jax.sharding import Mesh, PartitionSpec as P
@@ -20,15 +21,18 @@ _DESCRIPTIONS: dict[str, str] = {}
 _MESH_AXES: dict[str, tuple[str, ...]] = {}
 _FAMILIES: dict[str, tuple[str, ...] | None] = {}
 _REQUIRES: dict[str, tuple[str, ...]] = {}
+_MIN_DEVICES: dict[str, int] = {}
 # Mesh spec positions (DATAxFSDPxTENSORxEXPERT), to suggest a mesh with a missing axis.
 _ORDER = ("data", "fsdp", "tensor", "expert")
 
 
 def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
-                    requires=()):
+                    requires=(), min_devices=1):
     """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
     `families`: the model families it applies to (None: all); `requires`: axes that must be
-    larger than 1, without which the layout would silently be plain replication."""
+    larger than 1, without which the layout would silently be plain replication;
+    `min_devices`: the devices it needs to shard anything (fsdp and zero1 shard over every
+    device: on one they are a single-device run)."""
     def wrap(fn: Layout) -> Layout:
         if name in _LAYOUTS:
             raise ValueError(f"layout {name!r} registered twice")
@@ -37,6 +41,7 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
         _MESH_AXES[name] = tuple(mesh_axes)
         _FAMILIES[name] = tuple(families) if families else None
         _REQUIRES[name] = tuple(requires)
+        _MIN_DEVICES[name] = min_devices
         return fn
     return wrap
 
@@ -45,7 +50,14 @@ def _fits(name: str, axis_sizes: dict[str, int], family: str | None = None) -> b
     used = {a for a, n in axis_sizes.items() if n != 1}
     families = _FAMILIES[name]
     return (used <= set(_MESH_AXES[name]) and set(_REQUIRES[name]) <= used
+            and not _too_few_devices(name, axis_sizes)
             and (family is None or not families or family in families))
+
+
+def _too_few_devices(name: str, axis_sizes: dict[str, int]) -> bool:
+    """Known to have fewer devices than the layout shards over (-1: known only later)."""
+    sizes = list(axis_sizes.values())
+    return all(n > 0 for n in sizes) and math.prod(sizes) < _MIN_DEVICES[name]
 
 
 def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
@@ -69,6 +81,11 @@ def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
         raise UsageError(f"layout {name!r} splits over the {axis} axis, which this mesh does "
                          f"not have ({axis}=1: it would run as plain replication); add one, "
                          f"e.g. --mesh {suggest_mesh(axis_sizes, axis)}")
+    if _too_few_devices(name, axis_sizes):
+        n = _MIN_DEVICES[name]
+        raise UsageError(f"layout {name!r} shards over every device, and this mesh has one "
+                         f"(it would run as a single device with nothing sharded); give it "
+                         f"{n} or more, e.g. --mesh {n}")
 
 
 def suggest_mesh(axis_sizes: dict[str, int], axis: str) -> str:

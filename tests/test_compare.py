@@ -153,8 +153,33 @@ unit = "samples/s/GPU"
     # Simulated CPU devices against an A100 figure: no ratio at all, normalised or not.
     assert "| not comparable (simulated CPU devices vs A100) |" in mine
     assert "ratio" not in mine and "hardware A100 vs CPU (simulated devices)" in mine
-    others = [x for x in proc.stdout.splitlines() if "| ddp-bench-" in x]
-    assert others and all("not comparable" in x and "model ResNet" in x for x in others)
+    # records of other models (the bundled ResNet ddp benchmarks) are never lined up
+    assert not [x for x in proc.stdout.splitlines() if "| ddp-bench-" in x]
+    assert (tmp_path / "out" / "compare.md").exists()
+    assert not (tmp_path / "out" / "compare.png").exists()  # no JAX / PyTorch pair to plot
+    assert "(no compare.png: no matched JAX / PyTorch pair to plot)" in proc.stdout
+
+
+def test_published_without_a_record_of_the_model_says_no_comparable_record(pair, tmp_path):
+    base, jax_dir, _ = pair
+    proc = compare(jax_dir, "--published", "--out", tmp_path / "out")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "compare: error: no comparable published record: none of the JAX runs' models "
+        "(published records of other models are never lined up)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_without_a_record_of_its_model_reads_no_comparable_record():
+    from analysis.published import published_section
+
+    rec = [record("r50", "throughput_per_gpu", "samples/s/GPU", 400.0, model="ResNet50",
+                  jaxdist_model="resnet50")]
+    lines, rows, shown = published_section([fake_run()], rec, top=3)
+    assert (rows, shown) == ([], 0)
+    assert [x for x in lines if x.startswith("| gpt-small")] == [
+        "| gpt-small ddp x8 b64 (jax) | no comparable record (1 ddp record(s), none of model "
+        "gpt-small) | | | | | | | |"]
 
 
 def test_published_records_validate():

@@ -98,3 +98,49 @@ def test_state_bytes_per_device(model):
             assert per_device[layout] >= total / 4
     # zero1 keeps whole parameters, shards only the optimizer state
     assert per_device["fsdp"] < per_device["hsdp"] < per_device["zero1"] < per_device["ddp"]
+
+
+# Layouts that would run as another on these meshes: refused, one line, naming a mesh that
+# works (the same rule as tp without a tensor axis).
+@pytest.mark.parametrize("layout, mesh, says, works", [
+    ("hsdp", "8", "layout 'hsdp' splits over the fsdp axis, which this mesh does not have "
+                  "(fsdp=1: it would run as plain replication); add one, e.g. --mesh 4x2",
+     "4x2"),
+    ("hsdp", "2x1", "e.g. --mesh 1x2", "1x2"),
+    ("fsdp", "1", "layout 'fsdp' shards over every device, and this mesh has one (it would "
+                  "run as a single device with nothing sharded); give it 2 or more, e.g. "
+                  "--mesh 2", "2"),
+    ("zero1", "1x1", "layout 'zero1' shards over every device, and this mesh has one", "2"),
+])
+def test_degenerate_layouts_are_refused_naming_a_mesh_that_works(layout, mesh, says, works,
+                                                                 capsys, tmp_path):
+    from experiments.run import main
+    from jaxdist.errors import UsageError
+    from jaxdist.mesh import parse_mesh
+    from sharding import check_layout
+
+    code = main(["--layout", layout, "--mesh", mesh, "--model", "mlp-tiny",
+                 "--logdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "run").exists()
+    check_layout(layout, parse_mesh(works).axis_sizes, "mlp")  # the named mesh passes
+    with pytest.raises(UsageError):
+        check_layout(layout, parse_mesh(mesh).axis_sizes, "mlp")
+
+
+def test_degenerate_layouts_are_not_listed_as_fitting_and_one_device_ddp_still_runs():
+    from jaxdist.errors import UsageError
+    from sharding import check_layout
+
+    check_layout("ddp", {"data": 1, "fsdp": 1}, "mlp")  # the single-device baseline
+    check_layout("fsdp", {"data": 2, "fsdp": 1}, "mlp")  # shards over data as well
+    check_layout("hsdp", {"data": -1, "fsdp": 2}, "mlp")  # -1: counted once devices are
+    check_layout("zero1", {"data": -1, "fsdp": 1}, "mlp")
+    with pytest.raises(UsageError) as e:  # what the "layouts that fit" list leaves out
+        check_layout("tp", {"data": 8, "fsdp": 1}, "mlp")
+    assert e.value.args[0].endswith("(layouts for 'mlp' on this mesh: ddp, fsdp, ps, zero1)")
+    with pytest.raises(UsageError) as e:
+        check_layout("tp", {"data": 1, "fsdp": 1}, "mlp")
+    assert e.value.args[0].endswith("(layouts for 'mlp' on this mesh: ddp, ps)")

@@ -311,7 +311,7 @@ def test_cli_run_records_pipeline(tmp_path):
     assert "pipeline stage bytes" in proc.stdout
     scalars = read_scalars(logdir)
     assert scalars["trial/pp_bubble"][0][1] == pytest.approx(1 / 3)
-    assert scalars["trial/pp_stage_bytes"][0][1] == 4 * act
+    assert scalars["trial/pp_stage_gib"][0][1] == pytest.approx(4 * act / 2 ** 30, rel=1e-6)
 
 
 def test_pipeline_dry_run_reads_batch_and_microbatches():

@@ -119,7 +119,7 @@ def test_report_figures_table_and_failures(suite_run, tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in table}
     assert {NAMES[0], NAMES[2]} <= set(rows)
     cells = rows[NAMES[2]].split(" | ")
-    assert cells[1] == "fsdp" and cells[3] == "2x1" and cells[4] == "8"
+    assert cells[1] == "fsdp" and cells[3] == "2" and cells[4] == "8"
     float(cells[5]), float(cells[6]), float(cells[7])   # step p50, p99, samples/s parse
     assert cells[-1].rstrip(" |").endswith("%")          # final accuracy
     assert f"| {NAMES[1]} | failed | exit 2" in text     # the failed run is listed

@@ -1,6 +1,7 @@
 """What a user sees in TensorBoard, read back from a real `tensorboard` server over its HTTP
-data API: two tiny runs (ddp and fsdp) in one logdir, the HParams table with the columns
-and metrics that tell the runs apart, and one `train/loss` point per step."""
+data API: tiny runs (ddp, fsdp, two pipeline schedules and an interrupted zero1) in one
+logdir, the HParams table with each run's folder as its row name, the columns and metrics
+that tell the runs apart and say which finished, and one `train/loss` point per step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jaxdist import loop
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape, parse_mesh
-from jaxdist.writers import METRIC_PREFIX, run_hparams
+from jaxdist.writers import GIB, METRIC_PREFIX, run_hparams
 
 try:
     import tensorboard  # noqa: F401
@@ -33,7 +34,23 @@ STEPS, WARMUP = 3, 1
 LAYOUTS = ("ddp", "fsdp")
 # Two pipeline runs that differ only in the schedule: the table must tell them apart.
 SCHEDULES = ("gpipe", "1f1b")
-RUNS = (*LAYOUTS, *(f"pp-{s}" for s in SCHEDULES))
+# Stopped (as by Ctrl-C) once 3 of its 1 + 10 steps are done.
+INTERRUPTED = "zero1-interrupted"
+RUNS = (*LAYOUTS, *(f"pp-{s}" for s in SCHEDULES), INTERRUPTED)
+
+
+class _StopAt:
+    """Stands in for the entry point's StopRequest: a SIGINT "arrives" after `n` steps."""
+    def __init__(self, n):
+        self.n, self.signal = n, None
+
+    def attach(self, first_step):
+        return self
+
+    def should_stop(self, steps_done):
+        if steps_done >= self.n:
+            self.signal = "SIGINT"
+        return self.signal is not None
 
 
 def _free_port() -> int:
@@ -66,6 +83,12 @@ def server(tmp_path_factory):
                         output=OutputConfig(progress=False))
         loop.run(cfg, select_devices(parse_mesh("data:4,stage:2")), logdir / f"pp-{schedule}",
                  log=lambda *_: None)
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(layout="zero1", batch_size=16),
+                    loop=LoopConfig(warmup=1, steps=10), output=OutputConfig(progress=False))
+    stopped = loop.run(cfg, select_devices(MeshShape(2, 4)), logdir / INTERRUPTED,
+                       log=lambda *_: None, stop=_StopAt(3))
+    assert stopped["status"] == "interrupted" and stopped["steps_done"] == 3
     port = _free_port()
     exe = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or "tensorboard"
     # --load_fast=false: the pure-Python reader (the Rust one is a separate download).
@@ -104,9 +127,9 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
     assert not any(c.startswith(("checkpoint", "dist", "compiler.", "output")) for c in columns)
     metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
     assert {METRIC_PREFIX + m for m in (
-        "step_time_p50_s", "step_time_p99_s", "samples_per_s", "mfu", "hfu",
-        "state_bytes_per_device", "compiler_bound_bytes", "measured_peak_bytes",
-        "comm_ring_bytes", "energy_per_step_j", "energy_per_sample_j", "accuracy")} <= metrics
+        "step_time_p50_s", "step_time_p99_s", "ksamples_per_s", "mfu", "hfu",
+        "state_gib_per_device", "compiler_bound_gib", "measured_peak_gib",
+        "comm_ring_gib", "energy_per_step_j", "energy_per_sample_j", "accuracy")} <= metrics
 
     request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
@@ -119,17 +142,19 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
     assert len(groups["sessionGroups"]) == len(RUNS)  # no two runs merged into one row
     for layout, group in rows.items():
         results = json.loads((logdir / layout / "results.json").read_text())
-        assert len(group["name"]) <= 15  # the Trial ID column (10 em) shows it whole
+        assert group["name"] == layout  # the row is named by the run's folder
+        assert group["hparams"]["status"] == "complete"
+        assert group["hparams"]["steps"] == str(WARMUP + STEPS)
         assert group["hparams"]["mesh"] == "2x4"
         assert group["hparams"]["model"] == "mlp-tiny"
         assert group["hparams"]["devices"] == "8"  # a string: a number reads `8.0000`
         assert group["hparams"]["params"] == "6922"
         assert set(group["hparams"]) == set(run_hparams(results))  # ps_* absent
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
-        assert values[METRIC_PREFIX + "state_bytes_per_device"] == \
-            results["memory"]["state_bytes_per_device"]
-        assert values[METRIC_PREFIX + "comm_ring_bytes"] == pytest.approx(
-            results["comm"]["total_ring_bytes"])
+        assert values[METRIC_PREFIX + "state_gib_per_device"] == pytest.approx(
+            results["memory"]["state_bytes_per_device"] / GIB, rel=1e-6)
+        assert values[METRIC_PREFIX + "comm_ring_gib"] == pytest.approx(
+            results["comm"]["total_ring_bytes"] / GIB, rel=1e-6)
         assert values[METRIC_PREFIX + "step_time_p50_s"] == pytest.approx(
             results["step_time_s"]["p50"], rel=1e-6)
         # Not measured on CPU: no value at all rather than a zero.
@@ -142,13 +167,15 @@ def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_sho
     experiment = _get(base, "/data/plugin/hparams/experiment",
                       request=json.dumps({"experimentName": ""}))
     # What TensorBoard ticks by default: the first five columns after sorting (differing
-    # first, then by name) and the first five metrics.
+    # first, then by name) and the first five metrics. Every column is at least 10 em
+    # (160 px) wide: at 1600 px the table shows the Trial ID, these five and one metric.
     shown = [h["name"] for h in experiment["hparamInfos"]][:5]
-    assert "schedule" in shown and "mesh" in shown
+    assert shown == ["layout", "mesh", "model", "status", "steps"]
     titles = {m["name"]["tag"]: m.get("displayName", "") for m in experiment["metricInfos"]}
     first = [m["name"]["tag"] for m in experiment["metricInfos"]][:5]
-    assert {METRIC_PREFIX + t for t in ("state_bytes_per_device", "compiler_bound_bytes",
-                                        "measured_peak_bytes", "pp_bubble")} <= set(first)
+    assert first[0] == METRIC_PREFIX + "state_gib_per_device"
+    assert {METRIC_PREFIX + t for t in ("step_time_p50_s", "compiler_bound_gib",
+                                        "measured_peak_gib", "pp_bubble")} <= set(first)
     assert "functional only if simulated" in titles[METRIC_PREFIX + "step_time_p50_s"]
     request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
@@ -164,9 +191,10 @@ def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_sho
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         pp = results["pipeline"]
         assert values[METRIC_PREFIX + "pp_bubble"] == pytest.approx(pp["bubble"])
-        assert values[METRIC_PREFIX + "pp_stage_bytes"] == pp["stage_bytes"]["total"]
-        assert values[METRIC_PREFIX + "compiler_bound_bytes"] == \
-            results["memory"]["compiled"]["peak_bytes"]
+        assert values[METRIC_PREFIX + "pp_stage_gib"] == pytest.approx(
+            pp["stage_bytes"]["total"] / GIB, rel=1e-6)
+        assert values[METRIC_PREFIX + "compiler_bound_gib"] == pytest.approx(
+            results["memory"]["compiled"]["peak_bytes"] / GIB, rel=1e-6)
 
 
 def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(server):
@@ -176,7 +204,8 @@ def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(ser
         points = _get(base, "/data/plugin/scalars/scalars", run=run, tag="train/loss")
         assert [step for _, step, _ in points] == list(range(WARMUP + STEPS))
         per_step = {t for t in tags[run] if not t.startswith(METRIC_PREFIX)}
-        assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s"}
+        assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s",
+                            f"train/{run}/step_time_s"}  # the layout's own chart
     # Time Series lays tag groups out alphabetically: the one-point run figures come after
     # the training curves, so the first thing TensorBoard shows is train/.
     groups = sorted({t.split("/")[0] for run in LAYOUTS for t in tags[run]})
@@ -191,6 +220,104 @@ def test_summary_table_and_custom_scalars(server):
     summary = _get(base, "/data/plugin/text/text", run="ddp", tag="summary/text_summary")
     assert "state per device (shards)" in summary[0]["text"]
     layout = _get(base, "/data/plugin/custom_scalars/layout")
-    charts = {c["title"]: c["multiline"]["tag"] for cat in layout["category"]
+    charts = {(cat["title"], c["title"]): c["multiline"]["tag"] for cat in layout["category"]
               for c in cat["chart"]}
-    assert charts == {"loss": ["^train/loss$"], "step time (s)": ["^train/step_time_s$"]}
+    assert charts == {("train", "loss"): ["^train/loss$"],
+                      ("train", "step time (s)"): ["^train/step_time_s$"],
+                      **{("step time (s) by layout", layout): [f"^train/{layout}/step_time_s$"]
+                         for layout in ("ddp", "fsdp", "pp", "zero1")}}
+
+
+def test_each_layouts_step_time_chart_shows_every_run_of_that_layout_whole(server):
+    """The overlay's outlier scaling can cut a slower layout off; its own chart holds
+    every timed step of each of its runs, and no other layout's."""
+    base, _ = server
+    for layout, runs in (("pp", [f"pp-{s}" for s in SCHEDULES]), ("ddp", ["ddp"]),
+                         ("zero1", [INTERRUPTED])):
+        got = {}
+        for run in RUNS:  # what the chart asks for, run by run
+            payload = _get(base, "/data/plugin/custom_scalars/scalars", run=run,
+                           tag=f"^train/{layout}/step_time_s$")["tag_to_events"]
+            for points in payload.values():
+                got[run] = [step for _, step, _ in points]
+        timed = list(range(WARMUP, WARMUP + STEPS)) if layout != "zero1" else [1, 2]
+        assert got == {run: timed for run in runs}
+
+
+def test_rows_are_named_by_run_folder_and_say_whether_the_run_finished(server):
+    """The Trial ID a user matches against `ls runs`; an interrupted run's row says so and
+    how far it got, where its figures otherwise look like a finished run's."""
+    base, logdir = server
+    request = {"experimentName": "", "startIndex": 0, "sliceSize": 20,
+               "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                   "STATUS_RUNNING"],
+               "colParams": [{"hparam": "status"}, {"hparam": "steps"}]}
+    groups = _get(base, "/data/plugin/hparams/session_groups", request=json.dumps(request))
+    rows = {g["name"]: g["hparams"] for g in groups["sessionGroups"]}
+    assert sorted(rows) == sorted(p.name for p in logdir.iterdir())
+    assert {name: (hp["status"], hp["steps"]) for name, hp in rows.items()} == {
+        **{run: ("complete", str(WARMUP + STEPS)) for run in RUNS if run != INTERRUPTED},
+        INTERRUPTED: ("interrupted", "3 of 11")}
+    record = json.loads((logdir / INTERRUPTED / "results.json").read_text())
+    assert record["status"] == "interrupted"
+
+
+def test_the_printed_tensorboard_command_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """What a run prints is pasted into a shell as it is (here with a loopback --host and a
+    free --port added): it starts TensorBoard on the runs folder, which serves this run."""
+    from experiments.run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--layout", "ddp", "--mesh", "2x4", "--model", "mlp-tiny", "--batch-size",
+                 "16", "--warmup", "1", "--steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    (run,) = (tmp_path / "runs").iterdir()
+    line = next(x for x in out.splitlines() if x.startswith("TensorBoard: "))
+    command = line.removeprefix("TensorBoard: ")
+    assert command.endswith(" --logdir runs")  # the folder of runs, not this one run
+    assert f"this run alone: {command}/{run.name}" in out
+    port = _free_port()
+    proc = subprocess.Popen(f"{command} --host 127.0.0.1 --port {port}",
+                            shell=True, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=""),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                runs = _get(f"http://127.0.0.1:{port}", "/data/runs")
+                if runs:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"`{command}` did not answer: rc {proc.poll()}, "
+                                     f"{proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        assert runs == [run.name]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the shell and TensorBoard
+        proc.wait(timeout=30)
+
+
+def test_a_run_stopped_in_warmup_still_has_a_row_that_says_interrupted(tmp_path):
+    """Stopped before any timed step: no step-time figures, but a row (status, steps, the
+    exact memory figures) rather than none, so the run is not missing from the table."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
+                    train=TrainConfig(layout="fsdp", batch_size=16),
+                    loop=LoopConfig(warmup=5, steps=5), output=OutputConfig(progress=False))
+    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None,
+                       stop=_StopAt(2))
+    assert results["step_time_s"]["n"] == 0
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
+    start = metadata.parse_session_start_info_plugin_data(
+        events.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data.content)
+    assert (start.hparams["status"].string_value, start.hparams["steps"].string_value) == \
+        ("interrupted", "2 of 10")
+    tags = events.Tags()["scalars"]
+    assert METRIC_PREFIX + "state_gib_per_device" in tags
+    assert METRIC_PREFIX + "step_time_p50_s" not in tags  # blank, never a zero
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "interrupted"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 from jaxdist.summary import format_markdown, format_summary, summary_rows
-from jaxdist.writers import run_hparams, run_metrics, trial_name
+from jaxdist.writers import GIB, run_hparams, run_metrics
 
 
 def results(**changes) -> dict:
@@ -105,7 +105,8 @@ def test_interrupted_run_says_so():
 
 def test_hparams_are_the_settings_that_define_a_run():
     hp = run_hparams(results())
-    assert hp == {"layout": "fsdp", "mesh": "2x4", "devices": 8, "device_kind": "cpu",
+    assert hp == {"layout": "fsdp", "mesh": "2x4", "status": "complete", "steps": "2",
+                  "devices": 8, "device_kind": "cpu",
                   "model": "mlp-tiny", "params": 6922, "batch": 16, "dtype": "float32",
                   "matmul_precision": "default", "optimizer": "adamw", "lr": 0.001,
                   "microbatches": 1, "remat": "none", "overlap": False,
@@ -122,16 +123,38 @@ def test_hparams_are_the_settings_that_define_a_run():
 
 def test_metrics_leave_out_what_was_not_measured():
     assert run_metrics(results()) == {
-        "step_time_p50_s": 0.002, "step_time_p99_s": 0.002, "samples_per_s": 8000.0,
-        "state_bytes_per_device": 10496.0, "compiler_bound_bytes": 27494.0,
-        "comm_ring_bytes": 0.0, "final_loss": 2.4}
+        "step_time_p50_s": 0.002, "step_time_p99_s": 0.002, "ksamples_per_s": 8.0,
+        "state_gib_per_device": 10496 / GIB, "compiler_bound_gib": 27494 / GIB,
+        "comm_ring_gib": 0.0, "final_loss": 2.4}
 
 
-def test_trial_name_fits_the_trial_id_column_and_markdown_escapes_pipes():
-    # TensorBoard's Trial ID column is 10 em wide and cut `ddp@8x1 gpt-tiny 11-30 ...` at
-    # 15 characters; the identity columns say what the run is.
-    assert len(trial_name(results(), 0.0)) <= 15
-    assert trial_name(results(), 0.0) != trial_name(results(), 1.0)
+def test_a_metric_column_reads_in_one_format():
+    """TensorBoard prints a metric as toPrecision(5): fixed from 1e-6 to 1e5, exponent
+    notation outside; bytes from 1.1 kB to 97 TiB and throughputs up to 1e8/s stay fixed."""
+    def fixed(x):
+        return 1e-6 <= abs(x) < 1e5
+    for state, samples in ((1100, 1.0), (50692, 8000.0), (1.622e6, 2.5e5),
+                           (141e9, 1e6), (90 * 2 ** 40, 1e3)):
+        r = results(memory={"state_bytes_per_device": state, "measured_peak_bytes": state,
+                            "compiled": {"peak_bytes": state}},
+                    throughput={"samples_per_s": samples, "tokens_per_s": samples * 64})
+        m = run_metrics(r)
+        for tag in ("state_gib_per_device", "compiler_bound_gib", "measured_peak_gib",
+                    "ksamples_per_s", "ktokens_per_s"):
+            assert fixed(m[tag]), (tag, m[tag])
+
+
+def test_status_and_steps_columns():
+    assert (run_hparams(results())["status"], run_hparams(results())["steps"]) == \
+        ("complete", "2")  # a record from before `status`: finished, its losses counted
+    r = results(status="interrupted", steps_done=18,
+                interrupted={"signal": "SIGINT", "steps_planned": 303})
+    assert (run_hparams(r)["status"], run_hparams(r)["steps"]) == ("interrupted", "18 of 303")
+    r = results(status="complete", steps_done=23, interrupted=None)
+    assert run_hparams(r)["steps"] == "23"
+
+
+def test_markdown_escapes_pipes():
     md = format_markdown(results(model={"name": "a|b", "params": 1}))
     assert "| model | a\\|b (1 params) |" in md.splitlines()
 
@@ -142,8 +165,9 @@ def test_ps_figures_are_metrics_not_one_point_charts():
                     "bytes_per_step": {"push": 1000.0, "pull": 1500.0},
                     "staleness": {"mean": 0.5, "max": 2}})
     m = run_metrics(r)
-    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_bytes_per_step"],
-            m["ps_staleness_mean"], m["ps_staleness_max"]) == (0.001, 0.004, 2500.0, 0.5, 2.0)
+    assert (m["ps_push_p50_s"], m["ps_pull_p50_s"], m["ps_gib_per_step"],
+            m["ps_staleness_mean"], m["ps_staleness_max"]) == (0.001, 0.004, 2500 / GIB,
+                                                               0.5, 2.0)
 
 
 PIPELINE = {"schedule": "interleaved", "stages": 2, "virtual": 2, "microbatches": 4,
@@ -160,22 +184,21 @@ def test_a_pipeline_run_has_its_schedule_as_a_column_and_bubble_and_stage_bytes_
     hp = run_hparams(r)
     assert hp["schedule"] == "interleaved-v2"
     assert hp["mesh"] == "data:1,stage:2,tensor:2"  # what --mesh takes back
-    from jaxdist.writers import IDENTITY, METRICS
-    assert "schedule" in IDENTITY  # shown by default
+    from jaxdist.writers import METRICS
     m = run_metrics(r)
-    assert (m["pp_bubble"], m["pp_stage_bytes"]) == (0.2, 4096.0)
+    assert (m["pp_bubble"], m["pp_stage_gib"]) == (0.2, 4096 / GIB)
     tags = [tag for tag, _ in METRICS]
-    assert {"pp_bubble", "pp_stage_bytes"} <= set(tags)
+    assert {"pp_bubble", "pp_stage_gib"} <= set(tags)
     assert "schedule" not in run_hparams(results())  # absent, not empty, for others
 
 
 def test_memory_metrics_are_among_the_five_shown_by_default_and_times_say_functional():
     from jaxdist.writers import METRICS
     first = [tag for tag, _ in METRICS[:5]]
-    assert {"state_bytes_per_device", "compiler_bound_bytes", "measured_peak_bytes"} <= \
-        set(first)
+    assert first[0] == "state_gib_per_device"  # the one metric a 1600 px table shows
+    assert {"compiler_bound_gib", "measured_peak_gib", "step_time_p50_s"} <= set(first)
     titles = dict(METRICS)
-    for tag in ("step_time_p50_s", "step_time_p99_s", "samples_per_s", "tokens_per_s"):
+    for tag in ("step_time_p50_s", "step_time_p99_s", "ksamples_per_s", "ktokens_per_s"):
         assert "functional only if simulated" in titles[tag]
 
 

@@ -177,8 +177,10 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), compiled.compiles_run()
     stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
-    done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
-                         for items in entries.values()], PLAN_THREADS, stop)
+    from jaxdist.xla_log import explained_xla_warnings
+    with explained_xla_warnings():  # XLA:GPU's rematerialization warnings, said in one line
+        done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
+                             for items in entries.values()], PLAN_THREADS, stop)
     timings = [t for entry in done for t in entry]
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
