@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
         if cfg.ps.ps_transport == "tcp":
             servicer.data_port = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
-                                            cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key).port
+                                            cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key,
+                                            log=log).port
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2

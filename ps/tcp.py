@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from jaxdist.errors import UsageError
+from ps import wire
 from ps.admission import FAULT_KEY, pool_size
 
 MAGIC = b"JDT1"
@@ -183,8 +184,8 @@ class DataServer:
     """Accepts data connections for one ShardServicer; one thread per connection."""
 
     def __init__(self, servicer, bind: str, max_message_bytes: int, num_workers: int,
-                 tls_cert: str = "", tls_key: str = ""):
-        self.servicer, self.max_bytes = servicer, max_message_bytes
+                 tls_cert: str = "", tls_key: str = "", log=print):
+        self.servicer, self.max_bytes, self.log = servicer, max_message_bytes, log
         self.deadline_s = servicer.gate.deadline_s
         self.max_connections = pool_size(num_workers)
         self.handlers = {PUSH_ONE: lambda r, c: servicer.push(iter((r,)), c),
@@ -230,6 +231,8 @@ class DataServer:
                 pass
         except (OSError, EOFError, ssl.SSLError):
             pass  # peer gone, timed out or cancelled: nothing to answer
+        except Exception as e:  # a bug, not the peer's doing: one line, never a traceback
+            self.log(f"data port: a connection ended by {type(e).__name__}: {str(e)[:200]}")
         finally:
             conn.close()
             with self._lock:
@@ -246,12 +249,12 @@ class DataServer:
             return False
         call = _Call(conn, (), deadline)
         try:
-            pairs = json.loads(bytes(reader.read(meta_len)))
+            pairs = wire.loads(reader.read(meta_len), "call metadata", MAX_META_BYTES)
             if not (isinstance(pairs, list) and all(
                     isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                     for p in pairs)):
-                raise ValueError("metadata must be [key, value] string pairs")
-        except ValueError as e:
+                raise wire.WireError("metadata must be [key, value] string pairs")
+        except wire.WireError as e:
             call.reply(grpc.StatusCode.INVALID_ARGUMENT, f"bad call metadata: {str(e)[:120]}")
             return False
         call.metadata = tuple(tuple(p) for p in pairs)
@@ -342,7 +345,7 @@ class DataChannel:
                 raise EOFError("a reply that is not a jaxdist data frame")
             if size > self.max_reply:
                 raise EOFError(f"a reply of {size} bytes, over the message limit")
-            meta = json.loads(bytes(reader.read(meta_len)))
+            meta = wire.loads(reader.read(meta_len), "reply metadata", MAX_META_BYTES)
             payload = reader.read(size, own=True)  # read by the caller after we reuse sock
         except socket.timeout:
             sock.close()
