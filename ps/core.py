@@ -78,6 +78,9 @@ class ShardCore:
         self.alive = set(range(num_workers))
         self.retired: dict[int, str] = {}
         self.last_step = {w: -1 for w in range(num_workers)}
+        # async/ssp: the step of a worker's push last rejected as non-finite. Its step stays
+        # reached (the worker moves on to the next one) but not done: a retry is applied.
+        self.unapplied: dict[int, int] = {}
         self.seen_step = {w: -1 for w in range(num_workers)}  # progress, for the launcher
         self.clock = {w: 0 for w in range(num_workers)}
         self.started: set[int] = set()  # workers that said hello (see `hello`)
@@ -108,7 +111,7 @@ class ShardCore:
             raise PSFault("invalid", f"epoch {epoch} is from the future (shard is in "
                                      f"epoch {self.epoch})")
         self.last_seen[worker] = time.monotonic()
-        if step <= self.last_step[worker]:
+        if step <= self.last_step[worker] and self.unapplied.get(worker) != step:
             self.accounting.counts["deduplicated"] += 1
             return self._reply("deduplicated")
         if epoch == self.epoch and version > self.version:
@@ -135,12 +138,15 @@ class ShardCore:
         self.resync = False
         stale = self.version - version
         scale = 1.0 / (1.0 + stale) if self.staleness_lr else 1.0
-        self.last_step[worker] = step
+        self.last_step[worker] = max(self.last_step[worker], step)
         self.seen_step[worker] = max(self.seen_step[worker], step)
         self.clock[worker] = max(self.clock[worker], step + 1)
         if not self._apply_update(grad, scale, f"push of worker {worker} step {step}"):
+            self.unapplied[worker] = step
             self._after_apply()
             return self._reply("rejected_nonfinite")
+        if self.unapplied.get(worker) == step:
+            del self.unapplied[worker]
         self.accounting.applied(stale, scale)
         pulled = self.pull_clock.get(worker)
         if pulled and pulled[0] == step:
