@@ -168,9 +168,9 @@ def main(argv=None) -> int:
         server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
         if cfg.ps.ps_transport == "tcp":
-            servicer.data_port = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
-                                            cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key,
-                                            log=log).port
+            data = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
+                              cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key, log=log)
+            servicer.data_port, servicer.data_slots = data.port, data.slots
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     while not servicer.stop_event.wait(0.1):
         pass
     server.stop(grace=0.2).wait(1.0)
+    slots = servicer.data_slots
+    if slots is not None and slots.unlogged():  # the counts since the last (rate-limited) line
+        log(f"data port: {slots.summary()}")
     log("stopped")
     # Exit now: interpreter shutdown would join the gRPC pool's threads, and a pull parked
     # on a barrier holds one for up to --ps-timeout-s (the launcher would SIGKILL us first).

@@ -5,6 +5,8 @@ data port (ps.tcp) instead; they fail with the same gRPC status codes, so everyt
 holds for both.
 
 Failure policy, so a worker never hangs:
+- a data-port call refused or dropped (UNAVAILABLE from ps.tcp) is made over gRPC at once
+  (`_Fallback`) and said once in the log.
 - UNAVAILABLE (shard down, restarting, not up yet) is retried with backoff until
   --ps-timeout-s has passed since the first failure, then a PSError names the shard.
 - A retried push carries the same (worker, step), so the shard deduplicates it if the first
@@ -18,6 +20,7 @@ Failure policy, so a worker never hangs:
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +70,45 @@ def make_channel(address: str, max_message_bytes: int, tls_cert: str = ""):
     return grpc.insecure_channel(address, options)
 
 
+class _Fallback:
+    """A data-port method (ps.tcp._Method) whose call, when the data port refuses or drops
+    its connection (UNAVAILABLE from ps.tcp: a full or closed port, a stale kept
+    connection), is made over gRPC instead: the same handler behind another door, and a
+    retried push is deduplicated. A lookup of the data port that fails is gRPC's own
+    UNAVAILABLE and stays an error (the shard is down)."""
+
+    def __init__(self, data: _Method, grpc_method, note):
+        self.data, self.grpc, self.note = data, grpc_method, note
+
+    def _over_grpc(self, error: CallError, request, timeout, metadata):
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            raise error
+        self.note(error)
+        joined = request if isinstance(request, bytes) else b"".join(request)
+        return self.grpc(joined, timeout=timeout, metadata=metadata)
+
+    def __call__(self, request, timeout=None, metadata=None):
+        try:
+            return self.data(request, timeout, metadata)
+        except CallError as e:
+            return self._over_grpc(e, request, timeout, metadata)
+
+    def start(self, request, timeout=None, metadata=None):
+        pending = self.data.start(request, timeout, metadata)
+        return _Result(lambda: self._finish(pending, request, timeout, metadata))
+
+    def _finish(self, pending, request, timeout, metadata):
+        try:
+            return pending.result()
+        except CallError as e:
+            return self._over_grpc(e, request, timeout, metadata)
+
+
+class _Result:
+    def __init__(self, fn):
+        self.result = fn
+
+
 def _fault(error: grpc.RpcError) -> str | None:
     try:
         for key, value in error.trailing_metadata() or ():
@@ -81,8 +123,10 @@ class ShardClient:
     """One shard: raw calls with retry on UNAVAILABLE."""
 
     def __init__(self, shard: int, address: str, *, max_message_bytes: int, timeout_s: float,
-                 token: str = "", tls_cert: str = "", transport: str = "tcp"):
+                 token: str = "", tls_cert: str = "", transport: str = "tcp", log=None):
         self.shard, self.address, self.timeout_s = shard, address, timeout_s
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.fallbacks = 0  # data calls made over gRPC because the data port refused them
         self.transport, self.tls_cert, self.data = transport, tls_cert, None
         self.channel = make_channel(address, max_message_bytes, tls_cert)
         self.frame_bytes = wire.frame_bytes(max_message_bytes)
@@ -116,10 +160,20 @@ class ShardClient:
             host = self.address.rsplit(":", 1)[0].strip("[]")
             self.data = DataChannel(host, self._data_port, self.tls_cert,
                                     self.max_message_bytes)
-            self._push_one = self.data.method(PUSH_ONE)
-            self._pull_one = self.data.method(PULL_ONE)
-            self._push_pull_one = self.data.method(PUSH_PULL_ONE)
+            self._push_one = _Fallback(self.data.method(PUSH_ONE), self._push_one,
+                                       self._fell_back)
+            self._pull_one = _Fallback(self.data.method(PULL_ONE), self._pull_one,
+                                       self._fell_back)
+            self._push_pull_one = _Fallback(self.data.method(PUSH_PULL_ONE),
+                                            self._push_pull_one, self._fell_back)
         self.data.port = info["data_port"]
+
+    def _fell_back(self, error: CallError) -> None:
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            self.log(f"ps: shard {self.shard} at {self.address}: its data port refused a "
+                     f"call ({error.details()[:120]}); that call, and any other refused, "
+                     f"goes over gRPC (said once; counted in data_fallbacks)")
 
     def _data_port(self) -> int:
         """The shard's data port, asked again (a restarted shard listens on a new one)."""
@@ -131,7 +185,7 @@ class ShardClient:
 
     def _start(self, method, request, timeout: float, metadata):
         """A unary call in flight now; `.result()` is its reply (or its grpc.RpcError)."""
-        if isinstance(method, _Method) and _nbytes(request) <= INLINE_SEND_BYTES:
+        if isinstance(method, _Fallback) and _nbytes(request) <= INLINE_SEND_BYTES:
             return method.start(request, timeout, metadata)  # no thread: sent right here
         entered = threading.Event()
 

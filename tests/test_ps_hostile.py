@@ -119,3 +119,127 @@ def test_worker_ids_are_ascii_digits():
         with pytest.raises(Refused) as e:
             gate.worker_of(Ctx(bad))
         assert e.value.kind == "invalid"
+
+
+# -- issue 35 item 1: a run while tokenless sockets hold the data ports -----------------------
+
+RUN = ["--layout", "ps", "--mesh", "2x1", "--ps-shards", "2", "--ps-mode", "sync",
+       "--model", "mlp-tiny", "--batch-size", "16", "--lr", "0.01", "--warmup", "0",
+       "--steps", "12", "--ps-timeout-s", "5"]
+# worker 1 sleeps 0.3 s a step: the steps span several pre-auth deadlines of the attack
+SLOW = "slow-worker:1:0.3"
+ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, every slot it used to have
+
+
+class Attack:
+    """From the moment each shard's log names its data port, hold ATTACKERS plain sockets
+    on it that send nothing and reconnect as soon as the shard closes them (until `stop`,
+    and never past `limit_s`). `reconnects` counts the closes."""
+
+    def __init__(self, psdir, shards: int, limit_s: float = 120.0):
+        import re
+        import threading
+
+        self.psdir, self.shards, self.limit = psdir, shards, time.monotonic() + limit_s
+        self.pattern = re.compile(r"data port (\d+)")
+        self.started_unix = None
+        self.reconnects = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _ports(self) -> list[int]:
+        ports = []
+        for k in range(self.shards):
+            path = self.psdir / f"shard{k}.log"
+            found = self.pattern.search(path.read_text()) if path.exists() else None
+            if found:
+                ports.append(int(found.group(1)))
+        return ports
+
+    def _run(self) -> None:
+        import select
+
+        while len(ports := self._ports()) < self.shards:
+            if self.stop_event.wait(0.02) or time.monotonic() > self.limit:
+                return
+        socks = {}
+
+        def connect(port):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+                socks[sock] = port
+            except OSError:
+                pass
+        for port in ports:
+            for _ in range(ATTACKERS):
+                connect(port)
+        self.started_unix = time.time()
+        while not self.stop_event.is_set() and time.monotonic() < self.limit:
+            ready = select.select(list(socks), [], [], 0.05)[0]
+            for sock in ready:
+                try:
+                    gone = sock.recv(1) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    port = socks.pop(sock)
+                    sock.close()
+                    self.reconnects += 1
+                    connect(port)
+            for port in ports:  # a connect refused above is tried again
+                while sum(p == port for p in socks.values()) < ATTACKERS:
+                    before = len(socks)
+                    connect(port)
+                    if len(socks) == before:
+                        break
+        for sock in socks:
+            sock.close()
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(10)
+
+
+def _run(logdir, attack: bool):
+    from tests.helpers import run_cli
+
+    attacker = Attack(logdir / "ps", 2) if attack else None
+    t0 = time.monotonic()
+    try:
+        proc = run_cli(*RUN, "--logdir", str(logdir), timeout=240,
+                       xla_flags="--xla_backend_optimization_level=0")
+    finally:
+        if attacker:
+            attacker.stop()
+    return proc, time.monotonic() - t0, attacker
+
+
+def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
+        tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.setenv("JAXDIST_PS_TOKEN", TOKEN)
+    monkeypatch.setenv("JAXDIST_PS_FAULT", SLOW)
+    quiet, quiet_s, _ = _run(tmp_path / "quiet", attack=False)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    attacked, attacked_s, attack = _run(tmp_path / "attacked", attack=True)
+    assert attacked.returncode == 0, attacked.stderr[-3000:]
+    assert attack.started_unix is not None and attack.reconnects >= 2 * ATTACKERS
+    first = [json.loads((tmp_path / "attacked" / "ps" / f"worker{w}.json").read_text())
+             for w in range(2)]
+    assert all(attack.started_unix < w["window"]["start_unix_s"] for w in first)
+    losses = [json.loads((tmp_path / d / "results.json").read_text())["loss"]
+              for d in ("quiet", "attacked")]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
+    assert sum(w["data_fallbacks"] for w in first) == 0
+    timed_out = []
+    for k in range(2):
+        log = (tmp_path / "attacked" / "ps" / f"shard{k}.log").read_text()
+        assert "Traceback" not in log
+        lines = re.findall(r"timed out before authenticating \([^)]*\): (\d+)", log)
+        assert lines, log[-2000:]
+        timed_out.append(int(lines[-1]))
+    assert min(timed_out) >= ATTACKERS, timed_out
+    print(f"quiet {quiet_s:.1f} s, attacked {attacked_s:.1f} s, attack reconnects "
+          f"{attack.reconnects}, timed out per shard {timed_out}")
