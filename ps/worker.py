@@ -151,6 +151,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.timing import timed
     from ps.client import PSClient
+    from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of
 
     num_workers = parse_mesh(cfg.mesh.mesh).data
@@ -163,7 +164,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
                       max_message_bytes=cfg.ps.ps_max_message_mb << 20,
-                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get(TOKEN_ENV, ""),
                       tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport)
     client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
 

@@ -243,3 +243,81 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
     assert min(timed_out) >= ATTACKERS, timed_out
     print(f"quiet {quiet_s:.1f} s, attacked {attacked_s:.1f} s, attack reconnects "
           f"{attack.reconnects}, timed out per shard {timed_out}")
+
+
+# -- issue 35 item 3: a token by default ---------------------------------------------------
+
+def test_run_token_rules():
+    from jaxdist.errors import UsageError
+    from ps.security import MIN_TOKEN_CHARS, TOKEN_ENV, run_token
+
+    made = [run_token({}, False) for _ in range(2)]
+    assert all(notice is None and len(t) >= MIN_TOKEN_CHARS for t, notice in made)
+    assert made[0][0] != made[1][0]                       # one per run
+    assert run_token({TOKEN_ENV: TOKEN}, False) == (TOKEN, None)
+    for environ, insecure in (({TOKEN_ENV: ""}, False), ({}, True), ({TOKEN_ENV: ""}, True)):
+        token, notice = run_token(environ, insecure)
+        assert token == "" and "no token" in notice
+    with pytest.raises(UsageError, match="--ps-insecure"):
+        run_token({TOKEN_ENV: TOKEN}, True)
+
+
+def test_insecure_with_a_token_is_one_line_exit_2(tmp_path, monkeypatch):
+    from tests.helpers import run_cli
+
+    monkeypatch.setenv("JAXDIST_PS_TOKEN", TOKEN)
+    proc = run_cli("--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny", "--batch-size",
+                   "16", "--ps-insecure", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--ps-insecure" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_validation_of_a_run_does_not_import_the_shard_server():
+    """ps.server forces JAX_PLATFORMS=cpu on import; the launcher imported it to validate a
+    run, so on a GPU node its workers inherited JAX_PLATFORMS=cpu. The checks live in
+    ps.security now."""
+    code = ("import sys; from jaxdist.mesh import parse_mesh; from ps.driver import "
+            "validate_ps; from tests.test_ps_server import CFG; "
+            "validate_ps(CFG, parse_mesh(CFG.mesh.mesh)); print('ps.server' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=server_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
+
+
+def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
+    monkeypatch.setenv("JAXDIST_PS_FAULT", "slow-worker:1:0.5")
+    logdir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *RUN[:-4], "--steps",
+                             "40", "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        log = logdir / "ps" / "shard0.log"
+        deadline = time.monotonic() + 90
+        while not (found := re.search(r"serving on 127\.0\.0\.1:(\d+), data port (\d+)",
+                                      log.read_text() if log.exists() else "")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "token required" in log.read_text()
+        grpc_port, data_port = map(int, found.groups())
+        pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0,
+                            "epoch": 0})
+        meta = json.dumps([["x-jaxdist-worker", "0"]]).encode()
+        assert data_call(data_port, PULL_ONE, meta, pull) == \
+            grpc.StatusCode.UNAUTHENTICATED.value[0]
+        c = shard_client(f"127.0.0.1:{grpc_port}", token="")
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            c.control("ping")
+        c.close()
+        out = proc.communicate(timeout=180)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 40
+    assert "no token" not in out

@@ -323,7 +323,7 @@ def test_wire_edge_cases_are_invalid_argument(server, name):
 
 
 def test_whitespace_token_is_refused_like_a_short_one():
-    from ps.server import security_problems
+    from ps.security import security_problems
 
     assert "at least 16 characters" in security_problems("0.0.0.0", " " * 20, "", "")
     assert security_problems("0.0.0.0", "x" * 16, "", "") is None
