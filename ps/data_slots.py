@@ -101,4 +101,5 @@ class ConnectionSlots:
         return "connections " + ", ".join(f"{KINDS[k]}: {v}" for k, v in self.counts.items())
 
     def unlogged(self) -> bool:
-        return self.counts != self._logged
+        """Counts the log has not shown yet (none at all: nothing to say)."""
+        return any(self.counts.values()) and self.counts != self._logged
