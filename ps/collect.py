@@ -31,7 +31,10 @@ def format_ps(results: dict) -> str:
         ("push / pull p50 / p99", f"{ms(ps['push_latency_s'], 'push')}; "
                                   f"{ms(ps['pull_latency_s'], 'pull')}"),
         ("bytes per step", f"push {ps['bytes_per_step']['push'] / 2**20:.2f} MiB, "
-                           f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB"),
+                           f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB, over "
+                           f"{ps.get('carried_by', 'gRPC')}" + (
+                               f" ({ps['data_fallbacks']} calls a data port refused went "
+                               f"over gRPC)" if ps.get("data_fallbacks") else "")),
         ("waits", f"barrier {ps['wait_s']['barrier']:.2f} s, bound "
                   f"{ps['wait_s']['bound']:.2f} s (all shards)"),
         # No applied gradient, no staleness: "n/a (why)", never a 0 that was not measured.
@@ -101,6 +104,18 @@ def job_throughput(workers: dict, rows: int, warmup: int,
                                      else "no wall window recorded"),
         "per_worker": per_worker,
     }
+
+
+def carried_by(by_transport: dict) -> str:
+    """The transport that carried a run's push and pull bytes, for labels: one of them, or
+    both with their shares (streams, calls a refused data port sent over gRPC)."""
+    tcp, grpc_ = by_transport.get("tcp", 0), by_transport.get("grpc", 0)
+    if not tcp:
+        return "gRPC"
+    if not grpc_:
+        return "TCP (the shards' data ports)"
+    return (f"TCP (the shards' data ports, {tcp / (tcp + grpc_):.0%} of the bytes) and gRPC "
+            f"({grpc_ / (tcp + grpc_):.0%})")
 
 
 def _brief(values) -> dict | None:
@@ -213,9 +228,13 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                   "version": s["version"], "epoch": s["epoch"], "snapshots": s["snapshots"],
                   "retired_workers": s["retired"], "events": s["events"]} for s in stats]
     scales = [s["lr_scale_mean"] for s in stats if s["lr_scale_mean"] is not None]
+    by_transport = {t: sum(r.get("bytes_by_transport", {}).get(t, 0) for r in workers.values())
+                    for t in ("tcp", "grpc")}
     ps_block = {
         "mode": cfg.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
         "shards": cfg.ps.ps_shards, "transport": cfg.ps.ps_transport,
+        "bytes_by_transport": by_transport, "carried_by": carried_by(by_transport),
+        "data_fallbacks": sum(r.get("data_fallbacks", 0) for r in workers.values()),
         "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
         "staleness_lr": cfg.ps.ps_staleness_lr,
         "mfu_time_per_batch_s": batch_s,  # what MFU divides by: global batch / job rate
@@ -292,7 +311,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
         "loss": losses,
         "comm": None,
         "comm_reason": "not XLA collectives: workers exchange gradients and parameters with "
-                       "the shards over gRPC (ps bytes per step)" + (
+                       f"the shards over {ps_block['carried_by']} (ps bytes per step)" + (
                            f"; the all-reduce over each worker's {devices} devices is not "
                            f"analysed" if devices > 1 else ""),
         "power": {"available": False, "reason": "power telemetry is not implemented yet"},

@@ -77,21 +77,25 @@ class _Fallback:
     retried push is deduplicated. A lookup of the data port that fails is gRPC's own
     UNAVAILABLE and stays an error (the shard is down)."""
 
-    def __init__(self, data: _Method, grpc_method, note):
-        self.data, self.grpc, self.note = data, grpc_method, note
+    def __init__(self, data: _Method, grpc_method, note, via):
+        self.data, self.grpc, self.note, self.via = data, grpc_method, note, via
 
     def _over_grpc(self, error: CallError, request, timeout, metadata):
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             raise error
         self.note(error)
         joined = request if isinstance(request, bytes) else b"".join(request)
-        return self.grpc(joined, timeout=timeout, metadata=metadata)
+        reply = self.grpc(joined, timeout=timeout, metadata=metadata)
+        self.via.name = "grpc"
+        return reply
 
     def __call__(self, request, timeout=None, metadata=None):
         try:
-            return self.data(request, timeout, metadata)
+            reply = self.data(request, timeout, metadata)
         except CallError as e:
             return self._over_grpc(e, request, timeout, metadata)
+        self.via.name = "tcp"
+        return reply
 
     def start(self, request, timeout=None, metadata=None):
         pending = self.data.start(request, timeout, metadata)
@@ -99,9 +103,11 @@ class _Fallback:
 
     def _finish(self, pending, request, timeout, metadata):
         try:
-            return pending.result()
+            reply = pending.result()
         except CallError as e:
             return self._over_grpc(e, request, timeout, metadata)
+        self.via.name = "tcp"
+        return reply
 
 
 class _Result:
@@ -127,6 +133,11 @@ class ShardClient:
         self.shard, self.address, self.timeout_s = shard, address, timeout_s
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.fallbacks = 0  # data calls made over gRPC because the data port refused them
+        # Push and pull bytes by the transport that carried them (results label them): a
+        # call's thread notes its door in `_via` (_Fallback), read where the bytes are counted.
+        self.bytes_by = {"tcp": 0, "grpc": 0}
+        self._via = threading.local()
+        self._count_lock = threading.Lock()
         self.transport, self.tls_cert, self.data = transport, tls_cert, None
         self.channel = make_channel(address, max_message_bytes, tls_cert)
         self.frame_bytes = wire.frame_bytes(max_message_bytes)
@@ -161,11 +172,11 @@ class ShardClient:
             self.data = DataChannel(host, self._data_port, self.tls_cert,
                                     self.max_message_bytes)
             self._push_one = _Fallback(self.data.method(PUSH_ONE), self._push_one,
-                                       self._fell_back)
+                                       self._fell_back, self._via)
             self._pull_one = _Fallback(self.data.method(PULL_ONE), self._pull_one,
-                                       self._fell_back)
+                                       self._fell_back, self._via)
             self._push_pull_one = _Fallback(self.data.method(PUSH_PULL_ONE),
-                                            self._push_pull_one, self._fell_back)
+                                            self._push_pull_one, self._fell_back, self._via)
         self.data.port = info["data_port"]
 
     def _fell_back(self, error: CallError) -> None:
@@ -196,10 +207,16 @@ class ShardClient:
         entered.wait()
         return future
 
+    def _carried(self, nbytes: int) -> None:
+        """Count bytes of the call that just ended on this thread, by its transport."""
+        with self._count_lock:
+            self.bytes_by[getattr(self._via, "name", "grpc")] += nbytes
+
     def _retry(self, what: str, fn, rpc_timeout: float):
         first_failure = None
         delay = 0.05
         while True:
+            self._via.name = "grpc"  # unless a data-port call says otherwise (_Fallback)
             try:
                 return fn(rpc_timeout)
             except grpc.RpcError as e:
@@ -275,7 +292,7 @@ class ShardClient:
                 if first:
                     return first.pop().result()
                 return self._push_one(bundle, timeout=t, metadata=md)
-            return lambda: (json.loads(bytes(self._retry(what, call, timeout))), size)
+            return lambda: self._push_reply(self._retry(what, call, timeout), size)
 
         sent = [0]
 
@@ -286,7 +303,11 @@ class ShardClient:
                     yield frame
             sent[0] = 0
             return self._push(stream(), timeout=t, metadata=md)
-        return lambda: (json.loads(bytes(self._retry(what, stream_call, timeout))), sent[0])
+        return lambda: self._push_reply(self._retry(what, stream_call, timeout), sent[0])
+
+    def _push_reply(self, reply, size: int) -> tuple[dict, int]:
+        self._carried(size)
+        return json.loads(bytes(reply)), size
 
     def start_push_pull(self, pieces, source, meta: dict, layout: dict, dest: np.ndarray):
         """Sync, a transfer small enough for one message: push step t and pull step t+1
@@ -306,7 +327,9 @@ class ShardClient:
                 raise wire.WireError("reply frame missing")
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
             asm.add(rest)
-            return head, size, asm.finish(), asm.bytes
+            meta = asm.finish()
+            self._carried(size + asm.bytes)
+            return head, size, meta, asm.bytes
 
         return self._finisher(what, call, timeout, "a malformed reply")
 
@@ -326,7 +349,9 @@ class ShardClient:
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
             for message in messages:
                 asm.add(message)
-            return asm.finish(), asm.bytes
+            meta = asm.finish()
+            self._carried(asm.bytes)
+            return meta, asm.bytes
 
         if self.small(pieces):
             first = [self._start(self._pull_one, frame, timeout, md)]

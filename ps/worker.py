@@ -270,6 +270,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         "restarts_seen": client.restarts_seen, "compile_s": compile_s,
         "rejected_nonfinite": client.rejected_nonfinite,
         "data_fallbacks": sum(s.fallbacks for s in client.shards), "phases_s": phases,
+        "bytes_by_transport": {t: sum(s.bytes_by[t] for s in client.shards)
+                               for t in ("tcp", "grpc")},
         "accuracy": accuracy, "env": env_info(platform),
         "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
         "memory": memory_block(by_device, metrics.compiled_memory(compiled), measured,

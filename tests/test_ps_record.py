@@ -76,7 +76,10 @@ def test_ps_summary_says_why_every_figure_is_missing(ps_run):
     tp = r["throughput"]
     assert BARE_NA.findall(proc.stdout) == [], proc.stdout
     assert re.search(r"\n  collectives per device/step +n/a \(not XLA collectives: workers exchange "
-                     r"gradients and parameters with the shards over gRPC", proc.stdout)
+                     r"gradients and parameters with the shards over TCP \(the shards' data "
+                     r"ports\)", proc.stdout)
+    assert re.search(r"\n  bytes per step +push [0-9.]+ MiB, pull [0-9.]+ MiB, over TCP "
+                     r"\(the shards' data ports\)\n", proc.stdout)
     assert (f"  job throughput         {tp['samples_per_s']:.1f} samples/s = 24 samples (by "
             f"worker: w0 12, w1 12) / {tp['window_s']:.3f} s shared window") in proc.stdout
     assert re.search(rf"\n  throughput +{tp['samples_per_s']:.1f} samples/s\n", proc.stdout)
@@ -137,3 +140,17 @@ def test_bench_ps_bad_input_is_one_line_and_exit_2(argv, message):
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert message in proc.stderr
+
+
+def test_the_bytes_are_labelled_with_the_transport_that_carried_them(ps_run):
+    """Every push and pull of this run fits one message: all of it went over the data
+    port, and the labels say so, not "over gRPC" (issue 35 item 7)."""
+    _, _, r, workers = ps_run
+    ps = r["ps"]
+    moved = sum(w["push_bytes"] + w["pull_bytes"] for w in workers)
+    assert ps["bytes_by_transport"] == {"tcp": moved, "grpc": 0} and moved > 0
+    assert ps["carried_by"] == "TCP (the shards' data ports)" and ps["data_fallbacks"] == 0
+    assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
+    assert collect.carried_by({"tcp": 0, "grpc": 5}) == "gRPC"
+    assert collect.carried_by({"tcp": 3, "grpc": 1}) == (
+        "TCP (the shards' data ports, 75% of the bytes) and gRPC (25%)")

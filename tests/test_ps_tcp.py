@@ -81,6 +81,11 @@ def test_data_calls_go_over_the_data_port_and_match_grpc(token_server):
     plain.pull(0, over_grpc)
     np.testing.assert_array_equal(over_tcp, over_grpc)
     assert not np.array_equal(over_tcp, flat)       # the push moved the parameters
+    # what carried the bytes is counted as such (results label it, issue 35 item 7)
+    assert tcp.shards[0].bytes_by["grpc"] == 0
+    assert tcp.shards[0].bytes_by["tcp"] > 3 * flat.nbytes
+    assert plain.shards[0].bytes_by == {"tcp": 0, "grpc": plain.shards[0].bytes_by["grpc"]}
+    assert plain.shards[0].bytes_by["grpc"] > flat.nbytes
     tcp.close()
     plain.close()
 
@@ -206,6 +211,8 @@ def test_only_authenticated_connections_hold_a_slot(tmp_path):
         c.pull(1, flat)
         assert np.isfinite(flat).all()
         assert c.shards[0].fallbacks == 2 and len(said) == 1 and "over gRPC" in said[0]
+        assert c.shards[0].bytes_by["tcp"] == 0
+        assert c.shards[0].bytes_by["grpc"] > 2 * flat.nbytes   # the two pulls, headers too
         counts = c.shards[0].control("stats")["data_port_connections"]
         assert counts["dropped"] >= 8 and counts["refused"] >= 3, counts
         assert counts["unauthenticated"] == 0
