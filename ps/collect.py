@@ -173,6 +173,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     from jaxdist import metrics
     from jaxdist import record
     from jaxdist.writers import RunWriter
+    from ps import power
     from ps.shardmap import abstract_model
 
     psdir = Path(logdir) / "ps"
@@ -314,7 +315,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                        f"the shards over {ps_block['carried_by']} (ps bytes per step)" + (
                            f"; the all-reduce over each worker's {devices} devices is not "
                            f"analysed" if devices > 1 else ""),
-        "power": {"available": False, "reason": "power telemetry is not implemented yet"},
+        "power": power.combine({w: r.get("power") or {"available": False, "reason": "the "
+                                "worker recorded no power block"} for w, r in workers.items()}),
         "window": throughput["window"],
         "accuracy": ref["accuracy"],
         "ps": ps_block,
