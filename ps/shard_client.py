@@ -200,12 +200,17 @@ class ShardClient:
             return method.start(request, timeout, metadata)  # no thread: sent right here
         entered = threading.Event()
 
-        def call():
+        def call():  # the door it took is noted on this thread: hand it to the reader's
             entered.set()
-            return method(request, timeout=timeout, metadata=metadata)
+            reply = method(request, timeout=timeout, metadata=metadata)
+            return reply, getattr(self._via, "name", "grpc")
         future = self._calls.submit(call)
         entered.wait()
-        return future
+        return _Result(lambda: self._took(*future.result()))
+
+    def _took(self, reply, via: str):
+        self._via.name = via
+        return reply
 
     def _carried(self, nbytes: int) -> None:
         """Count bytes of the call that just ended on this thread, by its transport."""

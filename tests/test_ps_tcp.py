@@ -108,6 +108,19 @@ def test_token_is_checked_before_the_size_and_before_any_payload(token_server):
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not closed
 
 
+def test_bytes_sent_from_a_kept_thread_count_as_the_data_ports(token_server, monkeypatch):
+    """A request over INLINE_SEND_BYTES is sent from one of the client's threads: the
+    transport it took is still the one its bytes are counted under."""
+    monkeypatch.setattr("ps.shard_client.INLINE_SEND_BYTES", 0)
+    c = client(token_server[0], token=TOKEN)
+    flat = np.empty(SMAP.total, np.float32)
+    c.pull(0, flat)
+    assert c.push(0, np.ones(SMAP.total, np.float32))[0]["status"] in ("applied",
+                                                                        "deduplicated")
+    assert c.shards[0].bytes_by["grpc"] == 0 and c.shards[0].bytes_by["tcp"] > 2 * flat.nbytes
+    c.close()
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_covers_the_data_port(tmp_path):
     cert, key = make_cert(tmp_path)
