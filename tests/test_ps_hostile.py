@@ -1,5 +1,8 @@
-"""A shard under a hostile local peer (issue 35): what a peer that is not a worker sends
-gets an error status or a closed connection, never a traceback in the shard's log."""
+"""The parameter server under a hostile local peer, and what issue 35 asked beside: what a
+peer that is not a worker sends gets an error status or a closed connection, never a
+traceback in the shard's log; tokenless sockets cannot lock the workers out; a run has a
+token by default; labels name the transport that carried the bytes; a long run's curves
+are written in bounded time."""
 
 import json
 import os
@@ -233,6 +236,17 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
               for d in ("quiet", "attacked")]
     assert len(losses[0]) == 12 and losses[0] == losses[1]
     assert sum(w["data_fallbacks"] for w in first) == 0
+    # item 7: every push and pull fit one message, so the data ports carried all of it
+    for d in ("quiet", "attacked"):
+        r = json.loads((tmp_path / d / "results.json").read_text())
+        ps = r["ps"]
+        moved = sum(json.loads((tmp_path / d / "ps" / f"worker{w}.json").read_text())[k]
+                    for w in range(2) for k in ("push_bytes", "pull_bytes"))
+        assert ps["bytes_by_transport"] == {"tcp": moved, "grpc": 0} and moved > 0
+        assert ps["carried_by"] == "TCP (the shards' data ports)"
+        assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
+        assert "over TCP (the shards' data ports)" in (quiet if d == "quiet" else
+                                                       attacked).stdout
     timed_out = []
     for k in range(2):
         log = (tmp_path / "attacked" / "ps" / f"shard{k}.log").read_text()
@@ -321,3 +335,26 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
     assert proc.returncode == 0, out[-3000:]
     assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 40
     assert "no token" not in out
+
+
+def test_labels_name_one_transport_or_both_with_their_shares():
+    from ps.collect import carried_by
+
+    assert carried_by({"tcp": 0, "grpc": 5}) == "gRPC"
+    assert carried_by({"tcp": 5, "grpc": 0}) == "TCP (the shards' data ports)"
+    assert carried_by({"tcp": 3, "grpc": 1}) == (
+        "TCP (the shards' data ports, 75% of the bytes) and gRPC (25%)")
+
+
+# -- issue 35 item 5 (part): a long run's curves in bounded time ------------------------------
+
+def test_curves_of_a_long_run_are_bounded_and_keep_their_ends():
+    from ps.collect import CURVE_POINTS, curve_steps
+
+    assert curve_steps(6, 2) == [0, 1, 2, 3, 4, 5]                  # short: every step
+    assert curve_steps(CURVE_POINTS + 2, 2) == list(range(CURVE_POINTS + 2))
+    steps = curve_steps(70_888, 2)
+    assert CURVE_POINTS // 2 <= len(steps) <= CURVE_POINTS + 3
+    assert steps[:3] == [0, 1, 2] and steps[-1] == 70_887       # warm-up, first timed, last
+    gaps = {b - a for a, b in zip(steps[2:-1], steps[3:-1])}
+    assert len(gaps) == 1                                           # evenly spaced

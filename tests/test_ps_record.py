@@ -140,17 +140,3 @@ def test_bench_ps_bad_input_is_one_line_and_exit_2(argv, message):
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert message in proc.stderr
-
-
-def test_the_bytes_are_labelled_with_the_transport_that_carried_them(ps_run):
-    """Every push and pull of this run fits one message: all of it went over the data
-    port, and the labels say so, not "over gRPC" (issue 35 item 7)."""
-    _, _, r, workers = ps_run
-    ps = r["ps"]
-    moved = sum(w["push_bytes"] + w["pull_bytes"] for w in workers)
-    assert ps["bytes_by_transport"] == {"tcp": moved, "grpc": 0} and moved > 0
-    assert ps["carried_by"] == "TCP (the shards' data ports)" and ps["data_fallbacks"] == 0
-    assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
-    assert collect.carried_by({"tcp": 0, "grpc": 5}) == "gRPC"
-    assert collect.carried_by({"tcp": 3, "grpc": 1}) == (
-        "TCP (the shards' data ports, 75% of the bytes) and gRPC (25%)")
