@@ -111,12 +111,22 @@ def pipeline_lines(runs) -> list[str]:
             *rows, ""]
 
 
+def ps_transport(results: dict) -> str:
+    """What carried a PS run's bytes (ps.collect.carried_by); a record from before it was
+    measured names only the transport it was set to."""
+    ps = results.get("ps") or {}
+    if ps.get("carried_by"):
+        return ps["carried_by"]
+    return "gRPC" if ps.get("transport", "grpc") == "grpc" else "TCP data ports or gRPC"
+
+
 def comm_left_out(runs) -> list[str]:
     """The runs comm.png leaves out, and why (it dropped parameter-server runs silently)."""
     by: dict[str, set[str]] = {}
     for r in runs:
-        why = ("parameter server: gradients and parameters go to the shard servers over "
-               "gRPC, not XLA collectives; its bytes per step are in the table below"
+        why = (f"parameter server: gradients and parameters go to the shard servers over "
+               f"{ps_transport(r.results)}, not XLA collectives; its bytes per step are in "
+               f"the table below"
                if r.layout == "ps" else r.results.get("comm_reason") or "no `comm` recorded")
         by.setdefault(why, set()).add(r.group)
     return [f"Left out of the figure: {md_escape(', '.join(sorted(groups)))} ({md_escape(why)})."
@@ -159,7 +169,8 @@ def comm_lines(runs) -> list[str]:
         comm = r.results.get("comm")
         ps_bytes = (r.results.get("ps") or {}).get("bytes_per_step")
         if not comm and ps_bytes:
-            rows.append(f"| {md_escape(r.name)} | {md_escape(r.group)} | gRPC push "
+            rows.append(f"| {md_escape(r.name)} | {md_escape(r.group)} | "
+                        f"{md_escape(ps_transport(r.results))} push "
                         f"{human_bytes(ps_bytes.get('push'))}, pull "
                         f"{human_bytes(ps_bytes.get('pull'))} per step, all workers "
                         f"(`ps.bytes_per_step`) | host network | n/a |")

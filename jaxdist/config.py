@@ -122,6 +122,8 @@ class PSConfig:
     ps_port: int = _opt(0, "shard k listens on PS_PORT + k (0: free ports chosen at start)")
     ps_bind: str = _opt("127.0.0.1", "address the shard servers bind; another address needs "
                         "the token in JAXDIST_PS_TOKEN")
+    ps_insecure: bool = _opt(False, "run without a token (by default the launcher makes one "
+                             "per run unless JAXDIST_PS_TOKEN gives it)")
     ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers")
     ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
     ps_max_message_mb: int = _opt(64, "message limit, set on both ends; tensors are "

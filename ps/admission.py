@@ -55,7 +55,9 @@ class CallGate:
         for key, value in context.invocation_metadata() or ():
             if key == WORKER_KEY:
                 text = value if isinstance(value, str) else bytes(value).decode("latin-1")
-                if text.isdigit() and len(text) < 10 and int(text) < self.num_workers:
+                # ASCII digits only: "²".isdigit() is True and int("²") raises
+                if (0 < len(text) < 10 and text.isascii() and text.isdigit()
+                        and int(text) < self.num_workers):
                     return int(text)
                 raise Refused("invalid", f"metadata {WORKER_KEY}={text[:20]!r} is not a "
                                          f"worker in 0..{self.num_workers - 1}")

@@ -31,7 +31,10 @@ def format_ps(results: dict) -> str:
         ("push / pull p50 / p99", f"{ms(ps['push_latency_s'], 'push')}; "
                                   f"{ms(ps['pull_latency_s'], 'pull')}"),
         ("bytes per step", f"push {ps['bytes_per_step']['push'] / 2**20:.2f} MiB, "
-                           f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB"),
+                           f"pull {ps['bytes_per_step']['pull'] / 2**20:.2f} MiB, over "
+                           f"{ps.get('carried_by', 'gRPC')}" + (
+                               f" ({ps['data_fallbacks']} calls a data port refused went "
+                               f"over gRPC)" if ps.get("data_fallbacks") else "")),
         ("waits", f"barrier {ps['wait_s']['barrier']:.2f} s, bound "
                   f"{ps['wait_s']['bound']:.2f} s (all shards)"),
         # No applied gradient, no staleness: "n/a (why)", never a 0 that was not measured.
@@ -103,6 +106,21 @@ def job_throughput(workers: dict, rows: int, warmup: int,
     }
 
 
+CURVE_POINTS = 2000
+
+
+def carried_by(by_transport: dict) -> str:
+    """The transport that carried a run's push and pull bytes, for labels: one of them, or
+    both with their shares (streams, calls a refused data port sent over gRPC)."""
+    tcp, grpc_ = by_transport.get("tcp", 0), by_transport.get("grpc", 0)
+    if not tcp:
+        return "gRPC"
+    if not grpc_:
+        return "TCP (the shards' data ports)"
+    return (f"TCP (the shards' data ports, {tcp / (tcp + grpc_):.0%} of the bytes) and gRPC "
+            f"({grpc_ / (tcp + grpc_):.0%})")
+
+
 def _brief(values) -> dict | None:
     import numpy as np
 
@@ -158,6 +176,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     from jaxdist import metrics
     from jaxdist import record
     from jaxdist.writers import RunWriter
+    from ps import power
     from ps.shardmap import abstract_model
 
     psdir = Path(logdir) / "ps"
@@ -213,9 +232,13 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                   "version": s["version"], "epoch": s["epoch"], "snapshots": s["snapshots"],
                   "retired_workers": s["retired"], "events": s["events"]} for s in stats]
     scales = [s["lr_scale_mean"] for s in stats if s["lr_scale_mean"] is not None]
+    by_transport = {t: sum(r.get("bytes_by_transport", {}).get(t, 0) for r in workers.values())
+                    for t in ("tcp", "grpc")}
     ps_block = {
         "mode": cfg.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
         "shards": cfg.ps.ps_shards, "transport": cfg.ps.ps_transport,
+        "bytes_by_transport": by_transport, "carried_by": carried_by(by_transport),
+        "data_fallbacks": sum(r.get("data_fallbacks", 0) for r in workers.values()),
         "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
         "staleness_lr": cfg.ps.ps_staleness_lr,
         "mfu_time_per_batch_s": batch_s,  # what MFU divides by: global batch / job rate
@@ -292,25 +315,36 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
         "loss": losses,
         "comm": None,
         "comm_reason": "not XLA collectives: workers exchange gradients and parameters with "
-                       "the shards over gRPC (ps bytes per step)" + (
+                       f"the shards over {ps_block['carried_by']} (ps bytes per step)" + (
                            f"; the all-reduce over each worker's {devices} devices is not "
                            f"analysed" if devices > 1 else ""),
-        "power": {"available": False, "reason": "power telemetry is not implemented yet"},
+        "power": power.combine({w: r.get("power") or {"available": False, "reason": "the "
+                                "worker recorded no power block"} for w, r in workers.items()}),
         "window": throughput["window"],
         "accuracy": ref["accuracy"],
         "ps": ps_block,
     }
     writer = RunWriter(Path(logdir), cfg.to_dict())
     try:
-        for t, loss in enumerate(losses):
+        writer.summary(results)  # the record first (results.json), then the curves
+        for t in curve_steps(len(losses), warmup):
             step_s = ref["step_s"][t] if t < len(ref["step_s"]) else 0.0
-            writer.step(t, loss, step_s, t >= warmup)
+            writer.step(t, losses[t], step_s, t >= warmup)
             for w, r in workers.items():  # timed steps only, as train/step_time_s
                 if warmup <= t < len(r["step_s"]):
                     writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
         for point in ref["accuracy"]:
             writer.scalar("eval/accuracy", point["accuracy"], point["step"])
-        writer.summary(results)
     finally:
         writer.close()
     return results
+
+
+def curve_steps(n: int, warmup: int) -> list[int]:
+    """The steps the TensorBoard curves get: every one up to CURVE_POINTS timed steps, then
+    evenly spaced ones (the first timed and the last step kept). A PS run's curves are
+    written when it ends, ~0.5 ms a step here: 12,652 steps made a SIGTERM'd run take 11 s
+    to exit, 9 of them here. TensorBoard shows 1,000 points a curve by default;
+    results.json keeps every step."""
+    stride = max(1, -(-(n - warmup) // CURVE_POINTS))
+    return [t for t in range(n) if t < warmup or (t - warmup) % stride == 0 or t == n - 1]

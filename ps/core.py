@@ -1,12 +1,10 @@
-"""One shard's state machine: parameters, optimizer state, versions, modes, dedup,
-staleness, barriers. Plain Python with a Condition; the gRPC servicer is a thin layer over it.
-The update itself is ps.shard_optimizer's, the counters ps.accounting's, the snapshot's
-contents ps.snapshot's.
+"""One shard's state machine: parameters, optimizer state, versions, modes, dedup, staleness,
+barriers. Plain Python with a Condition (ps.servicer is a thin layer over it); the update is
+ps.shard_optimizer's, the counters ps.accounting's, the snapshot's contents ps.snapshot's.
 
 Vocabulary:
 - version: number of optimizer applies this shard has made (its parameter version).
-- step: a worker's own iteration counter; (worker, step) identifies a gradient, so a retried
-  push is recognised and counted as deduplicated, never applied twice.
+- step: a worker's iteration counter; (worker, step) names a gradient, so a retry is deduplicated.
 - staleness of an applied gradient: version at apply time - version it was computed on.
 - clock (ssp): a worker's clock is the step it is about to compute; a worker may pull for
   step c only while c - min(clock of live workers) <= s.
@@ -37,18 +35,17 @@ from ps.shard_optimizer import ShardOptimizer, mean_in_worker_order
 
 
 def _all_finite(x: np.ndarray) -> bool:
-    """Whether every element is finite. A finite sum says so in one pass without a
-    temporary (an inf or nan anywhere makes the sum inf or nan); only a sum that is not
-    finite, which finite values can also give by overflowing, is checked element-wise."""
+    """Whether every element is finite: a finite sum says so in one pass with no temporary
+    (an inf or nan makes the sum inf or nan); only a sum that is not finite is checked
+    element-wise (finite values can overflow it)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return bool(np.isfinite(np.sum(x))) or bool(np.isfinite(x).all())
 
 
 class PSFault(Exception):
-    """A request the shard refuses. `kind` maps to a gRPC status in the servicer:
-    invalid (INVALID_ARGUMENT), precondition (FAILED_PRECONDITION), restarted
-    (FAILED_PRECONDITION, the client re-pushes and retries), aborted (ABORTED), deadline
-    (DEADLINE_EXCEEDED)."""
+    """A request the shard refuses. `kind` maps to a gRPC status in the servicer: invalid
+    (INVALID_ARGUMENT), precondition and restarted (FAILED_PRECONDITION; on restarted the
+    client re-pushes and retries), aborted (ABORTED), deadline (DEADLINE_EXCEEDED)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -78,6 +75,7 @@ class ShardCore:
         self.alive = set(range(num_workers))
         self.retired: dict[int, str] = {}
         self.last_step = {w: -1 for w in range(num_workers)}
+        self.unapplied: dict[int, int] = {}  # async/ssp: a step rejected non-finite (`_push`)
         self.seen_step = {w: -1 for w in range(num_workers)}  # progress, for the launcher
         self.clock = {w: 0 for w in range(num_workers)}
         self.started: set[int] = set()  # workers that said hello (see `hello`)
@@ -108,7 +106,7 @@ class ShardCore:
             raise PSFault("invalid", f"epoch {epoch} is from the future (shard is in "
                                      f"epoch {self.epoch})")
         self.last_seen[worker] = time.monotonic()
-        if step <= self.last_step[worker]:
+        if step <= self.last_step[worker] and self.unapplied.get(worker) != step:
             self.accounting.counts["deduplicated"] += 1
             return self._reply("deduplicated")
         if epoch == self.epoch and version > self.version:
@@ -135,12 +133,16 @@ class ShardCore:
         self.resync = False
         stale = self.version - version
         scale = 1.0 / (1.0 + stale) if self.staleness_lr else 1.0
-        self.last_step[worker] = step
+        self.last_step[worker] = max(self.last_step[worker], step)
         self.seen_step[worker] = max(self.seen_step[worker], step)
         self.clock[worker] = max(self.clock[worker], step + 1)
+        # Rejected as non-finite: reached (the worker goes on), not done (a retry applies).
         if not self._apply_update(grad, scale, f"push of worker {worker} step {step}"):
+            self.unapplied[worker] = step
             self._after_apply()
             return self._reply("rejected_nonfinite")
+        if self.unapplied.get(worker) == step:
+            del self.unapplied[worker]
         self.accounting.applied(stale, scale)
         pulled = self.pull_clock.get(worker)
         if pulled and pulled[0] == step:

@@ -28,6 +28,7 @@ from jaxdist import procs
 from jaxdist.errors import UsageError
 from ps.collect import collect, format_ps
 from ps.launch import Launch, gpu_count
+from ps.security import TOKEN_ENV, run_token
 from ps.shard_client import ShardClient
 
 
@@ -35,7 +36,7 @@ from ps.shard_client import ShardClient
 
 def validate_ps(cfg, shape) -> None:
     """Every PS option check that needs no process; UsageError before any run dir exists."""
-    from ps.server import TOKEN_ENV, security_problems
+    from ps.security import security_problems
     from ps.shardmap import shard_map_for
 
     ps = cfg.ps
@@ -63,6 +64,8 @@ def validate_ps(cfg, shape) -> None:
     if ps.ps_staleness_lr and ps.ps_mode == "sync":
         raise UsageError("--ps-staleness-lr applies to --ps-mode async or ssp; in sync mode "
                          "every update has staleness 0")
+    run_token(os.environ, ps.ps_insecure)  # --ps-insecure against a given token
+    # beyond this host only with a token the user gives (and gives the other hosts)
     problem = security_problems(ps.ps_bind, os.environ.get(TOKEN_ENV), ps.ps_tls_cert,
                                 ps.ps_tls_key)
     if problem:
@@ -91,7 +94,10 @@ def run_ps(cfg, shape, logdir: Path, log=print) -> dict:
         log(f"No accelerator in use: each of the {shape.data} workers simulates "
             f"{shape.fsdp} host CPU device(s). Step times are functional, not performance "
             f"figures.")
-    launch = Launch(cfg, shape, psdir, log)
+    token, notice = run_token(os.environ, cfg.ps.ps_insecure)
+    if notice:
+        log(notice)
+    launch = Launch(cfg, shape, psdir, log, token)
     interrupted = None
     with procs.TerminationHandlers():
         try:
@@ -145,7 +151,7 @@ def main(argv=None) -> int:
         client = ShardClient(k, address.strip(),
                              max_message_bytes=cfg.ps.ps_max_message_mb << 20,
                              timeout_s=cfg.ps.ps_timeout_s,
-                             token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                             token=os.environ.get(TOKEN_ENV, ""),
                              tls_cert=cfg.ps.ps_tls_cert)
         stats.append(client.control("stats"))
         if not args.keep_servers:

@@ -16,6 +16,7 @@ from pathlib import Path
 from jaxdist import procs
 from jaxdist.config import to_argv
 from jaxdist.record import write_json
+from ps.security import TOKEN_ENV
 from ps.shard_client import PSError, ShardClient
 
 MAX_RESTARTS = 3
@@ -70,8 +71,9 @@ def _connect_host(bind: str) -> str:
 class Launch:
     """The children of one run and what happened to them."""
 
-    def __init__(self, cfg, shape, psdir: Path, log):
+    def __init__(self, cfg, shape, psdir: Path, log, token: str = ""):
         self.cfg, self.shape, self.psdir, self.log = cfg, shape, psdir, log
+        self.token = token  # ps.security.run_token: every child gets it in its environment
         self.argv = to_argv(cfg)
         self.servers: list[procs.Child] = []
         self.workers: list[procs.Child] = []
@@ -102,7 +104,8 @@ class Launch:
                 "--ready-file", str(ready), *snapshots, *(["--restore"] if restore else []),
                 *self.argv]
         child = procs.start(f"shard {k}", procs.python_argv("ps.server", *args),
-                            _child_env({"JAX_PLATFORMS": "cpu"}), self.psdir / f"shard{k}.log")
+                            _child_env({"JAX_PLATFORMS": "cpu", TOKEN_ENV: self.token}),
+                            self.psdir / f"shard{k}.log")
         child.extra["ready"] = ready
         self._record_pid(child)
         return child
@@ -143,7 +146,8 @@ class Launch:
             args = ["--worker", str(w), "--servers", servers, "--out", str(self.psdir),
                     *self.argv]
             child = procs.start(f"worker {w}", procs.python_argv("ps.worker", *args),
-                                _child_env(_worker_env(self.cfg, w, devices, w_count)),
+                                _child_env({**_worker_env(self.cfg, w, devices, w_count),
+                                            TOKEN_ENV: self.token}),
                                 self.psdir / f"worker{w}.log")
             self.workers.append(child)
             self._record_pid(child)
@@ -154,7 +158,7 @@ class Launch:
         return ShardClient(k, self.addresses[k],
                            max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
                            timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
-                           token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                           token=self.token,
                            tls_cert=self.cfg.ps.ps_tls_cert)
 
     def retire_everywhere(self, worker: int, reason: str) -> None:

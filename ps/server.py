@@ -14,7 +14,6 @@ import os
 os.environ["JAX_PLATFORMS"] = "cpu"  # before anything imports jax: a shard holds no GPU
 
 import argparse  # noqa: E402
-import ipaddress  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,39 +24,11 @@ from jaxdist.errors import UsageError  # noqa: E402
 from jaxdist.record import write_json  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
+from ps.security import TOKEN_ENV, security_problems  # noqa: E402
 from ps.servicer import ShardServicer, start_grpc  # noqa: E402
 from ps.tcp import DataServer  # noqa: E402
 
-TOKEN_ENV = "JAXDIST_PS_TOKEN"
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md
-MIN_TOKEN_CHARS = 16
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def security_problems(bind: str, token: str | None, cert: str, key: str) -> str | None:
-    """Why these security options are unusable, or None."""
-    if not is_loopback(bind) and not token:
-        return (f"--ps-bind {bind} exposes the shard servers beyond this host; set a shared "
-                f"token in {TOKEN_ENV} (at least {MIN_TOKEN_CHARS} characters) on every "
-                f"server and worker")
-    if token is not None and token != "" and len(token.strip()) < MIN_TOKEN_CHARS:
-        # whitespace does not count: a token of 16 spaces is as guessable as an empty one
-        return (f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} characters, not counting "
-                f"whitespace")
-    if bool(cert) != bool(key):
-        return "--ps-tls-cert and --ps-tls-key go together: give both or neither"
-    for flag, path in (("--ps-tls-cert", cert), ("--ps-tls-key", key)):
-        if path and not os.path.isfile(path):
-            return f"{flag} {path}: no such file"
-    return None
 
 
 def initial_params(cfg, shard_map, shard: int) -> np.ndarray:
@@ -168,8 +139,9 @@ def main(argv=None) -> int:
         server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
         if cfg.ps.ps_transport == "tcp":
-            servicer.data_port = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
-                                            cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key).port
+            data = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
+                              cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key, log=log)
+            servicer.data_port, servicer.data_slots = data.port, data.slots
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
@@ -184,6 +156,9 @@ def main(argv=None) -> int:
     while not servicer.stop_event.wait(0.1):
         pass
     server.stop(grace=0.2).wait(1.0)
+    slots = servicer.data_slots
+    if slots is not None and slots.unlogged():  # the counts since the last (rate-limited) line
+        log(f"data port: {slots.summary()}")
     log("stopped")
     # Exit now: interpreter shutdown would join the gRPC pool's threads, and a pull parked
     # on a barrier holds one for up to --ps-timeout-s (the launcher would SIGKILL us first).

@@ -66,6 +66,7 @@ class ShardServicer:
         self.bytes_in = self.bytes_out = 0
         self.decode_s = self.encode_s = 0.0  # CPU time validating/copying frames in, making out
         self.data_port: int | None = None    # ps.tcp's port for one-message data calls
+        self.data_slots = None               # and its ps.data_slots (refusal counts)
 
     def handler(self):
         return grpc.method_handlers_generic_handler("jaxdist.ps.Shard", {
@@ -225,6 +226,8 @@ class ShardServicer:
                 stats = self.core.stats()
                 stats.update(self.info(), bytes_in=self.bytes_in, bytes_out=self.bytes_out,
                              decode_s=self.decode_s, encode_s=self.encode_s)
+                if self.data_slots is not None:
+                    stats["data_port_connections"] = dict(self.data_slots.counts)
                 return json.dumps(stats).encode()
             if op == "hello":
                 worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)

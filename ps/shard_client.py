@@ -5,6 +5,8 @@ data port (ps.tcp) instead; they fail with the same gRPC status codes, so everyt
 holds for both.
 
 Failure policy, so a worker never hangs:
+- a data-port call refused or dropped (UNAVAILABLE from ps.tcp) is made over gRPC at once
+  (`_Fallback`) and said once in the log.
 - UNAVAILABLE (shard down, restarting, not up yet) is retried with backoff until
   --ps-timeout-s has passed since the first failure, then a PSError names the shard.
 - A retried push carries the same (worker, step), so the shard deduplicates it if the first
@@ -18,6 +20,7 @@ Failure policy, so a worker never hangs:
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +70,51 @@ def make_channel(address: str, max_message_bytes: int, tls_cert: str = ""):
     return grpc.insecure_channel(address, options)
 
 
+class _Fallback:
+    """A data-port method (ps.tcp._Method) whose call, when the data port refuses or drops
+    its connection (UNAVAILABLE from ps.tcp: a full or closed port, a stale kept
+    connection), is made over gRPC instead: the same handler behind another door, and a
+    retried push is deduplicated. A lookup of the data port that fails is gRPC's own
+    UNAVAILABLE and stays an error (the shard is down)."""
+
+    def __init__(self, data: _Method, grpc_method, note, via):
+        self.data, self.grpc, self.note, self.via = data, grpc_method, note, via
+
+    def _over_grpc(self, error: CallError, request, timeout, metadata):
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            raise error
+        self.note(error)
+        joined = request if isinstance(request, bytes) else b"".join(request)
+        reply = self.grpc(joined, timeout=timeout, metadata=metadata)
+        self.via.name = "grpc"
+        return reply
+
+    def __call__(self, request, timeout=None, metadata=None):
+        try:
+            reply = self.data(request, timeout, metadata)
+        except CallError as e:
+            return self._over_grpc(e, request, timeout, metadata)
+        self.via.name = "tcp"
+        return reply
+
+    def start(self, request, timeout=None, metadata=None):
+        pending = self.data.start(request, timeout, metadata)
+        return _Result(lambda: self._finish(pending, request, timeout, metadata))
+
+    def _finish(self, pending, request, timeout, metadata):
+        try:
+            reply = pending.result()
+        except CallError as e:
+            return self._over_grpc(e, request, timeout, metadata)
+        self.via.name = "tcp"
+        return reply
+
+
+class _Result:
+    def __init__(self, fn):
+        self.result = fn
+
+
 def _fault(error: grpc.RpcError) -> str | None:
     try:
         for key, value in error.trailing_metadata() or ():
@@ -81,8 +129,15 @@ class ShardClient:
     """One shard: raw calls with retry on UNAVAILABLE."""
 
     def __init__(self, shard: int, address: str, *, max_message_bytes: int, timeout_s: float,
-                 token: str = "", tls_cert: str = "", transport: str = "tcp"):
+                 token: str = "", tls_cert: str = "", transport: str = "tcp", log=None):
         self.shard, self.address, self.timeout_s = shard, address, timeout_s
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.fallbacks = 0  # data calls made over gRPC because the data port refused them
+        # Push and pull bytes by the transport that carried them (results label them): a
+        # call's thread notes its door in `_via` (_Fallback), read where the bytes are counted.
+        self.bytes_by = {"tcp": 0, "grpc": 0}
+        self._via = threading.local()
+        self._count_lock = threading.Lock()
         self.transport, self.tls_cert, self.data = transport, tls_cert, None
         self.channel = make_channel(address, max_message_bytes, tls_cert)
         self.frame_bytes = wire.frame_bytes(max_message_bytes)
@@ -116,10 +171,20 @@ class ShardClient:
             host = self.address.rsplit(":", 1)[0].strip("[]")
             self.data = DataChannel(host, self._data_port, self.tls_cert,
                                     self.max_message_bytes)
-            self._push_one = self.data.method(PUSH_ONE)
-            self._pull_one = self.data.method(PULL_ONE)
-            self._push_pull_one = self.data.method(PUSH_PULL_ONE)
+            self._push_one = _Fallback(self.data.method(PUSH_ONE), self._push_one,
+                                       self._fell_back, self._via)
+            self._pull_one = _Fallback(self.data.method(PULL_ONE), self._pull_one,
+                                       self._fell_back, self._via)
+            self._push_pull_one = _Fallback(self.data.method(PUSH_PULL_ONE),
+                                            self._push_pull_one, self._fell_back, self._via)
         self.data.port = info["data_port"]
+
+    def _fell_back(self, error: CallError) -> None:
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            self.log(f"ps: shard {self.shard} at {self.address}: its data port refused a "
+                     f"call ({error.details()[:120]}); that call, and any other refused, "
+                     f"goes over gRPC (said once; counted in data_fallbacks)")
 
     def _data_port(self) -> int:
         """The shard's data port, asked again (a restarted shard listens on a new one)."""
@@ -131,21 +196,32 @@ class ShardClient:
 
     def _start(self, method, request, timeout: float, metadata):
         """A unary call in flight now; `.result()` is its reply (or its grpc.RpcError)."""
-        if isinstance(method, _Method) and _nbytes(request) <= INLINE_SEND_BYTES:
+        if isinstance(method, _Fallback) and _nbytes(request) <= INLINE_SEND_BYTES:
             return method.start(request, timeout, metadata)  # no thread: sent right here
         entered = threading.Event()
 
-        def call():
+        def call():  # the door it took is noted on this thread: hand it to the reader's
             entered.set()
-            return method(request, timeout=timeout, metadata=metadata)
+            reply = method(request, timeout=timeout, metadata=metadata)
+            return reply, getattr(self._via, "name", "grpc")
         future = self._calls.submit(call)
         entered.wait()
-        return future
+        return _Result(lambda: self._took(*future.result()))
+
+    def _took(self, reply, via: str):
+        self._via.name = via
+        return reply
+
+    def _carried(self, nbytes: int) -> None:
+        """Count bytes of the call that just ended on this thread, by its transport."""
+        with self._count_lock:
+            self.bytes_by[getattr(self._via, "name", "grpc")] += nbytes
 
     def _retry(self, what: str, fn, rpc_timeout: float):
         first_failure = None
         delay = 0.05
         while True:
+            self._via.name = "grpc"  # unless a data-port call says otherwise (_Fallback)
             try:
                 return fn(rpc_timeout)
             except grpc.RpcError as e:
@@ -221,7 +297,7 @@ class ShardClient:
                 if first:
                     return first.pop().result()
                 return self._push_one(bundle, timeout=t, metadata=md)
-            return lambda: (json.loads(bytes(self._retry(what, call, timeout))), size)
+            return lambda: self._push_reply(self._retry(what, call, timeout), size)
 
         sent = [0]
 
@@ -232,7 +308,11 @@ class ShardClient:
                     yield frame
             sent[0] = 0
             return self._push(stream(), timeout=t, metadata=md)
-        return lambda: (json.loads(bytes(self._retry(what, stream_call, timeout))), sent[0])
+        return lambda: self._push_reply(self._retry(what, stream_call, timeout), sent[0])
+
+    def _push_reply(self, reply, size: int) -> tuple[dict, int]:
+        self._carried(size)
+        return json.loads(bytes(reply)), size
 
     def start_push_pull(self, pieces, source, meta: dict, layout: dict, dest: np.ndarray):
         """Sync, a transfer small enough for one message: push step t and pull step t+1
@@ -252,7 +332,9 @@ class ShardClient:
                 raise wire.WireError("reply frame missing")
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
             asm.add(rest)
-            return head, size, asm.finish(), asm.bytes
+            meta = asm.finish()
+            self._carried(size + asm.bytes)
+            return head, size, meta, asm.bytes
 
         return self._finisher(what, call, timeout, "a malformed reply")
 
@@ -272,7 +354,9 @@ class ShardClient:
             asm = wire.Assembler("param", layout, dest, fixed=("version", "epoch", "waited_us"))
             for message in messages:
                 asm.add(message)
-            return asm.finish(), asm.bytes
+            meta = asm.finish()
+            self._carried(asm.bytes)
+            return meta, asm.bytes
 
         if self.small(pieces):
             first = [self._start(self._pull_one, frame, timeout, md)]

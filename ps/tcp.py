@@ -12,7 +12,7 @@ client raises the errors a gRPC call would and ps.shard_client's retries apply u
 The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
 checked before a payload is read; an oversized message, bad magic or bad metadata closes
 the connection; a request must arrive whole within the call deadline, an idle connection
-is closed after it; connections past the gRPC pool's size are closed at once.
+is closed after it; only authenticated connections hold one of the slots (ps.data_slots).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import grpc
 import numpy as np
 
 from jaxdist.errors import UsageError
+from ps import wire
 from ps.admission import FAULT_KEY, pool_size
+from ps.data_slots import ConnectionSlots
 
 MAGIC = b"JDT1"
 _HEAD = struct.Struct("<4sB3xIQ")
@@ -64,8 +66,7 @@ class _Reader:
     SIZE = 1 << 16
 
     def __init__(self, sock):
-        self.sock = sock
-        self.buf = memoryview(bytearray(self.SIZE))
+        self.sock, self.buf = sock, memoryview(bytearray(self.SIZE))
         self.start = self.end = 0
         self.deadline, self.timeout_set = 0.0, False
 
@@ -183,16 +184,15 @@ class DataServer:
     """Accepts data connections for one ShardServicer; one thread per connection."""
 
     def __init__(self, servicer, bind: str, max_message_bytes: int, num_workers: int,
-                 tls_cert: str = "", tls_key: str = ""):
-        self.servicer, self.max_bytes = servicer, max_message_bytes
-        self.deadline_s = servicer.gate.deadline_s
-        self.max_connections = pool_size(num_workers)
+                 tls_cert: str = "", tls_key: str = "", log=print):
+        self.servicer, self.max_bytes, self.log = servicer, max_message_bytes, log
+        self.deadline_s, self.slots = servicer.gate.deadline_s, ConnectionSlots(
+            pool_size(num_workers), log)
         self.handlers = {PUSH_ONE: lambda r, c: servicer.push(iter((r,)), c),
                          PULL_ONE: lambda r, c: servicer.pull_one(r, c, join=False),
                          PUSH_PULL_ONE: lambda r, c: servicer.push_pull_one(r, c, join=False)}
-        self.tls = None
+        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if tls_cert else None
         if tls_cert:
-            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.tls.load_cert_chain(tls_cert, tls_key)
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         try:
@@ -200,8 +200,6 @@ class DataServer:
         except OSError as e:
             raise UsageError(f"cannot open a data port on {bind}: {e.strerror or e}") from None
         self.port = self.sock.getsockname()[1]
-        self._live = 0
-        self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -210,56 +208,61 @@ class DataServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
-            with self._lock:
-                full = self._live >= self.max_connections
-                self._live += not full
-            if full:
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="ps-data",
-                             daemon=True).start()
+            threading.Thread(target=self._serve, args=(self.slots.accept(conn),),
+                             name="ps-data", daemon=True).start()
 
-    def _serve(self, conn) -> None:
+    def _serve(self, slot) -> None:
+        conn, why = slot.sock, None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls:
-                conn.settimeout(self.deadline_s)
-                conn = self.tls.wrap_socket(conn, server_side=True)
+            if self.tls:  # the handshake is part of the pre-auth time
+                conn.settimeout(max(1e-3, slot.deadline - time.monotonic()))
+                conn = slot.sock = self.tls.wrap_socket(conn, server_side=True)
             reader = _Reader(conn)
-            while self._one_call(conn, reader):
+            while self._one_call(conn, reader, slot):
                 pass
-        except (OSError, EOFError, ssl.SSLError):
-            pass  # peer gone, timed out or cancelled: nothing to answer
+        except (OSError, EOFError) as e:  # peer gone, timed out or cancelled (ssl.SSLError
+            why = "timed_out" if isinstance(e, socket.timeout) else None  # is an OSError)
+        except Exception as e:  # a bug, not the peer's doing: one line, never a traceback
+            self.log(f"data port: a connection ended by {type(e).__name__}: {str(e)[:200]}")
         finally:
             conn.close()
-            with self._lock:
-                self._live -= 1
+            self.slots.release(slot, why)
 
-    def _one_call(self, conn, reader: _Reader) -> bool:
+    def _one_call(self, conn, reader: _Reader, slot) -> bool:
         """Serve one request; False when the connection must end."""
-        reader.begin(time.monotonic() + self.deadline_s)  # an idle connection ends then
+        # Until its token, a connection has until slot.deadline; then it idles to the call's.
+        reader.begin(time.monotonic() + self.deadline_s if slot.authed else slot.deadline)
         head = reader.read(_HEAD.size, idle=True)
         deadline = time.monotonic() + self.deadline_s  # the whole request, once it starts
-        reader.begin(deadline, timeout_set=True)
+        if slot.authed:
+            reader.begin(deadline, timeout_set=True)
         magic, method, meta_len, size = _HEAD.unpack(head)
         if magic != MAGIC or method not in self.handlers or meta_len > MAX_META_BYTES:
             return False
         call = _Call(conn, (), deadline)
         try:
-            pairs = json.loads(bytes(reader.read(meta_len)))
+            pairs = wire.loads(reader.read(meta_len), "call metadata", MAX_META_BYTES)
             if not (isinstance(pairs, list) and all(
                     isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                     for p in pairs)):
-                raise ValueError("metadata must be [key, value] string pairs")
-        except ValueError as e:
+                raise wire.WireError("metadata must be [key, value] string pairs")
+        except wire.WireError as e:
             call.reply(grpc.StatusCode.INVALID_ARGUMENT, f"bad call metadata: {str(e)[:120]}")
             return False
         call.metadata = tuple(tuple(p) for p in pairs)
         try:
             self.servicer._auth(call)  # before a payload byte is read or allocated
         except _Aborted as e:
+            if not slot.authed:
+                self.slots.count("unauthenticated")
             call.reply(e.code, e.details, e.fault)
             return False
+        if not slot.authed:  # then the payload has the call's deadline
+            if not self.slots.authenticate(slot):
+                call.reply(grpc.StatusCode.UNAVAILABLE, "the data port has no free slot")
+                return False
+            reader.begin(deadline)
         if size > self.max_bytes:
             call.reply(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message of {size} bytes exceeds "
                        f"the limit of {self.max_bytes} (--ps-max-message-mb)")
@@ -342,7 +345,7 @@ class DataChannel:
                 raise EOFError("a reply that is not a jaxdist data frame")
             if size > self.max_reply:
                 raise EOFError(f"a reply of {size} bytes, over the message limit")
-            meta = json.loads(bytes(reader.read(meta_len)))
+            meta = wire.loads(reader.read(meta_len), "reply metadata", MAX_META_BYTES)
             payload = reader.read(size, own=True)  # read by the caller after we reuse sock
         except socket.timeout:
             sock.close()

@@ -145,12 +145,13 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
                log=print) -> dict:
     import numpy as np
 
-    from jaxdist import metrics
+    from jaxdist import metrics, telemetry
     from jaxdist.data import TrainStream, eval_batches, load_dataset
     from jaxdist.devices import env_info
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.timing import timed
     from ps.client import PSClient
+    from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of
 
     num_workers = parse_mesh(cfg.mesh.mesh).data
@@ -163,7 +164,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
                       max_message_bytes=cfg.ps.ps_max_message_mb << 20,
-                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get("JAXDIST_PS_TOKEN", ""),
+                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get(TOKEN_ENV, ""),
                       tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport)
     client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
 
@@ -190,6 +191,13 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         return hits / len(dataset.test_y)
 
     total = cfg.loop.warmup + cfg.loop.steps
+    # Power as in mesh runs (jaxdist.telemetry): this worker's GPUs, the same windows;
+    # ps.power sums the workers' blocks. The sampler's thread is a daemon: a worker that
+    # fails mid-loop does not wait for it.
+    window_open, window_close = telemetry.window_steps(cfg.power.power_window,
+                                                       cfg.loop.warmup, cfg.loop.steps)
+    monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)
+    monitor.start()
     losses, step_s, compute_s, waits, accuracy = [], [], [], [], []
     phases = {"pull_s": [], "push_s": [], "batch_s": []}  # per step, wall time on this worker
     started = time.perf_counter()
@@ -207,6 +215,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             break
         if t == cfg.loop.warmup:
             window[0] = time.time()
+        if t == window_open:
+            monitor.open_window()
         t0 = time.perf_counter()
         if pulled is None:
             waited = client.pull(t, flat)
@@ -241,6 +251,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         phases["push_s"].append(time.perf_counter() - p0)
         pulled = (next_waited, 0.0) if next_waited is not None else None  # counted in push_s
         step_s.append(time.perf_counter() - t0)
+        if t == window_close:
+            monitor.close_window()
         losses.append(float(loss))
         waits.append(waited)
         if fault.get("kill-worker") == t:
@@ -251,11 +263,23 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             if pulled is None:  # async/ssp: the parameters after this step; reused by t+1
                 w0 = time.perf_counter()
                 pulled = (client.pull(t + 1, flat), time.perf_counter() - w0)
-            acc = evaluate(program.params(flat), model_state)
+            with monitor.paused(f"evaluation after step {t}", window_open <= t < window_close):
+                acc = evaluate(program.params(flat), model_state)
             accuracy.append({"step": t + 1, "wall_s": time.perf_counter() - started,
                              "accuracy": acc})
             log(f"step {t + 1}: test accuracy {acc:.4f}")
     window[1] = time.time()
+    if window_open < len(losses) <= window_close:  # stopped inside the window: it ends here
+        window_close = len(losses) - 1
+        monitor.close_window()
+    monitor.stop()
+    window_n = max(min(window_close, len(losses) - 1) - window_open + 1, 0)
+    samples = window_n * (cfg.train.batch_size // num_workers)
+    tokens = model_cfg.tokens_per_sample
+    power = monitor.result(window_n, samples, samples * tokens if tokens else None,
+                           first_step=window_open)
+    if out_dir is not None:
+        monitor.write_outputs(out_dir / f"worker{worker}")  # power/*.csv, window.png
 
     state = {"params": params, "model_state": model_state}
     by_device = metrics.state_bytes_by_device(state)
@@ -267,8 +291,11 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         "push_s": client.push_s, "pull_s": client.pull_s,
         "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
         "restarts_seen": client.restarts_seen, "compile_s": compile_s,
-        "rejected_nonfinite": client.rejected_nonfinite, "phases_s": phases,
-        "accuracy": accuracy, "env": env_info(platform),
+        "rejected_nonfinite": client.rejected_nonfinite,
+        "data_fallbacks": sum(s.fallbacks for s in client.shards), "phases_s": phases,
+        "bytes_by_transport": {t: sum(s.bytes_by[t] for s in client.shards)
+                               for t in ("tcp", "grpc")},
+        "accuracy": accuracy, "env": env_info(platform), "power": power,
         "window": {"start_unix_s": window[0], "end_unix_s": window[1]},
         "memory": memory_block(by_device, metrics.compiled_memory(compiled), measured,
                                measured_reason),

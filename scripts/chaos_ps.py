@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from jaxdist import procs  # noqa: E402
 from ps import wire  # noqa: E402
+from ps.security import TOKEN_ENV  # noqa: E402
 from ps.shard_client import ShardClient  # noqa: E402
 from chaos_server_rows import Row, env, model_flags, server_rows  # noqa: E402
 
@@ -55,6 +56,9 @@ def kill_launchers() -> None:
 
 # -- run rows: the launcher, its children, and a signal -----------------------------------
 
+# A run has a token by default (ps.security): give it one this script knows, to watch it.
+RUN_TOKEN = "chaos-run-token-of-32-characters"
+
 
 def training(psdir: Path, workers: int = 2, min_step: int = 3) -> bool:
     """Every worker has pushed at least `min_step` (asked of shard 0)."""
@@ -65,9 +69,11 @@ def training(psdir: Path, workers: int = 2, min_step: int = 3) -> bool:
         port = json.loads(ready.read_text())["port"]
     except (OSError, ValueError, KeyError):
         return False
-    client = ShardClient(0, f"127.0.0.1:{port}", max_message_bytes=1 << 20, timeout_s=1.0)
+    client = ShardClient(0, f"127.0.0.1:{port}", max_message_bytes=1 << 20, timeout_s=1.0,
+                         token=RUN_TOKEN)
     try:
-        reply = json.loads(client._control(wire.encode({"op": "progress"}), timeout=1.0))
+        reply = json.loads(client._control(wire.encode({"op": "progress"}), timeout=1.0,
+                                           metadata=client.metadata))
         return min(reply["seen_step"][:workers]) >= min_step
     except grpc.RpcError:
         return False
@@ -92,7 +98,8 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
     steps = "300" if tolerated else "100000"
     argv = [sys.executable, "-m", "experiments.run", "--layout", "ps", *model_flags(mode),
             "--ps-shards", "1", "--steps", steps, "--logdir", str(logdir), "--no-progress"]
-    launcher = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(argv, cwd=ROOT, env={**env(), TOKEN_ENV: RUN_TOKEN},
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     LAUNCHERS.append(launcher)
     pids, victim = [], None

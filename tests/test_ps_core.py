@@ -458,3 +458,23 @@ def test_finite_check_of_a_push_is_exact_when_the_sum_overflows(values):
     else:
         with pytest.raises(PSFault, match="non-finite values"):
             c.push(0, 0, 0, 0, grad)
+
+
+def test_a_rejected_push_does_not_consume_its_step():
+    """async/ssp: a push rejected as non-finite leaves its step undone, so its retry is
+    applied, not deduplicated; the worker may also go on to its next step first, and a
+    second retry of the applied step is a duplicate again (issue 35 item 4)."""
+    for mode in ("async", "ssp"):
+        c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode=mode, num_workers=1)
+        assert c.push(0, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"
+        before = c.params()[1].copy()
+        assert c.push(0, 0, 0, 0, g(1.0))["status"] == "applied"       # the retry counts
+        assert c.version == 1 and not np.array_equal(c.params()[1], before)
+        assert c.push(0, 0, 0, 0, g(1.0))["status"] == "deduplicated"
+        assert c.push(0, 1, 1, 0, g(3e38))["status"] == "rejected_nonfinite"
+        assert c.push(0, 2, 1, 0, g(1.0))["status"] == "applied"       # moved on: fine
+        assert c.push(0, 1, 1, 0, g(1.0))["status"] == "applied"       # late retry applied
+        assert c.push(0, 1, 1, 0, g(1.0))["status"] == "deduplicated"
+        s = c.stats()
+        assert (s["applies"], s["rejected_nonfinite"], s["deduplicated"]) == (3, 2, 2)
+        assert c.version == 3 and c.last_step[0] == 2

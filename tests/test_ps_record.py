@@ -75,7 +75,10 @@ def test_ps_summary_says_why_every_figure_is_missing(ps_run):
     tp = r["throughput"]
     assert BARE_NA.findall(proc.stdout) == [], proc.stdout
     assert re.search(r"\n  collectives per device/step +n/a \(not XLA collectives: workers exchange "
-                     r"gradients and parameters with the shards over gRPC", proc.stdout)
+                     r"gradients and parameters with the shards over TCP \(the shards' data "
+                     r"ports\)", proc.stdout)
+    assert re.search(r"\n  bytes per step +push [0-9.]+ MiB, pull [0-9.]+ MiB, over TCP "
+                     r"\(the shards' data ports\)\n", proc.stdout)
     assert (f"  job throughput         {tp['samples_per_s']:.1f} samples/s = 24 samples (by "
             f"worker: w0 12, w1 12) / {tp['window_s']:.3f} s shared window") in proc.stdout
     assert re.search(rf"\n  throughput +{tp['samples_per_s']:.1f} samples/s\n", proc.stdout)

@@ -322,7 +322,7 @@ def test_wire_edge_cases_are_invalid_argument(server, name):
 
 
 def test_whitespace_token_is_refused_like_a_short_one():
-    from ps.server import security_problems
+    from ps.security import security_problems
 
     assert "at least 16 characters" in security_problems("0.0.0.0", " " * 20, "", "")
     assert security_problems("0.0.0.0", "x" * 16, "", "") is None
@@ -470,3 +470,47 @@ def test_sync_steps_start_no_grpc_thread_per_call(sync_server, monkeypatch):
     for c in clients:
         assert c.pull_bytes > 3 * smap.total * 4
         c.close()
+
+
+def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
+    """A worker samples its GPUs with jaxdist.telemetry (a scripted fake NVML here: no GPU
+    on this machine) over the same window as a mesh run, and ps.power sums the workers'
+    blocks into the run's (issue 35 item 6)."""
+    from jaxdist import telemetry
+    from jaxdist.config import LoopConfig, TrainConfig
+    from jaxdist.devices import select_devices
+    from jaxdist.mesh import MeshShape
+    from jaxdist.telemetry import fake
+    from ps import power
+    from ps.worker import run_worker
+
+    real = telemetry.create_monitor
+
+    def with_fake(cfg, backend=None, *, devices=None, **kw):
+        return real(cfg, fake.fake_backend([fake.FakeGPU(power_w=300.0)]), devices=None, **kw)
+    monkeypatch.setattr(telemetry, "create_monitor", with_fake)
+    proc, port = start_server(tmp_path, "--mesh", "1x8")  # the 8 CPU devices tests have
+    try:
+        cfg = RunConfig(mesh=MeshConfig(mesh="1x8"), model=ModelConfig(model="mlp-tiny"),
+                        train=TrainConfig(batch_size=8), loop=LoopConfig(warmup=1, steps=40),
+                        ps=PSConfig(ps_shards=1, ps_mode="async", ps_timeout_s=5.0))
+        out = run_worker(cfg, 0, [f"127.0.0.1:{port}"], tmp_path / "ps",
+                         select_devices(MeshShape(8, 1)), log=lambda *_: None)
+    finally:
+        stop_server(proc)
+    mine = out["power"]
+    assert mine["available"] is True, mine.get("reason")
+    assert mine["window"]["steps"] == 40 and mine["window"]["samples"] == 40 * 8
+    assert mine["avg_w"] == pytest.approx(300.0, rel=0.05)
+    assert mine["energy_per_sample_j"] == pytest.approx(mine["energy_j"] / (40 * 8))
+    assert (tmp_path / "ps" / "worker0" / "power" / "gpu_power_0.csv").stat().st_size > 0
+    both = power.combine({0: mine, 1: mine})
+    assert both["available"] is True and len(both["gpus"]) == 2
+    assert both["energy_j"] == pytest.approx(2 * mine["energy_j"])
+    assert both["window"]["samples"] == 2 * 40 * 8
+    assert both["energy_per_sample_j"] == pytest.approx(mine["energy_per_sample_j"])
+    assert both["avg_w"] == pytest.approx(600.0, rel=0.05)
+    half = power.combine({0: mine, 1: {"available": False, "reason": "NVML library not found"}})
+    assert half == {"available": False, "reason": "worker(s) [1]: NVML library not found"}
+    assert power.combine({0: {"available": False, "reason": "r"}}) == {
+        "available": False, "reason": "r"}

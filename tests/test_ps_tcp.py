@@ -81,6 +81,11 @@ def test_data_calls_go_over_the_data_port_and_match_grpc(token_server):
     plain.pull(0, over_grpc)
     np.testing.assert_array_equal(over_tcp, over_grpc)
     assert not np.array_equal(over_tcp, flat)       # the push moved the parameters
+    # what carried the bytes is counted as such (results label it, issue 35 item 7)
+    assert tcp.shards[0].bytes_by["grpc"] == 0
+    assert tcp.shards[0].bytes_by["tcp"] > 3 * flat.nbytes
+    assert plain.shards[0].bytes_by == {"tcp": 0, "grpc": plain.shards[0].bytes_by["grpc"]}
+    assert plain.shards[0].bytes_by["grpc"] > flat.nbytes
     tcp.close()
     plain.close()
 
@@ -101,6 +106,19 @@ def test_token_is_checked_before_the_size_and_before_any_payload(token_server):
     status, details, closed = raw_call(data_port, PULL_ONE,
                                        [["x-jaxdist-token", TOKEN], worker], 4, b"JDP1")
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not closed
+
+
+def test_bytes_sent_from_a_kept_thread_count_as_the_data_ports(token_server, monkeypatch):
+    """A request over INLINE_SEND_BYTES is sent from one of the client's threads: the
+    transport it took is still the one its bytes are counted under."""
+    monkeypatch.setattr("ps.shard_client.INLINE_SEND_BYTES", 0)
+    c = client(token_server[0], token=TOKEN)
+    flat = np.empty(SMAP.total, np.float32)
+    c.pull(0, flat)
+    assert c.push(0, np.ones(SMAP.total, np.float32))[0]["status"] in ("applied",
+                                                                        "deduplicated")
+    assert c.shards[0].bytes_by["grpc"] == 0 and c.shards[0].bytes_by["tcp"] > 2 * flat.nbytes
+    c.close()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -126,43 +144,105 @@ def test_tls_covers_the_data_port(tmp_path):
         stop_server(proc)
 
 
-def test_idle_and_partial_requests_end_at_the_call_deadline(tmp_path):
+def test_idle_and_partial_requests_end_at_their_deadlines(tmp_path):
+    """Before it authenticates a connection has PRE_AUTH_S for its header and metadata;
+    an authenticated request must arrive whole within the call deadline."""
+    from ps.data_slots import PRE_AUTH_S
+
     proc, port = start_server(tmp_path, "--ps-timeout-s", "1")  # call deadline 1 + 2 s
     try:
         port = client(port).shards[0].data.port
-        for blob in (b"", _HEAD.pack(MAGIC, PUSH_ONE, 2, 100) + b"[]" + bytes(10)):
+        for blob, lo, hi in ((b"", PRE_AUTH_S - 0.5, PRE_AUTH_S + 3),
+                             (_HEAD.pack(MAGIC, PUSH_ONE, 2, 100), PRE_AUTH_S - 0.5,
+                              PRE_AUTH_S + 3),  # no metadata
+                             (_HEAD.pack(MAGIC, PUSH_ONE, 2, 100) + b"[]" + bytes(10), 2.5, 8)):
             with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
                 sock.sendall(blob)
                 t0 = time.monotonic()
                 assert sock.recv(1) == b""
-                assert 2.5 < time.monotonic() - t0 < 8
+                assert lo < time.monotonic() - t0 < hi, blob
     finally:
         stop_server(proc)
 
 
-def test_connections_beyond_the_pool_are_closed_at_once(tmp_path):
-    proc, port = start_server(tmp_path)
+def _held_call(port, meta):
+    """A connection that made one authenticated call (a malformed pull: INVALID_ARGUMENT,
+    and the connection stays open) and holds it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    text = json.dumps(meta).encode()
+    sock.sendall(_HEAD.pack(MAGIC, PULL_ONE, len(text), 4) + text + b"JDP1")
+    head = b""
+    while len(head) < _HEAD.size:
+        chunk = sock.recv(_HEAD.size - len(head))
+        assert chunk, "closed without a reply"
+        head += chunk
+    _, status, meta_len, _ = _HEAD.unpack(head)
+    while meta_len:
+        meta_len -= len(sock.recv(meta_len))
+    return sock, status
+
+
+def test_only_authenticated_connections_hold_a_slot(tmp_path):
+    from ps.data_slots import MAX_WAITING
+
+    proc, port = start_server(tmp_path, env=server_env(JAXDIST_PS_TOKEN=TOKEN))
+    held = []
     try:
-        c = client(port)
+        c = client(port, token=TOKEN)
+        said = []
+        c.shards[0].log = said.append
         data_port = c.shards[0].data.port
-        held = [socket.create_connection(("127.0.0.1", data_port)) for _ in range(pool_size(2))]
-        time.sleep(0.3)
-        with socket.create_connection(("127.0.0.1", data_port), timeout=5) as extra:
-            assert extra.recv(1) == b""                  # closed, not served
+        # plain sockets, more than the cap and than may wait: the worker still gets in
+        held = [socket.create_connection(("127.0.0.1", data_port))
+                for _ in range(MAX_WAITING + 8)]
+        flat = np.empty(SMAP.total, np.float32)
+        c.pull(0, flat)
+        assert c.push(0, np.ones(SMAP.total, np.float32))[0]["status"] == "applied"
+        assert c.shards[0].fallbacks == 0 and said == []
         for sock in held:
             sock.close()
-        flat = np.empty(SMAP.total, np.float32)
+        c.close()
+        # authenticated connections: the cap holds; one more is UNAVAILABLE, and a worker
+        # that needs a new connection then makes its call over gRPC, and says so once
+        meta = [["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", "0"]]
         deadline = time.monotonic() + 10
-        while True:  # the shard frees a slot when it sees a held connection close
-            try:
-                c.pull(0, flat)
-                break
-            except Exception:
+        held = []
+        while len(held) < pool_size(2):  # the shard frees slots as it sees closes
+            sock, status = _held_call(data_port, meta)
+            if status == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                held.append(sock)
+            else:
+                sock.close()
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+        extra, status = _held_call(data_port, meta)
+        assert status == grpc.StatusCode.UNAVAILABLE.value[0] and extra.recv(1) == b""
+        extra.close()
+        c = client(port, token=TOKEN)
+        c.shards[0].log = said.append
+        c.pull(0, flat)
+        c.pull(1, flat)
         assert np.isfinite(flat).all()
+        assert c.shards[0].fallbacks == 2 and len(said) == 1 and "over gRPC" in said[0]
+        assert c.shards[0].bytes_by["tcp"] == 0
+        assert c.shards[0].bytes_by["grpc"] > 2 * flat.nbytes   # the two pulls, headers too
+        counts = c.shards[0].control("stats")["data_port_connections"]
+        assert counts["dropped"] >= 8 and counts["refused"] >= 3, counts
+        assert counts["unauthenticated"] == 0
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:  # back on the data port once the shard has seen the closes
+            before = c.shards[0].fallbacks
+            c.pull(1, flat)
+            if c.shards[0].fallbacks == before:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         c.close()
     finally:
+        for sock in held:
+            sock.close()
         stop_server(proc)
 
 

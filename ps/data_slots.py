@@ -1,0 +1,105 @@
+"""Which connections a shard's data port (ps.tcp) keeps, and what it tells about the rest.
+
+A slot used to be taken when a socket was accepted and freed at the call deadline: 16 plain
+sockets that reconnected when closed held every slot, and the workers' runs died (issue 35).
+Now a slot of the cap (the gRPC pool's size) is only for a connection that authenticated:
+
+- a new connection has PRE_AUTH_S for its TLS handshake, header and metadata (the token);
+  past it, it is closed (`timed_out`);
+- at most MAX_WAITING connections wait to authenticate; one more drops the oldest of them
+  (`dropped`), so a peer without the token cannot keep a worker from getting in;
+- a connection that authenticates when every slot is held is answered UNAVAILABLE and
+  closed (`refused`); the worker makes that call over gRPC.
+
+Refusals are counted and logged at most once per LOG_EVERY_S (and in `summary` at the end),
+never once per connection: a flood must not flood the log too.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+
+PRE_AUTH_S = 2.0
+MAX_WAITING = 64
+LOG_EVERY_S = 10.0
+KINDS = {"timed_out": f"timed out before authenticating ({PRE_AUTH_S:g} s)",
+         "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting)",
+         "refused": "refused authenticated (every slot held)",
+         "unauthenticated": "failed the token"}
+
+
+class Slot:
+    """One accepted connection: its socket (replaced by the TLS one once wrapped) and the
+    pre-auth deadline."""
+
+    def __init__(self, sock):
+        self.sock, self.authed = sock, False
+        self.deadline = time.monotonic() + PRE_AUTH_S
+
+
+class ConnectionSlots:
+    def __init__(self, cap: int, log):
+        self.cap, self.log = cap, log
+        self.counts = dict.fromkeys(KINDS, 0)
+        self.authed = 0
+        self._waiting: collections.OrderedDict = collections.OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self._logged_at = -LOG_EVERY_S
+        self._logged: dict = {}
+
+    def accept(self, sock) -> Slot:
+        slot = Slot(sock)
+        with self._lock:
+            if len(self._waiting) >= MAX_WAITING:
+                _, oldest = self._waiting.popitem(last=False)
+                self._count("dropped")
+                try:  # its thread's read ends at once and closes it
+                    oldest.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._waiting[id(slot)] = slot
+        return slot
+
+    def authenticate(self, slot: Slot) -> bool:
+        """Move a connection that passed the token into a slot; False: dropped meanwhile,
+        or every slot held (counted)."""
+        with self._lock:
+            if self._waiting.pop(id(slot), None) is None:
+                return False
+            if self.authed >= self.cap:
+                self._count("refused")
+                return False
+            self.authed += 1
+            slot.authed = True
+            return True
+
+    def release(self, slot: Slot, why: str | None = None) -> None:
+        """The connection ended; `why` (a KINDS key) if it ended unauthenticated for it."""
+        with self._lock:
+            if slot.authed:
+                self.authed -= 1
+                slot.authed = False
+            elif self._waiting.pop(id(slot), None) is not None and why:
+                self._count(why)
+
+    def count(self, kind: str) -> None:
+        with self._lock:
+            self._count(kind)
+
+    def _count(self, kind: str) -> None:  # under the lock
+        self.counts[kind] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            self._logged = dict(self.counts)
+            self.log(f"data port: {self.summary()}")
+
+    def summary(self) -> str:
+        return "connections " + ", ".join(f"{KINDS[k]}: {v}" for k, v in self.counts.items())
+
+    def unlogged(self) -> bool:
+        """Counts the log has not shown yet (none at all: nothing to say)."""
+        return any(self.counts.values()) and self.counts != self._logged

@@ -1,0 +1,360 @@
+"""The parameter server under a hostile local peer, and what issue 35 asked beside: what a
+peer that is not a worker sends gets an error status or a closed connection, never a
+traceback in the shard's log; tokenless sockets cannot lock the workers out; a run has a
+token by default; labels name the transport that carried the bytes; a long run's curves
+are written in bounded time."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from ps import wire
+from ps.tcp import _HEAD, MAGIC, PULL_ONE
+from tests.helpers import ROOT
+from tests.test_ps_server import FLAGS, TOKEN, server_env, shard_client
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+class Shard:
+    """A real `python -m ps.server` whose log goes to a file the test reads."""
+
+    def __init__(self, tmp, *extra, token=TOKEN):
+        self.log_path = tmp / "shard.log"
+        ready = tmp / "ready.json"
+        env = server_env(JAXDIST_PS_TOKEN=token) if token else server_env()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ps.server", "--shard", "0", "--of", "1", "--port", "0",
+                 "--ready-file", str(ready), *FLAGS, *extra],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert self.proc.poll() is None, self.log()
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        c = shard_client(self.address, token=token)
+        self.data_port = c.control("info")["data_port"]
+        c.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def shard(tmp_path):
+    s = Shard(tmp_path)
+    yield s
+    s.stop()
+
+
+def data_call(port, method, meta_text: bytes, payload=b""):
+    """One request by hand on the data port: the reply's status, or None if the shard
+    closed the connection without one."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(_HEAD.pack(MAGIC, method, len(meta_text), len(payload)) + meta_text
+                     + payload)
+        head = b""
+        while len(head) < _HEAD.size:
+            chunk = sock.recv(_HEAD.size - len(head))
+            if not chunk:
+                return None
+            head += chunk
+        return _HEAD.unpack(head)[1]
+
+
+def test_deep_metadata_and_unicode_digits_are_invalid_argument_without_a_traceback(shard):
+    deep = b"[" * 20000 + b"]" * 20000
+    for _ in range(20):
+        assert data_call(shard.data_port, PULL_ONE, deep) == INVALID
+    # deep inside a well-formed pair, and as a frame header on both ports
+    nested = json.dumps([["x-jaxdist-token", TOKEN], ["k", "v"]])[:-1].encode() + b"," \
+        + b"[" * 5000 + b"]" * 5000 + b"]"
+    assert data_call(shard.data_port, PULL_ONE, nested) == INVALID
+    head = b"{\"op\":" + b"[" * 20000 + b"]" * 20000 + b"}"
+    frame = b"JDP1" + len(head).to_bytes(4, "little") + head
+    token_worker = [["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", "0"]]
+    assert data_call(shard.data_port, PULL_ONE, json.dumps(token_worker).encode(),
+                     frame) == INVALID
+    channel = grpc.insecure_channel(shard.address)
+    with pytest.raises(grpc.RpcError) as e:
+        channel.unary_unary("/jaxdist.ps.Shard/PullOne")(
+            frame, timeout=10, metadata=tuple(map(tuple, token_worker)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
+    for worker in ("\u00b2", "\u0661", "\uff10", "+1", " 1", "", "1" * 12):
+        meta = json.dumps([["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", worker]]).encode()
+        assert data_call(shard.data_port, PULL_ONE, meta, pull) == INVALID, worker
+    c = shard_client(shard.address)
+    assert c.control("ping") == {"ok": True}           # still up
+    c.close()
+    log = shard.log()
+    assert "Traceback" not in log and "RecursionError" not in log, log[-2000:]
+
+
+def test_worker_ids_are_ascii_digits():
+    from ps.admission import CallGate, Refused
+
+    class Ctx:
+        def __init__(self, value):
+            self.value = value
+
+        def invocation_metadata(self):
+            return (("x-jaxdist-worker", self.value),)
+
+    gate = CallGate(3, 5.0)
+    assert gate.worker_of(Ctx("2")) == 2
+    for bad in ("\u00b2", "\u0662", "3", "-1", "", b"\xb2"):
+        with pytest.raises(Refused) as e:
+            gate.worker_of(Ctx(bad))
+        assert e.value.kind == "invalid"
+
+
+# -- issue 35 item 1: a run while tokenless sockets hold the data ports -----------------------
+
+RUN = ["--layout", "ps", "--mesh", "2x1", "--ps-shards", "2", "--ps-mode", "sync",
+       "--model", "mlp-tiny", "--batch-size", "16", "--lr", "0.01", "--warmup", "0",
+       "--steps", "12", "--ps-timeout-s", "5"]
+# worker 1 sleeps 0.3 s a step: the steps span several pre-auth deadlines of the attack
+SLOW = "slow-worker:1:0.3"
+ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, every slot it used to have
+
+
+class Attack:
+    """From the moment each shard's log names its data port, hold ATTACKERS plain sockets
+    on it that send nothing and reconnect as soon as the shard closes them (until `stop`,
+    and never past `limit_s`). `reconnects` counts the closes."""
+
+    def __init__(self, psdir, shards: int, limit_s: float = 120.0):
+        import re
+        import threading
+
+        self.psdir, self.shards, self.limit = psdir, shards, time.monotonic() + limit_s
+        self.pattern = re.compile(r"data port (\d+)")
+        self.started_unix = None
+        self.reconnects = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _ports(self) -> list[int]:
+        ports = []
+        for k in range(self.shards):
+            path = self.psdir / f"shard{k}.log"
+            found = self.pattern.search(path.read_text()) if path.exists() else None
+            if found:
+                ports.append(int(found.group(1)))
+        return ports
+
+    def _run(self) -> None:
+        import select
+
+        while len(ports := self._ports()) < self.shards:
+            if self.stop_event.wait(0.02) or time.monotonic() > self.limit:
+                return
+        socks = {}
+
+        def connect(port):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+                socks[sock] = port
+            except OSError:
+                pass
+        for port in ports:
+            for _ in range(ATTACKERS):
+                connect(port)
+        self.started_unix = time.time()
+        while not self.stop_event.is_set() and time.monotonic() < self.limit:
+            ready = select.select(list(socks), [], [], 0.05)[0]
+            for sock in ready:
+                try:
+                    gone = sock.recv(1) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    port = socks.pop(sock)
+                    sock.close()
+                    self.reconnects += 1
+                    connect(port)
+            for port in ports:  # a connect refused above is tried again
+                while sum(p == port for p in socks.values()) < ATTACKERS:
+                    before = len(socks)
+                    connect(port)
+                    if len(socks) == before:
+                        break
+        for sock in socks:
+            sock.close()
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(10)
+
+
+def _run(logdir, attack: bool):
+    from tests.helpers import run_cli
+
+    attacker = Attack(logdir / "ps", 2) if attack else None
+    t0 = time.monotonic()
+    try:
+        proc = run_cli(*RUN, "--logdir", str(logdir), timeout=240,
+                       xla_flags="--xla_backend_optimization_level=0")
+    finally:
+        if attacker:
+            attacker.stop()
+    return proc, time.monotonic() - t0, attacker
+
+
+def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
+        tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.setenv("JAXDIST_PS_TOKEN", TOKEN)
+    monkeypatch.setenv("JAXDIST_PS_FAULT", SLOW)
+    quiet, quiet_s, _ = _run(tmp_path / "quiet", attack=False)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    attacked, attacked_s, attack = _run(tmp_path / "attacked", attack=True)
+    assert attacked.returncode == 0, attacked.stderr[-3000:]
+    assert attack.started_unix is not None and attack.reconnects >= 2 * ATTACKERS
+    first = [json.loads((tmp_path / "attacked" / "ps" / f"worker{w}.json").read_text())
+             for w in range(2)]
+    assert all(attack.started_unix < w["window"]["start_unix_s"] for w in first)
+    losses = [json.loads((tmp_path / d / "results.json").read_text())["loss"]
+              for d in ("quiet", "attacked")]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
+    assert sum(w["data_fallbacks"] for w in first) == 0
+    # item 7: every push and pull fit one message, so the data ports carried all of it
+    for d in ("quiet", "attacked"):
+        r = json.loads((tmp_path / d / "results.json").read_text())
+        ps = r["ps"]
+        moved = sum(json.loads((tmp_path / d / "ps" / f"worker{w}.json").read_text())[k]
+                    for w in range(2) for k in ("push_bytes", "pull_bytes"))
+        assert ps["bytes_by_transport"] == {"tcp": moved, "grpc": 0} and moved > 0
+        assert ps["carried_by"] == "TCP (the shards' data ports)"
+        assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
+        assert "over TCP (the shards' data ports)" in (quiet if d == "quiet" else
+                                                       attacked).stdout
+    timed_out = []
+    for k in range(2):
+        log = (tmp_path / "attacked" / "ps" / f"shard{k}.log").read_text()
+        assert "Traceback" not in log
+        lines = re.findall(r"timed out before authenticating \([^)]*\): (\d+)", log)
+        assert lines, log[-2000:]
+        timed_out.append(int(lines[-1]))
+    assert min(timed_out) >= ATTACKERS, timed_out
+    print(f"quiet {quiet_s:.1f} s, attacked {attacked_s:.1f} s, attack reconnects "
+          f"{attack.reconnects}, timed out per shard {timed_out}")
+
+
+# -- issue 35 item 3: a token by default ---------------------------------------------------
+
+def test_run_token_rules():
+    from jaxdist.errors import UsageError
+    from ps.security import MIN_TOKEN_CHARS, TOKEN_ENV, run_token
+
+    made = [run_token({}, False) for _ in range(2)]
+    assert all(notice is None and len(t) >= MIN_TOKEN_CHARS for t, notice in made)
+    assert made[0][0] != made[1][0]                       # one per run
+    assert run_token({TOKEN_ENV: TOKEN}, False) == (TOKEN, None)
+    for environ, insecure in (({TOKEN_ENV: ""}, False), ({}, True), ({TOKEN_ENV: ""}, True)):
+        token, notice = run_token(environ, insecure)
+        assert token == "" and "no token" in notice
+    with pytest.raises(UsageError, match="--ps-insecure"):
+        run_token({TOKEN_ENV: TOKEN}, True)
+
+
+def test_insecure_with_a_token_is_one_line_exit_2(tmp_path, monkeypatch):
+    from tests.helpers import run_cli
+
+    monkeypatch.setenv("JAXDIST_PS_TOKEN", TOKEN)
+    proc = run_cli("--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny", "--batch-size",
+                   "16", "--ps-insecure", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--ps-insecure" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_validation_of_a_run_does_not_import_the_shard_server():
+    """ps.server forces JAX_PLATFORMS=cpu on import; the launcher imported it to validate a
+    run, so on a GPU node its workers inherited JAX_PLATFORMS=cpu. The checks live in
+    ps.security now."""
+    code = ("import sys; from jaxdist.mesh import parse_mesh; from ps.driver import "
+            "validate_ps; from tests.test_ps_server import CFG; "
+            "validate_ps(CFG, parse_mesh(CFG.mesh.mesh)); print('ps.server' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=server_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
+
+
+def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
+    monkeypatch.setenv("JAXDIST_PS_FAULT", "slow-worker:1:0.5")
+    logdir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *RUN[:-4], "--steps",
+                             "40", "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        log = logdir / "ps" / "shard0.log"
+        deadline = time.monotonic() + 90
+        while not (found := re.search(r"serving on 127\.0\.0\.1:(\d+), data port (\d+)",
+                                      log.read_text() if log.exists() else "")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "token required" in log.read_text()
+        grpc_port, data_port = map(int, found.groups())
+        pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0,
+                            "epoch": 0})
+        meta = json.dumps([["x-jaxdist-worker", "0"]]).encode()
+        assert data_call(data_port, PULL_ONE, meta, pull) == \
+            grpc.StatusCode.UNAUTHENTICATED.value[0]
+        c = shard_client(f"127.0.0.1:{grpc_port}", token="")
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            c.control("ping")
+        c.close()
+        out = proc.communicate(timeout=180)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 40
+    assert "no token" not in out
+
+
+def test_labels_name_one_transport_or_both_with_their_shares():
+    from ps.collect import carried_by
+
+    assert carried_by({"tcp": 0, "grpc": 5}) == "gRPC"
+    assert carried_by({"tcp": 5, "grpc": 0}) == "TCP (the shards' data ports)"
+    assert carried_by({"tcp": 3, "grpc": 1}) == (
+        "TCP (the shards' data ports, 75% of the bytes) and gRPC (25%)")
+
+
+# -- issue 35 item 5 (part): a long run's curves in bounded time ------------------------------
+
+def test_curves_of_a_long_run_are_bounded_and_keep_their_ends():
+    from ps.collect import CURVE_POINTS, curve_steps
+
+    assert curve_steps(6, 2) == [0, 1, 2, 3, 4, 5]                  # short: every step
+    assert curve_steps(CURVE_POINTS + 2, 2) == list(range(CURVE_POINTS + 2))
+    steps = curve_steps(70_888, 2)
+    assert CURVE_POINTS // 2 <= len(steps) <= CURVE_POINTS + 3
+    assert steps[:3] == [0, 1, 2] and steps[-1] == 70_887       # warm-up, first timed, last
+    gaps = {b - a for a, b in zip(steps[2:-1], steps[3:-1])}
+    assert len(gaps) == 1                                           # evenly spaced
