@@ -16,7 +16,7 @@ import pytest
 
 from ps import wire
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 from tests.test_ps_server import FLAGS, TOKEN, server_env, shard_client
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -210,8 +210,7 @@ def _run(logdir, attack: bool):
     attacker = Attack(logdir / "ps", 2) if attack else None
     t0 = time.monotonic()
     try:
-        proc = run_cli(*RUN, "--logdir", str(logdir), timeout=240,
-                       xla_flags="--xla_backend_optimization_level=0")
+        proc = run_cli(*RUN, "--logdir", str(logdir), timeout=240)
     finally:
         if attacker:
             attacker.stop()
@@ -276,12 +275,13 @@ def test_run_token_rules():
         run_token({TOKEN_ENV: TOKEN}, True)
 
 
-def test_insecure_with_a_token_is_one_line_exit_2(tmp_path, monkeypatch):
-    from tests.helpers import run_cli
+def test_insecure_with_a_token_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from tests.helpers import cli_main
 
     monkeypatch.setenv("JAXDIST_PS_TOKEN", TOKEN)
-    proc = run_cli("--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny", "--batch-size",
-                   "16", "--ps-insecure", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny",
+                    "--batch-size", "16", "--ps-insecure")
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "--ps-insecure" in proc.stderr
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
@@ -305,7 +305,7 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
     monkeypatch.setenv("JAXDIST_PS_FAULT", "slow-worker:1:0.5")
     logdir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *RUN[:-4], "--steps",
                              "40", "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
