@@ -45,15 +45,17 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-# Modules whose module-scoped fixtures start runs (a PS job, torch ranks, a suite, CLI runs):
-# under `make test -n 2 --dist loadgroup` all of a module's tests go to one xdist worker, so
-# each fixture runs once instead of once per worker. (A "ports" group once kept every
+# Modules whose fixtures start runs (a PS job, torch ranks, a suite, CLI runs): under `make
+# test -n 2 --dist loadgroup` all of a module's tests go to one xdist worker, so each fixture
+# runs once instead of once per worker. Those fixtures are session-scoped: a worker may run
+# other modules' tests between a group's, and a module-scoped fixture would be made again. (A "ports" group once kept every
 # process- and port-using test on one worker, for a two-process failure at exit that was in
 # fact the interrupted run's hparams crash, fixed since: writers.hparams_summaries.)
 SHARED_FIXTURES = {"test_compare.py", "test_equivalence.py", "test_ps_record.py",
                    "test_ps_run.py", "test_ps_server.py", "test_record.py", "test_run_cli.py",
                    "test_run_dirs_safety.py", "test_suite_report.py",
-                   "test_tensor_parallel.py", "test_tensorboard.py", "test_torch_ref.py"}
+                   "test_tensor_parallel.py", "test_tensorboard.py", "test_torch_ref.py",
+                   "test_ps_tcp.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ def compare(*args, timeout=120):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pair(tmp_path_factory):
     """One JAX run and one PyTorch run of mlp-tiny, DDP over 2 devices / 2 processes."""
     pytest.importorskip("torch", reason="PyTorch is not installed: make test installs "

@@ -12,7 +12,7 @@ MESH = MeshShape(2, 4)
 SINGLE = MeshShape(1, 1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_device():
     cache = {}
 

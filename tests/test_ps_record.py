@@ -22,7 +22,7 @@ WORKERS, BATCH, WARMUP, STEPS = 2, 8, 1, 3
 BARE_NA = re.compile(r"n/a(?! \()")  # an n/a not followed by its reason in parentheses
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ps_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("psrec") / "async"
     with pytest.MonkeyPatch.context() as mp:

@@ -53,7 +53,7 @@ def assert_no_orphans(logdir: Path, pids=()):
 
 # -- sync: ddp's arithmetic, exact accounting ---------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sync_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("ps") / "sync"
     proc = run_ps(logdir, "--mesh", "2x2", "--ps-shards", "3", "--ps-mode", "sync",
@@ -154,7 +154,7 @@ def test_no_orphans_after_a_run(sync_run):
 
 # -- async and ssp: accuracy, staleness, a worker that dies -------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def async_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("ps") / "async"
     proc = run_ps(logdir, "--mesh", "3x1", "--ps-shards", "2", "--ps-mode", "async", *DIGITS,
@@ -163,7 +163,7 @@ def async_run(tmp_path_factory):
     return logdir, results(logdir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ssp_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("ps") / "ssp"
     proc = run_ps(logdir, "--mesh", "3x1", "--ps-shards", "1", "--ps-mode", "ssp",

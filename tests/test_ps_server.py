@@ -57,7 +57,7 @@ def stop_server(proc):
     proc.stdout.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     proc, port = start_server(tmp_path_factory.mktemp("srv"),
                               env=server_env(JAXDIST_PS_TOKEN=TOKEN))
@@ -344,7 +344,7 @@ def test_push_from_the_future_is_refused_and_real_pushes_still_apply(server):
     workers.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sync_server(tmp_path_factory):
     proc, port = start_server(tmp_path_factory.mktemp("sync"), "--ps-mode", "sync",
                               "--ps-timeout-s", "4")

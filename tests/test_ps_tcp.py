@@ -54,7 +54,7 @@ def raw_call(port, method, metadata, size, payload=b""):
     return status, json.loads(body)["details"], closed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def token_server(tmp_path_factory):
     """(gRPC port, data port) of a shard that requires the token."""
     proc, port = start_server(tmp_path_factory.mktemp("tcp"),

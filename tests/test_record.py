@@ -14,7 +14,7 @@ TINY = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps",
         "--no-progress"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def produced(tmp_path_factory):
     """(fsdp run dir, ps-async run dir), each from a real run of the producer."""
     base = tmp_path_factory.mktemp("record")

@@ -9,7 +9,7 @@ from jaxdist.record import check
 from tests.helpers import cli_main, read_scalars, run_cli
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def e2e(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("runs") / "fsdp-4x8"
     proc = run_cli("--layout", "fsdp", "--mesh", "4x8", "--model", "mlp-tiny",

@@ -38,7 +38,7 @@ def _refused(proc) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def state():
     return train("mlp-tiny", "ddp", MeshShape(2), steps=0)[1]
 
@@ -168,7 +168,7 @@ def _interrupted_run(folder: Path) -> tuple[list[str], Path]:
     return args, logdir
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def interrupted(tmp_path_factory):
     return _interrupted_run(tmp_path_factory.mktemp("interrupted"))
 

@@ -60,14 +60,14 @@ def run_module(module: str, *args: str, timeout: int = 300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def preset_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("preset") / "t.toml"
     path.write_text(PRESET)
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def suite_run(preset_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("suite") / "s"
     proc = run_module("experiments.suite", "--preset", str(preset_file), "--quick",

@@ -49,7 +49,7 @@ def test_golden_decoder_specs():
         assert got_2d[path] == spec_2d, path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single():
     return train("gpt-tiny", "ddp", MeshShape(1), steps=3)[0]
 

@@ -65,7 +65,7 @@ def _get(base: str, path: str, **query):
         return json.loads(response.read())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tb")
     for layout in LAYOUTS:

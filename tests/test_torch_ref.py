@@ -75,7 +75,7 @@ def torch_run(*args, timeout=240, env_extra=None):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("torch")
     out = {}
