@@ -50,8 +50,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m experiments.run --layout fsdp --mesh 4x8 $(ARGS)
 
+# Both cores; the 25 slowest tests are printed at the end, so a slow addition shows.
 test: $(TORCH) $(GPUC)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_loop.py

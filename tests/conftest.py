@@ -40,6 +40,7 @@ os.environ["JAXDIST_XLA_KERNEL_CACHE"] = str(
     SESSION_DIR / f"xla-kernels-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.bin")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
@@ -48,9 +49,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # Modules whose fixtures start runs (a PS job, torch ranks, a suite, CLI runs): under `make
 # test -n 2 --dist loadgroup` all of a module's tests go to one xdist worker, so each fixture
 # runs once instead of once per worker. Those fixtures are session-scoped: a worker may run
-# other modules' tests between a group's, and a module-scoped fixture would be made again. (A "ports" group once kept every
-# process- and port-using test on one worker, for a two-process failure at exit that was in
-# fact the interrupted run's hparams crash, fixed since: writers.hparams_summaries.)
+# other modules' tests between a group's, and a module-scoped fixture would be made again.
 SHARED_FIXTURES = {"test_compare.py", "test_equivalence.py", "test_ps_record.py",
                    "test_ps_run.py", "test_ps_server.py", "test_record.py", "test_run_cli.py",
                    "test_run_dirs_safety.py", "test_suite_report.py",
@@ -58,9 +57,10 @@ SHARED_FIXTURES = {"test_compare.py", "test_equivalence.py", "test_ps_record.py"
                    "test_ps_tcp.py"}
 
 
+# First: xdist's worker reads the xdist_group marks in its own modifyitems hook, which could
+# otherwise run before this one and miss them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if item.path.name in SHARED_FIXTURES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
