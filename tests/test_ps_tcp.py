@@ -29,6 +29,16 @@ def client(port, worker=0, transport="tcp", **kw):
     return c
 
 
+def reply_head(sock) -> tuple:
+    """(magic, status, metadata length, size) of the reply on `sock`, read whole."""
+    head = b""
+    while len(head) < _HEAD.size:
+        chunk = sock.recv(_HEAD.size - len(head))
+        assert chunk, "closed without a reply"
+        head += chunk
+    return _HEAD.unpack(head)
+
+
 def raw_call(port, method, metadata, size, payload=b""):
     """Send one request by hand; (status code, details) of the reply and whether the shard
     closed the connection after it."""
@@ -36,12 +46,7 @@ def raw_call(port, method, metadata, size, payload=b""):
     meta = json.dumps(metadata).encode()
     with sock:
         sock.sendall(_HEAD.pack(MAGIC, method, len(meta), size) + meta + payload)
-        head = b""
-        while len(head) < _HEAD.size:
-            chunk = sock.recv(_HEAD.size - len(head))
-            assert chunk, "closed without a reply"
-            head += chunk
-        magic, status, meta_len, _ = _HEAD.unpack(head)
+        magic, status, meta_len, _ = reply_head(sock)
         assert magic == MAGIC
         body = b""
         while len(body) < meta_len:
@@ -171,12 +176,7 @@ def _held_call(port, meta):
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     text = json.dumps(meta).encode()
     sock.sendall(_HEAD.pack(MAGIC, PULL_ONE, len(text), 4) + text + b"JDP1")
-    head = b""
-    while len(head) < _HEAD.size:
-        chunk = sock.recv(_HEAD.size - len(head))
-        assert chunk, "closed without a reply"
-        head += chunk
-    _, status, meta_len, _ = _HEAD.unpack(head)
+    _, status, meta_len, _ = reply_head(sock)
     while meta_len:
         meta_len -= len(sock.recv(meta_len))
     return sock, status

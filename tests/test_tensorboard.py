@@ -65,6 +65,23 @@ def _get(base: str, path: str, **query):
         return json.loads(response.read())
 
 
+def _until_served(proc, failure: str, fetch):
+    """fetch()'s first truthy answer from a TensorBoard starting in `proc` (polled for up to
+    2 minutes; connection errors while it starts are retried)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            answer = fetch()
+            if answer:
+                return answer
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{failure}: rc {proc.poll()}, "
+                                 f"{proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tb")
@@ -98,18 +115,11 @@ def server(tmp_path_factory):
                             env=dict(os.environ, PYTHONPATH=""), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:  # up, and done loading both runs
-                tags = _get(base, "/data/plugin/scalars/tags")
-                if all("train/loss" in tags.get(run, {}) for run in RUNS):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tensorboard did not serve both runs: "
-                                   f"{proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.5)
+        def both_runs_loaded():
+            tags = _get(base, "/data/plugin/scalars/tags")
+            return all("train/loss" in tags.get(run, {}) for run in RUNS)
+
+        _until_served(proc, "tensorboard did not serve both runs", both_runs_loaded)
         yield base, logdir
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and nothing else
@@ -282,18 +292,8 @@ def test_the_printed_tensorboard_command_runs_as_printed(tmp_path, monkeypatch, 
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=""),
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                runs = _get(f"http://127.0.0.1:{port}", "/data/runs")
-                if runs:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"`{command}` did not answer: rc {proc.poll()}, "
-                                     f"{proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.5)
+        runs = _until_served(proc, f"`{command}` did not answer",
+                             lambda: _get(f"http://127.0.0.1:{port}", "/data/runs"))
         assert runs == [run.name]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # its own session: the shell and TensorBoard
