@@ -50,11 +50,10 @@ def child_env(xla_flags: str = "", **extra: str) -> dict:
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: str = "",
-            module: str = "experiments.run"):
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: str = ""):
     """`python -m experiments.run ARGS --no-progress` in a child process (the real binary:
     for what a process is the point of; bad input is checked in-process, cli_main)."""
-    return subprocess.run([sys.executable, "-m", module, *args, "--no-progress"],
+    return subprocess.run([sys.executable, "-m", "experiments.run", *args, "--no-progress"],
                           cwd=cwd or ROOT, env=child_env(xla_flags), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -67,12 +66,12 @@ class Exit:
     stderr: str
 
 
-def cli_main(capsys, *args: str, main=None) -> Exit:
+def cli_main(capsys, *args: str) -> Exit:
     """`experiments.run.main([*args, "--no-progress"])` in this process, with what it printed
     (argparse's exit 2 included). For bad input and CLI behaviour: no process start, no
     second import of jax."""
-    if main is None:
-        from experiments.run import main
+    from experiments.run import main
+
     capsys.readouterr()
     try:
         code = main([*args, "--no-progress"])
