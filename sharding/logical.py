@@ -1,9 +1,12 @@
-"""Logical axes for decoder parameters, and per-layout rules mapping them to mesh axes.
+"""Logical axes for decoder parameters and activations, and the rules mapping them to mesh
+axes.
 
-Both are data (the MaxText / Flax logical-axis idea): `LOGICAL` names each dimension of a
+All of it is data (the MaxText / Flax logical-axis idea): `LOGICAL` names each dimension of a
 decoder parameter by (module, parameter) name; a layout's `RULES` entry maps those names to
 mesh axes. A parameter's optimizer state (Adam's mu and nu) has the same path suffix and
-shape, so it gets the same spec.
+shape, so it gets the same spec. `ACTIVATION_RULES` maps the activations' logical names
+(MaxText's `activation_batch`, `activation_embed`, ...) to mesh axes; the decoders pin their
+activations with them (models/layers.py `constrain`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,54 @@ RULES = {
     # split over it as under tp.
     "ep": {"experts": "expert", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
 }
+
+
+# Activations under the tensor layouts (tp, fsdp_tp, ep x tp, tp_pp: the mesh has a tensor
+# axis): the batch over the data axes (every axis but tensor and stage, as the batch itself),
+# heads, MLP hidden and vocabulary over tensor, the embedding dimension whole, and the
+# sequence over tensor only in sequence-parallel regions. Pinned so, a weight whose embed
+# dimension is sharded over data/fsdp (fsdp_tp) is all-gathered for its matmul and its
+# gradient reduce-scattered there (torchtitan's FSDP2 x TP); without them XLA's partitioner
+# may reshard the activations over data instead (an all-to-all of activations across nodes).
+ACTIVATION_RULES = {
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": None,
+    "activation_norm_length": "tensor",  # Megatron sequence parallel (norms, residual)
+    "activation_embed": None,
+    "activation_heads": "tensor",
+    "activation_kv_heads": "tensor",
+    "activation_mlp": "tensor",
+    "activation_vocab": "tensor",
+}
+# The mesh axis whose presence (size > 1, not manual) makes the activation rules apply; the
+# data-parallel layouts leave activations to the batch's own sharding.
+ACTIVATION_RULES_AXIS = "tensor"
+
+
+def activation_spec(shape, names) -> P | None:
+    """The PartitionSpec pinning an activation of `shape` whose dimensions have the logical
+    `names` (ACTIVATION_RULES), on the ambient mesh; None where no rule applies (no mesh, no
+    free tensor axis, e.g. inside sequence parallel's shard_map). Mesh axes that are absent,
+    of size 1 or manual drop out; a dimension the remaining axes do not divide is left to
+    the partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or len(shape) != len(names):
+        return None
+    manual = set(mesh.manual_axes)
+    if (mesh.shape.get(ACTIVATION_RULES_AXIS, 1) == 1 or ACTIVATION_RULES_AXIS in manual):
+        return None
+    out = []
+    for name, size in zip(names, shape):
+        target = ACTIVATION_RULES[name] if name else None
+        parts = (target,) if isinstance(target, str) else (target or ())
+        parts = tuple(a for a in parts if mesh.shape.get(a, 1) > 1 and a not in manual)
+        if not parts:
+            out.append(None)
+        elif size % math.prod(mesh.shape[a] for a in parts):
+            out.append(P.UNCONSTRAINED)
+        else:
+            out.append(parts[0] if len(parts) == 1 else parts)
+    return P(*out)
 
 
 def _names(path) -> list[str]:
