@@ -120,10 +120,20 @@ def logical_axes(path) -> tuple | None:
     return None
 
 
+# A logical dimension a rule splits but the mesh does not divide stays whole only for the
+# vocabulary (Megatron pads it to the tensor size; gpt3-175b's 50257 is odd). Any other is an
+# error: an fsdp_tp whose embed dimension stayed whole would silently be tp.
+MAY_STAY_WHOLE = ("vocab",)
+
+
 def rule_specs(state, mesh: Mesh, layout: str):
-    """Specs for a decoder state under `RULES[layout]`; a dimension that the mesh axes do not
-    divide stays whole. A leaf with no logical axes (not a decoder) is an error."""
+    """Specs for a decoder state under `RULES[layout]`. A leaf with no logical axes (not a
+    decoder) is an error; so is a dimension the rule's mesh axes do not divide (one line:
+    the dimension, its size, the axes' product and a mesh that works), but the vocabulary,
+    which stays whole."""
     rules = RULES[layout]
+    sizes: dict[str, set[int]] = {}
+    bad: list[tuple[str, str, int, tuple[str, ...]]] = []
 
     def spec(path, leaf):
         if not leaf.shape:
@@ -139,8 +149,38 @@ def rule_specs(state, mesh: Mesh, layout: str):
             parts = (target,) if isinstance(target, str) else (target or ())
             parts = tuple(a for a in parts if mesh.shape.get(a, 1) > 1)
             n = math.prod(mesh.shape[a] for a in parts)
+            sizes.setdefault(name, set()).add(size)
+            if parts and size % n and name not in MAY_STAY_WHOLE:
+                bad.append(("/".join(_names(path)), name, size, parts))
             out.append(None if not parts or size % n else
                        (parts[0] if len(parts) == 1 else parts))
         return P(*out)
 
-    return jax.tree_util.tree_map_with_path(spec, state)
+    specs = jax.tree_util.tree_map_with_path(spec, state)
+    if bad:
+        # a parameter named rather than its optimizer state
+        where, name, size, parts = min(bad, key=lambda b: not b[0].startswith("params/"))
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in parts)
+        if len(parts) > 1:
+            axes += f" = {math.prod(mesh.shape[a] for a in parts)}"
+        raise UsageError(f"layout {layout!r} splits the {name} dimension ({where.split('/', 1)[-1]}"
+                         f": {size}) over {axes}, which does not divide it; "
+                         f"{_working_mesh(mesh, parts, sizes[name])}")
+    return specs
+
+
+def _working_mesh(mesh: Mesh, parts: tuple[str, ...], sizes: set[int]) -> str:
+    """A mesh like `mesh` whose `parts` axes together divide every size in `sizes`: their
+    product cut to the largest such divisor (inner axes kept where they divide it)."""
+    n = math.prod(mesh.shape[a] for a in parts)
+    d = max(k for k in range(1, n + 1) if all(s % k == 0 for s in sizes))
+    if d == 1:
+        return f"no {' x '.join(parts)} product above 1 divides it: use --layout tp"
+    new = dict(mesh.shape)
+    left = d
+    for a in reversed(parts):  # inner first: fsdp stays inside a host where it can
+        new[a] = math.gcd(mesh.shape[a], left)
+        left //= new[a]
+    new[parts[0]] *= left
+    named = ",".join(f"{a}:{k}" for a, k in new.items() if k > 1 or a == "data")
+    return f"e.g. --mesh {named}"
