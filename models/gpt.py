@@ -17,8 +17,7 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLF, BLH, BLNH, BLV, REMAT_POLICIES, PreNormBlock,
-                           block_runner, constrain, embed,
-                           lookup, layer_norm, linear)
+                           block_runner, constrain, embed, layer_norm, linear, lookup)
 from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
@@ -90,8 +89,8 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
-        x_BLD = constrain(lookup(self.tok, tokens_BL) + lookup(self.pos, jnp.arange(L))[None],
-                          *BLD)
+        x_BLD = constrain(lookup(self.tok, tokens_BL)
+                          + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:

@@ -84,12 +84,13 @@ def constrain(x, *names):
     return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
-def lookup(table: nnx.Embed, ids):
-    """table(ids) with the table pinned whole over the data axes first (vocabulary over
-    tensor): under fsdp_tp an all-gather of the weight shards, where XLA would otherwise
-    gather every device's token ids and move the looked-up rows between data devices."""
+def lookup(table: nnx.Embed, ids, rows="activation_vocab"):
+    """table(ids) with the table pinned whole over the data axes first (its `rows`, the
+    vocabulary, over tensor; None for positions): under fsdp_tp an all-gather of the weight
+    shards, where XLA would otherwise gather every device's token ids and move the
+    looked-up rows between data devices."""
     (weight,) = table.promote_dtype((table.embedding[...],), dtype=table.dtype, inexact=False)
-    return jnp.take(constrain(weight, "activation_vocab", "activation_embed"), ids, axis=0)
+    return jnp.take(constrain(weight, rows, "activation_embed"), ids, axis=0)
 
 
 # Logical names of the decoders' common activations.
