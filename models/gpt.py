@@ -16,8 +16,8 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError
-from models.layers import (REMAT_POLICIES, PreNormBlock, block_runner, embed, layer_norm,
-                           linear)
+from models.layers import (BLD, BLF, BLH, BLNH, BLV, REMAT_POLICIES, PreNormBlock,
+                           block_runner, constrain, embed, layer_norm, linear, lookup)
 from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
@@ -39,10 +39,10 @@ class CausalSelfAttention(nnx.Module):
         """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
         B, L, D = x_BLD.shape
         # -1 heads: under sequence parallelism this runs on one device's heads only
-        q_BLNH, k_BLNH, v_BLNH = (proj(x_BLD).reshape(B, L, -1, D // self.heads)
-                                  for proj in (self.q, self.k, self.v))
+        q_BLNH, k_BLNH, v_BLNH = (constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads),
+                                            *BLNH) for proj in (self.q, self.k, self.v))
         y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation)
-        return y_BLNH.reshape(B, L, -1)
+        return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
     def __call__(self, x_BLD):
         return self.out(self.column(x_BLD))
@@ -56,7 +56,7 @@ class MLPBlock(nnx.Module):
     row = "down"
 
     def column(self, x_BLD):
-        return nnx.gelu(self.up(x_BLD))
+        return constrain(nnx.gelu(self.up(x_BLD)), *BLF)
 
     def __call__(self, x_BLD):
         return self.down(self.column(x_BLD))
@@ -89,13 +89,14 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BL):
         L = tokens_BL.shape[1]
-        x_BLD = self.tok(tokens_BL) + self.pos(jnp.arange(L))[None]
+        x_BLD = constrain(lookup(self.tok, tokens_BL)
+                          + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
-        x_BLD = whole_sequence(x_BLD, self.sequence_parallel)
-        return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
+        x_BLD = constrain(whole_sequence(x_BLD, self.sequence_parallel), *BLD)
+        return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

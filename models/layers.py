@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError, choices
+from sharding.logical import activation_spec
 
 KAIMING_FAN_OUT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
 KAIMING_FAN_IN = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
@@ -73,6 +74,34 @@ def embed(n, d, *, dtype, rngs):
     return nnx.Embed(n, d, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
+# ---- activation sharding ----------------------------------------------------------------
+
+def constrain(x, *names):
+    """x pinned to the mesh axes its dimensions' logical names map to (sharding/logical.py
+    ACTIVATION_RULES: "activation_batch", "activation_embed", ...; None: no name, whole);
+    x unchanged where the rules do not apply (no mesh, no tensor axis)."""
+    spec = activation_spec(x.shape, names)
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
+def lookup(table: nnx.Embed, ids, rows="activation_vocab"):
+    """table(ids) with the table pinned whole over the data axes first (its `rows`, the
+    vocabulary, over tensor; None for positions): under fsdp_tp an all-gather of the weight
+    shards, where XLA would otherwise gather every device's token ids and move the
+    looked-up rows between data devices."""
+    (weight,) = table.promote_dtype((table.embedding[...],), dtype=table.dtype, inexact=False)
+    return jnp.take(constrain(weight, rows, "activation_embed"), ids, axis=0)
+
+
+# Logical names of the decoders' common activations.
+BLD = ("activation_batch", "activation_length", "activation_embed")      # residual stream
+BLH = ("activation_batch", "activation_length", "activation_heads")      # heads, flattened
+BLF = ("activation_batch", "activation_length", "activation_mlp")        # MLP hidden
+BLV = ("activation_batch", "activation_length", "activation_vocab")      # logits
+BLNH = ("activation_batch", "activation_length", "activation_heads", None)
+BLKH = ("activation_batch", "activation_length", "activation_kv_heads", None)
+
+
 # ---- decoder blocks ---------------------------------------------------------------------
 
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
@@ -96,8 +125,8 @@ class PreNormBlock(nnx.Module):
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
 
     def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
-        return x_BLD + self.mlp(self.ln2(x_BLD))
+        x_BLD = constrain(x_BLD + constrain(self.attn(self.ln1(x_BLD)), *BLD), *BLD)
+        return constrain(x_BLD + constrain(self.mlp(self.ln2(x_BLD)), *BLD), *BLD)
 
 
 # ---- config pieces ----------------------------------------------------------------------

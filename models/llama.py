@@ -16,7 +16,8 @@ from flax import nnx
 from jaxdist.errors import UsageError
 from models.attention import causal_attention
 from models.gpt import GPTConfig
-from models.layers import PreNormBlock, block_runner, embed, linear, rms_norm
+from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
+                           constrain, embed, linear, lookup, rms_norm)
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
 
@@ -53,12 +54,12 @@ class Attention(nnx.Module):
         B, L, D = x_BLD.shape
         hd = D // self.heads
         # -1 heads: under sequence parallelism this runs on one device's heads only
-        q_BLNH = rope(self.q(x_BLD).reshape(B, L, -1, hd), self.theta)
-        k_BLKH = rope(self.k(x_BLD).reshape(B, L, -1, hd), self.theta)
-        v_BLKH = self.v(x_BLD).reshape(B, L, -1, hd)
+        q_BLNH = rope(constrain(self.q(x_BLD).reshape(B, L, -1, hd), *BLNH), self.theta)
+        k_BLKH = rope(constrain(self.k(x_BLD).reshape(B, L, -1, hd), *BLKH), self.theta)
+        v_BLKH = constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH)
         # fewer key/value heads than query heads (GQA) are taken directly
         y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation)
-        return y_BLNH.reshape(B, L, -1)
+        return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
 
 class SwiGLU(nnx.Module):
@@ -71,7 +72,7 @@ class SwiGLU(nnx.Module):
     row = "down"
 
     def column(self, x_BLD):
-        return nnx.silu(self.gate(x_BLD)) * self.up(x_BLD)
+        return constrain(nnx.silu(self.gate(x_BLD)) * self.up(x_BLD), *BLF)
 
     def __call__(self, x_BLD):
         return self.down(self.column(x_BLD))
@@ -98,13 +99,13 @@ class Llama(nnx.Module):
         self.sequence_parallel = cfg.sequence_parallel
 
     def __call__(self, tokens_BL):
-        x_BLD = self.tok(tokens_BL)
+        x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for block in self.blocks:
             x_BLD = run_block(block, x_BLD)
-        x_BLD = whole_sequence(x_BLD, self.sequence_parallel)
-        return self.head(self.ln_f(x_BLD)).astype(jnp.float32)
+        x_BLD = constrain(whole_sequence(x_BLD, self.sequence_parallel), *BLD)
+        return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
-from models.layers import block_runner, rms_norm
+from models.layers import BLD, BLV, block_runner, constrain, lookup, rms_norm
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 
@@ -85,9 +85,9 @@ class Block(nnx.Module):
         self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BLD):
-        x_BLD = x_BLD + self.attn(self.ln1(x_BLD))
+        x_BLD = constrain(x_BLD + constrain(self.attn(self.ln1(x_BLD)), *BLD), *BLD)
         y_BLD, aux = self.moe(self.ln2(x_BLD))
-        return x_BLD + y_BLD, aux
+        return constrain(x_BLD + constrain(y_BLD, *BLD), *BLD), aux
 
 
 class MoEDecoder(Llama):
@@ -98,13 +98,14 @@ class MoEDecoder(Llama):
 
     def __call__(self, tokens_BL):
         """(logits, mean auxiliary balance loss over layers)."""
-        x_BLD = self.tok(tokens_BL)
+        x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(Block, self.remat)
         aux_total = 0.0
         for block in self.blocks:
             x_BLD, aux = run_block(block, x_BLD)
             aux_total = aux_total + aux
-        return self.head(self.ln_f(x_BLD)).astype(jnp.float32), aux_total / len(self.blocks)
+        logits_BLV = constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
+        return logits_BLV, aux_total / len(self.blocks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,12 @@
-"""Logical axes for decoder parameters, and per-layout rules mapping them to mesh axes.
+"""Logical axes for decoder parameters and activations, and the rules mapping them to mesh
+axes.
 
-Both are data (the MaxText / Flax logical-axis idea): `LOGICAL` names each dimension of a
+All of it is data (the MaxText / Flax logical-axis idea): `LOGICAL` names each dimension of a
 decoder parameter by (module, parameter) name; a layout's `RULES` entry maps those names to
 mesh axes. A parameter's optimizer state (Adam's mu and nu) has the same path suffix and
-shape, so it gets the same spec.
+shape, so it gets the same spec. `ACTIVATION_RULES` maps the activations' logical names
+(MaxText's `activation_batch`, `activation_embed`, ...) to mesh axes; the decoders pin their
+activations with them (models/layers.py `constrain`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,54 @@ RULES = {
 }
 
 
+# Activations under the tensor layouts (tp, fsdp_tp, ep x tp, tp_pp: the mesh has a tensor
+# axis): the batch over the data axes (every axis but tensor and stage, as the batch itself),
+# heads, MLP hidden and vocabulary over tensor, the embedding dimension whole, and the
+# sequence over tensor only in sequence-parallel regions. Pinned so, a weight whose embed
+# dimension is sharded over data/fsdp (fsdp_tp) is all-gathered for its matmul and its
+# gradient reduce-scattered there (torchtitan's FSDP2 x TP); without them XLA's partitioner
+# may reshard the activations over data instead (an all-to-all of activations across nodes).
+ACTIVATION_RULES = {
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": None,
+    "activation_norm_length": "tensor",  # Megatron sequence parallel (norms, residual)
+    "activation_embed": None,
+    "activation_heads": "tensor",
+    "activation_kv_heads": "tensor",
+    "activation_mlp": "tensor",
+    "activation_vocab": "tensor",
+}
+# The mesh axis whose presence (size > 1, not manual) makes the activation rules apply; the
+# data-parallel layouts leave activations to the batch's own sharding.
+ACTIVATION_RULES_AXIS = "tensor"
+
+
+def activation_spec(shape, names) -> P | None:
+    """The PartitionSpec pinning an activation of `shape` whose dimensions have the logical
+    `names` (ACTIVATION_RULES), on the ambient mesh; None where no rule applies (no mesh, no
+    free tensor axis, e.g. inside sequence parallel's shard_map). Mesh axes that are absent,
+    of size 1 or manual drop out; a dimension the remaining axes do not divide is left to
+    the partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or len(shape) != len(names):
+        return None
+    manual = set(mesh.manual_axes)
+    if (mesh.shape.get(ACTIVATION_RULES_AXIS, 1) == 1 or ACTIVATION_RULES_AXIS in manual):
+        return None
+    out = []
+    for name, size in zip(names, shape):
+        target = ACTIVATION_RULES[name] if name else None
+        parts = (target,) if isinstance(target, str) else (target or ())
+        parts = tuple(a for a in parts if mesh.shape.get(a, 1) > 1 and a not in manual)
+        if not parts:
+            out.append(None)
+        elif size % math.prod(mesh.shape[a] for a in parts):
+            out.append(P.UNCONSTRAINED)
+        else:
+            out.append(parts[0] if len(parts) == 1 else parts)
+    return P(*out)
+
+
 def _names(path) -> list[str]:
     out = []
     for key in path:
@@ -69,10 +120,20 @@ def logical_axes(path) -> tuple | None:
     return None
 
 
+# A logical dimension a rule splits but the mesh does not divide stays whole only for the
+# vocabulary (Megatron pads it to the tensor size; gpt3-175b's 50257 is odd). Any other is an
+# error: an fsdp_tp whose embed dimension stayed whole would silently be tp.
+MAY_STAY_WHOLE = ("vocab",)
+
+
 def rule_specs(state, mesh: Mesh, layout: str):
-    """Specs for a decoder state under `RULES[layout]`; a dimension that the mesh axes do not
-    divide stays whole. A leaf with no logical axes (not a decoder) is an error."""
+    """Specs for a decoder state under `RULES[layout]`. A leaf with no logical axes (not a
+    decoder) is an error; so is a dimension the rule's mesh axes do not divide (one line:
+    the dimension, its size, the axes' product and a mesh that works), but the vocabulary,
+    which stays whole."""
     rules = RULES[layout]
+    sizes: dict[str, set[int]] = {}
+    bad: list[tuple[str, str, int, tuple[str, ...]]] = []
 
     def spec(path, leaf):
         if not leaf.shape:
@@ -88,8 +149,38 @@ def rule_specs(state, mesh: Mesh, layout: str):
             parts = (target,) if isinstance(target, str) else (target or ())
             parts = tuple(a for a in parts if mesh.shape.get(a, 1) > 1)
             n = math.prod(mesh.shape[a] for a in parts)
+            sizes.setdefault(name, set()).add(size)
+            if parts and size % n and name not in MAY_STAY_WHOLE:
+                bad.append(("/".join(_names(path)), name, size, parts))
             out.append(None if not parts or size % n else
                        (parts[0] if len(parts) == 1 else parts))
         return P(*out)
 
-    return jax.tree_util.tree_map_with_path(spec, state)
+    specs = jax.tree_util.tree_map_with_path(spec, state)
+    if bad:
+        # a parameter named rather than its optimizer state
+        where, name, size, parts = min(bad, key=lambda b: not b[0].startswith("params/"))
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in parts)
+        if len(parts) > 1:
+            axes += f" = {math.prod(mesh.shape[a] for a in parts)}"
+        raise UsageError(f"layout {layout!r} splits the {name} dimension ({where.split('/', 1)[-1]}"
+                         f": {size}) over {axes}, which does not divide it; "
+                         f"{_working_mesh(mesh, parts, sizes[name])}")
+    return specs
+
+
+def _working_mesh(mesh: Mesh, parts: tuple[str, ...], sizes: set[int]) -> str:
+    """A mesh like `mesh` whose `parts` axes together divide every size in `sizes`: their
+    product cut to the largest such divisor (inner axes kept where they divide it)."""
+    n = math.prod(mesh.shape[a] for a in parts)
+    d = max(k for k in range(1, n + 1) if all(s % k == 0 for s in sizes))
+    if d == 1:
+        return f"no {' x '.join(parts)} product above 1 divides it: use --layout tp"
+    new = dict(mesh.shape)
+    left = d
+    for a in reversed(parts):  # inner first: fsdp stays inside a host where it can
+        new[a] = math.gcd(mesh.shape[a], left)
+        left //= new[a]
+    new[parts[0]] *= left
+    named = ",".join(f"{a}:{k}" for a, k in new.items() if k > 1 or a == "data")
+    return f"e.g. --mesh {named}"

@@ -25,7 +25,7 @@ CASES = {  # layout: (model, mesh, model options, micro-batches)
     "fsdp": ("gpt-tiny", "4x8", "", 1), "hsdp": ("gpt-tiny", "4x8", "", 1),
     "tp": ("gpt-tiny", "data:4,tensor:8", "", 1),
     "fsdp_tp": ("gpt-tiny", "data:4,tensor:8", "", 1),
-    "ep": ("moe-tiny", "data:4,expert:8", "", 1),
+    "ep": ("moe-tiny", "data:8,expert:4", "", 1),  # its 4 experts over expert
     "pp": ("gpt-tiny", "data:8,stage:4", PIPE, 4),
     "tp_pp": ("gpt-tiny", "data:1,stage:4,tensor:8", PIPE, 4),
     "fsdp_pp": ("gpt-tiny", "fsdp:8,stage:4", PIPE, 4),
@@ -108,6 +108,39 @@ def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
         assert "all-gather" not in {k for k, _ in rows if _ == "data"}
     if layout == "hsdp":  # each fsdp group's gradient shard averaged across groups
         assert 0 <= rows[("all-reduce", "data")]["bytes"] - 2 * p / 8 <= scalars
+
+
+def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes():
+    """fsdp_tp as torchtitan's FSDP2 x TP (llama-tiny, 4 hosts x 8 H200 as data 4 x fsdp 2 x
+    tensor 4): on data and fsdp XLA:GPU's program moves no activation, only the weights'
+    tensor shards all-gathered (bf16) and their gradients reduce-scattered, each exactly the
+    parameters a tensor device holds, and the loss (one f32)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    mesh = "data:4,fsdp:2,tensor:4"
+    cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
+                    model=ModelConfig(model="llama-tiny", dtype="bfloat16"),
+                    train=TrainConfig(layout="fsdp_tp", batch_size=64))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+    program, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    reading = compiled.read(comp, target, shape.axis_sizes)
+    tensor = shape.axis_sizes["tensor"]
+    specs = jax.tree.leaves(program.state_specs["params"], is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(program.abstract_state["params"])
+    shard = sum(x.size // (tensor if "tensor" in spec else 1) for x, spec in zip(leaves, specs))
+    on_data = [op for op in reading["collectives"] if set(op["axes"]) & {"data", "fsdp"}]
+    assert {op["kind"] for op in on_data} == {"all-gather", "reduce-scatter", "all-reduce"}
+    assert all(op["axes"] == ["data", "fsdp"] for op in on_data)  # never mixed with tensor
+    size = {"bf16": 2, "f32": 4}
+    gathered = [op for op in on_data if op["kind"] == "all-gather"]
+    assert sum(op["bytes"] for op in gathered) == 2 * shard
+    assert {d for op in gathered for d in op["dtypes"]} == {"bf16"}
+    scattered = [op for op in on_data if op["kind"] == "reduce-scatter"]
+    assert sum(op["bytes"] // size[op["dtypes"][0]] for op in scattered) == shard
+    assert sum(op["bytes"] for op in on_data if op["kind"] == "all-reduce") == 4  # the loss
 
 
 def test_pipeline_sends_equal_the_analytic_stage_bytes():

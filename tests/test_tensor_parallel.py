@@ -1,6 +1,8 @@
 """Tensor-parallel layouts of the decoder: golden specs from the logical-axis rules, the same
 losses as one device, and collectives on the tensor axis."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from jaxdist.mesh import MeshShape
 from jaxdist.train_step import put_batch
 from models import get_model
 from sharding import check_layout
-from tests.helpers import train
+from tests.helpers import cli_main, train
 
 MESH = MeshShape(2, 2, 2)
 DF = ("data", "fsdp")
@@ -134,6 +136,36 @@ def test_expert_parallel_with_tensor_is_ep_x_tp():
     assert specs["blocks/0/attn/q/kernel"] == P(None, "tensor")
 
 
-def test_llama_under_tp_matches_single_device():
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_llama_under_tensor_layouts_matches_single_device(layout):
+    """llama (GQA, RoPE, SwiGLU) with its activations pinned by logical axis (fsdp_tp: the
+    weights' embed shards gathered, the activations never split over data)."""
     reference = train("llama-tiny", "ddp", MeshShape(1), steps=3)[0]
-    np.testing.assert_allclose(train("llama-tiny", "tp", MESH, steps=3)[0], reference, rtol=1e-5)
+    np.testing.assert_allclose(train("llama-tiny", layout, MESH, steps=3)[0], reference,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--mesh", "data:3,tensor:2", "--dry-run"],
+     "(blocks/attn/k/kernel: 64) over data=3, which does not divide it; e.g. --mesh "
+     "data:2,tensor:2"),
+    (["--mesh", "data:4,tensor:2", "--model-opts", "width=42,heads=2", "--steps", "1",
+      "--batch-size", "8"],
+     "(blocks/attn/k/kernel: 42) over data=4, which does not divide it; e.g. --mesh "
+     "data:3,tensor:2"),
+])
+def test_a_dimension_the_mesh_cannot_split_is_refused(args, line, tmp_path, monkeypatch,
+                                                      capsys):
+    """fsdp_tp with gpt-tiny's width over a data axis that does not divide it would leave
+    every embed dimension whole and silently be tp: in a plan and in a run, one line naming
+    the dimension, its size, the axes' product and a mesh that works, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    # the session's 8 CPU devices stand (no backend re-configuration in this process)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+                       + " --xla_force_host_platform_device_count=8")
+    proc = cli_main(capsys, "--model", "gpt-tiny", "--layout", "fsdp_tp", "--platform", "cpu",
+                    *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"run: error: layout 'fsdp_tp' splits the embed dimension {line}"]
+    assert list(tmp_path.iterdir()) == []
