@@ -18,9 +18,11 @@ def latency_stats(seconds) -> dict:
     t = np.asarray(seconds, dtype=np.float64)
     n = t.size
     std = float(t.std(ddof=1)) if n > 1 else 0.0
-    from scipy import stats  # here: seconds of import that only a summary needs
+    # Student's t quantile from scipy.special (0.2 s to import; scipy.stats, the same
+    # function as stats.t.ppf, costs 0.6 s of CPU in every run's summary)
+    from scipy.special import stdtrit
 
-    crit = float(stats.t.ppf(0.975, n - 1)) if n > 1 else None
+    crit = float(stdtrit(n - 1, 0.975)) if n > 1 else None
     return {
         "n": int(n),
         "mean": float(t.mean()),
