@@ -15,7 +15,7 @@ import pytest
 
 from jaxdist.checkpoint import Checkpointer
 from jaxdist.mesh import MeshShape
-from tests.helpers import ROOT, child_env, cli_main, run_cli, train
+from tests.helpers import ROOT, child_env, cli_main, train
 
 META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
         "dtype": "float32"}
@@ -50,8 +50,10 @@ def _complete_steps(directory):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def test_resume_after_kill_9_continues_exactly(tmp_path):
-    reference = run_cli(*ARGS, "--logdir", str(tmp_path / "ref"))
+# The runs around the process that is killed are made in this process (cli_main): only the
+# victim's death needs a process of its own.
+def test_resume_after_kill_9_continues_exactly(tmp_path, capsys):
+    reference = cli_main(capsys, *ARGS, "--logdir", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr
     ref_loss = json.loads((tmp_path / "ref" / "results.json").read_text())["loss"]
 
@@ -75,8 +77,8 @@ def test_resume_after_kill_9_continues_exactly(tmp_path):
     k = _complete_steps(ck)[-1]
     assert 100 <= k < 800
 
-    resumed = run_cli(*ARGS, "--checkpoint-dir", str(ck), "--resume",
-                      "--logdir", str(tmp_path / "resumed"))
+    resumed = cli_main(capsys, *ARGS, "--checkpoint-dir", str(ck), "--resume",
+                       "--logdir", str(tmp_path / "resumed"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint {k}" in resumed.stdout
     results = json.loads((tmp_path / "resumed" / "results.json").read_text())
@@ -84,10 +86,10 @@ def test_resume_after_kill_9_continues_exactly(tmp_path):
     assert results["loss"] == ref_loss[k:]  # bit for bit: same program, data position, state
 
 
-def test_interrupted_save_never_replaces_the_last_good_one(tmp_path):
+def test_interrupted_save_never_replaces_the_last_good_one(tmp_path, capsys):
     ck = tmp_path / "ck"
-    first = run_cli(*ARGS[:-1], "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
-                    "--logdir", str(tmp_path / "a"))
+    first = cli_main(capsys, *ARGS[:-1], "6", "--checkpoint-dir", str(ck),
+                     "--checkpoint-every", "3", "--logdir", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr
     assert _complete_steps(ck) == [3, 6]
     # A save of step 9 killed mid-write: Orbax's temporary directory, half the files.
@@ -96,19 +98,19 @@ def test_interrupted_save_never_replaces_the_last_good_one(tmp_path):
     for f in list(partial.rglob("*"))[::2]:
         if f.is_file():
             f.unlink()
-    resumed = run_cli(*ARGS[:-1], "20", "--checkpoint-dir", str(ck), "--resume",
-                      "--logdir", str(tmp_path / "b"))
+    resumed = cli_main(capsys, *ARGS[:-1], "20", "--checkpoint-dir", str(ck), "--resume",
+                       "--logdir", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint 6" in resumed.stdout
 
 
-def test_checkpoint_from_another_model_is_refused(tmp_path):
+def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
     ck = tmp_path / "ck"
-    made = run_cli(*ARGS[:-1], "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
-                   "--logdir", str(tmp_path / "a"))
+    made = cli_main(capsys, *ARGS[:-1], "2", "--checkpoint-dir", str(ck), "--checkpoint-every",
+                    "1", "--logdir", str(tmp_path / "a"))
     assert made.returncode == 0, made.stderr
-    other = run_cli("--mesh", "2x4", "--model", "gpt-tiny", "--batch-size", "16",
-                    "--checkpoint-dir", str(ck), "--resume", "--logdir", str(tmp_path / "b"))
+    other = cli_main(capsys, "--mesh", "2x4", "--model", "gpt-tiny", "--batch-size", "16",
+                     "--checkpoint-dir", str(ck), "--resume", "--logdir", str(tmp_path / "b"))
     assert other.returncode == 2
     assert "incompatible run (model 'mlp-tiny' vs 'gpt-tiny')" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr

@@ -19,7 +19,7 @@ from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import check
 from jaxdist.procs import pids_alive, pids_mentioning
-from tests.helpers import child_env, read_scalars, run_cli, train
+from tests.helpers import child_env, cli_main, read_scalars, run_cli, train
 
 DIGITS = ["--model", "mlp-tiny", "--dataset", "digits", "--lr", "0.003", "--batch-size", "60",
           "--warmup", "2", "--steps", "78", "--eval-every", "40"]
@@ -297,11 +297,11 @@ BAD_CLI = [
 
 
 @pytest.mark.parametrize("args, message", BAD_CLI, ids=[" ".join(a) for a, _ in BAD_CLI])
-def test_bad_ps_options_exit_2_with_one_line(tmp_path, args, message):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("JAXDIST_PS_TOKEN", raising=False)
-        proc = run_cli("--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny",
-                       "--batch-size", "16", *args, cwd=tmp_path)
+def test_bad_ps_options_exit_2_with_one_line(tmp_path, args, message, monkeypatch, capsys):
+    monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny",
+                    "--batch-size", "16", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
