@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.errors import UsageError
@@ -16,6 +15,7 @@ from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
+from jaxdist.update import apply_gradients, train_state
 from sharding import batch_spec
 
 
@@ -26,14 +26,16 @@ class PipelineProgram(Program):
     extra: dict = field(default_factory=dict)
 
 
-def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int):
-    """(init_fn, abstract state, parts) of the pipeline train state."""
+def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int,
+                   master: bool = False):
+    """(init_fn, abstract state, parts) of the pipeline train state; `master`: bfloat16
+    working weights beside the float32 master (jaxdist/update.py)."""
     holder = {}
 
     def init_fn():
         parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual)
         holder["parts"] = parts
-        return {"params": params, "model_state": {}, "opt": tx.init(params)}
+        return train_state(params, {}, tx, DTYPES[dtype_name] if master else None)
 
     abstract = jax.eval_shape(init_fn)
     return init_fn, abstract, holder["parts"]
@@ -50,10 +52,15 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     V = virtual if schedule == "interleaved" else 1
     sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
-    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V)
+    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
+                                              layout.master_weights(dtype_name))
     specs = layout(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
+    update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
+        lambda s: NamedSharding(mesh, s),
+        layout.update_specs(abstract["params"], specs["params"], mesh),
+        is_leaf=lambda x: isinstance(x, P))
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
     M = microbatches
@@ -80,10 +87,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
             out_specs=(P(), stage_specs, shared_specs), axis_names={"stage", "data"},
             check_vma=False)(params["stages"], params["shared"], tokens_M)
         grads = {"stages": g_stages, "shared": g_shared}
-        grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
-        updates, opt = tx.update(grads, state["opt"], params)
-        params = optax.apply_updates(params, updates)
-        return {"params": params, "model_state": state["model_state"], "opt": opt}, loss
+        return apply_gradients(tx, state, grads, update_shardings), loss
 
     def correct_fn(state, batch):
         raise UsageError("--eval-every measures accuracy on an image dataset, which the "

@@ -170,7 +170,7 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                    "total": s["total"] - s["activation_working"] + int(compiled_working)}
                   for s in stages]
     worst = max(stages, key=lambda s: s["total"])
-    state_bytes = worst["params"] + worst["opt"]
+    state_bytes = worst["params"] + worst["opt"] + worst.get("master", 0)
     need = worst["total"]
     fits = need <= hw.hbm_bytes
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
