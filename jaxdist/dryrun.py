@@ -114,15 +114,8 @@ def _same(a, b) -> bool:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def dist_opt_text(p: dict) -> str:
-    """' + distributed optimizer' where a plan or run has it and its layout's name does not
-    say so (zero1 is ddp with it)."""
-    return (" + distributed optimizer" if p.get("distributed_optimizer") and
-            p.get("layout") != "zero1" else "")
-
-
 def format_plan(p: dict) -> str:
-    from jaxdist.summary import human_bytes, replicated_text
+    from jaxdist.summary import dist_opt_text, human_bytes, replicated_text
 
     devices = 1
     for n in p["mesh"].values():

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
 from jaxdist.errors import UsageError
-from jaxdist.update import apply_gradients, train_state
+from jaxdist.update import apply_gradients, scattered_gradients, train_state
 from sharding import batch_spec
 from sharding.optimizer import axes_of
 
@@ -129,10 +129,17 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         return (loss / microbatches, model_state), jax.tree.map(lambda g: g / microbatches, grads)
 
     gradients = accumulate if microbatches > 1 else grad_fn
-    explicit = _replicated_params(specs) and not jax.tree.leaves(abstract_state["model_state"])
+    stateless = not jax.tree.leaves(abstract_state["model_state"])
+    explicit = _replicated_params(specs) and stateless
+    # Under the distributed optimizer with parameters on no batch axis (ddp, tp): the data
+    # axes manual, so each leaf is reduce-scattered in float32 where the step says, not where
+    # the partitioner meets the weight gradient's bf16 dot (XLA:GPU would reduce bf16 there).
     if explicit:
-        gradients = _explicit_reduce(gradients, mesh, update_specs,
-                                     "master" in abstract_state)
+        gradients = _explicit_reduce(gradients, mesh, update_specs, "master" in abstract_state)
+    elif (stateless and layout.distributed_optimizer
+          and not _params_on(specs, _batch_axes(mesh))):
+        gradients = scattered_gradients(gradients, mesh, _batch_axes(mesh), specs["params"],
+                                        update_specs, "master" in abstract_state)
 
     def step_fn(state, batch):
         (loss, model_state), grads = gradients(state["params"], state["model_state"], batch)
@@ -213,6 +220,16 @@ def compiled_step_flops(program: Program, compiled) -> float | None:
 def _replicated_params(specs) -> bool:
     return all(spec == P() for spec in
                jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
+
+
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a not in ("tensor", "stage"))
+
+
+def _params_on(specs, axes) -> bool:
+    """Whether any parameter is split over one of `axes`."""
+    return any(set(axes_of(e)) & set(axes) for spec in jax.tree.leaves(
+        specs["params"], is_leaf=lambda x: isinstance(x, P)) for e in spec)
 
 
 def _explicit_reduce(gradients, mesh: Mesh, grad_specs, float32: bool = False):

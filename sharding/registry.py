@@ -159,7 +159,10 @@ def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
         raise UsageError(unknown("layout", name, _LAYOUTS))
     if distributed_optimizer:
         check_distributed_optimizer(name, {})
-    return Layout(name, _LAYOUTS[name], bool(distributed_optimizer or _DIST_OPT[name]))
+    fn, dist = _LAYOUTS[name], bool(distributed_optimizer or _DIST_OPT[name])
+    # the name of what it is: ddp with the distributed optimizer is zero1
+    same = [n for n in layout_names() if _LAYOUTS[n] is fn and bool(_DIST_OPT[n]) == dist]
+    return Layout(same[0] if len(same) == 1 else name, fn, dist)
 
 
 def batch_spec(mesh: Mesh) -> P:

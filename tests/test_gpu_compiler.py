@@ -94,11 +94,15 @@ def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
     p = params(program)
     rows = by_kind_axes(reading)
     scalars = 1024  # the loss and a few f32 scalars ride along (bytes, not a fraction)
-    if layout in ("ddp", "zero1"):  # float32 gradients all-reduced whole
+    if layout == "ddp":  # float32 gradients all-reduced whole
         ar = rows[("all-reduce", "data+fsdp")]
         assert 0 <= ar["bytes"] - 4 * p <= scalars and ar["dtypes"] == {"f32"}
-    if layout == "zero1":  # updated float32 parameters gathered from their shards
-        assert rows[("all-gather", "data+fsdp")]["bytes"] == 4 * p
+    if layout == "zero1":  # Megatron's distributed optimizer with bf16 working weights:
+        # float32 gradients reduce-scattered to the master's shards, bf16 weights gathered
+        rs = rows[("reduce-scatter", "data+fsdp")]
+        assert rs["bytes"] == 4 * p and rs["dtypes"] == {"f32"}
+        ag = rows[("all-gather", "data+fsdp")]
+        assert ag["bytes"] == 2 * p and ag["dtypes"] == {"bf16"}
     if layout in ("fsdp", "hsdp"):
         axis = "data+fsdp" if layout == "fsdp" else "fsdp"
         # bf16 weights gathered for compute, bf16 gradients reduce-scattered: half of f32

@@ -126,8 +126,7 @@ def plan_pipeline(cfg, shape) -> dict:
 
 
 def format_pipeline_plan(p: dict) -> str:
-    from jaxdist.dryrun import dist_opt_text
-    from jaxdist.summary import human_bytes
+    from jaxdist.summary import dist_opt_text, human_bytes
 
     pp = p["pipeline"]
     devices = math.prod(p["mesh"].values())
