@@ -95,15 +95,13 @@ def test_same_losses_as_one_device_and_exact_state_bytes(layout, model, mesh, d,
     assert metrics.state_bytes_by_part(state) == planned
 
 
-def test_bfloat16_working_weights_beside_a_sharded_float32_master():
+def test_bfloat16_working_weights_beside_a_sharded_float32_master(single):
     """Megatron with bf16: 2 bytes of working weights replicated over data, 4 of master and
-    8 of AdamW over d; the same losses as tp's bf16 step (which updates float32 weights),
-    to bf16 rounding of where the reduction happens."""
+    8 of AdamW over d; the float32 losses to bf16 compute's rounding (1.3e-4 at step 3)."""
     shape = parse_mesh("data:2,tensor:2")
     losses, state, program = train("gpt-tiny", "tp", shape, steps=3, dtype="bfloat16",
                                    distributed_optimizer=True)
-    plain = train("gpt-tiny", "tp", shape, steps=3, dtype="bfloat16")[0]
-    np.testing.assert_allclose(losses, plain, rtol=1e-3)
+    np.testing.assert_allclose(losses, single["gpt-tiny"], rtol=1e-3)
     assert {leaf.dtype.name for leaf in jax.tree.leaves(state["params"])} == {"bfloat16"}
     assert {leaf.dtype.name for leaf in jax.tree.leaves(state["master"])} == {"float32"}
     parts = metrics.state_bytes_by_part(state)

@@ -114,6 +114,28 @@ def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
         assert 0 <= rows[("all-reduce", "data")]["bytes"] - 2 * p / 8 <= scalars
 
 
+def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on_data():
+    """tp on data:4,tensor:8 with --distributed-optimizer and bf16 (Megatron's): on `data`
+    one float32 reduce-scatter of the gradients each device's tensor shard has and one bf16
+    all-gather of its working weights, nothing else but the loss."""
+    cfg = dataclasses.replace(config("tp"), train=TrainConfig(
+        layout="tp", batch_size=64, distributed_optimizer=True))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+    program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    reading = compiled.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
+    planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
+                                               dict(shape.axis_sizes))
+    p_tp = planned["params"] // 2  # bf16 working weights: elements per device under tp
+    rows = {k: v for k, v in by_kind_axes(reading).items() if k[1] == "data"}
+    assert rows.pop(("reduce-scatter", "data")) == {"bytes": 4 * p_tp, "dtypes": {"f32"}}
+    assert rows.pop(("all-gather", "data")) == {"bytes": 2 * p_tp, "dtypes": {"bf16"}}
+    assert rows == {("all-reduce", "data"): {"bytes": 4, "dtypes": {"f32"}}}  # the loss
+    assert reading["memory"]["alias_bytes"] == planned["total"]
+    assert planned["master"] == (planned["opt"] - 4) // 2 == 4 * p_tp // 4  # f32 over data 4
+
+
 def test_pipeline_sends_equal_the_analytic_stage_bytes():
     cfg, program, reading = gpu_step("tp_pp")
     model_cfg, _ = build_model(cfg)
