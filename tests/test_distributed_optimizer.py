@@ -66,14 +66,15 @@ def _opt_counters(abstract_state) -> int:
                if not leaf.shape)
 
 
-@pytest.mark.parametrize("layout, model, mesh, d", [
-    ("ddp", "gpt-tiny", "4x2", 8),                    # zero1: explicit reduce-scatter
-    ("tp", "gpt-tiny", "data:2,tensor:2", 2),
-    ("ep", "moe-tiny", "data:2,expert:2", 4),         # non-expert state also over expert
+@pytest.mark.parametrize("layout, model, mesh, d, opts", [
+    ("ddp", "gpt-tiny", "4x2", 8, {}),                # zero1: explicit reduce-scatter
+    ("tp", "gpt-tiny", "data:2,tensor:2", 2, {"sequence_parallel": True}),
+    ("ep", "moe-tiny", "data:2,expert:2", 4, {}),     # non-expert state also over expert
 ])
-def test_same_losses_as_one_device_and_exact_state_bytes(layout, model, mesh, d, single):
+def test_same_losses_as_one_device_and_exact_state_bytes(layout, model, mesh, d, opts, single):
     shape = parse_mesh(mesh)
-    losses, state, program = train(model, layout, shape, steps=3, distributed_optimizer=True)
+    losses, state, program = train(model, layout, shape, steps=3, distributed_optimizer=True,
+                                   **opts)
     np.testing.assert_allclose(losses, single[model], rtol=1e-5)
     sizes = dict(shape.axis_sizes)
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
