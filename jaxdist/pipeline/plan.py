@@ -106,10 +106,12 @@ def plan_pipeline(cfg, shape) -> dict:
         # the step accumulates the stage's gradients over its micro-batches: one more
         # copy of its parameters, as they are sharded
         master = per_device.get("master", 0)  # float32 master shards (distributed optimizer)
-        total = 2 * per_device["params"] + per_device["opt"] + master + stash + working
+        # its gradients are accumulated and reduced in float32: twice the bf16 weights
+        grads = per_device["params"] * (2 if master else 1)
+        total = per_device["params"] + grads + per_device["opt"] + master + stash + working
         stages.append({"stage": s, "params": per_device["params"], "opt": per_device["opt"],
                        "master": master,
-                       "gradients": per_device["params"],
+                       "gradients": grads,
                        "activation_stash": stash, "activation_working": int(working),
                        "total": int(total), "fits_h200": total <= H200_BYTES})
     return {
