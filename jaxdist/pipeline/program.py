@@ -41,7 +41,7 @@ def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtu
     return init_fn, abstract, holder["parts"]
 
 
-def _data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
+def data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
     """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
     each data shard returns from the shard_map over stage and data, and the reduction after
     it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
@@ -85,7 +85,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     update_specs = layout.update_specs(abstract["params"], specs["params"], mesh)
     update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
         lambda s: NamedSharding(mesh, s), update_specs, is_leaf=lambda x: isinstance(x, P))
-    grad_out, grad_stack, grad_reduce = _data_reduction(specs["params"], update_specs, mesh,
+    grad_out, grad_stack, grad_reduce = data_reduction(specs["params"], update_specs, mesh,
                                                         layout.distributed_optimizer)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())

@@ -155,6 +155,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
     from jaxdist.pipeline.plan import pipeline_planning_state
+    from jaxdist.pipeline.program import data_reduction
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
@@ -164,15 +165,22 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
                                     layout.master_weights(cfg.model.dtype))
     specs = layout(state, mesh)
+    update_specs = layout.update_specs(state["params"], specs["params"], mesh)
     shardings, update = (jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
                                       is_leaf=lambda x: isinstance(x, P))
-                         for tree in (specs, layout.update_specs(state["params"],
-                                                                 specs["params"], mesh)))
+                         for tree in (specs, update_specs))
     params = state["params"]
+    # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
+    # the step does (jaxdist/pipeline/program.py)
+    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, mesh,
+                                               layout.distributed_optimizer)
 
     def reduce(g_stages, g_shared):
         g_shared = jax.lax.psum(g_shared, "stage")
-        return jax.lax.pmean((g_stages, g_shared), "data")
+        if stack is None:
+            return jax.lax.pmean((g_stages, g_shared), "data")
+        g_local, g_shared = stack(jax.tree.map(lambda g: g[0], g_stages), g_shared)
+        return jax.tree.map(lambda g: g[None], g_local), g_shared
 
     stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
     shared_specs = jax.tree.map(lambda _: P(), params["shared"])
@@ -180,8 +188,10 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     def tail(state, grads):
         g_stages, g_shared = jax.shard_map(
             reduce, mesh=mesh, in_specs=(stage_specs, shared_specs),
-            out_specs=(stage_specs, shared_specs), axis_names={"stage", "data"},
+            out_specs=grad_out or (stage_specs, shared_specs), axis_names={"stage", "data"},
             check_vma=False)(grads["stages"], grads["shared"])
+        if scatter is not None:
+            g_stages, g_shared = scatter(g_stages, g_shared)
         return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update)
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
