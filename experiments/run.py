@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(cfg: RunConfig) -> MeshShape:
     """Every check that needs no device. Returns the parsed mesh."""
-    get_layout(cfg.train.layout)
+    get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     if (cfg.train.layout in PIPELINE_LAYOUTS and shape.stage == 1 and shape.size
@@ -50,7 +50,8 @@ def validate(cfg: RunConfig) -> MeshShape:
                          f"this mesh does not have (the short form puts stage fifth: "
                          f"DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh "
                          f"{stage_example(cfg.train.layout, shape)}")
-    check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family)
+    check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family,
+                 cfg.train.distributed_optimizer)
     if cfg.train.layout in PIPELINE_LAYOUTS:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data)

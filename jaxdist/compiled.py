@@ -142,12 +142,13 @@ def step_program(cfg, model_cfg, mesh):
     from sharding.pipeline import PIPELINE_LAYOUTS
 
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     if cfg.train.layout in PIPELINE_LAYOUTS:
         return build_pipeline_program(
-            model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh, cfg.train.seed,
+            model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
             cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
             matmul_precision=cfg.model.matmul_precision)
-    return build_program(model_cfg, cfg.model.dtype, tx, get_layout(cfg.train.layout), mesh,
+    return build_program(model_cfg, cfg.model.dtype, tx, layout, mesh,
                          cfg.train.seed, cfg.train.microbatches,
                          matmul_precision=cfg.model.matmul_precision)
 

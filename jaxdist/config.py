@@ -57,7 +57,9 @@ class DistConfig:
 class ModelConfig:
     model: str = _opt("gpt-tiny", "registered model name")
     model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
-    dtype: str = _opt("float32", "compute dtype (parameters stay float32)",
+    dtype: str = _opt("float32", "compute dtype (parameters stay float32; with "
+                      "--distributed-optimizer, bfloat16 working weights beside a sharded "
+                      "float32 master copy, as Megatron)",
                       choices=("float32", "bfloat16"))
     matmul_precision: str = _opt(
         "default", "precision of float32 matmuls and convolutions (no effect with --dtype "
@@ -92,6 +94,12 @@ class TrainConfig:
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "
                                    "all-reduces become reduce-scatter + all-gather")
+    distributed_optimizer: bool = _opt(False, "Megatron's distributed optimizer (ZeRO-1 over "
+                                       "the data axes; ddp, tp, ep, pp, tp_pp): optimizer "
+                                       "state and float32 master weights sharded over the "
+                                       "axes the batch is split on, gradients reduce-"
+                                       "scattered, parameters all-gathered after the update "
+                                       "(zero1 is ddp with it)")
 
 
 @dataclass(frozen=True)

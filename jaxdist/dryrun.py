@@ -26,6 +26,7 @@ from jax.sharding import AbstractMesh, AxisType
 from jaxdist import metrics
 from jaxdist.mesh import MeshShape
 from jaxdist.train_step import DTYPES, split_model, abstract_train_state, make_optimizer
+from jaxdist.update import train_state
 from models.build import build_model
 from sharding import get_layout
 
@@ -34,16 +35,19 @@ STACK = "blocks"  # the decoders' nnx.List of identical blocks
 
 def plan(cfg, shape: MeshShape) -> dict:
     model_cfg, _ = build_model(cfg)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     state = planning_state(model_cfg, cfg.model.dtype,
-                           make_optimizer(cfg.train.optimizer, cfg.train.lr))
+                           make_optimizer(cfg.train.optimizer, cfg.train.lr),
+                           layout.master_weights(cfg.model.dtype))
     sizes = shape.axis_sizes
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
-    specs = get_layout(cfg.train.layout)(state, mesh)
+    specs = layout(state, mesh)
     summary = metrics.sharding_summary(state, specs)
     return {
         "dry_run": True,
         "layout": cfg.train.layout,
+        "distributed_optimizer": layout.distributed_optimizer,
         "mesh": dict(sizes),
         "model": {"name": cfg.model.model, "params": metrics.param_count(state)},
         "state_bytes_global": {part: sum(leaf.size * leaf.dtype.itemsize
@@ -54,15 +58,16 @@ def plan(cfg, shape: MeshShape) -> dict:
     }
 
 
-def planning_state(model_cfg, dtype_name: str, tx) -> dict:
-    """The abstract train state {params, model_state, opt}: assembled from a stack of
-    blocks where the model is one, else `abstract_train_state` (a full trace)."""
+def planning_state(model_cfg, dtype_name: str, tx, master: bool = False) -> dict:
+    """The abstract train state {params, model_state, opt} (and `master`, jaxdist/update.py):
+    assembled from a stack of blocks where the model is one, else `abstract_train_state`
+    (a full trace)."""
     stacked = _stacked_model_state(model_cfg, dtype_name)
     if stacked is None:
-        return abstract_train_state(model_cfg, dtype_name, tx)
+        return abstract_train_state(model_cfg, dtype_name, tx, master=master)
     params, model_state = stacked
-    return {"params": params, "model_state": model_state,
-            "opt": jax.eval_shape(tx.init, params)}
+    dtype = DTYPES[dtype_name] if master else None
+    return jax.eval_shape(lambda p, m: train_state(p, m, tx, dtype), params, model_state)
 
 
 def planning_params(model_cfg, dtype_name: str):
@@ -110,13 +115,14 @@ def _same(a, b) -> bool:
 
 
 def format_plan(p: dict) -> str:
-    from jaxdist.summary import human_bytes, replicated_text
+    from jaxdist.summary import dist_opt_text, human_bytes, replicated_text
 
     devices = 1
     for n in p["mesh"].values():
         devices *= n
     lines = [f"dry run: {p['model']['name']} ({p['model']['params']:,} params), layout "
-             f"{p['layout']} on " + " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
+             f"{p['layout']}{dist_opt_text(p)} on " +
+             " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
              f" ({devices} devices); nothing allocated",
              f"  {'state part':<12}{'global':>14}{'per device':>14}"]
     for part, total in p["state_bytes_global"].items():

@@ -28,6 +28,7 @@ from jaxdist.pipeline.program import PipelineProgram
 from jaxdist.pipeline.report import pipeline_block, switch_runs
 from jaxdist.predict.inrun import safe_prediction_block
 from models.build import build_model
+from sharding import get_layout
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
@@ -228,6 +229,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
                                       f"profiler (steps {profile[0]}-{profile[1]})")
     mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     results = {
         **record.header("jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg,
                         model_cfg, metrics.param_count(program.abstract_state)),
@@ -243,7 +245,8 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
                                       metrics.compiled_memory(compiled),
                                       *metrics.measured_peak(platform.devices)),
         "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
-        "comm": comm_block(cfg.train.layout, compiled, program),
+        "distributed_optimizer": layout.distributed_optimizer,
+        "comm": comm_block(layout.name, compiled, program),
         "program": program_block(cfg, platform, program, compiled),
         "pipeline": (pipeline_block(program, compiled, state, batch,
                                     model_cfg.flops_per_sample() * batch,
@@ -252,6 +255,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         "loss": losses,
         "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
     }
+    results["memory"]["state_bytes_by_part"] = metrics.state_bytes_by_part(state)
     if results["pipeline"]:  # bytes each stage sends, beside the analytic activation volume
         results["comm"]["stage"] = results["pipeline"]["stage_bytes"]
     return results
@@ -293,9 +297,10 @@ def comm_block(layout: str, compiled, program) -> dict:
     runs = (switch_runs(hlo_text, mesh_shape, program.schedule)
             if isinstance(program, PipelineProgram) else None)
     summary = comm.summarize(comm.collectives(hlo_text, mesh_shape, runs))
-    param_bytes = sum(leaf.size * leaf.dtype.itemsize
-                      for leaf in jax.tree.leaves(program.abstract_state["params"]))
-    analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes)
+    param_bytes, grad_bytes = (sum(leaf.size * leaf.dtype.itemsize for leaf in
+                                   jax.tree.leaves(program.abstract_state.get(part, {})))
+                               for part in ("params", "master"))
+    analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes, grad_bytes or None)
     summary["analytic_ring_bytes"] = analytic
     summary["analytic_basis"] = comm.analytic_basis(layout)
     summary["measured_over_analytic"] = (summary["total_ring_bytes"] / analytic

@@ -56,6 +56,19 @@ def state_bytes_by_device(state) -> list[dict]:
             for i, p, b in sorted(rows.tolist())]
 
 
+def state_bytes_by_part(state) -> dict:
+    """Exact bytes of each state part (params, master, model_state, opt) on this process's
+    device holding the most state, and their total."""
+    per_device: dict = defaultdict(lambda: defaultdict(int))
+    for part, tree in state.items():
+        for leaf in jax.tree.leaves(tree):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device][part] += shard.data.nbytes
+    fullest = max(per_device.values(), key=lambda parts: sum(parts.values()))
+    out = {part: int(fullest.get(part, 0)) for part in state}
+    return {**out, "total": sum(out.values())}
+
+
 def _nbytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
 

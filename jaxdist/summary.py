@@ -42,7 +42,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
     compiled = mem.get("compiled") or {}
     loss = results.get("loss") or []
     rows = [
-        ("layout / mesh", f"{results['layout']} on {mesh_text(results['mesh'])}"),
+        ("layout / mesh", f"{results['layout']}{dist_opt_text(results)} on "
+                          f"{mesh_text(results['mesh'])}"),
         ("model", f"{results['model']['name']} ({_num(results['model'].get('params'), '{:,}')}"
                   f" params)"),
         ("devices", f"{env.get('num_devices', 'n/a')} x {env.get('device_kind', 'n/a')} "
@@ -62,7 +63,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
             f", {throughput['tokens_per_s']:.0f} tokens/s"
             if throughput.get("tokens_per_s") is not None else "")),
         ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
-        ("state per device (shards)", human_bytes(mem.get("state_bytes_per_device"))),
+        ("state per device (shards)", human_bytes(mem.get("state_bytes_per_device")) +
+         _parts_text(mem.get("state_bytes_by_part"))),
         ("compiler bound per device",
          f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
          f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
@@ -116,6 +118,21 @@ def format_markdown(results: dict) -> str:
     lines = ["| | |", "|---|---|"]
     lines += [f"| {cell(name)} | {cell(value)} |" for name, value in summary_rows(results)]
     return "\n".join(lines)
+
+
+def dist_opt_text(p: dict) -> str:
+    """' + distributed optimizer' where a run or plan has it and its layout's name does not
+    say so (zero1 is ddp with it)."""
+    return (" + distributed optimizer" if p.get("distributed_optimizer") and
+            p.get("layout") != "zero1" else "")
+
+
+def _parts_text(parts: dict | None) -> str:
+    """' (params X, master Y, opt Z)': the exact shard bytes of each state part."""
+    if not parts:
+        return ""
+    return " (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items()
+                            if k != "total" and v) + ")"
 
 
 def _num(value, fmt: str, reason: str | None = None) -> str:

@@ -18,7 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
 from jaxdist.errors import UsageError
+from jaxdist.update import apply_gradients, scattered_gradients, train_state
 from sharding import batch_spec
+from sharding.optimizer import axes_of
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -67,28 +69,35 @@ def split_model(model_cfg, dtype, seed):
     return nnx.split(model, nnx.Param, ...)
 
 
-def _init_fn(model_cfg, dtype, tx, seed):
+def _init_fn(model_cfg, dtype, tx, seed, master: bool = False):
+    """The train state's init; `master`: bfloat16 working weights beside the float32
+    master (the distributed optimizer with --dtype bfloat16, jaxdist/update.py)."""
     def init_fn():
         _, params, model_state = split_model(model_cfg, dtype, seed)
-        return {"params": params, "model_state": model_state, "opt": tx.init(params)}
+        return train_state(params, model_state, tx, dtype if master else None)
     return init_fn
 
 
-def abstract_train_state(model_cfg, dtype_name: str, tx, seed: int = 0):
+def abstract_train_state(model_cfg, dtype_name: str, tx, seed: int = 0, master: bool = False):
     """Shapes and dtypes of the whole train state, without allocating it (any model size)."""
-    return jax.eval_shape(_init_fn(model_cfg, DTYPES[dtype_name], tx, seed))
+    return jax.eval_shape(_init_fn(model_cfg, DTYPES[dtype_name], tx, seed, master))
 
 
 def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                   microbatches: int = 1, matmul_precision: str = "default") -> Program:
     dtype = DTYPES[dtype_name]
     precision = jax_matmul_precision(dtype_name, matmul_precision)
-    init_fn = _init_fn(model_cfg, dtype, tx, seed)
+    init_fn = _init_fn(model_cfg, dtype, tx, seed, layout.master_weights(dtype_name))
     graphdef = nnx.eval_shape(lambda: split_model(model_cfg, dtype, seed))[0]
     abstract_state = jax.eval_shape(init_fn)
     specs = layout(abstract_state, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
+    # Where gradients are reduced to and the optimizer runs: the parameters' placement, or
+    # under the distributed optimizer their shards over the data axes (sharding/optimizer.py)
+    update_specs = layout.update_specs(abstract_state["params"], specs["params"], mesh)
+    update_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), update_specs,
+                                    is_leaf=lambda x: isinstance(x, P))
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
 
@@ -120,18 +129,24 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         return (loss / microbatches, model_state), jax.tree.map(lambda g: g / microbatches, grads)
 
     gradients = accumulate if microbatches > 1 else grad_fn
-    explicit = _replicated_params(specs) and not jax.tree.leaves(abstract_state["model_state"])
+    stateless = not jax.tree.leaves(abstract_state["model_state"])
+    explicit = _replicated_params(specs) and stateless
+    # Under the distributed optimizer with parameters on no batch axis (ddp, tp): the data
+    # axes manual, so each leaf is reduce-scattered in float32 where the step says, not where
+    # the partitioner meets the weight gradient's bf16 dot (XLA:GPU would reduce bf16 there).
     if explicit:
-        gradients = _explicit_all_reduce(gradients, mesh)
+        gradients = _explicit_reduce(gradients, mesh, update_specs, "master" in abstract_state)
+    elif (stateless and layout.distributed_optimizer
+          and not _params_on(specs, _batch_axes(mesh))):
+        gradients = scattered_gradients(gradients, mesh, _batch_axes(mesh), specs["params"],
+                                        update_specs, "master" in abstract_state)
 
     def step_fn(state, batch):
         (loss, model_state), grads = gradients(state["params"], state["model_state"], batch)
-        # Gradients take the parameters' layout: reduce-scattered under fsdp, all-reduced
-        # under ddp and zero1 (ZeRO-1 keeps full gradients; sharding them would be ZeRO-2).
-        grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "model_state": model_state, "opt": opt}, loss
+        # Gradients take the update's placement: reduce-scattered under fsdp and under the
+        # distributed optimizer (zero1), all-reduced under ddp and tp.
+        new = apply_gradients(tx, state, grads, update_shardings)
+        return {**new, "model_state": model_state}, loss
 
     def correct_fn(state, batch):
         model = nnx.merge(graphdef, state["params"], state["model_state"], copy=True)
@@ -207,9 +222,21 @@ def _replicated_params(specs) -> bool:
                jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
 
 
-def _explicit_all_reduce(gradients, mesh: Mesh):
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a not in ("tensor", "stage"))
+
+
+def _params_on(specs, axes) -> bool:
+    """Whether any parameter is split over one of `axes`."""
+    return any(set(axes_of(e)) & set(axes) for spec in jax.tree.leaves(
+        specs["params"], is_leaf=lambda x: isinstance(x, P)) for e in spec)
+
+
+def _explicit_reduce(gradients, mesh: Mesh, grad_specs, float32: bool = False):
     """Replicated parameters (ddp, zero1): each device computes its local gradients and one
-    explicit all-reduce (pmean) averages them, in a shard_map.
+    explicit all-reduce (pmean) averages them, in a shard_map; under the distributed
+    optimizer (zero1) a reduce-scatter (psum_scatter) to the optimizer's shard of each leaf
+    instead. `float32`: bfloat16 gradients are cast up first (reduced in float32).
 
     Left to the SPMD partitioner, XLA:CPU puts the gradient all-reduce between each weight
     gradient's matmul and its transpose, so the transpose cannot be folded and every device
@@ -217,13 +244,26 @@ def _explicit_all_reduce(gradients, mesh: Mesh):
     ms per step with this, losses equal to 2e-7). Models with batch statistics keep the
     partitioner's global-batch semantics, so they do not come here."""
     axes = tuple(mesh.axis_names)
+    n = mesh.size
+
+    def reduce(g, spec):
+        g = g.astype(jnp.float32) if float32 else g
+        dims = [(i, axes_of(e)) for i, e in enumerate(spec) if e is not None]
+        if not dims:
+            return jax.lax.pmean(g, axes)
+        (dim, over), = dims
+        rest = tuple(a for a in axes if a not in over)
+        g = jax.lax.psum(g, rest) if rest else g
+        return jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True) / n
 
     def local(params, model_state, batch):
         (loss, ms), grads = gradients(params, model_state, batch)
-        return (jax.lax.pmean(loss, axes), ms), jax.lax.pmean(grads, axes)
+        grads = jax.tree.map(lambda spec, g: reduce(g, spec), grad_specs, grads,
+                             is_leaf=lambda x: isinstance(x, P))
+        return (jax.lax.pmean(loss, axes), ms), grads
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), batch_spec(mesh)),
-                         out_specs=((P(), P()), P()), check_vma=False)
+                         out_specs=((P(), P()), grad_specs), check_vma=False)
 
 
 class MeshJit:

@@ -1,4 +1,5 @@
-"""The mesh layouts: DDP, ZeRO-1, FSDP (ZeRO-3) and HSDP as spec tables.
+"""The mesh layouts: DDP, ZeRO-1 (DDP + sharding/optimizer.py), FSDP (ZeRO-3) and HSDP as
+spec tables.
 
 A sharded leaf is split on its largest dimension divisible by the shard count (ties: the
 first such dimension); a leaf with no such dimension stays replicated, and the metrics count
@@ -42,17 +43,17 @@ def replicated(tree):
     return jax.tree.map(lambda _: P(), tree)
 
 
-@register_layout("ddp", "parameters and optimizer state replicated; gradients all-reduced")
+@register_layout("ddp", "parameters and optimizer state replicated; gradients all-reduced "
+                 "(--distributed-optimizer: zero1)", distributed_optimizer=False)
 def ddp(state, mesh: Mesh):
     return replicated(state)
 
 
-@register_layout("zero1", "parameters replicated; optimizer state sharded over all devices",
-                 min_devices=2)
-def zero1(state, mesh: Mesh):
-    return {"params": replicated(state["params"]),
-            "model_state": replicated(state["model_state"]),
-            "opt": sharded(state["opt"], mesh, tuple(mesh.axis_names))}
+# ZeRO-1 is ddp with the distributed optimizer (sharding/optimizer.py): one implementation.
+register_layout("zero1", "ddp with the distributed optimizer: parameters replicated; "
+                "optimizer state (and the float32 master with --dtype bfloat16) sharded over "
+                "all devices; gradients reduce-scattered, parameters all-gathered",
+                min_devices=2, distributed_optimizer=True)(ddp)
 
 
 @register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices",
@@ -76,7 +77,7 @@ def ps(state, mesh: Mesh):
 @register_layout("tp", "Megatron tensor parallel: attention heads, MLP hidden and vocabulary "
                  "split over the tensor axis; batch over data and fsdp",
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
-                 requires=("tensor",))
+                 requires=("tensor",), distributed_optimizer=False)
 def tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "tp")
 
@@ -93,6 +94,6 @@ def fsdp_tp(state, mesh: Mesh):
                  "dispatched to them (all-to-all); heads, expert hidden and vocabulary over "
                  "tensor (EP x TP); batch over the other axes",
                  mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",),
-                 requires=("expert",))
+                 requires=("expert",), distributed_optimizer=False)
 def ep(state, mesh: Mesh):
     return rule_specs(state, mesh, "ep")

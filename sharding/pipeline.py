@@ -70,7 +70,7 @@ def pipeline_specs(state, mesh: Mesh, inner: str):
 @register_layout("pp", "pipeline parallel: contiguous groups of blocks per device of the stage "
                  "axis (--pp-schedule, --microbatches), activations sent stage to stage; "
                  "batch over data", mesh_axes=("data", "stage"), families=("gpt", "moe"),
-                 requires=("stage",))
+                 requires=("stage",), distributed_optimizer=False)
 def pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "none")
 
@@ -78,7 +78,7 @@ def pp(state, mesh: Mesh):
 @register_layout("tp_pp", "pipeline over the stage axis with Megatron tensor parallelism "
                  "inside each stage (Go et al.'s TPxPP); batch over data",
                  mesh_axes=("data", "stage", "tensor"), families=("gpt", "moe"),
-                 requires=("stage",))
+                 requires=("stage",), distributed_optimizer=False)
 def tp_pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "tp")
 

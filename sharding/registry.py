@@ -14,26 +14,30 @@ from typing import Any, Callable
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdist.errors import UsageError, choices, unknown
+from sharding.optimizer import Layout, data_axes
 
-Layout = Callable[[Any, Mesh], Any]
-_LAYOUTS: dict[str, Layout] = {}
+SpecFn = Callable[[Any, Mesh], Any]
+_LAYOUTS: dict[str, SpecFn] = {}
 _DESCRIPTIONS: dict[str, str] = {}
 _MESH_AXES: dict[str, tuple[str, ...]] = {}
 _FAMILIES: dict[str, tuple[str, ...] | None] = {}
 _REQUIRES: dict[str, tuple[str, ...]] = {}
 _MIN_DEVICES: dict[str, int] = {}
+_DIST_OPT: dict[str, bool | None] = {}
 # Mesh spec positions (DATAxFSDPxTENSORxEXPERT), to suggest a mesh with a missing axis.
 _ORDER = ("data", "fsdp", "tensor", "expert")
 
 
 def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
-                    requires=(), min_devices=1):
+                    requires=(), min_devices=1, distributed_optimizer=None):
     """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
     `families`: the model families it applies to (None: all); `requires`: axes that must be
     larger than 1, without which the layout would silently be plain replication;
     `min_devices`: the devices it needs to shard anything (fsdp and zero1 shard over every
-    device: on one they are a single-device run)."""
-    def wrap(fn: Layout) -> Layout:
+    device: on one they are a single-device run); `distributed_optimizer`: None where the
+    layout already shards optimizer state as it sees fit (refused), False where it may be
+    composed on top (--distributed-optimizer), True where it always is (zero1)."""
+    def wrap(fn: SpecFn) -> SpecFn:
         if name in _LAYOUTS:
             raise ValueError(f"layout {name!r} registered twice")
         _LAYOUTS[name] = fn
@@ -42,6 +46,7 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
         _FAMILIES[name] = tuple(families) if families else None
         _REQUIRES[name] = tuple(requires)
         _MIN_DEVICES[name] = min_devices
+        _DIST_OPT[name] = distributed_optimizer
         return fn
     return wrap
 
@@ -60,9 +65,12 @@ def _too_few_devices(name: str, axis_sizes: dict[str, int]) -> bool:
     return all(n > 0 for n in sizes) and math.prod(sizes) < _MIN_DEVICES[name]
 
 
-def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
+def check_layout(name: str, axis_sizes: dict[str, int], family: str,
+                 distributed_optimizer: bool = False) -> None:
     """A one-line error when the layout cannot use this mesh or model, or would not do on
     it what its name says (tp without a tensor axis is plain replication)."""
+    if distributed_optimizer:
+        check_distributed_optimizer(name, axis_sizes)
     extra = [f"{a}={n}" for a, n in axis_sizes.items() if n > 1 and a not in _MESH_AXES[name]]
     if extra:
         fits = [other for other in layout_names() if _fits(other, axis_sizes)]
@@ -86,6 +94,30 @@ def check_layout(name: str, axis_sizes: dict[str, int], family: str) -> None:
         raise UsageError(f"layout {name!r} shards over every device, and this mesh has one "
                          f"(it would run as a single device with nothing sharded); give it "
                          f"{n} or more, e.g. --mesh {n}")
+
+
+def distributed_optimizer_layouts() -> list[str]:
+    return [n for n in layout_names() if _DIST_OPT[n] is not None]
+
+
+def check_distributed_optimizer(name: str, axis_sizes: dict[str, int]) -> None:
+    """--distributed-optimizer: a layout that replicates parameters over the data axes, on a
+    mesh that has one (else it would shard nothing)."""
+    if _DIST_OPT.get(name, False) is None:
+        raise UsageError(f"--distributed-optimizer shards optimizer state over the data axes "
+                         f"of a layout that replicates parameters there; layout {name!r} "
+                         f"shards its own (choose from "
+                         f"{choices(distributed_optimizer_layouts())}, or drop the flag)")
+    if axis_sizes and all(n > 0 for n in axis_sizes.values()) and not data_axes(axis_sizes):
+        raise UsageError(f"--distributed-optimizer shards over the data axes (data, fsdp"
+                         f"{', expert' if 'expert' in axis_sizes else ''}), all of size 1 on "
+                         f"this mesh: it would shard nothing; give data 2 or more, e.g. "
+                         f"--mesh {_with_data(axis_sizes)}")
+
+
+def _with_data(axis_sizes: dict[str, int]) -> str:
+    sizes = {"data": 2, **{a: n for a, n in axis_sizes.items() if n > 1 and a != "data"}}
+    return ",".join(f"{a}:{n}" for a, n in sizes.items())
 
 
 def suggest_mesh(axis_sizes: dict[str, int], axis: str) -> str:
@@ -120,10 +152,17 @@ def describe_layouts() -> str:
     return "; ".join(f"{name}: {_DESCRIPTIONS[name]}" for name in layout_names())
 
 
-def get_layout(name: str) -> Layout:
+def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
+    """The layout as data: its spec function, with the distributed optimizer composed on
+    top where asked for (or where the layout is defined by it: zero1)."""
     if name not in _LAYOUTS:
         raise UsageError(unknown("layout", name, _LAYOUTS))
-    return _LAYOUTS[name]
+    if distributed_optimizer:
+        check_distributed_optimizer(name, {})
+    fn, dist = _LAYOUTS[name], bool(distributed_optimizer or _DIST_OPT[name])
+    # the name of what it is: ddp with the distributed optimizer is zero1
+    same = [n for n in layout_names() if _LAYOUTS[n] is fn and bool(_DIST_OPT[n]) == dist]
+    return Layout(same[0] if len(same) == 1 else name, fn, dist)
 
 
 def batch_spec(mesh: Mesh) -> P:

@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="adamw",
           batch_size: int = 16, seed: int = 0, dtype="float32", microbatches: int = 1,
-          **model_opts):
+          distributed_optimizer: bool = False, **model_opts):
     """(losses, final state, program) of `steps` steps on the first shape.size devices."""
     devices = jax.devices()[: shape.size]
     mesh = build_mesh(shape, devices)
     cfg = get_model(model, {k: str(v) for k, v in model_opts.items()})
-    program = build_program(cfg, dtype, make_optimizer(optimizer, 1e-2), get_layout(layout),
-                            mesh, seed, microbatches)
+    program = build_program(cfg, dtype, make_optimizer(optimizer, 1e-2),
+                            get_layout(layout, distributed_optimizer), mesh, seed, microbatches)
     state = program.init()
     losses = []
     stream = TrainStream(cfg, None, batch_size, seed)

@@ -106,7 +106,7 @@ def test_executions_follow_while_trip_counts():
 @pytest.mark.parametrize("layout, mesh, expected", [
     # P = 4096 parameter bytes; N devices; F = the fsdp axis, D = N / F. Worked by hand.
     ("ddp", {"data": 2, "fsdp": 4}, 2 * 7 / 8 * 4096),                      # 7168
-    ("zero1", {"data": 2, "fsdp": 4}, 2 * 7 / 8 * 4096 + 7 / 8 * 4096),    # 10752
+    ("zero1", {"data": 2, "fsdp": 4}, 7 / 8 * 4096 + 7 / 8 * 4096),        # 7168
     ("fsdp", {"data": 2, "fsdp": 4}, 7 / 8 * 4096 + 7 / 8 * 4096),         # 7168
     ("hsdp", {"data": 2, "fsdp": 4}, 2 * 3 / 4 * 4096 + 2 * 1 / 2 * 1024),  # 6144 + 1024
     ("hsdp", {"data": 8, "fsdp": 1}, 0 + 2 * 7 / 8 * 4096),                # no fsdp group
@@ -117,9 +117,11 @@ def test_analytic_ring_bytes_per_layout(layout, mesh, expected):
     assert comm.analytic_ring_bytes(layout, mesh, 4096) == expected
 
 
-def test_analytic_basis_says_zero1_is_this_implementation_not_the_paper():
-    assert "all-reduce 2(N-1)/N + all-gather (N-1)/N = 3(N-1)/N" in comm.analytic_basis("zero1")
-    assert "not the ZeRO paper's 2(N-1)/N" in comm.analytic_basis("zero1")
+def test_analytic_basis_says_zero1_is_the_papers_reduce_scatter_and_all_gather():
+    assert "the ZeRO paper's 2(N-1)/N" in comm.analytic_basis("zero1")
+    # bf16 working weights: float32 gradients scattered, bf16 parameters gathered
+    assert comm.analytic_ring_bytes("zero1", {"data": 8}, 2048, grad_bytes=4096) == \
+        7 / 8 * (4096 + 2048)
     assert comm.analytic_basis("tp") == "no analytic formula for layout 'tp'"
 
 

@@ -94,11 +94,15 @@ def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
     p = params(program)
     rows = by_kind_axes(reading)
     scalars = 1024  # the loss and a few f32 scalars ride along (bytes, not a fraction)
-    if layout in ("ddp", "zero1"):  # float32 gradients all-reduced whole
+    if layout == "ddp":  # float32 gradients all-reduced whole
         ar = rows[("all-reduce", "data+fsdp")]
         assert 0 <= ar["bytes"] - 4 * p <= scalars and ar["dtypes"] == {"f32"}
-    if layout == "zero1":  # updated float32 parameters gathered from their shards
-        assert rows[("all-gather", "data+fsdp")]["bytes"] == 4 * p
+    if layout == "zero1":  # Megatron's distributed optimizer with bf16 working weights:
+        # float32 gradients reduce-scattered to the master's shards, bf16 weights gathered
+        rs = rows[("reduce-scatter", "data+fsdp")]
+        assert rs["bytes"] == 4 * p and rs["dtypes"] == {"f32"}
+        ag = rows[("all-gather", "data+fsdp")]
+        assert ag["bytes"] == 2 * p and ag["dtypes"] == {"bf16"}
     if layout in ("fsdp", "hsdp"):
         axis = "data+fsdp" if layout == "fsdp" else "fsdp"
         # bf16 weights gathered for compute, bf16 gradients reduce-scattered: half of f32
@@ -141,6 +145,28 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes():
     scattered = [op for op in on_data if op["kind"] == "reduce-scatter"]
     assert sum(op["bytes"] // size[op["dtypes"][0]] for op in scattered) == shard
     assert sum(op["bytes"] for op in on_data if op["kind"] == "all-reduce") == 4  # the loss
+
+
+def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on_data():
+    """tp on data:4,tensor:8 with --distributed-optimizer and bf16 (Megatron's): on `data`
+    one float32 reduce-scatter of the gradients each device's tensor shard has and one bf16
+    all-gather of its working weights, nothing else but the loss."""
+    cfg = dataclasses.replace(config("tp"), train=TrainConfig(
+        layout="tp", batch_size=64, distributed_optimizer=True))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+    program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    reading = compiled.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
+    planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
+                                               dict(shape.axis_sizes))
+    p_tp = planned["params"] // 2  # bf16 working weights: elements per device under tp
+    rows = {k: v for k, v in by_kind_axes(reading).items() if k[1] == "data"}
+    assert rows.pop(("reduce-scatter", "data")) == {"bytes": 4 * p_tp, "dtypes": {"f32"}}
+    assert rows.pop(("all-gather", "data")) == {"bytes": 2 * p_tp, "dtypes": {"bf16"}}
+    assert rows == {("all-reduce", "data"): {"bytes": 4, "dtypes": {"f32"}}}  # the loss
+    assert reading["memory"]["alias_bytes"] == planned["total"]
+    assert planned["master"] == (planned["opt"] - 4) // 2 == 4 * p_tp // 4  # f32 over data 4
 
 
 def test_pipeline_sends_equal_the_analytic_stage_bytes():

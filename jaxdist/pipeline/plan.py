@@ -32,6 +32,7 @@ from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import SHARED
 from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.train_step import DTYPES, make_optimizer
+from jaxdist.update import train_state
 from sharding import get_layout
 
 H200_BYTES = 141 * 10 ** 9  # NVIDIA H200: 141 GB of HBM3e (nvidia.com/h200 datasheet)
@@ -43,7 +44,8 @@ def _stack_abstract(blocks: list, S: int, V: int):
                         blocks[0])
 
 
-def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int) -> dict:
+def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int,
+                            master: bool = False) -> dict:
     from jaxdist.dryrun import planning_params
 
     base = planning_params(model_cfg, dtype_name)[0]
@@ -52,7 +54,8 @@ def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int) -> d
     blocks = [pure["blocks"][i] for i in range(depth)]
     params = {"stages": _stack_abstract(blocks, S, V),
               "shared": {k: pure[k] for k in SHARED if k in pure}}
-    return {"params": params, "model_state": {}, "opt": jax.eval_shape(tx.init, params)}
+    dtype = DTYPES[dtype_name] if master else None
+    return jax.eval_shape(lambda p: train_state(p, {}, tx, dtype), params)
 
 
 def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
@@ -75,10 +78,12 @@ def plan_pipeline(cfg, shape) -> dict:
     V = cfg.train.pp_virtual if schedule == "interleaved" else 1
     check_pipeline(model_cfg, S, schedule, M, V)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
+                                    layout.master_weights(cfg.model.dtype))
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
-    specs = get_layout(cfg.train.layout)(state, mesh)
+    specs = layout(state, mesh)
     per_device = metrics.planned_bytes_per_device(state, specs, sizes)
     sched = build_schedule(schedule, S, M, V)
     batch_shards = sizes.get("data", 1) * (sizes.get("fsdp", 1)
@@ -100,13 +105,18 @@ def plan_pipeline(cfg, shape) -> dict:
         stash = (sched.act_slots_by_stage[s] + sched.grad_slots) * act
         # the step accumulates the stage's gradients over its micro-batches: one more
         # copy of its parameters, as they are sharded
-        total = 2 * per_device["params"] + per_device["opt"] + stash + working
+        master = per_device.get("master", 0)  # float32 master shards (distributed optimizer)
+        # its gradients are accumulated and reduced in float32: twice the bf16 weights
+        grads = per_device["params"] * (2 if master else 1)
+        total = per_device["params"] + grads + per_device["opt"] + master + stash + working
         stages.append({"stage": s, "params": per_device["params"], "opt": per_device["opt"],
-                       "gradients": per_device["params"],
+                       "master": master,
+                       "gradients": grads,
                        "activation_stash": stash, "activation_working": int(working),
                        "total": int(total), "fits_h200": total <= H200_BYTES})
     return {
         "dry_run": True, "layout": cfg.train.layout, "mesh": dict(sizes),
+        "distributed_optimizer": layout.distributed_optimizer,
         "model": {"name": cfg.model.model, "params": metrics.param_count(state)},
         "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
                      cfg.train.batch_size, "microbatch_rows_per_device": rows},
@@ -118,12 +128,13 @@ def plan_pipeline(cfg, shape) -> dict:
 
 
 def format_pipeline_plan(p: dict) -> str:
-    from jaxdist.summary import human_bytes
+    from jaxdist.summary import dist_opt_text, human_bytes
 
     pp = p["pipeline"]
     devices = math.prod(p["mesh"].values())
     lines = [f"dry run: {p['model']['name']} ({p['model']['params']:,} params), layout "
-             f"{p['layout']} on " + " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
+             f"{p['layout']}{dist_opt_text(p)} on " +
+             " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
              f" ({devices} devices); {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
              f"M={pp['microbatches']}, {pp['blocks_per_chunk']} blocks per chunk, "
              f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
@@ -132,7 +143,9 @@ def format_pipeline_plan(p: dict) -> str:
              f"{'act stash':>12}{'act working':>13}{'total':>12}  fits H200 (141 GB)"]
     for s in p["stages"]:
         lines.append(f"  {s['stage']:<6}{human_bytes(s['params']):>12}"
-                     f"{human_bytes(s['gradients']):>12}{human_bytes(s['opt']):>12}{human_bytes(s['activation_stash']):>12}"
+                     f"{human_bytes(s['gradients']):>12}"
+                     f"{human_bytes(s['opt'] + s.get('master', 0)):>12}"
+                     f"{human_bytes(s['activation_stash']):>12}"
                      f"{human_bytes(s['activation_working']):>13}"
                      f"{human_bytes(s['total']):>12}  {'yes' if s['fits_h200'] else 'NO'}")
     lines.append("  per device; activations estimated (stash from the schedule, working set "

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.errors import UsageError
@@ -16,6 +15,7 @@ from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
+from jaxdist.update import apply_gradients, scatter_partial_sums, train_state
 from sharding import batch_spec
 
 
@@ -26,17 +26,44 @@ class PipelineProgram(Program):
     extra: dict = field(default_factory=dict)
 
 
-def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int):
-    """(init_fn, abstract state, parts) of the pipeline train state."""
+def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int,
+                   master: bool = False):
+    """(init_fn, abstract state, parts) of the pipeline train state; `master`: bfloat16
+    working weights beside the float32 master (jaxdist/update.py)."""
     holder = {}
 
     def init_fn():
         parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual)
         holder["parts"] = parts
-        return {"params": params, "model_state": {}, "opt": tx.init(params)}
+        return train_state(params, {}, tx, DTYPES[dtype_name] if master else None)
 
     abstract = jax.eval_shape(init_fn)
     return init_fn, abstract, holder["parts"]
+
+
+def data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
+    """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
+    each data shard returns from the shard_map over stage and data, and the reduction after
+    it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
+    and one fully manual shard_map reduce-scatters them to the optimizer's shards
+    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
+    Else (None, None, None): pmean inside, as before."""
+    if not distributed:
+        return None, None, None
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    out = (jax.tree.map(lambda _: P("stage", "data"), param_specs["stages"], is_leaf=is_p),
+           jax.tree.map(lambda _: P("data"), param_specs["shared"], is_leaf=is_p))
+
+    def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
+        return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
+
+    def reduce(g_stages, g_shared):
+        stages = scatter_partial_sums(g_stages, mesh, ("data",), param_specs["stages"],
+                                      update_specs["stages"], 1)
+        shared = scatter_partial_sums(g_shared, mesh, ("data",), param_specs["shared"],
+                                      update_specs["shared"], 0)
+        return stages, shared
+    return out, stack, reduce
 
 
 def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
@@ -50,10 +77,16 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     V = virtual if schedule == "interleaved" else 1
     sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
-    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V)
+    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
+                                              layout.master_weights(dtype_name))
     specs = layout(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
+    update_specs = layout.update_specs(abstract["params"], specs["params"], mesh)
+    update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
+        lambda s: NamedSharding(mesh, s), update_specs, is_leaf=lambda x: isinstance(x, P))
+    grad_out, grad_stack, grad_reduce = data_reduction(specs["params"], update_specs, mesh,
+                                                        layout.distributed_optimizer)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
     M = microbatches
@@ -71,19 +104,20 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         # fails a check in spmd_partitioner_util.cc on XLA:CPU, jax 0.10).
         data = mesh.shape["data"]
         act_shape = (B // M // data, L1 - 1, model_cfg.width)
-        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data")
+        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data",
+                                 grad_reduce=grad_stack)
         params = state["params"]
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
             run, mesh=mesh, in_specs=(stage_specs, shared_specs, P(None, "data")),
-            out_specs=(P(), stage_specs, shared_specs), axis_names={"stage", "data"},
+            out_specs=(P(), *(grad_out or (stage_specs, shared_specs))),
+            axis_names={"stage", "data"},
             check_vma=False)(params["stages"], params["shared"], tokens_M)
+        if grad_reduce is not None:
+            g_stages, g_shared = grad_reduce(g_stages, g_shared)
         grads = {"stages": g_stages, "shared": g_shared}
-        grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
-        updates, opt = tx.update(grads, state["opt"], params)
-        params = optax.apply_updates(params, updates)
-        return {"params": params, "model_state": state["model_state"], "opt": opt}, loss
+        return apply_gradients(tx, state, grads, update_shardings), loss
 
     def correct_fn(state, batch):
         raise UsageError("--eval-every measures accuracy on an image dataset, which the "

@@ -86,9 +86,11 @@ def _read(buffer, slot):
 
 
 def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
-                       data_axis: str | None = None):
+                       data_axis: str | None = None, grad_reduce=None):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
-    stage grads, shared grads), to run inside shard_map over `stage`."""
+    stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`:
+    (stage grads [V, K, ...], shared grads) -> their mean over `data_axis` as the step wants
+    them (the distributed optimizer: reduce-scattered); default pmean."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
     tables = _tables(sched)
     patterns, pattern_of_tick = send_patterns(sched)
@@ -218,7 +220,9 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")
         if data_axis is not None:  # each data shard's mean over its rows -> global mean
-            loss, g_local, g_shared = jax.lax.pmean((loss, g_local, g_shared), data_axis)
+            loss = jax.lax.pmean(loss, data_axis)
+            g_local, g_shared = (grad_reduce or (lambda *g: jax.lax.pmean(g, data_axis)))(
+                g_local, g_shared)
         return loss, jax.tree.map(lambda g: g[None], g_local), g_shared
 
     return run

@@ -189,7 +189,10 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
     gathered = 2 * block_param_bytes(model_cfg, dtype_name) if sharded and stack else 0
     # With micro-batches the step carries a gradient accumulator beside the current
     # micro-batch's gradients (jaxdist.train_step.accumulate): twice the gradient bytes.
-    grads = state_per_device["params"] * (2 if microbatches > 1 else 1)
+    # bfloat16 working weights beside a float32 master (distributed optimizer): gradients
+    # are cast to float32 before they are reduce-scattered, twice the working bytes.
+    grads = (state_per_device["params"] * (2 if microbatches > 1 else 1)
+             * (2 if state_per_device.get("master") else 1))
     return {**peak(state_per_device["total"], grads, residuals, gathered),
             "batch_shards": shards, "flash_attention": flash,
             "upper_bound": getattr(model_cfg, "remat", "none") == "none"}

@@ -30,7 +30,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import compiled as compiled_mod
@@ -40,6 +39,7 @@ from jaxdist.predict.program import cpu_compilable, flash_attention_applies, rea
 from jaxdist.predict.ticks import op_row, tick_model
 from jaxdist.pipeline.schedule import BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
+from jaxdist.update import apply_gradients
 from sharding import get_layout
 
 
@@ -110,8 +110,10 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    _, abstract, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1)
-    specs = get_layout(cfg.train.layout)(abstract, mesh)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    _, abstract, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1,
+                                        layout.master_weights(cfg.model.dtype))
+    specs = layout(abstract, mesh)
     sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), specs["params"],
                            is_leaf=lambda x: isinstance(x, P))
     dtype = DTYPES[cfg.model.dtype]
@@ -153,20 +155,32 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
     from jaxdist.pipeline.plan import pipeline_planning_state
+    from jaxdist.pipeline.program import data_reduction
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
     mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V)
-    specs = get_layout(cfg.train.layout)(state, mesh)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                             is_leaf=lambda x: isinstance(x, P))
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
+                                    layout.master_weights(cfg.model.dtype))
+    specs = layout(state, mesh)
+    update_specs = layout.update_specs(state["params"], specs["params"], mesh)
+    shardings, update = (jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
+                                      is_leaf=lambda x: isinstance(x, P))
+                         for tree in (specs, update_specs))
     params = state["params"]
+    # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
+    # the step does (jaxdist/pipeline/program.py)
+    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, mesh,
+                                               layout.distributed_optimizer)
 
     def reduce(g_stages, g_shared):
         g_shared = jax.lax.psum(g_shared, "stage")
-        return jax.lax.pmean((g_stages, g_shared), "data")
+        if stack is None:
+            return jax.lax.pmean((g_stages, g_shared), "data")
+        g_local, g_shared = stack(jax.tree.map(lambda g: g[0], g_stages), g_shared)
+        return jax.tree.map(lambda g: g[None], g_local), g_shared
 
     stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
     shared_specs = jax.tree.map(lambda _: P(), params["shared"])
@@ -174,13 +188,11 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     def tail(state, grads):
         g_stages, g_shared = jax.shard_map(
             reduce, mesh=mesh, in_specs=(stage_specs, shared_specs),
-            out_specs=(stage_specs, shared_specs), axis_names={"stage", "data"},
+            out_specs=grad_out or (stage_specs, shared_specs), axis_names={"stage", "data"},
             check_vma=False)(grads["stages"], grads["shared"])
-        grads = jax.lax.with_sharding_constraint({"stages": g_stages, "shared": g_shared},
-                                                 shardings["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "model_state": state["model_state"], "opt": opt}
+        if scatter is not None:
+            g_stages, g_shared = scatter(g_stages, g_shared)
+        return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update)
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)

@@ -10,6 +10,7 @@ from jaxdist import compiled, dryrun
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
+from jaxdist.summary import dist_opt_text
 from jaxdist.predict import kernels_time, memory, model, program
 from models.build import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
@@ -57,8 +58,10 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None
         "dry_run": True,
         "settings": plan_settings(cfg, model_cfg),
         "layout": cfg.train.layout,
+        "distributed_optimizer": state["distributed_optimizer"],
         "mesh": mesh,
         "model": state["model"],
+        "state_bytes_per_device": state["state_bytes_per_device"],  # exact, by part
         "batch_size": batch,
         "hardware": {**{k: v for k, v in vars(hw).items()}, "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
@@ -170,7 +173,7 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                    "total": s["total"] - s["activation_working"] + int(compiled_working)}
                   for s in stages]
     worst = max(stages, key=lambda s: s["total"])
-    state_bytes = worst["params"] + worst["opt"]
+    state_bytes = worst["params"] + worst["opt"] + worst.get("master", 0)
     need = worst["total"]
     fits = need <= hw.hbm_bytes
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
@@ -208,6 +211,8 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     return {
         "label": model.LABEL, "dry_run": True, "settings": plan_settings(cfg, model_cfg),
         "layout": cfg.train.layout, "mesh": mesh,
+        "distributed_optimizer": memory_plan["distributed_optimizer"],
+        "state_bytes_per_device": memory_plan["state_bytes_per_device"],  # exact, by part
         "model": memory_plan["model"], "batch_size": batch,
         "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
@@ -286,7 +291,7 @@ def format_prediction(p: dict) -> str:
     ms = 1e3
     lines = [
         f"PREDICTED (not measured): {p['model']['name']} ({p['model']['params']:,} params), "
-        f"layout {p['layout']}, mesh {mesh} on {hw['name']} ({hw['nodes']} node(s) of "
+        f"layout {p['layout']}{dist_opt_text(p)}, mesh {mesh} on {hw['name']} ({hw['nodes']} node(s) of "
         f"{hw['gpus_per_node']}), global batch {p['batch_size']}",
         f"  compiler: {p['compiled'].get('compiler', 'XLA:CPU on simulated CPU devices')}; "
         f"{p['compiled']['method']}" +

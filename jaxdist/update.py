@@ -1,0 +1,121 @@
+"""The train state's parts and the optimizer update, shared by the one-program step
+(jaxdist/train_step.py), the pipeline step (jaxdist/pipeline/program.py) and the plans.
+
+State: `params` (what the model computes with), `model_state`, `opt`, and under the
+distributed optimizer with --dtype bfloat16 `master`: Megatron's layout, bfloat16 working
+weights beside a float32 master copy that the optimizer updates (sharded over the data axes
+with the optimizer state, sharding/optimizer.py). Without `master` the float32 parameters
+are their own master.
+
+The update: gradients (float32; cast up from bfloat16 working weights, so they are reduced in
+float32 as Megatron's `accumulate_allreduce_grads_in_fp32`) are constrained to the update
+placement, which under the distributed optimizer is the data-sharded one, so the partitioner
+reduce-scatters them there; the optimizer updates the shard; the new parameters leave the
+step in the layout's placement (replicated over data), which all-gathers them.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+from sharding import batch_spec
+from sharding.optimizer import axes_of
+
+
+def train_state(params, model_state, tx, master_dtype=None) -> dict:
+    """{params, model_state, opt} from float32 `params`; with `master_dtype` (bfloat16) the
+    working weights are cast to it and the float32 ones kept as `master`."""
+    if master_dtype is None:
+        return {"params": params, "model_state": model_state, "opt": tx.init(params)}
+    working = jax.tree.map(lambda x: x.astype(master_dtype), params)
+    return {"params": working, "master": params, "model_state": model_state,
+            "opt": tx.init(params)}
+
+
+def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
+    """The state after one optimizer step on `grads` (model_state as it was: the caller
+    replaces it), the update run in `update_shardings`."""
+    master = "master" in state
+    weights = state["master"] if master else state["params"]
+    if master:  # float32 before the reduction: the barrier keeps XLA from reducing bf16
+        grads = jax.lax.optimization_barrier(
+            jax.tree.map(lambda g, w: g.astype(w.dtype), grads, weights))
+    grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+    weights = jax.lax.with_sharding_constraint(weights, update_shardings)
+    updates, opt = tx.update(grads, state["opt"], weights)
+    weights = optax.apply_updates(weights, updates)
+    out = {**state, "opt": opt}
+    if master:
+        out["master"] = weights
+        # cast on the shard, so the all-gather moves bfloat16 (Megatron's parameter gather)
+        working = jax.tree.map(lambda w, p: w.astype(p.dtype), weights, state["params"])
+        out["params"] = jax.lax.with_sharding_constraint(working, update_shardings)
+    else:
+        out["params"] = weights
+    return out
+
+
+def weight_part(state) -> str:
+    """The state part holding the float32 weights the optimizer updates."""
+    return "master" if "master" in state else "params"
+
+
+def scattered_gradients(gradients, mesh, data_axes: tuple[str, ...], param_specs,
+                        update_specs, float32: bool):
+    """`gradients` (params, model_state, batch) -> ((loss, model_state), gradients in
+    `update_specs`) for parameters split on no data axis but on others (tp): each data shard's
+    partial sums leave a shard_map over the data axes stacked on a leading dimension (the
+    weight gradients' bf16 dots are not reduced by the partitioner there), and a second,
+    fully manual shard_map reduce-scatters them over the data axes, in float32 where
+    `float32`, each to its optimizer shard. (A psum_scatter inside the first map, with tensor
+    left to the partitioner, makes XLA gather its operand over tensor first.)"""
+    stack = P(data_axes)
+
+    def local(params, model_state, batch):
+        params = jax.lax.with_sharding_constraint(params, param_specs)  # keep tensor's split
+        (loss, ms), grads = gradients(params, model_state, batch)
+        grads = jax.tree.map(lambda g: (g.astype("float32") if float32 else g)[None], grads)
+        return (jax.lax.pmean(loss, data_axes), ms), grads
+
+    partial = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), batch_spec(mesh)),
+                            out_specs=((P(), P()), stack), axis_names=set(data_axes),
+                            check_vma=False)
+
+    def run(params, model_state, batch):
+        (loss, ms), grads = partial(params, model_state, batch)
+        return (loss, ms), scatter_partial_sums(grads, mesh, data_axes, param_specs,
+                                                update_specs, 0)
+    return run
+
+
+def scatter_partial_sums(stacked, mesh, data_axes: tuple[str, ...], param_specs, update_specs,
+                         data_dim: int):
+    """Partial sums of gradients, each data shard's at index `data_dim` of a dimension added
+    to every leaf of `param_specs`' tree (split over `data_axes` there) -> their mean,
+    reduce-scattered over the data axes to `update_specs` in one fully manual shard_map."""
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    n = 1
+    for a in data_axes:
+        n *= mesh.shape[a]
+
+    def stacked_spec(s):
+        entries = list(s) + [None] * max(0, data_dim - len(s))
+        return P(*entries[:data_dim], data_axes, *entries[data_dim:])
+
+    def scatter(g, spec):
+        g = g.squeeze(data_dim)
+        over = [(i, tuple(a for a in axes_of(e) if a in data_axes)) for i, e in enumerate(spec)]
+        over = [(i, axes) for i, axes in over if axes]
+        if not over:
+            return jax.lax.psum(g, data_axes) / n
+        (dim, axes), = over
+        rest = tuple(a for a in data_axes if a not in axes)
+        g = jax.lax.psum(g, rest) if rest else g
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True) / n
+
+    specs_in = jax.tree.map(stacked_spec, param_specs, is_leaf=is_p)
+    return jax.shard_map(
+        lambda gs: jax.tree.map(lambda s, g: scatter(g, s), update_specs, gs, is_leaf=is_p),
+        mesh=mesh, in_specs=(specs_in,), out_specs=update_specs, check_vma=False)(stacked)

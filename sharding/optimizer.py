@@ -1,0 +1,96 @@
+"""Megatron's distributed optimizer (ZeRO-1 over the data-parallel axes) as a spec transform.
+
+A layout says where parameters live; the distributed optimizer is a property composed on top
+of any layout that keeps parameters replicated over the axes the batch is split on (ddp, tp,
+ep, pp, tp_pp): each optimizer-state leaf, and the float32 master copy of each parameter
+(train state part `master`, present with bfloat16 working weights), is split further over
+those data axes that its parameter is replicated on. The step reduce-scatters gradients to
+that placement, updates the shard and all-gathers the new parameters (jaxdist/optimizer.py).
+
+Data axes: the batch's mesh axes (every axis but `tensor` and `stage`: data, fsdp and, under
+ep, expert, whose non-expert gradients are averaged over it too) of size > 1. A leaf is split
+on its largest dimension not yet sharded that the data axes' product divides, else on its
+largest sharded one whose shard they divide; a leaf with neither stays as the layout put it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+# The state parts the distributed optimizer shards (params stay as the layout puts them).
+SHARDED_PARTS = ("opt", "master")
+
+
+def data_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes the batch is split on, of size > 1, outer to inner."""
+    return tuple(a for a, n in mesh_shape.items() if a not in ("tensor", "stage") and n > 1)
+
+
+def axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int]) -> P:
+    """`spec` split further over the data axes the leaf is replicated on (see module doc)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in axes_of(e)}
+    free = tuple(a for a in data_axes(mesh_shape) if a not in used)
+    n = math.prod(mesh_shape[a] for a in free)
+    if n == 1:
+        return spec
+
+    def shards(e):
+        return math.prod(mesh_shape[a] for a in axes_of(e))
+
+    fits = [i for i, size in enumerate(shape) if size % (shards(entries[i]) * n) == 0]
+    whole = [i for i in fits if entries[i] is None]
+    pool = whole or fits
+    if not pool:
+        return spec
+    dim = max(pool, key=lambda i: (shape[i] // shards(entries[i]), -i))
+    axes = axes_of(entries[dim]) + free
+    entries[dim] = axes[0] if len(axes) == 1 else axes
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def over_data(tree, specs, mesh_shape: dict[str, int]):
+    """Specs of `tree` (abstract leaves) split further over the data axes."""
+    return jax.tree.map(lambda leaf, spec: leaf_over_data(tuple(leaf.shape), spec, mesh_shape),
+                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A registered layout as data: its spec function and whether the distributed optimizer
+    is composed on top. Called as the spec function is: (abstract state, mesh) -> specs."""
+    name: str
+    fn: Callable[[Any, Any], Any]
+    distributed_optimizer: bool = False
+
+    def __call__(self, state, mesh):
+        specs = self.fn(state, mesh)
+        if not self.distributed_optimizer:
+            return specs
+        shape = dict(mesh.shape)
+        return {part: over_data(state[part], s, shape) if part in SHARDED_PARTS else s
+                for part, s in specs.items()}
+
+    def update_specs(self, params, param_specs, mesh):
+        """Where gradients are reduced to and the update runs: the master's placement under
+        the distributed optimizer, else the parameters' own."""
+        if not self.distributed_optimizer:
+            return param_specs
+        return over_data(params, param_specs, dict(mesh.shape))
+
+    def master_weights(self, dtype_name: str) -> bool:
+        """bfloat16 working weights beside a sharded float32 master copy (Megatron's
+        distributed optimizer with --dtype bfloat16); otherwise the parameters are float32
+        and are their own master."""
+        return self.distributed_optimizer and dtype_name != "float32"
