@@ -66,15 +66,33 @@ def _rows(idx_BLk, experts: int, capacity: int):
     return jnp.where(slot_BLk < capacity, idx_BLk * capacity + slot_BLk, experts * capacity)
 
 
+def _top_k(probs_BLE, k: int):
+    """jax.lax.top_k over the experts as k argmaxes (the lower index first on a tie, as
+    top_k): XLA:GPU partitions top_k over a flattened [tokens, experts] array and gathers
+    the router's probabilities of every data device's tokens first."""
+    idx, left = [], probs_BLE
+    for _ in range(k):
+        idx.append(jnp.argmax(left, axis=-1).astype(jnp.int32))
+        left = jnp.where(jax.nn.one_hot(idx[-1], left.shape[-1], dtype=bool), -jnp.inf, left)
+    idx_BLk = jnp.stack(idx, axis=-1)
+    return jnp.take_along_axis(probs_BLE, idx_BLk, axis=-1), idx_BLk
+
+
+def take(x_ND, rows):
+    """x_ND's rows `rows`; a row index past the end (a dropped choice, an empty slot) gives
+    zeros (no padding row concatenated, whose backward XLA splits across devices)."""
+    return jnp.take(x_ND, rows, axis=0, mode="fill", fill_value=0)
+
+
 def _dispatch(x_BLD, rows_BLk, experts: int, capacity: int):
     """in_EBCD: every expert's buffer, rows filled by index (an empty row is zeros)."""
     B, L, D = x_BLD.shape
     k = rows_BLk.shape[-1]
     tokens = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[:, None], (L, k))
-    src_BR = jax.vmap(lambda rows: jnp.full((experts * capacity + 1,), L, jnp.int32)
-                      .at[rows.reshape(-1)].set(tokens.reshape(-1)))(rows_BLk)
-    x_pad = jnp.concatenate([x_BLD, jnp.zeros((B, 1, D), x_BLD.dtype)], axis=1)
-    buf_BRD = jnp.take_along_axis(x_pad, src_BR[:, :-1, None], axis=1)
+    src_BR = _by_sequence(jax.vmap(lambda rows: jnp.full((experts * capacity + 1,), L,
+                                                         jnp.int32)
+                                   .at[rows.reshape(-1)].set(tokens.reshape(-1)))(rows_BLk))
+    buf_BRD = _by_sequence(jax.vmap(take)(_by_sequence(x_BLD), src_BR[:, :-1]))
     return buf_BRD.reshape(B, experts, capacity, D).transpose(1, 0, 2, 3)
 
 
@@ -82,9 +100,8 @@ def _combine(out_EBCD, rows_BLk, gates_BLk):
     """y_BLD: each token's kept choices' expert outputs, weighted by their gates."""
     E, B, C, D = out_EBCD.shape
     _, L, k = rows_BLk.shape
-    out_BRD = jnp.concatenate([out_EBCD.transpose(1, 0, 2, 3).reshape(B, E * C, D),
-                               jnp.zeros((B, 1, D), out_EBCD.dtype)], axis=1)
-    y_BLkD = jnp.take_along_axis(out_BRD, rows_BLk.reshape(B, L * k, 1), axis=1)
+    out_BRD = _by_sequence(out_EBCD.transpose(1, 0, 2, 3).reshape(B, E * C, D))
+    y_BLkD = _by_sequence(jax.vmap(take)(out_BRD, _by_sequence(rows_BLk.reshape(B, L * k))))
     return jnp.einsum("blk,blkd->bld", gates_BLk, y_BLkD.reshape(B, L, k, D))
 
 
@@ -120,6 +137,20 @@ def _ragged_experts(in_EBCD, gate, up, down):
                          out_specs=x_spec, check_vma=False)(in_EBCD, gate, up, down)
 
 
+def _by_sequence(x_B):
+    """x pinned with its batch (first) dimension over the batch axes (every free axis but
+    tensor) and the rest whole: the index gathers and scatters of dispatch and combine stay
+    within each device's sequences instead of XLA gathering every sequence everywhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x_B
+    batch = tuple(a for a in mesh.axis_names if a not in ("tensor", "stage")
+                  and a not in mesh.manual_axes and mesh.shape[a] > 1)
+    if not batch or x_B.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        return x_B
+    return jax.lax.with_sharding_constraint(x_B, P(batch))
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: "MoEConfig", *, dtype, rngs):
         E, D, H = cfg.experts, cfg.width, cfg.mlp_hidden
@@ -136,13 +167,13 @@ class MoE(nnx.Module):
         E, k = self.gate.shape[0], self.top_k
         capacity = max(1, math.ceil(self.capacity_factor * k * L / E))
         probs_BLE = jax.nn.softmax(self.router(x_BLD.astype(jnp.float32)), axis=-1)
-        top_BLk, idx_BLk = jax.lax.top_k(probs_BLE, k)
+        top_BLk, idx_BLk = _top_k(probs_BLE, k)
         gates_BLk = top_BLk / jnp.sum(top_BLk, axis=-1, keepdims=True)  # Mixtral renormalises
         cast = lambda t: t.astype(self.dtype)  # noqa: E731
         if self.impl == "dense":
             y_BLD = self._dense(x_BLD, idx_BLk, gates_BLk, capacity)
         else:
-            rows_BLk = _rows(idx_BLk, E, capacity)
+            rows_BLk = _by_sequence(_rows(_by_sequence(idx_BLk), E, capacity))
             in_EBCD = _to_experts(_dispatch(cast(x_BLD), rows_BLk, E, capacity))
             if self.impl == "ragged":
                 out_EBCD = _ragged_experts(in_EBCD, cast(self.gate[...]), cast(self.up[...]),
