@@ -18,6 +18,10 @@ ones, and a choice over capacity is dropped. Three implementations of that one r
   jax 0.10.2's XLA:GPU rewrites ragged_dot to one dense GEMM over all local groups (FLOPs x
   local experts) unless cuDNN's ragged-dot fusion is on, which a device-less compile cannot
   build: `sorted` is the faster program there.
+All three drop over capacity (GShard, MaxText's dense path, capacity_factor 1.25 here).
+Mixtral as Mistral released it, MaxText's sparse-matmul default (capacity_factor -1) and
+Megatron's default token dispatcher are dropless; a dropless path (ragged all-to-all of the
+exact counts) is not built: its buffers' worst case is every token on one expert.
 With experts sharded over the `expert` mesh axis (layout `ep`) and tokens over the batch axes,
 the buffers are pinned expert-major, so XLA moves tokens to their experts and back by
 all-to-all on `expert` only.
