@@ -8,7 +8,10 @@ and on a program compiled without a device it is not offered at all. Here every 
 is weighed by how often it runs (`jaxdist.hlo.execution_counts`: trip counts, async wrappers,
 conditional branches by the caller's counts), and:
 - FLOPs are the matmuls': 2 x output elements x contracted size for every `dot`, wherever it
-  sits (fused or not), cuBLAS GEMM calls by their dimension numbers, and cuDNN fused
+  sits (fused or not), and for every `ragged-dot` (a grouped GEMM, kept by cuDNN's ragged-dot
+  fusion: each row meets one group's matrix, so the real rows' FLOPs, not groups x rows; a
+  ragged dot XLA rewrote to a dense dot over all groups is that dense dot's FLOPs, since
+  that is what runs; `schedule` marks either kernel `ragged`), cuBLAS GEMM calls by their dimension numbers, and cuDNN fused
   attention as its matmuls (forward 2, backward 5, of 2 B H Lq Lk D each; halved for a
   causal mask, whose masked tiles cuDNN skips). Elementwise FLOPs are left out (under 2% of
   a transformer step);
@@ -77,6 +80,21 @@ def dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
         return 0.0
     contracted = math.prod(lhs[0][1][d] for d in _dims(m.group(1)))
     return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def ragged_dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
+    """An HLO `ragged-dot` (a grouped GEMM): ragged over rows (lhs_ragged_dims not
+    contracted), each row meets one group's matrix: a dot's count; ragged over the
+    contracted dimension (a weight gradient, the result [groups, m, n]), each group
+    contracts only its own rows: the dot's count over the groups."""
+    flops = dot_flops(out_shape, lhs_shape, rest)
+    ragged = re.search(r"lhs_ragged_dims=\{([\d,]*)\}", rest)
+    contracting = _CONTRACT["lhs"].search(rest)
+    out = arrays(out_shape)
+    if ragged and contracting and out and \
+            set(_dims(ragged.group(1))) & set(_dims(contracting.group(1))):
+        flops /= out[0][1][0]
+    return flops
 
 
 def _backend_config(line: str) -> dict:
@@ -155,7 +173,7 @@ def kernel_kind(op: str, line: str) -> str | None:
         return f"custom-call {target}"
     if op in ("copy", "copy-start"):
         return "copy"
-    if op in ("dot", "convolution"):
+    if op in ("dot", "convolution", "ragged-dot"):
         return f"unfused {op}"
     if op == "async-start":
         return None  # its wrapped computation's instructions are counted where they run
@@ -195,9 +213,10 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
     parsed, shapes, fused = _parse(hlo_text)
     fused_flops: dict[str, float] = defaultdict(float)
     for comp, _, op, shape, rest, _ in parsed:
-        if op == "dot" and comp in fused:
+        if op in ("dot", "ragged-dot") and comp in fused:
             operands = _operand_names(rest)
-            fused_flops[comp] += dot_flops(shape, shapes.get(operands[0], ""), rest) \
+            count = ragged_dot_flops if op == "ragged-dot" else dot_flops
+            fused_flops[comp] += count(shape, shapes.get(operands[0], ""), rest) \
                 if operands else 0.0
     wrapped = {}  # async-start name -> the computation it wraps
     out: dict[str, list[dict]] = defaultdict(list)
@@ -235,8 +254,9 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         if op == "fusion":
             called = re.search(r"calls=%?([\w.\-]+)", line)
             flops = fused_flops.get(called.group(1), 0.0) if called else 0.0
-        elif op == "dot":
-            flops = dot_flops(shape, args[0] if args else "", rest)
+        elif op in ("dot", "ragged-dot"):
+            count = ragged_dot_flops if op == "ragged-dot" else dot_flops
+            flops = count(shape, args[0] if args else "", rest)
         elif kind == "gemm (cuBLAS)":
             flops = gemm_call_flops(shape, args[0] if args else "", line)
         elif kind.startswith("attention (cuDNN)"):
@@ -247,8 +267,14 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         nbytes = sum(shape_bytes(a) for a in args) + sum(
             _BYTES[t] * math.prod(d) for t, d in result)
         out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
-                          "dtype": _dtype(args), "seq": _seq(line, kind)})
+                          "dtype": _dtype(args), "seq": _seq(line, kind),
+                          "ragged": "ragged_dot" in _op_name(line)})
     return dict(out)
+
+
+def _op_name(line: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
 
 
 def _seq(line: str, kind: str) -> int | None:

@@ -349,3 +349,78 @@ def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
     for part in ("time", "memory", "throughput"):
         assert with_cache[part] == alone[part], part
     assert with_cache["compiled"]["flops_per_device"] == alone["compiled"]["flops_per_device"]
+
+
+@pytest.mark.parametrize("impl", ["sorted", "ragged"])
+def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
+    """ep x tp (moe-tiny, 2 hosts x 8 H200 as data 2 x tensor 2 x expert 4, one expert per
+    expert device): tokens go to their experts and back by all-to-all on `expert` only;
+    `data` carries only gradient all-reduces (f32, the expert parameters' tensor shard over
+    data, the others' over data x expert), never activations. With moe_impl=ragged the expert
+    matmuls are ragged_dot kernels (6 a layer: 3 forward, 3 backward input gradients; the
+    weight gradients too), each with the FLOPs of its rows: one local expert, so as many as
+    the batched GEMMs of moe_impl=sorted."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    mesh = "data:2,tensor:2,expert:4"
+    shape = parse_mesh(mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+
+    def step(moe_impl):
+        cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
+                        model=ModelConfig(model="moe-tiny", model_opts=f"moe_impl={moe_impl}",
+                                          dtype="bfloat16"),
+                        train=TrainConfig(layout="ep", batch_size=64))
+        program, comp, _ = compiled.compile_step(cfg, build_model(cfg)[0], shape, target)
+        return program, comp, compiled.read(comp, target, shape.axis_sizes)
+
+    program, comp, reading = step(impl)
+    ops = reading["collectives"]
+    assert {op["kind"] for op in ops if op["kind"] == "all-to-all"} == {"all-to-all"}
+    assert all(op["axes"] == ["expert"] for op in ops if op["kind"] == "all-to-all")
+    on_data = [op for op in ops if "data" in op["axes"]]
+    assert {op["kind"] for op in on_data} == {"all-reduce"}
+    assert {d for op in on_data for d in op["dtypes"]} <= {"f32", "bf16"}
+    specs = jax.tree.leaves(program.state_specs["params"], is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree.leaves(program.abstract_state["params"])
+    held = sum(x.size // (2 if "tensor" in spec else 1) // (4 if "expert" in spec else 1)
+               for x, spec in zip(leaves, specs))
+    # every held gradient reduced once over data (at f32, or bf16 where XLA reduces before
+    # the cast to the f32 parameter), and a few scalars besides (loss, balance losses)
+    size = {"bf16": 2, "f32": 4}
+    reduced = sum(op["bytes"] // size[op["dtypes"][0]] for op in on_data)
+    assert 0 <= reduced - held <= 32, (reduced, held)
+    kernels_ = [k for items in kernels.schedule(comp.as_text()).values() for k in items
+                if k["item"] == "kernel" and k.get("ragged")]
+    if impl == "sorted":
+        assert not kernels_
+        return
+    from jaxdist.predict.kernels_time import GEMM_KINDS
+    gemms = [k for k in kernels_ if k["kind"] in GEMM_KINDS]
+    assert len(gemms) >= 2 * 6 and all(k["flops"] > 0 for k in gemms)  # 2 layers
+    gemm = lambda r: sum(row["flops"] for kind, row in r["kernels"].items()  # noqa: E731
+                         if kind in GEMM_KINDS)
+    assert gemm(reading) == pytest.approx(gemm(step("sorted")[2]), rel=0.02)
+
+
+def test_ragged_dot_flops_are_the_real_rows():
+    """A ragged-dot (cuDNN's grouped GEMM keeps it) counts each row against one group's
+    matrix: 2 M K N, not 2 G M K N; ragged over the contracted rows (a weight gradient,
+    result [G, K, N]), each group its own rows: 2 M K N again."""
+    hlo = """HloModule m
+
+ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,2048], g: s32[8], d: bf16[4096,2048]) -> bf16[4096,2048] {
+  %x = bf16[4096,1024]{1,0} parameter(0)
+  %w = bf16[8,1024,2048]{2,1,0} parameter(1)
+  %g = s32[8]{0} parameter(2)
+  %d = bf16[4096,2048]{1,0} parameter(3)
+  %fwd = bf16[4096,2048]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}, metadata={op_name="jit(f)/ragged_dot_general"}
+  %xt = bf16[1024,4096]{1,0} transpose(%x), dimensions={1,0}
+  ROOT %wgrad = bf16[8,1024,2048]{2,1,0} ragged-dot(%xt, %d, %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}, lhs_ragged_dims={1}, metadata={op_name="jit(f)/transpose(ragged_dot_general)"}
+}
+"""
+    items = [k for k in kernels.schedule(hlo)["main"] if k["item"] == "kernel"
+             and k["kind"] == "unfused ragged-dot"]
+    assert [k["flops"] for k in items] == [2 * 4096 * 1024 * 2048] * 2
+    assert all(k["ragged"] for k in items)

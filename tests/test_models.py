@@ -195,3 +195,23 @@ def test_unknown_model_lists_names():
         get_model("nope")
     for name in ("gpt-tiny", "mlp-tiny", "resnet18", "resnet-tiny"):
         assert name in str(info.value)
+
+
+def test_moe_implementations_route_alike_and_drop_over_capacity():
+    """moe_impl dense (GShard's one-hot einsums), sorted (index dispatch, batched GEMMs) and
+    ragged (ragged_dot grouped GEMMs) are one routing: equal outputs, also where a full
+    expert drops choices (capacity 1 of 8 tokens x top-2 over 2 experts), and a choice not
+    in the set is one line."""
+    def out(impl, **opts):
+        cfg = get_model("moe-tiny", {"moe_impl": impl, "depth": "1", **opts})
+        model = cfg.build(nnx.Rngs(0), jnp.float32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)))
+        return model(tokens)
+
+    for opts in ({}, {"experts": "2", "capacity_factor": "0.125"}):
+        (ref, ref_aux), *rest = [out(impl, **opts) for impl in ("dense", "sorted", "ragged")]
+        for logits, aux in rest:
+            np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(aux, ref_aux, rtol=1e-6)
+    with pytest.raises(UsageError, match="moe_impl='gmm' is not supported"):
+        get_model("moe-tiny", {"moe_impl": "gmm"}).validate()

@@ -121,11 +121,14 @@ def test_expert_parallel_matches_single_device_and_uses_all_to_all():
     assert "expert" in block["by_axis"]
 
 
-def test_expert_parallel_with_tensor_is_ep_x_tp():
+@pytest.mark.parametrize("impl", ["sorted", "ragged", "dense"])
+def test_expert_parallel_with_tensor_is_ep_x_tp(impl):
     """ep on a mesh with `tensor`: Megatron's EP x TP (heads and every expert's hidden over
-    tensor), not a replica per tensor device; the same losses as one device."""
-    reference = train("moe-tiny", "ddp", MeshShape(1), steps=3)[0]
-    losses, _, program = train("moe-tiny", "ep", MeshShape(1, 1, 2, 2), steps=3)
+    tensor), not a replica per tensor device; the same losses as one device, with each MoE
+    implementation (models/moe.py: one routing)."""
+    reference = train("moe-tiny", "ddp", MeshShape(1), steps=3, moe_impl="dense")[0]
+    losses, _, program = train("moe-tiny", "ep", MeshShape(1, 1, 2, 2), steps=3,
+                               moe_impl=impl)
     np.testing.assert_allclose(losses[:2], reference[:2], rtol=1e-5)
     # Step 3: TP's partial sums change the last bits of the router's logits, and a near-tie
     # in moe-tiny's top-2 routing can flip (3e-4 here under the suite's XLA flags).

@@ -23,7 +23,7 @@ from jaxdist.predict import rates
 from jaxdist.predict.model import collective_time
 
 GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused convolution",
-              "cuDNN fusion")
+              "unfused ragged-dot", "cuDNN fusion")
 
 
 def has_rates(hw: Hardware) -> bool:
