@@ -4,7 +4,7 @@ the real XLA:GPU here) and what the compiled program says (`read`: FLOPs, bytes,
 memory, kernels). The loop, the dry-run prediction, the pipeline predictor and the in-run
 prediction all compile and read through it, so every figure names its compiler.
 
-XLA:GPU without a device (../shared/notes/gpu-compiler.md): jax-cuda12's PJRT plugin builds a
+XLA:GPU without a device (docs/predict.md, Which compiler): jax-cuda12's PJRT plugin builds a
 compile-only topology from a target description (`jaxdist.gpu_targets`); `jit(...).lower(
 abstract args).compile()` then runs XLA:GPU's whole pipeline. Two gaps it leaves are closed
 here and only here: `cost_analysis()` is not offered for such a program (`xla_cost` runs XLA's

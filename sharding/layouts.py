@@ -1,5 +1,7 @@
-"""The mesh layouts: DDP, ZeRO-1 (DDP + sharding/optimizer.py), FSDP (ZeRO-3) and HSDP as
-spec tables.
+"""The mesh layouts registered here, as spec tables: DDP, ZeRO-1 (DDP +
+sharding/optimizer.py), FSDP (ZeRO-3), HSDP, PS (replicated inside a worker; the shard
+servers hold the rest), and TP, FSDP x TP and EP (rules over logical axes,
+sharding/logical.py). The pipeline layouts (pp, tp_pp, fsdp_pp) are in sharding/pipeline.py.
 
 A sharded leaf is split on its largest dimension divisible by the shard count (ties: the
 first such dimension); a leaf with no such dimension stays replicated, and the metrics count

@@ -38,7 +38,7 @@ def test_dry_run_needs_an_explicit_mesh(tmp_path, monkeypatch, capsys):
 
 # Plans are computed from a decoder's depth-1 and depth-2 shapes stacked to full depth
 # (jaxdist/dryrun.py). These bytes are the ones the whole-model trace gives
-# (scripts/bench_dryrun.py --compare-full-trace): 24.64 GiB and 64.30 GiB (README).
+# (scripts/bench_dryrun.py --compare-full-trace): 24.64 GiB and 64.30 GiB (docs/running.md).
 PLANS = {
     ("llama3-70b", "fsdp", "4x8"): (70_553_706_496, {
         "params": 8_819_213_312, "model_state": 0, "opt": 17_638_426_628,

@@ -99,7 +99,7 @@ BAD = [
     (["--layout", "tp_pp", "--model", "gpt-tiny", "--mesh", "1x1x4"],
      "e.g. --mesh data:1,stage:2,tensor:2"),
     (["--xla-flags=--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
-    # The value as its own word, as the README writes it: it reaches XLA (argparse alone
+    # The value as its own word, as docs/running.md writes it: it reaches XLA (argparse alone
     # reads "--xla..." as a missing value).
     (["--xla-flags", "--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
     (["--xla-flags", "--xla_backend_optimization_level=0 --xla_bogus_flag=1"],

@@ -1,5 +1,7 @@
-"""`--dry-run --hardware NAME`: the step compiled for the real mesh on simulated CPU devices,
-turned into a predicted memory verdict and step time on NAME (jaxdist.predict.model)."""
+"""`--dry-run --hardware NAME`: the step compiled for the real mesh (XLA:GPU for NAME's
+topology without a device where the GPU compiler is installed, else XLA:CPU on simulated CPU
+devices: `jaxdist.compiled.for_part`), turned into a predicted memory verdict and step time
+on NAME (jaxdist.predict.model)."""
 
 from __future__ import annotations
 
