@@ -464,3 +464,55 @@ def test_plans_that_do_not_fit_say_what_would():
     state = {"memory": {"fits": False, "fits_reason": "the train state alone exceeds HBM"}}
     assert "shards the state further" in next_steps(state)[0]
     assert next_steps({"memory": {"fits": True}}) == []
+
+
+def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
+    """Issue #34 item 2: an OOM plan's result line is its memory verdict and what would fit;
+    its throughput is kept, labelled "if it fit", in plan.json and in the printout. A GPT of
+    12.6B parameters under ddp on 8 H200: the state alone (141 GiB) is over HBM."""
+    from jaxdist.config import CompilerConfig, MeshConfig, OutputConfig
+    from jaxdist.predict.plan import format_prediction, predict_plan
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="8"),
+                    model=ModelConfig(model="gpt", model_opts="width=1024,depth=1000,heads=8,"
+                                      "seq_len=64", dtype="bfloat16"),
+                    train=TrainConfig(layout="ddp", batch_size=8),
+                    compiler=CompilerConfig(compiler="cpu"),
+                    output=OutputConfig(dry_run=True, hardware="h200"))
+    plan = predict_plan(cfg, parse_mesh("8"))
+    assert plan["memory"]["fits"] is False and plan["verdict"] == "OOM"
+    thr = plan["throughput"]
+    assert thr["if_it_fit"] is True and thr["label"] == "predicted, if it fit"
+    assert thr["tokens_per_s_per_gpu"] == pytest.approx(8 * 64 / plan["time"]["step_s"] / 8)
+    lines = format_prediction(plan).splitlines()
+    assert lines[-1].startswith("  predicted: does not fit (the train state alone exceeds HBM")
+    assert "shards the state further (fsdp, fsdp_tp)" in lines[-1]
+    assert lines[-2].startswith("  if it fit: ") and "it does not" in lines[-2]
+    assert not [line for line in lines if line.startswith("  predicted ") and "MFU" in line]
+
+
+def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time():
+    """Issue #34 item 3: how much of a collective a block hides is not linear in depth, so
+    base + k (two - one) can cross zero or pass the link's own seconds; it is bounded."""
+    from jaxdist.predict.depth import linear_times
+
+    def kt(device, intra, exposed_intra, inter=0.0, exposed_inter=0.0):
+        return {"device_s": device, "compute_s": device, "hbm_s": 0.0, "launch_s": 0.0,
+                "intra_node_s": intra, "inter_node_s": inter,
+                "exposed_intra_node_s": exposed_intra, "exposed_inter_node_s": exposed_inter,
+                "comm_exposed_s": exposed_intra + exposed_inter,
+                "step_s": device + exposed_intra + exposed_inter, "by_kind": {},
+                "upper_bound": False, "rates": {}}
+
+    # exposure falls with depth (the next block hides more): the line goes below zero
+    one, two = kt(1.0, 1.0, 0.5), kt(2.0, 2.0, 0.4)
+    falling = linear_times(one, one, two, 9)
+    assert one["exposed_intra_node_s"] + 9 * (0.4 - 0.5) < 0
+    assert falling["exposed_intra_node_s"] == 0.0 and falling["comm_exposed_s"] == 0.0
+    assert falling["step_s"] == falling["device_s"] == pytest.approx(10.0)
+    # inter-node exposure grows faster than the link's time: capped at the link's seconds
+    one, two = kt(1.0, 0.0, 0.0, 1.0, 0.9), kt(2.0, 0.0, 0.0, 1.2, 1.5)
+    rising = linear_times(one, one, two, 9)
+    assert rising["inter_node_s"] == pytest.approx(1.0 + 9 * 0.2)
+    assert rising["exposed_inter_node_s"] == pytest.approx(rising["inter_node_s"])
+    assert rising["step_s"] == pytest.approx(rising["device_s"] + rising["inter_node_s"])

@@ -41,6 +41,15 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
     out["by_kind"] = {n: base["by_kind"].get(n, 0.0) + k * (two["by_kind"].get(n, 0.0) -
                                                             one["by_kind"].get(n, 0.0))
                       for n in kinds}
+    # Exposure is read from each program's schedule, and how much of a collective a block's
+    # compute hides is not linear in depth: the line can cross zero (FSDP plans gave -2.5 to
+    # -71 ms) or pass the link's own time. Bounded: 0 <= exposed <= that link's seconds.
+    if "exposed_intra_node_s" in out:
+        for link in ("intra_node_s", "inter_node_s"):
+            out[f"exposed_{link}"] = min(max(0.0, out[f"exposed_{link}"]),
+                                         max(0.0, out[link]))
+        out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
+        out["step_s"] = out["device_s"] + out["comm_exposed_s"]
     out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
     out["rates"] = base["rates"]
     out["kernel_efficiency"] = base.get("kernel_efficiency")

@@ -21,6 +21,21 @@ from sharding.pipeline import PIPELINE_LAYOUTS
 def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = None) -> dict:
     """The predicted plan; `cache` (a dict, optional) keeps compiles for later calls whose
     program is the same (a suite's rows: e.g. variants that change only --overlap)."""
+    return verdict_first(_predict_plan(cfg, shape, blocks, cache))
+
+
+def verdict_first(plan: dict) -> dict:
+    """A plan that does not fit has no throughput to act on: its throughput stays (what the
+    step would give on a part with room) but is labelled as such, and `verdict` says OOM."""
+    fits = plan["memory"]["fits"]
+    plan["verdict"] = {True: "fits", False: "OOM"}.get(fits, "unknown")
+    if fits is False:
+        plan["throughput"] = {**plan["throughput"], "if_it_fit": True,
+                              "label": f"{plan['throughput']['label']}, if it fit"}
+    return plan
+
+
+def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dict:
     hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
     check_nodes(hw, shape.size)
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
@@ -331,12 +346,16 @@ def format_prediction(p: dict) -> str:
         from jaxdist.kernels import format_inventory
         lines.append("  kernels per step per device (the compiled program):")
         lines += format_inventory({"kernels": p["compiled"]["kernels"]})
+    speed = (f"{thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {thr['mfu']:.1%}"
+             if thr["tokens_per_s_per_gpu"] is not None else f"MFU {thr['mfu']:.1%}")
     hints = next_steps(p)
+    if thr.get("if_it_fit"):  # the verdict is the result; the speed only a what-if
+        lines.append(f"  if it fit: {speed} (it does not: memory above)")
+        mem = p["memory"]
+        lines.append(f"  predicted: does not fit ({mem['fits_reason']}); to fit: "
+                     f"{'; '.join(hints) or 'a larger part or more devices'}")
+        return "\n".join(lines)
     if hints:
         lines.append(f"  to fit: {'; '.join(hints)}")
-    if thr["tokens_per_s_per_gpu"] is not None:
-        lines.append(f"  predicted {thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
-                     f"MFU {thr['mfu']:.1%}")
-    else:
-        lines.append(f"  predicted MFU {thr['mfu']:.1%}")
+    lines.append(f"  predicted {speed}")
     return "\n".join(lines)
