@@ -81,7 +81,31 @@ def main(argv=None) -> int:
     if args.processes < 1:
         print("launch: error: --processes must be at least 1", file=sys.stderr)
         return 2
-    return launch(args.processes, run_args)
+    status = preflight(args.processes, run_args)
+    return status if status is not None else launch(args.processes, run_args)
+
+
+def preflight(processes: int, run_args: list[str]) -> int | None:
+    """The checks a run makes before it touches a device, made once here: a mistake is one
+    line and exit 2 before N processes start (each would import jax and print the same line).
+    None when the run may start; dry runs and PS runs start no jax.distributed job here."""
+    from experiments.run import build_parser, check_batch, validate
+    from jaxdist.config import from_namespace
+    from jaxdist.devices import check_split
+    from jaxdist.errors import UsageError
+
+    cfg = from_namespace(build_parser().parse_args(run_args))  # argparse: one line, exit 2
+    if cfg.output.dry_run or cfg.train.layout == "ps":
+        return None
+    try:
+        shape = validate(cfg)
+        if shape.size is not None:
+            check_batch(cfg, shape)
+            check_split(shape, processes)
+    except UsageError as e:
+        print(f"launch: error: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 if __name__ == "__main__":

@@ -90,10 +90,15 @@ def configure_host_devices(shape: MeshShape, platform: str, num_processes: int =
     if _FORCE_FLAG.search(os.environ.get("XLA_FLAGS", "")):
         return  # the user chose a count explicitly; a mismatch is reported by select_devices
     if shape.size is not None:
-        if shape.size % num_processes:
-            raise UsageError(f"mesh {shape.label} ({shape.size} devices) does not split evenly "
-                             f"over {num_processes} processes")
+        check_split(shape, num_processes)
         jax.config.update("jax_num_cpu_devices", shape.size // num_processes)
+
+
+def check_split(shape: MeshShape, num_processes: int) -> None:
+    """The mesh's devices split evenly over the processes (each holds the same count)."""
+    if shape.size is not None and shape.size % num_processes:
+        raise UsageError(f"mesh {shape.label} ({shape.size} devices) does not split evenly "
+                         f"over {num_processes} processes")
 
 
 def select_devices(shape: MeshShape) -> Platform:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, child_env, run_cli
+from tests.helpers import ROOT, child_env, cli_main, run_cli
 
 COMMON = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3"]
 
@@ -64,10 +64,30 @@ def test_worker_without_coordinator_names_it(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_incomplete_distributed_flags(tmp_path):
-    proc = run_cli("--mesh", "2x4", "--model", "mlp-tiny", "--num-processes", "2", cwd=tmp_path)
+def test_incomplete_distributed_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--mesh", "2x4", "--model", "mlp-tiny", "--num-processes", "2")
     assert proc.returncode == 2
     assert "needs all of --coordinator" in proc.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--mesh", "3x1", "--batch-size", "6"],
+     "launch: error: mesh 3x1 (3 devices) does not split evenly over 2 processes"),
+    (["--mesh", "3x1"], "launch: error: global batch 64 is not divisible by the 3 batch "
+                        "shards of mesh 3x1; use a multiple of 3, e.g. --batch-size 63 or 66"),
+    (["--mesh", "2x4", "--layout", "fsdpp"], "launch: error: unknown layout 'fsdpp' (did you "
+                                             "mean 'fsdp' or 'fsdp_tp'?)")])
+def test_launcher_refuses_before_starting_processes(args, line, monkeypatch, capsys):
+    """A mistake the run would refuse is refused once by the launcher, one line, exit 2,
+    and no process is started (before, each of the N processes imported jax and printed
+    the same error, prefixed)."""
+    from experiments import launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process started"))
+    code = launch.main(["--processes", "2", "--", "--model", "mlp-tiny", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(line) and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(tmp_path):
