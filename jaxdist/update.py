@@ -71,7 +71,7 @@ def overlap_options(data_size: int) -> dict:
     (default 1 in the latency-hiding scheduler, where the tensor axis's per-block
     collectives leave no room). With the per-leaf barrier in apply_gradients each bucket's
     update and bfloat16 all-gather follow it inside the backward too. Measured on the
-    Megatron-style GPT dry run (docs/predict.md): exposed 330 -> 63 ms a step."""
+    Megatron-style GPT dry run (docs/layouts.md): exposed 330 -> 63 ms a step."""
     bucket = max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * data_size)
     return {"xla_gpu_experimental_enable_heuristic_collective_combining": False,
             "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * bucket // max(data_size, 1),
