@@ -158,7 +158,8 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
 
     # Under the distributed optimizer the gradient reduce-scatter overlaps the backward
     # (jaxdist/update.py overlap_options), in what runs and in what is predicted alike.
-    options = (overlap_options(math.prod(mesh.shape[a] for a in _batch_axes(mesh)))
+    options = (overlap_options(math.prod(mesh.shape[a] for a in _batch_axes(mesh)),
+                               jnp.dtype(dtype).itemsize if "master" in abstract_state else 4)
                if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0,

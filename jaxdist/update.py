@@ -62,19 +62,21 @@ def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
 BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 40_000_000, 1_000_000
 
 
-def overlap_options(data_size: int) -> dict:
+def overlap_options(data_size: int, weight_bytes: int = 4) -> dict:
     """XLA:GPU options (jit compiler_options) under which the distributed optimizer's float32
-    gradient reduce-scatter overlaps the backward, as Megatron's --overlap-grad-reduce: XLA's
-    heuristic combiner off (it merges every gradient into one reduce-scatter after the whole
-    backward), the reduce-scatter combiner capped at one Megatron bucket (its threshold is
-    on the result: the bucket's float32 bytes / data size) and up to 8 collectives in flight
-    (default 1 in the latency-hiding scheduler, where the tensor axis's per-block
-    collectives leave no room). With the per-leaf barrier in apply_gradients each bucket's
-    update and bfloat16 all-gather follow it inside the backward too. Measured on the
-    Megatron-style GPT dry run (docs/layouts.md): exposed 330 -> 63 ms a step."""
+    gradient reduce-scatter overlaps the backward, as Megatron's --overlap-grad-reduce, and
+    the parameter all-gather follows each bucket's update: XLA's heuristic combiner off (on
+    a whole model of a few blocks it merges every gradient into one reduce-scatter after the
+    backward), the reduce-scatter and all-gather combiners capped at one Megatron bucket
+    (thresholds are on the result: the bucket's float32 bytes / data size scattered, its
+    `weight_bytes` per parameter gathered) and up to 8 collectives in flight in the
+    latency-hiding scheduler (default 1, where sequence parallel's per-block collectives
+    leave no room). With the per-leaf barrier in apply_gradients each bucket's update and
+    all-gather follow it inside the backward. Measured in docs/layouts.md."""
     bucket = max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * data_size)
     return {"xla_gpu_experimental_enable_heuristic_collective_combining": False,
             "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * bucket // max(data_size, 1),
+            "xla_gpu_all_gather_combine_threshold_bytes": weight_bytes * bucket,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8}
 
 
