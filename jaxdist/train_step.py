@@ -7,6 +7,7 @@ code for ddp, zero1, fsdp and hsdp, and XLA inserts the collectives each layout 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
 from jaxdist.errors import UsageError
-from jaxdist.update import apply_gradients, scattered_gradients, train_state
+from jaxdist.update import (apply_gradients, overlap_options, scattered_gradients,
+                            train_state)
 from sharding import batch_spec
 from sharding.optimizer import axes_of
 
@@ -154,9 +156,14 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         hit_B = jnp.argmax(model(batch["x"]), axis=-1) == batch["y"]
         return jnp.sum(hit_B * batch["mask"])
 
+    # Under the distributed optimizer the gradient reduce-scatter overlaps the backward
+    # (jaxdist/update.py overlap_options), in what runs and in what is predicted alike.
+    options = (overlap_options(math.prod(mesh.shape[a] for a in _batch_axes(mesh)),
+                               jnp.dtype(dtype).itemsize if "master" in abstract_state else 4)
+               if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                           out_shardings=(shardings, replicated), donate_argnums=0), mesh,
-                   precision)
+                           out_shardings=(shardings, replicated), donate_argnums=0,
+                           compiler_options=options), mesh, precision)
     init = jax.jit(init_fn, out_shardings=shardings)
     correct = MeshJit(jax.jit(correct_fn, in_shardings=(shardings, batch_sharding),
                               out_shardings=replicated), mesh, precision)

@@ -39,9 +39,10 @@ def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
     replaces it), the update run in `update_shardings`."""
     master = "master" in state
     weights = state["master"] if master else state["params"]
-    if master:  # float32 before the reduction: the barrier keeps XLA from reducing bf16
-        grads = jax.lax.optimization_barrier(
-            jax.tree.map(lambda g, w: g.astype(w.dtype), grads, weights))
+    if master:  # float32 before the reduction: the barrier keeps XLA from reducing bf16;
+        # one barrier per leaf, so no leaf's update waits for every other leaf's gradient
+        grads = jax.tree.map(lambda g, w: jax.lax.optimization_barrier(g.astype(w.dtype)),
+                             grads, weights)
     grads = jax.lax.with_sharding_constraint(grads, update_shardings)
     weights = jax.lax.with_sharding_constraint(weights, update_shardings)
     updates, opt = tx.update(grads, state["opt"], weights)
@@ -55,6 +56,28 @@ def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
     else:
         out["params"] = weights
     return out
+
+
+# Megatron's default gradient bucket (--ddp-bucket-size): max(40M, 1M x dp) parameters.
+BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 40_000_000, 1_000_000
+
+
+def overlap_options(data_size: int, weight_bytes: int = 4) -> dict:
+    """XLA:GPU options (jit compiler_options) under which the distributed optimizer's float32
+    gradient reduce-scatter overlaps the backward, as Megatron's --overlap-grad-reduce, and
+    the parameter all-gather follows each bucket's update: XLA's heuristic combiner off (on
+    a whole model of a few blocks it merges every gradient into one reduce-scatter after the
+    backward), the reduce-scatter and all-gather combiners capped at one Megatron bucket
+    (thresholds are on the result: the bucket's float32 bytes / data size scattered, its
+    `weight_bytes` per parameter gathered) and up to 8 collectives in flight in the
+    latency-hiding scheduler (default 1, where sequence parallel's per-block collectives
+    leave no room). With the per-leaf barrier in apply_gradients each bucket's update and
+    all-gather follow it inside the backward. Measured in docs/layouts.md."""
+    bucket = max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * data_size)
+    return {"xla_gpu_experimental_enable_heuristic_collective_combining": False,
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * bucket // max(data_size, 1),
+            "xla_gpu_all_gather_combine_threshold_bytes": weight_bytes * bucket,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 8}
 
 
 def weight_part(state) -> str:

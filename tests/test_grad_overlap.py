@@ -1,0 +1,50 @@
+"""The distributed optimizer's gradient reduce-scatter overlaps the backward in the XLA:GPU
+program itself (jaxdist/update.py overlap_options, Megatron's --overlap-grad-reduce): read
+from the compiled schedule of a tiny model, with the bucket shrunk to a few leaves so that
+gpt-tiny has several. Skipped where the GPU compiler is not installed."""
+
+import pytest
+
+from jaxdist import compiled, kernels, metrics, update
+from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
+from jaxdist.hardware import get_hardware
+from jaxdist.hlo import entry_computation
+from jaxdist.mesh import parse_mesh
+from models.build import build_model
+
+pytestmark = pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                                reason=str(compiled.gpu_compiler_missing()))
+
+GEMMS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot")
+
+
+def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
+    """tp on data:4,tensor:8, bf16, --distributed-optimizer, buckets of 1000 parameters: the
+    data-axis float32 reduce-scatters are several, most start while matmuls of the backward
+    are still to run (not all after it, as one combined reduce-scatter would), and together
+    they still move exactly each device's float32 gradient shard."""
+    monkeypatch.setattr(update, "BUCKET_PARAMS", 1000)
+    monkeypatch.setattr(update, "BUCKET_PARAMS_PER_RANK", 0)
+    cfg = RunConfig(mesh=MeshConfig(mesh="data:4,tensor:8"),
+                    model=ModelConfig(model="gpt-tiny", dtype="bfloat16"),
+                    train=TrainConfig(layout="tp", batch_size=64, distributed_optimizer=True))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(get_hardware("h200"), shape.size)
+    program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    hlo = comp.as_text()
+    reading = compiled.read(comp, target, shape.axis_sizes, None, compile_s=seconds, hlo=hlo)
+    scatters = {op["name"]: op for op in reading["collectives"]
+                if op["kind"] == "reduce-scatter" and op["axes"] == ["data"]}
+    planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
+                                               dict(shape.axis_sizes))
+    assert sum(op["bytes"] for op in scatters.values()) == 4 * (planned["params"] // 2)
+    assert {d for op in scatters.values() for d in op["dtypes"]} == {"f32"}
+    order = [("rs" if item["name"] in scatters else None) if item["item"] == "start" else
+             ("gemm" if item["item"] == "kernel" and item["kind"] in GEMMS else None)
+             for item in kernels.schedule(hlo)[entry_computation(hlo)]]
+    order = [o for o in order if o]
+    last_gemm = max(i for i, o in enumerate(order) if o == "gemm")
+    early = sum(1 for i, o in enumerate(order) if o == "rs" and i < last_gemm)
+    assert len(scatters) >= 4
+    assert early >= len(scatters) // 2, order
