@@ -15,7 +15,11 @@ stop() {
   for pid in "${DIR}"/slurmd.pid "${DIR}"/slurmctld.pid; do
     [ -f "${pid}" ] && kill "$(cat "${pid}")" 2>/dev/null || true
   done
-  [ -f "${DIR}/munged.pid" ] && kill "$(cat "${DIR}/munged.pid")" 2>/dev/null || true
+  # munged only if this script started it (a munged that was already running stays)
+  if [ -f "${DIR}/started-munged" ]; then
+    su -s /bin/sh munge -c "/usr/sbin/munged --stop" 2>/dev/null || true
+    rm -f "${DIR}/started-munged"
+  fi
 }
 
 start() {
@@ -28,8 +32,10 @@ start() {
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
   fi
   chown munge:munge /etc/munge/munge.key /run/munge && chmod 0400 /etc/munge/munge.key
-  su -s /bin/sh munge -c "/usr/sbin/munged --pid-file=${DIR}/munged.pid" 2>/dev/null ||
+  if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     su -s /bin/sh munge -c "/usr/sbin/munged"
+    touch "${DIR}/started-munged"
+  fi
   munge -n | unmunge >/dev/null
   host=$(hostname -s)
   node=$(slurmd -C | head -n 1)  # NodeName=<host> CPUs=... RealMemory=... as slurmd sees it
