@@ -469,16 +469,16 @@ def test_plans_that_do_not_fit_say_what_would():
 def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
     """Issue #34 item 2: an OOM plan's result line is its memory verdict and what would fit;
     its throughput is kept, labelled "if it fit", in plan.json and in the printout. A GPT of
-    12.6B parameters under ddp on 8 H200: the state alone (141 GiB) is over HBM."""
+    2.5B parameters under ddp on 8 L4: the train state alone is over their 24 GB of HBM."""
     from jaxdist.config import CompilerConfig, MeshConfig, OutputConfig
     from jaxdist.predict.plan import format_prediction, predict_plan
 
     cfg = RunConfig(mesh=MeshConfig(mesh="8"),
-                    model=ModelConfig(model="gpt", model_opts="width=1024,depth=1000,heads=8,"
+                    model=ModelConfig(model="gpt", model_opts="width=1024,depth=200,heads=8,"
                                       "seq_len=64", dtype="bfloat16"),
                     train=TrainConfig(layout="ddp", batch_size=8),
                     compiler=CompilerConfig(compiler="cpu"),
-                    output=OutputConfig(dry_run=True, hardware="h200"))
+                    output=OutputConfig(dry_run=True, hardware="l4"))
     plan = predict_plan(cfg, parse_mesh("8"))
     assert plan["memory"]["fits"] is False and plan["verdict"] == "OOM"
     thr = plan["throughput"]
