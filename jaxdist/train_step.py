@@ -19,9 +19,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
 from jaxdist.errors import UsageError
-from jaxdist.update import (apply_gradients, overlap_options, scattered_gradients,
-                            train_state)
+from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
+                            scattered_gradients, train_state)
 from sharding import batch_spec
+from sharding.axes import batch_axes
 from sharding.optimizer import axes_of
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -139,8 +140,8 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     if explicit:
         gradients = _explicit_reduce(gradients, mesh, update_specs, "master" in abstract_state)
     elif (stateless and layout.distributed_optimizer
-          and not _params_on(specs, _batch_axes(mesh))):
-        gradients = scattered_gradients(gradients, mesh, _batch_axes(mesh), specs["params"],
+          and not _params_on(specs, batch_axes(mesh.axis_names))):
+        gradients = scattered_gradients(gradients, mesh, batch_axes(mesh.axis_names), specs["params"],
                                         update_specs, "master" in abstract_state)
 
     def step_fn(state, batch):
@@ -158,7 +159,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
 
     # Under the distributed optimizer the gradient reduce-scatter overlaps the backward
     # (jaxdist/update.py overlap_options), in what runs and in what is predicted alike.
-    options = (overlap_options(math.prod(mesh.shape[a] for a in _batch_axes(mesh)),
+    options = (overlap_options(math.prod(mesh.shape[a] for a in batch_axes(mesh.axis_names)),
                                jnp.dtype(dtype).itemsize if "master" in abstract_state else 4)
                if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
@@ -229,10 +230,6 @@ def _replicated_params(specs) -> bool:
                jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P)))
 
 
-def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    return tuple(a for a in mesh.axis_names if a not in ("tensor", "stage"))
-
-
 def _params_on(specs, axes) -> bool:
     """Whether any parameter is split over one of `axes`."""
     return any(set(axes_of(e)) & set(axes) for spec in jax.tree.leaves(
@@ -253,20 +250,12 @@ def _explicit_reduce(gradients, mesh: Mesh, grad_specs, float32: bool = False):
     axes = tuple(mesh.axis_names)
     n = mesh.size
 
-    def reduce(g, spec):
-        g = g.astype(jnp.float32) if float32 else g
-        dims = [(i, axes_of(e)) for i, e in enumerate(spec) if e is not None]
-        if not dims:
-            return jax.lax.pmean(g, axes)
-        (dim, over), = dims
-        rest = tuple(a for a in axes if a not in over)
-        g = jax.lax.psum(g, rest) if rest else g
-        return jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True) / n
-
     def local(params, model_state, batch):
         (loss, ms), grads = gradients(params, model_state, batch)
-        grads = jax.tree.map(lambda spec, g: reduce(g, spec), grad_specs, grads,
-                             is_leaf=lambda x: isinstance(x, P))
+        grads = jax.tree.map(
+            lambda spec, g: mean_to_shard(g.astype(jnp.float32) if float32 else g, spec,
+                                          axes, n), grad_specs, grads,
+            is_leaf=lambda x: isinstance(x, P))
         return (jax.lax.pmean(loss, axes), ms), grads
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), batch_spec(mesh)),

@@ -113,6 +113,20 @@ def scattered_gradients(gradients, mesh, data_axes: tuple[str, ...], param_specs
     return run
 
 
+def mean_to_shard(g, spec: P, axes: tuple[str, ...], n: int):
+    """Inside a shard_map manual over `axes` (n devices): the mean over them of each
+    device's `g`, left as the shard `spec` gives it (its dimension split over some of
+    `axes`: reduce-scattered there, summed over the rest), or whole (all-reduced)."""
+    over = [(i, tuple(a for a in axes_of(e) if a in axes)) for i, e in enumerate(spec)]
+    over = [(i, split) for i, split in over if split]
+    if not over:
+        return jax.lax.psum(g, axes) / n
+    (dim, split), = over
+    rest = tuple(a for a in axes if a not in split)
+    g = jax.lax.psum(g, rest) if rest else g
+    return jax.lax.psum_scatter(g, split, scatter_dimension=dim, tiled=True) / n
+
+
 def scatter_partial_sums(stacked, mesh, data_axes: tuple[str, ...], param_specs, update_specs,
                          data_dim: int):
     """Partial sums of gradients, each data shard's at index `data_dim` of a dimension added
@@ -127,18 +141,8 @@ def scatter_partial_sums(stacked, mesh, data_axes: tuple[str, ...], param_specs,
         entries = list(s) + [None] * max(0, data_dim - len(s))
         return P(*entries[:data_dim], data_axes, *entries[data_dim:])
 
-    def scatter(g, spec):
-        g = g.squeeze(data_dim)
-        over = [(i, tuple(a for a in axes_of(e) if a in data_axes)) for i, e in enumerate(spec)]
-        over = [(i, axes) for i, axes in over if axes]
-        if not over:
-            return jax.lax.psum(g, data_axes) / n
-        (dim, axes), = over
-        rest = tuple(a for a in data_axes if a not in axes)
-        g = jax.lax.psum(g, rest) if rest else g
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True) / n
-
     specs_in = jax.tree.map(stacked_spec, param_specs, is_leaf=is_p)
     return jax.shard_map(
-        lambda gs: jax.tree.map(lambda s, g: scatter(g, s), update_specs, gs, is_leaf=is_p),
+        lambda gs: jax.tree.map(lambda s, g: mean_to_shard(g.squeeze(data_dim), s, data_axes,
+                                                           n), update_specs, gs, is_leaf=is_p),
         mesh=mesh, in_specs=(specs_in,), out_specs=update_specs, check_vma=False)(stacked)

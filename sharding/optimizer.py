@@ -5,7 +5,7 @@ of any layout that keeps parameters replicated over the axes the batch is split 
 ep, pp, tp_pp): each optimizer-state leaf, and the float32 master copy of each parameter
 (train state part `master`, present with bfloat16 working weights), is split further over
 those data axes that its parameter is replicated on. The step reduce-scatters gradients to
-that placement, updates the shard and all-gathers the new parameters (jaxdist/optimizer.py).
+that placement, updates the shard and all-gathers the new parameters (jaxdist/update.py).
 
 Data axes: the batch's mesh axes (every axis but `tensor` and `stage`: data, fsdp and, under
 ep, expert, whose non-expert gradients are averaged over it too) of size > 1. A leaf is split
@@ -22,13 +22,15 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from sharding.axes import batch_axes
+
 # The state parts the distributed optimizer shards (params stay as the layout puts them).
 SHARDED_PARTS = ("opt", "master")
 
 
 def data_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes the batch is split on, of size > 1, outer to inner."""
-    return tuple(a for a, n in mesh_shape.items() if a not in ("tensor", "stage") and n > 1)
+    return tuple(a for a in batch_axes(mesh_shape) if mesh_shape[a] > 1)
 
 
 def axes_of(entry) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdist.errors import UsageError, choices, unknown
+from sharding.axes import batch_axes
 from sharding.optimizer import Layout, data_axes
 
 SpecFn = Callable[[Any, Mesh], Any]
@@ -169,4 +170,4 @@ def batch_spec(mesh: Mesh) -> P:
     """The batch's leading dimension is sharded over every axis but `tensor` (a tensor-
     parallel group works on the same rows) and `stage` (every pipeline stage sees the same
     micro-batches): over all devices when there is neither."""
-    return P(tuple(a for a in mesh.axis_names if a not in ("tensor", "stage")))
+    return P(batch_axes(mesh.axis_names))

@@ -41,14 +41,15 @@ from flax import nnx
 
 from jaxdist.predict.program import cpu_compilable
 from jaxdist.train_step import DTYPES, split_model
+from sharding.axes import batch_axes
 
 LABEL = "predicted"
 
 
 def batch_shards(mesh: dict[str, int]) -> int:
     """Devices the batch's rows are split over: every axis but tensor and stage (as
-    sharding.registry.batch_spec)."""
-    return math.prod(n for a, n in mesh.items() if a not in ("tensor", "stage"))
+    sharding.axes)."""
+    return math.prod(mesh[a] for a in batch_axes(mesh))
 
 
 def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
