@@ -42,6 +42,7 @@ from jaxdist.errors import UsageError
 from models.layers import BLD, BLV, block_runner, check_choice, constrain, lookup, rms_norm
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
+from sharding.axes import batch_axes
 
 
 def _to_experts(x_EBCD):
@@ -148,8 +149,8 @@ def _by_sequence(x_B):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x_B
-    batch = tuple(a for a in mesh.axis_names if a not in ("tensor", "stage")
-                  and a not in mesh.manual_axes and mesh.shape[a] > 1)
+    batch = tuple(a for a in batch_axes(mesh.axis_names)
+                  if a not in mesh.manual_axes and mesh.shape[a] > 1)
     if not batch or x_B.shape[0] % math.prod(mesh.shape[a] for a in batch):
         return x_B
     return jax.lax.with_sharding_constraint(x_B, P(batch))
