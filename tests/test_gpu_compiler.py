@@ -31,6 +31,10 @@ CASES = {  # layout: (model, mesh, model options, micro-batches)
     "fsdp_pp": ("gpt-tiny", "fsdp:8,stage:4", PIPE, 4),
 }
 _compiled: dict = {}
+# The tests that read gpu_step's programs run on one xdist worker (`make test` is --dist
+# loadgroup), so each layout is compiled once per session, not once per worker that happens
+# to run one of its tests (an XLA:GPU compile is ~6 s of CPU: XLA ~4 s, ptxas ~2 s).
+SHARES_PROGRAMS = pytest.mark.xdist_group("gpu-compiler-programs")
 
 
 def config(layout: str, batch: int = 64) -> RunConfig:
@@ -71,6 +75,7 @@ def params(program) -> int:
     return sum(x.size for x in jax.tree.leaves(program.abstract_state["params"]))
 
 
+@SHARES_PROGRAMS
 @pytest.mark.parametrize("layout", list(CASES))
 def test_every_layout_compiles_for_32_h200_with_async_collectives(layout):
     cfg, program, reading = gpu_step(layout)
@@ -88,6 +93,7 @@ def test_every_layout_compiles_for_32_h200_with_async_collectives(layout):
     assert reading["memory"]["alias_bytes"] == planned["total"]
 
 
+@SHARES_PROGRAMS
 @pytest.mark.parametrize("layout", ["ddp", "zero1", "fsdp", "hsdp"])
 def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
     _, program, reading = gpu_step(layout)
@@ -169,6 +175,7 @@ def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on
     assert planned["master"] == (planned["opt"] - 4) // 2 == 4 * p_tp // 4  # f32 over data 4
 
 
+@SHARES_PROGRAMS
 def test_pipeline_sends_equal_the_analytic_stage_bytes():
     cfg, program, reading = gpu_step("tp_pp")
     model_cfg, _ = build_model(cfg)
@@ -181,6 +188,7 @@ def test_pipeline_sends_equal_the_analytic_stage_bytes():
     assert sends == pytest.approx(analytic)
 
 
+@SHARES_PROGRAMS
 def test_tensor_parallel_moves_bf16_activations():
     _, _, reading = gpu_step("tp")
     tensor = by_kind_axes(reading)[("all-reduce", "tensor")]
@@ -290,29 +298,26 @@ def test_part_without_target_and_unfilled_hosts_are_one_line_errors():
         compiled.gpu_topology(H200, 12)
 
 
+@SHARES_PROGRAMS
 def test_kernel_cache_reuses_cubins_and_changes_no_figure():
     """Device-less compiles share XLA:GPU's kernel cache (compiled.kernel_cache_options):
-    the same step compiled again through the cache reads the same memory, collectives and
-    kernels as without it, and the cache file holds the compiled kernels."""
+    the step gpu_step compiled through the cache reads the same memory, collectives and
+    kernels as the same step compiled without it, and the cache file holds the compiled
+    kernels."""
     import os
 
-    cfg = config("fsdp_tp")
+    cfg, program, with_cache = gpu_step("fsdp_tp")
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
     options = compiled.compile_options(cfg, target)
     assert options == compiled.kernel_cache_options()
     assert compiled.compile_options(cfg, compiled.simulated_cpu(8)) is None
-    from jaxdist.mesh import build_mesh
-
-    program = compiled.step_program(cfg, model_cfg,
-                                    build_mesh(shape, target.devices[:shape.size]))
-    batch = compiled.abstract_batch(model_cfg, cfg.train.batch_size)
-    lowered = [program.step.lower(program.abstract_state, batch) for _ in range(2)]
-    (with_cache, _), = compiled.compile_lowered(lowered[:1], options)
-    (without, _), = compiled.compile_lowered(lowered[1:], None)
     assert os.path.getsize(options["xla_gpu_kernel_cache_file"]) > 0
-    a, b = (compiled.read(c, target, shape.axis_sizes) for c in (with_cache, without))
+    lowered = program.step.lower(program.abstract_state,
+                                 compiled.abstract_batch(model_cfg, cfg.train.batch_size))
+    (without, _), = compiled.compile_lowered([lowered], None)
+    a, b = with_cache, compiled.read(without, target, shape.axis_sizes)
     assert a["memory"] == b["memory"]
     assert a["collectives"] == b["collectives"]
     assert a["kernels"] == b["kernels"]
