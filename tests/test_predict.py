@@ -516,3 +516,55 @@ def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time(
     assert rising["inter_node_s"] == pytest.approx(1.0 + 9 * 0.2)
     assert rising["exposed_inter_node_s"] == pytest.approx(rising["inter_node_s"])
     assert rising["step_s"] == pytest.approx(rising["device_s"] + rising["inter_node_s"])
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
+    """Issue #34 item 4: on sm_80 XLA:GPU's Triton GEMM emitter finds no tiling for
+    bf16[32768,2304] (a GPT of width 2304, head dim 144, attention=default, ddp on 32 A100:
+    32 x 1,024 tokens a device); the plan is compiled again with Triton GEMMs off, every dot
+    a cuBLAS call, and says so."""
+    from jaxdist.config import MeshConfig, OutputConfig
+    from jaxdist.predict.plan import format_prediction, predict_plan
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="32"),
+                    model=ModelConfig(model="gpt", model_opts="width=2304,heads=16,depth=1,"
+                                      "seq_len=1024", dtype="bfloat16"),
+                    train=TrainConfig(layout="ddp", batch_size=1024),
+                    output=OutputConfig(dry_run=True, hardware="a100-sxm-80gb"))
+    plan = predict_plan(cfg, parse_mesh("32"))
+    fallback = plan["compiled"]["fallback"]
+    assert fallback["rejected"].startswith(f"INTERNAL: {compiled.TILING_REJECTED}")
+    assert "bf16[32768,2304]" in fallback["rejected"] and "metadata" not in fallback["rejected"]
+    assert fallback["xla_flags"] == plan["compiled"]["xla_flags"] == compiled.CUBLAS_GEMMS
+    kernels = plan["compiled"]["kernels"]
+    assert "gemm fusion (Triton)" not in kernels
+    # every matmul FLOP of the step is in a cuBLAS call
+    assert kernels["gemm (cuBLAS)"]["flops"] == pytest.approx(
+        plan["compiled"]["flops_per_device"])
+    assert plan["verdict"] == "fits" and plan["time"]["step_s"] > 0
+    assert "Triton GEMMs off (--xla_gpu_enable_triton_gemm=false)" in \
+        format_prediction(plan).splitlines()[1]
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_xla_flags_reach_the_plan_compile_and_a_rejection_is_one_line(capsys):
+    """--xla-flags are handed to each compile of a plan; what XLA rejects is its message in
+    one line, exit 2, no traceback. A token that is not --name[=value] never reaches XLA."""
+    from tests.helpers import cli_main
+
+    plan = ("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
+            "--batch-size", "16", "--dtype", "bfloat16")
+    proc = cli_main(capsys, *plan, "--xla-flags", "--xla_no_such_option=1")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.strip().splitlines() == [
+        "run: error: XLA could not compile the step: INVALID_ARGUMENT: No such compile "
+        "option: 'xla_no_such_option'"]
+    proc = cli_main(capsys, *plan, "--xla-flags", "xla_gpu_enable_triton_gemm")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "run: error: --xla-flags 'xla_gpu_enable_triton_gemm': give each flag as "
+        "--name=value, e.g. --xla_gpu_enable_triton_gemm=false"]
+    assert compiled.xla_options("--xla_a=false --xla_b=4 --xla_c=0.5 --xla_d=x --xla_e") == {
+        "xla_a": False, "xla_b": 4, "xla_c": 0.5, "xla_d": "x", "xla_e": True}
