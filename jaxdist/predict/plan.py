@@ -282,15 +282,20 @@ def memory_line(p: dict) -> str:
     mem = p["memory"]
     verdict = {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
         mem["fits"], f"unknown: {mem['fits_reason']}")
-    if mem.get("source") == "XLA:GPU buffer assignment":
+    if "terms" in mem:  # XLA:GPU's buffer assignment beside the hand estimate
         c = mem["compiler"]
-        return (f"  memory per device (XLA:GPU buffer assignment): arguments "
-                f"{human_bytes(c['argument_bytes'])} + outputs {human_bytes(c['output_bytes'])}"
-                f" - aliased {human_bytes(c['alias_bytes'])} + temporaries "
-                f"{human_bytes(c['temp_bytes'])} = {human_bytes(mem['total_bytes'])} of "
-                f"{human_bytes(mem['hbm_bytes'])} HBM -> {verdict}; hand estimate "
-                f"{human_bytes(mem['hand_estimate_bytes'])} (hand / compiler "
-                f"{mem['hand_over_compiler']:.2f})")
+        terms = "; ".join(f"{t['term']} {human_bytes(t['compiler_bytes'])} vs "
+                          f"{human_bytes(t['hand_bytes'])}" +
+                          (f" ({t['hand_over_compiler']:.2f})" if t["hand_over_compiler"]
+                           else "") for t in mem["terms"])
+        return (f"  memory per device ({mem['source']}): {human_bytes(mem['total_bytes'])} of "
+                f"{human_bytes(mem['hbm_bytes'])} HBM -> {verdict}\n"
+                f"    XLA:GPU buffer assignment: arguments {human_bytes(c['argument_bytes'])} + "
+                f"outputs {human_bytes(c['output_bytes'])} - aliased "
+                f"{human_bytes(c['alias_bytes'])} + temporaries {human_bytes(c['temp_bytes'])}"
+                f" = {human_bytes(c['peak_bytes'])} (planned for {human_bytes(mem['hbm_bytes'])}"
+                f"); hand estimate {human_bytes(mem['hand_estimate_bytes'])}\n"
+                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem['source_note']}")
     if "pipeline" in p:
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
                  f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}")
