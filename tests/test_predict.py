@@ -616,8 +616,13 @@ def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_te
     assert split["fits"] is None and split["fits_reason"].startswith(
         "XLA:GPU's buffer assignment exceeds HBM and the other does not")
     assert verdict(150 * gib, 100 * gib)["fits"] is False
-    # a hand estimate that is only an upper bound (no remat) says nothing over HBM
-    assert verdict(40 * gib, 100 * gib, upper_bound=True)["fits"] is True
+    # a hand estimate that is only an upper bound (no remat, tensor parallelism) says nothing
+    # over HBM: the compiled figure decides, and is the one shown
+    silent = verdict(40 * gib, 100 * gib, upper_bound=True)
+    assert (silent["fits"], silent["source"], silent["total_bytes"]) == \
+        (True, "XLA:GPU buffer assignment", 50 * gib)
+    assert verdict(80 * gib, 100 * gib, upper_bound=True)["fits_reason"] == \
+        "the XLA:GPU buffer assignment exceeds HBM"
     assert verdict(40 * gib, 100 * gib)["fits"] is None
     assert verdict(40 * gib, 40 * gib, state=80 * gib)["fits"] is False
 

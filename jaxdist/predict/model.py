@@ -250,20 +250,23 @@ def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Hardware) -> dict:
     else:
         # Two figures that disagree decide only what they both say: fits when both fit, OOM
         # when both do not (or the exact state alone does not), else unknown.
-        # A hand estimate that is only an upper bound (no remat: memory.py) says nothing when
-        # it is over HBM.
-        need, source = hand, "hand estimate"
-        both = {compiled <= hw.hbm_bytes}
-        if hand <= hw.hbm_bytes or not estimate.get("upper_bound"):
-            both.add(hand <= hw.hbm_bytes)
+        # A hand estimate that is only an upper bound (no remat, tensor parallelism:
+        # memory.py) says nothing when it is over HBM: the compiled figure alone decides.
+        silent = bool(estimate.get("upper_bound")) and hand > hw.hbm_bytes
+        need, source = (compiled, "XLA:GPU buffer assignment") if silent else \
+            (hand, "hand estimate")
+        both = {compiled <= hw.hbm_bytes} | (set() if silent else {hand <= hw.hbm_bytes})
         fits = both.pop() if len(both) == 1 else None
         if estimate["state_bytes"] > hw.hbm_bytes:
             fits = False
         source_note = (f"XLA:GPU's buffer assignment disagrees with the hand estimate beyond "
                        f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} on "
-                       f"{' and '.join(t['term'] for t in disagree)}: the verdict is what "
-                       f"both say" + ("" if fits is not None else
-                                      " (they do not say the same: unknown)"))
+                       f"{' and '.join(t['term'] for t in disagree)}: " +
+                       (f"the hand estimate, an upper bound ({estimate.get('upper_bound_why')}),"
+                        f" is over HBM and says nothing; XLA's figure decides" if silent else
+                        "the verdict is what both say" + ("" if fits is not None else
+                                                          " (they do not say the same: "
+                                                          "unknown)")))
     if fits:
         reason = None
     elif estimate["state_bytes"] > hw.hbm_bytes:
@@ -273,7 +276,7 @@ def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Hardware) -> dict:
         reason = (f"{over} exceeds HBM and the other does not; they disagree on "
                   f"{' and '.join(t['term'] for t in disagree)}")
     else:
-        reason = (f"the {source} exceeds HBM" if not disagree else
+        reason = (f"the {source} exceeds HBM" if not disagree or silent else
                   "XLA:GPU's buffer assignment and the hand estimate both exceed HBM")
     io = gpu["argument_bytes"] + gpu["output_bytes"] - gpu["alias_bytes"]
     return {"label": LABEL, **{k: v for k, v in estimate.items() if k != "label"},
