@@ -70,23 +70,29 @@ def _maxtext_a3(vms: int) -> Case:
                 LLAMA2_7B, f"data:{vms},fsdp:8", 32 * vms, "dots", "hsdp", small=vms == 1)
 
 
+# torchtitan's H100 runs were on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W
+# default limit; analysis/baselines/published.json `hardware`): that part, cap included.
+TT_H100 = "h100-sxm-96gb-500w"
+
 CASES = (
-    Case("tt24-t1-fsdp", "tt24-t1-fsdp-tps", "tt24-t1-fsdp-mem", "h100-sxm", LLAMA31_8B,
+    Case("tt24-t1-fsdp", "tt24-t1-fsdp-tps", "tt24-t1-fsdp-mem", TT_H100, LLAMA31_8B,
          "1x8", 16, "dots"),
     # The same run under torch.compile: the same configuration for jaxdist, so it counts once;
     # its memory is out of sample (nothing in the memory model is fitted).
     Case("tt24-t1-fsdp-compile", "tt24-t1-fsdp-compile-tps", "tt24-t1-fsdp-compile-mem",
-         "h100-sxm", LLAMA31_8B, "1x8", 16, "dots", small=True, same_as="tt24-t1-fsdp"),
-    Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", "h100-sxm", LLAMA31_8B,
+         TT_H100, LLAMA31_8B, "1x8", 16, "dots", small=True, same_as="tt24-t1-fsdp"),
+    Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", TT_H100, LLAMA31_8B,
          "16x8", 256, "dots"),
     Case("jaxtoolbox-7b", "jaxtoolbox-maxtext-llama2-7b-step", None, "h100-sxm", LLAMA2_7B,
          "1x8", 16, "dots", small=True),
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
-    Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, "h100-sxm", LLAMA31_8B,
+    Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, TT_H100, LLAMA31_8B,
          "data:8,tensor:8", 96, "dots", "fsdp_tp"),
-    Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, "h100-sxm", LLAMA3_70B,
+    Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, TT_H100, LLAMA3_70B,
          "data:32,tensor:8", 512, "full", "fsdp_tp"),
-    Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, "h100-sxm", LLAMA31_405B,
+    # the same lower-TDP HBM2e H100 (94/95 GB); this older page states no cap: the SKU's
+    # default limit, 500 W per the 2024-12 page, is assumed
+    Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, TT_H100, LLAMA31_405B,
          "data:16,tensor:8", 32, "full", "fsdp_tp"),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
          "8x8", 64, "dots"),
@@ -180,19 +186,24 @@ def validate(cases) -> list[dict]:
             rows.append(failed_row(case, records, f"{type(e).__name__}: {reason[:200]}"))
             continue
         tps = plan["throughput"]["tokens_per_s_per_gpu"]
-        # Published memory is PyTorch's caching-allocator peak: set beside it the hand model
-        # (state + gradients + saved residuals + working set, framework-neutral); a JAX
-        # plan's XLA:GPU buffer assignment, what XLA would allocate, is kept beside it.
-        mem = plan["memory"].get("hand_estimate_bytes", plan["memory"]["total_bytes"]) / GIB
-        xla_mem = (plan["memory"]["total_bytes"] / GIB
-                   if plan["memory"].get("source") == "XLA:GPU buffer assignment" else None)
+        # The plan's memory verdict, as it decided it: XLA:GPU's buffer assignment where it
+        # agrees with the hand estimate term by term, else the hand estimate (jaxdist.predict.
+        # model.gpu_memory_verdict); both are kept, with which one decided.
+        memory = plan["memory"]
+        mem = memory["total_bytes"] / GIB
+        xla_mem = memory["compiler"]["peak_bytes"] / GIB if "compiler" in memory else None
         rid = case.throughput_id or case.memory_id
         row = {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
                "out-of-sample", "same_as": case.same_as,
                "framework": records[rid]["framework"], "hardware": case.hardware,
                "gpus": gpus(case), "layout": case.layout, "mesh": case.mesh,
                "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
-               "xla_gpu_memory_gib": xla_mem, "compiler": plan["compiled"].get("compiler"),
+               "memory_source": memory.get("source", "hand estimate"),
+               "hand_memory_gib": memory.get("hand_estimate_bytes",
+                                             memory["total_bytes"]) / GIB,
+               "xla_gpu_memory_gib": xla_mem, "fits": memory["fits"],
+               "hbm_gib": memory["hbm_bytes"] / GIB,
+               "compiler": plan["compiled"].get("compiler"),
                "time_model": plan["time"].get("model", "roofline (FLOPs / calibrated peak)"),
                "bottleneck": plan["time"]["bottleneck"]}
         tput = case.throughput_id and published_tokens_per_s_per_gpu(
@@ -214,7 +225,8 @@ def failed_row(case, records: dict, reason: str) -> dict:
             "out-of-sample", "same_as": case.same_as, "framework": records[rid]["framework"],
             "hardware": case.hardware, "gpus": gpus(case), "layout": case.layout,
             "mesh": case.mesh, "predicted_tokens_per_s_per_gpu": None,
-            "predicted_memory_gib": None, "xla_gpu_memory_gib": None, "compiler": None,
+            "predicted_memory_gib": None, "memory_source": None, "hand_memory_gib": None,
+            "xla_gpu_memory_gib": None, "fits": None, "hbm_gib": None, "compiler": None,
             "time_model": None, "bottleneck": f"failed: {reason}",
             "published_tokens_per_s_per_gpu": None, "ratio_tokens_per_s_per_gpu": None,
             "published_memory_gib": None, "ratio_memory_gib": None}
@@ -262,6 +274,20 @@ def format_rows(rows: list[dict]) -> str:
                      f"{num(r['published_memory_gib'], '.1f'):>9}"
                      f"{num(r['predicted_memory_gib'], '.1f'):>11}"
                      f"{num(r['ratio_memory_gib'], '.2f'):>7}  {r['bottleneck']}")
+    lines += ["", "memory per device, predicted (the figure that decides the verdict and its "
+              "source) against the part's HBM; published where the run's report gives it",
+              f"{'record':<22}{'part':<20}{'HBM GiB':>8}{'GiB pub':>9}{'predicted':>11}"
+              f"{'ratio':>7}  {'verdict':<8}{'hand':>7}{'XLA:GPU':>9}  source"]
+    for r in rows:
+        verdict = {True: "fits", False: "OOM"}.get(r["fits"], "unknown")
+        lines.append(f"{r['case']:<22}{r['hardware']:<20}{num(r['hbm_gib'], '.1f'):>8}"
+                     f"{num(r['published_memory_gib'], '.1f'):>9}"
+                     f"{num(r['predicted_memory_gib'], '.1f'):>11}"
+                     f"{num(r['ratio_memory_gib'], '.2f'):>7}  {verdict:<8}"
+                     f"{num(r['hand_memory_gib'], '.1f'):>7}{num(r['xla_gpu_memory_gib'], '.1f'):>9}"
+                     f"  {r['memory_source'] or '-'}")
+    fit = sum(1 for r in rows if r["fits"] is True)
+    lines.append(f"predicted to fit on the GPUs they ran on: {fit} of {len(rows)}")
     for what, label in (("tokens_per_s_per_gpu", "throughput"), ("memory_gib", "memory")):
         s = summary(rows, what)
         if s:
@@ -271,8 +297,8 @@ def format_rows(rows: list[dict]) -> str:
     models = sorted({r["time_model"] for r in rows if r.get("time_model")})
     lines.append(f"time model: {'; '.join(models) or '-'}; fitted: {len(CALIBRATION)} numbers "
                  f"(one kernel efficiency per GPU generation) on {', '.join(CALIBRATION)}; "
-                 "memory has none (the sample column is throughput's): the hand estimate is "
-                 "set beside torchtitan's peak reserved (max_reserved_gib)")
+                 "memory has none (the sample column is throughput's): the predicted figure "
+                 "is set beside torchtitan's peak reserved (max_reserved_gib)")
     return "\n".join(lines)
 
 

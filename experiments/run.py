@@ -269,6 +269,7 @@ def main_dry_run(cfg: RunConfig) -> int:
     from jaxdist import dryrun
     from jaxdist.record import write_json
 
+    noticed = False
     try:
         shape = validate(cfg)
         if shape.size is None:
@@ -277,9 +278,15 @@ def main_dry_run(cfg: RunConfig) -> int:
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
             from jaxdist.hardware import check_nodes, get_hardware
             from jaxdist.predict.plan import format_prediction, predict_plan
+            from jaxdist.compiled import xla_options
             check_batch(cfg, shape)
             check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
+            xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
             configure_host_devices(shape, "cpu")
+            # What the flags do here is said before the compile (a minute for a big model),
+            # not only after a plan that succeeded
+            print_notices(cfg)
+            noticed = True
             from jaxdist.xla_log import explained_xla_warnings
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
                 plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
@@ -294,8 +301,14 @@ def main_dry_run(cfg: RunConfig) -> int:
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
-    print_notices(cfg)
+    if not noticed:
+        print_notices(cfg)
     compiler = (plan.get("compiled") or {}).get("compiler", "")
+    fallback = (plan.get("compiled") or {}).get("fallback")
+    if fallback:
+        print(f"notice: XLA:GPU rejected a GEMM tiling ({fallback['rejected'][:160]}); "
+              f"planned with Triton GEMMs off ({fallback['xla_flags']}: cuBLAS for every "
+              f"dot)", file=sys.stderr)
     if cfg.output.hardware and "not installed" in compiler:
         from jaxdist.compiled import gpu_compiler_missing
         print(f"notice: {gpu_compiler_missing()}; these figures come from XLA:CPU's program "

@@ -86,7 +86,10 @@ def gpu_topology(hw, num_devices: int) -> Target:
     if missing:
         raise UsageError(f"--compiler gpu: {missing}")
     try:
-        devices = tuple(_topology(hw.name, spec.text(), f"1x{hosts}x{per_host}").devices)
+        # XLA plans its memory (scheduler, rematerialization) for the part's usable HBM, the
+        # figure the memory verdict holds the program to (jaxdist.gpu_targets XLA_BASE_FRACTION)
+        devices = tuple(_topology(hw.name, spec.text(hw.hbm_bytes),
+                                  f"1x{hosts}x{per_host}").devices)
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"the GPU compiler rejected the {hw.name} target "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); reinstall "
@@ -199,12 +202,64 @@ def kernel_cache_options() -> dict:
         return dict(_KERNEL_CACHE[0])
 
 
+def xla_options(flags: str) -> dict:
+    """`--xla-flags` as per-compile options: "--xla_a=false --xla_b=4" -> {"xla_a": False,
+    "xla_b": 4}. A plan compiles in a process whose XLA is already up (XLA_FLAGS is read once,
+    at start-up), so the flags are handed to each compile instead; XLA itself rejects a name
+    it does not know (`No such compile option`). A bare --name is true, as in XLA_FLAGS; a
+    token that is neither --name nor --name=value is refused here."""
+    out: dict = {}
+    for token in flags.split():
+        name, eq, value = token[2:].partition("=")
+        if not token.startswith("--") or not name or (eq and not value):
+            raise UsageError(f"--xla-flags {token!r}: give each flag as --name=value, e.g. "
+                             f"{CUBLAS_GEMMS}")
+        low = value.lower() if eq else "true"
+        if low in ("true", "false"):
+            out[name] = low == "true"
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    out[name] = value
+    return out
+
+
 def compile_options(cfg, target: Target) -> dict | None:
-    """The per-compile XLA options of a device-less XLA:GPU compile (the kernel cache,
-    --overlap's scheduler flags); None for a compile on the run's own devices."""
+    """The per-compile XLA options of a plan's compile: on a device-less XLA:GPU target the
+    kernel cache, --overlap's scheduler flags and --xla-flags; on simulated CPU devices under
+    --dry-run, --xla-flags. None for a compile on the run's own devices (the run's XLA_FLAGS
+    already hold the user's flags: jaxdist.devices.configure_xla_flags)."""
+    user = xla_options(cfg.compiler.xla_flags) if cfg.output.dry_run else {}
     if not target.device_less:
-        return None
-    return {**kernel_cache_options(), **(OVERLAP_OPTIONS if cfg.compiler.overlap else {})}
+        return user or None
+    return {**kernel_cache_options(), **(OVERLAP_OPTIONS if cfg.compiler.overlap else {}),
+            **user}
+
+
+# XLA:GPU's Triton GEMM emitter can find no output tiling for some shapes on some parts (sm_80:
+# bf16[32768,2304] from a GPT of width 2304 and head dim 144), and then the whole compile
+# fails. With Triton GEMMs off every dot goes to cuBLAS, which takes any shape; XLA's debug
+# option in this jaxlib (xla/debug_options_flags.cc: xla_gpu_enable_triton_gemm).
+TILING_REJECTED = "Couldn't find output tile sizes that satisfy"
+CUBLAS_GEMMS = "--xla_gpu_enable_triton_gemm=false"
+
+
+class CompileError(UsageError):
+    """XLA rejected the program a plan asked for: its message, in one line."""
+
+
+def xla_message(error: BaseException) -> str:
+    """XLA's error in one line: its first line, without the op's metadata and backend config
+    (source positions and tiling hints that run to hundreds of characters)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    first = lines[0] if lines else type(error).__name__
+    for cut in (", metadata={", ", backend_config="):
+        first = first.split(cut)[0]
+    return first[:400]
 
 
 def compile_step(cfg, model_cfg, shape, target: Target):

@@ -36,6 +36,12 @@ class Hardware:
     # and what the GPUs of a node talk over (NCCL's per-hop latency differs).
     efficiency: str = "hopper"
     intra_node_link: str = "nvlink"
+    # A board power limit below the die's rated power (the part's published kernel rates were
+    # measured at `rates_from`'s TDP), and the part whose published kernel rates
+    # (jaxdist.predict.rates) this one carries over: same die, compute rates scaled by its
+    # clock under the cap (`clock_factor`), streaming rates by its HBM bandwidth.
+    power_cap_w: float | None = None
+    rates_from: str | None = None
 
     def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
         return metrics.peak_flops(self.device_kind, dtype, matmul_precision)
@@ -58,6 +64,16 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("h200", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8, 700,
              ("NVIDIA H200 datasheet, H200 SXM column: 141 GB HBM3e, 4.8 TB/s, TDP up to 700 W",
               _NVLINK4, _CX7.replace("DGX H100/H200", "DGX H200"))),
+    # The H100 that torchtitan's Llama 3.1 runs used (benchmarks/llama3_h100_202412_torchtitan.md:
+    # "Meta Grand Teton, 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM H100, default 500 W power
+    # limit"): the GH100 die of h100-sxm, its HBM2e and its 500 W limit.
+    Hardware("h100-sxm-96gb-500w", "NVIDIA H100 96GB HBM2e", 96 * GB, 2.4e12, 450 * GB,
+             50 * GB, 8, 500,
+             ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf: Meta "
+              "Grand Teton, 8 H100 per host (NVLink), 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM "
+              "H100, default 500 W power limit, 400 Gb/s RDMA per GPU", _NVLINK4,
+              "400 Gb/s RDMA per GPU (the same torchtitan page) -> 50 GB/s per GPU"),
+             power_cap_w=500, rates_from="h100-sxm"),
     Hardware("a100-sxm-40gb", "NVIDIA A100-SXM4-40GB", 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8,
              400,
              ("NVIDIA A100 datasheet, 40GB SXM column: 40 GB HBM2, 1,555 GB/s, TDP 400 W",
@@ -98,11 +114,13 @@ _NCCL = ("NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20), Ring/Simple, the prot
          "picks for the 10-100 MB buffers of a training step")
 MODEL_CONSTANTS: dict[str, Constant] = {
     "compute_efficiency_hopper": Constant(
-        0.339, "fraction of dense peak at which the compiled step's FLOPs run on Hopper "
-        "(H100/H200), calibrated on tt24-t1-fsdp (torchtitan Llama3.1-8B FSDP, 8xH100 capped "
-        "at 500 W): its 2.843 s step (16,384 tokens per GPU / 5,762 tok/s) over the 9.536e14 "
-        "compiled FLOPs per device (remat recomputation and full, not causally halved, "
-        "attention included) at 989.5 TF/s; per compiled FLOP, so lower than an MFU"),
+        0.379, "fraction of dense peak at which the compiled step's FLOPs run on Hopper "
+        "(H100/H200) at the rated clock, calibrated on tt24-t1-fsdp (torchtitan Llama3.1-8B "
+        "FSDP, 8xH100 capped at 500 W): its 2.843 s step (16,384 tokens per GPU / 5,762 "
+        "tok/s) over the 9.536e14 compiled FLOPs per device (remat recomputation and full, "
+        "not causally halved, attention included) at 989.5 TF/s is 0.339, at that part's "
+        "clock under its cap (x 0.894, power_cap_clock_exponent); per compiled FLOP, so lower "
+        "than an MFU"),
     "compute_efficiency_ampere": Constant(
         0.555, "the same on Ampere (A100; also used for A10G and L4, which have no record), "
         "calibrated on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64xA100 80GB): its "
@@ -142,11 +160,41 @@ MODEL_CONSTANTS: dict[str, Constant] = {
         9.6e-6, "per ring step that crosses nodes (NCCL counts nNodes - 1 of them for an "
         "all-gather, 2 (nNodes - 1) for an all-reduce): hwLat[NET][Ring][Simple] = 9.6 us in "
         + _NCCL),
+    "power_cap_clock_exponent": Constant(
+        1 / 3, "a power-limited GPU runs its compute at the clock where its dynamic power meets "
+        "the cap; CMOS dynamic power is C V^2 f and, along the DVFS curve, V rises in proportion "
+        "to f, so P ~ f^3 and the sustained clock under a cap P is f_rated (P / P_rated)^(1/3) "
+        "(not fitted). Against published figures of one die at two power limits: NVIDIA's "
+        "datasheets rate the GH100's dense BF16 at 989.5 TFLOP/s at 700 W (H100 SXM) and 835.5 at "
+        "400 W (H100 NVL): 0.844, the law 0.830; ml-engineering's MAMF table (stas00/"
+        "ml-engineering compute/accelerator/README.md @744d01e) measures the GA100 at 271.2 "
+        "TFLOP/s in the 400 W SXM and 252.9 in the 250-300 W PCIe card: 0.933, the law 0.86-0.91. "
+        "HBM runs on its own clock: streaming kernels keep their rate"),
 }
 
 
 def constant(name: str) -> float:
     return MODEL_CONSTANTS[name].value
+
+
+def clock_factor(hw: Hardware) -> float:
+    """The compute clock of `hw` under its power cap over the clock at which its published
+    kernel rates were measured (the TDP of `rates_from`, else its own): 1.0 without a cap
+    below that power (MODEL_CONSTANTS power_cap_clock_exponent)."""
+    rated = HARDWARE[hw.rates_from].tdp_w if hw.rates_from else hw.tdp_w
+    if not hw.power_cap_w or hw.power_cap_w >= rated:
+        return 1.0
+    return (hw.power_cap_w / rated) ** constant("power_cap_clock_exponent")
+
+
+def rates_part(hw: Hardware) -> tuple[str, float, float]:
+    """(the part whose published kernel rates apply, the factor on its compute rates, the
+    factor on its streaming HBM rate) for `hw`: its own rates as published, or a sibling's
+    scaled by the clock under the cap and by the HBM bandwidth."""
+    if not hw.rates_from:
+        return hw.name, clock_factor(hw), 1.0
+    return (hw.rates_from, clock_factor(hw),
+            hw.hbm_bandwidth / HARDWARE[hw.rates_from].hbm_bandwidth)
 
 
 def compute_efficiency(hw: Hardware) -> float:

@@ -57,10 +57,12 @@ RULES: tuple[Rule, ...] = (
     Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or c.train.layout in _PIPELINE or
          bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(tuple(f for f in _NOT_IN_DRY_RUN if f not in ("batch_size", "microbatches",
-                                                       "overlap", "matmul_precision")),
+                                                       "overlap", "matmul_precision",
+                                                       "xla_flags")),
          lambda c: not c.output.dry_run, _DRY_RUN_ONLY),
-    # --hardware predicts the GPU step: its overlap policy and matmul precision matter.
-    Rule(("overlap", "matmul_precision"),
+    # --hardware predicts the GPU step: its overlap policy, matmul precision and XLA flags
+    # (handed to each compile of the plan: jaxdist.compiled.compile_options) matter.
+    Rule(("overlap", "matmul_precision", "xla_flags"),
          lambda c: not c.output.dry_run or bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(("gpus_per_node",), lambda c: bool(c.output.hardware), "--hardware"),
     Rule(("pp_runtime",), lambda c: bool(c.output.hardware) and c.train.layout in _PIPELINE,

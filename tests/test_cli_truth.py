@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from experiments.run import build_parser, check_batch
-from jaxdist.config import CheckpointConfig, DataConfig, ModelConfig, OutputConfig, PSConfig
+from jaxdist.config import CheckpointConfig, CompilerConfig, DataConfig, ModelConfig
+from jaxdist.config import OutputConfig, PSConfig
 from jaxdist.config import RunConfig, TrainConfig
 from jaxdist.data import DATASETS
 from jaxdist.errors import UsageError
@@ -118,6 +119,13 @@ NOTICES = [
      ["notice: --batch-size, --checkpoint-dir apply only to a training run, not --dry-run "
       "(which plans memory from shapes only); ignored",
       "notice: --ps-shards applies only to --layout ps; ignored"]),
+    # --hardware compiles the step: --xla-flags go to its compiles (issue #34 item 4)
+    (RunConfig(output=OutputConfig(dry_run=True, hardware="h200"),
+               compiler=CompilerConfig(xla_flags="--xla_gpu_enable_triton_gemm=false")), []),
+    (RunConfig(output=OutputConfig(dry_run=True),
+               compiler=CompilerConfig(xla_flags="--xla_gpu_enable_triton_gemm=false")),
+     ["notice: --xla-flags applies only to a training run, not --dry-run (which plans memory "
+      "from shapes only); ignored"]),
     (RunConfig(output=OutputConfig(dry_run=True), train=TrainConfig(seed=3, lr=0.1)),
      ["notice: --seed, --lr apply only to a training run, not --dry-run (which plans memory "
       "from shapes only); ignored"]),

@@ -7,7 +7,8 @@ from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, MODEL_CONSTANTS, get_hardware
 from tests.helpers import cli_main
 
-KNOWN = "h100-sxm, h100-pcie, h200, a100-sxm-40gb, a100-sxm-80gb, a10g, l4"
+KNOWN = ("h100-sxm, h100-pcie, h200, h100-sxm-96gb-500w, a100-sxm-40gb, a100-sxm-80gb, a10g, "
+         "l4")
 
 
 def test_the_parts_the_issue_names_are_there():
@@ -40,7 +41,7 @@ def test_every_constant_says_why():
         "compute_efficiency_hopper", "compute_efficiency_ampere",
         "kernel_efficiency_hopper", "kernel_efficiency_ampere", "hbm_efficiency",
         "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
-        "network_hop_latency_s"}
+        "network_hop_latency_s", "power_cap_clock_exponent"}
     # every part names an efficiency and an intra-node link that have a constant
     for hw in HARDWARE.values():
         assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
@@ -103,3 +104,31 @@ def test_notices_with_hardware():
                             "(which plans memory from shapes only); ignored"]
     assert notices(RunConfig(output=OutputConfig(gpus_per_node=4))) == [
         "notice: --gpus-per-node applies only to --hardware; ignored"]
+
+
+def test_a_power_cap_slows_compute_by_the_clock_it_leaves_and_not_hbm():
+    """Issue #34 item 5: a part may carry a power cap; its compute runs at the clock the cap
+    leaves, (cap / rated)^(1/3) (dynamic power ~ f^3, MODEL_CONSTANTS), its streaming kernels
+    at its own HBM's rate. torchtitan's Grand Teton H100: 500 W against the 700 W at which
+    h100-sxm's rates were measured, and 2.4 TB/s HBM2e against 3.35 TB/s HBM3."""
+    from jaxdist.hardware import clock_factor, rates_part
+    from jaxdist.predict import rates
+    from jaxdist.predict.kernels_time import Rates
+
+    capped, full = get_hardware("h100-sxm-96gb-500w"), get_hardware("h100-sxm")
+    assert (capped.power_cap_w, capped.hbm_bytes, capped.hbm_bandwidth) == (500, 96e9, 2.4e12)
+    assert clock_factor(capped) == pytest.approx((500 / 700) ** (1 / 3)) == \
+        pytest.approx(0.8939, abs=1e-4)
+    assert clock_factor(full) == 1.0 and rates_part(full) == ("h100-sxm", 1.0, 1.0)
+    assert rates_part(capped) == ("h100-sxm", clock_factor(capped), 2.4 / 3.35)
+    r, ref = Rates(capped), Rates(full)
+    assert r.gemm_bf16 == pytest.approx(ref.gemm_bf16 * 0.8939, rel=1e-4)
+    assert r.attention["attention_bwd"] == pytest.approx(ref.attention["attention_bwd"] * 0.8939,
+                                                         rel=1e-4)
+    assert r.hbm == pytest.approx(ref.hbm * 2.4 / 3.35) and r.launch == ref.launch
+    assert "x 0.894, its clock under the 500 W cap" in r.sources["gemm"]
+    assert rates.MAMF in r.sources["gemm"]
+    # a cap at or above the rated power changes nothing
+    from dataclasses import replace
+    assert clock_factor(replace(full, power_cap_w=700)) == 1.0
+    assert clock_factor(replace(full, power_cap_w=350)) == pytest.approx(0.5 ** (1 / 3))

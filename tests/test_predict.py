@@ -321,7 +321,8 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
                     reason=str(compiled.gpu_compiler_missing()))
 def test_dry_run_hardware_compiles_with_xla_gpu_and_times_kernel_by_kernel(tmp_path):
     """With the GPU compiler installed, --dry-run --hardware reads XLA:GPU's program for
-    one node of 8 H200: its buffer assignment decides memory, its kernels the step time."""
+    one node of 8 H200: its buffer assignment beside the hand estimate term by term, its
+    kernels the step time."""
     proc = run_cli("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
                    "--batch-size", "16", "--dtype", "bfloat16", "--logdir", str(tmp_path / "p"))
     assert proc.returncode == 0, proc.stderr
@@ -333,13 +334,19 @@ def test_dry_run_hardware_compiles_with_xla_gpu_and_times_kernel_by_kernel(tmp_p
     t, mem = plan["time"], plan["memory"]
     assert t["step_s"] == pytest.approx(t["device_s"] + t["comm_exposed_s"])
     assert t["device_s"] >= t["compute_s"] + t["hbm_s"] + t["launch_s"] - 1e-12
-    assert mem["source"] == "XLA:GPU buffer assignment"
     c = mem["compiler"]
-    assert mem["total_bytes"] == c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + \
+    assert c["peak_bytes"] == c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + \
         c["temp_bytes"]
     assert c["alias_bytes"] == 202_756  # the donated state: exactly dryrun.plan's shards
+    state, rest = mem["terms"]
+    assert state["compiler_bytes"] == state["hand_bytes"] == 202_756 and state["agrees"]
+    # gpt-tiny's activations are a few hundred KiB: the hand estimate's working set (a
+    # block's recompute, two gathered blocks) is twice XLA's, so the figures disagree and
+    # the verdict is what both say (both fit)
+    assert not rest["agrees"] and mem["source"] == "hand estimate" and mem["fits"] is True
+    assert "term by term, XLA vs hand" in proc.stdout
     assert mem["hand_over_compiler"] == pytest.approx(mem["hand_estimate_bytes"] /
-                                                      mem["total_bytes"])
+                                                      c["peak_bytes"])
 
 
 def test_attention_scores_separates_scores_from_activations(monkeypatch):
@@ -431,12 +438,21 @@ def test_validation_quick_form_out_of_sample_bands():
 
 def test_validation_quick_form_memory_out_of_sample():
     """Memory has no fitted number, so torchtitan's Llama3.1-8B on 8xH100 (its peak reserved
-    bytes, torch.compile run) is out of sample for memory. Measured: 1.04."""
-    from experiments.predict import CASES, validate
+    bytes, torch.compile run) is out of sample for memory, predicted on the part it ran on
+    (Grand Teton's 96 GB H100 at 500 W), where it fits. Measured: 1.04 (the hand estimate:
+    XLA's buffer assignment, 66.2 GiB, is beyond the band of it). The same configuration ran
+    eager at 5,762 tokens/s per GPU (tt24-t1-fsdp): issue #34 item 5 wants it within
+    0.8-1.25 on that part. Measured: 1.23 (1.42 on the 700 W h100-sxm)."""
+    from experiments.predict import CASES, published, validate
 
     (row,) = validate([c for c in CASES if c.name == "tt24-t1-fsdp-compile"])
+    assert row["hardware"] == "h100-sxm-96gb-500w" and row["fits"] is True
     assert row["published_memory_gib"] == 77.0
     assert 0.85 <= row["ratio_memory_gib"] <= 1.15
+    assert row["memory_source"] in ("hand estimate", "XLA:GPU buffer assignment")
+    eager = published()["tt24-t1-fsdp-tps"]["value"]
+    assert eager == 5762
+    assert 0.8 <= row["predicted_tokens_per_s_per_gpu"] / eager <= 1.25
 
 
 def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
@@ -516,3 +532,120 @@ def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time(
     assert rising["inter_node_s"] == pytest.approx(1.0 + 9 * 0.2)
     assert rising["exposed_inter_node_s"] == pytest.approx(rising["inter_node_s"])
     assert rising["step_s"] == pytest.approx(rising["device_s"] + rising["inter_node_s"])
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
+    """Issue #34 item 4: on sm_80 XLA:GPU's Triton GEMM emitter finds no tiling for
+    bf16[32768,2304] (a GPT of width 2304, head dim 144, attention=default, ddp on 32 A100:
+    32 x 1,024 tokens a device); the plan is compiled again with Triton GEMMs off, every dot
+    a cuBLAS call, and says so."""
+    from jaxdist.config import MeshConfig, OutputConfig
+    from jaxdist.predict.plan import format_prediction, predict_plan
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="32"),
+                    model=ModelConfig(model="gpt", model_opts="width=2304,heads=16,depth=1,"
+                                      "seq_len=1024", dtype="bfloat16"),
+                    train=TrainConfig(layout="ddp", batch_size=1024),
+                    output=OutputConfig(dry_run=True, hardware="a100-sxm-80gb"))
+    plan = predict_plan(cfg, parse_mesh("32"))
+    fallback = plan["compiled"]["fallback"]
+    assert fallback["rejected"].startswith(f"INTERNAL: {compiled.TILING_REJECTED}")
+    assert "bf16[32768,2304]" in fallback["rejected"] and "metadata" not in fallback["rejected"]
+    assert fallback["xla_flags"] == plan["compiled"]["xla_flags"] == compiled.CUBLAS_GEMMS
+    kernels = plan["compiled"]["kernels"]
+    assert "gemm fusion (Triton)" not in kernels
+    # every matmul FLOP of the step is in a cuBLAS call
+    assert kernels["gemm (cuBLAS)"]["flops"] == pytest.approx(
+        plan["compiled"]["flops_per_device"])
+    assert plan["verdict"] == "fits" and plan["time"]["step_s"] > 0
+    assert "Triton GEMMs off (--xla_gpu_enable_triton_gemm=false)" in \
+        format_prediction(plan).splitlines()[1]
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_xla_flags_reach_the_plan_compile_and_a_rejection_is_one_line(capsys):
+    """--xla-flags are handed to each compile of a plan; what XLA rejects is its message in
+    one line, exit 2, no traceback. A token that is not --name[=value] never reaches XLA."""
+    from tests.helpers import cli_main
+
+    plan = ("--dry-run", "--hardware", "h200", "--model", "gpt-tiny", "--mesh", "2x4",
+            "--batch-size", "16", "--dtype", "bfloat16")
+    proc = cli_main(capsys, *plan, "--xla-flags", "--xla_no_such_option=1")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.strip().splitlines() == [
+        "run: error: XLA could not compile the step: INVALID_ARGUMENT: No such compile "
+        "option: 'xla_no_such_option'"]
+    proc = cli_main(capsys, *plan, "--xla-flags", "xla_gpu_enable_triton_gemm")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "run: error: --xla-flags 'xla_gpu_enable_triton_gemm': give each flag as "
+        "--name=value, e.g. --xla_gpu_enable_triton_gemm=false"]
+    assert compiled.xla_options("--xla_a=false --xla_b=4 --xla_c=0.5 --xla_d=x --xla_e") == {
+        "xla_a": False, "xla_b": 4, "xla_c": 0.5, "xla_d": "x", "xla_e": True}
+
+
+def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_term():
+    """Issue #34 item 1: XLA:GPU's buffer assignment decides where each term (state; the
+    rest: gradients, saved activations, working set) is within MEMORY_BAND of the hand
+    estimate's; else the verdict is what both figures say, and names the term."""
+    gib = 2 ** 30
+    hw = get_hardware("h100-sxm")  # 80e9 B = 74.5 GiB
+
+    def verdict(xla_rest, hand_rest, state=10 * gib, upper_bound=False):
+        est = {"state_bytes": state, "total_bytes": state + hand_rest,
+               "upper_bound": upper_bound}
+        gpu = {"argument_bytes": state + gib, "output_bytes": state, "alias_bytes": state,
+               "temp_bytes": xla_rest - gib}
+        return model.gpu_memory_verdict(est, gpu, hw)
+
+    agree = verdict(50 * gib, 55 * gib)
+    assert agree["source"] == "XLA:GPU buffer assignment" and agree["fits"] is True
+    assert agree["total_bytes"] == 60 * gib and [t["agrees"] for t in agree["terms"]] == [True] * 2
+    assert agree["terms"][1]["hand_over_compiler"] == pytest.approx(1.1)
+    # XLA plans its temporaries for the part's HBM less arguments (the state and the batch)
+    # and outputs not donated, times its slop factor 0.95
+    assert agree["xla_temp_limit_bytes"] == pytest.approx((80e9 - 11 * gib) * 0.95)
+    both_fit = verdict(20 * gib, 55 * gib)
+    assert (both_fit["source"], both_fit["fits"], both_fit["total_bytes"]) == \
+        ("hand estimate", True, 65 * gib)
+    assert "disagrees with the hand estimate beyond 0.8-1.25 on gradients + saved " \
+        "activations + working set" in both_fit["source_note"]
+    split = verdict(150 * gib, 55 * gib)
+    assert split["fits"] is None and split["fits_reason"].startswith(
+        "XLA:GPU's buffer assignment exceeds HBM and the other does not")
+    assert verdict(150 * gib, 100 * gib)["fits"] is False
+    # a hand estimate that is only an upper bound (no remat, tensor parallelism) says nothing
+    # over HBM: the compiled figure decides, and is the one shown
+    silent = verdict(40 * gib, 100 * gib, upper_bound=True)
+    assert (silent["fits"], silent["source"], silent["total_bytes"]) == \
+        (True, "XLA:GPU buffer assignment", 50 * gib)
+    assert verdict(80 * gib, 100 * gib, upper_bound=True)["fits_reason"] == \
+        "the XLA:GPU buffer assignment exceeds HBM"
+    assert verdict(40 * gib, 100 * gib)["fits"] is None
+    assert verdict(40 * gib, 40 * gib, state=80 * gib)["fits"] is False
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_xla_plans_a_device_less_compile_for_the_parts_usable_hbm(capfd):
+    """XLA:GPU's scheduler and rematerialization plan for 80% of the target's
+    device_memory_size when no runtime gives a size (gpu_hlo_schedule.cc); the target a plan
+    compiles for says usable / 0.8, so XLA's limit is the part's HBM, the verdict's figure.
+    XLA logs its base limit when the arguments alone exceed it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxdist.gpu_targets import TARGETS
+
+    assert "device_memory_size: 50000000000\n" in TARGETS["a100-sxm-40gb"].text(40e9)
+    hw = get_hardware("a100-sxm-40gb")
+    target = compiled.gpu_topology(hw, 1)
+    sharding = NamedSharding(Mesh(target.devices[:1], ("x",)), PartitionSpec())
+    big = jax.ShapeDtypeStruct((int(42e9) // 4,), jnp.float32, sharding=sharding)
+    capfd.readouterr()
+    jax.jit(lambda a: jnp.sin(a).sum()).lower(big).compile()
+    err = capfd.readouterr().err
+    assert f"exceeds the base limit ({int(hw.hbm_bytes)})" in err, err[-500:]

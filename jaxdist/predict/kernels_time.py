@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 
 from jaxdist import kernels
-from jaxdist.hardware import Hardware, kernel_efficiency
+from jaxdist.hardware import Hardware, kernel_efficiency, rates_part
 from jaxdist.predict import rates
 from jaxdist.predict.model import collective_time
 
@@ -41,16 +41,23 @@ class Rates:
 
     def __init__(self, hw: Hardware):
         self.hw = hw
-        # The one fitted number of the generation scales every rate (not the launch cost).
+        # The one fitted number of the generation scales every rate (not the launch cost); a
+        # part that carries over a sibling's published rates scales them by its clock under
+        # its power cap (compute) and its HBM bandwidth (streaming): jaxdist.hardware.rates_part
+        part, clock, hbm = rates_part(hw)
         k = self.efficiency = kernel_efficiency(hw)
-        self.gemm_bf16 = k * rates.rate(hw.name, "gemm", "bfloat16").value
-        self.hbm = k * rates.rate(hw.name, "hbm_copy", rates.ANY_DTYPE).value
-        self.launch = rates.rate(hw.name, "launch", rates.ANY_DTYPE).value
-        self.attention = {kind: k * rates.rate(hw.name, kind, "bfloat16").value
+        self.clock_factor = clock
+        self.gemm_bf16 = k * clock * rates.rate(part, "gemm", "bfloat16").value
+        self.hbm = k * hbm * rates.rate(part, "hbm_copy", rates.ANY_DTYPE).value
+        self.launch = rates.rate(part, "launch", rates.ANY_DTYPE).value
+        self.attention = {kind: k * clock * rates.rate(part, kind, "bfloat16").value
                           for kind in ("attention_fwd", "attention_bwd")}
-        self.curve = tuple((n, k * f, k * b) for n, f, b in
-                           rates.attention_curve(hw.name, "bfloat16"))
-        self.sources = {k: rates.rate(hw.name, k, d).source for k, d in
+        self.curve = tuple((n, k * clock * f, k * clock * b) for n, f, b in
+                           rates.attention_curve(part, "bfloat16"))
+        scaled = "" if part == hw.name else (
+            f" ({part}'s rate x {clock:.3f}, its clock under the {hw.power_cap_w:g} W cap, "
+            f"for compute; x {hbm:.3f}, the HBM bandwidth ratio, for streaming)")
+        self.sources = {k: rates.rate(part, k, d).source + scaled for k, d in
                         (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
                          ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
                          ("attention_bwd", "bfloat16"))}

@@ -16,7 +16,7 @@ one, which XLA's scheduler prefetches). Counting the gradients in full beside ev
 residual over-counts by at most the gradients: they fill as the residuals are freed.
 Activations are split over the batch's devices only (every mesh axis but tensor and
 stage): under tensor parallelism the parts a tensor group shards are counted whole, an
-upper bound for those layouts.
+upper bound for those layouts (`upper_bound` says so).
 
 Without remat (policy "none") the residual set is an upper bound, not validated: the jaxpr
 then also saves the float32 intermediates of RMSNorm and RoPE and the bf16 casts of every
@@ -196,4 +196,17 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
              * (2 if state_per_device.get("master") else 1))
     return {**peak(state_per_device["total"], grads, residuals, gathered),
             "batch_shards": shards, "flash_attention": flash,
-            "upper_bound": getattr(model_cfg, "remat", "none") == "none"}
+            "upper_bound": bool(upper_bound_why(model_cfg, mesh)),
+            "upper_bound_why": upper_bound_why(model_cfg, mesh)}
+
+
+def upper_bound_why(model_cfg, mesh: dict[str, int]) -> str | None:
+    """Why the estimate is only an upper bound (see the module docstring), or None."""
+    why = []
+    if getattr(model_cfg, "remat", "none") == "none":
+        why.append("without remat it keeps float32 norm/RoPE intermediates and bf16 weight "
+                   "copies XLA can fuse")
+    if mesh.get("tensor", 1) > 1:
+        why.append("under tensor parallelism the activations a tensor group shards are "
+                   "counted whole")
+    return "; ".join(why) or None

@@ -6,6 +6,7 @@ on NAME (jaxdist.predict.model)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxdist import compiled, dryrun
@@ -20,8 +21,36 @@ from sharding.pipeline import PIPELINE_LAYOUTS
 
 def predict_plan(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = None) -> dict:
     """The predicted plan; `cache` (a dict, optional) keeps compiles for later calls whose
-    program is the same (a suite's rows: e.g. variants that change only --overlap)."""
-    return verdict_first(_predict_plan(cfg, shape, blocks, cache))
+    program is the same (a suite's rows: e.g. variants that change only --overlap).
+
+    Every shape XLA can compile gets a plan: where XLA:GPU's Triton GEMM emitter finds no
+    tiling for a dot, the step is compiled again with Triton GEMMs off (cuBLAS for every dot),
+    and the plan says so (`compiled.fallback`). Any other compile failure, or one the fallback
+    does not cure, is a CompileError: XLA's message in one line."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        return verdict_first(_predict_plan(cfg, shape, blocks, cache))
+    except JaxRuntimeError as e:
+        rejected = compiled.xla_message(e)
+        if compiled.TILING_REJECTED not in str(e) or \
+                compiled.CUBLAS_GEMMS in cfg.compiler.xla_flags:
+            raise compiled.CompileError(f"XLA could not compile the step: {rejected}") from None
+    flags = f"{cfg.compiler.xla_flags} {compiled.CUBLAS_GEMMS}".strip()
+    retry = dataclasses.replace(cfg, compiler=dataclasses.replace(cfg.compiler,
+                                                                  xla_flags=flags))
+    try:
+        plan = verdict_first(_predict_plan(retry, shape, blocks, cache))
+    except JaxRuntimeError as e:
+        raise compiled.CompileError(
+            f"XLA could not compile the step, with Triton GEMMs off either "
+            f"({compiled.CUBLAS_GEMMS}): {compiled.xla_message(e)}") from None
+    plan["compiled"]["fallback"] = {
+        "xla_flags": compiled.CUBLAS_GEMMS, "rejected": rejected,
+        "why": "XLA:GPU's Triton GEMM emitter found no tiling for a dot of this step; "
+               "compiled again with Triton GEMMs off, every dot a cuBLAS call (timed at "
+               "the part's cuBLAS rate like any GEMM)"}
+    return plan
 
 
 def verdict_first(plan: dict) -> dict:
@@ -83,7 +112,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
         "hardware": {**{k: v for k, v in vars(hw).items()}, "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "method": figures["method"], "flops_per_device": figures["flops"],
+                     "xla_flags": cfg.compiler.xla_flags, "method": figures["method"], "flops_per_device": figures["flops"],
                      "kernels": figures.get("kernels", {}),
                      "compile_s": figures.get("compile_s"),
                      "bytes_accessed_per_device": figures["bytes_accessed"],
@@ -128,7 +157,7 @@ def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
     key = ("step", target.label, repr(model_cfg), cfg.train.layout,
            tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
            cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks,
-           hw.name if hw else None, cfg.compiler.overlap)
+           hw.name if hw else None, cfg.compiler.overlap, cfg.compiler.xla_flags)
     if cache is not None and key in cache:
         return cache[key]
     figures = program.step_figures(cfg, model_cfg, shape, blocks, target,
@@ -234,7 +263,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
         "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "method": pred["method"], "flops_per_device": pred["flops_per_device"],
+                     "xla_flags": cfg.compiler.xla_flags, "method": pred["method"], "flops_per_device": pred["flops_per_device"],
                      "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
         "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
                      **pred["time"]["pipeline"]},
@@ -253,15 +282,20 @@ def memory_line(p: dict) -> str:
     mem = p["memory"]
     verdict = {True: "fits", False: f"OOM: {mem['fits_reason']}"}.get(
         mem["fits"], f"unknown: {mem['fits_reason']}")
-    if mem.get("source") == "XLA:GPU buffer assignment":
+    if "terms" in mem:  # XLA:GPU's buffer assignment beside the hand estimate
         c = mem["compiler"]
-        return (f"  memory per device (XLA:GPU buffer assignment): arguments "
-                f"{human_bytes(c['argument_bytes'])} + outputs {human_bytes(c['output_bytes'])}"
-                f" - aliased {human_bytes(c['alias_bytes'])} + temporaries "
-                f"{human_bytes(c['temp_bytes'])} = {human_bytes(mem['total_bytes'])} of "
-                f"{human_bytes(mem['hbm_bytes'])} HBM -> {verdict}; hand estimate "
-                f"{human_bytes(mem['hand_estimate_bytes'])} (hand / compiler "
-                f"{mem['hand_over_compiler']:.2f})")
+        terms = "; ".join(f"{t['term']} {human_bytes(t['compiler_bytes'])} vs "
+                          f"{human_bytes(t['hand_bytes'])}" +
+                          (f" ({t['hand_over_compiler']:.2f})" if t["hand_over_compiler"]
+                           else "") for t in mem["terms"])
+        return (f"  memory per device ({mem['source']}): {human_bytes(mem['total_bytes'])} of "
+                f"{human_bytes(mem['hbm_bytes'])} HBM -> {verdict}\n"
+                f"    XLA:GPU buffer assignment: arguments {human_bytes(c['argument_bytes'])} + "
+                f"outputs {human_bytes(c['output_bytes'])} - aliased "
+                f"{human_bytes(c['alias_bytes'])} + temporaries {human_bytes(c['temp_bytes'])}"
+                f" = {human_bytes(c['peak_bytes'])} (planned for {human_bytes(mem['hbm_bytes'])}"
+                f"); hand estimate {human_bytes(mem['hand_estimate_bytes'])}\n"
+                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem['source_note']}")
     if "pipeline" in p:
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
                  f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}")
@@ -313,7 +347,9 @@ def format_prediction(p: dict) -> str:
         f"  compiler: {p['compiled'].get('compiler', 'XLA:CPU on simulated CPU devices')}; "
         f"{p['compiled']['method']}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
-         if p["compiled"]["flash_attention"] else ""),
+         if p["compiled"]["flash_attention"] else "") +
+        (f"; Triton GEMMs off ({p['compiled']['fallback']['xla_flags']}): XLA:GPU found no "
+         f"Triton tiling for a dot" if p["compiled"].get("fallback") else ""),
         memory_line(p),
         f"  time per step, kernel by kernel from the program (published rates x the "
         f"fitted kernel efficiency {t.get('kernel_efficiency', 0):.3f}): compute-bound kernels "
