@@ -10,9 +10,10 @@ import pytest
 
 from jaxdist import comm
 from jaxdist.data import TrainStream
-from jaxdist.mesh import MeshShape
-from jaxdist.train_step import put_batch
+from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
+from sharding import get_layout
 from tests.helpers import train
 from tests.test_pipeline_matrix import MESHES, _check_case, _reference
 
@@ -38,9 +39,11 @@ def test_tp_pp_sequence_parallel_equals_single_device(model, schedule):
 
 
 def _compiled(layout, shape, depth, sp):
-    opts = {"depth": depth, "sequence_parallel": sp}
-    _, _, program = train("gpt-tiny", layout, shape, steps=0, **opts)
-    cfg = get_model("gpt-tiny", {k: str(v) for k, v in opts.items()})
+    """(collectives, temp bytes) of the step compiled from abstract state: nothing is
+    initialised or run, only the program is read."""
+    cfg = get_model("gpt-tiny", {"depth": str(depth), "sequence_parallel": str(sp)})
+    program = build_program(cfg, "float32", make_optimizer("adamw", 1e-2), get_layout(layout),
+                            build_mesh(shape, jax.devices()[:shape.size]), 0, 1)
     batch = put_batch(TrainStream(cfg, None, 16, 0).batch(0), program.batch_sharding)
     compiled = program.step.lower(program.abstract_state, batch).compile()
     ops = comm.collectives(compiled.as_text(), dict(program.batch_sharding.mesh.shape))
