@@ -4,9 +4,9 @@ every layout. Used by the launcher (ps.driver.run_ps) and by `--collect-only`.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ps.series import read_worker
 from ps.shard_client import PSError
 
 
@@ -185,7 +185,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     for w in range(num_workers):
         path = psdir / f"worker{w}.json"
         if path.exists():
-            workers[w] = json.loads(path.read_text())
+            workers[w] = read_worker(path)
     if not workers:
         raise PSError(f"no worker wrote results into {psdir}")
     dead = list(launch.dead_workers) if launch else [
