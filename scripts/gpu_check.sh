@@ -19,7 +19,8 @@
 #  7. XLA:GPU with the device vs compiled without one (scripts/compare_compilers.py
 #     --with-device): memory and collectives of both, the source of every plan's figures.
 #  8. One table (scripts/gpu_table.py --check); exit 1 when a figure is missing.
-#  (Between 6 and 7: a --layout ps run whose worker is on the GPU has a power block.)
+#  (Between 6 and 7: a --layout ps run whose worker is on the GPU, and the PyTorch run of 6,
+#  have a power block.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -130,13 +131,25 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
       > "$OUT/torch-mlp.log" 2>&1 && TORCH_RUN="$OUT/torch-mlp" \
     || { echo "   torch run failed (see $OUT/torch-mlp.log):"; tail -5 "$OUT/torch-mlp.log"; }
   [[ -n "$TORCH_RUN" ]] && "$PY" -m experiments.compare "$OUT/jax-mlp" "$TORCH_RUN" || true
+  # The rank samples its GPU with jaxdist.telemetry, as the JAX run does (issue 35 item 6).
+  if [[ -n "$TORCH_RUN" ]]; then
+    "$PY" - "$TORCH_RUN" <<'PYEOF' || echo "   the PyTorch power check failed (see $OUT/torch-mlp.log)"
+import json, sys
+r = json.load(open(sys.argv[1] + "/results.json"))
+p = r["power"]
+print("torch rank device:", r["env"].get("device_kind"), "| power:",
+      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
+      else p["reason"])
+assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
+PYEOF
+  fi
 else
   echo "torch with CUDA is not installed here: the JAX vs PyTorch row is missing"
 fi
 
 say "parameter server: a worker on the GPU measures its power (mlp-10m sync, 1 worker, 1 shard)"
 # Not in the table below: the check is that the worker ran on the GPU and that results.power
-# is the worker's NVML block (ps.power), not "unavailable".
+# is the worker's NVML block (jaxdist.telemetry.combine), not "unavailable".
 run ps-mlp --layout ps --mesh 1x1 --ps-shards 1 --ps-mode sync --model mlp-10m \
     --dtype float32 --batch-size 256
 "$PY" - "$OUT/ps-mlp" <<'PYEOF' || echo "   the PS power check failed (see $OUT/ps-mlp.log)"
