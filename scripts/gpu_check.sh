@@ -105,6 +105,19 @@ run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, its log beside 
     || { echo "   failed (see $OUT/$name.log):"; tail -5 "$OUT/$name.log"; }
 }
 
+power_check() {  # power_check WHAT RUN_DIR LOG: the run's power block is its GPU's NVML one
+  "$PY" - "$1" "$2" <<'PYEOF' || echo "   the $1 power check failed (see $3)"
+import json, sys
+what, run = sys.argv[1:3]
+r = json.load(open(run + "/results.json"))
+p = r["power"]
+print(f"{what} device:", r["env"].get("device_kind"), "| power:",
+      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
+      else p["reason"])
+assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
+PYEOF
+}
+
 say "memory: measured peak vs the compiler's bound (gpt-small bf16, batch 64)"
 run mem-ddp --layout ddp --model gpt-small --dtype bfloat16 --batch-size 64
 
@@ -132,17 +145,7 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     || { echo "   torch run failed (see $OUT/torch-mlp.log):"; tail -5 "$OUT/torch-mlp.log"; }
   [[ -n "$TORCH_RUN" ]] && "$PY" -m experiments.compare "$OUT/jax-mlp" "$TORCH_RUN" || true
   # The rank samples its GPU with jaxdist.telemetry, as the JAX run does (issue 35 item 6).
-  if [[ -n "$TORCH_RUN" ]]; then
-    "$PY" - "$TORCH_RUN" <<'PYEOF' || echo "   the PyTorch power check failed (see $OUT/torch-mlp.log)"
-import json, sys
-r = json.load(open(sys.argv[1] + "/results.json"))
-p = r["power"]
-print("torch rank device:", r["env"].get("device_kind"), "| power:",
-      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
-      else p["reason"])
-assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
-PYEOF
-  fi
+  [[ -z "$TORCH_RUN" ]] || power_check "torch rank" "$TORCH_RUN" "$OUT/torch-mlp.log"
 else
   echo "torch with CUDA is not installed here: the JAX vs PyTorch row is missing"
 fi
@@ -152,15 +155,7 @@ say "parameter server: a worker on the GPU measures its power (mlp-10m sync, 1 w
 # is the worker's NVML block (jaxdist.telemetry.combine), not "unavailable".
 run ps-mlp --layout ps --mesh 1x1 --ps-shards 1 --ps-mode sync --model mlp-10m \
     --dtype float32 --batch-size 256
-"$PY" - "$OUT/ps-mlp" <<'PYEOF' || echo "   the PS power check failed (see $OUT/ps-mlp.log)"
-import json, sys
-r = json.load(open(sys.argv[1] + "/results.json"))
-p = r["power"]
-print("ps worker device:", r["env"].get("device_kind"), "| power:",
-      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
-      else p["reason"])
-assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
-PYEOF
+power_check "ps worker" "$OUT/ps-mlp" "$OUT/ps-mlp.log"
 
 say "XLA:GPU with the device vs without (gpt-tiny bf16 ddp, fsdp, tp_pp; llama-tiny cuDNN)"
 # The figures every plan gives come from the device-less compile: they must match this GPU's.
