@@ -140,13 +140,17 @@ def power_monitor(job: dict, rank: int, device):
                                     process_index=0)
 
 
+def power_edges(job: dict) -> tuple[int, int]:
+    """(open before step i, close after step j) of the energy window, as a mesh run's."""
+    from jaxdist import telemetry
+
+    return telemetry.window_steps(job["power"]["power_window"], job["warmup"], job["steps"])
+
+
 def rank_power(job: dict, rank: int, monitor, steps_done: int) -> dict:
     """The rank's power block (its rows of each batch are its samples), and its CSVs and
     plot in <run>/rank<r>/power."""
-    from jaxdist import telemetry
-
-    window_open, window_close = telemetry.window_steps(job["power"]["power_window"],
-                                                       job["warmup"], job["steps"])
+    window_open, window_close = power_edges(job)
     window_n = max(min(window_close, steps_done - 1) - window_open + 1, 0)
     samples = window_n * (job["batch_size"] // job["world"])
     tokens = job["tokens_per_sample"]
@@ -184,11 +188,8 @@ def train(job: dict, rank: int, model, opt, batches: list, device, monitor):
             torch.cuda.synchronize(device)
         return global_loss
 
-    from jaxdist import telemetry
-
     total = job["warmup"] + job["steps"]
-    window_open, window_close = telemetry.window_steps(job["power"]["power_window"],
-                                                       job["warmup"], job["steps"])
+    window_open, window_close = power_edges(job)
     step_s, losses = [], []
     window = [None, None]
     every = max(1, total // 5)

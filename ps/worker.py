@@ -193,8 +193,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     total = cfg.loop.warmup + cfg.loop.steps
     # Power as in mesh runs (jaxdist.telemetry): this worker's GPUs, the same windows;
-    # jaxdist.telemetry.combine sums the workers' blocks. The sampler's thread is a daemon: a worker that
-    # fails mid-loop does not wait for it.
+    # jaxdist.telemetry.combine sums the workers' blocks. The sampler's thread is a daemon:
+    # a worker that fails mid-loop does not wait for it.
     window_open, window_close = telemetry.window_steps(cfg.power.power_window,
                                                        cfg.loop.warmup, cfg.loop.steps)
     monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)

@@ -491,7 +491,8 @@ def test_a_retry_of_a_skipped_sync_step_is_told_so_not_deduplicated():
     for w in (0, 1):
         assert c.push(w, 0, 0, 0, g(1.0))["status"] == "rejected_nonfinite"
     s = c.stats()
-    assert c.version == 1 and (s["deduplicated"], s["rejected_nonfinite"], s["applies"]) == (0, 1, 0)
+    assert c.version == 1
+    assert (s["deduplicated"], s["rejected_nonfinite"], s["applies"]) == (0, 1, 0)
     assert c.push(0, 1, 1, 0, g(1.0))["status"] == "pending"
     assert c.push(1, 1, 1, 0, g(1.0))["status"] == "applied"
     assert c.push(1, 1, 1, 0, g(1.0))["status"] == "deduplicated"
