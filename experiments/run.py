@@ -320,6 +320,11 @@ def main_dry_run(cfg: RunConfig) -> int:
     return 0
 
 
+# Set by main_ps once its run is over (children stopped, files closed): the process may
+# skip the interpreter's teardown (see __main__).
+DONE_BUT_TEARDOWN: list[bool] = []
+
+
 def main_ps(cfg: RunConfig) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
@@ -341,6 +346,7 @@ def main_ps(cfg: RunConfig) -> int:
     print_notices(cfg)
     try:
         results = run_ps(cfg, shape, logdir)
+        DONE_BUT_TEARDOWN.append(True)
     except BaseException as e:
         # The error names ps/*.log for the details: those stay.
         run_dir.discard(keep=("ps/*.log",))
@@ -366,4 +372,13 @@ def main_ps(cfg: RunConfig) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if DONE_BUT_TEARDOWN:
+        # A PS launcher with its record written and every child stopped: the interpreter's
+        # teardown of what it imported (jax, grpc, tensorboardX) took 1-4 s on the loaded
+        # 2-core machine, a share of the seconds SLURM gives a preempted run (issue 35).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        import os
+        os._exit(code)
+    sys.exit(code)

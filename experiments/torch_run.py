@@ -20,6 +20,7 @@ GPU, after torch.cuda.synchronize(); a step's time is the slowest rank's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=("jax", "torch"), default="jax",
                    help="initial weights: jax (the JAX run's with the same seed, converted; "
                    "losses then match step for step) or torch (PyTorch's own init)")
+    p.add_argument("--power-sample-ms", type=int, default=50,
+                   help="GPU power sampling period in ms, as experiments.run's (default: 50)")
+    p.add_argument("--power-window", choices=("full", "one-step"), default="full",
+                   help="energy window, as experiments.run's (default: full: every timed "
+                   "step)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up (and stop every "
                    "rank) after this long (default: 900)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -149,6 +155,7 @@ def validate(args) -> tuple:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
+    power_config(args).validate()
     if args.batch_size % args.nproc:
         fit = (args.batch_size // args.nproc + 1) * args.nproc
         raise UsageError(f"global batch {args.batch_size} is not divisible by --nproc "
@@ -160,6 +167,12 @@ def validate(args) -> tuple:
                          f"{gpus} are visible")
     device = args.device if args.device != "auto" else ("cuda" if gpus >= args.nproc else "cpu")
     return model_cfg, device
+
+
+def power_config(args):
+    from jaxdist.telemetry import PowerConfig
+
+    return PowerConfig(power_sample_ms=args.power_sample_ms, power_window=args.power_window)
 
 
 def run_config(args):
@@ -174,7 +187,7 @@ def run_config(args):
                           matmul_precision=args.matmul_precision),
         train=TrainConfig(layout=args.strategy, optimizer=args.optimizer, lr=args.lr,
                           batch_size=args.batch_size, seed=args.seed),
-        loop=LoopConfig(warmup=args.warmup, steps=args.steps),
+        loop=LoopConfig(warmup=args.warmup, steps=args.steps), power=power_config(args),
         output=OutputConfig(logdir=args.logdir, progress=args.progress))
 
 
@@ -191,7 +204,7 @@ def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
     results.json and TensorBoard events in `logdir`."""
     work = Path(tempfile.mkdtemp(prefix="torch_run-"))
     try:
-        job = write_job(args, model_cfg, device, work)
+        job = write_job(args, model_cfg, device, work, logdir)
         ranks = [procs.start(f"rank {r}", procs.python_argv(
                      "experiments.torch_worker", str(work / "job.json"), str(r)),
                      procs.python_env()) for r in range(args.nproc)]
@@ -215,9 +228,10 @@ def launch(args, cfg, model_cfg, device: str, logdir: Path) -> dict:
     return results
 
 
-def write_job(args, model_cfg, device: str, work: Path) -> dict:
+def write_job(args, model_cfg, device: str, work: Path, logdir: Path) -> dict:
     """work/inputs.npz (the very batches the JAX run trains on, and with --init jax its
-    initial weights) and work/job.json (what every rank needs); returns the job."""
+    initial weights) and work/job.json (what every rank needs); returns the job. Ranks
+    write their power CSVs into logdir/rank<r>/power."""
     from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream
     from models import torch_ref
 
@@ -239,6 +253,8 @@ def write_job(args, model_cfg, device: str, work: Path) -> dict:
         "batch_size": args.batch_size, "seed": args.seed, "warmup": args.warmup,
         "steps": args.steps, "num_batches": NUM_SYNTHETIC_BATCHES, "init": args.init,
         "work": str(work), "timeout_s": args.timeout_s, "progress": args.progress,
+        "logdir": str(logdir), "tokens_per_sample": model_cfg.tokens_per_sample,
+        "power": dataclasses.asdict(power_config(args)),
     }
     record.write_json(work / "job.json", job)
     return job
@@ -246,6 +262,7 @@ def write_job(args, model_cfg, device: str, work: Path) -> dict:
 
 def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     from jaxdist import metrics
+    from jaxdist.telemetry.combine import combine
 
     world, warmup = job["world"], job["warmup"]
     # A step takes as long as its slowest rank (every rank started it after a barrier).
@@ -291,8 +308,8 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
         "comm": None,  # the summary says why instead of a bare n/a
         "comm_reason": "not read for PyTorch: its collectives (gloo/NCCL, eager) are not "
                        "analysed as a compiled XLA program's are",
-        "power": {"available": False,
-                  "reason": "power telemetry is not implemented for the PyTorch reference"},
+        # each rank sampled its own GPU (jaxdist.telemetry, as a mesh run): added up
+        "power": combine({r["rank"]: r["power"] for r in reports}, who="rank"),
         "window": {"start_unix_s": min(r["window"][0] for r in reports),
                    "end_unix_s": max(r["window"][1] for r in reports)},
         "torch": {"strategy": job["strategy"], "implementation": first["implementation"],
@@ -307,6 +324,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
 
 
 def write_outputs(cfg, logdir: Path, results: dict) -> None:
+    from jaxdist.telemetry import outputs
     from jaxdist.writers import RunWriter
 
     problems = record.check(results)
@@ -318,6 +336,7 @@ def write_outputs(cfg, logdir: Path, results: dict) -> None:
         for i, (loss, step_s) in enumerate(zip(results["loss"], step_times(results))):
             writer.step(i, loss, step_s, i >= warm)
         writer.summary(results)  # also writes results.json
+        outputs.write_summary(writer.tb, results["power"])  # the ranks' series: rank<r>/
     finally:
         writer.close()
 

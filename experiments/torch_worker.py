@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,10 +75,12 @@ def run_rank(rank: int, job: dict) -> dict:
         model, params, implementation = build_model(job, inputs, device)
         opt = make_optimizer(model, job["optimizer"], job["lr"])
         batches = local_batches(job, inputs, rank, device)
-        step_s, losses, window = train(job, rank, model, opt, batches, device)
+        monitor = power_monitor(job, rank, device)
+        step_s, losses, window = train(job, rank, model, opt, batches, device, monitor)
         report = dict(report_settings(job, model, opt, device), rank=rank, step_s=step_s,
                       loss=losses, window=window, fp32_precision=fp32_precision,
-                      params=params, implementation=implementation, backend=backend)
+                      params=params, implementation=implementation, backend=backend,
+                      power=rank_power(job, rank, monitor, len(step_s)))
         dist.barrier()
         return report
     finally:
@@ -116,9 +119,51 @@ def local_batches(job: dict, inputs, rank: int, device) -> list:
     return batches
 
 
-def train(job: dict, rank: int, model, opt, batches: list, device):
+@dataclass(frozen=True)
+class TorchDevice:
+    """What jaxdist.telemetry reads of a device, for a torch one: `local_hardware_id` is
+    its CUDA ordinal (within CUDA_VISIBLE_DEVICES, as a JAX GPU's is)."""
+    id: int
+    platform: str
+    local_hardware_id: int | None
+    process_index: int = 0
+
+
+def power_monitor(job: dict, rank: int, device):
+    """This rank's GPU sampled as a mesh run samples its GPUs (jaxdist.telemetry: the same
+    sampler, window and block); the launcher adds the ranks' blocks up. On CPU the block
+    says why there is none."""
+    from jaxdist import telemetry
+
+    me = TorchDevice(rank, "cuda" if device.type == "cuda" else device.type, device.index)
+    return telemetry.create_monitor(telemetry.PowerConfig(**job["power"]), devices=[me],
+                                    process_index=0)
+
+
+def power_edges(job: dict) -> tuple[int, int]:
+    """(open before step i, close after step j) of the energy window, as a mesh run's."""
+    from jaxdist import telemetry
+
+    return telemetry.window_steps(job["power"]["power_window"], job["warmup"], job["steps"])
+
+
+def rank_power(job: dict, rank: int, monitor, steps_done: int) -> dict:
+    """The rank's power block (its rows of each batch are its samples), and its CSVs and
+    plot in <run>/rank<r>/power."""
+    window_open, window_close = power_edges(job)
+    window_n = max(min(window_close, steps_done - 1) - window_open + 1, 0)
+    samples = window_n * (job["batch_size"] // job["world"])
+    tokens = job["tokens_per_sample"]
+    block = monitor.result(window_n, samples, samples * tokens if tokens else None,
+                           first_step=window_open)
+    monitor.write_outputs(Path(job["logdir"]) / f"rank{rank}")
+    return block
+
+
+def train(job: dict, rank: int, model, opt, batches: list, device, monitor):
     """Warm-up and timed steps: (every step's seconds, every step's global loss, the
-    wall-clock window of the timed steps)."""
+    wall-clock window of the timed steps). The power window opens before its first step
+    and closes after its last one's synchronize, as in a mesh run."""
     import torch
     import torch.distributed as dist
 
@@ -144,22 +189,29 @@ def train(job: dict, rank: int, model, opt, batches: list, device):
         return global_loss
 
     total = job["warmup"] + job["steps"]
+    window_open, window_close = power_edges(job)
     step_s, losses = [], []
     window = [None, None]
     every = max(1, total // 5)
+    monitor.start()
     for i in range(total):
         dist.barrier()
         if i == job["warmup"]:
             window[0] = time.time()
+        if i == window_open:
+            monitor.open_window()
         start = time.perf_counter()
         global_loss = step(batches[i % len(batches)])
         step_s.append(time.perf_counter() - start)
         window[1] = time.time()
+        if i == window_close:
+            monitor.close_window()
         losses.append(global_loss.item() / world)
         if rank == 0 and job["progress"] and ((i + 1) % every == 0 or i + 1 == total):
             print(f"[torch {job['strategy']} x{world}] step {i + 1}/{total} "
                   f"loss {losses[-1]:.4f} {step_s[-1] * 1e3:.1f} ms", file=sys.stderr,
                   flush=True)
+    monitor.stop()
     return step_s, losses, window
 
 

@@ -4,9 +4,9 @@ every layout. Used by the launcher (ps.driver.run_ps) and by `--collect-only`.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ps.series import read_worker
 from ps.shard_client import PSError
 
 
@@ -176,7 +176,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     from jaxdist import metrics
     from jaxdist import record
     from jaxdist.writers import RunWriter
-    from ps import power
+    from jaxdist.telemetry import outputs
+    from jaxdist.telemetry.combine import combine
     from ps.shardmap import abstract_model
 
     psdir = Path(logdir) / "ps"
@@ -185,7 +186,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     for w in range(num_workers):
         path = psdir / f"worker{w}.json"
         if path.exists():
-            workers[w] = json.loads(path.read_text())
+            workers[w] = read_worker(path)
     if not workers:
         raise PSError(f"no worker wrote results into {psdir}")
     dead = list(launch.dead_workers) if launch else [
@@ -318,7 +319,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                        f"the shards over {ps_block['carried_by']} (ps bytes per step)" + (
                            f"; the all-reduce over each worker's {devices} devices is not "
                            f"analysed" if devices > 1 else ""),
-        "power": power.combine({w: r.get("power") or {"available": False, "reason": "the "
+        "power": combine({w: r.get("power") or {"available": False, "reason": "the "
                                 "worker recorded no power block"} for w, r in workers.items()}),
         "window": throughput["window"],
         "accuracy": ref["accuracy"],
@@ -335,6 +336,8 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                     writer.scalar(f"train/worker{w}/step_time_s", r["step_s"][t], t)
         for point in ref["accuracy"]:
             writer.scalar("eval/accuracy", point["accuracy"], point["step"])
+        # the run's figures; each worker's series are in its folder (ps/worker<w>/power)
+        outputs.write_summary(writer.tb, results["power"])
     finally:
         writer.close()
     return results

@@ -68,21 +68,19 @@ class ShardCore:
         self.size = int(params.size)
         self.optimizer = ShardOptimizer(params, tx, clip_norm)
         self.cond = threading.Condition()
-        self.epoch = epoch
-        self.version = 0
+        self.epoch, self.version, self.last_outcome = epoch, 0, "applied"
         self.resync = False             # restored: adopt the workers' step at the next push
-        self.last_outcome = "applied"
         self.alive = set(range(num_workers))
         self.retired: dict[int, str] = {}
         self.last_step = {w: -1 for w in range(num_workers)}
         self.unapplied: dict[int, int] = {}  # async/ssp: a step rejected non-finite (`_push`)
+        self.skipped: int | None = None  # sync: the last barrier's step rejected non-finite
         self.seen_step = {w: -1 for w in range(num_workers)}  # progress, for the launcher
         self.clock = {w: 0 for w in range(num_workers)}
         self.started: set[int] = set()  # workers that said hello (see `hello`)
         self.last_seen: dict[int, float] = {}
-        self.pending: dict[int, np.ndarray] = {}
-        self.barrier_opened = 0.0
-        self.failure: str | None = None
+        self.pending: dict[int, np.ndarray] = {}  # sync: the open barrier's gradients
+        self.barrier_opened, self.failure = 0.0, None
         self.pull_clock: dict[int, tuple[int, int]] = {}
         self.accounting = ShardAccounting(num_workers)
         self.buffers = GradientBuffers(self.size, keep=num_workers)
@@ -107,6 +105,8 @@ class ShardCore:
                                      f"epoch {self.epoch})")
         self.last_seen[worker] = time.monotonic()
         if step <= self.last_step[worker] and self.unapplied.get(worker) != step:
+            if self.mode == "sync" and step == self.skipped:  # its retry learns the outcome
+                return self._reply("rejected_nonfinite")
             self.accounting.counts["deduplicated"] += 1
             return self._reply("deduplicated")
         if epoch == self.epoch and version > self.version:
@@ -315,8 +315,8 @@ class ShardCore:
                        f"parameters and optimizer state unchanged")
             self._event(message)
             self.log(message)
-            if self.mode == "sync":
-                self.version += 1
+            if self.mode == "sync":  # the barrier's step is skipped whole (`_push`)
+                self.skipped, self.version = self.version, self.version + 1
             return False
         if clipped:
             self.accounting.counts["clipped"] += 1

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 from jaxdist.record import memory_block, write_json
+from ps.series import SeriesWriter
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
 # SIGINT from the launcher (its run was interrupted): stop after the current step and
@@ -192,8 +193,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
     total = cfg.loop.warmup + cfg.loop.steps
     # Power as in mesh runs (jaxdist.telemetry): this worker's GPUs, the same windows;
-    # ps.power sums the workers' blocks. The sampler's thread is a daemon: a worker that
-    # fails mid-loop does not wait for it.
+    # jaxdist.telemetry.combine sums the workers' blocks. The sampler's thread is a daemon:
+    # a worker that fails mid-loop does not wait for it.
     window_open, window_close = telemetry.window_steps(cfg.power.power_window,
                                                        cfg.loop.warmup, cfg.loop.steps)
     monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)
@@ -210,6 +211,13 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     # re-push after a shard restart (client.last_push) while this one is written.
     grad_buffers = [np.empty(shard_map.total, np.float32) for _ in range(2)]
     batch = local_batch(0)
+    # Every step's figures go to disk in chunks as the run goes (ps.series): a stopped
+    # worker has one chunk left to write, whatever its step count.
+    series = SeriesWriter(out_dir / f"worker{worker}.series" if out_dir is not None else None,
+                          {"losses": losses, "step_s": step_s, "compute_s": compute_s,
+                           "pull_wait_s": waits, "push_s": client.push_s,
+                           "pull_s": client.pull_s,
+                           **{f"phases_s.{k}": v for k, v in phases.items()}})
     for t in range(total):
         if STOP:  # between steps: every push this worker sent has been answered
             break
@@ -255,6 +263,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             monitor.close_window()
         losses.append(float(loss))
         waits.append(waited)
+        series.step_done(len(losses))
         if fault.get("kill-worker") == t:
             os.kill(os.getpid(), signal.SIGKILL)
         if worker == 0 and (t + 1) % report_every == 0:
@@ -281,18 +290,17 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     if out_dir is not None:
         monitor.write_outputs(out_dir / f"worker{worker}")  # power/*.csv, window.png
 
+    series.flush()
     state = {"params": params, "model_state": model_state}
     by_device = metrics.state_bytes_by_device(state)
     measured, measured_reason = metrics.measured_peak(platform.devices)
     result = {
         "worker": worker, "pid": os.getpid(), "steps_done": len(losses),
         "interrupted": STOP[0] if STOP else None,
-        "losses": losses, "step_s": step_s, "compute_s": compute_s, "pull_wait_s": waits,
-        "push_s": client.push_s, "pull_s": client.pull_s,
         "push_bytes": client.push_bytes, "pull_bytes": client.pull_bytes,
         "restarts_seen": client.restarts_seen, "compile_s": compile_s,
         "rejected_nonfinite": client.rejected_nonfinite,
-        "data_fallbacks": sum(s.fallbacks for s in client.shards), "phases_s": phases,
+        "data_fallbacks": sum(s.fallbacks for s in client.shards),
         "bytes_by_transport": {t: sum(s.bytes_by[t] for s in client.shards)
                                for t in ("tcp", "grpc")},
         "accuracy": accuracy, "env": env_info(platform), "power": power,
@@ -301,10 +309,15 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
                                measured_reason),
         "compiled_flops": metrics.compiled_flops(compiled),
     }
+    result.update(losses=losses, step_s=step_s, compute_s=compute_s, pull_wait_s=waits,
+                  push_s=client.push_s, pull_s=client.pull_s, phases_s=phases)
     client.close()
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_json(out_dir / f"worker{worker}.json", result)
+        series_keys = {name.partition(".")[0] for name in series.lists}
+        write_json(out_dir / f"worker{worker}.json",  # the series are in their files
+                   {**{k: v for k, v in result.items() if k not in series_keys},
+                    "series": series.describe(out_dir)})
     return result
 
 
@@ -350,4 +363,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        # Everything is written (worker<w>.json last, its series flushed, the log): skip
+        # the interpreter's and JAX's teardown, ~0.8 s on a loaded 2-core machine that an
+        # interrupted run's launcher waits for before it writes the record (issue 35).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(code)

@@ -19,7 +19,8 @@
 #  7. XLA:GPU with the device vs compiled without one (scripts/compare_compilers.py
 #     --with-device): memory and collectives of both, the source of every plan's figures.
 #  8. One table (scripts/gpu_table.py --check); exit 1 when a figure is missing.
-#  (Between 6 and 7: a --layout ps run whose worker is on the GPU has a power block.)
+#  (Between 6 and 7: a --layout ps run whose worker is on the GPU, and the PyTorch run of 6,
+#  have a power block.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -104,6 +105,19 @@ run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, its log beside 
     || { echo "   failed (see $OUT/$name.log):"; tail -5 "$OUT/$name.log"; }
 }
 
+power_check() {  # power_check WHAT RUN_DIR LOG: the run's power block is its GPU's NVML one
+  "$PY" - "$1" "$2" <<'PYEOF' || echo "   the $1 power check failed (see $3)"
+import json, sys
+what, run = sys.argv[1:3]
+r = json.load(open(run + "/results.json"))
+p = r["power"]
+print(f"{what} device:", r["env"].get("device_kind"), "| power:",
+      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
+      else p["reason"])
+assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
+PYEOF
+}
+
 say "memory: measured peak vs the compiler's bound (gpt-small bf16, batch 64)"
 run mem-ddp --layout ddp --model gpt-small --dtype bfloat16 --batch-size 64
 
@@ -130,24 +144,18 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
       > "$OUT/torch-mlp.log" 2>&1 && TORCH_RUN="$OUT/torch-mlp" \
     || { echo "   torch run failed (see $OUT/torch-mlp.log):"; tail -5 "$OUT/torch-mlp.log"; }
   [[ -n "$TORCH_RUN" ]] && "$PY" -m experiments.compare "$OUT/jax-mlp" "$TORCH_RUN" || true
+  # The rank samples its GPU with jaxdist.telemetry, as the JAX run does (issue 35 item 6).
+  [[ -z "$TORCH_RUN" ]] || power_check "torch rank" "$TORCH_RUN" "$OUT/torch-mlp.log"
 else
   echo "torch with CUDA is not installed here: the JAX vs PyTorch row is missing"
 fi
 
 say "parameter server: a worker on the GPU measures its power (mlp-10m sync, 1 worker, 1 shard)"
 # Not in the table below: the check is that the worker ran on the GPU and that results.power
-# is the worker's NVML block (ps.power), not "unavailable".
+# is the worker's NVML block (jaxdist.telemetry.combine), not "unavailable".
 run ps-mlp --layout ps --mesh 1x1 --ps-shards 1 --ps-mode sync --model mlp-10m \
     --dtype float32 --batch-size 256
-"$PY" - "$OUT/ps-mlp" <<'PYEOF' || echo "   the PS power check failed (see $OUT/ps-mlp.log)"
-import json, sys
-r = json.load(open(sys.argv[1] + "/results.json"))
-p = r["power"]
-print("ps worker device:", r["env"].get("device_kind"), "| power:",
-      f"avg {p['avg_w']:.0f} W, {p['energy_per_sample_j']:.4g} J/sample" if p["available"]
-      else p["reason"])
-assert p["available"] and "cpu" not in str(r["env"].get("device_kind", "cpu")).lower()
-PYEOF
+power_check "ps worker" "$OUT/ps-mlp" "$OUT/ps-mlp.log"
 
 say "XLA:GPU with the device vs without (gpt-tiny bf16 ddp, fsdp, tp_pp; llama-tiny cuDNN)"
 # The figures every plan gives come from the device-less compile: they must match this GPU's.

@@ -478,3 +478,23 @@ def test_a_rejected_push_does_not_consume_its_step():
         s = c.stats()
         assert (s["applies"], s["rejected_nonfinite"], s["deduplicated"]) == (3, 2, 2)
         assert c.version == 3 and c.last_step[0] == 2
+
+
+def test_a_retry_of_a_skipped_sync_step_is_told_so_not_deduplicated():
+    """sync: a barrier whose update is not finite is skipped whole (the version moves on:
+    every worker goes to the next step). A retry of that step (its reply was lost) used to
+    read `deduplicated`, as if applied; it now gets the step's outcome and counts nothing
+    (issue 35 item 4). A retry of an applied step is still a duplicate."""
+    c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode="sync", num_workers=2)
+    assert c.push(0, 0, 0, 0, g(3e38))["status"] == "pending"
+    assert c.push(1, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"
+    for w in (0, 1):
+        assert c.push(w, 0, 0, 0, g(1.0))["status"] == "rejected_nonfinite"
+    s = c.stats()
+    assert c.version == 1
+    assert (s["deduplicated"], s["rejected_nonfinite"], s["applies"]) == (0, 1, 0)
+    assert c.push(0, 1, 1, 0, g(1.0))["status"] == "pending"
+    assert c.push(1, 1, 1, 0, g(1.0))["status"] == "applied"
+    assert c.push(1, 1, 1, 0, g(1.0))["status"] == "deduplicated"
+    assert c.push(0, 0, 0, 0, g(1.0))["status"] == "rejected_nonfinite"  # still step 0's
+    assert c.version == 2 and c.stats()["deduplicated"] == 1

@@ -16,6 +16,7 @@ import pytest
 from jaxdist.record import RunRecord, check
 from jaxdist.summary import format_summary
 from ps import collect
+from ps.series import read_worker
 from tests.helpers import ROOT, child_env, run_cli
 
 WORKERS, BATCH, WARMUP, STEPS = 2, 8, 1, 3
@@ -33,8 +34,7 @@ def ps_run(tmp_path_factory):
                        timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((logdir / "results.json").read_text())
-    workers = [json.loads((logdir / "ps" / f"worker{w}.json").read_text())
-               for w in range(WORKERS)]
+    workers = [read_worker(logdir / "ps" / f"worker{w}.json") for w in range(WORKERS)]
     return proc, logdir, results, workers
 
 

@@ -19,6 +19,7 @@ from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import check
 from jaxdist.procs import pids_alive, pids_mentioning
+from ps.series import read_worker
 from tests.helpers import child_env, cli_main, read_scalars, run_cli, train
 
 DIGITS = ["--model", "mlp-tiny", "--dataset", "digits", "--lr", "0.003", "--batch-size", "60",
@@ -95,7 +96,7 @@ def test_sync_results_and_tensorboard(sync_run):
     assert all(s["opt_bytes"] > s["params_bytes"] for s in ps["server_bytes_per_shard"])
     assert r["memory"]["state_bytes_per_device"] == 6922 * 4
     assert len(r["memory"]["state_bytes_by_device"]) == 2      # worker 0's two devices
-    workers = [json.loads((logdir / "ps" / f"worker{w}.json").read_text()) for w in (0, 1)]
+    workers = [read_worker(logdir / "ps" / f"worker{w}.json") for w in (0, 1)]
     calls = {"push_latency_s": 4 * 2 * 3 + 3,     # steps x workers x shards + the dup push
              "pull_latency_s": 4 * 2 * 3}
     for key, n in calls.items():
@@ -415,7 +416,7 @@ def test_ctrl_c_keeps_a_ps_runs_results_marked_interrupted(tmp_path):
     assert lines[0].endswith("a parameter-server run does not resume; to start again from "
                              "step 0 run the same command with another --logdir")
     for w in (0, 1):
-        worker = json.loads((logdir / "ps" / f"worker{w}.json").read_text())
+        worker = read_worker(logdir / "ps" / f"worker{w}.json")
         assert worker["interrupted"] == "SIGINT" and worker["steps_done"] > 2
     # Step times are worker 0's (step_time_definition); at sync's barrier another worker may
     # have finished one step more when the signal came, and steps_done is the furthest.

@@ -4,6 +4,7 @@ messages, deduplicated retries, TLS, and its usage errors."""
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -474,15 +475,20 @@ def test_sync_steps_start_no_grpc_thread_per_call(sync_server, monkeypatch):
 
 def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     """A worker samples its GPUs with jaxdist.telemetry (a scripted fake NVML here: no GPU
-    on this machine) over the same window as a mesh run, and ps.power sums the workers'
-    blocks into the run's (issue 35 item 6)."""
+    on this machine) over the same window as a mesh run, jaxdist.telemetry.combine sums the
+    workers' blocks into the run's, and the collector's record, summary and TensorBoard
+    show it (issue 35 item 6)."""
     from jaxdist import telemetry
     from jaxdist.config import LoopConfig, TrainConfig
     from jaxdist.devices import select_devices
     from jaxdist.mesh import MeshShape
     from jaxdist.telemetry import fake
-    from ps import power
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.summary import format_summary
+    from jaxdist.telemetry.combine import combine
+    from ps.collect import collect
     from ps.worker import run_worker
+    from tests.helpers import read_scalars
 
     real = telemetry.create_monitor
 
@@ -496,6 +502,9 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
                         ps=PSConfig(ps_shards=1, ps_mode="async", ps_timeout_s=5.0))
         out = run_worker(cfg, 0, [f"127.0.0.1:{port}"], tmp_path / "ps",
                          select_devices(MeshShape(8, 1)), log=lambda *_: None)
+        c = shard_client(f"127.0.0.1:{port}")
+        stats = [c.control("stats")]
+        c.close()
     finally:
         stop_server(proc)
     mine = out["power"]
@@ -504,13 +513,18 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     assert mine["avg_w"] == pytest.approx(300.0, rel=0.05)
     assert mine["energy_per_sample_j"] == pytest.approx(mine["energy_j"] / (40 * 8))
     assert (tmp_path / "ps" / "worker0" / "power" / "gpu_power_0.csv").stat().st_size > 0
-    both = power.combine({0: mine, 1: mine})
+    results = collect(cfg, parse_mesh("1x8"), tmp_path, stats, shard_map_for(cfg))
+    assert results["power"]["available"] and results["power"]["energy_j"] == mine["energy_j"]
+    assert re.search(r"\n  power / energy +avg \d+ W, [0-9.]+ J/step", format_summary(results))
+    assert json.loads((tmp_path / "results.json").read_text())["power"]["available"]
+    assert "power/energy_per_step_j" in read_scalars(tmp_path)
+    both = combine({0: mine, 1: mine})
     assert both["available"] is True and len(both["gpus"]) == 2
     assert both["energy_j"] == pytest.approx(2 * mine["energy_j"])
     assert both["window"]["samples"] == 2 * 40 * 8
     assert both["energy_per_sample_j"] == pytest.approx(mine["energy_per_sample_j"])
     assert both["avg_w"] == pytest.approx(600.0, rel=0.05)
-    half = power.combine({0: mine, 1: {"available": False, "reason": "NVML library not found"}})
+    half = combine({0: mine, 1: {"available": False, "reason": "NVML library not found"}})
     assert half == {"available": False, "reason": "worker(s) [1]: NVML library not found"}
-    assert power.combine({0: {"available": False, "reason": "r"}}) == {
+    assert combine({0: {"available": False, "reason": "r"}}) == {
         "available": False, "reason": "r"}

@@ -106,7 +106,7 @@ def test_torch_run_writes_schema_valid_results(runs, strategy):
     assert results["memory"]["compiled"] is None
     assert results["memory"]["measured_peak_bytes"] is None
     assert results["memory"]["measured_peak_reason"]
-    assert results["power"]["available"] is False
+    assert results["power"]["available"] is False and results["power"]["reason"]
     assert results["model"]["params"] == 6922
     assert results["step_time_s"]["n"] == 3 and len(results["warmup_step_time_s"]) == 1
     assert len(results["loss"]) == 4
@@ -136,6 +136,46 @@ def test_ddp_and_fsdp_agree_and_fsdp_halves_state(runs):
     assert fsdp["memory"]["state_bytes_per_device"] < 0.6 * ddp["memory"]["state_bytes_per_device"]
 
 
+def test_a_rank_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
+    """Each rank samples its GPU with jaxdist.telemetry (a scripted fake NVML at 300 W here:
+    no GPU on this machine) over the timed steps, as a mesh run does; the launcher adds the
+    ranks' blocks up (jaxdist.telemetry.combine) into the record, its summary line and
+    TensorBoard (issue 35 item 6). One rank, in this process: gloo with a world of one."""
+    from experiments import torch_run, torch_worker
+    from jaxdist import telemetry
+    from jaxdist.summary import format_summary
+    from jaxdist.telemetry import fake
+    from tests.helpers import read_scalars
+
+    real = telemetry.create_monitor
+
+    def with_fake(cfg, backend=None, *, devices=None, **kw):
+        return real(cfg, fake.fake_backend([fake.FakeGPU(power_w=300.0)]), devices=None, **kw)
+    monkeypatch.setattr(telemetry, "create_monitor", with_fake)
+    args = torch_run.build_parser().parse_args(
+        ["--nproc", "1", "--model", "mlp-tiny", "--batch-size", "8", "--warmup", "1",
+         "--steps", "30", "--power-sample-ms", "5", "--no-progress"])
+    model_cfg, device = torch_run.validate(args)
+    cfg = torch_run.run_config(args)
+    logdir, work = tmp_path / "run", tmp_path / "work"
+    work.mkdir()
+    job = torch_run.write_job(args, model_cfg, device, work, logdir)
+    report = torch_worker.run_rank(0, job)
+    mine = report["power"]
+    assert mine["available"] is True, mine.get("reason")
+    assert mine["window"]["steps"] == 30 and mine["window"]["samples"] == 30 * 8
+    assert mine["window"]["window_steps"] == [1, 30]
+    assert mine["avg_w"] == pytest.approx(300.0, rel=0.05)
+    assert (logdir / "rank0" / "power" / "gpu_power_0.csv").stat().st_size > 0
+    results = torch_run.assemble_results(cfg, model_cfg, job, [report])
+    torch_run.write_outputs(cfg, logdir, results)
+    power = json.loads((logdir / "results.json").read_text())["power"]
+    assert power["available"] and power["energy_j"] == mine["energy_j"]
+    assert power["window"]["per_rank"][0]["rank"] == 0 and power["gpus"][0]["rank"] == 0
+    assert re.search(r"\n  power / energy +avg \d+ W, [0-9.]+ J/step", format_summary(results))
+    assert "power/energy_per_step_j" in read_scalars(logdir)
+
+
 BAD = [
     (["--batch-size", "33"], "global batch 33 is not divisible by --nproc 2"),
     (["--model", "gpt-huge"], "unknown model 'gpt-huge'"),
@@ -143,6 +183,7 @@ BAD = [
     (["--strategy", "zero9"], "invalid choice: 'zero9'"),
     (["--device", "cuda"], "needs 2 GPUs"),
     (["--matmul-precision", "tf32"], "--matmul-precision: invalid choice: 'tf32'"),
+    (["--power-sample-ms", "0"], "--power-sample-ms must be 1..60000, got 0"),
 ]
 
 

@@ -290,17 +290,21 @@ def _process_index() -> int:
 
 def create_monitor(cfg: PowerConfig, backend=None, *, devices=None, clock=None,
                    threaded: bool = True, rapl_root=rapl.DEFAULT_ROOT,
-                   thresholds: energy.Thresholds | None = None) -> Monitor:
-    """A monitor for this process's GPUs among `devices` (JAX devices; None = every GPU
-    NVML sees). backend None = real NVML; pass fake.fake_backend(...) in tests. Never
-    raises: an unusable NVML gives a monitor whose result says why."""
+                   thresholds: energy.Thresholds | None = None,
+                   process_index: int | None = None) -> Monitor:
+    """A monitor for this process's GPUs among `devices` (JAX devices, or anything with
+    their id, platform, process_index and local_hardware_id, as the PyTorch reference
+    gives; None = every GPU NVML sees). `process_index` None asks JAX (a PyTorch rank gives
+    it: asking would start a JAX backend there). backend None = real NVML; pass
+    fake.fake_backend(...) in tests. Never raises: an unusable NVML gives a monitor whose
+    result says why."""
     backend = backend or NVMLBackend()
     kw = dict(clock=clock or time.time, threaded=threaded, rapl_root=rapl_root,
               thresholds=thresholds)
     try:
         selectors, note, local = None, None, []
         if devices is not None:
-            pidx = _process_index()
+            pidx = _process_index() if process_index is None else process_index
             local = [d for d in devices if d.platform in ("gpu", "cuda")
                      and d.process_index == pidx]
             selectors = gpu_selectors(devices, pidx)
@@ -311,7 +315,7 @@ def create_monitor(cfg: PowerConfig, backend=None, *, devices=None, clock=None,
         if selectors == []:
             backend.close()
             kinds = sorted({d.platform for d in devices})
-            return Monitor(cfg, backend, [], f"this run uses no GPU (JAX devices: "
+            return Monitor(cfg, backend, [], f"this run uses no GPU (its devices: "
                            f"{', '.join(kinds)}); NVML sees {len(devs)}", **kw)
     except Unavailable as e:
         return Monitor(cfg, backend, [], str(e), **kw)

@@ -78,6 +78,14 @@ def write_tensorboard(tb, series: dict[int, dict], start: float, result: dict) -
         g = next((g for g in result["gpus"] if g["index"] == gpu), None)
         if g and g["energy_integral_j"] is not None:
             tb.add_scalar(f"power/gpu{gpu}/energy_integral_j", g["energy_integral_j"], 0)
+    write_summary(tb, result)
+
+
+def write_summary(tb, result: dict) -> None:
+    """The window's figures at step 0 under `power/`; also for a run whose processes each
+    wrote their own series (a PS run's workers, the PyTorch ranks: combine.combine)."""
+    if not result.get("available"):
+        return
     for key in TB_SUMMARY:
         if result.get(key) is not None:
             tb.add_scalar(f"power/{key}", float(result[key]), 0)

@@ -1,10 +1,10 @@
-"""A PS run's `power` block. Each worker measures its own GPUs with the telemetry module
-mesh runs use (jaxdist.telemetry: the same sampler, windows and block, in its worker file);
-the run's block adds them up: the GPUs side by side, energies and samples summed, the
-window from the first worker's open to the last one's close. Shards hold no GPU (they run
-on CPU), so they add nothing.
+"""The power block of a run whose processes each measure their own GPUs: a PS run's workers,
+the PyTorch reference's ranks. Each samples with this module's monitor (the sampler,
+windows and block of a mesh run) and writes its block; the run's block adds them up: the
+GPUs side by side, energies and samples summed, the window from the first process's open
+to the last one's close. (PS shards hold no GPU: they add nothing.)
 
-Any worker without a measurement makes the run's block unavailable, with its reason: a sum
+Any process without a measurement makes the run's block unavailable, with its reason: a sum
 over some of the GPUs would read as the run's energy.
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 from jaxdist.telemetry import energy
 
 
-def combine(blocks: dict[int, dict]) -> dict:
-    """The run's power block from {worker: its power block}."""
+def combine(blocks: dict[int, dict], who: str = "worker") -> dict:
+    """The run's power block from {process index: its power block}; `who` names the
+    processes in reasons and per-process fields (worker, rank)."""
     if not blocks:
-        return {"available": False, "reason": "no worker reported a power block"}
+        return {"available": False, "reason": f"no {who} reported a power block"}
     missing = {w: b.get("reason", "not measured") for w, b in sorted(blocks.items())
                if not b.get("available")}
     if missing:
@@ -24,9 +25,9 @@ def combine(blocks: dict[int, dict]) -> dict:
         if len(missing) == len(blocks) and len(reasons) == 1:
             return {"available": False, "reason": reasons[0]}
         return {"available": False, "reason": "; ".join(
-            f"worker(s) {[w for w in missing if missing[w] == r]}: {r}" for r in reasons)}
+            f"{who}(s) {[w for w in missing if missing[w] == r]}: {r}" for r in reasons)}
     order = sorted(blocks)
-    gpus = [dict(g, worker=w) for w in order for g in blocks[w]["gpus"]]
+    gpus = [dict(g, **{who: w}) for w in order for g in blocks[w]["gpus"]]
     windows = [blocks[w]["window"] for w in order]
     duration = max(win["duration_s"] for win in windows)
     steps = max(win["steps"] for win in windows)
@@ -43,12 +44,12 @@ def combine(blocks: dict[int, dict]) -> dict:
                    "end_unix_s": max(win["end_unix_s"] for win in windows),
                    "duration_s": duration, "steps": steps, "samples": samples,
                    "tokens": tokens, "window_steps": first["window"].get("window_steps"),
-                   "per_worker": [dict(win, worker=w) for w, win in zip(order, windows)]},
+                   f"per_{who}": [dict(win, **{who: w}) for w, win in zip(order, windows)]},
         **totals,
-        "flags": flags + [dict(f, worker=w) for w in order for f in blocks[w]["flags"]],
+        "flags": flags + [dict(f, **{who: w}) for w in order for f in blocks[w]["flags"]],
         "gpus": gpus,
         "sample_ms": first["sample_ms"],
-        "note": "the sum of each worker's own GPUs over its own window (ps.power); the "
-                "longest window divides the energy into watts",
+        "note": f"the sum of each {who}'s own GPUs over its own window "
+                f"(jaxdist.telemetry.combine); the longest window divides the energy into watts",
         "errors_total": sum(blocks[w].get("errors_total", 0) for w in order),
     }
