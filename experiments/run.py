@@ -18,7 +18,7 @@ from pathlib import Path
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace, parse_profile_steps
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
-from models.build import build_model
+from jaxdist.run_model import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices

@@ -27,7 +27,7 @@ from jaxdist import metrics
 from jaxdist.mesh import MeshShape
 from jaxdist.train_step import DTYPES, split_model, abstract_train_state, make_optimizer
 from jaxdist.update import train_state
-from models.build import build_model
+from jaxdist.run_model import build_model
 from sharding import get_layout
 
 STACK = "blocks"  # the decoders' nnx.List of identical blocks

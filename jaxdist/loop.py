@@ -27,7 +27,7 @@ from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram
 from jaxdist.pipeline.report import pipeline_block, switch_runs
 from jaxdist.predict.inrun import safe_prediction_block
-from models.build import build_model
+from jaxdist.run_model import build_model
 from sharding import get_layout
 
 

@@ -114,7 +114,7 @@ class GPTConfig:
     # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
     attention: str = "default"
     family: str = "gpt"
-    input_kind: ClassVar[str] = "tokens"  # no image dataset fits (models.build.adapt_model)
+    input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
 
     def validate(self) -> None:
         if self.remat not in REMAT_POLICIES:

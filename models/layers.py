@@ -154,7 +154,7 @@ def classifier_loss(model, batch):
 class ImageClassifier:
     """Batch, loss and token count of an image classifier config with fields image_size,
     channels and num_classes. `input_kind = "image"`: a dataset of images resizes the
-    config's image_size, channels and num_classes (models.build.adapt_model)."""
+    config's image_size, channels and num_classes (jaxdist.run_model.adapt_model)."""
 
     input_kind: ClassVar[str] = "image"
 

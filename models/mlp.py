@@ -34,7 +34,7 @@ class MLPConfig:
     depth: int = 2
     num_classes: int = 10
     family: str = "mlp"
-    # A dataset's images arrive flattened to in_dim (models.build.adapt_model).
+    # A dataset's images arrive flattened to in_dim (jaxdist.run_model.adapt_model).
     input_kind: ClassVar[str] = "vector"
 
     def build(self, rngs, dtype):

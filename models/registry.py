@@ -20,7 +20,7 @@ class ModelConfig(Protocol):
     family: str
     # What a real dataset's samples become for this model: "image" (image_size, channels and
     # num_classes follow the dataset), "vector" (flattened to in_dim), "tokens" (no image
-    # dataset fits). See models.build.adapt_model.
+    # dataset fits). See jaxdist.run_model.adapt_model.
     input_kind: str
 
     def build(self, rngs, dtype) -> Any:

@@ -177,8 +177,8 @@ def build_shard_map(leaves: list[Leaf], num_shards: int,
 
 
 def model_config(cfg):
-    """The run's model config, sized for its dataset (models.build.build_model)."""
-    from models.build import build_model
+    """The run's model config, sized for its dataset (jaxdist.run_model.build_model)."""
+    from jaxdist.run_model import build_model
 
     return build_model(cfg)[0]
 

@@ -33,7 +33,7 @@ def reading_of(cfg, target, blocks: str):
     """Figures of the whole step on `target` (depth 1/2 extrapolated for big decoders)."""
     from jaxdist.mesh import parse_mesh
     from jaxdist.predict import program
-    from models.build import build_model
+    from jaxdist.run_model import build_model
 
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)

@@ -9,7 +9,7 @@ from jaxdist import dryrun
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
-from models.build import build_model
+from jaxdist.run_model import build_model
 from tests.helpers import cli_main, run_cli
 
 

@@ -13,7 +13,7 @@ from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.errors import UsageError
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import parse_mesh
-from models.build import build_model
+from jaxdist.run_model import build_model
 
 pytestmark = pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                                 reason=str(compiled.gpu_compiler_missing()))

@@ -12,7 +12,7 @@ from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
 from jaxdist.predict import memory, model, program
-from models.build import build_model
+from jaxdist.run_model import build_model
 from tests.helpers import run_cli
 
 H200 = get_hardware("h200")

@@ -173,7 +173,7 @@ def tiny_cfg(schedule="1f1b", depth=4):
 def test_tiny_pipeline_prediction_end_to_end():
     from jaxdist.compiled import compiles_run
     from jaxdist.predict.plan import predict_plan
-    from models.build import build_model
+    from jaxdist.run_model import build_model
 
     cache, compiles = {}, compiles_run()
     cfg = tiny_cfg()

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
-from models.build import build_model
+from jaxdist.run_model import build_model
 from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import SHARED
 from jaxdist.pipeline.schedule import build_schedule

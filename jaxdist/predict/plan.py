@@ -15,7 +15,7 @@ from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
 from jaxdist.summary import dist_opt_text
 from jaxdist.predict import kernels_time, memory, model, program
-from models.build import build_model
+from jaxdist.run_model import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
 
 
