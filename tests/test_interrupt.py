@@ -84,15 +84,17 @@ def test_one_process_stops_writes_results_and_checkpoint(tmp_path, signum, code)
     assert list(logdir.glob("events.out.tfevents.*"))  # TensorBoard events kept
 
 
-def test_sigterm_after_50000_steps_leaves_the_record(tmp_path):
+def test_sigterm_after_10000_steps_leaves_the_record(tmp_path):
     """Issue 35 item 5 for mesh runs: SLURM sends SIGKILL 30 s after SIGTERM, so what a stop
     has left to write must not grow with the run. TensorBoard's events are written as the
     steps go (RunWriter.step); at the stop come the statistics and results.json. One device,
     mlp-tiny (the cheapest step, ~0.8 ms here); the step count is read off the progress bar.
-    SIGTERM-to-exit seconds are printed (issue 35's closing note), not asserted."""
+    10,000 steps, not the PS test's 50,000: what is left at the stop is the same code at
+    any count (measured at 50,054 and 50,146 steps: 2.8 and 1.8 s to exit), and the suite
+    has 10 minutes. SIGTERM-to-exit seconds are printed, not asserted."""
     import threading
 
-    reached, total = 50_000, 1_000_000
+    reached, total = 10_000, 1_000_000
     logdir = tmp_path / "run"
     proc = _start(["--mesh", "1", "--layout", "ddp", *LONG[:-1], "--logdir", str(logdir)])
     err = []  # stderr as it comes (the bar is rewritten in place, without newlines)
