@@ -122,6 +122,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
             return g_l, jax.tree.map(jnp.add, g_s, d_shared)
 
+        zeros_act = jnp.zeros(act_shape, act_dtype)
+
         def slot(carry, u):
             (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out, fwd_in,
              bwd_in) = carry
@@ -135,6 +137,13 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
+            # The stash and the gradient slots are read and written here, outside the
+            # switch, one slot each: a buffer that a branch updated in place and another
+            # passed through was copied whole at every slot (XLA's copy insertion).
+            stashed = [_read(b, row["res"]) for b in stash]
+            dy = _read(grads, row["grad"])
+            is_f = row["op"] == 1 + sched.kinds.index(FWD)
+
             # Each stage runs only its own operation (lax.switch on its row). Collectives
             # inside a branch stay within one stage (its data / tensor group), which takes
             # that branch as a whole; the ppermutes between stages are outside.
@@ -142,46 +151,46 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 return acc
 
             def fwd(acc):  # F: the stash for the backward; the last chunk's head and its
-                # backward at once, its gradient into the chunk's output in a gradient slot
-                grads, stash, kept, g_l, g_s, ls, y_out, dx_out = acc
+                # backward at once, its gradient into the chunk's output
+                kept, g_l, g_s, ls, y_out, dx_out, _, dh = acc
                 y, aux, stored = ops.forward(chunk, shared, x, tokens, is_first)
-                stash = tuple(_store(b, row["res"], r) for b, r in zip(stash, stored))
 
                 def head(a):
-                    ls, g_s, grads = a
+                    ls, g_s, dh = a
                     loss, dh, d_own = ops.head(shared, y, tokens)
                     g_s = {**g_s, **{k: jax.tree.map(jnp.add, g_s[k], d) for k, d in
                                      d_own.items()}}
-                    return ls + loss, g_s, _store(grads, row["grad"], dh)
-                ls, g_s, grads = jax.lax.cond(is_last, head, lambda a: a,
-                                              (ls + aux, g_s, grads))
-                return grads, stash, kept, g_l, g_s, ls, y, dx_out
-
-            def backward_inputs(stash):
-                return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
-                        _read(grads, row["grad"]))
+                    return ls + loss, g_s, dh
+                ls, g_s, dh = jax.lax.cond(is_last, head, lambda a: a, (ls + aux, g_s, dh))
+                return kept, g_l, g_s, ls, y, dx_out, list(stored), dh
 
             def back(acc):  # BACK: weight and input gradients from the stash
-                grads, stash, kept, g_l, g_s, ls, y_out, dx_out = acc
-                d_chunk, d_shared, dx = ops.backward(*backward_inputs(stash))
+                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
+                d_chunk, d_shared, dx = ops.backward(stashed, chunk, shared, x, dy)
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
-                return grads, stash, kept, g_l, g_s, ls, y_out, dx.astype(act_dtype)
+                return kept, g_l, g_s, ls, y_out, dx.astype(act_dtype), stored, dh
 
             def bwd(acc):  # B (zb-h1): the input gradient; W reads what it keeps
-                grads, stash, kept, g_l, g_s, ls, y_out, dx_out = acc
-                dx, kept = ops.input_grad(*backward_inputs(stash))
-                return grads, stash, tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype)
+                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
+                dx, kept = ops.input_grad(stashed, chunk, shared, x, dy)
+                return tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype), stored, dh
 
             def wgt(acc):  # W: the weight gradients from the stash and B's kept values
-                grads, stash, kept, g_l, g_s, ls, y_out, dx_out = acc
-                d_chunk, d_shared = ops.weight_grad(*backward_inputs(stash), list(kept))
+                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
+                d_chunk, d_shared = ops.weight_grad(stashed, chunk, shared, x, dy, list(kept))
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
-                return grads, stash, kept, g_l, g_s, ls, y_out, dx_out
+                return kept, g_l, g_s, ls, y_out, dx_out, stored, dh
 
             branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
-            grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out = jax.lax.switch(
-                row["op"], [idle] + [branch[k] for k in sched.kinds],
-                (grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out))
+            (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
+             dh) = jax.lax.switch(row["op"], [idle] + [branch[k] for k in sched.kinds],
+                                  (kept, g_local, g_shared, loss_sum, y_out, dx_out,
+                                   [jnp.zeros_like(r) for r in stashed],
+                                   jnp.zeros_like(zeros_act)))
+            # F's stash into its slot; the last chunk's F also fills its gradient slot.
+            stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
+                          for b, r in zip(stash, stored))
+            grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
             # The tick's messages after its last slot: every stage takes the same branch
             # (the pattern is the slot's, not the stage's), which holds exactly the pairs
             # that send at this tick, so no byte moves that the schedule does not send.
@@ -190,7 +199,6 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out,
                     fwd_in, bwd_in), None
 
-        zeros_act = jnp.zeros(act_shape, act_dtype)
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
         stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
         stash0 = tuple(jnp.zeros((sched.res_slots, *r.shape), r.dtype) for r in stashed)
