@@ -137,22 +137,27 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
-            # The stash and the gradient slots are read and written here, outside the
-            # switch, one slot each: a buffer that a branch updated in place and another
+            # The stash and the gradient slots are written here, outside the switch, and
+            # only read inside it: a buffer that one branch updated in place and another
             # passed through was copied whole at every slot (XLA's copy insertion).
-            stashed = [_read(b, row["res"]) for b in stash]
-            dy = _read(grads, row["grad"])
             is_f = row["op"] == 1 + sched.kinds.index(FWD)
+
+            def backward_inputs():
+                return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
+                        _read(grads, row["grad"]))
 
             # Each stage runs only its own operation (lax.switch on its row). Collectives
             # inside a branch stay within one stage (its data / tensor group), which takes
             # that branch as a whole; the ppermutes between stages are outside.
+            def nothing():  # what a branch other than F writes to the stash: nothing
+                return [jnp.zeros(b.shape[1:], b.dtype) for b in stash], zeros_act
+
             def idle(acc):
-                return acc
+                return (*acc, *nothing())
 
             def fwd(acc):  # F: the stash for the backward; the last chunk's head and its
                 # backward at once, its gradient into the chunk's output
-                kept, g_l, g_s, ls, y_out, dx_out, _, dh = acc
+                kept, g_l, g_s, ls, y_out, dx_out = acc
                 y, aux, stored = ops.forward(chunk, shared, x, tokens, is_first)
 
                 def head(a):
@@ -161,32 +166,31 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     g_s = {**g_s, **{k: jax.tree.map(jnp.add, g_s[k], d) for k, d in
                                      d_own.items()}}
                     return ls + loss, g_s, dh
-                ls, g_s, dh = jax.lax.cond(is_last, head, lambda a: a, (ls + aux, g_s, dh))
+                ls, g_s, dh = jax.lax.cond(is_last, head, lambda a: a,
+                                           (ls + aux, g_s, zeros_act))
                 return kept, g_l, g_s, ls, y, dx_out, list(stored), dh
 
             def back(acc):  # BACK: weight and input gradients from the stash
-                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
-                d_chunk, d_shared, dx = ops.backward(stashed, chunk, shared, x, dy)
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                d_chunk, d_shared, dx = ops.backward(*backward_inputs())
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
-                return kept, g_l, g_s, ls, y_out, dx.astype(act_dtype), stored, dh
+                return kept, g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
 
             def bwd(acc):  # B (zb-h1): the input gradient; W reads what it keeps
-                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
-                dx, kept = ops.input_grad(stashed, chunk, shared, x, dy)
-                return tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype), stored, dh
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                dx, kept = ops.input_grad(*backward_inputs())
+                return tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
 
             def wgt(acc):  # W: the weight gradients from the stash and B's kept values
-                kept, g_l, g_s, ls, y_out, dx_out, stored, dh = acc
-                d_chunk, d_shared = ops.weight_grad(stashed, chunk, shared, x, dy, list(kept))
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                d_chunk, d_shared = ops.weight_grad(*backward_inputs(), list(kept))
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
-                return kept, g_l, g_s, ls, y_out, dx_out, stored, dh
+                return kept, g_l, g_s, ls, y_out, dx_out, *nothing()
 
             branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
             (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
              dh) = jax.lax.switch(row["op"], [idle] + [branch[k] for k in sched.kinds],
-                                  (kept, g_local, g_shared, loss_sum, y_out, dx_out,
-                                   [jnp.zeros_like(r) for r in stashed],
-                                   jnp.zeros_like(zeros_act)))
+                                  (kept, g_local, g_shared, loss_sum, y_out, dx_out))
             # F's stash into its slot; the last chunk's F also fills its gradient slot.
             stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
                           for b, r in zip(stash, stored))
