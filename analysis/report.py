@@ -101,7 +101,8 @@ def pipeline_lines(runs) -> list[str]:
     if not rows:
         return []
     return ["## Pipeline: bubble and stage bytes", "",
-            "Bubble: idle stage-ticks over all stage-ticks, counted from the schedule table "
+            "Bubble: idle stage time over all stage time (F-units), counted from the "
+            "schedule table "
             "as executed, beside the analytic formula. Stage bytes: what the stages send "
             "each other per step (activations forward, gradients backward), from the "
             "compiled HLO, a device of each stage summed, beside the analytic volume "

@@ -91,7 +91,9 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
             ("pipeline memory", f"params by stage " + ", ".join(
                 human_bytes(b) for b in pp["memory"]["param_bytes_by_stage"]) +
              f"; activation stash {pp['live_activation_slots']} x "
-             f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}"),
+             f"{human_bytes(pp['memory']['activation_bytes_per_microbatch'])}" +
+             (f" (inputs), {pp['residual_slots']} micro-batches' backward stash"
+              if pp.get("residual_slots") else "")),
         ]
     rows += [
         ("collectives per device/step", _comm_line(results.get("comm"), results.get("comm_reason"))),

@@ -6,12 +6,12 @@ bubble counted from the schedule beside the analytic formula, the compiler's tem
 device, the stage-to-stage bytes per step read from the compiled HLO (beside the analytic
 activation volume), and last the 1F1B / GPipe ratio of the activation memory (temp bytes).
 
-Then the step length: the table's cost in F-units (each tick as long as its busiest stage;
-F, B and W one unit each) and the measured wall time of the step (median of --runs after
+Then the step length: the table's cost in F-units (each tick as long as its busiest stage's
+F then BACK, F = 1, BACK = 2) and the measured wall time of the step (median of --runs after
 one warm-up, on the same 4 simulated devices), as 1F1B / GPipe at equal M. Both run the
-same forward, B and W bodies, so a tick's work is the same in both and only the table
-differs. Simulated CPU devices share the host's cores, so the measured ratio is functional,
-not a performance figure.
+same F and BACK bodies, so the work is equal and only the table differs. Simulated CPU
+devices share the host's cores, so the measured ratio is functional, not a performance
+figure.
 
 Usage: python scripts/bench_pp.py [--ms 4,8,16,32] [--runs 5]
 """
@@ -73,7 +73,7 @@ def measure(cfg, schedule: str, virtual: int, M: int, runs: int = 0) -> dict:
                         sched)
     return {"bubble": sched.bubble(), "analytic": sched.analytic_bubble(),
             "temp": compiled.memory_analysis().temp_size_in_bytes,
-            "stash": sched.act_slots * act, "stage_bytes": sends["total_bytes"],
+            "stash": sched.res_slots, "stage_bytes": sends["total_bytes"],
             "stage_analytic": 2 * act * M * (sched.chunks - 1), "cost": sched.cost(),
             "seconds": step_seconds(program, compiled, batch, runs) if runs else None}
 
@@ -87,7 +87,7 @@ def main() -> int:
     rows = {}
     print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device")
     print(f"{'schedule':<16}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
-          f"{'stash bytes':>13}{'stage bytes':>13}{'analytic':>11}")
+          f"{'stashed mbs':>13}{'stage bytes':>13}{'analytic':>11}")
     for M in (int(m) for m in args.ms.split(",")):
         for name, V in SCHEDULES:
             r = measure(cfg, name, V, M, args.runs if name in ("gpipe", "1f1b") else 0)
@@ -96,7 +96,7 @@ def main() -> int:
             print(f"{label:<16}{M:>4}{r['bubble']:>9.4f}{r['analytic']:>10.4f}"
                   f"{r['temp']:>13,}{r['stash']:>13,}{r['stage_bytes']:>13,}"
                   f"{r['stage_analytic']:>11,}", flush=True)
-    print("\n1F1B / GPipe activation memory (compiler temp bytes; activation stash)")
+    print("\n1F1B / GPipe activation memory (compiler temp bytes; micro-batches stashed)")
     for M in sorted({m for _, m in rows}):
         g, o = rows[("gpipe", M)], rows[("1f1b", M)]
         z = rows[("zb-h1", M)]

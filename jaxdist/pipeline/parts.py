@@ -44,8 +44,14 @@ class Parts:
             x_BLD = x_BLD + pos(jnp.arange(tokens_BL.shape[1]))[None]
         return x_BLD
 
-    def blocks(self, chunk, x_BLD):
-        """The K blocks of one chunk (leaves [K, *shape]); returns (x, summed aux loss)."""
+    def block_params(self, chunk) -> list:
+        """A chunk's stacked parameters (leaves [K, *shape]) as K per-block trees. The
+        chunk's vjp is taken with respect to these, so residuals that are weights are its
+        own inputs, which the stash does not hold again (jaxdist/pipeline/ops.py)."""
+        return [jax.tree.map(lambda a: a[j], chunk) for j in range(self.blocks_per_chunk)]
+
+    def blocks(self, blocks: list, x_BLD):
+        """A chunk's K blocks (`block_params`); returns (x, summed aux loss)."""
         aux = jnp.zeros((), jnp.float32)
 
         def run_block(params, x):
@@ -54,7 +60,7 @@ class Parts:
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for j in range(self.blocks_per_chunk):
-            out = run_block(jax.tree.map(lambda a: a[j], chunk), x_BLD)
+            out = run_block(blocks[j], x_BLD)
             if self.aux_weight is None:
                 x_BLD = out
             else:
@@ -68,20 +74,17 @@ class Parts:
         logits_BLV = head(ln_f(x_BLD)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
-    def stage(self, chunk, shared, x_BLD, tokens_BL1, is_first, is_last):
-        """One chunk's forward: (output activation, this chunk's part of the loss). The
-        first chunk embeds the tokens instead of reading `x`; the last adds the head's
-        cross-entropy: every stage runs one program, the embedding lookup (cheap) selected
-        by `where`, the head by `cond`."""
+    def chunk(self, blocks: list, shared, x_BLD, tokens_BL1, is_first):
+        """One chunk's blocks for one micro-batch: (output activation, its weighted MoE
+        balance loss, 0 for dense decoders). The first chunk embeds the tokens instead of
+        reading `x` (every stage runs one program; the lookup is cheap, selected by
+        `where`). The head is not here: the last chunk's forward runs it and its backward
+        at once (jaxdist/pipeline/ops.py), so no stage stashes the logits."""
         h_BLD = jnp.where(is_first, self.embed(shared, tokens_BL1[:, :-1]), x_BLD)
-        h_BLD, aux = self.blocks(chunk, h_BLD)
-        # The head only where it is the last chunk (a cond, not a where: the vocabulary
-        # matmul is not thrown away on the other stages).
-        loss = jax.lax.cond(is_last, lambda: self.head_loss(shared, h_BLD, tokens_BL1[:, 1:]),
-                            lambda: jnp.zeros((), jnp.float32))
-        if self.aux_weight is not None:
-            loss = loss + self.aux_weight * aux / self.depth
-        return h_BLD, loss
+        h_BLD, aux = self.blocks(blocks, h_BLD)
+        if self.aux_weight is None:
+            return h_BLD, jnp.zeros((), jnp.float32)
+        return h_BLD, self.aux_weight * aux / self.depth
 
 
 def check_depth(model_cfg, stages: int, virtual: int) -> None:

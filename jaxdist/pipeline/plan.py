@@ -5,16 +5,18 @@ Parameters and optimizer state: the pipeline train state (blocks stacked [S, V, 
 embeddings and head on every stage) assembled from the decoder's depth-1 shapes as
 jaxdist/dryrun.py does, placed by the layout's specs on an abstract mesh.
 
-Activations (an estimate, not a compiled figure): stage s keeps `slots_s` micro-batch inputs
-of its chunks (counted from the schedule's table: M for GPipe, about S for 1F1B) of
-b x L x D elements, b = batch / (M x batch shards); and while it runs a backward, one
-chunk's K blocks recomputed for one micro-batch, at Korthikanti et al. 2022's count per
-block of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel
-size, a: heads; 34/t for the first two terms with sequence parallel; the last term is the
-stored attention scores, which cuDNN's flash attention does not keep), scaled to the
-compute dtype; with --remat full, the K block inputs plus one
-block's internals. Gradients in flight (one slot each) are
-counted like activations.
+Activations (an estimate, not a compiled figure): stage s stashes, for each micro-batch
+between its forward and its backward (`res_slots_s`, counted from the schedule's table: M
+for GPipe, at most 2S-1 for 1F1B), what the chunk's backward reads (jaxdist/pipeline/ops.py):
+with --remat none every block's activations, at Korthikanti et al. 2022's count per block
+of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel size,
+a: heads; 34/t for the first two terms with sequence parallel; the last term is the stored
+attention scores, which cuDNN's flash attention does not keep), scaled to the compute dtype;
+with --remat full each block's input; with --remat dots its input and its matmuls' outputs
+(q, k, v, the scores unless flash, attention output, projection, MLP up and down:
+L*b*(10*D + a*L)). b = batch / (M x batch shards). Received activations and gradients in
+flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
+activations (the block being differentiated, recomputed under --remat).
 """
 
 from __future__ import annotations
@@ -97,12 +99,15 @@ def plan_pipeline(cfg, shape) -> dict:
              cfg.model.dtype == "bfloat16")
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
                                    getattr(model_cfg, "sequence_parallel", False))
-    # --remat full: the chunk's backward keeps each block's input and one block's internals
-    working = (K * block if getattr(model_cfg, "remat", "none") == "none"
-               else K * act + block)
+    remat = getattr(model_cfg, "remat", "none")
+    dots = rows * model_cfg.seq_len * (10 * model_cfg.width / tensor + (
+        0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
+    stashed = K * {"none": block, "full": act, "dots": act + dots}[remat]
+    working = block
     stages = []
     for s in range(S):
-        stash = (sched.act_slots_by_stage[s] + sched.grad_slots) * act
+        stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * act +
+                 sched.res_slots_by_stage[s] * stashed)
         # the step accumulates the stage's gradients over its micro-batches: one more
         # copy of its parameters, as they are sharded
         master = per_device.get("master", 0)  # float32 master shards (distributed optimizer)
@@ -148,6 +153,7 @@ def format_pipeline_plan(p: dict) -> str:
                      f"{human_bytes(s['activation_stash']):>12}"
                      f"{human_bytes(s['activation_working']):>13}"
                      f"{human_bytes(s['total']):>12}  {'yes' if s['fits_h200'] else 'NO'}")
-    lines.append("  per device; activations estimated (stash from the schedule, working set "
-                 "of one chunk's backward by Korthikanti et al. 2022)")
+    lines.append("  per device; activations estimated (stash: the schedule's micro-batches "
+                 "in flight x what a chunk's backward reads under --remat, working set: one "
+                 "block's, by Korthikanti et al. 2022)")
     return "\n".join(lines)

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from jaxdist import comm, hlo, metrics
-from jaxdist.pipeline.schedule import BWD, FWD, WGT
 from jaxdist.pipeline.step import pattern_runs
 
 
@@ -52,10 +51,10 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     computation, for jaxdist.comm.collectives:
     - the send switch (the conditional whose branches hold the stage permutes): the ticks
       taking each send pattern (every stage takes the tick's pattern);
-    - the action switch (idle, forward, B, W of jaxdist/pipeline/step.py): the
-      ticks at which a stage runs each action, averaged over stages;
-    - the two-way conditionals directly inside an action's branch: the head's
-      `lax.cond(is_last, ...)` of jaxdist/pipeline/parts.py, true on the last chunk only.
+    - the action switch (idle and the schedule's kinds, jaxdist/pipeline/step.py): the
+      slots at which a stage runs each operation, averaged over stages;
+    - the two-way conditionals directly inside an operation's branch: F's head,
+      `lax.cond(is_last, ...)` of jaxdist/pipeline/step.py, true on the last chunk only.
     Any other conditional stays unnamed, so its collectives are marked upper bounds."""
     conds = hlo.conditionals(hlo_text)
     S = sched.stages
@@ -70,22 +69,23 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
             raise ValueError(f"send switch has {len(send[0])} branches in the HLO, "
                              f"the schedule {len(patterns)} patterns")
         runs.update(zip(send[0], patterns))
-    kinds = [FWD, BWD, WGT]
+    kinds = list(sched.kinds)
     action = [b for _, b in conds if len(b) == 1 + len(kinds) and b not in send]
     if len(action) != 1:
         return runs  # not the step's shape: leave every other branch an upper bound
-    placed = [(op, s) for row in sched.ops for s, op in enumerate(row) if op is not None]
+    placed = [(op, s) for row in sched.ops for s, ops in enumerate(row) for op in ops]
+
     def per_stage(n: int) -> float:
         return n // S if n % S == 0 else n / S
 
     per_kind = {k: per_stage(sum(op.kind == k for op, _ in placed)) for k in kinds}
     last = {k: per_stage(sum(op.kind == k and s == S - 1 and op.v == sched.virtual - 1
                              for op, s in placed)) for k in kinds}
-    runs[action[0][0]] = sched.ticks - sum(per_kind.values())
-    for k in kinds:
-        runs[action[0][k]] = per_kind[k]
+    runs[action[0][0]] = sched.ticks * len(kinds) - sum(per_kind.values())
+    for i, k in enumerate(kinds):
+        runs[action[0][i + 1]] = per_kind[k]
         for host, b in conds:
-            if host == action[0][k] and len(b) == 2:
+            if host == action[0][i + 1] and len(b) == 2:
                 runs[b[0]], runs[b[1]] = per_kind[k] - last[k], last[k]
     return runs
 
@@ -152,20 +152,18 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     mem = metrics.compiled_memory(compiled) or {}
     return {
         **sched.summary(),
-        "analytic_bubble_formula": ("(S-1)/(3M+S-1)" if sched.split_backward else
-                                    "(S-1)/(V*M+S-1)" if sched.virtual > 1
+        "analytic_bubble_formula": ("(S-1)/(V*M+S-1)" if sched.virtual > 1
                                     else "(S-1)/(M+S-1)"),
-        # Idle stage-ticks run nothing (a per-stage lax.switch), so the bubble costs time,
-        # not FLOPs; the compiled/model ratio shows the stage-level recompute instead.
+        # Idle slots run nothing (a per-stage lax.switch), so the bubble costs time, not
+        # FLOPs; the compiled/model ratio shows --remat's recomputation instead.
         "compiled_flops_per_step": compiled_total,
         "model_flops_per_step": model_flops_per_step,
         "compiled_over_model_flops": (compiled_total / model_flops_per_step
                                       if compiled_total and model_flops_per_step else None),
-        "flops_note": "idle stage-ticks compute nothing (lax.switch per stage); compiled "
-                      "FLOPs count the forward recomputed in each B and the input-gradient "
-                      "chain run again in each W (about 5/3 of the model's), the optimizer "
-                      "update, and XLA's cost of the switch "
-                      "(per device: the branches as XLA's cost analysis counts them)",
+        "flops_note": "idle slots compute nothing (lax.switch per stage); compiled "
+                      "FLOPs count the forward recomputed under --remat full / dots (none: "
+                      "no second forward), the optimizer update, and XLA's cost of the "
+                      "switch (per device: the branches as XLA's cost analysis counts them)",
         "stage_bytes": {"by_stage": sends["by_stage"], "total": sends["total_bytes"],
                         "messages": sends["messages"],
                         "analytic": analytic,
@@ -175,6 +173,7 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
         "memory": {
             "activation_bytes_per_microbatch": act,
             "activation_stash_bytes": sched.act_slots * act,
+            "residual_slots_by_stage": sched.res_slots_by_stage,
             "gradient_stash_bytes": sched.grad_slots * act,
             "live_activation_slots_by_stage": sched.act_slots_by_stage,
             "param_bytes_by_stage": stage_param_bytes(state, mesh),

@@ -1,25 +1,24 @@
 """The pipelined train step: one jitted program driven by a schedule table.
 
 `shard_map` over the `stage` axis only (data, fsdp and tensor stay with the SPMD partitioner,
-so tp_pp and fsdp_pp are the tp / fsdp placement of each stage's weights). The tick loop is
-unrolled in Python from the table (jaxdist/pipeline/schedule.py): at each tick each stage
-looks up its own action by its stage index, and the messages of that tick go out in one
+so tp_pp and fsdp_pp are the tp / fsdp placement of each stage's weights). The loop runs
+the table (jaxdist/pipeline/schedule.py) tick by tick; a tick is a fixed sequence of
+operation slots (F then BACK; zb-h1: F, B, W), and at each slot each stage looks up its own
+operation by its stage index and runs it under a `lax.switch` (idle, or one of the
+schedule's kinds), so an idle slot computes nothing (unlike MaxText's circular pipeline,
+which computes and discards it). After a tick's last slot its messages go out in one
 `ppermute` per direction whose source-target pairs are exactly the stages that send then,
 so the compiled step moves no byte the schedule does not (the `comm` block counts them).
+In 1F1B's steady state every stage runs an F and a BACK in the same tick, so no tick holds
+one stage's forward against its neighbour's backward: ticks cost F + BACK everywhere.
 
-Every stage runs the same program; at each tick a `lax.switch` on the stage's own row runs
-its forward (F), the input gradient (B), the weight gradient (W) or nothing (one F-unit of
-the table each, jaxdist/pipeline/schedule.py), so an idle stage-tick computes no throw-away work
-(unlike MaxText's circular pipeline, which computes and discards it). A tick where no stage
-runs a forward has no forward branch compiled. Runs of ticks whose pattern repeats (the
-steady states) are one `lax.scan`, so compile time grows with S, not M.
+One `lax.scan` runs every slot of every tick (the program holds one slot's switch and one
+switch of send patterns), so compile time does not grow with S or M.
 
-Memory: a forward stores only its input activation, in a slot of a fixed buffer of
-`act_slots` (the schedule's live count: M for GPipe, about S for 1F1B); B recomputes the
-chunk from it under `jax.vjp` (stage-level rematerialisation, as torchtitan's and Megatron's
-recompute options), so live activations are bounded by the schedule, not M. B keeps the
-vjp's residuals (less the inputs they forward: weights, the stored activation) in
-`res_slots` buffers until W, which rebuilds the vjp from them and so runs no forward.
+Memory: F stashes what its backward needs (the vjp's residuals: jaxdist/pipeline/ops.py)
+in one of `res_slots` slots (the schedule's count: M for GPipe, at most 2S-1 for 1F1B), and
+the received activation in one of `act_slots`; BACK (or B and W) reads them and runs no
+second forward, unless --remat asks for per-block recomputation.
 
 Placement of embeddings and head: they are small next to the blocks (gpt3-175b: 0.6 B of
 175 B parameters), so every stage holds them (`shared`), the first chunk's stage uses the
@@ -32,45 +31,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.pipeline.ops import ChunkOps
 from jaxdist.pipeline.parts import Parts
-from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, Schedule
 
 
 def _tables(sched: Schedule) -> dict[str, np.ndarray]:
-    """The schedule as integer arrays [tick, stage]: what each stage does at each tick."""
-    T, S = sched.ticks, sched.stages
-    tab = {k: np.zeros((T, S), np.int32) for k in
-           ("fwd", "bwd", "wgt", "mb", "v", "act", "grad", "res", "recv_act", "recv_grad")}
+    """The schedule as integer arrays [slot, stage], slot = tick * len(kinds) + the kind's
+    place in the tick: which operation (0 idle, else 1 + its index in sched.kinds), on
+    which micro-batch and chunk, with which slots; arrivals at a tick's first slot."""
+    T, S, n = sched.ticks, sched.stages, len(sched.kinds)
+    tab = {k: np.zeros((T * n, S), np.int32) for k in ("op", "mb", "v")}
+    tab.update({k: np.full((T * n, S), -1, np.int32)
+                for k in ("act", "grad", "res", "recv_act", "recv_grad")})
     for t in range(T):
-        for s, op in enumerate(sched.ops[t]):
-            tab["recv_act"][t, s], tab["recv_grad"][t, s] = sched.recv_slots[t][s]
-            tab["res"][t, s] = sched.read_res[t][s]
-            if op is None:
-                tab["act"][t, s] = tab["grad"][t, s] = -1
-                continue
-            tab["fwd"][t, s], tab["bwd"][t, s] = op.kind == FWD, op.kind == BWD
-            tab["wgt"][t, s] = op.kind == WGT
-            tab["mb"][t, s], tab["v"][t, s] = op.mb, op.v
-            tab["act"][t, s], tab["grad"][t, s] = sched.read_slots[t][s]
+        for s in range(S):
+            tab["recv_act"][t * n, s], tab["recv_grad"][t * n, s] = sched.recv_slots[t][s]
+            for op, (a, g, r) in zip(sched.ops[t][s], sched.slots[t][s]):
+                k = sched.kinds.index(op.kind)
+                u = t * n + k
+                tab["op"][u, s], tab["mb"][u, s], tab["v"][u, s] = k + 1, op.mb, op.v
+                tab["act"][u, s], tab["grad"][u, s], tab["res"][u, s] = a, g, r
     return tab
 
 
 def send_patterns(sched: Schedule) -> tuple[list[tuple], np.ndarray]:
-    """(patterns, pattern index per tick): the distinct (forward pairs, backward pairs) of
-    the ticks' sends, in first-use order. The tick loop runs a `lax.switch` over them, one
-    branch per pattern holding exactly that pattern's ppermutes."""
-    patterns, index = [], np.zeros(sched.ticks, np.int32)
-    for t in range(sched.ticks):
-        fwd_pairs, bwd_pairs = sched.sends(t)
+    """(patterns, pattern index per slot): the distinct (forward pairs, backward pairs) of
+    the ticks' sends, in first-use order; a tick sends after its last slot, the other slots
+    take the pattern that sends nothing. The loop runs a `lax.switch` over them, one branch
+    per pattern holding exactly that pattern's ppermutes."""
+    n = len(sched.kinds)
+    patterns, index = [], np.zeros(sched.ticks * n, np.int32)
+    for u in range(sched.ticks * n):
+        t, k = divmod(u, n)
+        fwd_pairs, bwd_pairs = sched.sends(t) if k == n - 1 else ([], [])
         key = (tuple(fwd_pairs), tuple(bwd_pairs))
         if key not in patterns:
             patterns.append(key)
-        index[t] = patterns.index(key)
+        index[u] = patterns.index(key)
     return patterns, index
 
 
 def pattern_runs(sched: Schedule) -> list[int]:
-    """How many ticks take each send pattern's branch (the order of `send_patterns`)."""
+    """How many slots take each send pattern's branch (the order of `send_patterns`)."""
     patterns, index = send_patterns(sched)
     return [int((index == k).sum()) for k in range(len(patterns))]
 
@@ -93,35 +96,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
     them (the distributed optimizer: reduce-scattered); default pmean."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
     tables = _tables(sched)
-    patterns, pattern_of_tick = send_patterns(sched)
-
-    # Traced once, called from the one tick body.
-    forward = jax.jit(parts.stage)
-    split = sched.split_backward
-    pullback = {}  # the vjp's tree structure and which residuals are its own inputs
-
-    def linearize(chunk, shared, x, tokens, is_first, is_last):
-        """(the chunk's vjp, its residual leaves to store): the chunk's forward recomputed
-        under `jax.vjp`. A residual that is one of the inputs (a weight, the stored
-        activation) is not stored again: W passes it anew."""
-        _, vjp = jax.vjp(lambda c, sh, x_: forward(c, sh, x_, tokens, is_first, is_last),
-                         chunk, shared, x)
-        leaves, tree = jax.tree.flatten(vjp)
-        inputs = jax.tree.leaves((chunk, shared)) + [x]
-        forwarded = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None)
-                          for leaf in leaves)
-        pullback.setdefault("tree", tree)
-        pullback.setdefault("forwarded", forwarded)
-        if forwarded != pullback["forwarded"]:
-            raise RuntimeError("the chunk's vjp residuals differ between traces")
-        return vjp, [leaf for leaf, i in zip(leaves, forwarded) if i is None]
-
-    def restore(stored, chunk, shared, x):
-        """The vjp rebuilt from B's stored residuals and the inputs it forwarded."""
-        inputs = jax.tree.leaves((chunk, shared)) + [x]
-        it = iter(stored)
-        leaves = [next(it) if i is None else inputs[i] for i in pullback["forwarded"]]
-        return jax.tree.unflatten(pullback["tree"], leaves)
+    patterns, pattern_of_slot = send_patterns(sched)
+    ops = ChunkOps(parts, M)
 
     def sender(fwd_pairs, bwd_pairs):
         def send(y, dx):
@@ -136,86 +112,109 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         s = jax.lax.axis_index("stage")
         local = jax.tree.map(lambda a: a[0], stage_params)  # [V, K, ...]
         table = {k: jnp.asarray(a) for k, a in tables.items()}
-        pattern = jnp.asarray(pattern_of_tick)
+        pattern = jnp.asarray(pattern_of_slot)
 
         def chunk_of(v):
             return jax.tree.map(lambda a: a[v], local) if V > 1 else \
                 jax.tree.map(lambda a: a[0], local)
 
-        def tick(carry, t):
-            (acts, grads_in, res, held, g_local, g_shared, loss_sum, fwd_msg,
-             bwd_msg) = carry
-            row = {k: a[t, s] for k, a in table.items()}
+        def accumulate(g_l, g_s, v, d_chunk, d_shared):
+            g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
+            return g_l, jax.tree.map(jnp.add, g_s, d_shared)
+
+        zeros_act = jnp.zeros(act_shape, act_dtype)
+
+        def slot(carry, u):
+            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out, fwd_in,
+             bwd_in) = carry
+            row = {k: a[u, s] for k, a in table.items()}
             # What the neighbours sent at the tick before lands in its slot (-1: nothing).
-            acts = _store(acts, row["recv_act"], fwd_msg)
-            grads_in = _store(grads_in, row["recv_grad"], bwd_msg)
+            acts = _store(acts, row["recv_act"], fwd_in)
+            grads = _store(grads, row["recv_grad"], bwd_in)
             v, mb = row["v"], row["mb"]
             is_first = (s == 0) & (v == 0)
             is_last = (s == S - 1) & (v == V - 1)
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
-            # Each stage runs only its own action (lax.switch on its row): an idle stage
-            # computes nothing and a 1F1B tick never holds a forward's and a backward's
-            # temporaries at once. Collectives inside a branch stay within one stage (its
-            # data / tensor group), which takes that branch as a whole; the ppermutes
-            # between stages are outside.
+            # The stash and the gradient slots are written here, outside the switch, and
+            # only read inside it: a buffer that one branch updated in place and another
+            # passed through was copied whole at every slot (XLA's copy insertion).
+            is_f = row["op"] == 1 + sched.kinds.index(FWD)
+
+            def backward_inputs():
+                return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
+                        _read(grads, row["grad"]))
+
+            # Each stage runs only its own operation (lax.switch on its row). Collectives
+            # inside a branch stay within one stage (its data / tensor group), which takes
+            # that branch as a whole; the ppermutes between stages are outside.
+            def nothing():  # what a branch other than F writes to the stash: nothing
+                return [jnp.zeros(b.shape[1:], b.dtype) for b in stash], zeros_act
+
             def idle(acc):
-                return (*acc, jnp.zeros_like(fwd_msg), jnp.zeros_like(bwd_msg))
+                return (*acc, *nothing())
 
-            def fwd(acc):
-                g_l, g_s, ls, res, held = acc
-                y, loss = forward(chunk, shared, x, tokens, is_first, is_last)
-                return g_l, g_s, ls + loss, res, held, y, jnp.zeros_like(bwd_msg)
+            def fwd(acc):  # F: the stash for the backward; the last chunk's head and its
+                # backward at once, its gradient into the chunk's output
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                y, aux, stored = ops.forward(chunk, shared, x, tokens, is_first)
 
-            dy = jnp.where(is_last, 0, _read(grads_in, row["grad"])).astype(act_dtype)
-            cotangent = (dy, jnp.float32(1.0 / M))
+                def head(a):
+                    ls, g_s, dh = a
+                    loss, dh, d_own = ops.head(shared, y, tokens)
+                    g_s = {**g_s, **{k: jax.tree.map(jnp.add, g_s[k], d) for k, d in
+                                     d_own.items()}}
+                    return ls + loss, g_s, dh
+                ls, g_s, dh = jax.lax.cond(is_last, head, lambda a: a,
+                                           (ls + aux, g_s, zeros_act))
+                return kept, g_l, g_s, ls, y, dx_out, list(stored), dh
 
-            def bwd(acc):  # B: the input gradient; the residuals are kept for W
-                g_l, g_s, ls, res, held = acc
-                vjp, stored = linearize(chunk, shared, x, tokens, is_first, is_last)
-                dx = vjp(cotangent)[2]  # the weight gradients are not computed (unused)
-                res = tuple(_store(b, row["res"], r) for b, r in zip(res, stored))
-                # zb-h1 sends dx now; the others hold it until their W ends the backward.
-                return g_l, g_s, ls, res, dx, jnp.zeros_like(fwd_msg), (
-                    dx if split else jnp.zeros_like(bwd_msg))
+            def back(acc):  # BACK: weight and input gradients from the stash
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                d_chunk, d_shared, dx = ops.backward(*backward_inputs())
+                g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
+                return kept, g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
 
-            def wgt(acc):  # W: the weight gradients from B's residuals, no forward rerun
-                g_l, g_s, ls, res, held = acc
-                vjp = restore([_read(b, row["res"]) for b in res], chunk, shared, x)
-                d_chunk, d_shared, _ = vjp(cotangent)
-                g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
-                g_s = jax.tree.map(jnp.add, g_s, d_shared)
-                return g_l, g_s, ls, res, held, jnp.zeros_like(fwd_msg), (
-                    jnp.zeros_like(bwd_msg) if split else held)
+            def bwd(acc):  # B (zb-h1): the input gradient; W reads what it keeps
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                dx, kept = ops.input_grad(*backward_inputs())
+                return tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
 
-            g_local, g_shared, loss_sum, res, held, y, dx = jax.lax.switch(
-                row["fwd"] + 2 * row["bwd"] + 3 * row["wgt"], [idle, fwd, bwd, wgt],
-                (g_local, g_shared, loss_sum, res, held))
-            # The tick's messages: every stage takes the same branch (the pattern is the
-            # tick's, not the stage's), which holds exactly the pairs that send at this
-            # tick, so no byte moves that the schedule does not send.
-            fwd_msg, bwd_msg = (jax.lax.switch(pattern[t], senders, y, dx)
-                                if len(senders) > 1 else senders[0](y, dx))
-            return (acts, grads_in, res, held, g_local, g_shared, loss_sum, fwd_msg,
-                    bwd_msg), None
+            def wgt(acc):  # W: the weight gradients from the stash and B's kept values
+                kept, g_l, g_s, ls, y_out, dx_out = acc
+                d_chunk, d_shared = ops.weight_grad(*backward_inputs(), list(kept))
+                g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
+                return kept, g_l, g_s, ls, y_out, dx_out, *nothing()
 
-        zeros_act = jnp.zeros(act_shape, act_dtype)
-        # B's residuals (the chunk's activations its vjp keeps, less its own inputs), one
-        # buffer per leaf with sched.res_slots slots: one for a W right after its B,
-        # more while zb-h1 defers its W.
+            branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
+            (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
+             dh) = jax.lax.switch(row["op"], [idle] + [branch[k] for k in sched.kinds],
+                                  (kept, g_local, g_shared, loss_sum, y_out, dx_out))
+            # F's stash into its slot; the last chunk's F also fills its gradient slot.
+            stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
+                          for b, r in zip(stash, stored))
+            grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
+            # The tick's messages after its last slot: every stage takes the same branch
+            # (the pattern is the slot's, not the stage's), which holds exactly the pairs
+            # that send at this tick, so no byte moves that the schedule does not send.
+            fwd_in, bwd_in = (jax.lax.switch(pattern[u], senders, y_out, dx_out)
+                              if len(senders) > 1 else senders[0](y_out, dx_out))
+            return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out,
+                    fwd_in, bwd_in), None
+
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
-        flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        stored = jax.eval_shape(lambda *a: linearize(*a)[1], chunk_of(0), shared,
-                                zeros_act, tok, flag, flag)
-        res0 = tuple(jnp.zeros((sched.res_slots, *r.shape), r.dtype) for r in stored)
+        stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
+        stash0 = tuple(jnp.zeros((sched.res_slots, *r.shape), r.dtype) for r in stashed)
+        kept0 = ()
+        if sched.split_backward:  # W runs in B's tick: one set of kept values
+            kept0 = tuple(jnp.zeros(k.shape, k.dtype) for k in ops.kept_shapes(
+                list(stashed), chunk_of(0), shared, zeros_act, zeros_act))
         carry = (jnp.zeros((sched.act_slots, *act_shape), act_dtype),
-                 jnp.zeros((sched.grad_slots, *act_shape), act_dtype), res0, zeros_act,
+                 jnp.zeros((sched.grad_slots, *act_shape), act_dtype), stash0, kept0,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
-                 jnp.zeros((), jnp.float32), zeros_act, zeros_act)
-        # One loop over every tick: the program holds one tick (one forward, one backward,
-        # one switch of send patterns), so compile time does not grow with S or M.
-        carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+                 jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
+        carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
         g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")

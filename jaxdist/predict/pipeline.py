@@ -5,18 +5,22 @@ What is compiled (simulated CPU devices, abstract shapes): the pipeline program'
 built from the same `Parts` and the same shard_map (over `stage` and `data`, tensor and fsdp
 left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (the mesh with
 `stage` cut to 1):
-- a chunk's forward and its backward (the recompute + vjp of `Parts.stage`) for one
-  micro-batch, for a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks, and the
-  last chunk's (with the head and loss) at 1 block: its head is K-independent, so its K-block
-  figures are the 1-block ones plus (K-1) blocks. Every stage embeds (a `where`, not a cond),
-  so first and middle chunks cost the same;
+- a chunk's operations (jaxdist/pipeline/ops.py) for one micro-batch: its forward F
+  (stashing the vjp's residuals; the last chunk's with the head and the head's backward),
+  F then BACK (the whole backward from the stash) and, for zb-h1, F then B; BACK, B and W
+  are differences of these (BACK = (F+BACK) - F, B = (F+B) - F, W = (F+BACK) - (F+B)).
+  Each at a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks, and the last
+  chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
+  plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
+  cost the same;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
   over `stage`), then the optimizer update, at full depth.
 Each op's time is `jaxdist.predict.model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
-jaxdist.predict.ticks: in lockstep ticks as jaxdist's tick loop runs (each tick as long as its
-slowest stage's op plus its sends: one micro-batch's activation or gradient per device, over
-NVLink within a node, else the NICs, one hop of latency), or as Megatron runs the table.
+jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
+stage's ops plus its sends: one micro-batch's activation or gradient per device, over
+NVLink within a node, else the NICs, one hop of latency), or, as a what-if, as Megatron
+runs the table.
 The bubble is counted, not assumed: the ticks' total minus the busiest stage's own work.
 """
 
@@ -37,7 +41,7 @@ from jaxdist.hardware import Hardware
 from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
 from jaxdist.predict.ticks import op_row, tick_model
-from jaxdist.pipeline.schedule import BWD, FWD, WGT, build_schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
 from sharding import get_layout
@@ -45,7 +49,9 @@ from sharding import get_layout
 
 # ---- compiling the pieces -------------------------------------------------------------
 
-FULL = -1  # a compile of B and W together, from which W's figures are taken (FULL - B)
+# Compiles of F followed by the whole backward (FULL) or by B (F_B): the backward's halves
+# are differences of them, as the backward reads what F stashed.
+FULL, F_B = -1, -2
 
 
 def stage_mesh(sizes: dict[str, int], target) -> Mesh:
@@ -102,9 +108,10 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
 def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                rows: int, target) -> tuple:
     """(lowered, mesh sizes) of one chunk of `blocks` blocks for one micro-batch of `rows`
-    rows per data shard, on one stage's devices as the pipeline step runs it: its forward (FWD), B
-    (BWD: the forward recomputed and the input gradient) or the whole backward (FULL: B and
-    the weight gradients; W is FULL - B, see pipeline_step)."""
+    rows per data shard, on one stage's devices as the pipeline step runs it
+    (jaxdist/pipeline/ops.py): its forward (FWD, the stash as outputs), the forward then
+    the whole backward (FULL) or the forward then B (F_B)."""
+    from jaxdist.pipeline.ops import ChunkOps
     from jaxdist.pipeline.program import pipeline_state
 
     mesh = stage_mesh(sizes, target)
@@ -121,25 +128,24 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     L, D = model_cfg.seq_len, model_cfg.width
     act = jax.ShapeDtypeStruct((rows * data, L, D), dtype)
     tokens = jax.ShapeDtypeStruct((rows * data, L + 1), jnp.int32)
-    M = cfg.train.microbatches
+    ops = ChunkOps(parts, cfg.train.microbatches)
 
     def run(stage_params, shared, tokens_BL1, x, dy):
         chunk = jax.tree.map(lambda a: a[0, 0], stage_params)
+        y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
+        head = ops.head(shared, y, tokens_BL1) if last else None
+        if last:
+            dy = head[1]
         if kind == FWD:
-            return parts.stage(chunk, shared, x, tokens_BL1, False, last)
-        if kind == BWD:  # B: the forward recomputed, the input gradient only
-            _, vjp = jax.vjp(lambda x_: parts.stage(chunk, shared, x_, tokens_BL1, False,
-                                                    last), x)
-            return vjp((dy, jnp.float32(1.0 / M)))[0]
-        _, vjp = jax.vjp(lambda c, sh, x_: parts.stage(c, sh, x_, tokens_BL1, False, last),
-                         chunk, shared, x)
-        d_chunk, d_shared, dx = vjp((dy, jnp.float32(1.0 / M)))
-        return jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx
+            return y, aux, stash, head
+        if kind == F_B:
+            return ops.input_grad(stash, chunk, shared, x, dy)
+        d_chunk, d_shared, dx = ops.backward(stash, chunk, shared, x, dy)
+        return jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx, head
 
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
-    out = {FWD: (P("data"), P()), BWD: P("data")}.get(kind, (stage_specs, shared_specs,
-                                                             P("data")))
+    out = P() if kind != FULL else (stage_specs, shared_specs, P(), P())
     fn = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
                                                   P("data"), P("data")),
                        out_specs=out, axis_names={"stage", "data"}, check_vma=False)
@@ -247,7 +253,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}
-    for kind in (FWD, BWD, FULL):
+    kinds = (FWD, FULL, F_B) if sched.split_backward else (FWD, FULL)
+    for kind in kinds:
         for blocks, last in ((1, False), (2, False), (1, True)):
             pieces[("op", *common, blocks, kind, last)] = functools.partial(
                 op_lowered, cfg, model_cfg, sizes, blocks, kind, last, rows, target)
@@ -265,7 +272,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
         return got[("op", *half_common, blocks, kind, False)]
 
     figs, removed = {}, {}
-    for kind in (FWD, BWD, FULL):
+    for kind in kinds:
         one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
         scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), K)
                   if flash else None)
@@ -276,12 +283,16 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
                 fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
             figs[(kind, last)] = fig
         removed[kind] = scores
-    # XLA:GPU's temporaries of a K-block chunk's whole backward: the working set the
-    # memory plan counts (XLA:CPU's are an upper bound: the hand estimate stands there)
-    working = (max(figs[(FULL, last)]["memory"]["temp_bytes"] for last in (False, True))
+    for last in (False, True):  # the backward's figures: differences of F+... and F
+        if sched.split_backward:
+            figs[(WGT, last)] = minus(figs[(FULL, last)], figs[(F_B, last)])
+            figs[(BWD, last)] = minus(figs.pop((F_B, last)), figs[(FWD, last)])
+        figs[(BACK, last)] = minus(figs.pop((FULL, last)), figs[(FWD, last)])
+    # XLA:GPU's temporaries of a K-block chunk's backward beyond its forward's (whose
+    # stash the plan counts per slot): the working set the memory plan counts (XLA:CPU's
+    # are an upper bound: the hand estimate stands there)
+    working = (max(figs[(BACK, last)]["memory"]["temp_bytes"] for last in (False, True))
                if target.gpu else None)
-    for last in (False, True):  # W: the weight gradients from B's residuals, no forward again
-        figs[(WGT, last)] = minus(figs.pop((FULL, last)), figs[(BWD, last)])
     tail = got[tail_key]
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
@@ -294,6 +305,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     time["peak_flops_per_device"] = hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision)
     time["collectives"] = tail_row["collectives"]
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
+             (BACK, False): "backward", (BACK, True): "backward_last",
              (BWD, False): "input_gradient", (BWD, True): "input_gradient_last",
              (WGT, False): "weight_gradient", (WGT, True): "weight_gradient_last"}
     per_op = {names[k]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
@@ -304,15 +316,17 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None 
     per_op["tail"] = {f: tail_row[f] for f in per_op["forward"]}
     c, last = time["pipeline"]["critical_stage"], sched.chunks - 1
     flops = tail["flops"] + sum(ops[(o.kind, sched.chunk(c, o.v) == last)]["flops"]
-                                for o in (row[c] for row in sched.ops) if o is not None)
+                                for row in sched.ops for o in row[c])
     per_op["flash_attention"] = None if not flash else {
         "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
-                                         "input_gradient": removed[BWD]["bytes_accessed"],
-                                         "backward": removed[FULL]["bytes_accessed"]},
+                                         "forward_and_backward":
+                                             removed[FULL]["bytes_accessed"]},
         "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
                "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
             "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
-            "method": f"chunk forward/backward compiled at 1 and 2 blocks on one stage's "
-                      f"devices, extrapolated to {K}; tail (gradient reduction, optimizer) "
-                      f"compiled at full depth; ticks from the {sched.name} table"}
+            "method": f"chunk forward, forward+backward (zb-h1: and forward+B) compiled at "
+                      f"1 and 2 blocks on one stage's devices, extrapolated to {K}, the "
+                      f"backward's figures their differences; tail (gradient reduction, "
+                      f"optimizer) compiled at full depth; ticks from the {sched.name} "
+                      f"table"}

@@ -371,10 +371,10 @@ def format_prediction(p: dict) -> str:
                          f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "
                          f"{pp['send_intra_node_s'] * ms:.1f} ms intra-node, "
                          f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; timed as "
-                         f"{pp['runtime']} runs it (jaxdist's lockstep ticks "
-                         f"{pp['lockstep_s'] * ms:.1f} ms, Megatron's dataflow "
+                         f"{pp['runtime']} runs it (jaxdist's ticks "
+                         f"{pp['lockstep_s'] * ms:.1f} ms; what-if, Megatron's dataflow "
                          f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
-        lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage-ticks idle "
+        lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage time idle "
                          f"(counted from the schedule table: the formula's figure); "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                          f"(each tick weighted by its predicted duration)")

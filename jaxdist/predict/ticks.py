@@ -1,7 +1,8 @@
 """The pipeline step's time from its schedule table (jaxdist/pipeline/schedule.py) and its
-ops' times: the tick model of jaxdist's lockstep tick loop, and the same table run as
-Megatron runs it (each stage starting its next op once its input has arrived). The ops'
-figures come from jaxdist.predict.pipeline, which compiles them."""
+ops' times: the tick model of jaxdist's tick loop (what runs: each tick as long as its
+busiest stage's operations, one after the other, then its sends), and, as a labelled what-if,
+the same table run as Megatron runs it (each stage starting its next op once its input has
+arrived). The ops' figures come from jaxdist.predict.pipeline, which compiles them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import numpy as np
 
 from jaxdist.hardware import Hardware, constant
-from jaxdist.pipeline.schedule import BWD, FWD, WGT, Schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, Schedule
 from jaxdist.predict.model import LABEL, kernel_step, ring_latency, step_time
 
 
@@ -57,14 +58,14 @@ def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
             "collectives": t["collectives"]}
 
 
-def dataflow_seconds(sched: Schedule, ops: dict, act_bytes: float, hw: Hardware,
+def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Hardware,
                      mesh: dict[str, int]) -> float:
     """The ticks' length when every stage runs its operations in the table's order, each as
     soon as the stage is free and its input has arrived (Megatron's runtime: point-to-point
     sends between otherwise independent stages), instead of in lockstep ticks. An input
     arrives one send after the op that produced it ended on the neighbouring stage."""
     S, last_chunk = sched.stages, sched.chunks - 1
-    ends_backward = BWD if sched.split_backward else WGT
+    back = BWD if sched.split_backward else BACK  # the op that sends the input gradient
     free = [0.0] * S
     end: dict[tuple[int, int, int], float] = {}  # (kind, chunk, mb) -> when it ended
     sends: dict[tuple[int, int], float] = {}
@@ -76,27 +77,27 @@ def dataflow_seconds(sched: Schedule, ops: dict, act_bytes: float, hw: Hardware,
         return end[(kind, chunk, mb)] + sends[(src, dst)]
 
     for t in range(sched.ticks):  # the table is a topological order of the dependencies
-        for s, op in enumerate(sched.ops[t]):
-            if op is None:
-                continue
-            c = sched.chunk(s, op.v)
-            ready = free[s]
-            if op.kind == FWD and c > 0:
-                ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
-            elif op.kind == BWD and c < last_chunk:
-                ready = max(ready, arrival(ends_backward, c + 1, op.mb, (c + 1) % S, s))
-            free[s] = ready + ops[(op.kind, c == last_chunk)]["seconds"]
-            end[(op.kind, c, op.mb)] = free[s]
+        for s, ops in enumerate(sched.ops[t]):
+            for op in ops:  # a stage's ops of a tick in order; W follows its B
+                c = sched.chunk(s, op.v)
+                ready = free[s]
+                if op.kind == FWD and c > 0:
+                    ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
+                elif op.kind == back and c < last_chunk:
+                    ready = max(ready, arrival(back, c + 1, op.mb, (c + 1) % S, s))
+                free[s] = ready + ops_figs[(op.kind, c == last_chunk)]["seconds"]
+                end[(op.kind, c, op.mb)] = free[s]
     return max(free)
 
 
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Hardware,
                mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
     """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
-    (FWD) or backward (BWD), `last` for the chunk holding the head; `tail`: op_row of the
-    gradient reduction and optimizer; `act_bytes`: one message per device. `runtime`:
-    jaxdist (its tick loop, in lockstep) or megatron (the same table, each stage driven by
-    its own inputs: `dataflow_seconds`)."""
+    (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the
+    head; `tail`: op_row of the gradient reduction and optimizer; `act_bytes`: one message
+    per device. `runtime`: jaxdist (its tick loop: a tick lasts its busiest stage's ops, then
+    its sends) or megatron (a what-if: the same table, each stage driven by its own inputs,
+    `dataflow_seconds`)."""
     S, last_chunk = sched.stages, sched.chunks - 1
     busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
                            "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
@@ -106,13 +107,14 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
     messages = 0
     for t in range(sched.ticks):
         longest = 0.0
-        for s, op in enumerate(sched.ops[t]):
-            if op is None:
-                continue
-            row = ops[(op.kind, sched.chunk(s, op.v) == last_chunk)]
-            for k in busy[s]:
-                busy[s][k] += row[k]
-            longest = max(longest, row["seconds"])
+        for s, ops_s in enumerate(sched.ops[t]):
+            stage_s = 0.0  # a stage runs its ops of the tick one after the other
+            for op in ops_s:
+                row = ops[(op.kind, sched.chunk(s, op.v) == last_chunk)]
+                for k in busy[s]:
+                    busy[s][k] += row[k]
+                stage_s += row["seconds"]
+            longest = max(longest, stage_s)
         ticks_s += longest
         for pairs in sched.sends(t):  # one ppermute per direction, one after the other
             if not pairs:
@@ -159,8 +161,9 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Har
                          "message_bytes": act_bytes, "tail_s": tail["seconds"],
                          "runtime": runtime, "lockstep_s": lockstep_s,
                          "dataflow_s": dataflow_s,
-                         "lockstep": "jaxdist: each tick lasts as long as its slowest "
-                                     "stage's op, then its sends (the tick loop ends every "
-                                     "tick in ppermutes)",
-                         "dataflow": "megatron: each stage runs its next op as soon as it "
-                                     "is free and the op's input has arrived"}}
+                         "lockstep": "jaxdist: each tick lasts as long as its busiest "
+                                     "stage's ops (F then BACK), then its sends (the tick "
+                                     "loop ends every tick in ppermutes)",
+                         "dataflow": "megatron (what-if, not what jaxdist runs): each "
+                                     "stage runs its next op as soon as it is free and the "
+                                     "op's input has arrived"}}
