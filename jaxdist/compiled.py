@@ -1,37 +1,33 @@
 """One home for compiled programs: where a step is compiled for (a `Target`: simulated CPU
 devices, a run's own devices, or a GPU cluster's topology with no GPU present, compiled by
 the real XLA:GPU here) and what the compiled program says (`read`: FLOPs, bytes, collectives,
-memory, kernels). The loop, the dry-run prediction, the pipeline predictor and the in-run
-prediction all compile and read through it, so every figure names its compiler.
+memory, kernels: `jaxdist.program_reading`). The loop, the dry-run prediction, the pipeline
+predictor and the in-run prediction all compile through it, so every figure names its
+compiler.
 
 XLA:GPU without a device (docs/predict.md, Which compiler): jax-cuda12's PJRT plugin builds a
 compile-only topology from a target description (`jaxdist.gpu_targets`); `jit(...).lower(
 abstract args).compile()` then runs XLA:GPU's whole pipeline. Two gaps it leaves are closed
-here and only here: `cost_analysis()` is not offered for such a program (`xla_cost` runs XLA's
-HloCostAnalysis over the optimized module through jax's private binding, and fails loudly if
-that binding moves), and no autotuning runs (GEMM tilings are XLA's heuristics).
+here and in jaxdist.program_reading only: `cost_analysis()` is not offered for such a program
+(`program_reading.xla_cost` runs XLA's HloCostAnalysis over the optimized module through
+jax's private binding, and fails loudly if that binding moves), and no autotuning runs (GEMM
+tilings are XLA's heuristics).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 import os
 import threading
 import time
 from dataclasses import dataclass
 
-from jaxdist import comm, kernels, metrics
 from jaxdist.errors import UsageError
 from jaxdist.gpu_targets import TARGETS, target_for
 
 INSTALL_HINT = "install it with `make gpu-compiler` (pip install 'jax[cuda12]==0.10.2')"
 COMPILERS = ("auto", "gpu", "cpu")
-
-
-class ProgramError(RuntimeError):
-    """A compiled program could not be read as promised (e.g. a private XLA binding moved)."""
 
 
 @dataclass(frozen=True)
@@ -352,104 +348,3 @@ def compile_timed(lowerable, *args, options: dict | None = None):
     lowered = lowerable.lower(*args)
     compiled = lowered.compile(options) if options else lowered.compile()
     return compiled, time.perf_counter() - start
-
-
-def xla_cost(compiled) -> dict:
-    """XLA's cost analysis of the compiled program: {"flops", "bytes accessed", ...} per
-    device, a while body counted once. A program compiled without a device does not offer
-    it; XLA's HloCostAnalysis is then run over its optimized module (jax's private
-    `hlo_module_cost_analysis`, here alone). Raises ProgramError rather than return zeros."""
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - UNIMPLEMENTED on a device-less GPU program
-        cost = None
-    if isinstance(cost, list):
-        cost = cost[0] if cost else None
-    if cost:
-        return dict(cost)
-    try:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-        module = compiled.runtime_executable().hlo_modules()[0]
-        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
-    except Exception as e:  # noqa: BLE001
-        raise ProgramError(f"XLA's cost analysis is not available for this program and the "
-                           f"private fallback failed ({type(e).__name__}: {e}); jax's "
-                           f"internals moved: update jaxdist.compiled.xla_cost") from e
-    if not cost or "flops" not in cost:
-        raise ProgramError("XLA's HloCostAnalysis returned no flops for this program")
-    return dict(cost)
-
-
-def read(compiled, target: Target, axis_sizes: dict[str, int],
-         branch_runs: dict[str, float] | None = None, step_flops: float | None = None,
-         compile_s: float | None = None, hlo: str | None = None) -> dict:
-    """What the compiled program says, per device per step.
-
-    flops / bytes_accessed: XLA:GPU: the kernel inventory's (every loop body times its trip
-    count, cuDNN attention counted); XLA:CPU: XLA's cost analysis as before (`step_flops`,
-    the caller's micro-batch-corrected count, when given). `xla_cost` keeps XLA's own counts
-    beside them. `hlo`: the program's text where the caller already has it."""
-    hlo = hlo if hlo is not None else (compiled.as_text() or "")
-    cost = xla_cost(compiled)
-    inventory = kernels.inventory(hlo, branch_runs)
-    if target.gpu:
-        flops, bytes_accessed = inventory["flops"], inventory["bytes"]
-        basis = ("kernel inventory of the XLA:GPU program: matmul FLOPs and each kernel's "
-                 "operand + result bytes, every loop body times its trip count")
-    else:
-        flops = step_flops if step_flops is not None else float(cost.get("flops", 0.0))
-        bytes_accessed = float(cost.get("bytes accessed", 0.0))
-        basis = "XLA:CPU's cost analysis (a loop body counted once; micro-batches corrected)"
-    return {"compiler": target.compiler, "label": target.label,
-            "flops": float(flops), "bytes_accessed": float(bytes_accessed), "basis": basis,
-            "xla_cost": {"flops": float(cost.get("flops", 0.0)),
-                         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                         "note": "XLA's HloCostAnalysis: a while body counted once"},
-            "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs),
-            "memory": memory_bytes(compiled),
-            "kernels": inventory["kernels"], "kernels_upper_bound": inventory["upper_bound"],
-            "compile_s": compile_s}
-
-
-def memory_bytes(compiled) -> dict:
-    """The compiler's per-device byte figures of a compiled program ({} where it has none)."""
-    memory = metrics.compiled_memory(compiled) or {}
-    return {k: v for k, v in memory.items() if k.endswith("_bytes")}
-
-
-def differences(gpu: dict, cpu: dict) -> list[str]:
-    """How two readings of the same step differ, in words: collective dtype, op choice and
-    combining, and bytes per kind (GPU / CPU)."""
-    def by_kind(reading):
-        out: dict = {}
-        for op in reading["collectives"]:
-            row = out.setdefault(op["kind"], {"count": 0.0, "bytes": 0.0, "dtypes": set()})
-            row["count"] += op["times"]
-            row["bytes"] += op["bytes"]
-            row["dtypes"].update(op.get("dtypes", ()))
-        return out
-
-    g, c = by_kind(gpu), by_kind(cpu)
-    lines = []
-    for kind in sorted(set(g) | set(c)):
-        a, b = g.get(kind), c.get(kind)
-        if a and not b:
-            lines.append(f"{kind}: only XLA:GPU emits it ({a['bytes']:,.0f} B in "
-                         f"{a['count']:g} ops)")
-        elif b and not a:
-            lines.append(f"{kind}: only XLA:CPU emits it ({b['bytes']:,.0f} B in "
-                         f"{b['count']:g} ops)")
-        else:
-            ratio = a["bytes"] / b["bytes"] if b["bytes"] else math.inf
-            dt = "" if a["dtypes"] == b["dtypes"] else \
-                f"; dtype {'/'.join(sorted(a['dtypes']))} vs {'/'.join(sorted(b['dtypes']))}"
-            comb = "" if a["count"] == b["count"] else \
-                f"; {a['count']:g} vs {b['count']:g} ops"
-            lines.append(f"{kind}: {a['bytes']:,.0f} vs {b['bytes']:,.0f} B "
-                         f"(GPU/CPU {ratio:.2f}){comb}{dt}")
-    async_ops = sum(1 for op in gpu["collectives"] if op.get("async"))
-    lines.append(f"async collectives: {async_ops} of {len(gpu['collectives'])} on XLA:GPU, "
-                 f"{sum(1 for op in cpu['collectives'] if op.get('async'))} of "
-                 f"{len(cpu['collectives'])} on XLA:CPU")
-    return lines

@@ -21,7 +21,7 @@ from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer, timed
-from jaxdist import compiled as compiled_mod
+from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.train_step import compiled_step_flops, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram
@@ -268,7 +268,7 @@ def program_block(cfg, platform, program, compiled) -> dict:
         mesh_shape = dict(program.batch_sharding.mesh.shape)
         runs = (switch_runs(compiled.as_text(), mesh_shape, program.schedule)
                 if isinstance(program, PipelineProgram) else None)
-        reading = compiled_mod.read(compiled, compiled_mod.run_devices(platform), mesh_shape,
+        reading = program_reading.read(compiled, compiled_mod.run_devices(platform), mesh_shape,
                                     runs)
     except Exception as e:  # noqa: BLE001 - the run's measurement stands
         return {"compiler": None, "reason": f"{type(e).__name__}: {e}"}

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from jaxdist import compiled, kernels, metrics
+from jaxdist import compiled, kernels, metrics, program_reading
 from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.errors import UsageError
 from jaxdist.hardware import get_hardware
@@ -56,7 +56,7 @@ def gpu_step(layout: str):
         if layout.endswith("pp"):
             from jaxdist.pipeline.report import switch_runs
             runs = switch_runs(comp.as_text(), dict(shape.axis_sizes), program.schedule)
-        _compiled[layout] = (cfg, program, compiled.read(comp, target, shape.axis_sizes, runs,
+        _compiled[layout] = (cfg, program, program_reading.read(comp, target, shape.axis_sizes, runs,
                                                          compile_s=seconds))
     return _compiled[layout]
 
@@ -136,7 +136,7 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes():
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(H200, shape.size)
     program, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
-    reading = compiled.read(comp, target, shape.axis_sizes)
+    reading = program_reading.read(comp, target, shape.axis_sizes)
     tensor = shape.axis_sizes["tensor"]
     specs = jax.tree.leaves(program.state_specs["params"], is_leaf=lambda x: isinstance(x, P))
     leaves = jax.tree.leaves(program.abstract_state["params"])
@@ -163,7 +163,7 @@ def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
     program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
-    reading = compiled.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
                                                dict(shape.axis_sizes))
     p_tp = planned["params"] // 2  # bf16 working weights: elements per device under tp
@@ -204,12 +204,12 @@ def test_gpu_and_cpu_programs_side_by_side_name_their_differences():
     readings = {}
     for target in (compiled.gpu_topology(H200, 8), compiled.simulated_cpu(8)):
         _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
-        readings[target.compiler] = compiled.read(comp, target, shape.axis_sizes)
+        readings[target.compiler] = program_reading.read(comp, target, shape.axis_sizes)
     gpu, cpu = readings["XLA:GPU"], readings["XLA:CPU"]
     assert "1 host(s) x 8 h200" in gpu["label"]
     total = {k: sum(op["bytes"] for op in r["collectives"]) for k, r in readings.items()}
     assert total["XLA:GPU"] < 0.6 * total["XLA:CPU"]
-    lines = compiled.differences(gpu, cpu)
+    lines = program_reading.differences(gpu, cpu)
     assert any(line.startswith("reduce-scatter: only XLA:GPU emits it") for line in lines)
     assert any("all-gather" in line and "bf16 vs f32" in line for line in lines), lines
     # The same state shards under both compilers.
@@ -285,7 +285,7 @@ def test_kernel_flops_count_every_loop_iteration():
                                             NamedSharding(mesh, P("d"))))
     comp, _ = compiled.compile_timed(fn, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
                                      jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
-    reading = compiled.read(comp, target, {"d": 8})
+    reading = program_reading.read(comp, target, {"d": 8})
     body = 3 * 2 * 8 * 256 * 256  # forward, input and weight gradients of 8 rows per device
     assert reading["flops"] == 5 * body
     assert reading["xla_cost"]["flops"] < 2 * body  # XLA's own count: the body once
@@ -317,7 +317,7 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
     lowered = program.step.lower(program.abstract_state,
                                  compiled.abstract_batch(model_cfg, cfg.train.batch_size))
     (without, _), = compiled.compile_lowered([lowered], None)
-    a, b = with_cache, compiled.read(without, target, shape.axis_sizes)
+    a, b = with_cache, program_reading.read(without, target, shape.axis_sizes)
     assert a["memory"] == b["memory"]
     assert a["collectives"] == b["collectives"]
     assert a["kernels"] == b["kernels"]
@@ -378,7 +378,7 @@ def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
                                           dtype="bfloat16"),
                         train=TrainConfig(layout="ep", batch_size=64))
         program, comp, _ = compiled.compile_step(cfg, build_model(cfg)[0], shape, target)
-        return program, comp, compiled.read(comp, target, shape.axis_sizes)
+        return program, comp, program_reading.read(comp, target, shape.axis_sizes)
 
     program, comp, reading = step(impl)
     ops = reading["collectives"]

@@ -5,7 +5,7 @@ gpt-tiny has several. Skipped where the GPU compiler is not installed."""
 
 import pytest
 
-from jaxdist import compiled, kernels, metrics, update
+from jaxdist import compiled, kernels, metrics, program_reading, update
 from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import get_hardware
 from jaxdist.hlo import entry_computation
@@ -33,7 +33,7 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     target = compiled.gpu_topology(get_hardware("h200"), shape.size)
     program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
     hlo = comp.as_text()
-    reading = compiled.read(comp, target, shape.axis_sizes, None, compile_s=seconds, hlo=hlo)
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds, hlo=hlo)
     scatters = {op["name"]: op for op in reading["collectives"]
                 if op["kind"] == "reduce-scatter" and op["axes"] == ["data"]}
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,

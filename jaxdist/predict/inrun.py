@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxdist import compiled as compiled_mod
+from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.errors import UsageError
 from jaxdist.hardware import HARDWARE, check_nodes, get_hardware
 from jaxdist.predict import model
@@ -114,7 +114,7 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
             fig = figures(cfg, model_cfg, platform.shape, target)
             flops, bytes_accessed, ops = fig["flops"], fig["bytes_accessed"], fig["comm"]
         else:  # the run's own compiled step
-            reading = compiled_mod.read(compiled, target, mesh, step_flops=step_flops)
+            reading = program_reading.read(compiled, target, mesh, step_flops=step_flops)
             flops, bytes_accessed = reading["flops"], reading["bytes_accessed"]
             ops = model.aggregate(reading["collectives"])
         if not flops:

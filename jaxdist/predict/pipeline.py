@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdist import compiled as compiled_mod
+from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.hardware import Hardware
 from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
@@ -96,7 +96,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
         sizes = cache[("lowered", *k)][1]
         fig = read_program(compiled, seconds, target, sizes, cfg, hw, memo=cache)
         if not target.gpu and not fig["flops"]:
-            raise compiled_mod.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
+            raise program_reading.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
                                             "pipeline op")
         fig["memory"] = {"temp_bytes": fig["memory"].get("temp_bytes", 0)}
         cache[program_of[k]] = fig

@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import hashlib
 
-from jaxdist import compiled as compiled_mod
+from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
@@ -65,7 +65,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
                  runs: dict | None = None, step_flops: float | None = None,
                  memo: dict | None = None) -> dict:
     """{flops, bytes_accessed, comm (aggregated), memory, kernels, compile_s} of a compiled
-    program through jaxdist.compiled.read, and `kernel_time` (timed kernel by kernel) when
+    program through jaxdist.program_reading.read, and `kernel_time` (timed kernel by kernel) when
     XLA:GPU compiled it and `hw` has published rates. Everything but the compiler's memory
     is a function of the program's text: with `memo`, a program whose text was read before
     (e.g. a variant whose flags left the program unchanged) is not parsed again."""
@@ -75,9 +75,9 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
            tuple(sizes.items()), tuple(sorted((runs or {}).items())), step_flops,
            repr(hw) if timed else None, cfg.model.matmul_precision)
     if memo is not None and key in memo:
-        return {**copy.deepcopy(memo[key]), "memory": compiled_mod.memory_bytes(compiled),
+        return {**copy.deepcopy(memo[key]), "memory": program_reading.memory_bytes(compiled),
                 "compile_s": seconds}
-    reading = compiled_mod.read(compiled, target, sizes, runs, step_flops=step_flops,
+    reading = program_reading.read(compiled, target, sizes, runs, step_flops=step_flops,
                                 compile_s=seconds, hlo=hlo)
     out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
            "comm": aggregate(reading["collectives"]), "kernels": reading["kernels"]}
