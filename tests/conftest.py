@@ -43,6 +43,16 @@ os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)      # >0: entries f
 os.environ["JAXDIST_XLA_KERNEL_CACHE"] = str(
     SESSION_DIR / f"xla-kernels-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.bin")
 
+# A pytest started as a background job of a non-interactive shell (CI runners, `cmd &` in a
+# script) begins with SIGINT ignored, and an ignored signal stays ignored across exec: every
+# run a test starts would then ignore the Ctrl-C the test sends (jaxdist.stop keeps a
+# signal its parent ignored, as nohup'd programs expect) and the test would wait out its
+# timeout. Python's own handler is reset to the default by exec, so children get SIGINT back.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
