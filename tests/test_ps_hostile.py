@@ -303,11 +303,13 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
     import re
 
     monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
-    monkeypatch.setenv("JAXDIST_PS_FAULT", "slow-worker:1:0.5")
+    # the probes below take well under a second after the shard serves; the workers' own
+    # start (importing jax) and 12 slowed steps keep the run alive past them
+    monkeypatch.setenv("JAXDIST_PS_FAULT", SLOW)
     logdir = tmp_path / "run"
     env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *RUN[:-4], "--steps",
-                             "40", "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.run", *RUN[:-2],
+                             "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         log = logdir / "ps" / "shard0.log"
@@ -333,7 +335,7 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, out[-3000:]
-    assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 40
+    assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 12
     assert "no token" not in out
 
 
