@@ -226,14 +226,14 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
     if cfg.compiler.overlap and platform.backend != "gpu":
         print(f"notice: --overlap has no effect on {platform.backend} (its flags are for "
               f"XLA:GPU); ignored", file=sys.stderr)
-    if platform.simulated:
-        print(f"No accelerator in use: simulating mesh "
-              f"{mesh_text(platform.shape.axis_sizes)} on "
-              f"{len(platform.devices)} host CPU devices. Step times are functional, not "
-              f"performance figures; memory figures (shard bytes, compiler) are exact.")
+    simulated = (f"No accelerator in use: simulating mesh "
+                 f"{mesh_text(platform.shape.axis_sizes)} on "
+                 f"{len(platform.devices)} host CPU devices. Step times are functional, not "
+                 f"performance figures; memory figures (shard bytes, compiler) are exact."
+                 if platform.simulated else None)
     loop_started = time.time()
     try:
-        results = loop.run(cfg, platform, logdir, stop=stop)
+        results = loop.run(cfg, platform, logdir, stop=stop, notice=simulated)
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
         where = f"; {logdir} is left unfinished (no results.json)" if logdir else ""
         print(f"run: interrupted again while stopping: stopped at once{where}",

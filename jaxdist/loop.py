@@ -32,12 +32,15 @@ from sharding import get_layout
 
 
 def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
-        stop: StopRequest | None = None) -> dict:
+        stop: StopRequest | None = None, notice: str | None = None) -> dict:
     """One run; `stop` is the entry point's StopRequest (installed early), else the loop
-    installs its own for its duration."""
+    installs its own for its duration. `notice` is logged once the step program is built:
+    a layout the mesh cannot shard is refused there, and its one line comes alone."""
     model_cfg, dataset = build_model(cfg)
     program = compiled_mod.step_program(cfg, model_cfg,
                                         build_mesh(platform.shape, platform.devices))
+    if notice:
+        log(notice)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps

@@ -253,7 +253,7 @@ def test_a_failure_after_the_record_is_written_keeps_the_folder(tmp_path, monkey
     keeps its folder: what it measured is not deleted with the failure."""
     from experiments.run import main
 
-    def record_then_fail(cfg, platform, logdir, stop=None):
+    def record_then_fail(cfg, platform, logdir, stop=None, notice=None):
         (logdir / "results.json").write_text('{"status": "complete"}')
         raise RuntimeError("failed after the record")
 
@@ -268,7 +268,7 @@ def test_a_failure_after_the_record_is_written_keeps_the_folder(tmp_path, monkey
 def test_a_failure_before_the_record_removes_only_what_the_run_made(tmp_path, monkeypatch):
     from experiments.run import main
 
-    def fail(cfg, platform, logdir, stop=None):
+    def fail(cfg, platform, logdir, stop=None, notice=None):
         (logdir / "partial.txt").write_text("half")
         raise RuntimeError("failed early")
 

@@ -171,4 +171,5 @@ def test_a_dimension_the_mesh_cannot_split_is_refused(args, line, tmp_path, monk
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"run: error: layout 'fsdp_tp' splits the embed dimension {line}"]
+    assert "simulating mesh" not in proc.stdout  # the refusal comes alone, before notices
     assert list(tmp_path.iterdir()) == []
