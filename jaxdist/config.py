@@ -94,6 +94,12 @@ class TrainConfig:
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "
                                    "all-reduces become reduce-scatter + all-gather")
+    tp_comm_chunks: int = _opt(0, "with --sequence-parallel (tp, fsdp_tp): run the blocks "
+                               "on N independent slices of each device's micro-batch, so "
+                               "that one slice's tensor-axis all-gathers and reduce-"
+                               "scatters overlap another's matmuls (DeepSpeed Domino's "
+                               "batch split); 0: 2 where that micro-batch is even, else 1; "
+                               "1: off")
     distributed_optimizer: bool = _opt(False, "Megatron's distributed optimizer (ZeRO-1 over "
                                        "the data axes; ddp, tp, ep, pp, tp_pp): optimizer "
                                        "state and float32 master weights sharded over the "

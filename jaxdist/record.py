@@ -125,7 +125,9 @@ def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int)
                       "flops_per_sample": model_cfg.flops_per_sample(),
                       "tokens_per_sample": model_cfg.tokens_per_sample,
                       # image models: their input side in pixels (readers match on it)
-                      "image_size": getattr(model_cfg, "image_size", None)},
+                      "image_size": getattr(model_cfg, "image_size", None),
+                      # slices of each device's batch the sequence-parallel blocks ran on
+                      "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None)},
             "config": cfg.to_dict()}
 
 

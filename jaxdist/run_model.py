@@ -40,8 +40,39 @@ def build_model(cfg):
         model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
-        model_cfg = dataclasses.replace(model_cfg, sequence_parallel=True)
+        model_cfg = dataclasses.replace(model_cfg, sequence_parallel=True,
+                                        tp_comm_chunks=tp_comm_chunks(cfg))
     return adapt_model(model_cfg, dataset), dataset
+
+
+def tp_comm_chunks(cfg) -> int:
+    """--tp-comm-chunks resolved: the slices of each device's micro-batch that the
+    sequence-parallel blocks run on (models/sequence_parallel.run_stack). Auto (0): 2 where
+    the micro-batch is even, else 1; the pipeline layouts run their stages' blocks as one
+    chain (jaxdist/pipeline/parts.py), so 1 there."""
+    from jaxdist.mesh import parse_mesh
+
+    asked, sizes = cfg.train.tp_comm_chunks, parse_mesh(cfg.mesh.mesh).axis_sizes
+    if asked < 0:
+        raise UsageError(f"--tp-comm-chunks {asked}: give 0 (auto), 1 (off) or more")
+    if sizes.get("stage", 1) > 1:
+        if asked > 1:
+            raise UsageError(f"--tp-comm-chunks {asked}: the pipeline layouts run each "
+                             f"stage's blocks as one chain; use tp or fsdp_tp, or leave it out")
+        return 1
+    shards = 1
+    for axis, n in sizes.items():
+        if axis not in ("tensor", "stage"):
+            shards *= n
+    local = cfg.train.batch_size // max(1, shards * cfg.train.microbatches)
+    if asked == 0:
+        return 2 if local % 2 == 0 else 1
+    if local % asked:
+        raise UsageError(f"--tp-comm-chunks {asked} does not divide each device's micro-batch "
+                         f"of {local} (--batch-size {cfg.train.batch_size} over {shards} "
+                         f"batch shards, --microbatches {cfg.train.microbatches}); use a "
+                         f"divisor of {local}, or 0 for auto")
+    return asked
 
 
 SEQUENCE_PARALLEL_LAYOUTS = ("tp", "fsdp_tp", "tp_pp")

@@ -20,7 +20,7 @@ from models.layers import (BLD, BLF, BLH, BLNH, BLV, REMAT_POLICIES, PreNormBloc
                            block_runner, constrain, embed, layer_norm, linear, lookup)
 from models.attention import causal_attention
 from models.registry import register
-from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
+from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 
 class CausalSelfAttention(nnx.Module):
@@ -85,6 +85,7 @@ class GPT(nnx.Module):
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
+        self.tp_comm_chunks = cfg.tp_comm_chunks
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
@@ -92,10 +93,8 @@ class GPT(nnx.Module):
         x_BLD = constrain(lookup(self.tok, tokens_BL)
                           + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
-        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
-        for block in self.blocks:
-            x_BLD = run_block(block, x_BLD)
-        x_BLD = constrain(whole_sequence(x_BLD, self.sequence_parallel), *BLD)
+        x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
+                                    self.tp_comm_chunks), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
@@ -110,6 +109,9 @@ class GPTConfig:
     remat: str = "none"
     # Megatron sequence parallelism inside each block (--sequence-parallel; layers.py)
     sequence_parallel: bool = False
+    # independent slices of each device's batch the blocks run on under sequence parallelism,
+    # so that one slice's collectives overlap another's matmuls (sequence_parallel.run_stack)
+    tp_comm_chunks: int = 1
     # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
     # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
     attention: str = "default"
@@ -121,6 +123,8 @@ class GPTConfig:
             raise UsageError(f"remat {self.remat!r}: choose from {', '.join(REMAT_POLICIES)}")
         if self.attention not in ("default", "xla", "cudnn"):
             raise UsageError(f"attention={self.attention!r}: choose from default, xla, cudnn")
+        if self.tp_comm_chunks < 1:
+            raise UsageError(f"tp_comm_chunks={self.tp_comm_chunks}: give 1 or more")
         if self.width % self.heads:
             raise UsageError(f"gpt width={self.width} is not divisible by heads={self.heads}")
 

@@ -19,7 +19,7 @@ from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
                            constrain, embed, linear, lookup, rms_norm)
 from models.registry import register
-from models.sequence_parallel import SequenceParallelBlock, sequence_shards, whole_sequence
+from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 
 def rope(x_BLNH, theta: float):
@@ -97,14 +97,13 @@ class Llama(nnx.Module):
         self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
+        self.tp_comm_chunks = cfg.tp_comm_chunks
 
     def __call__(self, tokens_BL):
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
-        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
-        for block in self.blocks:
-            x_BLD = run_block(block, x_BLD)
-        x_BLD = constrain(whole_sequence(x_BLD, self.sequence_parallel), *BLD)
+        x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
+                                    self.tp_comm_chunks), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 

@@ -14,11 +14,20 @@ all-reduces the partial sums and slices them where a reduce-scatter belongs. The
 inputs and the residual stream are then kept for the backward as sequence shards. The
 gathered norm output is kept whole for the weight gradients (Megatron keeps its shard and
 gathers again in the backward: less memory, one more all-gather per sublayer).
+
+Every one of those collectives sits between two matmuls that need it, so inside one chain of
+blocks nothing can hide it. `run_stack` with chunks > 1 runs the blocks on that many
+independent slices of each device's batch (DeepSpeed Domino's batch split, Wang et al. 2024;
+Megatron's `--tp-comm-overlap` overlaps the same collectives with userbuffers instead): the
+slices are separate chains in the program, so XLA's latency-hiding scheduler runs one
+slice's all-gather or reduce-scatter beside another slice's matmuls. Each row's arithmetic
+is unchanged, only the matmuls are narrower.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -98,6 +107,25 @@ def whole_sequence(x_BLD, sequence_parallel: bool):
     return from_sequence_shards(x_BLD) if sequence_parallel and active() else x_BLD
 
 
+def run_stack(blocks, run_block, x_BLD, sequence_parallel: bool, chunks: int = 1):
+    """The decoder's blocks, on sequence shards under sequence parallelism (entered before the
+    first block, left after the last), and with chunks > 1 on that many independent slices of
+    each device's batch: rows c, c + chunks, ... form slice c, which keeps every slice's rows
+    on the device that holds them (the batch is split over the data axes in contiguous runs,
+    each a multiple of chunks: jaxdist.run_model.tp_comm_chunks)."""
+    x_BLD = sequence_shards(x_BLD, sequence_parallel)
+    if chunks > 1 and sequence_parallel and active():
+        B, rest = x_BLD.shape[0], x_BLD.shape[1:]
+        slices = tuple(x_BLD.reshape(B // chunks, chunks, *rest)[:, c] for c in range(chunks))
+        for block in blocks:  # SequenceParallelBlock takes the tuple: each slice its chain
+            slices = run_block(block, slices)
+        x_BLD = jnp.stack(slices, axis=1).reshape(x_BLD.shape)
+    else:
+        for block in blocks:
+            x_BLD = run_block(block, x_BLD)
+    return whole_sequence(x_BLD, sequence_parallel)
+
+
 def _param_specs(state):
     """Megatron's split of a sublayer's parameters over tensor, by their logical axes
     (sharding/logical.py, the tp layout's rule): heads and MLP hidden over tensor."""
@@ -109,34 +137,44 @@ def _param_specs(state):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def sublayer(module, h_BlD):
-    """module (attention or MLP: `column`, then its row-parallel projection `row`) on the
-    all-gathered norm output h, its output reduce-scattered back to sequence shards: inside a
-    shard_map over tensor (and the batch axes), on each device's own heads or MLP columns,
-    so the backward's partial input gradients go straight into the transposed all-gather
-    (a reduce-scatter)."""
+def sublayer(module, hs_BlD: tuple):
+    """module (attention or MLP: `column`, then its row-parallel projection `row`) on each
+    all-gathered norm output h of `hs` (the batch's slices, run_stack), its output
+    reduce-scattered back to sequence shards: inside one shard_map over tensor (and the batch
+    axes), on each device's own heads or MLP columns, so the backward's partial input
+    gradients go straight into the transposed all-gather (a reduce-scatter). All slices in
+    one shard_map: their weight gradients are summed inside it and leave it as one sum over
+    the batch axes (a shard_map per slice would reduce each slice's apart)."""
     graphdef, state = nnx.split(module)
 
-    def local(h, state):
+    def local(hs, state):
         m = nnx.merge(graphdef, state)
         row = getattr(m, m.row)
-        y, kernel, bias = row.promote_dtype(
-            (m.column(_all_gather(h)), row.kernel[...],
-             row.bias[...] if row.bias is not None else None), dtype=row.dtype)
-        part = row.dot_general(y, kernel, (((2,), (0,)), ((), ())), precision=row.precision)
-        out = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
-        return out if bias is None else out + bias
+        outs = []
+        for h in hs:
+            y, kernel, bias = row.promote_dtype(
+                (m.column(_all_gather(h)), row.kernel[...],
+                 row.bias[...] if row.bias is not None else None), dtype=row.dtype)
+            part = row.dot_general(y, kernel, (((2,), (0,)), ((), ())),
+                                   precision=row.precision)
+            out = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
+            outs.append(out if bias is None else out + bias)
+        return tuple(outs)
 
-    return _map(local, (_sequence(), _param_specs(state)), _sequence())(h_BlD, state)
+    specs = (_sequence(),) * len(hs_BlD)
+    return _map(local, (specs, _param_specs(state)), specs)(tuple(hs_BlD), state)
 
 
 class SequenceParallelBlock(PreNormBlock):
     """PreNormBlock with its norms and residual stream on sequence shards: its input and
     output are sequence shards (`sequence_shards` before the first block, `whole_sequence`
-    after the last). Without a tensor axis it is PreNormBlock."""
+    after the last), or a tuple of them, the slices of run_stack, each its own chain. Without
+    a tensor axis it is PreNormBlock."""
 
     def __call__(self, x_BLD):
         if not active():
             return super().__call__(x_BLD)
-        x_BLD = x_BLD + sublayer(self.attn, self.ln1(x_BLD))
-        return x_BLD + sublayer(self.mlp, self.ln2(x_BLD))
+        xs = x_BLD if isinstance(x_BLD, tuple) else (x_BLD,)
+        xs = tuple(x + h for x, h in zip(xs, sublayer(self.attn, [self.ln1(x) for x in xs])))
+        xs = tuple(x + h for x, h in zip(xs, sublayer(self.mlp, [self.ln2(x) for x in xs])))
+        return xs if isinstance(x_BLD, tuple) else xs[0]

@@ -38,10 +38,11 @@ def test_tp_pp_sequence_parallel_equals_single_device(model, schedule):
                 _reference(model, 2), sequence_parallel=True)
 
 
-def _compiled(layout, shape, depth, sp):
+def _compiled(layout, shape, depth, sp, chunks=1):
     """(collectives, temp bytes) of the step compiled from abstract state: nothing is
     initialised or run, only the program is read."""
-    cfg = get_model("gpt-tiny", {"depth": str(depth), "sequence_parallel": str(sp)})
+    cfg = get_model("gpt-tiny", {"depth": str(depth), "sequence_parallel": str(sp),
+                                 "tp_comm_chunks": str(chunks)})
     program = build_program(cfg, "float32", make_optimizer("adamw", 1e-2), get_layout(layout),
                             build_mesh(shape, jax.devices()[:shape.size]), 0, 1)
     batch = put_batch(TrainStream(cfg, None, 16, 0).batch(0), program.batch_sharding)
@@ -100,7 +101,83 @@ def test_norm_region_memory_falls_by_t():
     assert regions[2] >= 2 * act
 
 
+@pytest.mark.parametrize("model,layout", [("gpt-tiny", "tp"), ("llama-tiny", "fsdp_tp")])
+def test_tp_comm_chunks_equal_single_device(model, layout):
+    """--tp-comm-chunks 2: the blocks run on two slices of each device's 4 rows, the same
+    losses as one device."""
+    reference = train(model, "ddp", MeshShape(1), steps=3)[0]
+    losses = train(model, layout, MESH, steps=3, sequence_parallel=True, tp_comm_chunks=2)[0]
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_tp_comm_chunks_split_each_collective_in_two_and_move_nothing_more():
+    """Two slices: each block's 4 all-gathers and 4 reduce-scatters on tensor become 8 + 8 of
+    half an activation (the same ring bytes), and what moves on the batch axes (gradients,
+    fsdp's weight gathers) is what one chain moves: the slices' weight gradients leave each
+    sublayer's shard_map as one sum, no activation crosses those axes. Measured extra: the
+    norms' scales and biases and the row biases, gathered and reduced once per slice, 10
+    vectors of `width` floats per block and extra slice (per block: 5,120 of 250,368 bytes)."""
+    def tally(chunks):
+        (one, _), (two, _) = (_compiled("fsdp_tp", MESH, d, True, chunks) for d in (1, 2))
+
+        def count(ops):
+            c = collections.Counter()
+            for o in ops:
+                if o["axes"] == ["tensor"] and o["bytes"] % (ACT // 2) == 0:  # activations
+                    c[(o["kind"], o["bytes"])] += 1
+            return c
+        tensor = count(two)
+        tensor.subtract(count(one))
+        batch_axes = collections.Counter()
+        for o in two:
+            if "tensor" not in o["axes"]:
+                batch_axes[o["kind"]] += o["bytes"]
+        largest = max(o["bytes"] for o in two if o["axes"] == ["data", "fsdp"]
+                      and o["kind"] == "all-gather")
+        return {k: n for k, n in tensor.items() if n}, batch_axes, largest
+    (whole, rest1, big1), (halves, rest2, big2) = tally(1), tally(2)
+    assert whole == {("all-gather", ACT): 4, ("reduce-scatter", ACT): 4}
+    assert halves == {("all-gather", ACT // 2): 8, ("reduce-scatter", ACT // 2): 8}
+    assert big2 == big1 and set(rest2) == set(rest1) == {"all-gather", "all-reduce"}
+    vector, depth = D * 4, 2
+    extra = {k: rest2[k] - rest1[k] for k in rest1}
+    assert all(v >= 0 and v % vector == 0 for v in extra.values())
+    assert sum(extra.values()) == 10 * vector * depth
+
+
+def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
+    """Auto: 2 where each device's micro-batch is even, else 1; 1 under a pipeline layout
+    (a stage's blocks are one chain); an explicit count must divide the micro-batch."""
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.errors import UsageError
+    from jaxdist.run_model import tp_comm_chunks
+
+    def chunks(*argv):
+        return tp_comm_chunks(from_namespace(build_parser().parse_args(
+            ["--model", "gpt-tiny", "--sequence-parallel", *argv])))
+    assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "8") == 2
+    assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "6") == 1
+    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "8") == 2
+    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "4") == 1
+    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "16",
+                  "--microbatches", "4") == 1
+    assert chunks("--layout", "tp", "--mesh", "1x1x2", "--batch-size", "16",
+                  "--tp-comm-chunks", "4") == 4
+    assert chunks("--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--batch-size",
+                  "16") == 1
+    with pytest.raises(UsageError, match="does not divide each device's micro-batch of 4"):
+        chunks("--layout", "tp", "--mesh", "data:4,tensor:2", "--batch-size", "16",
+               "--tp-comm-chunks", "3")
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--layout", "tp", "--mesh", "data:4,tensor:2", "--tp-comm-chunks", "3"],
+     "--tp-comm-chunks 3 does not divide each device's micro-batch of 16 (--batch-size 64 "
+     "over 4 batch shards, --microbatches 1); use a divisor of 16, or 0 for auto"),
+    (["--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--tp-comm-chunks", "2"],
+     "--tp-comm-chunks 2: the pipeline layouts run each stage's blocks as one chain; use tp "
+     "or fsdp_tp, or leave it out"),
     (["--layout", "fsdp", "--mesh", "2x2"],
      "--sequence-parallel splits activations over the tensor axis of a tensor-parallel "
      "layout; layout 'fsdp' has none (use tp, fsdp_tp, tp_pp)"),

@@ -136,6 +136,7 @@ def plan_settings(cfg, model_cfg) -> dict:
     return {"dtype": cfg.model.dtype, "remat": cfg.train.remat,
             "microbatches": cfg.train.microbatches,
             "attention": getattr(model_cfg, "attention", None),
+            "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
             "decoder": program.is_stack(model_cfg)}
 
 
