@@ -150,15 +150,24 @@ def sublayer(module, hs_BlD: tuple):
     def local(hs, state):
         m = nnx.merge(graphdef, state)
         row = getattr(m, m.row)
-        outs = []
+        outs, gathered, scattered = [], None, None
         for h in hs:
+            # Each slice's all-gather waits for the previous slice's, and its reduce-scatter
+            # for the previous one's: left independent, XLA's collective combiners would
+            # merge the slices' collectives into one (whenever they fit under the combine
+            # threshold), and the slices would wait for each other at every sublayer.
+            if gathered is not None:
+                h, _ = jax.lax.optimization_barrier((h, gathered))
+            gathered = _all_gather(h)
             y, kernel, bias = row.promote_dtype(
-                (m.column(_all_gather(h)), row.kernel[...],
+                (m.column(gathered), row.kernel[...],
                  row.bias[...] if row.bias is not None else None), dtype=row.dtype)
             part = row.dot_general(y, kernel, (((2,), (0,)), ((), ())),
                                    precision=row.precision)
-            out = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
-            outs.append(out if bias is None else out + bias)
+            if scattered is not None:
+                part, _ = jax.lax.optimization_barrier((part, scattered))
+            scattered = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
+            outs.append(scattered if bias is None else scattered + bias)
         return tuple(outs)
 
     specs = (_sequence(),) * len(hs_BlD)

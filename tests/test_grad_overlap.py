@@ -48,3 +48,46 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     early = sum(1 for i, o in enumerate(order) if o == "rs" and i < last_gemm)
     assert len(scatters) >= 4
     assert early >= len(scatters) // 2, order
+
+
+def _tensor_collectives_hidden(chunks: int) -> tuple[int, int]:
+    """(tensor-axis all-gathers and reduce-scatters with a matmul scheduled between their
+    start and done, all of them) in the XLA:GPU program of one block of the Megatron-style
+    GPT of issue #32 (width 5120, 40 heads, 4,096 tokens, cuDNN attention), tp on
+    data:32,tensor:4, bf16, --distributed-optimizer --sequence-parallel with `chunks`
+    slices. Full-size shapes: with tiny ones XLA's scheduler sees nothing worth hiding."""
+    cfg = RunConfig(mesh=MeshConfig(mesh="data:32,tensor:4"),
+                    model=ModelConfig(model="gpt-tiny", dtype="bfloat16", model_opts=(
+                        "seq_len=4096,width=5120,depth=1,heads=40,attention=cudnn")),
+                    train=TrainConfig(layout="tp", batch_size=128, sequence_parallel=True,
+                                      distributed_optimizer=True, tp_comm_chunks=chunks))
+    model_cfg, _ = build_model(cfg)
+    assert model_cfg.tp_comm_chunks == chunks
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
+    _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    hlo = comp.as_text()
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds,
+                                   hlo=hlo)
+    names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
+             and op["kind"] in ("all-gather", "reduce-scatter")}
+    in_flight, hidden = set(), set()
+    for item in kernels.schedule(hlo)[entry_computation(hlo)]:
+        if item["item"] == "start" and item["name"] in names:
+            in_flight.add(item["name"])
+        elif item["item"] == "done":
+            in_flight.discard(item["name"])
+        elif item["item"] == "kernel" and item["kind"] in GEMMS:
+            hidden |= in_flight
+    return len(hidden), len(names)
+
+
+def test_tp_comm_chunks_put_matmuls_under_the_sequence_parallel_collectives():
+    """--tp-comm-chunks 2 (Domino's batch split, models/sequence_parallel.run_stack): the
+    block's 8 sequence-parallel collectives become 16, and most have another slice's matmul
+    scheduled while in flight; as one chain most sit between the matmuls that
+    need it. (Plus the entry into and exit from the sequence shards, not split: 2.)"""
+    hidden1, total1 = _tensor_collectives_hidden(1)
+    hidden2, total2 = _tensor_collectives_hidden(2)
+    assert (total1, total2) == (8 + 2, 16 + 2)
+    assert hidden1 <= total1 // 3 and hidden2 >= total2 // 2, (hidden1, hidden2)  # 3, 11
