@@ -47,9 +47,12 @@ def build_model(cfg):
 
 def tp_comm_chunks(cfg) -> int:
     """--tp-comm-chunks resolved: the slices of each device's micro-batch that the
-    sequence-parallel blocks run on (models/sequence_parallel.run_stack). Auto (0): 2 where
-    the micro-batch is even, else 1; the pipeline layouts run their stages' blocks as one
-    chain (jaxdist/pipeline/parts.py), so 1 there."""
+    sequence-parallel blocks run on (models/sequence_parallel.run_stack). Auto (0): under tp
+    2 where the micro-batch is even, else 1. Under fsdp_tp auto is 1: there the slices also
+    cost memory and, with --remat full, weight all-gathers on data (XLA:GPU, llama3-70b on
+    data:32,tensor:8: 338 -> 390 GiB, 47 -> 69 GB gathered a step; docs/layouts.md), so
+    they are asked for. The pipeline layouts run their stages' blocks as one chain
+    (jaxdist/pipeline/parts.py): 1 there."""
     from jaxdist.mesh import parse_mesh
 
     asked, sizes = cfg.train.tp_comm_chunks, parse_mesh(cfg.mesh.mesh).axis_sizes
@@ -66,7 +69,7 @@ def tp_comm_chunks(cfg) -> int:
             shards *= n
     local = cfg.train.batch_size // max(1, shards * cfg.train.microbatches)
     if asked == 0:
-        return 2 if local % 2 == 0 else 1
+        return 2 if cfg.train.layout == "tp" and local % 2 == 0 else 1
     if local % asked:
         raise UsageError(f"--tp-comm-chunks {asked} does not divide each device's micro-batch "
                          f"of {local} (--batch-size {cfg.train.batch_size} over {shards} "
