@@ -261,7 +261,10 @@ def test_cudnn_attention_compiles_under_the_tensor_layouts(layout, mesh, sp, mb)
     if mb > 1:
         return  # a pipeline's calls sit in its schedule's branches: present is the claim
     depth, sizes = model_cfg.depth, shape.axis_sizes
-    assert fwd["launches"] == depth and bwd["launches"] == depth
+    # one call per block and slice (sequence parallel under tp: two, --tp-comm-chunks)
+    calls = depth * model_cfg.tp_comm_chunks
+    assert model_cfg.tp_comm_chunks == (2 if sp else 1)
+    assert fwd["launches"] == calls and bwd["launches"] == calls
     B, H, L = 16 // sizes["data"], model_cfg.heads // sizes["tensor"], model_cfg.seq_len
     one = 2 * B * H * L * L * (model_cfg.width // model_cfg.heads)
     assert fwd["flops"] == pytest.approx(depth * one * 2 * 0.5)
