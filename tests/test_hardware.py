@@ -27,6 +27,20 @@ def test_every_part_has_flop_peaks_from_metrics_and_sources(name):
     assert hw.intra_node_bandwidth > hw.inter_node_bandwidth
 
 
+def test_one_record_per_part_is_every_view():
+    """Issue #31 item 4: a part's facts are one record of jaxdist.parts; the --hardware help,
+    the peak lookup, the XLA:GPU targets and the kernel rates are views of it."""
+    import dataclasses
+
+    from jaxdist.config import OutputConfig
+
+    assert len(parts.NAMED) == len(parts.PARTS)  # names are unique
+    assert all(p.peak is not None for p in parts.PARTS if p.patterns)
+    assert all(p.predictable or not (p.target or p.rates) for p in parts.PARTS)
+    field = {f.name: f for f in dataclasses.fields(OutputConfig)}["hardware"]
+    assert f"({KNOWN})" in field.metadata["help"]
+
+
 def test_datasheet_figures():
     h200 = get_hardware("H200")
     assert (h200.hbm_bytes, h200.hbm_bandwidth, h200.tdp_w) == (141e9, 4.8e12, 700)
