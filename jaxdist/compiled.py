@@ -6,7 +6,7 @@ predictor and the in-run prediction all compile through it, so every figure name
 compiler.
 
 XLA:GPU without a device (docs/predict.md, Which compiler): jax-cuda12's PJRT plugin builds a
-compile-only topology from a target description (`jaxdist.gpu_targets`); `jit(...).lower(
+compile-only topology from a part's target description (`jaxdist.parts`); `jit(...).lower(
 abstract args).compile()` then runs XLA:GPU's whole pipeline. Two gaps it leaves are closed
 here and in jaxdist.program_reading only: `cost_analysis()` is not offered for such a program
 (`program_reading.xla_cost` runs XLA's HloCostAnalysis over the optimized module through
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
-from jaxdist.gpu_targets import TARGETS, target_for
+from jaxdist.parts import NAMED, PARTS
 
 INSTALL_HINT = "install it with `make gpu-compiler` (pip install 'jax[cuda12]==0.10.2')"
 COMPILERS = ("auto", "gpu", "cpu")
@@ -51,7 +51,7 @@ def gpu_compiler_missing() -> str | None:
             importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return f"the GPU compiler (jax-cuda12 plugin) is not installed; {INSTALL_HINT}"
     try:
-        _topology("probe", TARGETS["h100-sxm"].text(), "1x1x1")
+        _topology("probe", NAMED["h100-sxm"].target_text(), "1x1x1")
     except Exception as e:  # noqa: BLE001 - any failure means: not usable, and why
         return (f"the GPU compiler failed to load ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:160]}); reinstall it with `make gpu-compiler`")
@@ -67,9 +67,9 @@ def _topology(name: str, target_text: str, topology: str):
 def gpu_topology(hw, num_devices: int) -> Target:
     """`num_devices` GPUs of part `hw` as a cluster would hold them: hosts of
     `hw.gpus_per_node` (process index = host), host-major, compiled without a device."""
-    spec = target_for(hw.name)
+    spec = hw.target
     if spec is None:
-        have = ", ".join(TARGETS)
+        have = ", ".join(p.name for p in PARTS if p.target)
         raise UsageError(f"{hw.name} has no XLA:GPU target description (parts with one: "
                          f"{have}); plan it with XLA:CPU's program: --compiler cpu")
     per_host = min(num_devices, hw.gpus_per_node)
@@ -84,7 +84,7 @@ def gpu_topology(hw, num_devices: int) -> Target:
     try:
         # XLA plans its memory (scheduler, rematerialization) for the part's usable HBM, the
         # figure the memory verdict holds the program to (jaxdist.gpu_targets XLA_BASE_FRACTION)
-        devices = tuple(_topology(hw.name, spec.text(hw.hbm_bytes),
+        devices = tuple(_topology(hw.name, hw.target_text(hw.hbm_bytes),
                                   f"1x{hosts}x{per_host}").devices)
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"the GPU compiler rejected the {hw.name} target "

@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxdist.data import DATASETS
 from jaxdist.errors import UsageError
+from jaxdist.parts import PREDICTABLE
 from jaxdist.telemetry import PowerConfig
 
 
@@ -171,11 +172,10 @@ class OutputConfig:
                          "mesh, from shapes (no allocation, no devices; any model size)")
     profile_steps: str = _opt("", "capture a jax.profiler trace of steps A:B (inclusive) into "
                               "the run directory, for TensorBoard's profile tab or Perfetto")
-    hardware: str = _opt("", "predict memory and step time on this GPU (h100-sxm, "
-                         "h100-pcie, h200, a100-sxm-40gb, a100-sxm-80gb, a10g, l4) from the "
-                         "step compiled for the mesh: with --dry-run printed (and written to "
-                         "plan.json with --logdir); on a run, in results.json beside the "
-                         "measured figures")
+    hardware: str = _opt("", f"predict memory and step time on this GPU "
+                         f"({', '.join(PREDICTABLE)}) from the step compiled for the mesh: "
+                         "with --dry-run printed (and written to plan.json with --logdir); "
+                         "on a run, in results.json beside the measured figures")
     gpus_per_node: int = _opt(0, "with --hardware: GPUs per node (0: the part's usual node)")
     pp_runtime: str = _opt("jaxdist", "with --hardware on a pipeline layout: predict the "
                            "schedule as jaxdist's tick loop runs it (jaxdist: lockstep ticks, "

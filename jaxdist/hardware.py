@@ -1,102 +1,18 @@
-"""GPUs as data, for predicting a step on hardware that is not here (`--hardware h200`).
+"""Predicting a step on hardware that is not here (`--hardware h200`): the part a run names
+(`get_hardware`; the parts and their figures are `jaxdist.parts`), and the time model's
+constants, the same for every part.
 
-Each part: HBM capacity and bandwidth, per-GPU link bandwidth inside a node (NVLink or PCIe)
-and across nodes (the node's InfiniBand/Ethernet NICs shared by its GPUs), GPUs per node and
-TDP, each with its source. Peak FLOP/s are not repeated here: they are read from
-`jaxdist.metrics.PEAKS` (one table, datasheet-sourced) through `device_kind`.
-
-Link bandwidths are one direction, per GPU: a ring collective sends and receives at the same
-time, so what bounds it is the one-way rate (NVLink 4: 900 GB/s bidirectional = 450 GB/s
-each way). The efficiencies and latencies of the time model are in `MODEL_CONSTANTS`, each
-with its justification; none is fitted per run.
+The efficiencies and latencies of the time model are in `MODEL_CONSTANTS`, each with its
+justification; none is fitted per run. `clock_factor` and `rates_part` say how a part under a
+power cap carries over its sibling's published kernel rates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxdist import metrics
 from jaxdist.errors import UsageError
-
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Hardware:
-    name: str
-    device_kind: str            # a string that jaxdist.metrics.peak_row recognises
-    hbm_bytes: float
-    hbm_bandwidth: float        # bytes/s
-    intra_node_bandwidth: float  # bytes/s per GPU, one direction
-    inter_node_bandwidth: float  # bytes/s per GPU, one direction
-    gpus_per_node: int
-    tdp_w: float
-    sources: tuple[str, ...]
-    # Which calibrated compute efficiency applies (MODEL_CONSTANTS "compute_efficiency_<x>")
-    # and what the GPUs of a node talk over (NCCL's per-hop latency differs).
-    efficiency: str = "hopper"
-    intra_node_link: str = "nvlink"
-    # A board power limit below the die's rated power (the part's published kernel rates were
-    # measured at `rates_from`'s TDP), and the part whose published kernel rates
-    # (jaxdist.predict.rates) this one carries over: same die, compute rates scaled by its
-    # clock under the cap (`clock_factor`), streaming rates by its HBM bandwidth.
-    power_cap_w: float | None = None
-    rates_from: str | None = None
-
-    def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
-        return metrics.peak_flops(self.device_kind, dtype, matmul_precision)
-
-
-_NVLINK4 = "NVLink 4 (Hopper): 900 GB/s bidirectional per GPU (H100/H200 datasheets) -> 450 GB/s one way"
-_CX7 = ("DGX H100/H200 and HGX reference nodes: 8x ConnectX-7 400 Gb/s InfiniBand, one per "
-        "GPU (NVIDIA DGX H100 user guide) -> 50 GB/s per GPU")
-
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (
-    Hardware("h100-sxm", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB, 50 * GB, 8, 700,
-             ("NVIDIA H100 datasheet, SXM column: 80 GB HBM3, 3.35 TB/s, TDP up to 700 W",
-              _NVLINK4, _CX7)),
-    Hardware("h100-pcie", "NVIDIA H100 PCIe", 80 * GB, 2.0e12, 64 * GB, 50 * GB, 8, 350,
-             ("NVIDIA H100 datasheet, PCIe column: 80 GB HBM2e, 2 TB/s, TDP 300-350 W",
-              "PCIe Gen5 x16: 128 GB/s bidirectional -> 64 GB/s one way (no NVLink bridge "
-              "assumed)",
-              "assumed: one 400 Gb/s NIC per GPU, as in the SXM nodes (50 GB/s)"),
-             intra_node_link="pcie"),
-    Hardware("h200", "NVIDIA H200", 141 * GB, 4.8e12, 450 * GB, 50 * GB, 8, 700,
-             ("NVIDIA H200 datasheet, H200 SXM column: 141 GB HBM3e, 4.8 TB/s, TDP up to 700 W",
-              _NVLINK4, _CX7.replace("DGX H100/H200", "DGX H200"))),
-    # The H100 that torchtitan's Llama 3.1 runs used (benchmarks/llama3_h100_202412_torchtitan.md:
-    # "Meta Grand Teton, 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM H100, default 500 W power
-    # limit"): the GH100 die of h100-sxm, its HBM2e and its 500 W limit.
-    Hardware("h100-sxm-96gb-500w", "NVIDIA H100 96GB HBM2e", 96 * GB, 2.4e12, 450 * GB,
-             50 * GB, 8, 500,
-             ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf: Meta "
-              "Grand Teton, 8 H100 per host (NVLink), 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM "
-              "H100, default 500 W power limit, 400 Gb/s RDMA per GPU", _NVLINK4,
-              "400 Gb/s RDMA per GPU (the same torchtitan page) -> 50 GB/s per GPU"),
-             power_cap_w=500, rates_from="h100-sxm"),
-    Hardware("a100-sxm-40gb", "NVIDIA A100-SXM4-40GB", 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8,
-             400,
-             ("NVIDIA A100 datasheet, 40GB SXM column: 40 GB HBM2, 1,555 GB/s, TDP 400 W",
-              "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
-              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU -> "
-              "25 GB/s per GPU (NVIDIA DGX A100 user guide)"), efficiency="ampere"),
-    Hardware("a100-sxm-80gb", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8,
-             400,
-             ("NVIDIA A100 datasheet, 80GB SXM column: 80 GB HBM2e, 2,039 GB/s, TDP 400 W",
-              "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
-              "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s"),
-             efficiency="ampere"),
-    Hardware("a10g", "NVIDIA A10G", 24 * GB, 600 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 150,
-             ("NVIDIA A10 datasheet (A10G: AWS's variant): 24 GB GDDR6, 600 GB/s, TDP 150 W",
-              "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
-              "AWS g5.48xlarge: 8 A10G, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
-             efficiency="ampere", intra_node_link="pcie"),
-    Hardware("l4", "NVIDIA L4", 24 * GB, 300 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 72,
-             ("NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, TDP 72 W, PCIe Gen4 x16",
-              "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
-              "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
-             efficiency="ampere", intra_node_link="pcie"),
-)}
+from jaxdist.parts import NAMED, PREDICTABLE, Part
 
 
 @dataclass(frozen=True)
@@ -177,41 +93,42 @@ def constant(name: str) -> float:
     return MODEL_CONSTANTS[name].value
 
 
-def clock_factor(hw: Hardware) -> float:
+def clock_factor(hw: Part) -> float:
     """The compute clock of `hw` under its power cap over the clock at which its published
     kernel rates were measured (the TDP of `rates_from`, else its own): 1.0 without a cap
     below that power (MODEL_CONSTANTS power_cap_clock_exponent)."""
-    rated = HARDWARE[hw.rates_from].tdp_w if hw.rates_from else hw.tdp_w
+    rated = NAMED[hw.rates_from].tdp_w if hw.rates_from else hw.tdp_w
     if not hw.power_cap_w or hw.power_cap_w >= rated:
         return 1.0
     return (hw.power_cap_w / rated) ** constant("power_cap_clock_exponent")
 
 
-def rates_part(hw: Hardware) -> tuple[str, float, float]:
+def rates_part(hw: Part) -> tuple[str, float, float]:
     """(the part whose published kernel rates apply, the factor on its compute rates, the
     factor on its streaming HBM rate) for `hw`: its own rates as published, or a sibling's
     scaled by the clock under the cap and by the HBM bandwidth."""
     if not hw.rates_from:
         return hw.name, clock_factor(hw), 1.0
     return (hw.rates_from, clock_factor(hw),
-            hw.hbm_bandwidth / HARDWARE[hw.rates_from].hbm_bandwidth)
+            hw.hbm_bandwidth / NAMED[hw.rates_from].hbm_bandwidth)
 
 
-def compute_efficiency(hw: Hardware) -> float:
+def compute_efficiency(hw: Part) -> float:
     return constant(f"compute_efficiency_{hw.efficiency}")
 
 
-def kernel_efficiency(hw: Hardware) -> float:
+def kernel_efficiency(hw: Part) -> float:
     return constant(f"kernel_efficiency_{hw.efficiency}")
 
 
-def get_hardware(name: str, gpus_per_node: int = 0) -> Hardware:
-    """The part named `name` (case-insensitive); `gpus_per_node` > 0 overrides its node
-    size. Unknown -> UsageError naming the known parts."""
+def get_hardware(name: str, gpus_per_node: int = 0) -> Part:
+    """The predicted part named `name` (case-insensitive); `gpus_per_node` > 0 overrides its
+    node size. Unknown, or a part that is only measured -> UsageError naming the known
+    parts."""
     key = name.strip().lower()
-    if key not in HARDWARE:
-        raise UsageError(f"unknown --hardware {name!r}; known: {', '.join(HARDWARE)}")
-    hw = HARDWARE[key]
+    if key not in PREDICTABLE:
+        raise UsageError(f"unknown --hardware {name!r}; known: {', '.join(PREDICTABLE)}")
+    hw = NAMED[key]
     if gpus_per_node < 0:
         raise UsageError(f"--gpus-per-node {gpus_per_node} is negative; 0 keeps {hw.name}'s "
                          f"{hw.gpus_per_node}")
@@ -221,7 +138,7 @@ def get_hardware(name: str, gpus_per_node: int = 0) -> Hardware:
     return hw
 
 
-def check_nodes(hw: Hardware, devices: int) -> None:
+def check_nodes(hw: Part, devices: int) -> None:
     """A mesh over several nodes fills each node: its device count is a multiple of the
     node size (the placement model numbers devices node by node)."""
     if devices > hw.gpus_per_node and devices % hw.gpus_per_node:

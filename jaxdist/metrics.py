@@ -1,8 +1,8 @@
-"""What a run measures besides time: latency statistics, memory, sharding, FLOPs and MFU."""
+"""What a run measures besides time: latency statistics, memory, sharding, FLOPs and MFU
+(against the datasheet peaks of `jaxdist.parts`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -10,6 +10,8 @@ from collections import defaultdict
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from jaxdist.parts import peak_flops, peak_row
 
 
 def latency_stats(seconds) -> dict:
@@ -197,103 +199,6 @@ def while_trip_counts(hlo_text: str) -> dict[str, list[int]]:
     return out
 
 
-# Peak FLOP/s per device, dense (NVIDIA datasheets quote tensor-core figures "with
-# sparsity", twice the dense rate: those are written as quoted / 2).
-#   bf16: BF16 tensor cores        - bfloat16 compute, any matmul precision
-#   tf32: TF32 tensor cores        - float32 under precision "default" or "high": XLA:GPU lets
-#         cuBLAS/cuDNN use TF32 whenever every operand precision is <= HIGH (openxla/xla,
-#         xla/backends/gpu/autotuner/cudnn.cc: `allow_tf32 = ... precision <=
-#         PrecisionConfig::HIGH`), and jax-ml/jax#18934: "Precision('bfloat16_3x') ... will
-#         get tensorfloat32 on A100". So "high" is not bf16_3x on these GPUs.
-#   fp32: plain FP32 (CUDA cores)  - float32 under precision "highest"
-# A part without TF32 (before Ampere) runs float32 matmuls at the FP32 rate at any precision.
-# None: the datasheet gives no figure (or none checked here): mfu is then null, not a guess.
-@dataclasses.dataclass(frozen=True)
-class Peak:
-    part: str
-    bf16: float | None
-    tf32: float | None
-    fp32: float | None
-    tensor_float32: bool = True  # False before Ampere: float32 matmuls never use TF32
-
-
-_A100 = dict(bf16=624e12 / 2, tf32=312e12 / 2, fp32=19.5e12)
-_H100_SXM = dict(bf16=1979e12 / 2, tf32=989e12 / 2, fp32=67e12)
-_NVL = dict(bf16=1671e12 / 2, tf32=835e12 / 2, fp32=60e12)
-
-# (pattern on the upper-cased device_kind, row), first match wins: GH200 before H200, NVL and
-# PCIe before the plain H100 (the SXM part reports "NVIDIA H100 80GB HBM3"), L40S before L40
-# before L4, A10G before A10.
-PEAKS: list[tuple[str, Peak]] = [
-    # NVIDIA A100 Tensor Core GPU datasheet (A100 40GB/80GB PCIe and SXM share these rates):
-    # FP32 19.5 TF, TF32 156 | 312* TF, BF16 312 | 624* TF (* with sparsity).
-    (r"A100.*PCIE", Peak("A100 PCIe (40/80 GB)", **_A100)),
-    (r"A100", Peak("A100 SXM4 (40/80 GB)", **_A100)),
-    # NVIDIA Grace Hopper Superchip (GH200) datasheet: the H100-class GPU's rates, FP32 67 TF,
-    # TF32 494 | 989* TF, BF16 990 | 1,979* TF.
-    (r"GH200", Peak("GH200 (Hopper GPU)", **_H100_SXM)),
-    # NVIDIA H200 datasheet, H200 NVL column: FP32 60 TF, TF32 835* TF, BF16 1,671* TF. The
-    # NVL card is also named "H200 PCIe" in NVIDIA's driver tables (allenai/OLMo-core#810).
-    (r"H200.*(NVL|PCIE)", Peak("H200 NVL", **_NVL)),
-    # NVIDIA H200 datasheet, H200 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
-    (r"H200", Peak("H200 SXM", **_H100_SXM)),
-    # NVIDIA H100 datasheet, H100 NVL column (per GPU): FP32 60 TF, TF32 835* TF, BF16
-    # 1,671* TF.
-    (r"H100.*NVL", Peak("H100 NVL", **_NVL)),
-    # NVIDIA H100 datasheet, H100 PCIe column: FP32 51 TF, TF32 756* TF, BF16 1,513* TF.
-    (r"H100.*PCIE", Peak("H100 PCIe", bf16=1513e12 / 2, tf32=756e12 / 2, fp32=51e12)),
-    # NVIDIA H100 datasheet, H100 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
-    (r"H100", Peak("H100 SXM", **_H100_SXM)),
-    # NVIDIA publishes no A10G figures (AWS's variant of the A10, clocked a little lower):
-    # the A10 datasheet's FP32 31.2 TF, TF32 62.5 | 125* TF, BF16 125 | 250* TF stand in,
-    # so an A10G's MFU is against an A10 proxy peak (slightly optimistic peak, low MFU).
-    (r"A10G", Peak("A10G (A10 datasheet as proxy)", bf16=250e12 / 2, tf32=125e12 / 2,
-                   fp32=31.2e12)),
-    (r"\bA10\b", Peak("A10", bf16=250e12 / 2, tf32=125e12 / 2, fp32=31.2e12)),
-    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 | 366* TF, BF16 362.05 | 733* TF.
-    (r"L40S", Peak("L40S", bf16=362.05e12, tf32=183e12, fp32=91.6e12)),
-    # NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120* TF, BF16 242* TF.
-    (r"\bL4\b", Peak("L4", bf16=242e12 / 2, tf32=120e12 / 2, fp32=30.3e12)),
-    # torchtitan's table (pytorch/torchtitan, torchtitan/tools/utils.py), from NVIDIA's
-    # Blackwell datasheet: BF16 2.25 PF dense. TF32/FP32 not checked here: null.
-    (r"B200", Peak("B200", bf16=2.25e15, tf32=None, fp32=None)),
-    # NVIDIA V100 datasheet: FP32 15.7 TF (SXM2), 14 TF (PCIe); no BF16 or TF32 tensor cores.
-    (r"V100.*PCIE", Peak("V100 PCIe", bf16=None, tf32=None, fp32=14e12,
-                         tensor_float32=False)),
-    (r"V100", Peak("V100 SXM2", bf16=None, tf32=None, fp32=15.7e12, tensor_float32=False)),
-    # NVIDIA T4 datasheet: FP32 8.1 TF; no BF16 or TF32 tensor cores (Turing).
-    (r"\bT4\b", Peak("T4", bf16=None, tf32=None, fp32=8.1e12, tensor_float32=False)),
-]
-MATMUL_PRECISIONS = ("default", "high", "highest")
-
-
-def peak_row(device_kind: str) -> Peak | None:
-    kind = device_kind.upper()
-    for pattern, row in PEAKS:
-        if re.search(pattern, kind):
-            return row
-    return None
-
-
-def peak_flops(device_kind: str, dtype: str, matmul_precision: str = "default") -> float | None:
-    """Dense peak FLOP/s of one device for matmuls in `dtype` at JAX's
-    `jax_default_matmul_precision`, or None where the table has no figure (unknown part,
-    or a rate the part lacks)."""
-    if matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision {matmul_precision!r}: choose from "
-                         f"{', '.join(MATMUL_PRECISIONS)}")
-    row = peak_row(device_kind)
-    if row is None:
-        return None
-    if dtype == "bfloat16":  # precision settings only change 32-bit matmuls
-        return row.bf16
-    if dtype == "float32":
-        if matmul_precision == "highest" or not row.tensor_float32:
-            return row.fp32
-        return row.tf32
-    raise ValueError(f"dtype {dtype!r}: choose from bfloat16, float32")
-
-
 def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,
         compiled_flops_per_device: float | None, model_flops_per_step: float,
         matmul_precision: str = "default") -> dict:
@@ -314,7 +219,7 @@ def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,
     if peak is None:
         row = peak_row(device_kind)
         out["reason"] = (f"no peak FLOP/s for device kind {device_kind!r} in the table "
-                         f"(jaxdist.metrics.PEAKS)" if row is None else
+                         f"(jaxdist.parts)" if row is None else
                          f"the {row.part} row has no {dtype} peak at matmul precision "
                          f"{matmul_precision!r}")
         return out

@@ -1,10 +1,11 @@
-"""jaxdist.hardware: GPUs as data, each figure with its source; --hardware on the command line."""
+"""jaxdist.parts and jaxdist.hardware: GPUs as data, each figure with its source; --hardware on
+the command line."""
 
 import pytest
 
-from jaxdist import metrics
+from jaxdist import parts
 from jaxdist.errors import UsageError
-from jaxdist.hardware import HARDWARE, MODEL_CONSTANTS, get_hardware
+from jaxdist.hardware import MODEL_CONSTANTS, get_hardware
 from tests.helpers import cli_main
 
 KNOWN = ("h100-sxm, h100-pcie, h200, h100-sxm-96gb-500w, a100-sxm-40gb, a100-sxm-80gb, a10g, "
@@ -12,18 +13,32 @@ KNOWN = ("h100-sxm, h100-pcie, h200, h100-sxm-96gb-500w, a100-sxm-40gb, a100-sxm
 
 
 def test_the_parts_the_issue_names_are_there():
-    assert ", ".join(HARDWARE) == KNOWN
+    assert ", ".join(parts.PREDICTABLE) == KNOWN
 
 
-@pytest.mark.parametrize("name", list(HARDWARE))
+@pytest.mark.parametrize("name", parts.PREDICTABLE)
 def test_every_part_has_flop_peaks_from_metrics_and_sources(name):
-    hw = HARDWARE[name]
-    # One FLOP table: the peaks are jaxdist.metrics.PEAKS' rows, found by device_kind.
-    assert hw.peak_flops("bfloat16") == metrics.peak_flops(hw.device_kind, "bfloat16")
+    hw = parts.NAMED[name]
+    # One FLOP table: the peaks are jaxdist.parts' rows, found by device_kind.
+    assert hw.peak_flops("bfloat16") == parts.peak_flops(hw.device_kind, "bfloat16")
     assert hw.peak_flops("bfloat16") is not None
-    assert hw.peak_flops("float32", "highest") == metrics.peak_row(hw.device_kind).fp32
+    assert hw.peak_flops("float32", "highest") == parts.peak_row(hw.device_kind).fp32
     assert len(hw.sources) == 3  # memory + TDP, intra-node link, inter-node link
     assert hw.intra_node_bandwidth > hw.inter_node_bandwidth
+
+
+def test_one_record_per_part_is_every_view():
+    """Issue #31 item 4: a part's facts are one record of jaxdist.parts; the --hardware help,
+    the peak lookup, the XLA:GPU targets and the kernel rates are views of it."""
+    import dataclasses
+
+    from jaxdist.config import OutputConfig
+
+    assert len(parts.NAMED) == len(parts.PARTS)  # names are unique
+    assert all(p.peak is not None for p in parts.PARTS if p.patterns)
+    assert all(p.predictable or not (p.target or p.rates) for p in parts.PARTS)
+    field = {f.name: f for f in dataclasses.fields(OutputConfig)}["hardware"]
+    assert f"({KNOWN})" in field.metadata["help"]
 
 
 def test_datasheet_figures():
@@ -43,7 +58,7 @@ def test_every_constant_says_why():
         "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
         "network_hop_latency_s", "power_cap_clock_exponent"}
     # every part names an efficiency and an intra-node link that have a constant
-    for hw in HARDWARE.values():
+    for hw in map(parts.NAMED.get, parts.PREDICTABLE):
         assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
         assert f"kernel_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
         assert f"{hw.intra_node_link}_hop_latency_s" in MODEL_CONSTANTS
@@ -112,7 +127,6 @@ def test_a_power_cap_slows_compute_by_the_clock_it_leaves_and_not_hbm():
     at its own HBM's rate. torchtitan's Grand Teton H100: 500 W against the 700 W at which
     h100-sxm's rates were measured, and 2.4 TB/s HBM2e against 3.35 TB/s HBM3."""
     from jaxdist.hardware import clock_factor, rates_part
-    from jaxdist.predict import rates
     from jaxdist.predict.kernels_time import Rates
 
     capped, full = get_hardware("h100-sxm-96gb-500w"), get_hardware("h100-sxm")
@@ -127,7 +141,7 @@ def test_a_power_cap_slows_compute_by_the_clock_it_leaves_and_not_hbm():
                                                          rel=1e-4)
     assert r.hbm == pytest.approx(ref.hbm * 2.4 / 3.35) and r.launch == ref.launch
     assert "x 0.894, its clock under the 500 W cap" in r.sources["gemm"]
-    assert rates.MAMF in r.sources["gemm"]
+    assert parts.MAMF in r.sources["gemm"]
     # a cap at or above the rated power changes nothing
     from dataclasses import replace
     assert clock_factor(replace(full, power_cap_w=700)) == 1.0

@@ -19,8 +19,8 @@ from tests.helpers import read_scalars, run_cli
 
 
 def test_device_kind_to_part():
-    # The strings jax reports as device_kind (the ones jaxdist.hardware and
-    # jaxdist.metrics.PEAKS key on, e.g. "NVIDIA H100 80GB HBM3" on a DGX H100).
+    # The strings jax reports as device_kind (the ones jaxdist.parts' records
+    # key on, e.g. "NVIDIA H100 80GB HBM3" on a DGX H100).
     assert part_for_device_kind("NVIDIA H100 80GB HBM3") == "h100-sxm"
     assert part_for_device_kind("NVIDIA H200") == "h200"
     assert part_for_device_kind(" nvidia a100-sxm4-80gb ") == "a100-sxm-80gb"
@@ -35,7 +35,7 @@ def test_cpu_run_says_why_there_is_no_prediction(tmp_path):
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     p = results["prediction"]
     assert p["label"] == "predicted" and p["available"] is False
-    assert p["reason"].startswith("device_kind 'cpu' (cpu) is no part of jaxdist.hardware")
+    assert p["reason"].startswith("device_kind 'cpu' (cpu) is no part of jaxdist.parts")
     assert check(results) == []
     assert RunRecord.load(tmp_path / "run").prediction is None
     assert not [t for t in read_scalars(tmp_path / "run") if t.startswith("predicted/")]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdist import metrics
+from jaxdist import metrics, parts
 from jaxdist.config import RunConfig
 from jaxdist.loop import mfu_block
 from jaxdist.mesh import MeshShape, build_mesh
@@ -72,36 +72,36 @@ REAL_KINDS = [
 @pytest.mark.parametrize("kind, part, bf16, tf32, fp32", REAL_KINDS,
                          ids=[k for k, *_ in REAL_KINDS])
 def test_peak_lookup_on_real_device_kinds(kind, part, bf16, tf32, fp32):
-    assert metrics.peak_row(kind).part == part
-    assert metrics.peak_flops(kind, "bfloat16") == pytest.approx(bf16)
+    assert parts.peak_row(kind).part == part
+    assert parts.peak_flops(kind, "bfloat16") == pytest.approx(bf16)
     for precision in ("default", "highest"):  # precision only changes 32-bit matmuls
-        assert metrics.peak_flops(kind, "bfloat16", precision) == pytest.approx(bf16)
+        assert parts.peak_flops(kind, "bfloat16", precision) == pytest.approx(bf16)
     # float32: TF32 tensor cores at "default" and "high" (XLA:GPU allows TF32 up to HIGH),
     # the plain FP32 rate at "highest".
-    assert metrics.peak_flops(kind, "float32") == pytest.approx(tf32)
-    assert metrics.peak_flops(kind, "float32", "high") == pytest.approx(tf32)
-    assert metrics.peak_flops(kind, "float32", "highest") == pytest.approx(fp32)
+    assert parts.peak_flops(kind, "float32") == pytest.approx(tf32)
+    assert parts.peak_flops(kind, "float32", "high") == pytest.approx(tf32)
+    assert parts.peak_flops(kind, "float32", "highest") == pytest.approx(fp32)
 
 
 def test_pre_ampere_float32_is_plain_fp32_and_bf16_unknown():
     # T4: no TF32 (Turing), so float32 runs at 8.1 TF at any precision; no bf16 figure.
-    assert metrics.peak_flops("Tesla T4", "float32") == 8.1e12
-    assert metrics.peak_flops("Tesla T4", "float32", "highest") == 8.1e12
-    assert metrics.peak_flops("Tesla T4", "bfloat16") is None
+    assert parts.peak_flops("Tesla T4", "float32") == 8.1e12
+    assert parts.peak_flops("Tesla T4", "float32", "highest") == 8.1e12
+    assert parts.peak_flops("Tesla T4", "bfloat16") is None
 
 
 @pytest.mark.parametrize("kind", ["cpu", "TFRT_CPU_0", "NVIDIA A800-SXM4-80GB",
                                   "NVIDIA GeForce RTX 4090", "NVIDIA L40", ""])
 def test_unknown_parts_have_no_peak(kind):
-    assert metrics.peak_flops(kind, "bfloat16") is None
-    assert metrics.peak_flops(kind, "float32") is None
+    assert parts.peak_flops(kind, "bfloat16") is None
+    assert parts.peak_flops(kind, "float32") is None
 
 
 def test_bad_dtype_or_precision_is_an_error():
     with pytest.raises(ValueError, match="default, high, highest"):
-        metrics.peak_flops("NVIDIA H100 80GB HBM3", "float32", "fastest")
+        parts.peak_flops("NVIDIA H100 80GB HBM3", "float32", "fastest")
     with pytest.raises(ValueError, match="bfloat16, float32"):
-        metrics.peak_flops("NVIDIA H100 80GB HBM3", "float16")
+        parts.peak_flops("NVIDIA H100 80GB HBM3", "float16")
 
 
 # ---- mfu / hfu ------------------------------------------------------------------------------

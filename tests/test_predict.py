@@ -638,9 +638,7 @@ def test_xla_plans_a_device_less_compile_for_the_parts_usable_hbm(capfd):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxdist.gpu_targets import TARGETS
-
-    assert "device_memory_size: 50000000000\n" in TARGETS["a100-sxm-40gb"].text(40e9)
+    assert "device_memory_size: 50000000000\n" in get_hardware("a100-sxm-40gb").target_text(40e9)
     hw = get_hardware("a100-sxm-40gb")
     target = compiled.gpu_topology(hw, 1)
     sharding = NamedSharding(Mesh(target.devices[:1], ("x",)), PartitionSpec())

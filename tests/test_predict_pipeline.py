@@ -8,13 +8,14 @@ import pytest
 
 from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig,
                             TrainConfig)
-from jaxdist.hardware import Hardware, constant
+from jaxdist.hardware import constant
+from jaxdist.parts import Part
 from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
 
 # A made-up part, so every figure below is simple arithmetic.
-HW = Hardware("test", "NVIDIA H200", 100e9, 1e12, 400e9, 50e9, 1, 700, ())
+HW = Part("test", "NVIDIA H200", 100e9, 1e12, 400e9, 50e9, 1, 700, ())
 LINK = constant("link_efficiency")
 # A send is one NCCL step: the base latency plus one NVLink or one network hop.
 INTRA_LAT = constant("ring_base_latency_s") + constant("nvlink_hop_latency_s")

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of running anything: one plan.json per row and a ranking "
                         "(PREDICTED) in --out (default runs/plan-<preset>[-quick])")
     p.add_argument("--hardware", default="",
-                   help="with --plan: the GPU part to predict for (jaxdist.hardware, e.g. h200)")
+                   help="with --plan: the GPU part to predict for (jaxdist.parts, e.g. h200)")
     p.add_argument("--gpus-per-node", type=int, default=0,
                    help="with --plan: override the part's GPUs per node")
     return p

@@ -2,7 +2,7 @@
 time model is checked every time a cluster run happens.
 
 Which part: `--hardware PART` when given, else the part whose `device_kind` the devices
-report (jaxdist.hardware: "NVIDIA H200" -> h200, ...). None of them (e.g. a CPU run without
+report (jaxdist.parts: "NVIDIA H200" -> h200, ...). None of them (e.g. a CPU run without
 --hardware): the block says why there is no prediction.
 
 From what: the run's own compiled step, for the devices it ran on (on a GPU, XLA:GPU's
@@ -18,18 +18,19 @@ import jax
 
 from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.errors import UsageError
-from jaxdist.hardware import HARDWARE, check_nodes, get_hardware
+from jaxdist.hardware import check_nodes, get_hardware
+from jaxdist.parts import NAMED, PREDICTABLE
 from jaxdist.predict import model
 from jaxdist.predict.program import flash_attention_applies
 from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def part_for_device_kind(device_kind: str | None) -> str | None:
-    """The jaxdist.hardware part whose device_kind string the device reports, exactly
+    """The predicted part (jaxdist.parts) whose device_kind string the device reports, exactly
     (case and surrounding spaces aside); None when none does."""
     kind = (device_kind or "").strip().lower()
-    for name, hw in HARDWARE.items():
-        if hw.device_kind.lower() == kind:
+    for name in PREDICTABLE:
+        if NAMED[name].device_kind.lower() == kind:
             return name
     return None
 
@@ -60,10 +61,8 @@ def prediction_target(cfg, platform, hw):
     """Where the prediction's program comes from: a GPU run's own devices; for a simulated
     run, XLA:GPU for `hw`'s topology when the GPU compiler is here (--compiler auto/gpu),
     else the run's own simulated devices (XLA:CPU)."""
-    from jaxdist.gpu_targets import target_for
-
     if platform.backend == "gpu" or cfg.compiler.compiler == "cpu" or \
-            compiled_mod.gpu_compiler_missing() or target_for(hw.name) is None:
+            compiled_mod.gpu_compiler_missing() or hw.target is None:
         return compiled_mod.run_devices(platform)
     return compiled_mod.gpu_topology(hw, len(platform.devices))
 
@@ -87,7 +86,7 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
         name, source = part_for_device_kind(platform.device_kind), "device_kind"
     if not name:
         return absent(f"device_kind {platform.device_kind!r} ({platform.backend}) is no part "
-                      f"of jaxdist.hardware ({', '.join(HARDWARE)}); give --hardware PART "
+                      f"of jaxdist.parts ({', '.join(PREDICTABLE)}); give --hardware PART "
                       f"to predict it anyway")
     try:
         hw = get_hardware(name, cfg.output.gpus_per_node)
@@ -95,7 +94,7 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
     except UsageError as e:
         return absent(str(e))
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
-        return absent(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.metrics.PEAKS")
+        return absent(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.parts")
     mesh = dict(program.batch_sharding.mesh.shape)
     n = len(platform.devices)
     mem = results["memory"]

@@ -3,7 +3,7 @@
 Each kernel (jaxdist.kernels.schedule) costs max(FLOPs / the achievable rate of its kind and
 dtype, bytes / the achievable HBM rate) + one launch: GEMM fusions and cuBLAS calls at the
 part's achievable dense matmul rate, cuDNN attention at its forward / backward rate for its
-sequence length, everything else at the streaming HBM rate (jaxdist.predict.rates: published
+sequence length, everything else at the streaming HBM rate (jaxdist.parts: published
 microbenchmarks, each cited), all scaled by the generation's one fitted number, the kernel
 efficiency (jaxdist.hardware.MODEL_CONSTANTS, fitted on one named record). Each collective costs what
 jaxdist.predict.model.collective_time says (NCCL's ring: bandwidth by link, latency per
@@ -18,15 +18,15 @@ from __future__ import annotations
 import bisect
 
 from jaxdist import kernels
-from jaxdist.hardware import Hardware, kernel_efficiency, rates_part
-from jaxdist.predict import rates
+from jaxdist.hardware import kernel_efficiency, rates_part
+from jaxdist.parts import ANY_DTYPE, Part, attention_curve, rate
 from jaxdist.predict.model import collective_time
 
 GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused convolution",
               "unfused ragged-dot", "cuDNN fusion")
 
 
-def has_rates(hw: Hardware) -> bool:
+def has_rates(hw: Part) -> bool:
     """Whether the part has every published rate this model needs; else the roofline model
     (jaxdist.predict.model.step_time) times the program."""
     try:
@@ -39,7 +39,7 @@ def has_rates(hw: Hardware) -> bool:
 class Rates:
     """The part's achievable rates, looked up once."""
 
-    def __init__(self, hw: Hardware):
+    def __init__(self, hw: Part):
         self.hw = hw
         # The one fitted number of the generation scales every rate (not the launch cost); a
         # part that carries over a sibling's published rates scales them by its clock under
@@ -47,19 +47,19 @@ class Rates:
         part, clock, hbm = rates_part(hw)
         k = self.efficiency = kernel_efficiency(hw)
         self.clock_factor = clock
-        self.gemm_bf16 = k * clock * rates.rate(part, "gemm", "bfloat16").value
-        self.hbm = k * hbm * rates.rate(part, "hbm_copy", rates.ANY_DTYPE).value
-        self.launch = rates.rate(part, "launch", rates.ANY_DTYPE).value
-        self.attention = {kind: k * clock * rates.rate(part, kind, "bfloat16").value
+        self.gemm_bf16 = k * clock * rate(part, "gemm", "bfloat16").value
+        self.hbm = k * hbm * rate(part, "hbm_copy", ANY_DTYPE).value
+        self.launch = rate(part, "launch", ANY_DTYPE).value
+        self.attention = {kind: k * clock * rate(part, kind, "bfloat16").value
                           for kind in ("attention_fwd", "attention_bwd")}
         self.curve = tuple((n, k * clock * f, k * clock * b) for n, f, b in
-                           rates.attention_curve(part, "bfloat16"))
+                           attention_curve(part, "bfloat16"))
         scaled = "" if part == hw.name else (
             f" ({part}'s rate x {clock:.3f}, its clock under the {hw.power_cap_w:g} W cap, "
             f"for compute; x {hbm:.3f}, the HBM bandwidth ratio, for streaming)")
-        self.sources = {k: rates.rate(part, k, d).source + scaled for k, d in
-                        (("gemm", "bfloat16"), ("hbm_copy", rates.ANY_DTYPE),
-                         ("launch", rates.ANY_DTYPE), ("attention_fwd", "bfloat16"),
+        self.sources = {k: rate(part, k, d).source + scaled for k, d in
+                        (("gemm", "bfloat16"), ("hbm_copy", ANY_DTYPE),
+                         ("launch", ANY_DTYPE), ("attention_fwd", "bfloat16"),
                          ("attention_bwd", "bfloat16"))}
 
     def gemm(self, dtype: str, precision: str) -> float:
@@ -93,7 +93,7 @@ class Rates:
         return max(compute, memory) + self.launch, "compute" if compute > memory else "HBM"
 
 
-def step_time(hlo_text: str, collectives: list[dict], hw: Hardware, mesh: dict[str, int],
+def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, int],
               precision: str = "default", branch_runs: dict[str, float] | None = None) -> dict:
     """{device_s, compute_s, hbm_s, launch_s, comm_s, intra/inter_node_s, exposed_*_s,
     upper_bound, by_kind}: seconds per step of the program, per device."""

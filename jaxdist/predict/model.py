@@ -1,7 +1,7 @@
 """The prediction model: pure functions from what the compiled step says (per-device FLOPs,
-bytes accessed, collectives by kind/mesh axes/group size, the compiler's memory) and a
-`Hardware` to a step time, its breakdown and the memory verdict. Every output is labelled
-`predicted`.
+bytes accessed, collectives by kind/mesh axes/group size, the compiler's memory) and a part
+(`jaxdist.parts.Part`) to a step time, its breakdown and the memory verdict. Every output is
+labelled `predicted`.
 
 Terms, per device per step:
 - compute: FLOPs / (peak x the part's calibrated compute efficiency);
@@ -26,7 +26,8 @@ import math
 
 import numpy as np
 
-from jaxdist.hardware import Hardware, clock_factor, compute_efficiency, constant
+from jaxdist.hardware import clock_factor, compute_efficiency, constant
+from jaxdist.parts import Part
 
 LABEL = "predicted"
 
@@ -63,7 +64,7 @@ def ring_hops(kind: str, n: int) -> int:
     return {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
 
 
-def ring_latency(kind: str, n: int, nodes: int, hw: Hardware) -> float:
+def ring_latency(kind: str, n: int, nodes: int, hw: Part) -> float:
     """Seconds of latency of one ring collective call (NCCL's model, tuning.cc): base +
     (steps - inter-node steps) x intra-node hop + inter-node steps x network hop."""
     steps = ring_hops(kind, n)
@@ -75,7 +76,7 @@ def ring_latency(kind: str, n: int, nodes: int, hw: Hardware) -> float:
         inter * constant("network_hop_latency_s")
 
 
-def collective_time(op: dict, hw: Hardware, mesh: dict[str, int]) -> dict:
+def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
     """Seconds of one (aggregated) collective: `op` has kind, axes, group_size, ring_bytes
     and count (how many times it runs per step)."""
     nodes, per_node = group_nodes(mesh, op["axes"], hw.gpus_per_node)
@@ -105,13 +106,13 @@ def aggregate(ops: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Hardware,
+def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Part,
               mesh: dict[str, int], dtype: str, overlap: bool = False, stages: int = 1,
               microbatches: int = 1, matmul_precision: str = "default") -> dict:
     """The predicted step and its breakdown (seconds); `comm` is `aggregate`'s output."""
     peak = hw.peak_flops(dtype, matmul_precision)
     if not peak:
-        raise ValueError(f"{hw.name} has no {dtype} peak in jaxdist.metrics.PEAKS")
+        raise ValueError(f"{hw.name} has no {dtype} peak in jaxdist.parts")
     compute = flops / (peak * compute_efficiency(hw) * clock_factor(hw))  # under a power cap
     hbm = bytes_accessed / (hw.hbm_bandwidth * constant("hbm_efficiency"))
     device = max(compute, hbm)
@@ -140,7 +141,7 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Hardwar
             "peak_flops_per_device": peak}
 
 
-def kernel_step(kt: dict, comm: list[dict], hw: Hardware, mesh: dict[str, int],
+def kernel_step(kt: dict, comm: list[dict], hw: Part, mesh: dict[str, int],
                 dtype: str, matmul_precision: str = "default") -> dict:
     """`step_time`'s record from the kernel-by-kernel model (jaxdist.predict.kernels_time)
     of an XLA:GPU program: device time is the sum of its kernels, communication is exposed
@@ -173,7 +174,7 @@ def throughput(step: dict, tokens_per_step: int | None, model_flops_per_step: fl
             "mfu": model_flops_per_step / (seconds * peak * num_devices) if seconds else None}
 
 
-def memory_verdict(estimate: dict, cpu_temp_bytes: float, hw: Hardware) -> dict:
+def memory_verdict(estimate: dict, cpu_temp_bytes: float, hw: Part) -> dict:
     """Per-device bytes against HBM capacity. `estimate` is jaxdist.predict.memory's peak
     (exact state + gradients + the backward's saved residuals + a transient working set;
     within 5% of torchtitan's published peaks in --validate), and it decides the verdict.
@@ -226,7 +227,7 @@ def memory_terms(estimate: dict, gpu: dict) -> list[dict]:
             for name, c, h in rows]
 
 
-def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Hardware) -> dict:
+def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Part) -> dict:
     """Per-device bytes against the part's usable HBM. XLA:GPU's buffer assignment of the step
     (argument + output - alias + temp: what the program allocates, before the allocator's
     own pools and library workspaces) decides where it agrees with jaxdist.predict.memory's

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import compiled as compiled_mod, program_reading
-from jaxdist.hardware import Hardware
+from jaxdist.parts import Part
 from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
 from jaxdist.predict.ticks import op_row, tick_model
@@ -233,7 +233,7 @@ def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 
 
-def pipeline_step(cfg, model_cfg, sizes: dict, hw: Hardware, cache: dict | None = None,
+def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = None,
                   target=None) -> dict:
     """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
     layout's step on `hw`."""

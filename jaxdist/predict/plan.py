@@ -68,7 +68,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
     hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
     check_nodes(hw, shape.size)
     if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
-        raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.metrics.PEAKS")
+        raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.parts")
     if cfg.train.layout in PIPELINE_LAYOUTS:
         return predict_pipeline_plan(cfg, shape, hw, cache)
     model_cfg, _ = build_model(cfg)
@@ -109,7 +109,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
         "model": state["model"],
         "state_bytes_per_device": state["state_bytes_per_device"],  # exact, by part
         "batch_size": batch,
-        "hardware": {**{k: v for k, v in vars(hw).items()}, "nodes": -(-n // hw.gpus_per_node)},
+        "hardware": {**hw.prediction_fields(), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
                      "xla_flags": cfg.compiler.xla_flags, "method": figures["method"], "flops_per_device": figures["flops"],
@@ -261,7 +261,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
         "distributed_optimizer": memory_plan["distributed_optimizer"],
         "state_bytes_per_device": memory_plan["state_bytes_per_device"],  # exact, by part
         "model": memory_plan["model"], "batch_size": batch,
-        "hardware": {**vars(hw), "nodes": -(-n // hw.gpus_per_node)},
+        "hardware": {**hw.prediction_fields(), "nodes": -(-n // hw.gpus_per_node)},
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
                      "xla_flags": cfg.compiler.xla_flags, "method": pred["method"], "flops_per_device": pred["flops_per_device"],

@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-from jaxdist.hardware import Hardware, constant
+from jaxdist.hardware import constant
+from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, Schedule
 from jaxdist.predict.model import LABEL, kernel_step, ring_latency, step_time
 
@@ -28,14 +29,14 @@ def send_crosses_nodes(mesh: dict[str, int], src: int, dst: int, gpus_per_node: 
     return bool(np.any(np.take(node, src, axis=axis) != np.take(node, dst, axis=axis)))
 
 
-def send_time(nbytes: float, inter: bool, hw: Hardware) -> float:
+def send_time(nbytes: float, inter: bool, hw: Part) -> float:
     bandwidth = (hw.inter_node_bandwidth if inter else hw.intra_node_bandwidth) * \
         constant("link_efficiency")
     # One point-to-point step: NCCL's base latency plus one NVLink/PCIe or network hop.
     return nbytes / bandwidth + ring_latency("collective-permute", 2, 2 if inter else 1, hw)
 
 
-def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
+def op_row(fig: dict, hw: Part, mesh: dict, dtype: str, overlap: bool,
            precision: str) -> dict:
     """One op's time from its figures (kernel by kernel where XLA:GPU's program was read
     with the part's rates, else the roofline); exposed communication split by link."""
@@ -58,7 +59,7 @@ def op_row(fig: dict, hw: Hardware, mesh: dict, dtype: str, overlap: bool,
             "collectives": t["collectives"]}
 
 
-def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Hardware,
+def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part,
                      mesh: dict[str, int]) -> float:
     """The ticks' length when every stage runs its operations in the table's order, each as
     soon as the stage is free and its input has arrived (Megatron's runtime: point-to-point
@@ -90,7 +91,7 @@ def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Hard
     return max(free)
 
 
-def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Hardware,
+def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Part,
                mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
     """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
     (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the

@@ -1,0 +1,452 @@
+"""GPU parts as data: one record per part, every figure with its source. Adding a GPU is one
+record here.
+
+A `Part` holds what jaxdist knows of one GPU:
+
+- `patterns` on the device_kind it reports and its dense peak FLOP/s (`peak`, by datasheet):
+  the MFU of a measured run (`peak_row`, `peak_flops`);
+- for a part a step can be predicted on (`--hardware NAME`, the names in `PREDICTABLE`): what
+  it reports as device_kind, HBM capacity and bandwidth, per-GPU link bandwidth inside a node
+  (NVLink or PCIe) and across nodes (the node's InfiniBand/Ethernet NICs shared by its GPUs),
+  GPUs per node, TDP and a power cap, each with its source;
+- the XLA:GPU target the real GPU compiler compiles for without a device (`target`; the
+  format is `jaxdist.gpu_targets`);
+- published achievable kernel rates (`rates`, `attention_curves`; `rate`): the inputs of the
+  kernel-by-kernel time model (jaxdist.predict.kernels_time).
+
+A part that is only measured (A10, L40S, ...) has only its patterns and peak; a predicted part
+whose device_kind a sibling's pattern matches (same datasheet row) carries no peak of its own.
+
+Link bandwidths are one direction, per GPU: a ring collective sends and receives at the same
+time, so what bounds it is the one-way rate (NVLink 4: 900 GB/s bidirectional = 450 GB/s
+each way). Nothing here is fitted to a training run (the time model's constants are
+`jaxdist.hardware.MODEL_CONSTANTS`). Data only: no jax, no numpy (jaxdist.config reads the
+part names before jax is imported).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from jaxdist.gpu_targets import ADDED, XLA_SPEC, GpuTarget, gpu_device_info
+
+GB = 1e9
+
+
+# Peak FLOP/s per device, dense (NVIDIA datasheets quote tensor-core figures "with
+# sparsity", twice the dense rate: those are written as quoted / 2).
+#   bf16: BF16 tensor cores        - bfloat16 compute, any matmul precision
+#   tf32: TF32 tensor cores        - float32 under precision "default" or "high": XLA:GPU lets
+#         cuBLAS/cuDNN use TF32 whenever every operand precision is <= HIGH (openxla/xla,
+#         xla/backends/gpu/autotuner/cudnn.cc: `allow_tf32 = ... precision <=
+#         PrecisionConfig::HIGH`), and jax-ml/jax#18934: "Precision('bfloat16_3x') ... will
+#         get tensorfloat32 on A100". So "high" is not bf16_3x on these GPUs.
+#   fp32: plain FP32 (CUDA cores)  - float32 under precision "highest"
+# A part without TF32 (before Ampere) runs float32 matmuls at the FP32 rate at any precision.
+# None: the datasheet gives no figure (or none checked here): mfu is then null, not a guess.
+@dataclass(frozen=True)
+class Peak:
+    part: str                    # the datasheet row, as results name it
+    bf16: float | None
+    tf32: float | None
+    fp32: float | None
+    tensor_float32: bool = True  # False before Ampere: float32 matmuls never use TF32
+
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
+
+# Kernel kinds with a published rate (`Rate`):
+# - `gemm`: dense cuBLAS matmul, FLOP/s, best large shape (the maximum achievable rate; no
+#   published source found gives the fall-off for small shapes, so none is tabled).
+# - `attention_fwd`, `attention_bwd`: fused (cuDNN / flash) attention at head dim 128, causal,
+#   FLOP/s counted as their benchmarks count them (forward 4 * s^2 * d * heads, halved when
+#   causal; backward 2.5x the forward), at the longest sequence tabled; a part's
+#   `attention_curves` give the rate by sequence length where one was published.
+# - `hbm_copy`: bytes/s a streaming (memory-bound) kernel achieves, read + write counted.
+# - `launch`: seconds of per-kernel launch overhead.
+KINDS = ("gemm", "attention_fwd", "attention_bwd", "hbm_copy", "launch")
+ANY_DTYPE = "any"   # hbm_copy and launch do not depend on the element type
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One published achievable rate: its source (title / repo / path / commit, or paper and
+    section) and, when the figure was not measured on that part, how it was carried over."""
+    value: float          # FLOP/s (gemm, attention_*), bytes/s (hbm_copy), seconds (launch)
+    source: str
+    derived: str = ""     # empty: measured on this part as published
+
+    @property
+    def measured_on_part(self) -> bool:
+        return not self.derived
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str                   # a --hardware name where the part is predicted
+    # --- prediction (None on a part that is only measured): the fields a plan records
+    device_kind: str | None = None  # what the device reports (matched by a pattern below)
+    hbm_bytes: float | None = None
+    hbm_bandwidth: float | None = None         # bytes/s
+    intra_node_bandwidth: float | None = None  # bytes/s per GPU, one direction
+    inter_node_bandwidth: float | None = None  # bytes/s per GPU, one direction
+    gpus_per_node: int | None = None
+    tdp_w: float | None = None
+    sources: tuple[str, ...] = ()
+    # Which calibrated compute efficiency applies (jaxdist.hardware.MODEL_CONSTANTS
+    # "compute_efficiency_<x>") and what the GPUs of a node talk over (NCCL's per-hop latency
+    # differs).
+    efficiency: str = "hopper"
+    intra_node_link: str = "nvlink"
+    # A board power limit below the die's rated power (the part's published kernel rates were
+    # measured at `rates_from`'s TDP), and the part whose published kernel rates this one
+    # carries over: same die, compute rates scaled by its clock under the cap
+    # (jaxdist.hardware.clock_factor), streaming rates by its HBM bandwidth.
+    power_cap_w: float | None = None
+    rates_from: str | None = None
+    # --- the FLOP peak: regexes on the upper-cased device_kind (the first matching part in
+    # PARTS wins) and the datasheet's dense peaks
+    patterns: tuple[str, ...] = ()
+    peak: Peak | None = None
+    # --- the XLA:GPU target, and the published kernel rates: (kind, dtype) -> Rate, and
+    # dtype -> ((seq_len, forward FLOP/s, backward FLOP/s), ...)
+    target: GpuTarget | None = field(default=None, hash=False)
+    rates: dict = field(default_factory=dict, hash=False)
+    attention_curves: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def predictable(self) -> bool:
+        return self.hbm_bytes is not None
+
+    def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
+        return peak_flops(self.device_kind, dtype, matmul_precision)
+
+    def prediction_fields(self) -> dict:
+        """The part as a plan records it (plan.json "hardware")."""
+        return {k: getattr(self, k) for k in PREDICTION_FIELDS}
+
+    def target_text(self, usable_bytes: float | None = None) -> str:
+        """The XLA:GPU target description (GpuTargetConfigProto text) of this part."""
+        return self.target.text(self.device_kind, usable_bytes)
+
+
+PREDICTION_FIELDS = ("name", "device_kind", "hbm_bytes", "hbm_bandwidth",
+                     "intra_node_bandwidth", "inter_node_bandwidth", "gpus_per_node", "tdp_w",
+                     "sources", "efficiency", "intra_node_link", "power_cap_w", "rates_from")
+
+
+# --------------------------------------------------------------------- shared figures
+
+_A100 = dict(bf16=624e12 / 2, tf32=312e12 / 2, fp32=19.5e12)
+_H100_SXM = dict(bf16=1979e12 / 2, tf32=989e12 / 2, fp32=67e12)
+_NVL = dict(bf16=1671e12 / 2, tf32=835e12 / 2, fp32=60e12)
+
+_NVLINK4 = "NVLink 4 (Hopper): 900 GB/s bidirectional per GPU (H100/H200 datasheets) -> 450 GB/s one way"
+_CX7 = ("DGX H100/H200 and HGX reference nodes: 8x ConnectX-7 400 Gb/s InfiniBand, one per "
+        "GPU (NVIDIA DGX H100 user guide) -> 50 GB/s per GPU")
+
+# Published XLA:GPU specs, field for field (gpu_targets.XLA_SPEC names the file and commit)
+_H100_SXM_INFO = gpu_device_info((9, 0), 132, 128, 3352320000000, 52428800, 1.98, 84978434048,
+                                 233472, 232448)
+_A100_80_INFO = gpu_device_info((8, 0), 108, 64, 2039040000000, 41943040, 1.41, 85100068864,
+                                167936, 166912)
+_A6000_INFO = gpu_device_info((8, 6), 84, 128, 768096000000, 6291456, 1.8, 51041271808, 102400,
+                              101376, 1536)
+_H100_SXM_SPEC = XLA_SPEC.format("h100_sxm.txtpb", "3f745823431d34a4978362caf76cda3ef80ea8ff")
+
+
+def _memory(info: dict, hbm_bytes: float, hbm_bandwidth: float) -> dict:
+    """A published spec with a part's own memory (a derived target)."""
+    return {**info, "memory_bandwidth": int(hbm_bandwidth),
+            "device_memory_size": int(hbm_bytes)}
+
+
+# The memory of the parts whose targets are derived (written once: the part and its target)
+_H200_HBM = (141 * GB, 4.8e12)
+_H100_96GB_HBM = (96 * GB, 2.4e12)
+_A10G_HBM = (24 * GB, 600 * GB)
+
+# Kernel-rate sources
+MAMF = ("Stas Bekman, ml-engineering, repo stas00/ml-engineering, path "
+        "compute/accelerator/README.md, commit 7bc7c3054eb93c277a4755c597ae0864d77a63f1, "
+        "'Maximum Achievable Matmul FLOPS comparison table', BF16")
+CUDNN_SDPA = ("NVIDIA cudnn-frontend SDPA training benchmark, repo NVIDIA/cudnn-frontend, path "
+              "benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/"
+              "llama3.1_20260227_034703.csv, commit df73764adb98b7445b77662ce07b1ea434c8f3ee, "
+              "backend cudnn, bfloat16, top_left (causal) mask, 64 q / 8 kv heads, head dim 128, "
+              "batch 1, NVIDIA H200, cuDNN 9.19")
+CUDNN_NORMS = ("NVIDIA cudnn-frontend norms benchmark, repo NVIDIA/cudnn-frontend, path "
+               "benchmark/norms/results/h200/all_models_20260227_035147.csv, commit "
+               "df73764adb98b7445b77662ce07b1ea434c8f3ee, row llama3-70b rms_norm cudnn bfloat16 "
+               "N 8192 x C 8192, fwd_gbps, NVIDIA H200")
+FLASHMLA = ("DeepSeek FlashMLA README, repo deepseek-ai/FlashMLA, path README.md, commit "
+            "9241ae3ef9bac614dd25e45e507e089f888280e0: dense MLA decoding kernel 'up to 3000 "
+            "GB/s in memory-bound configuration' on H800 SXM5, CUDA 12.8")
+FA2 = ("Tri Dao, FlashAttention-2 (arXiv 2307.08691), section 1 and 4.1: 'up to 73% of the "
+       "theoretical max throughput in the forward pass, and up to 63% ... in the backward "
+       "pass' on A100 (312 TFLOP/s bf16 dense), head dims 64/128, with and without causal mask")
+A100_BANDWIDTHTEST = ("jdh4/della-gpu-A100 README.md, commit "
+                      "66ecd0d4248e26c71915b6d13c3561987489f8de: CUDA samples bandwidthTest, "
+                      "device to device, NVIDIA A100-PCIE-40GB (HBM2, 1,555 GB/s like the SXM4 "
+                      "40GB), 1,000,000,000-byte transfer: 1226.1 GB/s")
+LAUNCH = ("pegainfer (3): From Launch Overhead to CUDA Graph (Part 1), susun-blog: a CPU kernel "
+          "launch through the driver 'takes about 4-6 us' (GeForce RTX 5070 Ti, CUDA 13.0)")
+
+SAME_DIE = ("H100 SXM and H200 are the same GH100 die at 700 W; a compute-bound kernel runs at "
+            "the same rate on both")
+_LAUNCH = Rate(5e-6, LAUNCH, "midpoint of the published 4-6 us, measured on another GPU: the "
+               "cost is host and driver side, not a property of the part")
+
+# attention by sequence length: (seq_len, forward FLOP/s, backward FLOP/s), H200 measured
+_H200_ATTENTION = ((2048, 484e12, 370e12), (4096, 591e12, 474e12), (8192, 644e12, 541e12),
+                   (16384, 673e12, 579e12), (32768, 688e12, 581e12))
+_H200_ATTENTION_KERNELS = {
+    ("attention_fwd", "bfloat16"): Rate(688e12, CUDNN_SDPA + ", q/kv seq 32768"),
+    ("attention_bwd", "bfloat16"): Rate(581e12, CUDNN_SDPA + ", q/kv seq 32768"),
+}
+_A100_SXM_KERNELS = {
+    ("gemm", "bfloat16"): Rate(271.2e12, MAMF + ", row NVIDIA A100 SXM"),
+    ("attention_fwd", "bfloat16"): Rate(
+        0.73 * 312e12, FA2, "73% of the 312 TFLOP/s peak, as the paper states it"),
+    ("attention_bwd", "bfloat16"): Rate(
+        0.63 * 312e12, FA2, "63% of the 312 TFLOP/s peak, as the paper states it"),
+    ("launch", ANY_DTYPE): _LAUNCH,
+}
+
+
+# --------------------------------------------------------------------- the parts
+
+# The order is the device_kind match order (first match wins: GH200 before H200, NVL and
+# PCIe before the plain H100 and H200 (the SXM part reports "NVIDIA H100 80GB HBM3"), A100
+# PCIe before A100, L40S before L40 before L4, A10G before A10) and, for the predicted parts,
+# the --hardware listing. h100-sxm's pattern leaves the PCIe card to h100-pcie below it.
+PARTS: tuple[Part, ...] = (
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 40GB/80GB PCIe and SXM share these rates):
+    # FP32 19.5 TF, TF32 156 | 312* TF, BF16 312 | 624* TF (* with sparsity).
+    Part("a100-pcie", patterns=(r"A100.*PCIE",), peak=Peak("A100 PCIe (40/80 GB)", **_A100)),
+    # NVIDIA Grace Hopper Superchip (GH200) datasheet: the H100-class GPU's rates, FP32 67 TF,
+    # TF32 494 | 989* TF, BF16 990 | 1,979* TF.
+    Part("gh200", patterns=(r"GH200",), peak=Peak("GH200 (Hopper GPU)", **_H100_SXM)),
+    # NVIDIA H200 datasheet, H200 NVL column: FP32 60 TF, TF32 835* TF, BF16 1,671* TF. The
+    # NVL card is also named "H200 PCIe" in NVIDIA's driver tables (allenai/OLMo-core#810).
+    Part("h200-nvl", patterns=(r"H200.*(NVL|PCIE)",), peak=Peak("H200 NVL", **_NVL)),
+    # NVIDIA H100 datasheet, H100 NVL column (per GPU): FP32 60 TF, TF32 835* TF, BF16
+    # 1,671* TF.
+    Part("h100-nvl", patterns=(r"H100.*NVL",), peak=Peak("H100 NVL", **_NVL)),
+    Part("h100-sxm", "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB, 50 * GB, 8, 700,
+         ("NVIDIA H100 datasheet, SXM column: 80 GB HBM3, 3.35 TB/s, TDP up to 700 W",
+          _NVLINK4, _CX7),
+         # NVIDIA H100 datasheet, H100 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
+         patterns=(r"^(?!.*H100.*PCIE).*H100",), peak=Peak("H100 SXM", **_H100_SXM),
+         target=GpuTarget(_H100_SXM_INFO, (_H100_SXM_SPEC, ADDED)),
+         rates={
+             ("gemm", "bfloat16"): Rate(794.5e12, MAMF + ", row NVIDIA H100 SXM"),
+             **{k: Rate(r.value, r.source, SAME_DIE + " (taken from the H200 figure)")
+                for k, r in _H200_ATTENTION_KERNELS.items()},
+             ("hbm_copy", ANY_DTYPE): Rate(
+                 3000e9, FLASHMLA,
+                 "H800 SXM5 has the H100 SXM's HBM3 (3.35 TB/s); only NVLink differs"),
+             ("launch", ANY_DTYPE): _LAUNCH},
+         attention_curves={"bfloat16": _H200_ATTENTION}),   # SAME_DIE
+    Part("h100-pcie", "NVIDIA H100 PCIe", 80 * GB, 2.0e12, 64 * GB, 50 * GB, 8, 350,
+         ("NVIDIA H100 datasheet, PCIe column: 80 GB HBM2e, 2 TB/s, TDP 300-350 W",
+          "PCIe Gen5 x16: 128 GB/s bidirectional -> 64 GB/s one way (no NVLink bridge "
+          "assumed)",
+          "assumed: one 400 Gb/s NIC per GPU, as in the SXM nodes (50 GB/s)"),
+         intra_node_link="pcie",
+         # NVIDIA H100 datasheet, H100 PCIe column: FP32 51 TF, TF32 756* TF, BF16 1,513* TF.
+         patterns=(r"H100.*PCIE",),
+         peak=Peak("H100 PCIe", bf16=1513e12 / 2, tf32=756e12 / 2, fp32=51e12),
+         target=GpuTarget(
+             gpu_device_info((9, 0), 114, 128, 2039040000000, 52428800, 1.755, 84942979072,
+                             233472, 232448),
+             (XLA_SPEC.format("h100_pcie.txtpb", "e7e3ef56a71e3a169ad74c19f15966491073fc68"),
+              ADDED))),
+    Part("h200", "NVIDIA H200", *_H200_HBM, 450 * GB, 50 * GB, 8, 700,
+         ("NVIDIA H200 datasheet, H200 SXM column: 141 GB HBM3e, 4.8 TB/s, TDP up to 700 W",
+          _NVLINK4, _CX7.replace("DGX H100/H200", "DGX H200")),
+         # NVIDIA H200 datasheet, H200 SXM column: FP32 67 TF, TF32 989* TF, BF16 1,979* TF.
+         patterns=(r"H200",), peak=Peak("H200 SXM", **_H100_SXM),
+         target=GpuTarget(
+             _memory(_H100_SXM_INFO, *_H200_HBM), (_H100_SXM_SPEC, ADDED),
+             derived="XLA publishes no H200 spec: the H100 SXM one (same GH100 die, 132 SMs, "
+                     "50 MB L2, 1.98 GHz boost) with the H200's memory",
+             changed={"memory_bandwidth": "4.8 TB/s HBM3e (NVIDIA H200 datasheet, H200 SXM "
+                                          "column)",
+                      "device_memory_size": "141 GB (NVIDIA H200 datasheet, H200 SXM column)",
+                      "device_description_str": "'NVIDIA H200', the device_kind an H200 "
+                                                "reports"}),
+         rates={
+             ("gemm", "bfloat16"): Rate(
+                 794.5e12, MAMF + ", row NVIDIA H100 SXM, note 'H200 is the same'",
+                 "the table states H200 equals H100 SXM"),
+             **_H200_ATTENTION_KERNELS,
+             ("hbm_copy", ANY_DTYPE): Rate(3770.9e9, CUDNN_NORMS),
+             ("launch", ANY_DTYPE): _LAUNCH},
+         attention_curves={"bfloat16": _H200_ATTENTION}),
+    # The H100 that torchtitan's Llama 3.1 runs used (benchmarks/llama3_h100_202412_torchtitan.md:
+    # "Meta Grand Teton, 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM H100, default 500 W power
+    # limit"): the GH100 die of h100-sxm, its HBM2e and its 500 W limit. Its peak is the
+    # H100 SXM row (h100-sxm's pattern matches its device_kind); its kernel rates are
+    # h100-sxm's, scaled (rates_from).
+    Part("h100-sxm-96gb-500w", "NVIDIA H100 96GB HBM2e", *_H100_96GB_HBM, 450 * GB, 50 * GB, 8,
+         500,
+         ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bf: Meta "
+          "Grand Teton, 8 H100 per host (NVLink), 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM "
+          "H100, default 500 W power limit, 400 Gb/s RDMA per GPU", _NVLINK4,
+          "400 Gb/s RDMA per GPU (the same torchtitan page) -> 50 GB/s per GPU"),
+         power_cap_w=500, rates_from="h100-sxm",
+         target=GpuTarget(
+             _memory(_H100_SXM_INFO, *_H100_96GB_HBM), (_H100_SXM_SPEC, ADDED),
+             derived="XLA publishes no spec for the 96 GB HBM2e H100 (torchtitan's Grand Teton "
+                     "part): the H100 SXM one (same GH100 die, 132 SMs, 50 MB L2) with its "
+                     "memory; its 500 W limit is in its power_cap_w, not here",
+             changed={"memory_bandwidth": "2.4 TB/s HBM2e (pytorch/torchtitan benchmarks/"
+                                          "llama3_h100_202412_torchtitan.md)",
+                      "device_memory_size": "96 GB (the same page)",
+                      "device_description_str": "'NVIDIA H100 96GB HBM2e', named here (the "
+                                                "page does not give the device_kind)"})),
+    # The A100 SXM4 row: the 40 GB part's pattern matches the 80 GB part's device_kind too.
+    Part("a100-sxm-40gb", "NVIDIA A100-SXM4-40GB", 40 * GB, 1.555e12, 300 * GB, 25 * GB, 8, 400,
+         ("NVIDIA A100 datasheet, 40GB SXM column: 40 GB HBM2, 1,555 GB/s, TDP 400 W",
+          "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
+          "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute, one per GPU -> "
+          "25 GB/s per GPU (NVIDIA DGX A100 user guide)"), efficiency="ampere",
+         patterns=(r"A100",), peak=Peak("A100 SXM4 (40/80 GB)", **_A100),
+         target=GpuTarget(
+             {**_A100_80_INFO, "memory_bandwidth": 1555200000000,
+              "device_memory_size": 42331013120},
+             (XLA_SPEC.format("a100_sxm_40.txtpb", "b1fb6997953ff50b59faf79af9183f94475cf762"),
+              ADDED)),
+         rates={
+             **_A100_SXM_KERNELS,
+             ("gemm", "bfloat16"): Rate(
+                 271.2e12, MAMF + ", row NVIDIA A100 SXM",
+                 "the row does not name the memory size; the 40 GB and 80 GB SXM4 parts share "
+                 "the GA100 die and its 312 TFLOP/s bf16 peak"),
+             ("hbm_copy", ANY_DTYPE): Rate(
+                 1226.1e9, A100_BANDWIDTHTEST, "measured on the PCIe card, whose HBM2 matches "
+                 "the SXM4 40GB's (1,555 GB/s)")}),
+    Part("a100-sxm-80gb", "NVIDIA A100-SXM4-80GB", 80 * GB, 2.039e12, 300 * GB, 25 * GB, 8, 400,
+         ("NVIDIA A100 datasheet, 80GB SXM column: 80 GB HBM2e, 2,039 GB/s, TDP 400 W",
+          "NVLink 3: 600 GB/s bidirectional per GPU -> 300 GB/s one way",
+          "DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s"),
+         efficiency="ampere",
+         target=GpuTarget(
+             _A100_80_INFO,
+             (XLA_SPEC.format("a100_sxm_80.txtpb", "97dfeadf71bd425fa1acbb170126afcb670c33e6"),
+              ADDED)),
+         rates={
+             **_A100_SXM_KERNELS,
+             ("hbm_copy", ANY_DTYPE): Rate(
+                 1226.1e9 * 2039 / 1555, A100_BANDWIDTHTEST,
+                 "the A100 40GB's measured fraction of its datasheet bandwidth (1226.1 / 1555) "
+                 "applied to the 80GB's 2,039 GB/s HBM2e")}),
+    # NVIDIA publishes no A10G figures (AWS's variant of the A10, clocked a little lower):
+    # the A10 datasheet's FP32 31.2 TF, TF32 62.5 | 125* TF, BF16 125 | 250* TF stand in,
+    # so an A10G's MFU is against an A10 proxy peak (slightly optimistic peak, low MFU).
+    Part("a10g", "NVIDIA A10G", *_A10G_HBM, 32 * GB, 100 / 8 * GB / 8, 8, 150,
+         ("NVIDIA A10 datasheet (A10G: AWS's variant): 24 GB GDDR6, 600 GB/s, TDP 150 W",
+          "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
+          "AWS g5.48xlarge: 8 A10G, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
+         efficiency="ampere", intra_node_link="pcie",
+         patterns=(r"A10G",), peak=Peak("A10G (A10 datasheet as proxy)", bf16=250e12 / 2,
+                                        tf32=125e12 / 2, fp32=31.2e12),
+         target=GpuTarget(
+             {**_memory(_A6000_INFO, *_A10G_HBM), "core_count": 80, "clock_rate_ghz": 1.71},
+             (XLA_SPEC.format("a6000.txtpb", "dd0b533d53850a75d1d7270312088f23326e38d5"),
+              ADDED),
+             derived="XLA publishes no A10G spec: the RTX A6000 one (same GA102 die, sm_86, "
+                     "6 MB L2) with the A10G's SM count, clock and memory",
+             changed={"core_count": "80 SMs (AWS G5 / NVIDIA A10G: 80 RT cores, one per SM)",
+                      "clock_rate_ghz": "1.71 GHz boost (NVIDIA A10 datasheet)",
+                      "memory_bandwidth": "600 GB/s GDDR6 (NVIDIA A10 datasheet)",
+                      "device_memory_size": "24 GB (NVIDIA A10 datasheet)",
+                      "device_description_str": "'NVIDIA A10G', the device_kind an A10G "
+                                                "reports"})),
+    Part("a10", patterns=(r"\bA10\b",),
+         peak=Peak("A10", bf16=250e12 / 2, tf32=125e12 / 2, fp32=31.2e12)),
+    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 | 366* TF, BF16 362.05 | 733* TF.
+    Part("l40s", patterns=(r"L40S",), peak=Peak("L40S", bf16=362.05e12, tf32=183e12,
+                                                fp32=91.6e12)),
+    Part("l4", "NVIDIA L4", 24 * GB, 300 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 72,
+         ("NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, TDP 72 W, PCIe Gen4 x16",
+          "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
+          "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
+         efficiency="ampere", intra_node_link="pcie",
+         # NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120* TF, BF16 242* TF.
+         patterns=(r"\bL4\b",), peak=Peak("L4", bf16=242e12 / 2, tf32=120e12 / 2,
+                                         fp32=30.3e12)),
+    # torchtitan's table (pytorch/torchtitan, torchtitan/tools/utils.py), from NVIDIA's
+    # Blackwell datasheet: BF16 2.25 PF dense. TF32/FP32 not checked here: null.
+    Part("b200", patterns=(r"B200",), peak=Peak("B200", bf16=2.25e15, tf32=None, fp32=None)),
+    # NVIDIA V100 datasheet: FP32 15.7 TF (SXM2), 14 TF (PCIe); no BF16 or TF32 tensor cores.
+    Part("v100-pcie", patterns=(r"V100.*PCIE",),
+         peak=Peak("V100 PCIe", bf16=None, tf32=None, fp32=14e12, tensor_float32=False)),
+    Part("v100-sxm2", patterns=(r"V100",),
+         peak=Peak("V100 SXM2", bf16=None, tf32=None, fp32=15.7e12, tensor_float32=False)),
+    # NVIDIA T4 datasheet: FP32 8.1 TF; no BF16 or TF32 tensor cores (Turing).
+    Part("t4", patterns=(r"\bT4\b",),
+         peak=Peak("T4", bf16=None, tf32=None, fp32=8.1e12, tensor_float32=False)),
+)
+
+NAMED: dict[str, Part] = {p.name: p for p in PARTS}
+# The parts a step can be predicted on, in --hardware order (jaxdist.config's help)
+PREDICTABLE: tuple[str, ...] = tuple(p.name for p in PARTS if p.predictable)
+
+
+# --------------------------------------------------------------------- views
+
+def peak_row(device_kind: str) -> Peak | None:
+    """The datasheet peak row of the part whose pattern matches `device_kind` first."""
+    kind = device_kind.upper()
+    for part in PARTS:
+        for pattern in part.patterns:
+            if re.search(pattern, kind):
+                return part.peak
+    return None
+
+
+def peak_flops(device_kind: str, dtype: str, matmul_precision: str = "default") -> float | None:
+    """Dense peak FLOP/s of one device for matmuls in `dtype` at JAX's
+    `jax_default_matmul_precision`, or None where the table has no figure (unknown part,
+    or a rate the part lacks)."""
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision {matmul_precision!r}: choose from "
+                         f"{', '.join(MATMUL_PRECISIONS)}")
+    row = peak_row(device_kind)
+    if row is None:
+        return None
+    if dtype == "bfloat16":  # precision settings only change 32-bit matmuls
+        return row.bf16
+    if dtype == "float32":
+        if matmul_precision == "highest" or not row.tensor_float32:
+            return row.fp32
+        return row.tf32
+    raise ValueError(f"dtype {dtype!r}: choose from bfloat16, float32")
+
+
+def rate(part: str, kind: str, dtype: str) -> Rate:
+    """The achievable rate of `kind` kernels in `dtype` on the part named `part`. KeyError,
+    naming what is tabled, where no published figure exists (never a guess)."""
+    if kind not in KINDS:
+        raise KeyError(f"unknown kernel kind {kind!r}: choose from {', '.join(KINDS)}")
+    key = (kind, ANY_DTYPE if kind in ("hbm_copy", "launch") else dtype)
+    tabled = NAMED[part].rates if part in NAMED else {}
+    if key not in tabled:
+        have = sorted(f"{k[0]}/{k[1]}" for k in tabled)
+        raise KeyError(f"no published {kind} rate for {part} in {dtype}" +
+                       (f"; {part} has: {', '.join(have)}" if have else
+                        f"; parts with rates: {', '.join(rate_parts())}"))
+    return tabled[key]
+
+
+def rate_parts() -> list[str]:
+    return sorted(p.name for p in PARTS if p.rates)
+
+
+def attention_curve(part: str, dtype: str) -> tuple[tuple[int, float, float], ...]:
+    """(seq_len, forward FLOP/s, backward FLOP/s) points, causal, head dim 128, where
+    published for the part (see CUDNN_SDPA), else (): shorter sequences run slower."""
+    return NAMED[part].attention_curves.get(dtype, ()) if part in NAMED else ()
