@@ -337,7 +337,7 @@ def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
 
     def cfg(overlap):
         return RunConfig(mesh=MeshConfig(mesh=mesh),
-                         model=ModelConfig(model="gpt-tiny", model_opts="depth=4",
+                         model=ModelConfig(model="gpt-tiny", model_opts="depth=2",
                                            dtype="bfloat16"),
                          train=TrainConfig(layout=layout, batch_size=8, microbatches=4),
                          compiler=CompilerConfig(overlap=overlap),
