@@ -4,6 +4,7 @@ adapted to the run's dataset."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxdist.data import Dataset, load_dataset
 from jaxdist.errors import UsageError
@@ -54,6 +55,7 @@ def tp_comm_chunks(cfg) -> int:
     they are asked for. The pipeline layouts run their stages' blocks as one chain
     (jaxdist/pipeline/parts.py): 1 there."""
     from jaxdist.mesh import parse_mesh
+    from sharding.axes import batch_axes
 
     asked, sizes = cfg.train.tp_comm_chunks, parse_mesh(cfg.mesh.mesh).axis_sizes
     if asked < 0:
@@ -63,10 +65,7 @@ def tp_comm_chunks(cfg) -> int:
             raise UsageError(f"--tp-comm-chunks {asked}: the pipeline layouts run each "
                              f"stage's blocks as one chain; use tp or fsdp_tp, or leave it out")
         return 1
-    shards = 1
-    for axis, n in sizes.items():
-        if axis not in ("tensor", "stage"):
-            shards *= n
+    shards = math.prod(sizes[a] for a in batch_axes(sizes))
     local = cfg.train.batch_size // max(1, shards * cfg.train.microbatches)
     if asked == 0:
         return 2 if cfg.train.layout == "tp" and local % 2 == 0 else 1
