@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
-    if cfg.output.hardware and not cfg.output.dry_run:  # a real run predicts it at the end
+    if cfg.output.hardware:  # a named part, checked before any heavy import (plans and runs)
         from jaxdist.hardware import get_hardware
         try:
             get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
