@@ -19,10 +19,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
+from jaxdist import liveness
 from jaxdist.errors import UsageError
 from jaxdist.parts import NAMED, PARTS
 
@@ -305,6 +308,28 @@ def compiles_run() -> int:
     return _COMPILES[0]
 
 
+def compile_with(lowered, options: dict | None):
+    """`lowered.compile(options)`, and for a device-less XLA:GPU compile its buffer live
+    ranges read from a dump into a folder made and removed here (jaxdist.liveness)."""
+    if not dumps_liveness(options):
+        return lowered.compile(options) if options else lowered.compile()
+    folder = tempfile.mkdtemp(prefix="jaxdist-xla-buffers-")
+    try:
+        compiled = lowered.compile({**options, **liveness.dump_options(folder)})
+        liveness.remember(compiled, liveness.read_dump(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return compiled
+
+
+def dumps_liveness(options: dict | None) -> bool:
+    """Whether a compile with these options also reads XLA's buffer live ranges
+    (jaxdist.liveness): device-less XLA:GPU compiles (the ones with the kernel cache), unless
+    the user's --xla-flags already dump somewhere of their own."""
+    return bool(options) and "xla_gpu_kernel_cache_file" in options and \
+        "xla_dump_to" not in options
+
+
 def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
     """[(compiled, seconds)] of lowered programs, or of callables that lower one (called here
     in order; one that returns None is skipped and gives (None, 0.0)), compiled side by side
@@ -322,7 +347,7 @@ def compile_lowered(lowered: list, options: dict | None = None) -> list[tuple]:
         with _COMPILES_LOCK:
             _COMPILES[0] += 1
         start = time.perf_counter()
-        compiled = low.compile(options) if options else low.compile()
+        compiled = compile_with(low, options)
         return compiled, time.perf_counter() - start
 
     if len(lowered) <= 1:
@@ -345,6 +370,5 @@ def compile_timed(lowerable, *args, options: dict | None = None):
     """(compiled, seconds) of `lowerable.lower(*args).compile(options)`; an XLA error is
     re-raised as XLA's own message, never replaced by another compiler's figures."""
     start = time.perf_counter()
-    lowered = lowerable.lower(*args)
-    compiled = lowered.compile(options) if options else lowered.compile()
+    compiled = compile_with(lowerable.lower(*args), options)
     return compiled, time.perf_counter() - start

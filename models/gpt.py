@@ -17,7 +17,8 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLF, BLH, BLNH, BLV, REMAT_POLICIES, PreNormBlock,
-                           block_runner, constrain, embed, layer_norm, linear, lookup)
+                           block_runner, constrain, embed, layer_norm, linear, lookup,
+                           ordered_backward)
 from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
@@ -94,7 +95,7 @@ class GPT(nnx.Module):
                           + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks), *BLD)
+                                    self.tp_comm_chunks, ordered_backward(self.remat)), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 

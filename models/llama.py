@@ -17,7 +17,7 @@ from jaxdist.errors import UsageError
 from models.attention import causal_attention
 from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
-                           constrain, embed, linear, lookup, rms_norm)
+                           constrain, embed, linear, lookup, ordered_backward, rms_norm)
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -103,7 +103,7 @@ class Llama(nnx.Module):
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks), *BLD)
+                                    self.tp_comm_chunks, ordered_backward(self.remat)), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 

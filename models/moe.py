@@ -39,7 +39,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
-from models.layers import BLD, BLV, block_runner, check_choice, constrain, lookup, rms_norm
+from models.layers import (BLD, BLV, block_runner, check_choice, constrain, lookup,
+                           ordered_backward, rms_norm, run_blocks)
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 from sharding.axes import batch_axes
@@ -240,10 +241,13 @@ class MoEDecoder(Llama):
         """(logits, mean auxiliary balance loss over layers)."""
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(Block, self.remat)
-        aux_total = 0.0
-        for block in self.blocks:
-            x_BLD, aux = run_block(block, x_BLD)
-            aux_total = aux_total + aux
+
+        def step(block, carry):
+            x_BLD, aux = run_block(block, carry[0])
+            return x_BLD, carry[1] + aux
+
+        x_BLD, aux_total = run_blocks(self.blocks, step, (x_BLD, jnp.zeros((), jnp.float32)),
+                                      ordered_backward(self.remat))
         logits_BLV = constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
         return logits_BLV, aux_total / len(self.blocks)
 

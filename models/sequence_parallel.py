@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.layers import PreNormBlock
+from models.layers import PreNormBlock, run_blocks
 
 
 
@@ -107,22 +107,22 @@ def whole_sequence(x_BLD, sequence_parallel: bool):
     return from_sequence_shards(x_BLD) if sequence_parallel and active() else x_BLD
 
 
-def run_stack(blocks, run_block, x_BLD, sequence_parallel: bool, chunks: int = 1):
+def run_stack(blocks, run_block, x_BLD, sequence_parallel: bool, chunks: int = 1,
+              ordered: bool = False):
     """The decoder's blocks, on sequence shards under sequence parallelism (entered before the
     first block, left after the last), and with chunks > 1 on that many independent slices of
     each device's batch: rows c, c + chunks, ... form slice c, which keeps every slice's rows
     on the device that holds them (the batch is split over the data axes in contiguous runs,
-    each a multiple of chunks: jaxdist.run_model.tp_comm_chunks)."""
+    each a multiple of chunks: jaxdist.run_model.tp_comm_chunks). `ordered`: run_blocks'."""
     x_BLD = sequence_shards(x_BLD, sequence_parallel)
     if chunks > 1 and sequence_parallel and active():
         B, rest = x_BLD.shape[0], x_BLD.shape[1:]
         slices = tuple(x_BLD.reshape(B // chunks, chunks, *rest)[:, c] for c in range(chunks))
-        for block in blocks:  # SequenceParallelBlock takes the tuple: each slice its chain
-            slices = run_block(block, slices)
+        # SequenceParallelBlock takes the tuple: each slice its chain
+        slices = run_blocks(blocks, run_block, slices, ordered)
         x_BLD = jnp.stack(slices, axis=1).reshape(x_BLD.shape)
     else:
-        for block in blocks:
-            x_BLD = run_block(block, x_BLD)
+        x_BLD = run_blocks(blocks, run_block, x_BLD, ordered)
     return whole_sequence(x_BLD, sequence_parallel)
 
 
@@ -144,8 +144,14 @@ def sublayer(module, hs_BlD: tuple):
     axes), on each device's own heads or MLP columns, so the backward's partial input
     gradients go straight into the transposed all-gather (a reduce-scatter). All slices in
     one shard_map: their weight gradients are summed inside it and leave it as one sum over
-    the batch axes (a shard_map per slice would reduce each slice's apart)."""
+    the batch axes (a shard_map per slice would reduce each slice's apart). The parameters
+    enter it in the compute dtype: cast inside, XLA gathered fsdp_tp's weight shards over
+    `data` and reduced their gradients in float32."""
     graphdef, state = nnx.split(module)
+    dtype = getattr(module, module.row).dtype
+    if dtype is not None:
+        state = jax.tree.map(lambda p: p.astype(dtype)
+                             if jnp.issubdtype(p.dtype, jnp.floating) else p, state)
 
     def local(hs, state):
         m = nnx.merge(graphdef, state)
