@@ -1,18 +1,18 @@
 """What a compiled program keeps live, from XLA's own buffer assignment: which temporary
-buffer is live at each step of the schedule, and from that, what one decoder block adds to
-the program's peak (`held_per_block`).
+buffer is live at each step of the schedule, and at each step what one more decoder block
+would add (`read_dump`'s profile, `peak_at_depth`).
 
-Why: a decoder's plan compiles the step at depth 1 and 2 and extrapolates to its depth. The
-peak temporaries are not linear in depth: each block adds what it keeps for its backward
-(its input, and with `--remat dots` its matmul outputs), but the working set at the peak (a
-block's recomputation and backward, the logits) is one block's, and XLA's scheduler arranges
-it differently in each program: llama3-70b fsdp_tp with sequence parallel peaks at 25.2 GiB of
-temporaries at depth 1 and 29.3 GiB at depth 2, of which one block holds 0.25 GiB; the other
-4 GiB is a working set arranged differently, and a linear line multiplies it by the depth.
+Why: a decoder's plan compiles the step at depth 1 and 2 and extrapolates to its depth. Its
+temporaries are not linear in depth: each block adds what it keeps for its backward (its
+input, under full remat), but the working set at the peak is one block's backward and the
+logits, which XLA schedules differently in each shallow program. llama3-70b fsdp_tp with
+sequence parallelism and full remat, ordered backward: 25.3, 28.8 and 30.3 GiB of
+temporaries at depth 1, 2 and 8 (whole compiles); the line through depth 1 and 2 says 296 GiB
+at 80, depth 2 plus 0.254 GiB per further block at its peak step 30.27 GiB at depth 8.
 
 XLA:GPU writes its buffer assignment and live ranges only into a dump folder (no API returns
 them), so `jaxdist.compiled` compiles device-less XLA:GPU programs with `dump_options` and
-reads the folder with `read_dump` before removing it. The block of an op is its name scope
+reads the folder with `read_dump` before removing it. An op's block is its name scope
 (models.layers.BLOCK_SCOPE, in the op's metadata: `jvp(block_0)` forward, `transpose(jvp(
 block_0))` backward); the op names are read with jaxdist.hlo.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from jaxdist import hlo
 
-# models.layers.BLOCK_SCOPE, the i-th block (models is not imported here: the package graph
-# runs models -> jaxdist.errors only)
+# models.layers.BLOCK_SCOPE, the i-th block (not imported: it would bring flax into every
+# import of jaxdist.compiled)
 BLOCK = re.compile(r"(?<![\w])block_(\d+)(?![\w])")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\)")
@@ -101,11 +101,12 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 def read_dump(folder) -> dict | None:
     """From a folder `dump_options` filled: {peak_live_bytes (the temporaries live at the
-    busiest step of the schedule, summed), peak_at (that step's instruction),
-    held_per_block_bytes (what each block other than the one at the peak holds there, per
-    block: what a further block would add to the peak; None when the program has no block
-    scopes or its other blocks hold nothing at the peak, e.g. a peak in the optimizer)}.
-    None when the folder has no dump."""
+    busiest step of the schedule, summed), peak_at (that step's instruction), profile}.
+    `profile`: (live bytes, held bytes) per step of the schedule, only the steps no other
+    step beats on both: held is what each block other than the step's own holds there, per
+    block (saved forward values, and backward values that outlive the own block's backward:
+    gradients), i.e. what one more block would add at that step (`peak_at_depth`). None
+    when the folder has no dump."""
     files = _module_files(Path(folder))
     if files is None:
         return None
@@ -129,40 +130,74 @@ def read_dump(folder) -> dict | None:
             live[m.group(1).replace("{}", "")] = (int(m.group(2)), int(m.group(3)))
     if not live:
         return None
-    steps = max(end for _, end in live.values()) + 1
-    delta = [0] * (steps + 1)
-    for name, (start, end) in live.items():
-        delta[start] += sizes[name]
-        delta[end + 1] -= sizes[name]
-    total, peak, peak_at = 0, -1, 0
-    for t in range(steps):
-        total += delta[t]
-        if total > peak:
-            peak, peak_at = total, t
     names = op_names(text_path.read_text())
 
     def name_of(value):
         return names.get(value) or names.get(value.split("{")[0], "")
 
-    def block(value) -> int | None:
-        found = BLOCK.search(name_of(value))
-        return int(found.group(1)) if found else None
+    def block_pass(value) -> tuple[int | None, bool]:
+        name = name_of(value)
+        found = BLOCK.search(name)
+        return (int(found.group(1)) if found else None), "transpose(" in name
 
-    # The buffers the other blocks of the depth-2 program hold at the peak: what their
-    # forward saved (when the peak is in the last block's backward or at the head), and what
-    # their backward made that outlives the peak's block (gradients, when the peak is in the
-    # first block's backward); not the cotangent a block's backward hands to the next one,
-    # which the peak's block consumes: one at a time, whatever the depth.
-    own = block(sequence.get(peak_at, ""))
-    own_end = max((t for t, inst in sequence.items() if block(inst) == own), default=0)
-    others = {block(v) for v in live} - {None, own}
+    spans: dict = {}  # (block, backward) -> first and last step of its instructions
+    for t, inst in sequence.items():
+        b, backward = block_pass(inst)
+        if b is not None:
+            first, last = spans.get((b, backward), (t, t))
+            spans[(b, backward)] = (min(first, t), max(last, t))
 
-    def holds(value, end) -> bool:
-        backward = "transpose(" in name_of(value)
-        return block(value) in others and (not backward or own is None or end > own_end)
+    def own_block(t) -> tuple[int | None, bool, int]:
+        """The block whose backward (else forward) is under way at step t, the most recently
+        started where XLA interleaved two (it defers weight gradients, and the head's, into
+        the next block's backward), whether that is its backward, and that pass's last step;
+        None at the head or the optimizer."""
+        for backward in (True, False):
+            running = [(first, b, last) for (b, bw), (first, last) in spans.items()
+                       if bw == backward and first <= t <= last]
+            if running:
+                _, b, last = max(running)
+                return b, backward, last
+        return None, False, 0
 
-    held = sum(sizes[v] for v, (start, end) in live.items()
-               if start <= peak_at <= end and holds(v, end))
-    per_block = held / len(others) if held and others else None
+    def held_at(own, own_backward, own_end, b, backward, end) -> bool:
+        """Whether a value of block b live at a step of `own` is one a further block would
+        repeat there: an earlier block's saved forward value (in the forward, one that
+        outlives the own block's forward: not the input it consumes); in the backward, also
+        a later block's value that outlives the own block's backward (a gradient: not the
+        cotangent the own block consumes, nor a later block's weights gathered ahead of
+        it); at the head or the optimizer every block's."""
+        if b is None or b == own:
+            return False
+        if own is None:
+            return True
+        if b < own:
+            return not backward and (own_backward or end > own_end)
+        return own_backward and end > own_end
+
+    values = [(start, end, sizes[v], *block_pass(v)) for v, (start, end) in live.items()]
+    blocks = {b for b, _ in spans}
+    steps = max(end for _, end, *_ in values) + 1
+    points, peak, peak_at = [], -1, 0
+    for t in range(steps):
+        own, own_backward, own_end = own_block(t)
+        others = blocks - {own}
+        total = held = 0
+        for start, end, size, b, backward in values:
+            if start <= t <= end:
+                total += size
+                if held_at(own, own_backward, own_end, b, backward, end):
+                    held += size
+        points.append((total, held / len(others) if others else 0.0))
+        if total > peak:
+            peak, peak_at = total, t
+    profile = [p for p in set(points)
+               if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
     return {"peak_live_bytes": peak, "peak_at": sequence.get(peak_at, ""),
-            "held_per_block_bytes": per_block}
+            "profile": sorted(profile)}
+
+
+def peak_at_depth(profile, blocks: int) -> float:
+    """The busiest step's live bytes with `blocks` more blocks than the profiled program:
+    max over steps of live + blocks x held."""
+    return max(live + blocks * held for live, held in profile)

@@ -23,12 +23,13 @@ import copy
 import dataclasses
 import hashlib
 
-from jaxdist import compiled as compiled_mod, program_reading
+from jaxdist import compiled as compiled_mod, liveness, program_reading
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
 from jaxdist.predict.model import aggregate
 from jaxdist.train_step import compiled_step_flops
+from models.layers import ordered_backward
 
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
@@ -76,7 +77,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
            repr(hw) if timed else None, cfg.model.matmul_precision)
     if memo is not None and key in memo:
         return {**copy.deepcopy(memo[key]), "memory": program_reading.memory_bytes(compiled),
-                "compile_s": seconds}
+                "liveness": liveness.of(compiled), "compile_s": seconds}
     reading = program_reading.read(compiled, target, sizes, runs, step_flops=step_flops,
                                 compile_s=seconds, hlo=hlo)
     out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
@@ -86,7 +87,8 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
                                                     cfg.model.matmul_precision, runs)
     if memo is not None:
         memo[key] = copy.deepcopy(out)
-    return {**out, "memory": reading["memory"], "compile_s": seconds}
+    return {**out, "memory": reading["memory"], "liveness": liveness.of(compiled),
+            "compile_s": seconds}
 
 
 def is_stack(model_cfg) -> bool:
@@ -94,7 +96,7 @@ def is_stack(model_cfg) -> bool:
                                                              int)
 
 
-def extrapolate(one: dict, two: dict, depth: int) -> dict:
+def extrapolate(one: dict, two: dict, depth: int, ordered: bool = False) -> dict:
     """Figures at `depth` from the depth-1 and depth-2 figures, linearly."""
     def line(a, b):
         return a + (depth - 1) * (b - a)
@@ -120,12 +122,43 @@ def extrapolate(one: dict, two: dict, depth: int) -> dict:
     return {"flops": line(one["flops"], two["flops"]),
             "bytes_accessed": line(one["bytes_accessed"], two["bytes_accessed"]),
             "comm": comm_rows,
-            "memory": {k: line(one["memory"][k], two["memory"][k]) for k in one["memory"]},
+            **extrapolated_memory(one, two, depth, ordered),
             "kernels": dict(sorted(kernels.items())),
             "compile_s": one.get("compile_s", 0) + two.get("compile_s", 0),
             **({"kernel_time": linear_times(one["kernel_time"], one["kernel_time"],
                                             two["kernel_time"], depth - 1)}
                if "kernel_time" in one else {})}
+
+
+def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False) -> dict:
+    """{memory, memory_method}: the compiler's figures at `depth`. State (arguments, outputs)
+    is linear in depth. Temporaries, where the backward is ordered (models.layers.run_blocks:
+    the working set at the peak is then one block's backward, whatever the depth) and XLA's
+    live ranges of the depth-2 program say what one block holds at its peak
+    (jaxdist.liveness): the depth-2 temporaries plus that per further block. A line would
+    multiply the difference of two schedules' working sets by the depth (llama3-70b fsdp_tp,
+    sequence parallel, full remat: 25.3, 28.8, 34.0 and 30.3 GiB of temporaries at depth 1,
+    2, 3 and 8; the line through 1 and 2 says 296 GiB at 80, through 2 and 3 436 GiB; depth 2
+    + 6 x 0.254 GiB held per block says 30.27 at depth 8). Else linear, like the rest: without
+    the order XLA defers weight gradients and their inputs pile up with depth."""
+    def line(a, b):
+        return a + (depth - 1) * (b - a)
+
+    fields = {k for k in one["memory"] if k.endswith("_bytes") and k != "peak_bytes"}
+    memory = {k: line(one["memory"][k], two["memory"][k]) for k in fields}
+    reading = (two.get("liveness") or {}) if ordered else {}
+    if not reading.get("profile") or "temp_bytes" not in memory:
+        method = "linear in depth through depth 1 and 2"
+    else:
+        more = liveness.peak_at_depth(reading["profile"], depth - 2)
+        memory["temp_bytes"] = two["memory"]["temp_bytes"] + more - reading["peak_live_bytes"]
+        method = (f"temporaries: depth 2's + {(more - reading['peak_live_bytes']) / 2**30:.2f} "
+                  f"GiB for {depth - 2} more blocks, at the step where what each block holds "
+                  f"weighs most (XLA's live ranges)")
+    if "peak_bytes" in one["memory"]:
+        memory["peak_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
+                                - memory["alias_bytes"] + memory["temp_bytes"])
+    return {"memory": memory, "memory_method": method}
 
 
 def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=None,
@@ -140,8 +173,11 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=
         return {**figures(cfg, model_cfg, shape, target, hw, memo), "method": "full compile"}
     one, two = figures_of(cfg, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
                           shape, target, hw, memo)
-    return {**extrapolate(one, two, depth), "depth_1": one, "depth_2": two,
-            "method": f"compiled at depth 1 and 2, extrapolated linearly to {depth}"}
+    figs = extrapolate(one, two, depth, ordered_backward(cfg.train.remat))
+    method = f"compiled at depth 1 and 2, extrapolated linearly to {depth}"
+    if figs["memory_method"].startswith("temporaries"):
+        method += f" ({figs['memory_method']})"
+    return {**figs, "depth_1": one, "depth_2": two, "method": method}
 
 
 def attention_scores(cfg, model_cfg, shape: MeshShape, target=None, one: dict | None = None,
