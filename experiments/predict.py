@@ -55,6 +55,7 @@ class Case:
     layout: str = "fsdp"          # minimal_flash ~ "dots", full AC ~ "full"
     small: bool = False           # part of the quick form run by the test suite
     same_as: str = ""             # the case whose configuration this one repeats
+    sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -87,13 +88,16 @@ CASES = (
          "1x8", 16, "dots", small=True),
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
     Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, TT_H100, LLAMA31_8B,
-         "data:8,tensor:8", 96, "dots", "fsdp_tp"),
+         "data:8,tensor:8", 96, "dots", "fsdp_tp",
+         sequence_parallel=True),
     Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, TT_H100, LLAMA3_70B,
-         "data:32,tensor:8", 512, "full", "fsdp_tp"),
+         "data:32,tensor:8", 512, "full", "fsdp_tp",
+         sequence_parallel=True),
     # the same lower-TDP HBM2e H100 (94/95 GB); this older page states no cap: the SKU's
     # default limit, 500 W per the 2024-12 page, is assumed
     Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, TT_H100, LLAMA31_405B,
-         "data:16,tensor:8", 32, "full", "fsdp_tp"),
+         "data:16,tensor:8", 32, "full", "fsdp_tp",
+         sequence_parallel=True),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
          "8x8", 64, "dots"),
     Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
@@ -164,7 +168,8 @@ def case_config(case: Case):
                      model=ModelConfig(model="llama3-70b", model_opts=case.model_opts,
                                        dtype="bfloat16"),
                      train=TrainConfig(layout=case.layout, batch_size=case.batch,
-                                       remat=case.remat),
+                                       remat=case.remat,
+                                       sequence_parallel=case.sequence_parallel),
                      compiler=CompilerConfig(overlap=True),
                      output=OutputConfig(dry_run=True, hardware=case.hardware))
 
