@@ -6,9 +6,9 @@ Why: a decoder's plan compiles the step at depth 1 and 2 and extrapolates to its
 temporaries are not linear in depth: each block adds what it keeps for its backward (its
 input, under full remat), but the working set at the peak is one block's backward and the
 logits, which XLA schedules differently in each shallow program. llama3-70b fsdp_tp with
-sequence parallelism and full remat, ordered backward: 25.3, 28.8 and 30.3 GiB of
-temporaries at depth 1, 2 and 8 (whole compiles); the line through depth 1 and 2 says 296 GiB
-at 80, depth 2 plus 0.254 GiB per further block at its peak step 30.27 GiB at depth 8.
+sequence parallelism and full remat, ordered: 25.8, 30.3, 31.0 and 33.0 GiB of temporaries
+compiled whole at depth 1, 2, 8 and 16; the line through depth 1 and 2 says 383 GiB at 80, the
+depth-2 live ranges 31.8 at 8, 33.8 at 16 and 49 at 80 (the slope from 8 to 16 says 49).
 
 XLA:GPU writes its buffer assignment and live ranges only into a dump folder (no API returns
 them), so `jaxdist.compiled` compiles device-less XLA:GPU programs with `dump_options` and

@@ -7,6 +7,7 @@ are named for what they reproduce (torchvision's, or flax's defaults).
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import jax
@@ -113,25 +114,45 @@ BLOCK_SCOPE = "block_{}"  # a decoder block's name scope (run_blocks)
 
 @jax.custom_vjp
 def _meet(a, b):
-    return a, b
+    return jax.lax.optimization_barrier((a, b))
 
 
-_meet.defvjp(lambda a, b: ((a, b), None),
+_meet.defvjp(lambda a, b: (jax.lax.optimization_barrier((a, b)), None),
              lambda _, cotangents: jax.lax.optimization_barrier(cotangents))
+
+
+_ORDERING = [True]
+
+
+@contextlib.contextmanager
+def barriers_off():
+    """run_blocks without its barriers while tracing: they pass parameters and activations
+    through unchanged, but a barrier's outputs are new values, so a count of the values the
+    backward saves (jaxdist.predict.memory) would take every block's parameters for
+    residuals."""
+    _ORDERING[0] = False
+    try:
+        yield
+    finally:
+        _ORDERING[0] = True
 
 
 def run_blocks(blocks, step, carry, ordered: bool):
     """carry = step(block, carry) for each block in order. `ordered` (full remat:
-    `ordered_backward`): block k+1's weight gradients are made before block k-1's backward
-    starts (block k's runs meanwhile, with k+1's gradient reduction in flight), as PyTorch's
-    FSDP frees a block's gathered weights after its backward: block k+1's parameters and
-    block k's input pass through an identity whose backward is an optimization barrier over
-    both gradients. Without it XLA's latency-hiding scheduler leaves the weight gradients
-    (they feed only the optimizer) to the end of the backward and keeps their inputs, each
-    block's regathered weights and recomputed activations, alive across the blocks in
-    between: the memory full remat is chosen to save (llama3-70b fsdp_tp, sequence parallel,
-    full remat: 71.3 GiB of temporaries at depth 8, 150.5 at depth 16; ordered 30.3 at 8)."""
+    `ordered_backward`): block k+1's parameters and block k's input pass an optimization
+    barrier together, in the forward and, for their gradients, in the backward. So block
+    k+1's weights are not gathered before block k starts (PyTorch FSDP's one-block forward
+    prefetch), and its weight gradients are made before block k-1's backward starts (block
+    k's runs meanwhile, with k+1's gradient reduction in flight), as FSDP frees a block's
+    gathered weights after its backward. Without them XLA's latency-hiding scheduler gathers
+    weights many blocks ahead and leaves weight gradients (they feed only the optimizer) to
+    the end of the backward, keeping their inputs alive across the blocks in between: the
+    memory full remat is chosen to save. Measured on XLA:GPU plans: llama3-70b fsdp_tp with
+    sequence parallelism held 71.3 GiB of temporaries at depth 8 and 150.5 at 16, ordered
+    31.0 at 8; Llama2-70B fsdp on 64 A100 10.9 and 21.3 GiB at depth 8 and 16 with the
+    backward ordered alone, 7.2 and 8.2 with both (step 2.39 -> 2.36 s at depth 8)."""
     blocks = list(blocks)
+    ordered = ordered and _ORDERING[0]
     for k in range(len(blocks)):
         if ordered and k + 1 < len(blocks):
             graphdef, state = nnx.split(blocks[k + 1])
@@ -145,11 +166,12 @@ def run_blocks(blocks, step, carry, ordered: bool):
 
 
 def ordered_backward(remat: str) -> bool:
-    """Whether run_blocks orders the backward: under full remat (see run_blocks). Not under
-    `dots` or none, whose activations are kept anyway, and where the order costs time
-    (measured on XLA:GPU plans: Llama2-70B fsdp on 64 A100 at depth 8, 1,881 -> 2,133 ms a
-    step under dots; the Megatron-style tp plan 861 -> 889 ms and 41 -> 52 GiB without
-    remat); under full remat 2,330 -> 2,530 ms there, for 14.5 -> 6.3 GiB."""
+    """Whether run_blocks orders the blocks: under full remat (see run_blocks). Not yet under
+    `dots` or none, whose activations are kept anyway: there it helped FSDP plans (Llama2-13B
+    without remat on 64 A100: 81.6 -> 73.5 GiB, 3.81 -> 3.53 s a step) but cost the
+    Megatron-style tp plan (distributed optimizer, no remat: 41.0 -> 48.5 GiB, 861 -> 889 ms),
+    whose gradients are reduced after the backward; measured with the backward barrier
+    alone, and the calibrated validation rows are `dots`."""
     return remat == "full"
 
 

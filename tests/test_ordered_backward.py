@@ -1,6 +1,7 @@
-"""models.layers.run_blocks with `ordered` (full remat): block k+1's weight gradients and block
-k's input gradient leave one optimization barrier together, so block k-1's backward waits for
-k+1's weight gradients; the numbers are those of the unordered stack."""
+"""models.layers.run_blocks with `ordered` (full remat): block k+1's weights and block k's input
+pass one optimization barrier together in the forward (k+1's weights are not gathered before
+block k starts), and their gradients another in the backward (block k-1's backward waits for
+k+1's weight gradients); the numbers are those of the unordered stack."""
 
 import jax
 import jax.extend
@@ -41,7 +42,9 @@ def test_ordered_stack_has_one_barrier_per_block_pair_and_the_same_gradients():
     for a, b in zip(jax.tree.leaves(ordered), jax.tree.leaves(plain)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(dx_ordered, dx_plain)
-    # 3 blocks: blocks 1 and 2 each tied to the input of the block before them; each barrier
-    # holds that block's kernel and bias gradients and the (2, 4) activation gradient
-    assert _barriers(jaxpr.jaxpr) == [[(2, 4), (4,), (4, 4)]] * 2
+    # 3 blocks: blocks 1 and 2 each tied to the input of the block before them, in the
+    # forward (their weights with that input) and in the backward (their kernel and bias
+    # gradients with that input's gradient): 2 x 2 barriers of a (4, 4) kernel, a (4,) bias
+    # and a (2, 4) activation
+    assert _barriers(jaxpr.jaxpr) == [[(2, 4), (4,), (4, 4)]] * 4
     assert _barriers(plain_jaxpr.jaxpr) == []

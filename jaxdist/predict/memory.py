@@ -41,6 +41,7 @@ from flax import nnx
 
 from jaxdist.predict.program import cpu_compilable
 from jaxdist.train_step import DTYPES, split_model
+from models.layers import barriers_off
 from sharding.axes import batch_axes
 
 LABEL = "predicted"
@@ -71,7 +72,8 @@ def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
             return model_cfg.loss(nnx.merge(graphdef, p_, ms, copy=True), b)
         return jax.tree.leaves(jax.vjp(loss, p)[1])
 
-    jaxpr = jax.make_jaxpr(pullback_leaves)(*leaves).jaxpr
+    with barriers_off():
+        jaxpr = jax.make_jaxpr(pullback_leaves)(*leaves).jaxpr
     inputs, seen, out = set(jaxpr.invars), set(), []
     for v in jaxpr.outvars:
         if isinstance(v, jex_core.Literal) or v in inputs or v in seen:

@@ -136,11 +136,10 @@ def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False)
     the working set at the peak is then one block's backward, whatever the depth) and XLA's
     live ranges of the depth-2 program say what one block holds at its peak
     (jaxdist.liveness): the depth-2 temporaries plus that per further block. A line would
-    multiply the difference of two schedules' working sets by the depth (llama3-70b fsdp_tp,
-    sequence parallel, full remat: 25.3, 28.8, 34.0 and 30.3 GiB of temporaries at depth 1,
-    2, 3 and 8; the line through 1 and 2 says 296 GiB at 80, through 2 and 3 436 GiB; depth 2
-    + 6 x 0.254 GiB held per block says 30.27 at depth 8). Else linear, like the rest: without
-    the order XLA defers weight gradients and their inputs pile up with depth."""
+    multiply the difference of two schedules' working sets by the depth (jaxdist.liveness:
+    llama3-70b fsdp_tp+SP, 383 GiB at 80 by the line, 49 by the live ranges and by the slope
+    of whole compiles at depth 8 and 16). Else linear, like the rest: without the order XLA
+    gathers weights ahead and defers weight gradients, and what it keeps piles up with depth."""
     def line(a, b):
         return a + (depth - 1) * (b - a)
 
