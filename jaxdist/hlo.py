@@ -1,19 +1,25 @@
 """Reading XLA's optimized HLO text: its statements (instructions and computation headers,
 wrapped lines joined), and how often each computation runs per step (while-loop trip counts,
 async wrappers, conditional branches weighed by the caller or marked upper bounds).
-jaxdist.comm builds its collective accounting on it."""
+jaxdist.comm builds its collective accounting on it.
+
+The text is parsed once (`reading`, kept for the last few programs): a run or a plan asks
+of one program its collectives, kernels, sends, schedule and op names, and each used to
+split and match every line again (a pipeline test spent a fifth of its time here)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
+from typing import NamedTuple
 
 # `%name = <shape> <opcode>(`: the shape may be a (nested) tuple with spaces in it.
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
                           r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
 
 
-def statements(hlo_text: str):
+def _statements(hlo_text: str):
     """One HLO instruction or computation header per item. XLA prints one per line; HLO
     written by hand (XLA's own tests) wraps long ones: a line that does not open an
     instruction (`name = `), a computation or its closing brace continues the one before,
@@ -21,7 +27,7 @@ def statements(hlo_text: str):
     pending: list[str] = []
     depth = 0
     for line in hlo_text.splitlines():
-        bare = _QUOTED.sub("", line)
+        bare = _QUOTED.sub("", line) if '"' in line else line
         delta = sum(bare.count(c) for c in "([{") - sum(bare.count(c) for c in ")]}")
         opened = header(line)
         opens = opened or _IS_INSTRUCTION.match(line)
@@ -58,31 +64,11 @@ _BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRUE_FALSE = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
 
 
-def instructions(hlo_text: str):
-    """(computation, instruction name, INSTRUCTION match, statement) of every instruction,
-    in text order (a scheduled module's order)."""
-    current = None
-    for line in statements(hlo_text):
-        opened = header(line)
-        if opened:
-            current = opened.group(2)
-            continue
-        m = INSTRUCTION.match(line)
-        if m:
-            yield current, line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%"), m, line
-
-
-def entry_computation(hlo_text: str) -> str | None:
-    for line in statements(hlo_text):
-        m = header(line)
-        if m and m.group(1):
-            return m.group(2)
-    return None
-
-
 def branches(line: str) -> list[str]:
     """A conditional's branch computations in index order (a predicated one: [false, true],
     index 0 being false as for lax.cond); [] for any other instruction."""
+    if "_computation" not in line:  # the cheap test first: reading() asks of every line
+        return []
     listed = _BRANCH_LIST.search(line)
     if listed:
         return [b.strip().lstrip("%") for b in listed.group(1).split(",") if b.strip()]
@@ -90,16 +76,69 @@ def branches(line: str) -> list[str]:
     return [named["false"], named["true"]] if len(named) == 2 else []
 
 
-def conditionals(hlo_text: str) -> list[tuple[str, list[str]]]:
-    """(computation holding it, its branches) of every conditional, in text order."""
-    out, current = [], None
-    for line in statements(hlo_text):
+class Statement(NamedTuple):
+    line: str
+    computation: str | None    # the computation it is in (its own name for a header)
+    header: re.Match | None    # a computation's header
+    instruction: re.Match | None
+    name: str | None           # the instruction's name
+
+
+class Reading(NamedTuple):
+    statements: tuple[Statement, ...]
+    entry: str | None
+    # callee computations of each computation: (callee, trip count, is a conditional branch)
+    calls: dict[str, list[tuple[str, int, bool]]]
+
+
+@functools.lru_cache(maxsize=4)
+def reading(hlo_text: str) -> Reading:
+    """The one parse of a program's text; callers must not mutate what it returns."""
+    out, current, entry = [], None, None
+    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    for line in _statements(hlo_text):
         opened = header(line)
         if opened:
             current = opened.group(2)
-        elif INSTRUCTION.match(line) and INSTRUCTION.match(line).group("op") == "conditional":
-            out.append((current, branches(line)))
-    return out
+            entry = current if opened.group(1) else entry
+            out.append(Statement(line, current, opened, None, None))
+            continue
+        m = INSTRUCTION.match(line)
+        name = line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%") if m else None
+        out.append(Statement(line, current, None, m, name))
+        # The -update and -done halves of an async op name the same computation as its
+        # -start; following them too would count the wrapped collective two or three times.
+        if current is None or m and m.group("op").endswith(("-done", "-update")):
+            continue
+        trip = _TRIP.search(line)
+        for callee in _CALLS.findall(line):
+            body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
+            repeat = int(trip.group(1)) if trip and body else 1
+            calls[current].append((callee, repeat, False))
+        calls[current].extend((branch, 1, True) for branch in branches(line))
+    return Reading(tuple(out), entry, dict(calls))
+
+
+def statements(hlo_text: str):
+    """One HLO instruction or computation header per item (see _statements)."""
+    return (s.line for s in reading(hlo_text).statements)
+
+
+def instructions(hlo_text: str):
+    """(computation, instruction name, INSTRUCTION match, statement) of every instruction,
+    in text order (a scheduled module's order)."""
+    return ((s.computation, s.name, s.instruction, s.line)
+            for s in reading(hlo_text).statements if s.instruction)
+
+
+def entry_computation(hlo_text: str) -> str | None:
+    return reading(hlo_text).entry
+
+
+def conditionals(hlo_text: str) -> list[tuple[str, list[str]]]:
+    """(computation holding it, its branches) of every conditional, in text order."""
+    return [(s.computation, branches(s.line)) for s in reading(hlo_text).statements
+            if s.instruction and s.instruction.group("op") == "conditional"]
 
 
 def execution_counts(hlo_text: str, branch_runs: dict[str, float] | None = None
@@ -112,26 +151,8 @@ def execution_counts(hlo_text: str, branch_runs: dict[str, float] | None = None
     computation; a branch it does not name is counted as running every time its
     conditional does (an upper bound), and it and what it calls are returned as such."""
     branch_runs = branch_runs or {}
-    calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
-    entry, current = None, None
-    for line in statements(hlo_text):
-        m = header(line)
-        if m:
-            current = m.group(2)
-            entry = current if m.group(1) else entry
-            continue
-        instruction = INSTRUCTION.match(line)
-        # The -update and -done halves of an async op name the same computation as its
-        # -start; following them too would count the wrapped collective two or three times.
-        if current is None or instruction and \
-                instruction.group("op").endswith(("-done", "-update")):
-            continue
-        trip = _TRIP.search(line)
-        for callee in _CALLS.findall(line):
-            body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
-            repeat = int(trip.group(1)) if trip and body else 1
-            calls[current].append((callee, repeat, False))
-        calls[current].extend((branch, 1, True) for branch in branches(line))
+    read = reading(hlo_text)
+    entry, calls = read.entry, read.calls
     runs: dict[str, float] = defaultdict(int)
     guessed: set[str] = set()
 

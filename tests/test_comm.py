@@ -103,6 +103,29 @@ def test_executions_follow_while_trip_counts():
     assert [(o["bytes"], o["times"]) for o in ops] == [(32 * 3, 3), (16, 1)]
 
 
+
+def test_a_programs_text_is_parsed_once_by_all_its_readers(monkeypatch):
+    """Collectives, kernels, conditionals and trip counts of one program share one parse
+    (hlo.reading); a new text is parsed anew."""
+    from jaxdist import kernels
+    text = ("%body (p: f32[]) -> f32[] {\n"
+            "  %a = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n}\n"
+            "%add (x: f32[], y: f32[]) -> f32[] {\n}\n"
+            "ENTRY %main (p: f32[]) -> f32[] {\n"
+            '  %w = (s32[]) while(%t), condition=%cond, body=%body, '
+            'backend_config={"known_trip_count":{"n":"5"}}\n}\n')
+    parses = []
+    real = hlo._statements
+    monkeypatch.setattr(hlo, "_statements", lambda t: parses.append(t) or real(t))
+    hlo.reading.cache_clear()
+    ops = comm.collectives(text, {"data": 2})
+    kernels.inventory(text)
+    assert hlo.conditionals(text) == [] and hlo.entry_computation(text) == "main"
+    assert hlo.executions(text)["body"] == 5 and [o["times"] for o in ops] == [5]
+    assert len(parses) == 1
+    comm.collectives(text.replace('"5"', '"6"'), {"data": 2})
+    assert len(parses) == 2
+
 @pytest.mark.parametrize("layout, mesh, expected", [
     # P = 4096 parameter bytes; N devices; F = the fsdp axis, D = N / F. Worked by hand.
     ("ddp", {"data": 2, "fsdp": 4}, 2 * 7 / 8 * 4096),                      # 7168

@@ -30,14 +30,9 @@ def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str
     """(computation, bytes moved per pair, source stages) of each stage collective-permute."""
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
     axis = names.index("stage")
-    out, current = [], None
-    for line in hlo.statements(hlo_text):
-        opened = hlo.header(line)
-        if opened:
-            current = opened.group(2)
-            continue
-        m = hlo.INSTRUCTION.match(line)
-        if m and m.group("op") in ("collective-permute", "collective-permute-start"):
+    out = []
+    for current, _, m, line in hlo.instructions(hlo_text):
+        if m.group("op") in ("collective-permute", "collective-permute-start"):
             _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
                                       m.group("rest"))
             out.append((current, result, _stage_pairs(line, sizes, axis)))
