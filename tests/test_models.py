@@ -215,3 +215,18 @@ def test_moe_implementations_route_alike_and_drop_over_capacity():
             np.testing.assert_allclose(aux, ref_aux, rtol=1e-6)
     with pytest.raises(UsageError, match="moe_impl='gmm' is not supported"):
         get_model("moe-tiny", {"moe_impl": "gmm"}).validate()
+
+
+def test_an_abstract_build_never_walks_the_trace(monkeypatch):
+    """nnx stores each value after probing its `sharding`; on jax 0.10.2 a tracer's refusal
+    walked every equation traced so far (quadratic builds: models/tracing.py). The probe
+    still fails as hasattr expects, and an abstract build walks nothing."""
+    from jax._src.interpreters import partial_eval
+    walks = []
+    real = partial_eval.JaxprStackFrame.find_progenitors
+    monkeypatch.setattr(partial_eval.JaxprStackFrame, "find_progenitors",
+                        lambda self, t: walks.append(1) or real(self, t))
+    model = abstract("resnet-tiny")
+    assert n_params(model) > 0 and walks == []
+    assert jax.jit(lambda x: jnp.float32(hasattr(x, "sharding") + hasattr(x, "device")))(
+        jnp.ones(2)) == 0
