@@ -39,6 +39,9 @@ def build_model(cfg):
             raise UsageError(f"--remat applies to the decoders (gpt, llama and moe models), "
                              f"not {cfg.model.model!r}")
         model_cfg = dataclasses.replace(model_cfg, remat=cfg.train.remat)
+    from sharding.registry import gathers_block_weights
+    if hasattr(model_cfg, "ordered_blocks") and gathers_block_weights(cfg.train.layout):
+        model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
         model_cfg = dataclasses.replace(model_cfg, sequence_parallel=True,

@@ -87,6 +87,7 @@ class GPT(nnx.Module):
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
         self.tp_comm_chunks = cfg.tp_comm_chunks
+        self.ordered = cfg.ordered_blocks or ordered_backward(cfg.remat)
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
@@ -95,7 +96,7 @@ class GPT(nnx.Module):
                           + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks, ordered_backward(self.remat)), *BLD)
+                                    self.tp_comm_chunks, self.ordered), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
@@ -113,6 +114,10 @@ class GPTConfig:
     # independent slices of each device's batch the blocks run on under sequence parallelism,
     # so that one slice's collectives overlap another's matmuls (sequence_parallel.run_stack)
     tp_comm_chunks: int = 1
+    # blocks run in order (models/layers.run_blocks) whatever the remat: where the layout
+    # gathers each block's weights (sharding.registry.gathers_block_weights; set by
+    # jaxdist.run_model). Full remat orders them anyway (layers.ordered_backward).
+    ordered_blocks: bool = False
     # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
     # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
     attention: str = "default"

@@ -8,6 +8,7 @@ are named for what they reproduce (torchvision's, or flax's defaults).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import ClassVar
 
 import jax
@@ -121,20 +122,23 @@ _meet.defvjp(lambda a, b: (jax.lax.optimization_barrier((a, b)), None),
              lambda _, cotangents: jax.lax.optimization_barrier(cotangents))
 
 
-_ORDERING = [True]
+# Per thread: plans trace the hand estimate (barriers off) in a worker thread while the main
+# thread lowers the step (jaxdist.predict.plan); a process-wide switch let the step be traced
+# without its barriers (Llama2-13B fsdp on 64 A100: 81.6 GiB planned instead of 72.7).
+_ORDERING = threading.local()
 
 
 @contextlib.contextmanager
 def barriers_off():
-    """run_blocks without its barriers while tracing: they pass parameters and activations
-    through unchanged, but a barrier's outputs are new values, so a count of the values the
-    backward saves (jaxdist.predict.memory) would take every block's parameters for
-    residuals."""
-    _ORDERING[0] = False
+    """run_blocks without its barriers while this thread traces: they pass parameters and
+    activations through unchanged, but a barrier's outputs are new values, so a count of the
+    values the backward saves (jaxdist.predict.memory) would take every block's parameters
+    for residuals."""
+    _ORDERING.off = True
     try:
         yield
     finally:
-        _ORDERING[0] = True
+        _ORDERING.off = False
 
 
 def run_blocks(blocks, step, carry, ordered: bool):
@@ -152,7 +156,7 @@ def run_blocks(blocks, step, carry, ordered: bool):
     31.0 at 8; Llama2-70B fsdp on 64 A100 10.9 and 21.3 GiB at depth 8 and 16 with the
     backward ordered alone, 7.2 and 8.2 with both (step 2.39 -> 2.36 s at depth 8)."""
     blocks = list(blocks)
-    ordered = ordered and _ORDERING[0]
+    ordered = ordered and not getattr(_ORDERING, "off", False)
     for k in range(len(blocks)):
         if ordered and k + 1 < len(blocks):
             graphdef, state = nnx.split(blocks[k + 1])
@@ -166,12 +170,11 @@ def run_blocks(blocks, step, carry, ordered: bool):
 
 
 def ordered_backward(remat: str) -> bool:
-    """Whether run_blocks orders the blocks: under full remat (see run_blocks). Not yet under
-    `dots` or none, whose activations are kept anyway: there it helped FSDP plans (Llama2-13B
-    without remat on 64 A100: 81.6 -> 73.5 GiB, 3.81 -> 3.53 s a step) but cost the
-    Megatron-style tp plan (distributed optimizer, no remat: 41.0 -> 48.5 GiB, 861 -> 889 ms),
-    whose gradients are reduced after the backward; measured with the backward barrier
-    alone, and the calibrated validation rows are `dots`."""
+    """Whether run_blocks orders the blocks whatever the layout: under full remat (see
+    run_blocks). Under `dots` or none only where the layout gathers each block's weights
+    (the model config's `ordered_blocks`, sharding.registry.gathers_block_weights): not
+    where gradients are reduced after the backward (the Megatron-style tp plan, distributed
+    optimizer and no remat, went 41.0 -> 48.5 GiB and 861 -> 889 ms a step ordered)."""
     return remat == "full"
 
 

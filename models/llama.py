@@ -98,12 +98,13 @@ class Llama(nnx.Module):
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
         self.tp_comm_chunks = cfg.tp_comm_chunks
+        self.ordered = cfg.ordered_blocks or ordered_backward(cfg.remat)
 
     def __call__(self, tokens_BL):
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks, ordered_backward(self.remat)), *BLD)
+                                    self.tp_comm_chunks, self.ordered), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLV, block_runner, check_choice, constrain, lookup,
-                           ordered_backward, rms_norm, run_blocks)
+                           rms_norm, run_blocks)
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 from sharding.axes import batch_axes
@@ -247,7 +247,7 @@ class MoEDecoder(Llama):
             return x_BLD, carry[1] + aux
 
         x_BLD, aux_total = run_blocks(self.blocks, step, (x_BLD, jnp.zeros((), jnp.float32)),
-                                      ordered_backward(self.remat))
+                                      self.ordered)
         logits_BLV = constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
         return logits_BLV, aux_total / len(self.blocks)
 

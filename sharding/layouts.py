@@ -59,13 +59,13 @@ register_layout("zero1", "ddp with the distributed optimizer: parameters replica
 
 
 @register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices",
-                 min_devices=2)
+                 min_devices=2, gathers_weights=True)
 def fsdp(state, mesh: Mesh):
     return sharded(state, mesh, tuple(mesh.axis_names))
 
 
 @register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis",
-                 requires=("fsdp",))
+                 requires=("fsdp",), gathers_weights=True)
 def hsdp(state, mesh: Mesh):
     return sharded(state, mesh, ("fsdp",))
 
@@ -87,7 +87,7 @@ def tp(state, mesh: Mesh):
 @register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
                  "dimension sharded over data and fsdp",
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
-                 requires=("tensor",))
+                 requires=("tensor",), gathers_weights=True)
 def fsdp_tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "fsdp_tp")
 

@@ -48,3 +48,50 @@ def test_ordered_stack_has_one_barrier_per_block_pair_and_the_same_gradients():
     # and a (2, 4) activation
     assert _barriers(jaxpr.jaxpr) == [[(2, 4), (4,), (4, 4)]] * 4
     assert _barriers(plain_jaxpr.jaxpr) == []
+
+
+def test_barriers_off_holds_for_its_own_thread_only():
+    """A plan traces its hand estimate with the barriers off in a worker thread while the main
+    thread lowers the step: the step keeps its barriers."""
+    import threading
+
+    from models.layers import barriers_off
+
+    inside, done = threading.Event(), threading.Event()
+
+    def hand_estimate():
+        with barriers_off():
+            inside.set()
+            done.wait(30)
+
+    worker = threading.Thread(target=hand_estimate)
+    worker.start()
+    try:
+        assert inside.wait(30)
+        _, jaxpr = _grads_and_jaxpr(True)
+    finally:
+        done.set()
+        worker.join()
+    assert len(_barriers(jaxpr.jaxpr)) == 4
+    with barriers_off():
+        assert _barriers(_grads_and_jaxpr(True)[1].jaxpr) == []
+
+
+def test_layouts_that_gather_block_weights_order_the_blocks_whatever_the_remat():
+    """fsdp, hsdp and fsdp_tp gather each block's weights: their decoders run ordered also
+    under dots and without remat; ddp, zero1, tp and the pipelines only under full remat."""
+    from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
+    from jaxdist.run_model import build_model
+
+    def ordered(layout, mesh, remat):
+        cfg = RunConfig(mesh=MeshConfig(mesh=mesh), model=ModelConfig(model="gpt-tiny"),
+                        train=TrainConfig(layout=layout, remat=remat, batch_size=8))
+        model_cfg = build_model(cfg)[0]
+        return nnx.eval_shape(lambda: model_cfg.build(nnx.Rngs(0), jnp.float32)).ordered
+
+    for remat in ("none", "dots", "full"):
+        assert ordered("fsdp", "2x4", remat) and ordered("hsdp", "2x4", remat)
+        assert ordered("fsdp_tp", "data:2,tensor:4", remat)
+        for layout, mesh in (("ddp", "2x4"), ("zero1", "2x4"), ("tp", "data:2,tensor:4"),
+                             ("pp", "data:2,stage:2")):
+            assert ordered(layout, mesh, remat) == (remat == "full"), (layout, remat)
