@@ -167,7 +167,9 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
     scattered = [op for op in on_data if op["kind"] == "reduce-scatter"]
     assert sum(op["bytes"] // size[op["dtypes"][0]] for op in scattered) == shard - 4 * 64 * (
         sequence_parallel)
-    assert max(op["bytes"] for op in scattered if op["dtypes"] == ["bf16"]) == 57344
+    # measured: the blocks' largest; the embedding's and head's 8,192 bytes go on their own
+    # since fsdp_tp orders its blocks (XLA combined them into one of 57,344 before)
+    assert max(op["bytes"] for op in scattered if op["dtypes"] == ["bf16"]) == 49152
     assert sum(op["bytes"] for op in on_data if op["kind"] == "all-reduce") == 4  # the loss
 
 
