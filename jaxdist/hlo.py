@@ -79,7 +79,6 @@ def branches(line: str) -> list[str]:
 class Statement(NamedTuple):
     line: str
     computation: str | None    # the computation it is in (its own name for a header)
-    header: re.Match | None    # a computation's header
     instruction: re.Match | None
     name: str | None           # the instruction's name
 
@@ -101,11 +100,11 @@ def reading(hlo_text: str) -> Reading:
         if opened:
             current = opened.group(2)
             entry = current if opened.group(1) else entry
-            out.append(Statement(line, current, opened, None, None))
+            out.append(Statement(line, current, None, None))
             continue
         m = INSTRUCTION.match(line)
         name = line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%") if m else None
-        out.append(Statement(line, current, None, m, name))
+        out.append(Statement(line, current, m, name))
         # The -update and -done halves of an async op name the same computation as its
         # -start; following them too would count the wrapped collective two or three times.
         if current is None or m and m.group("op").endswith(("-done", "-update")):

@@ -87,7 +87,7 @@ class GPT(nnx.Module):
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
         self.tp_comm_chunks = cfg.tp_comm_chunks
-        self.ordered = cfg.ordered_blocks or ordered_backward(cfg.remat)
+        self.ordered = cfg.blocks_ordered
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BL):
@@ -123,6 +123,11 @@ class GPTConfig:
     attention: str = "default"
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
+
+    @property
+    def blocks_ordered(self) -> bool:
+        """Whether the decoder runs its blocks ordered (models/layers.run_blocks)."""
+        return self.ordered_blocks or ordered_backward(self.remat)
 
     def validate(self) -> None:
         if self.remat not in REMAT_POLICIES:

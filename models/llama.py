@@ -17,7 +17,7 @@ from jaxdist.errors import UsageError
 from models.attention import causal_attention
 from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
-                           constrain, embed, linear, lookup, ordered_backward, rms_norm)
+                           constrain, embed, linear, lookup, rms_norm)
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -98,7 +98,7 @@ class Llama(nnx.Module):
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
         self.tp_comm_chunks = cfg.tp_comm_chunks
-        self.ordered = cfg.ordered_blocks or ordered_backward(cfg.remat)
+        self.ordered = cfg.blocks_ordered
 
     def __call__(self, tokens_BL):
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
