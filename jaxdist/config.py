@@ -81,8 +81,10 @@ class TrainConfig:
     microbatches: int = _opt(1, "gradient accumulation: split each device's batch into N "
                              "micro-batches inside the jitted step (same result as one batch)")
     remat: str = _opt("none", "activation recomputation per block (the decoders: gpt, "
-                      "llama and moe models)",
-                      choices=("none", "full", "dots"))
+                      "llama and moe models): full keeps block inputs, dots also every "
+                      "matmul output, selective_op every other matmul output and the "
+                      "attention's (torchtitan's op-level selective AC)",
+                      choices=("none", "full", "dots", "selective_op"))
     pp_schedule: str = _opt("1f1b", "pipeline schedule of the pp, tp_pp and fsdp_pp layouts "
                             "over --microbatches: gpipe (all forwards, then all backwards; "
                             "M activations live), 1f1b (one forward, one backward; about S "

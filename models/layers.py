@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.errors import UsageError, choices
 from sharding.logical import activation_spec
@@ -67,9 +68,18 @@ def rms_norm(d, *, epsilon=1e-5, dtype, rngs):
     return nnx.RMSNorm(d, epsilon=epsilon, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear whose output carries its place among the matmuls of the block being traced
+    (`matmul_1`, `matmul_2`, ... in call order, `counted_matmuls`), for the remat policy
+    that keeps every other one (REMAT_POLICIES["selective_op"])."""
+
+    def __call__(self, x):
+        return counted(super().__call__(x))
+
+
 def linear(a, b, *, bias=True, init=LECUN_NORMAL, dtype, rngs):
-    return nnx.Linear(a, b, use_bias=bias, kernel_init=init, dtype=dtype,
-                      param_dtype=jnp.float32, rngs=rngs)
+    return Linear(a, b, use_bias=bias, kernel_init=init, dtype=dtype,
+                  param_dtype=jnp.float32, rngs=rngs)
 
 
 def embed(n, d, *, dtype, rngs):
@@ -106,8 +116,50 @@ BLKH = ("activation_batch", "activation_length", "activation_kv_heads", None)
 
 # ---- decoder blocks ---------------------------------------------------------------------
 
+# Where the block being traced is in its matmuls (Linear): per thread, like _ORDERING below.
+_MATMULS = threading.local()
+
+
+def counted(y):
+    """y, a matmul's output, named for its place in the block: matmul_1, matmul_2, ..."""
+    _MATMULS.count = getattr(_MATMULS, "count", 0) + 1
+    return checkpoint_name(y, f"matmul_{_MATMULS.count}")
+
+
+@contextlib.contextmanager
+def counted_matmuls():
+    """Number the matmuls traced inside from 1 (one block's: block_runner, the pipeline's
+    stages), so a policy can pick them by their place in the block."""
+    outer = getattr(_MATMULS, "count", 0)
+    _MATMULS.count = 0
+    try:
+        yield
+    finally:
+        _MATMULS.count = outer
+
+
+def _cudnn_attention_forward(prim, *_, **__) -> bool:
+    # cuDNN flash attention's forward (jax.nn.dot_product_attention(implementation="cudnn")):
+    # its outputs, the attention output and the softmax's logsumexp, are what its backward
+    # reads, so keeping them is keeping SDPA's outputs as torchtitan does
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
+# torchtitan's op-level selective AC (activation_checkpoint.mode "selective", option "op"):
+# in each block's forward it keeps every matmul's output but every second one's (the 1st,
+# 3rd, 5th, ...: a Llama block's wq, wv, w1 and w2 of wq wk wv wo w1 w3 w2; JAX keeps only
+# those some backward reads, so not w2's, which torchtitan's cache holds), and the
+# attention's outputs, and under sequence parallelism the reduce-scatters' outputs
+# (models.sequence_parallel); everything else is recomputed. Named (MaxText's way), not counted
+# inside the policy, since JAX may consult a policy more than once per equation.
+_SELECTIVE_OP = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(
+        "attention", "reduce_scatter", *(f"matmul_{k}" for k in range(1, 128, 2))),
+    _cudnn_attention_forward)
+
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.checkpoint_dots}
+                  "dots": jax.checkpoint_policies.checkpoint_dots,
+                  "selective_op": _SELECTIVE_OP}
 
 
 BLOCK_SCOPE = "block_{}"  # a decoder block's name scope (run_blocks)
@@ -179,12 +231,16 @@ def ordered_backward(remat: str) -> bool:
 
 
 def block_runner(block_cls, remat: str):
-    """`block_cls.__call__`, or with remat its nnx.remat: the backward pass recomputes each
-    block's activations instead of keeping them ("full" keeps only block inputs, "dots" also
-    keeps matmul outputs)."""
+    """`block_cls.__call__` with its matmuls counted, and with remat its nnx.remat: the
+    backward pass recomputes each block's activations instead of keeping them ("full" keeps
+    only block inputs, "dots" also every matmul output, "selective_op" every other one and
+    the attention's outputs)."""
+    def run(block, *args):
+        with counted_matmuls():
+            return block_cls.__call__(block, *args)
     if remat == "none":
-        return block_cls.__call__
-    return nnx.remat(block_cls.__call__, policy=REMAT_POLICIES[remat])
+        return run
+    return nnx.remat(run, policy=REMAT_POLICIES[remat])
 
 
 class PreNormBlock(nnx.Module):

@@ -29,9 +29,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from models.layers import PreNormBlock, run_blocks
+from models.layers import PreNormBlock, counted, run_blocks
 
 
 
@@ -168,11 +169,12 @@ def sublayer(module, hs_BlD: tuple):
             y, kernel, bias = row.promote_dtype(
                 (m.column(gathered), row.kernel[...],
                  row.bias[...] if row.bias is not None else None), dtype=row.dtype)
-            part = row.dot_general(y, kernel, (((2,), (0,)), ((), ())),
-                                   precision=row.precision)
+            part = counted(row.dot_general(y, kernel, (((2,), (0,)), ((), ())),
+                                           precision=row.precision))
             if scattered is not None:
                 part, _ = jax.lax.optimization_barrier((part, scattered))
-            scattered = jax.lax.psum_scatter(part, "tensor", scatter_dimension=1, tiled=True)
+            scattered = checkpoint_name(jax.lax.psum_scatter(
+                part, "tensor", scatter_dimension=1, tiled=True), "reduce_scatter")
             outs.append(scattered if bias is None else scattered + bias)
         return tuple(outs)
 

@@ -195,13 +195,14 @@ def _one_device_dot_flops(cfg) -> float:
 
 
 @pytest.mark.parametrize("schedule,remat", [("1f1b", "none"), ("zb-h1", "none"),
-                                            ("1f1b", "full")])
+                                            ("1f1b", "full"), ("1f1b", "selective_op")])
 def test_step_dot_flops_are_the_models(schedule, remat):
     """The backward reads what F stashed: under --remat none a pipelined step's dot FLOPs
     (each branch of its switches weighed by the schedule table) are the one-device step's,
-    with no second forward; --remat full recomputes as the one-device step does. zb-h1's W
-    is the weight gradients only: per block its 6 kernels' dots, no forward dot and none of
-    B's input-gradient chain (6 kernels' and 4 attention dots), and B + W = 1F1B's BACK.
+    with no second forward; --remat full and selective_op recompute as the one-device step
+    does. zb-h1's W is the weight gradients only: per block its 6 kernels' dots, no forward
+    dot and none of B's input-gradient chain (6 kernels' and 4 attention dots), and B + W =
+    1F1B's BACK.
     F: 8 dots a block (q, k, v, out, up, down, QK^T, PV) and, under the last chunk's cond,
     the head's forward and backward (3). (Before, B reran the forward and W the
     input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)"""

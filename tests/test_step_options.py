@@ -31,7 +31,7 @@ def test_microbatches_equal_one_batch(model):
 # each block's gradients), which must change no number either: gpt's stack and moe's (whose
 # carry holds the balance loss too).
 @pytest.mark.parametrize("model,policy", [("gpt-tiny", "full"), ("gpt-tiny", "dots"),
-                                          ("moe-tiny", "full")])
+                                          ("moe-tiny", "full"), ("llama-tiny", "selective_op")])
 def test_remat_equals_no_remat(model, policy):
     plain, state_plain, _ = train(model, "fsdp", MESH, steps=3, optimizer="sgd")
     remat, state_remat, _ = train(model, "fsdp", MESH, steps=3, optimizer="sgd",

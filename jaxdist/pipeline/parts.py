@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from jaxdist.train_step import DTYPES
-from models.gpt import REMAT_POLICIES
+from models.layers import REMAT_POLICIES, counted_matmuls
 from models.sequence_parallel import sequence_shards, whole_sequence
 
 SHARED = ("tok", "pos", "ln_f", "head")
@@ -55,8 +55,9 @@ class Parts:
         aux = jnp.zeros((), jnp.float32)
 
         def run_block(params, x):
-            return nnx.merge(self.block_graphdef, params)(x)
-        if self.remat != "none":  # keep block inputs only (or also matmuls: "dots")
+            with counted_matmuls():  # a block's matmuls by their place (selective_op)
+                return nnx.merge(self.block_graphdef, params)(x)
+        if self.remat != "none":  # what a block keeps: models.layers.REMAT_POLICIES
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
         x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for j in range(self.blocks_per_chunk):

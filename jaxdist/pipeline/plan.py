@@ -102,7 +102,10 @@ def plan_pipeline(cfg, shape) -> dict:
     remat = getattr(model_cfg, "remat", "none")
     dots = rows * model_cfg.seq_len * (10 * model_cfg.width / tensor + (
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
-    stashed = K * {"none": block, "full": act, "dots": act + dots}[remat]
+    # selective_op: every other matmul's output and the attention's
+    selective = rows * model_cfg.seq_len * 6 * model_cfg.width / tensor * itemsize
+    stashed = K * {"none": block, "full": act, "dots": act + dots,
+                   "selective_op": act + selective}[remat]
     working = block
     stages = []
     for s in range(S):
