@@ -29,7 +29,6 @@ from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
 from jaxdist.predict.model import aggregate
 from jaxdist.train_step import compiled_step_flops
-from models.layers import ordered_backward
 
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
@@ -172,7 +171,7 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=
         return {**figures(cfg, model_cfg, shape, target, hw, memo), "method": "full compile"}
     one, two = figures_of(cfg, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
                           shape, target, hw, memo)
-    figs = extrapolate(one, two, depth, ordered_backward(cfg.train.remat))
+    figs = extrapolate(one, two, depth, getattr(model_cfg, "blocks_ordered", False))
     method = f"compiled at depth 1 and 2, extrapolated linearly to {depth}"
     if figs["memory_method"].startswith("temporaries"):
         method += f" ({figs['memory_method']})"
