@@ -51,8 +51,8 @@ class Case:
     model_opts: str
     mesh: str
     batch: int
-    remat: str                    # torchtitan's selective (op) AC and MaxText's
-    layout: str = "fsdp"          # minimal_flash ~ "dots", full AC ~ "full"
+    remat: str                    # torchtitan's selective op AC "selective_op", MaxText's
+    layout: str = "fsdp"          # minimal_flash ~ "dots", full AC "full"
     small: bool = False           # part of the quick form run by the test suite
     same_as: str = ""             # the case whose configuration this one repeats
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
@@ -77,18 +77,18 @@ TT_H100 = "h100-sxm-96gb-500w"
 
 CASES = (
     Case("tt24-t1-fsdp", "tt24-t1-fsdp-tps", "tt24-t1-fsdp-mem", TT_H100, LLAMA31_8B,
-         "1x8", 16, "dots"),
+         "1x8", 16, "selective_op"),
     # The same run under torch.compile: the same configuration for jaxdist, so it counts once;
     # its memory is out of sample (nothing in the memory model is fitted).
     Case("tt24-t1-fsdp-compile", "tt24-t1-fsdp-compile-tps", "tt24-t1-fsdp-compile-mem",
-         TT_H100, LLAMA31_8B, "1x8", 16, "dots", small=True, same_as="tt24-t1-fsdp"),
+         TT_H100, LLAMA31_8B, "1x8", 16, "selective_op", small=True, same_as="tt24-t1-fsdp"),
     Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", TT_H100, LLAMA31_8B,
-         "16x8", 256, "dots"),
+         "16x8", 256, "selective_op"),
     Case("jaxtoolbox-7b", "jaxtoolbox-maxtext-llama2-7b-step", None, "h100-sxm", LLAMA2_7B,
          "1x8", 16, "dots", small=True),
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
     Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, TT_H100, LLAMA31_8B,
-         "data:8,tensor:8", 96, "dots", "fsdp_tp",
+         "data:8,tensor:8", 96, "selective_op", "fsdp_tp",
          sequence_parallel=True),
     Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, TT_H100, LLAMA3_70B,
          "data:32,tensor:8", 512, "full", "fsdp_tp",
@@ -99,17 +99,17 @@ CASES = (
          "data:16,tensor:8", 32, "full", "fsdp_tp",
          sequence_parallel=True),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
-         "8x8", 64, "dots"),
+         "8x8", 64, "selective_op"),
     Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
          "8x8", 128, "none"),
     Case("tt-a100-l2-13b-sac-op", "tt-a100-l2-13b-sac-op-wps", None, "a100-sxm-80gb",
-         LLAMA2_13B, "8x8", 128, "dots"),
+         LLAMA2_13B, "8x8", 128, "selective_op"),
     Case("tt-a100-l3-70b-full", "tt-a100-l3-70b-full-wps", None, "a100-sxm-80gb", LLAMA3_70B,
          "8x8", 64, "full"),
     Case("tt-a100-l2-70b-full", "tt-a100-l2-70b-full-wps", None, "a100-sxm-80gb", LLAMA2_70B,
          "8x8", 128, "full"),
     Case("tt-a100-l2-70b-sac-op", "tt-a100-l2-70b-sac-op-wps", None, "a100-sxm-80gb",
-         LLAMA2_70B, "8x8", 64, "dots"),
+         LLAMA2_70B, "8x8", 64, "selective_op"),
 )
 # Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
 # Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block

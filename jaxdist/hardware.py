@@ -30,19 +30,22 @@ _NCCL = ("NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20), Ring/Simple, the prot
          "picks for the 10-100 MB buffers of a training step")
 MODEL_CONSTANTS: dict[str, Constant] = {
     "compute_efficiency_hopper": Constant(
-        0.379, "fraction of dense peak at which the compiled step's FLOPs run on Hopper "
+        0.400, "fraction of dense peak at which the compiled step's FLOPs run on Hopper "
         "(H100/H200) at the rated clock, calibrated on tt24-t1-fsdp (torchtitan Llama3.1-8B "
         "FSDP, 8xH100 capped at 500 W): its 2.843 s step (16,384 tokens per GPU / 5,762 "
-        "tok/s) over the 9.536e14 compiled FLOPs per device (remat recomputation and full, "
-        "not causally halved, attention included) at 989.5 TF/s is 0.339, at that part's "
-        "clock under its cap (x 0.894, power_cap_clock_exponent); per compiled FLOP, so lower "
-        "than an MFU"),
+        "tok/s) over the 1.005e15 compiled FLOPs per device (remat recomputation and full, "
+        "not causally halved, attention included; torchtitan's op-level selective AC, "
+        "selective_op, recomputes 1.054x the 9.536e14 of the dots policy that stood in for "
+        "it: XLA:GPU 9.445e14 / 8.961e14) at 989.5 TF/s is 0.357, at that part's clock under "
+        "its cap (x 0.894, power_cap_clock_exponent); per compiled FLOP, so lower than an "
+        "MFU"),
     "compute_efficiency_ampere": Constant(
-        0.555, "the same on Ampere (A100; also used for A10G and L4, which have no record), "
+        0.585, "the same on Ampere (A100; also used for A10G and L4, which have no record), "
         "calibrated on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64xA100 80GB): its "
-        "2.755 s step (8,192 tokens per GPU / 2,973 tok/s) over the 4.768e14 compiled FLOPs "
-        "per device at 312 TF/s. Higher than Hopper's: the Hopper record ran 500 W-capped, "
-        "and Hopper's peak is harder to reach with the same kernels"),
+        "2.755 s step (8,192 tokens per GPU / 2,973 tok/s) over the 5.026e14 compiled FLOPs "
+        "per device (selective_op: 1.054x the dots policy's 4.768e14, as on Hopper) at 312 "
+        "TF/s. Higher than Hopper's: the Hopper record ran 500 W-capped, and Hopper's peak is "
+        "harder to reach with the same kernels"),
     # The kernel model's (jaxdist.predict.kernels_time) one fitted number per generation: the
     # fraction of the published best-case kernel rates (MAMF GEMM, cuDNN attention, HBM copy)
     # a training step's kernels reach (GEMM shapes off the sweet spot, SMs shared with the
@@ -53,10 +56,11 @@ MODEL_CONSTANTS: dict[str, Constant] = {
         "tokens/s/GPU published): the kernel model's 14,424 unfitted -> 1 / 1.49; every other "
         "Hopper row is out of sample"),
     "kernel_efficiency_ampere": Constant(
-        0.732, "fitted on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64 A100 80GB, "
-        "2,973 tokens/s/GPU published): the kernel model's 3,891 unfitted -> 1 / 1.309 (3,763 "
-        "and 0.790 before FSDP's blocks ran ordered under every remat); every other Ampere "
-        "row is out of sample"),
+        0.756, "fitted on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64 A100 80GB, "
+        "2,973 tokens/s/GPU published), run under torchtitan's own op-level selective AC "
+        "(remat selective_op): the kernel model's 3,788 unfitted -> 1 / 1.274 (0.732 under "
+        "the dots policy that stood in for it, 0.790 before FSDP's blocks ran ordered under "
+        "every remat); every other Ampere row is out of sample"),
     "hbm_efficiency": Constant(
         0.8, "achievable fraction of HBM bandwidth for streaming kernels (STREAM-like "
         "copies reach ~80-90% of the datasheet figure on H100)"),
