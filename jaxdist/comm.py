@@ -253,43 +253,29 @@ def summarize(ops: list[dict]) -> dict:
                 if bounded else None)}
 
 
-# What each layout's analytic figure counts: the collectives this harness's implementation
-# of the layout needs, on ring algorithms, for parameters and gradients only.
-ANALYTIC_BASIS = {
-    "ddp": "ring all-reduce of the gradients: 2(N-1)/N x parameter bytes",
-    "zero1": "ddp with the distributed optimizer (ZeRO-1): gradients reduce-scattered to "
-             "each device's optimizer shard, updated parameters all-gathered: (N-1)/N x "
-             "gradient bytes + (N-1)/N x parameter bytes, the ZeRO paper's 2(N-1)/N x "
-             "parameter bytes; with --dtype bfloat16 the gradients are float32 (reduced "
-             "as Megatron's) and the gathered working weights bfloat16",
-    "fsdp": "all-gather of the parameters + reduce-scatter of the gradients, each once: "
-            "2(N-1)/N x parameter bytes",
-    "hsdp": "inside an fsdp group of F: all-gather + reduce-scatter, 2(F-1)/F x parameter "
-            "bytes; across the D = N/F groups: all-reduce of the gradient shard, "
-            "2(D-1)/D x parameter bytes / F",
-}
+def _analytic(layout: str):
+    """The layout's parameter and gradient traffic (sharding.registry.Analytic: each layout
+    registers its own), None where it has no formula or is not a mesh layout."""
+    from sharding.registry import facts, layout_names
+
+    return facts(layout).analytic if layout in layout_names() else None
 
 
 def analytic_basis(layout: str) -> str:
-    return ANALYTIC_BASIS.get(layout, f"no analytic formula for layout {layout!r}")
+    """What the layout's analytic figure counts: the collectives this harness's
+    implementation of it needs, on ring algorithms, for parameters and gradients only."""
+    a = _analytic(layout)
+    return a.basis if a else f"no analytic formula for layout {layout!r}"
 
 
 def analytic_ring_bytes(layout: str, mesh_shape: dict[str, int], param_bytes: int,
                         grad_bytes: int | None = None) -> float | None:
-    """Bytes each device sends per step for a layout's parameter/gradient traffic, as
-    ANALYTIC_BASIS describes (ring algorithms, activations and scalars ignored); None where
-    no formula applies. `grad_bytes`: the gradients' bytes where they differ from the
+    """Bytes each device sends per step for a layout's parameter/gradient traffic, as its
+    `analytic_basis` describes (ring algorithms, activations and scalars ignored); None
+    where no formula applies. `grad_bytes`: the gradients' bytes where they differ from the
     parameters' (float32 gradients of bfloat16 working weights)."""
-    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
-    n = math.prod(mesh_shape.values())
-    f = mesh_shape.get("fsdp", 1)
-    d = n // f
-    if layout == "ddp":
-        return 2 * (n - 1) / n * param_bytes
-    if layout == "zero1":  # reduce-scatter + all-gather
-        return (n - 1) / n * (grad_bytes + param_bytes)
-    if layout == "fsdp":
-        return 2 * (n - 1) / n * param_bytes
-    if layout == "hsdp":
-        return 2 * (f - 1) / f * param_bytes + 2 * (d - 1) / d * param_bytes / f
-    return None
+    a = _analytic(layout)
+    if a is None:
+        return None
+    return a.ring_bytes(mesh_shape, param_bytes, param_bytes if grad_bytes is None
+                        else grad_bytes)

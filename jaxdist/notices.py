@@ -46,7 +46,10 @@ def _ps(cfg: RunConfig) -> bool:
     return cfg.train.layout == "ps"
 
 
-_PIPELINE = ("pp", "tp_pp", "fsdp_pp")
+def _pipelined(c: RunConfig) -> bool:
+    from sharding.pipeline import PIPELINE_LAYOUTS  # the layout registry's (imports jax)
+
+    return c.train.layout in PIPELINE_LAYOUTS
 
 
 _DRY_RUN_ONLY = "a training run, not --dry-run (which plans memory from shapes only)"
@@ -54,7 +57,7 @@ _DRY_RUN_ONLY = "a training run, not --dry-run (which plans memory from shapes o
 RULES: tuple[Rule, ...] = (
     # A pipeline layout's plan counts activations per stage, and --hardware compiles the
     # step: the batch and M matter there.
-    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or c.train.layout in _PIPELINE or
+    Rule(_NOT_IN_DRY_RUN, lambda c: not c.output.dry_run or _pipelined(c) or
          bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(tuple(f for f in _NOT_IN_DRY_RUN if f not in ("batch_size", "microbatches",
                                                        "overlap", "matmul_precision",
@@ -65,9 +68,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("overlap", "matmul_precision", "xla_flags"),
          lambda c: not c.output.dry_run or bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(("gpus_per_node",), lambda c: bool(c.output.hardware), "--hardware"),
-    Rule(("pp_runtime",), lambda c: bool(c.output.hardware) and c.train.layout in _PIPELINE,
+    Rule(("pp_runtime",), lambda c: bool(c.output.hardware) and _pipelined(c),
          "--hardware on the pipeline layouts (pp, tp_pp, fsdp_pp)"),
-    Rule(("pp_schedule", "pp_virtual"), lambda c: c.train.layout in _PIPELINE,
+    Rule(("pp_schedule", "pp_virtual"), lambda c: _pipelined(c),
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",
          "--pp-schedule interleaved"),

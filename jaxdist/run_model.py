@@ -56,9 +56,10 @@ def tp_comm_chunks(cfg) -> int:
     cost memory and, with --remat full, weight all-gathers on data (XLA:GPU, llama3-70b on
     data:32,tensor:8: 338 -> 390 GiB, 47 -> 69 GB gathered a step; docs/layouts.md), so
     they are asked for. The pipeline layouts run their stages' blocks as one chain
-    (jaxdist/pipeline/parts.py): 1 there."""
+    (jaxdist/pipeline/parts.py): 1 there. The auto figure is the layout registry's."""
     from jaxdist.mesh import parse_mesh
     from sharding.axes import batch_axes
+    from sharding.registry import facts
 
     asked, sizes = cfg.train.tp_comm_chunks, parse_mesh(cfg.mesh.mesh).axis_sizes
     if asked < 0:
@@ -71,7 +72,8 @@ def tp_comm_chunks(cfg) -> int:
     shards = math.prod(sizes[a] for a in batch_axes(sizes))
     local = cfg.train.batch_size // max(1, shards * cfg.train.microbatches)
     if asked == 0:
-        return 2 if cfg.train.layout == "tp" and local % 2 == 0 else 1
+        auto = facts(cfg.train.layout).tp_comm_chunks
+        return auto if local % auto == 0 else 1
     if local % asked:
         raise UsageError(f"--tp-comm-chunks {asked} does not divide each device's micro-batch "
                          f"of {local} (--batch-size {cfg.train.batch_size} over {shards} "
@@ -80,19 +82,17 @@ def tp_comm_chunks(cfg) -> int:
     return asked
 
 
-SEQUENCE_PARALLEL_LAYOUTS = ("tp", "fsdp_tp", "tp_pp")
-
-
 def check_sequence_parallel(layout: str, mesh: str, model_cfg, model: str) -> None:
     """--sequence-parallel splits each block's sequence, heads and MLP columns over the
     tensor axis (models/sequence_parallel.py): a tensor layout, a tensor axis, and sizes it
     divides."""
     from jaxdist.mesh import parse_mesh
+    from sharding.registry import facts, layouts_where
 
-    if layout not in SEQUENCE_PARALLEL_LAYOUTS:
+    if not facts(layout).sequence_parallel:
         raise UsageError(f"--sequence-parallel splits activations over the tensor axis of a "
                          f"tensor-parallel layout; layout {layout!r} has none (use "
-                         f"{', '.join(SEQUENCE_PARALLEL_LAYOUTS)})")
+                         f"{', '.join(layouts_where(sequence_parallel=True))})")
     if getattr(model_cfg, "family", None) != "gpt" or not hasattr(model_cfg,
                                                                    "sequence_parallel"):
         raise UsageError(f"--sequence-parallel applies to the dense decoders (gpt, llama "

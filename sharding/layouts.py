@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding.logical import rule_specs
-from sharding.registry import register_layout
+from sharding.registry import Analytic, register_layout
 
 
 def shard_dim(shape: tuple[int, ...], shards: int) -> int | None:
@@ -45,8 +45,44 @@ def replicated(tree):
     return jax.tree.map(lambda _: P(), tree)
 
 
+# What each data-parallel layout's gradient and parameter traffic is, on rings (n devices;
+# hsdp: f per fsdp group, d = n / f groups), for jaxdist.comm to set beside the program's.
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _devices(sizes: dict) -> int:
+    return math.prod(sizes.values())
+
+
+DDP_TRAFFIC = Analytic("ring all-reduce of the gradients: 2(N-1)/N x parameter bytes",
+                       lambda sizes, p, g: 2 * _ring(_devices(sizes)) * p)
+ZERO1_TRAFFIC = Analytic(
+    "ddp with the distributed optimizer (ZeRO-1): gradients reduce-scattered to each "
+    "device's optimizer shard, updated parameters all-gathered: (N-1)/N x gradient bytes + "
+    "(N-1)/N x parameter bytes, the ZeRO paper's 2(N-1)/N x parameter bytes; with --dtype "
+    "bfloat16 the gradients are float32 (reduced as Megatron's) and the gathered working "
+    "weights bfloat16",
+    lambda sizes, p, g: _ring(_devices(sizes)) * (g + p))
+FSDP_TRAFFIC = Analytic("all-gather of the parameters + reduce-scatter of the gradients, "
+                        "each once: 2(N-1)/N x parameter bytes",
+                        lambda sizes, p, g: 2 * _ring(_devices(sizes)) * p)
+
+
+def _hsdp_bytes(sizes: dict, p: int, g: int) -> float:
+    f = sizes.get("fsdp", 1)
+    d = _devices(sizes) // f
+    return 2 * _ring(f) * p + 2 * _ring(d) * p / f
+
+
+HSDP_TRAFFIC = Analytic("inside an fsdp group of F: all-gather + reduce-scatter, 2(F-1)/F x "
+                        "parameter bytes; across the D = N/F groups: all-reduce of the "
+                        "gradient shard, 2(D-1)/D x parameter bytes / F", _hsdp_bytes)
+
+
 @register_layout("ddp", "parameters and optimizer state replicated; gradients all-reduced "
-                 "(--distributed-optimizer: zero1)", distributed_optimizer=False)
+                 "(--distributed-optimizer: zero1)", distributed_optimizer=False,
+                 analytic=DDP_TRAFFIC)
 def ddp(state, mesh: Mesh):
     return replicated(state)
 
@@ -55,17 +91,17 @@ def ddp(state, mesh: Mesh):
 register_layout("zero1", "ddp with the distributed optimizer: parameters replicated; "
                 "optimizer state (and the float32 master with --dtype bfloat16) sharded over "
                 "all devices; gradients reduce-scattered, parameters all-gathered",
-                min_devices=2, distributed_optimizer=True)(ddp)
+                min_devices=2, distributed_optimizer=True, analytic=ZERO1_TRAFFIC)(ddp)
 
 
 @register_layout("fsdp", "parameters, gradients and optimizer state sharded over all devices",
-                 min_devices=2, gathers_weights=True)
+                 min_devices=2, gathers_weights=True, analytic=FSDP_TRAFFIC)
 def fsdp(state, mesh: Mesh):
     return sharded(state, mesh, tuple(mesh.axis_names))
 
 
 @register_layout("hsdp", "sharded over the fsdp axis, replicated over the data axis",
-                 requires=("fsdp",), gathers_weights=True)
+                 requires=("fsdp",), gathers_weights=True, analytic=HSDP_TRAFFIC)
 def hsdp(state, mesh: Mesh):
     return sharded(state, mesh, ("fsdp",))
 
@@ -79,7 +115,8 @@ def ps(state, mesh: Mesh):
 @register_layout("tp", "Megatron tensor parallel: attention heads, MLP hidden and vocabulary "
                  "split over the tensor axis; batch over data and fsdp",
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
-                 requires=("tensor",), distributed_optimizer=False)
+                 requires=("tensor",), distributed_optimizer=False, sequence_parallel=True,
+                 tp_comm_chunks=2)
 def tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "tp")
 
@@ -87,7 +124,7 @@ def tp(state, mesh: Mesh):
 @register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
                  "dimension sharded over data and fsdp",
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
-                 requires=("tensor",), gathers_weights=True)
+                 requires=("tensor",), gathers_weights=True, sequence_parallel=True)
 def fsdp_tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "fsdp_tp")
 

@@ -23,11 +23,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding.layouts import shard_dim
 from sharding.logical import RULES, logical_axes
-from sharding.registry import register_layout
+from sharding.registry import layouts_where, register_layout
 
 STACKED = "stages"  # params["stages"]: leaves [S, V, K, *shape]
 STACK_DIMS = 3
-PIPELINE_LAYOUTS = ("pp", "tp_pp", "fsdp_pp")
 
 
 def _names(path) -> list[str]:
@@ -70,7 +69,7 @@ def pipeline_specs(state, mesh: Mesh, inner: str):
 @register_layout("pp", "pipeline parallel: contiguous groups of blocks per device of the stage "
                  "axis (--pp-schedule, --microbatches), activations sent stage to stage; "
                  "batch over data", mesh_axes=("data", "stage"), families=("gpt", "moe"),
-                 requires=("stage",), distributed_optimizer=False)
+                 requires=("stage",), distributed_optimizer=False, pipelined=True)
 def pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "none")
 
@@ -78,7 +77,8 @@ def pp(state, mesh: Mesh):
 @register_layout("tp_pp", "pipeline over the stage axis with Megatron tensor parallelism "
                  "inside each stage (Go et al.'s TPxPP); batch over data",
                  mesh_axes=("data", "stage", "tensor"), families=("gpt", "moe"),
-                 requires=("stage",), distributed_optimizer=False)
+                 requires=("stage",), distributed_optimizer=False, pipelined=True,
+                 sequence_parallel=True)
 def tp_pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "tp")
 
@@ -86,6 +86,9 @@ def tp_pp(state, mesh: Mesh):
 @register_layout("fsdp_pp", "pipeline over the stage axis with each stage's parameters and "
                  "optimizer state sharded over fsdp; batch over data and fsdp",
                  mesh_axes=("data", "fsdp", "stage"), families=("gpt", "moe"),
-                 requires=("stage",))
+                 requires=("stage",), pipelined=True)
 def fsdp_pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "fsdp")
+
+
+PIPELINE_LAYOUTS = layouts_where(pipelined=True)  # pp, tp_pp, fsdp_pp

@@ -9,6 +9,7 @@ statistics) and `opt` (optimizer state).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from jax.sharding import Mesh, PartitionSpec as P
@@ -18,21 +19,46 @@ from sharding.axes import batch_axes
 from sharding.optimizer import Layout, data_axes
 
 SpecFn = Callable[[Any, Mesh], Any]
-_LAYOUTS: dict[str, SpecFn] = {}
-_DESCRIPTIONS: dict[str, str] = {}
-_MESH_AXES: dict[str, tuple[str, ...]] = {}
-_FAMILIES: dict[str, tuple[str, ...] | None] = {}
-_REQUIRES: dict[str, tuple[str, ...]] = {}
-_MIN_DEVICES: dict[str, int] = {}
-_DIST_OPT: dict[str, bool | None] = {}
-_GATHERS: dict[str, bool] = {}
+# ring_bytes(mesh axis sizes, parameter bytes, gradient bytes) -> bytes each device sends
+RingBytes = Callable[[dict, int, int], float]
+
+
+@dataclass(frozen=True)
+class Analytic:
+    """The parameter and gradient traffic a layout's implementation needs, on ring
+    algorithms (activations and scalars ignored): what it assumes, and the bytes."""
+    basis: str
+    ring_bytes: RingBytes
+
+
+@dataclass(frozen=True)
+class LayoutFacts:
+    """One layout: its spec function and what the rest of jaxdist may ask of it, so that
+    nothing else branches on its name (register_layout says what each field means)."""
+    name: str
+    description: str
+    spec_fn: SpecFn
+    mesh_axes: tuple[str, ...]
+    families: tuple[str, ...] | None
+    requires: tuple[str, ...]
+    min_devices: int
+    distributed_optimizer: bool | None
+    gathers_weights: bool
+    pipelined: bool
+    sequence_parallel: bool
+    tp_comm_chunks: int
+    analytic: Analytic | None
+
+
+_FACTS: dict[str, LayoutFacts] = {}
 # Mesh spec positions (DATAxFSDPxTENSORxEXPERT), to suggest a mesh with a missing axis.
 _ORDER = ("data", "fsdp", "tensor", "expert")
 
 
 def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
                     requires=(), min_devices=1, distributed_optimizer=None,
-                    gathers_weights=False):
+                    gathers_weights=False, pipelined=False, sequence_parallel=False,
+                    tp_comm_chunks=1, analytic: Analytic | None = None):
     """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
     `families`: the model families it applies to (None: all); `requires`: axes that must be
     larger than 1, without which the layout would silently be plain replication;
@@ -42,26 +68,41 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
     composed on top (--distributed-optimizer), True where it always is (zero1);
     `gathers_weights`: each block's weights are all-gathered for its forward and its
     gradients reduce-scattered after its backward (FSDP's per-block traffic), so a decoder's
-    blocks run in order (gathers_block_weights)."""
+    blocks run in order (gathers_block_weights); `pipelined`: the model runs as stages over
+    the stage axis (jaxdist.pipeline); `sequence_parallel`: --sequence-parallel applies
+    (Megatron's, over the tensor axis); `tp_comm_chunks`: the slices --tp-comm-chunks 0
+    (auto) splits each device's batch into under sequence parallelism, where the micro-batch
+    divides (jaxdist.run_model); `analytic`: its parameter and gradient traffic (jaxdist.comm
+    sets it beside what the compiled program moves)."""
     def wrap(fn: SpecFn) -> SpecFn:
-        if name in _LAYOUTS:
+        if name in _FACTS:
             raise ValueError(f"layout {name!r} registered twice")
-        _LAYOUTS[name] = fn
-        _DESCRIPTIONS[name] = description
-        _MESH_AXES[name] = tuple(mesh_axes)
-        _FAMILIES[name] = tuple(families) if families else None
-        _REQUIRES[name] = tuple(requires)
-        _MIN_DEVICES[name] = min_devices
-        _DIST_OPT[name] = distributed_optimizer
-        _GATHERS[name] = gathers_weights
+        _FACTS[name] = LayoutFacts(
+            name, description, fn, tuple(mesh_axes), tuple(families) if families else None,
+            tuple(requires), min_devices, distributed_optimizer, gathers_weights, pipelined,
+            sequence_parallel, tp_comm_chunks, analytic)
         return fn
     return wrap
 
 
+def facts(name: str) -> LayoutFacts:
+    if name not in _FACTS:
+        raise UsageError(unknown("layout", name, _FACTS))
+    return _FACTS[name]
+
+
+def layouts_where(**fields) -> tuple[str, ...]:
+    """The layout names whose facts have these values, in the order they were registered
+    (sharding/layouts.py, then pipeline.py), e.g. layouts_where(pipelined=True)."""
+    return tuple(n for n, f in _FACTS.items()
+                 if all(getattr(f, k) == v for k, v in fields.items()))
+
+
 def _fits(name: str, axis_sizes: dict[str, int], family: str | None = None) -> bool:
     used = {a for a, n in axis_sizes.items() if n != 1}
-    families = _FAMILIES[name]
-    return (used <= set(_MESH_AXES[name]) and set(_REQUIRES[name]) <= used
+    f = _FACTS[name]
+    families = f.families
+    return (used <= set(f.mesh_axes) and set(f.requires) <= used
             and not _too_few_devices(name, axis_sizes)
             and (family is None or not families or family in families))
 
@@ -69,7 +110,7 @@ def _fits(name: str, axis_sizes: dict[str, int], family: str | None = None) -> b
 def _too_few_devices(name: str, axis_sizes: dict[str, int]) -> bool:
     """Known to have fewer devices than the layout shards over (-1: known only later)."""
     sizes = list(axis_sizes.values())
-    return all(n > 0 for n in sizes) and math.prod(sizes) < _MIN_DEVICES[name]
+    return all(n > 0 for n in sizes) and math.prod(sizes) < _FACTS[name].min_devices
 
 
 def check_layout(name: str, axis_sizes: dict[str, int], family: str,
@@ -78,26 +119,27 @@ def check_layout(name: str, axis_sizes: dict[str, int], family: str,
     it what its name says (tp without a tensor axis is plain replication)."""
     if distributed_optimizer:
         check_distributed_optimizer(name, axis_sizes)
-    extra = [f"{a}={n}" for a, n in axis_sizes.items() if n > 1 and a not in _MESH_AXES[name]]
+    f = facts(name)
+    extra = [f"{a}={n}" for a, n in axis_sizes.items() if n > 1 and a not in f.mesh_axes]
     if extra:
         fits = [other for other in layout_names() if _fits(other, axis_sizes)]
-        raise UsageError(f"layout {name!r} uses mesh axes {', '.join(_MESH_AXES[name])}; the "
+        raise UsageError(f"layout {name!r} uses mesh axes {', '.join(f.mesh_axes)}; the "
                          f"mesh has {', '.join(extra)} (layouts for this mesh: "
                          f"{choices(fits) or 'none'})")
-    families = _FAMILIES[name]
+    families = f.families
     if families and family not in families:
         fits = [other for other in layout_names() if _fits(other, axis_sizes, family)]
         raise UsageError(f"layout {name!r} applies to {', '.join(families)} models, not "
                          f"{family!r} (layouts for {family!r} on this mesh: "
                          f"{choices(fits) or 'none'})")
-    missing = [a for a in _REQUIRES[name] if axis_sizes.get(a, 1) == 1]
+    missing = [a for a in f.requires if axis_sizes.get(a, 1) == 1]
     if missing:
         axis = missing[0]
         raise UsageError(f"layout {name!r} splits over the {axis} axis, which this mesh does "
                          f"not have ({axis}=1: it would run as plain replication); add one, "
                          f"e.g. --mesh {suggest_mesh(axis_sizes, axis)}")
     if _too_few_devices(name, axis_sizes):
-        n = _MIN_DEVICES[name]
+        n = f.min_devices
         raise UsageError(f"layout {name!r} shards over every device, and this mesh has one "
                          f"(it would run as a single device with nothing sharded); give it "
                          f"{n} or more, e.g. --mesh {n}")
@@ -112,17 +154,17 @@ def gathers_block_weights(name: str) -> bool:
     the `dots` rows within 4% in time. Not where gradients are reduced after the backward
     (ddp, zero1, tp with the distributed optimizer: the Megatron-style plan went 41.0 ->
     48.5 GiB and 861 -> 889 ms a step ordered)."""
-    return _GATHERS.get(name, False)
+    return name in _FACTS and _FACTS[name].gathers_weights
 
 
 def distributed_optimizer_layouts() -> list[str]:
-    return [n for n in layout_names() if _DIST_OPT[n] is not None]
+    return [n for n in layout_names() if _FACTS[n].distributed_optimizer is not None]
 
 
 def check_distributed_optimizer(name: str, axis_sizes: dict[str, int]) -> None:
     """--distributed-optimizer: a layout that replicates parameters over the data axes, on a
     mesh that has one (else it would shard nothing)."""
-    if _DIST_OPT.get(name, False) is None:
+    if name in _FACTS and _FACTS[name].distributed_optimizer is None:
         raise UsageError(f"--distributed-optimizer shards optimizer state over the data axes "
                          f"of a layout that replicates parameters there; layout {name!r} "
                          f"shards its own (choose from "
@@ -164,23 +206,23 @@ def suggest_mesh(axis_sizes: dict[str, int], axis: str) -> str:
 
 
 def layout_names() -> list[str]:
-    return sorted(_LAYOUTS)
+    return sorted(_FACTS)
 
 
 def describe_layouts() -> str:
-    return "; ".join(f"{name}: {_DESCRIPTIONS[name]}" for name in layout_names())
+    return "; ".join(f"{name}: {_FACTS[name].description}" for name in layout_names())
 
 
 def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
     """The layout as data: its spec function, with the distributed optimizer composed on
     top where asked for (or where the layout is defined by it: zero1)."""
-    if name not in _LAYOUTS:
-        raise UsageError(unknown("layout", name, _LAYOUTS))
+    f = facts(name)
     if distributed_optimizer:
         check_distributed_optimizer(name, {})
-    fn, dist = _LAYOUTS[name], bool(distributed_optimizer or _DIST_OPT[name])
+    fn, dist = f.spec_fn, bool(distributed_optimizer or f.distributed_optimizer)
     # the name of what it is: ddp with the distributed optimizer is zero1
-    same = [n for n in layout_names() if _LAYOUTS[n] is fn and bool(_DIST_OPT[n]) == dist]
+    same = [n for n in layout_names() if _FACTS[n].spec_fn is fn
+            and bool(_FACTS[n].distributed_optimizer) == dist]
     return Layout(same[0] if len(same) == 1 else name, fn, dist)
 
 

@@ -144,3 +144,20 @@ def test_degenerate_layouts_are_not_listed_as_fitting_and_one_device_ddp_still_r
     with pytest.raises(UsageError) as e:
         check_layout("tp", {"data": 1, "fsdp": 1}, "mlp")
     assert e.value.args[0].endswith("(layouts for 'mlp' on this mesh: ddp, ps)")
+
+
+def test_layout_facts_are_the_registrys():
+    """What the rest of jaxdist asks of a layout, answered by its registration alone
+    (sharding.registry.LayoutFacts); the names come back in registration order."""
+    from sharding.registry import facts, layouts_where
+
+    assert layouts_where(pipelined=True) == ("pp", "tp_pp", "fsdp_pp")
+    assert layouts_where(sequence_parallel=True) == ("tp", "fsdp_tp", "tp_pp")
+    assert layouts_where(gathers_weights=True) == ("fsdp", "hsdp", "fsdp_tp")
+    assert [n for n in layout_names() if facts(n).tp_comm_chunks != 1] == ["tp"]
+    assert sorted(n for n in layout_names() if facts(n).analytic) == [
+        "ddp", "fsdp", "hsdp", "zero1"]
+    # the hsdp formula on F = 4, D = 2, by hand: 2(F-1)/F x P + 2(D-1)/D x P / F
+    assert facts("hsdp").analytic.ring_bytes({"data": 2, "fsdp": 4}, 4096, 4096) == \
+        2 * 3 / 4 * 4096 + 2 * 1 / 2 * 4096 / 4
+    assert facts("tp").mesh_axes == ("data", "fsdp", "tensor")

@@ -233,3 +233,32 @@ def test_analysis_imports_no_jax_nor_anything_that_does():
                               else [])}
         bad += [f"{allowed} imports {n}" for n in imported & set(HEAVY)]
     assert bad == []
+
+
+def test_no_module_outside_sharding_branches_on_a_mesh_layouts_name():
+    """Layout facts live in the layout registry (sharding.registry.LayoutFacts: pipelined,
+    sequence_parallel, gathers_weights, tp_comm_chunks, analytic traffic, mesh axes): no
+    comparison of a layout with a mesh layout's name elsewhere. The parameter server ("ps")
+    is the one layout whose runtime is not a mesh program, so checks for it stay; analysis/
+    reads records without jax (so without the registry) and selects rows by the strategy a
+    paper names; jaxdist.summary prints zero1 without "+ distributed optimizer" (its name
+    says so)."""
+    from sharding.registry import layout_names
+
+    mesh_layouts = set(layout_names()) - {"ps"}
+    allowed = {"jaxdist.summary"}
+    found = []
+    for name, path in source_modules(("jaxdist", "ps", "experiments")).items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if not any("layout" in ast.unparse(side) for side in sides):
+                continue
+            names = {c.value for side in sides for c in ast.walk(side)
+                     if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if names & mesh_layouts:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

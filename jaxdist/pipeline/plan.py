@@ -36,6 +36,7 @@ from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.train_step import DTYPES, make_optimizer
 from jaxdist.update import train_state
 from sharding import get_layout
+from sharding.axes import batch_axes
 
 H200_BYTES = 141 * 10 ** 9  # NVIDIA H200: 141 GB of HBM3e (nvidia.com/h200 datasheet)
 
@@ -88,13 +89,12 @@ def plan_pipeline(cfg, shape) -> dict:
     specs = layout(state, mesh)
     per_device = metrics.planned_bytes_per_device(state, specs, sizes)
     sched = build_schedule(schedule, S, M, V)
-    batch_shards = sizes.get("data", 1) * (sizes.get("fsdp", 1)
-                                           if cfg.train.layout == "fsdp_pp" else 1)
+    batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (M * batch_shards)
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
     act = rows * model_cfg.seq_len * model_cfg.width * itemsize
     K = model_cfg.depth // (S * V)
-    tensor = sizes.get("tensor", 1) if cfg.train.layout == "tp_pp" else 1
+    tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
              cfg.model.dtype == "bfloat16")
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,

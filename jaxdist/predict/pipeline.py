@@ -45,6 +45,7 @@ from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
 from sharding import get_layout
+from sharding.axes import batch_axes
 
 
 # ---- compiling the pieces -------------------------------------------------------------
@@ -227,8 +228,7 @@ def microbatch_rows(cfg, sizes: dict) -> int:
 def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
     at the boundary, rows over the batch axes, the full width (jaxdist.pipeline.report)."""
-    shards = sizes.get("data", 1) * (sizes.get("fsdp", 1) if cfg.train.layout == "fsdp_pp"
-                                     else 1)
+    shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
     return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 
