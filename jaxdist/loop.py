@@ -20,7 +20,8 @@ from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.stop import StopRequest
-from jaxdist.timing import StepTimer, timed
+from jaxdist.timing import StepTimer
+from jaxdist.xla_compile import compile_timed
 from jaxdist import compiled as compiled_mod, program_reading
 from jaxdist.train_step import compiled_step_flops, put_batch
 from jaxdist.writers import NullWriter, RunWriter
@@ -64,7 +65,7 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
 def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next_batch, ckpt,
            state, start_step, total_steps, stop) -> dict:
     first = put_batch(stream.batch(0), program.batch_sharding)
-    compiled, compile_s = timed(lambda: program.step.lower(state, first).compile())
+    compiled, compile_s = compile_timed(program.step, state, first)
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
 
     # A resumed run warms up again (fresh compile), keeping at least one timed step.

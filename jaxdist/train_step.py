@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
+from jaxdist.xla_compile import compile_timed
 from jaxdist.errors import UsageError
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
                             scattered_gradients, train_state)
@@ -198,7 +199,7 @@ def _loop_body_counter(micro_step, abstract_state, shardings, batch_sharding, me
             (x.shape[0] // microbatches, *x.shape[1:]), x.dtype), batch_shapes)
         carry = (jax.ShapeDtypeStruct((), jnp.float32), abstract_state["params"],
                  abstract_state["model_state"])
-        compiled = body.lower(abstract_state["params"], carry, mb).compile()
+        compiled, _ = compile_timed(body, abstract_state["params"], carry, mb)
         return metrics.compiled_flops(compiled)
     return flops
 

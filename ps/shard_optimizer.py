@@ -66,6 +66,8 @@ class ShardOptimizer:
         import jax
         import jax.numpy as jnp
 
+        from jaxdist.xla_compile import compile_timed
+
         self.clip_norm = clip_norm
         self._apply = make_apply(tx, clip_norm)
         self._params = jnp.asarray(params, dtype=jnp.float32)
@@ -74,7 +76,7 @@ class ShardOptimizer:
         self.serve = np.asarray(self._params)
         self.apply_s = 0.0              # optimizer time (jitted update), all applies
         # Compile now, not inside the first push: the first step would otherwise time XLA.
-        self._apply.lower(self._params, self._opt, self._params, np.float32(1)).compile()
+        compile_timed(self._apply, self._params, self._opt, self._params, np.float32(1))
 
     def update(self, grad: np.ndarray, scale: float) -> tuple[bool, bool]:
         """(kept, clipped): apply one gradient; if the result is not finite nothing changes

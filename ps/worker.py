@@ -150,7 +150,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     from jaxdist.data import TrainStream, eval_batches, load_dataset
     from jaxdist.devices import env_info
     from jaxdist.mesh import build_mesh, parse_mesh
-    from jaxdist.timing import timed
+    from jaxdist.xla_compile import compile_timed
     from ps.client import PSClient
     from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of
@@ -179,8 +179,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     flat = np.zeros(shard_map.total, np.float32)
     model_state = program.init_model_state()
     params = program.params(flat)
-    compiled, compile_s = timed(
-        lambda: program.grad.lower(params, model_state, program.put(local_batch(0))).compile())
+    compiled, compile_s = compile_timed(program.grad, params, model_state,
+                                        program.put(local_batch(0)))
     log(f"compiled the gradient step in {compile_s:.2f} s; {shard_map.describe()}")
     waited = client.start_together(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
     log(f"all workers ready (waited {waited:.2f} s)")

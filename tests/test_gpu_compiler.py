@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from jaxdist import compiled, kernels, metrics, program_reading
+from jaxdist import compiled, kernels, metrics, program_reading, xla_compile
 from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.errors import UsageError
 from jaxdist.hardware import get_hardware
@@ -306,7 +306,7 @@ def test_kernel_flops_count_every_loop_iteration():
 
     fn = jax.jit(jax.grad(f), in_shardings=(NamedSharding(mesh, P()),
                                             NamedSharding(mesh, P("d"))))
-    comp, _ = compiled.compile_timed(fn, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+    comp, _ = xla_compile.compile_timed(fn, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
                                      jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
     reading = program_reading.read(comp, target, {"d": 8})
     body = 3 * 2 * 8 * 256 * 256  # forward, input and weight gradients of 8 rows per device
@@ -339,7 +339,7 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
     assert os.path.getsize(options["xla_gpu_kernel_cache_file"]) > 0
     lowered = program.step.lower(program.abstract_state,
                                  compiled.abstract_batch(model_cfg, cfg.train.batch_size))
-    (without, _), = compiled.compile_lowered([lowered], None)
+    (without, _), = xla_compile.compile_lowered([lowered], None)
     a, b = with_cache, program_reading.read(without, target, shape.axis_sizes)
     assert a["memory"] == b["memory"]
     assert a["collectives"] == b["collectives"]
@@ -366,13 +366,13 @@ def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
     def lowerings(cache):
         return sum(1 for k in cache if str(k[0]).startswith("lowered"))
 
-    shape, cache, before = parse_mesh(mesh), {}, compiled.compiles_run()
+    shape, cache, before = parse_mesh(mesh), {}, xla_compile.compiles_run()
     predict_plan(cfg(False), shape, cache=cache)
-    lowered, compiles = lowerings(cache), compiled.compiles_run() - before
+    lowered, compiles = lowerings(cache), xla_compile.compiles_run() - before
     assert lowered > 0 and compiles > 0
     with_cache = predict_plan(cfg(True), shape, cache=cache)
     assert lowerings(cache) == lowered
-    assert compiled.compiles_run() - before == 2 * compiles
+    assert xla_compile.compiles_run() - before == 2 * compiles
     alone = predict_plan(cfg(True), shape)
     for part in ("time", "memory", "throughput"):
         assert with_cache[part] == alone[part], part

@@ -262,3 +262,20 @@ def test_no_module_outside_sharding_branches_on_a_mesh_layouts_name():
             if names & mesh_layouts:
                 found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert found == []
+
+
+def test_programs_compile_in_one_place():
+    """Every compile of a lowered program goes through jaxdist.xla_compile (compile_with,
+    compile_timed, compile_lowered: its options, the device-less XLA:GPU liveness dump, the
+    count of compiles): runs, plans, PS workers and shards, the micro-batch FLOPs count.
+    models/torch_ref.py compiles its reference init itself: models import nothing of jaxdist
+    but its errors."""
+    found = []
+    for name, path in source_modules().items():
+        if name in ("jaxdist.xla_compile", "models.torch_ref"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "compile" and "re" != ast.unparse(node.func.value)):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []

@@ -165,7 +165,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     cache of compiles, lowerings and readings, dropped when the entry is done; two entries
     are predicted side by side, so a core does not wait while the other compiles alone."""
     from analysis.plan_rank import write_ranking
-    from jaxdist import compiled
+    from jaxdist import xla_compile
     from jaxdist.hardware import get_hardware
 
     hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
@@ -175,7 +175,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     entries: dict[tuple, list] = {}
     for item in configs:
         entries.setdefault((item[0].model, item[0].row), []).append(item)
-    started, compiles = time.perf_counter(), compiled.compiles_run()
+    started, compiles = time.perf_counter(), xla_compile.compiles_run()
     stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
     from jaxdist.xla_log import explained_xla_warnings
     with explained_xla_warnings():  # XLA:GPU's rematerialization warnings, said in one line
@@ -183,7 +183,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
                              for items in entries.values()], PLAN_THREADS, stop)
     timings = [t for entry in done for t in entry]
     meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
-            "row_wall_s": timings, "compiles": compiled.compiles_run() - compiles,
+            "row_wall_s": timings, "compiles": xla_compile.compiles_run() - compiles,
             "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
             "note": "wall time of the predictions on this machine, two plan entries side by "
                     "side (a row's wall_s overlaps another's); every row's program compiled "

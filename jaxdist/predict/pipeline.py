@@ -44,6 +44,7 @@ from jaxdist.predict.ticks import op_row, tick_model
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
+from jaxdist.xla_compile import compile_lowered
 from sharding import get_layout
 from sharding.axes import batch_axes
 
@@ -67,7 +68,7 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
 def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> dict:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
     not in `cache` lowered one by one (while the first compiles), compiled side by side
-    (jaxdist.compiled.compile_lowered), read, and kept in `cache`. A key names the lowered
+    (jaxdist.xla_compile.compile_lowered), read, and kept in `cache`. A key names the lowered
     program; the compile options (--overlap's flags) are added to it for the compile, so
     variants that differ only in them lower once."""
     cache = {} if cache is None else cache
@@ -90,7 +91,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
         seen.add(program_of[k])
         return low if first else None
 
-    done = compiled_mod.compile_lowered([functools.partial(lower, k) for k in todo], options)
+    done = compile_lowered([functools.partial(lower, k) for k in todo], options)
     for k, (compiled, seconds) in zip(todo, done):
         if compiled is None:
             continue
