@@ -454,8 +454,9 @@ def test_validation_quick_form_memory_out_of_sample():
     (row,) = validate([c for c in CASES if c.name == "tt24-t1-fsdp-compile"])
     assert row["hardware"] == "h100-sxm-96gb-500w" and row["fits"] is True
     assert row["published_memory_gib"] == 77.0
-    assert row["ratio_memory_gib"] == pytest.approx(0.67, abs=0.03)
-    assert row["memory_source"] in ("hand estimate", "XLA:GPU buffer assignment")
+    # XLA:GPU's 51.4 GiB decides; without the GPU compiler the hand estimate, 61.1
+    expected = {"XLA:GPU buffer assignment": 0.67, "hand estimate": 0.79}
+    assert row["ratio_memory_gib"] == pytest.approx(expected[row["memory_source"]], abs=0.03)
     eager = published()["tt24-t1-fsdp-tps"]["value"]
     assert eager == 5762
     assert 0.8 <= row["predicted_tokens_per_s_per_gpu"] / eager <= 1.25

@@ -10,6 +10,7 @@ from flax import nnx
 # jax.ad_checkpoint exports only the printing wrapper of this list
 from jax._src.ad_checkpoint import saved_residuals
 
+from jaxdist import compiled
 from jaxdist.config import TrainConfig
 from models import get_model
 from models.layers import REMAT_POLICIES, block_runner
@@ -101,6 +102,8 @@ def test_sequence_parallel_block_counts_its_row_matmuls_and_names_its_reduce_sca
     assert names.count("reduce_scatter") == 2
 
 
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason="tracing cuDNN attention needs jax's CUDA plugin (make gpu-compiler)")
 def test_selective_op_keeps_cudnn_attention_outputs():
     """With cuDNN's flash attention the kernel's own outputs are kept (output and
     logsumexp, what its backward reads; torchtitan keeps SDPA's), not a named copy."""
