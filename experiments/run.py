@@ -278,7 +278,7 @@ def main_dry_run(cfg: RunConfig) -> int:
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
             from jaxdist.hardware import check_nodes, get_hardware
             from jaxdist.predict.plan import format_prediction, predict_plan
-            from jaxdist.compiled import xla_options
+            from jaxdist.program.compiled import xla_options
             check_batch(cfg, shape)
             check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
             xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
@@ -287,7 +287,7 @@ def main_dry_run(cfg: RunConfig) -> int:
             # not only after a plan that succeeded
             print_notices(cfg)
             noticed = True
-            from jaxdist.xla_log import explained_xla_warnings
+            from jaxdist.program.xla_log import explained_xla_warnings
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
                 plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
         elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
@@ -310,7 +310,7 @@ def main_dry_run(cfg: RunConfig) -> int:
               f"planned with Triton GEMMs off ({fallback['xla_flags']}: cuBLAS for every "
               f"dot)", file=sys.stderr)
     if cfg.output.hardware and "not installed" in compiler:
-        from jaxdist.compiled import gpu_compiler_missing
+        from jaxdist.program.compiled import gpu_compiler_missing
         print(f"notice: {gpu_compiler_missing()}; these figures come from XLA:CPU's program "
               f"(about 2x the bytes of XLA:GPU's for a bf16 step)", file=sys.stderr)
     print(format_plan(plan))

@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from jaxdist import comm, metrics, record, telemetry
+from jaxdist import metrics, record, telemetry
+from jaxdist.program import comm
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
 from jaxdist.data import TrainStream, eval_batches
@@ -21,8 +22,8 @@ from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
 from jaxdist.stop import StopRequest
 from jaxdist.timing import StepTimer
-from jaxdist.xla_compile import compile_timed
-from jaxdist import compiled as compiled_mod, program_reading
+from jaxdist.program.xla_compile import compile_timed
+from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.train_step import compiled_step_flops, put_batch
 from jaxdist.writers import NullWriter, RunWriter
 from jaxdist.pipeline.program import PipelineProgram
@@ -267,7 +268,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
 
 def program_block(cfg, platform, program, compiled) -> dict:
     """results["program"]: which compiler built the step, its kernels per step per device
-    (jaxdist.kernels) and XLA's own cost counts; never fails the run it describes."""
+    (jaxdist.program.kernels) and XLA's own cost counts; never fails the run it describes."""
     try:
         mesh_shape = dict(program.batch_sharding.mesh.shape)
         runs = (switch_runs(compiled.as_text(), mesh_shape, program.schedule)

@@ -64,7 +64,7 @@ RULES: tuple[Rule, ...] = (
                                                        "xla_flags")),
          lambda c: not c.output.dry_run, _DRY_RUN_ONLY),
     # --hardware predicts the GPU step: its overlap policy, matmul precision and XLA flags
-    # (handed to each compile of the plan: jaxdist.compiled.compile_options) matter.
+    # (handed to each compile of the plan: jaxdist.program.compiled.compile_options) matter.
     Rule(("overlap", "matmul_precision", "xla_flags"),
          lambda c: not c.output.dry_run or bool(c.output.hardware), _DRY_RUN_ONLY),
     Rule(("gpus_per_node",), lambda c: bool(c.output.hardware), "--hardware"),

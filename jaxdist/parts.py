@@ -10,7 +10,7 @@ A `Part` holds what jaxdist knows of one GPU:
   (NVLink or PCIe) and across nodes (the node's InfiniBand/Ethernet NICs shared by its GPUs),
   GPUs per node, TDP and a power cap, each with its source;
 - the XLA:GPU target the real GPU compiler compiles for without a device (`target`; the
-  format is `jaxdist.gpu_targets`);
+  format is `jaxdist.program.gpu_targets`);
 - published achievable kernel rates (`rates`, `attention_curves`; `rate`): the inputs of the
   kernel-by-kernel time model (jaxdist.predict.kernels_time).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from jaxdist.gpu_targets import ADDED, XLA_SPEC, GpuTarget, gpu_device_info
+from jaxdist.program.gpu_targets import ADDED, XLA_SPEC, GpuTarget, gpu_device_info
 from jaxdist.part_figures import (A100_BANDWIDTHTEST, ANY_DTYPE, CUDNN_NORMS, CUDNN_SDPA, FA2,
                                   FLASHMLA, KINDS, LAUNCH, MAMF, MATMUL_PRECISIONS, SAME_DIE,
                                   Peak, Rate)

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
-from jaxdist.xla_compile import compile_timed
+from jaxdist.program.xla_compile import compile_timed
 from jaxdist.errors import UsageError
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
                             scattered_gradients, train_state)

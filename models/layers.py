@@ -215,7 +215,7 @@ def run_blocks(blocks, step, carry, ordered: bool):
             state, carry = _meet(state, carry)
             blocks[k + 1] = nnx.merge(graphdef, state)
         # XLA's op metadata then says which block an op (forward, recomputed or backward)
-        # belongs to: in profiles, and for jaxdist.liveness
+        # belongs to: in profiles, and for jaxdist.program.liveness
         with jax.named_scope(BLOCK_SCOPE.format(k)):
             carry = step(blocks[k], carry)
     return carry

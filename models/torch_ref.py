@@ -284,23 +284,6 @@ def state_from_nnx(model_or_state) -> dict[str, np.ndarray]:
     return out
 
 
-def jax_initial_state(model_cfg, seed: int) -> dict[str, np.ndarray]:
-    """The initial weights a JAX run with this seed starts from, converted to PyTorch.
-    Built as jaxdist.train_step builds them: `model_cfg.build(nnx.Rngs(seed), dtype)`
-    under one jit (eagerly, every initializer would compile on its own: seconds); the
-    parameters are float32 whatever the compute dtype."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    init = jax.jit(lambda: nnx.state(model_cfg.build(nnx.Rngs(seed), jnp.float32)))
-    # Optimisation level 0: the init runs once, so compile time is what counts (resnet50:
-    # ~10 s instead of ~40 s); the random bits are the same.
-    compiled = init.lower().compile({"xla_backend_optimization_level": 0,
-                                     "xla_llvm_disable_expensive_passes": True})
-    return state_from_nnx(compiled())
-
-
 def load_state(model, state: dict[str, np.ndarray]) -> None:
     """Copy `state` into `model`; every parameter and statistic must be covered (only
     BatchNorm's `num_batches_tracked`, which flax has no use for, may be absent)."""

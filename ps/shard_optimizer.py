@@ -66,7 +66,7 @@ class ShardOptimizer:
         import jax
         import jax.numpy as jnp
 
-        from jaxdist.xla_compile import compile_timed
+        from jaxdist.program.xla_compile import compile_timed
 
         self.clip_norm = clip_norm
         self._apply = make_apply(tx, clip_norm)

@@ -150,7 +150,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     from jaxdist.data import TrainStream, eval_batches, load_dataset
     from jaxdist.devices import env_info
     from jaxdist.mesh import build_mesh, parse_mesh
-    from jaxdist.xla_compile import compile_timed
+    from jaxdist.program.xla_compile import compile_timed
     from ps.client import PSClient
     from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of

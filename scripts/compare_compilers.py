@@ -1,5 +1,5 @@
 """The same train step under two compilers, side by side: per layout, collective bytes per
-kind, memory, FLOPs and compile time, and how the programs differ (jaxdist.compiled).
+kind, memory, FLOPs and compile time, and how the programs differ (jaxdist.program.compiled).
 
     python scripts/compare_compilers.py                       # gpt-tiny, every layout, 4x8 H200
     python scripts/compare_compilers.py --layouts fsdp --model llama3-70b --model-opts "" \\
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     if not args.with_device:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", 32)
-    from jaxdist import compiled
+    from jaxdist.program import compiled
     from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
     from jaxdist.hardware import get_hardware
     from jaxdist.mesh import parse_mesh

@@ -46,7 +46,7 @@ def replicated(tree):
 
 
 # What each data-parallel layout's gradient and parameter traffic is, on rings (n devices;
-# hsdp: f per fsdp group, d = n / f groups), for jaxdist.comm to set beside the program's.
+# hsdp: f per fsdp group, d = n / f groups), for jaxdist.program.comm to set beside the program's.
 def _ring(n: int) -> float:
     return (n - 1) / n
 

@@ -72,8 +72,8 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
     the stage axis (jaxdist.pipeline); `sequence_parallel`: --sequence-parallel applies
     (Megatron's, over the tensor axis); `tp_comm_chunks`: the slices --tp-comm-chunks 0
     (auto) splits each device's batch into under sequence parallelism, where the micro-batch
-    divides (jaxdist.run_model); `analytic`: its parameter and gradient traffic (jaxdist.comm
-    sets it beside what the compiled program moves)."""
+    divides (jaxdist.run_model); `analytic`: its parameter and gradient traffic
+    (jaxdist.program.comm sets it beside what the compiled program moves)."""
     def wrap(fn: SpecFn) -> SpecFn:
         if name in _FACTS:
             raise ValueError(f"layout {name!r} registered twice")

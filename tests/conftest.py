@@ -18,7 +18,7 @@ shards and workers, plans) inherit it through tests.helpers.child_env:
   workers and every child (a PS run's workers, the runs of test_run_cli/test_record/...
   compile the same tiny programs again and again); file-locked (its size cap turns the lock
   on), so two processes never read an entry half written;
-- one XLA:GPU kernel cache per xdist worker (jaxdist.compiled.KERNEL_CACHE_ENV), which the
+- one XLA:GPU kernel cache per xdist worker (jaxdist.program.compiled.KERNEL_CACHE_ENV), which the
   worker's device-less compiles and its children's reuse in turn (never two writers at once).
 The folder is made by the process pytest started (the xdist controller), and removed by it.
 """

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist import comm, hlo
+from jaxdist.program import comm, hlo
 from jaxdist.data import TrainStream
 from jaxdist.loop import comm_block
 from jaxdist.mesh import MeshShape
@@ -107,7 +107,7 @@ def test_executions_follow_while_trip_counts():
 def test_a_programs_text_is_parsed_once_by_all_its_readers(monkeypatch):
     """Collectives, kernels, conditionals and trip counts of one program share one parse
     (hlo.reading); a new text is parsed anew."""
-    from jaxdist import kernels
+    from jaxdist.program import kernels
     text = ("%body (p: f32[]) -> f32[] {\n"
             "  %a = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n}\n"
             "%add (x: f32[], y: f32[]) -> f32[] {\n}\n"

@@ -1,6 +1,6 @@
 """XLA:GPU compiling the project's own step for 4 hosts x 8 H200 with no GPU present
-(jaxdist.compiled.gpu_topology): for every layout, the program's collectives are async pairs,
-their bytes are the analytic volume at the dtype XLA:GPU moves, and the state each device
+(jaxdist.program.compiled.gpu_topology): for every layout, the program's collectives are async
+pairs, their bytes are the analytic volume at the dtype XLA:GPU moves, and the state each device
 holds is the exact shard bytes the CPU path plans. Skipped, with the reason, where the GPU
 compiler is not installed (`make gpu-compiler`)."""
 
@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from jaxdist import compiled, kernels, metrics, program_reading, xla_compile
+from jaxdist import metrics
+from jaxdist.program import compiled, kernels, program_reading, xla_compile
 from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.errors import UsageError
 from jaxdist.hardware import get_hardware
@@ -459,7 +460,7 @@ def test_ordered_temporaries_extrapolate_from_the_live_ranges_to_a_whole_compile
     """Where the blocks run ordered (models.layers.run_blocks: full remat, or a layout that
     gathers each block's weights, fsdp_tp here, under any remat) a deep stack's temporaries
     are depth 2's plus, at the step where it weighs most, what each block holds there
-    (jaxdist.liveness, XLA's own live ranges): within 5% of the whole program compiled at
+    (jaxdist.program.liveness, XLA's own live ranges): within 5% of the whole program compiled at
     depth 4 (a Llama of width 2048 under fsdp_tp with sequence parallelism: measured 1.002
     under full remat, 0.992 under selective_op; under full remat the line through depth 1
     and 2 was 24% over at depth 6, the live ranges 3.7% under)."""

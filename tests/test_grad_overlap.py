@@ -5,10 +5,11 @@ gpt-tiny has several. Skipped where the GPU compiler is not installed."""
 
 import pytest
 
-from jaxdist import compiled, kernels, metrics, program_reading, update
+from jaxdist import metrics, update
+from jaxdist.program import compiled, kernels, program_reading
 from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import get_hardware
-from jaxdist.hlo import entry_computation
+from jaxdist.program.hlo import entry_computation
 from jaxdist.mesh import parse_mesh
 from jaxdist.run_model import build_model
 

@@ -1,9 +1,9 @@
-"""jaxdist.liveness reads XLA's buffer live ranges from a dump: the peak of the temporaries and
-what one block holds there. Hand-written dumps in XLA's text formats (the three files XLA:GPU
+"""jaxdist.program.liveness reads XLA's buffer live ranges from a dump: the peak of the temporaries
+and what one block holds there. Hand-written dumps in XLA's text formats (the three files XLA:GPU
 writes for a module), so each case is exact; the real dumps are read by every XLA:GPU plan
 (tests/test_predict.py compares a plan with a whole compile)."""
 
-from jaxdist import liveness
+from jaxdist.program import liveness
 from jaxdist.predict import program
 
 FWD, BWD = "jit(step_fn)/jvp({})/dot_general", "jit(step_fn)/transpose(jvp({}))/dot_general"

@@ -7,7 +7,7 @@ import re
 import jax
 import pytest
 
-from jaxdist import hlo, kernels
+from jaxdist.program import hlo, kernels
 from jaxdist.data import TrainStream
 from jaxdist.errors import UsageError
 from jaxdist.mesh import build_mesh, parse_mesh

@@ -20,7 +20,7 @@ from jaxdist.data import TrainStream
 from jaxdist.mesh import build_mesh, parse_mesh
 from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.program import build_pipeline_program
-from jaxdist import comm
+from jaxdist.program import comm
 from jaxdist.pipeline.report import (local_activation_bytes, stage_param_bytes, stage_sends,
                                     switch_runs)
 from jaxdist.train_step import make_optimizer, put_batch

@@ -9,13 +9,14 @@ import os
 
 import pytest
 
-from jaxdist import compiled, loop
+from jaxdist import loop
+from jaxdist.program import compiled
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.record import mesh_spec
 from jaxdist.summary import mesh_text
-from jaxdist.xla_log import explained_xla_warnings
+from jaxdist.program.xla_log import explained_xla_warnings
 
 # As XLA:GPU logs it compiling llama3-70b under ddp on 4x8 H200 for a plan.
 REMAT = ("W1202 08:08:30.797227    9602 hlo_rematerialization.cc:3231] Can't reduce memory use "

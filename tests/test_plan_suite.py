@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from analysis import plan_rank
-from jaxdist import compiled
+from jaxdist.program import compiled
 from experiments.suite.plan import plan_rows
 from jaxdist.config import keys
 from jaxdist.errors import UsageError

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from jaxdist import compiled
+from jaxdist.program import compiled
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh

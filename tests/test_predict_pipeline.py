@@ -170,7 +170,7 @@ def tiny_cfg(schedule="1f1b", depth=4):
 
 
 def test_tiny_pipeline_prediction_end_to_end():
-    from jaxdist.xla_compile import compiles_run
+    from jaxdist.program.xla_compile import compiles_run
     from jaxdist.predict.plan import predict_plan
     from jaxdist.run_model import build_model
 
@@ -209,7 +209,7 @@ def test_remat_variant_compiles_only_the_programs_recomputation_changes():
     reduction, optimizer) is the same lowered program under recomputation, so only the
     chunk's F (its stash changes) and F + BACK, at 1 and 2 blocks and the head's, are
     compiled again (6 of 7), and the prediction equals one made with no cache."""
-    from jaxdist.xla_compile import compiles_run
+    from jaxdist.program.xla_compile import compiles_run
     from jaxdist.predict.plan import predict_plan
 
     mesh, cache = parse_mesh("stage:2,tensor:2"), {}

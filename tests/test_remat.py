@@ -10,7 +10,7 @@ from flax import nnx
 # jax.ad_checkpoint exports only the printing wrapper of this list
 from jax._src.ad_checkpoint import saved_residuals
 
-from jaxdist import compiled
+from jaxdist.program import compiled
 from jaxdist.config import TrainConfig
 from models import get_model
 from models.layers import REMAT_POLICIES, block_runner

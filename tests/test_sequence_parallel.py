@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist import comm
+from jaxdist.program import comm
 from jaxdist.data import TrainStream
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch

@@ -44,7 +44,7 @@ def test_same_weights_same_loss(name):
     frameworks compute the same training-mode loss on the same synthetic batch."""
     cfg = get_model(name)
     spec = torch_ref.arch_spec(cfg)
-    jax_model = cfg.build(nnx.Rngs(3), jnp.float32)  # as torch_ref.jax_initial_state does
+    jax_model = cfg.build(nnx.Rngs(3), jnp.float32)  # as torch_run.jax_initial_state does
     state = torch_ref.state_from_nnx(jax_model)
     model = torch_ref.build(spec)
     expected = {k for k in model.state_dict() if not k.endswith("num_batches_tracked")}

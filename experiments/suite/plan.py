@@ -165,7 +165,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
     cache of compiles, lowerings and readings, dropped when the entry is done; two entries
     are predicted side by side, so a core does not wait while the other compiles alone."""
     from analysis.plan_rank import write_ranking
-    from jaxdist import xla_compile
+    from jaxdist.program import xla_compile
     from jaxdist.hardware import get_hardware
 
     hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
@@ -177,7 +177,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), xla_compile.compiles_run()
     stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
-    from jaxdist.xla_log import explained_xla_warnings
+    from jaxdist.program.xla_log import explained_xla_warnings
     with explained_xla_warnings():  # XLA:GPU's rematerialization warnings, said in one line
         done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
                              for items in entries.values()], PLAN_THREADS, stop)
@@ -255,7 +255,7 @@ def check_topologies(configs: list[tuple], hw) -> None:
     """Every row's mesh laid out on the part's nodes (only `data`, or `stage` then `data`,
     crosses hosts: jaxdist.mesh) before anything compiles: a row that cannot be placed is one
     line naming it, not a failure after the rows before it were predicted."""
-    from jaxdist import compiled
+    from jaxdist.program import compiled
     from jaxdist.mesh import build_mesh
 
     for row, cfg, shape in configs:

@@ -9,7 +9,8 @@ import math
 import jax
 import numpy as np
 
-from jaxdist import comm, hlo, metrics
+from jaxdist import metrics
+from jaxdist.program import comm, hlo
 from jaxdist.pipeline.step import pattern_runs
 
 
@@ -43,7 +44,7 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
                 permutes: list | None = None) -> dict[str, float]:
     """How often each branch of the tick loop's switches runs per step, per device on
     average (XLA cannot say; the schedule table that drives the switches can), by branch
-    computation, for jaxdist.comm.collectives:
+    computation, for jaxdist.program.comm.collectives:
     - the send switch (the conditional whose branches hold the stage permutes): the ticks
       taking each send pattern (every stage takes the tick's pattern);
     - the action switch (idle and the schedule's kinds, jaxdist/pipeline/step.py): the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxdist import compiled as compiled_mod, program_reading
+from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.errors import UsageError
 from jaxdist.hardware import check_nodes, get_hardware
 from jaxdist.parts import NAMED, PREDICTABLE

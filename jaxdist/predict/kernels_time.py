@@ -1,6 +1,6 @@
 """The step's time read from the XLA:GPU program kernel by kernel, in schedule order.
 
-Each kernel (jaxdist.kernels.schedule) costs max(FLOPs / the achievable rate of its kind and
+Each kernel (jaxdist.program.kernels.schedule) costs max(FLOPs / the achievable rate of its kind and
 dtype, bytes / the achievable HBM rate) + one launch: GEMM fusions and cuBLAS calls at the
 part's achievable dense matmul rate, cuDNN attention at its forward / backward rate for its
 sequence length, everything else at the streaming HBM rate (jaxdist.parts: published
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 
-from jaxdist import kernels
+from jaxdist.program import kernels
 from jaxdist.hardware import kernel_efficiency, rates_part
 from jaxdist.parts import ANY_DTYPE, Part, attention_curve, rate
 from jaxdist.predict.model import collective_time
@@ -161,7 +161,7 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
             totals[f"exposed {link}"] += max(0.0, seconds - covered) * times
         return device * times
 
-    from jaxdist.hlo import entry_computation, execution_counts
+    from jaxdist.program.hlo import entry_computation, execution_counts
     entry = entry_computation(hlo_text)
     device = walk(entry, 1.0) if entry else 0.0
     _, guessed = execution_counts(hlo_text, branch_runs)

@@ -90,7 +90,7 @@ def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
 
 
 def aggregate(ops: list[dict]) -> list[dict]:
-    """Collectives (jaxdist.comm.collectives entries) summed by (kind, axes, group size)."""
+    """Collectives (jaxdist.program.comm.collectives entries) summed by (kind, axes, group size)."""
     out: dict = {}
     for op in ops:
         key = (op["kind"], tuple(op["axes"]), op["group_size"])
@@ -234,9 +234,9 @@ def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Part) -> dict:
     hand estimate term by term within MEMORY_BAND; else the verdict is what both figures say
     (unknown where they differ) and names the term that disagrees, and the hand estimate is
     the figure shown. XLA planned the program (scheduler,
-    rematerialization) for the same usable HBM (jaxdist.gpu_targets XLA_BASE_FRACTION): its
+    rematerialization) for the same usable HBM (jaxdist.program.gpu_targets XLA_BASE_FRACTION): its
     limit for temporaries is that less arguments and outputs, times its slop factor."""
-    from jaxdist.gpu_targets import XLA_SLOP_FACTOR
+    from jaxdist.program.gpu_targets import XLA_SLOP_FACTOR
 
     compiled = gpu["argument_bytes"] + gpu["output_bytes"] - gpu["alias_bytes"] + \
         gpu["temp_bytes"]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdist import compiled as compiled_mod, program_reading
+from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.parts import Part
 from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
@@ -44,7 +44,7 @@ from jaxdist.predict.ticks import op_row, tick_model
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
-from jaxdist.xla_compile import compile_lowered
+from jaxdist.program.xla_compile import compile_lowered
 from sharding import get_layout
 from sharding.axes import batch_axes
 
@@ -68,8 +68,8 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
 def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> dict:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
     not in `cache` lowered one by one (while the first compiles), compiled side by side
-    (jaxdist.xla_compile.compile_lowered), read, and kept in `cache`. A key names the lowered
-    program; the compile options (--overlap's flags) are added to it for the compile, so
+    (jaxdist.program.xla_compile.compile_lowered), read, and kept in `cache`. A key names the
+    lowered program; the compile options (--overlap's flags) are added to it for the compile, so
     variants that differ only in them lower once."""
     cache = {} if cache is None else cache
     options = compiled_mod.compile_options(cfg, target)

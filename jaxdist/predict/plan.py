@@ -1,6 +1,6 @@
 """`--dry-run --hardware NAME`: the step compiled for the real mesh (XLA:GPU for NAME's
 topology without a device where the GPU compiler is installed, else XLA:CPU on simulated CPU
-devices: `jaxdist.compiled.for_part`), turned into a predicted memory verdict and step time
+devices: `jaxdist.program.compiled.for_part`), turned into a predicted memory verdict and step time
 on NAME (jaxdist.predict.model)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import copy
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
-from jaxdist import compiled, dryrun
+from jaxdist import dryrun
+from jaxdist.program import compiled
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
@@ -380,7 +381,7 @@ def format_prediction(p: dict) -> str:
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                          f"(each tick weighted by its predicted duration)")
     if p["compiled"].get("kernels"):
-        from jaxdist.kernels import format_inventory
+        from jaxdist.program.kernels import format_inventory
         lines.append("  kernels per step per device (the compiled program):")
         lines += format_inventory({"kernels": p["compiled"]["kernels"]})
     speed = (f"{thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {thr['mfu']:.1%}"

@@ -1,6 +1,6 @@
 """What the compiled step for the real mesh says, from abstract shapes (nothing allocated):
 per-device FLOPs, bytes accessed, collectives, compiler memory and kernels, read through
-`jaxdist.compiled` from the program of the prediction's `Target`: XLA:GPU for the part's
+`jaxdist.program.compiled` from the program of the prediction's `Target`: XLA:GPU for the part's
 topology where the GPU compiler is installed, else XLA:CPU on simulated devices.
 
 Big decoders: compiling all of llama3-70b's 80 blocks on 2 cores takes too long, and a
@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import hashlib
 
-from jaxdist import compiled as compiled_mod, liveness, program_reading
+from jaxdist.program import compiled as compiled_mod, liveness, program_reading
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
@@ -35,7 +35,7 @@ FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapo
 
 def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None, memo=None) -> dict:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
-    (jaxdist.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
+    (jaxdist.program.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
     compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
     kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices.
     `memo` (a dict, optional: a suite plan's) keeps lowerings and readings for later calls."""
@@ -44,7 +44,8 @@ def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None, memo=None) -
 
 def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
                memo=None) -> list[dict]:
-    """`figures` of several models, compiled side by side (jaxdist.compiled.compile_steps)."""
+    """`figures` of several models, compiled side by side
+    (jaxdist.program.compiled.compile_steps)."""
     target = target or compiled_mod.simulated_cpu(shape.size)
     if not target.gpu:
         model_cfgs = [cpu_compilable(m) for m in model_cfgs]
@@ -65,8 +66,8 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
                  runs: dict | None = None, step_flops: float | None = None,
                  memo: dict | None = None) -> dict:
     """{flops, bytes_accessed, comm (aggregated), memory, kernels, compile_s} of a compiled
-    program through jaxdist.program_reading.read, and `kernel_time` (timed kernel by kernel) when
-    XLA:GPU compiled it and `hw` has published rates. Everything but the compiler's memory
+    program through jaxdist.program.program_reading.read, and `kernel_time` (timed kernel by kernel)
+    when XLA:GPU compiled it and `hw` has published rates. Everything but the compiler's memory
     is a function of the program's text: with `memo`, a program whose text was read before
     (e.g. a variant whose flags left the program unchanged) is not parsed again."""
     hlo = compiled.as_text() or ""
@@ -134,8 +135,8 @@ def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False)
     is linear in depth. Temporaries, where the backward is ordered (models.layers.run_blocks:
     the working set at the peak is then one block's backward, whatever the depth) and XLA's
     live ranges of the depth-2 program say what one block holds at its peak
-    (jaxdist.liveness): the depth-2 temporaries plus that per further block. A line would
-    multiply the difference of two schedules' working sets by the depth (jaxdist.liveness:
+    (jaxdist.program.liveness): the depth-2 temporaries plus that per further block. A line would
+    multiply the difference of two schedules' working sets by the depth (jaxdist.program.liveness:
     llama3-70b fsdp_tp+SP, 383 GiB at 80 by the line, 49 by the live ranges and by the slope
     of whole compiles at depth 8 and 16). Else linear, like the rest: without the order XLA
     gathers weights ahead and defers weight gradients, and what it keeps piles up with depth."""

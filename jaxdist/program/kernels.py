@@ -5,8 +5,8 @@ step, and each kernel's FLOPs and bytes.
 Why not XLA's cost analysis alone: it counts a while loop's body once whatever its trip
 count (a pipeline's tick scan, a micro-batch scan), it gives cuDNN's custom calls 0 FLOPs,
 and on a program compiled without a device it is not offered at all. Here every computation
-is weighed by how often it runs (`jaxdist.hlo.execution_counts`: trip counts, async wrappers,
-conditional branches by the caller's counts), and:
+is weighed by how often it runs (`jaxdist.program.hlo.execution_counts`: trip counts, async
+wrappers, conditional branches by the caller's counts), and:
 - FLOPs are the matmuls': 2 x output elements x contracted size for every `dot`, wherever it
   sits (fused or not), and for every `ragged-dot` (a grouped GEMM, kept by cuDNN's ragged-dot
   fusion: each row meets one group's matrix, so the real rows' FLOPs, not groups x rows; a
@@ -27,7 +27,7 @@ import math
 import re
 from collections import defaultdict
 
-from jaxdist.hlo import branches, execution_counts, instructions
+from jaxdist.program.hlo import branches, execution_counts, instructions
 
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|"
                     r"f32|f64|c64|c128)\[([\d,]*)\]")

@@ -1,15 +1,15 @@
 """One home for compiled programs: where a step is compiled for (a `Target`: simulated CPU
 devices, a run's own devices, or a GPU cluster's topology with no GPU present, compiled by
 the real XLA:GPU here) and what the compiled program says (`read`: FLOPs, bytes, collectives,
-memory, kernels: `jaxdist.program_reading`). The loop, the dry-run prediction, the pipeline
+memory, kernels: `jaxdist.program.program_reading`). The loop, the dry-run prediction, the pipeline
 predictor and the in-run prediction all build their step through it, so every figure names
-its compiler; the compile call itself is `jaxdist.xla_compile`'s.
+its compiler; the compile call itself is `jaxdist.program.xla_compile`'s.
 
 XLA:GPU without a device (docs/predict.md, Which compiler): jax-cuda12's PJRT plugin builds a
 compile-only topology from a part's target description (`jaxdist.parts`); `jit(...).lower(
 abstract args).compile()` then runs XLA:GPU's whole pipeline. Two gaps it leaves are closed
-here and in jaxdist.program_reading only: `cost_analysis()` is not offered for such a program
-(`program_reading.xla_cost` runs XLA's HloCostAnalysis over the optimized module through
+here and in jaxdist.program.program_reading only: `cost_analysis()` is not offered for such a
+program (`program_reading.xla_cost` runs XLA's HloCostAnalysis over the optimized module through
 jax's private binding, and fails loudly if that binding moves), and no autotuning runs (GEMM
 tilings are XLA's heuristics).
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
 from jaxdist.parts import NAMED, PARTS
-from jaxdist.xla_compile import compile_lowered, compile_timed
+from jaxdist.program.xla_compile import compile_lowered, compile_timed
 
 INSTALL_HINT = "install it with `make gpu-compiler` (pip install 'jax[cuda12]==0.10.2')"
 COMPILERS = ("auto", "gpu", "cpu")
@@ -85,7 +85,8 @@ def gpu_topology(hw, num_devices: int) -> Target:
         raise UsageError(f"--compiler gpu: {missing}")
     try:
         # XLA plans its memory (scheduler, rematerialization) for the part's usable HBM, the
-        # figure the memory verdict holds the program to (jaxdist.gpu_targets XLA_BASE_FRACTION)
+        # figure the memory verdict holds the program to
+        # (jaxdist.program.gpu_targets XLA_BASE_FRACTION)
         devices = tuple(_topology(hw.name, hw.target_text(hw.hbm_bytes),
                                   f"1x{hosts}x{per_host}").devices)
     except Exception as e:  # noqa: BLE001

@@ -1,14 +1,15 @@
 """What a compiled program says, per device per step (`read`): FLOPs and bytes with every loop
 body weighed, collectives, the compiler's memory figures and the kernel inventory, read from
-the optimized HLO through jaxdist.comm and jaxdist.kernels; XLA's own cost analysis beside
-them (`xla_cost`, which closes the gap a device-less XLA:GPU program leaves); and how the
-readings of two compilers differ. Where a program is compiled for: jaxdist.compiled."""
+the optimized HLO through jaxdist.program.comm and jaxdist.program.kernels; XLA's own cost analysis
+beside them (`xla_cost`, which closes the gap a device-less XLA:GPU program leaves); and how the
+readings of two compilers differ. Where a program is compiled for: jaxdist.program.compiled."""
 
 from __future__ import annotations
 
 import math
 
-from jaxdist import comm, kernels, metrics
+from jaxdist import metrics
+from jaxdist.program import comm, kernels
 
 
 class ProgramError(RuntimeError):
@@ -36,7 +37,8 @@ def xla_cost(compiled) -> dict:
     except Exception as e:  # noqa: BLE001
         raise ProgramError(f"XLA's cost analysis is not available for this program and the "
                            f"private fallback failed ({type(e).__name__}: {e}); jax's "
-                           f"internals moved: update jaxdist.program_reading.xla_cost") from e
+                           f"internals moved: update "
+                           f"jaxdist.program.program_reading.xla_cost") from e
     if not cost or "flops" not in cost:
         raise ProgramError("XLA's HloCostAnalysis returned no flops for this program")
     return dict(cost)

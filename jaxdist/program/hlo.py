@@ -1,7 +1,7 @@
 """Reading XLA's optimized HLO text: its statements (instructions and computation headers,
 wrapped lines joined), and how often each computation runs per step (while-loop trip counts,
 async wrappers, conditional branches weighed by the caller or marked upper bounds).
-jaxdist.comm builds its collective accounting on it.
+jaxdist.program.comm builds its collective accounting on it.
 
 The text is parsed once (`reading`, kept for the last few programs): a run or a plan asks
 of one program its collectives, kernels, sends, schedule and op names, and each used to

@@ -11,10 +11,10 @@ compiled whole at depth 1, 2, 8 and 16; the line through depth 1 and 2 says 383 
 depth-2 live ranges 31.8 at 8, 33.8 at 16 and 49 at 80 (the slope from 8 to 16 says 49).
 
 XLA:GPU writes its buffer assignment and live ranges only into a dump folder (no API returns
-them), so `jaxdist.compiled` compiles device-less XLA:GPU programs with `dump_options` and
+them), so `jaxdist.program.compiled` compiles device-less XLA:GPU programs with `dump_options` and
 reads the folder with `read_dump` before removing it. An op's block is its name scope
 (models.layers.BLOCK_SCOPE, in the op's metadata: `jvp(block_0)` forward, `transpose(jvp(
-block_0))` backward); the op names are read with jaxdist.hlo.
+block_0))` backward); the op names are read with jaxdist.program.hlo.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import re
 import weakref
 from pathlib import Path
 
-from jaxdist import hlo
+from jaxdist.program import hlo
 
 # models.layers.BLOCK_SCOPE, the i-th block (not imported: it would bring flax into every
-# import of jaxdist.compiled)
+# import of jaxdist.program.compiled)
 BLOCK = re.compile(r"(?<![\w])block_(\d+)(?![\w])")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\)")

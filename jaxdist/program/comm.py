@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxdist.hlo import execution_counts, instructions
+from jaxdist.program.hlo import execution_counts, instructions
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9, <=]*)\]")

@@ -1,5 +1,5 @@
 """XLA:GPU compile targets: how a GPU part's `GpuTargetConfigProto` is written, so the real GPU
-compiler can compile a step for a cluster that is not here (jaxdist.compiled.gpu_topology).
+compiler can compile a step for a cluster that is not here (jaxdist.program.compiled.gpu_topology).
 The targets themselves are data of their parts (`jaxdist.parts`, each record's `target`).
 
 XLA publishes target descriptions for real parts in `xla/tools/hlo_opt/gpu_specs/*.txtpb`

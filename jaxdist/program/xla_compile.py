@@ -1,8 +1,8 @@
 """The one place a lowered program is compiled: `compile_with` (XLA's options, and for a
-device-less XLA:GPU compile the buffer live ranges read from a dump, jaxdist.liveness),
+device-less XLA:GPU compile the buffer live ranges read from a dump, jaxdist.program.liveness),
 `compile_timed` and `compile_lowered` (several side by side), and the count of compiles a
 process has run. Runs, plans, the parameter server's workers and shards, and the
-micro-batch FLOPs count all compile here; jaxdist.compiled chooses the target and builds
+micro-batch FLOPs count all compile here; jaxdist.program.compiled chooses the target and builds
 the step for it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 
-from jaxdist import liveness
+from jaxdist.program import liveness
 
 COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 _COMPILES = [0]  # XLA compiles run by this process (compile_lowered's)
@@ -27,7 +27,7 @@ def compiles_run() -> int:
 
 def compile_with(lowered, options: dict | None):
     """`lowered.compile(options)`, and for a device-less XLA:GPU compile its buffer live
-    ranges read from a dump into a folder made and removed here (jaxdist.liveness)."""
+    ranges read from a dump into a folder made and removed here (jaxdist.program.liveness)."""
     if not dumps_liveness(options):
         return lowered.compile(options) if options else lowered.compile()
     folder = tempfile.mkdtemp(prefix="jaxdist-xla-buffers-")
@@ -41,8 +41,8 @@ def compile_with(lowered, options: dict | None):
 
 def dumps_liveness(options: dict | None) -> bool:
     """Whether a compile with these options also reads XLA's buffer live ranges
-    (jaxdist.liveness): device-less XLA:GPU compiles (the ones with the kernel cache), unless
-    the user's --xla-flags already dump somewhere of their own."""
+    (jaxdist.program.liveness): device-less XLA:GPU compiles (the ones with the kernel cache),
+    unless the user's --xla-flags already dump somewhere of their own."""
     return bool(options) and "xla_gpu_kernel_cache_file" in options and \
         "xla_dump_to" not in options
 
