@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 
 import jax
@@ -175,28 +174,6 @@ def compiled_flops(compiled) -> float | None:
         cost = cost[0] if cost else None
     flops = (cost or {}).get("flops")
     return float(flops) if flops and flops > 0 else None
-
-
-
-_WHILE_TRIP = re.compile(r'\swhile\(.*"known_trip_count":\{"n":"(\d+)"\}')
-_HEADER = re.compile(r"^(ENTRY\s+)?%?[\w.\-]+\s.*\{\s*$")
-
-
-def while_trip_counts(hlo_text: str) -> dict[str, list[int]]:
-    """Known trip counts of the while loops in optimized HLO text (XLA records them in each
-    loop's backend_config), split into the entry computation's own loops ("entry", e.g. [4]
-    for a scan over 4 micro-batches) and loops nested in other computations ("nested")."""
-    out: dict[str, list[int]] = {"entry": [], "nested": []}
-    in_entry = False
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            in_entry = bool(header.group(1))
-            continue
-        trip = _WHILE_TRIP.search(line)
-        if trip:
-            out["entry" if in_entry else "nested"].append(int(trip.group(1)))
-    return out
 
 
 def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,

@@ -105,8 +105,8 @@ def test_executions_follow_while_trip_counts():
 
 
 def test_a_programs_text_is_parsed_once_by_all_its_readers(monkeypatch):
-    """Collectives, kernels, conditionals and trip counts of one program share one parse
-    (hlo.reading); a new text is parsed anew."""
+    """Collectives, kernels, conditionals, executions and while trip counts of one program
+    share one parse (hlo.reading); a new text is parsed anew."""
     from jaxdist.program import kernels
     text = ("%body (p: f32[]) -> f32[] {\n"
             "  %a = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add\n}\n"
@@ -122,6 +122,7 @@ def test_a_programs_text_is_parsed_once_by_all_its_readers(monkeypatch):
     kernels.inventory(text)
     assert hlo.conditionals(text) == [] and hlo.entry_computation(text) == "main"
     assert hlo.executions(text)["body"] == 5 and [o["times"] for o in ops] == [5]
+    assert hlo.while_trip_counts(text) == {"entry": [5], "nested": []}
     assert len(parses) == 1
     comm.collectives(text.replace('"5"', '"6"'), {"data": 2})
     assert len(parses) == 2

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxdist import metrics, parts
+from jaxdist.program import hlo
 from jaxdist.config import RunConfig
 from jaxdist.loop import mfu_block
 from jaxdist.mesh import MeshShape, build_mesh
@@ -154,7 +155,7 @@ def test_while_trip_counts_of_a_scan():
         return jax.lax.scan(lambda c, x: (c + jnp.sum(x @ w_DE), None), 0.0, x_MBD)[0]
 
     c = jax.jit(f).lower(jnp.ones((4, 8, 16)), jnp.ones((16, 32))).compile()
-    assert metrics.while_trip_counts(c.as_text())["entry"] == [4]
+    assert hlo.while_trip_counts(c.as_text())["entry"] == [4]
     # The reason compiled_step_flops exists: the loop body is counted once, not 4 times.
     assert metrics.compiled_flops(c) < 2 * 2 * 8 * 16 * 32
 

@@ -130,6 +130,26 @@ def instructions(hlo_text: str):
             for s in reading(hlo_text).statements if s.instruction)
 
 
+def trip_count(line: str) -> int | None:
+    """A while loop's known trip count, which XLA records in the loop's backend_config."""
+    m = _TRIP.search(line)
+    return int(m.group(1)) if m else None
+
+
+def while_trip_counts(hlo_text: str) -> dict[str, list[int]]:
+    """Known trip counts of the while loops of a program, split into the entry computation's
+    own loops ("entry", e.g. [4] for a scan over 4 micro-batches) and loops nested in other
+    computations ("nested")."""
+    r = reading(hlo_text)
+    out: dict[str, list[int]] = {"entry": [], "nested": []}
+    for s in r.statements:
+        if s.instruction and s.instruction.group("op") == "while":
+            n = trip_count(s.line)
+            if n is not None:
+                out["entry" if s.computation == r.entry else "nested"].append(n)
+    return out
+
+
 def entry_computation(hlo_text: str) -> str | None:
     return reading(hlo_text).entry
 

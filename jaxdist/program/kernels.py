@@ -27,7 +27,7 @@ import math
 import re
 from collections import defaultdict
 
-from jaxdist.program.hlo import branches, execution_counts, instructions
+from jaxdist.program.hlo import branches, execution_counts, instructions, trip_count
 
 _ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|"
                     r"f32|f64|c64|c128)\[([\d,]*)\]")
@@ -225,11 +225,10 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
             continue
         operands = _operand_names(rest)
         if op in ("while", "conditional", "call"):
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            trip = trip_count(line) if op == "while" else None
             for callee in re.findall(r"(?:body|to_apply|calls)=%?([\w.\-]+)", line):
                 out[comp].append({"item": "call", "callee": callee, "branch": False,
-                                  "repeat": int(trip.group(1)) if trip and op == "while"
-                                  else 1})
+                                  "repeat": trip or 1})
             for branch in branches(line):
                 out[comp].append({"item": "call", "callee": branch, "branch": True,
                                   "repeat": 1})
