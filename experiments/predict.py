@@ -179,12 +179,12 @@ def validate(cases) -> list[dict]:
     JAX must have enough CPU devices for the largest mesh (see main). Cases of the same
     configuration share one compile."""
     from jaxdist.mesh import parse_mesh
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist import plan as plans
 
     records, cache, rows = published(), {}, []
     for case in cases:
         try:
-            plan = predict_plan(case_config(case), parse_mesh(case.mesh), cache=cache)
+            plan = plans.plan(case_config(case), parse_mesh(case.mesh), cache=cache)
         except Exception as e:  # noqa: BLE001 - a row the compiler rejects is a row, named
             first = str(e).strip().splitlines()
             reason = next((ln for ln in first if "Error" in ln), first[0] if first else "")

@@ -264,9 +264,10 @@ def main_mesh(cfg: RunConfig, stop: StopRequest) -> int:
 
 
 def main_dry_run(cfg: RunConfig) -> int:
-    """--dry-run: plan the layout's memory from shapes; only the CPU backend is touched (no
+    """--dry-run: the layout's plan (jaxdist.plan: from shapes, or with --hardware predicted
+    from the step compiled for that cluster); only the CPU backend is touched (no
     accelerator memory is claimed), and -1 is not a mesh one can plan for."""
-    from jaxdist import dryrun
+    from jaxdist import plan as plans
     from jaxdist.record import write_json
 
     noticed = False
@@ -274,11 +275,10 @@ def main_dry_run(cfg: RunConfig) -> int:
         shape = validate(cfg)
         if shape.size is None:
             raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
-        name = "dry_run.json"
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
             from jaxdist.hardware import check_nodes, get_hardware
-            from jaxdist.predict.plan import format_prediction, predict_plan
             from jaxdist.program.compiled import xla_options
+            from jaxdist.program.xla_log import explained_xla_warnings
             check_batch(cfg, shape)
             check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
             xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
@@ -287,16 +287,11 @@ def main_dry_run(cfg: RunConfig) -> int:
             # not only after a plan that succeeded
             print_notices(cfg)
             noticed = True
-            from jaxdist.program.xla_log import explained_xla_warnings
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
-                plan, format_plan, name = predict_plan(cfg, shape), format_prediction, "plan.json"
-        elif cfg.train.layout in PIPELINE_LAYOUTS:  # per stage, with activations
-            from jaxdist.pipeline.plan import format_pipeline_plan, plan_pipeline
+                plan = plans.plan(cfg, shape)
+        else:  # from shapes: one host device, nothing allocated
             configure_host_devices(MeshShape(1), "cpu")
-            plan, format_plan = plan_pipeline(cfg, shape), format_pipeline_plan
-        else:
-            configure_host_devices(MeshShape(1), "cpu")
-            plan, format_plan = dryrun.plan(cfg, shape), dryrun.format_plan
+            plan = plans.plan(cfg, shape)
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
@@ -313,10 +308,10 @@ def main_dry_run(cfg: RunConfig) -> int:
         from jaxdist.program.compiled import gpu_compiler_missing
         print(f"notice: {gpu_compiler_missing()}; these figures come from XLA:CPU's program "
               f"(about 2x the bytes of XLA:GPU's for a bf16 step)", file=sys.stderr)
-    print(format_plan(plan))
+    print(plans.format_plan(plan))
     if logdir is not None:
-        write_json(logdir / name, plan)
-        print(f"\nplan: {logdir / name}")
+        write_json(logdir / plans.file_name(plan), plan)
+        print(f"\nplan: {logdir / plans.file_name(plan)}")
     return 0
 
 

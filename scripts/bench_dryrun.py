@@ -48,13 +48,14 @@ def plan_by_cli(model: str, layout: str, mesh: str) -> tuple[dict, float, float]
 def plan_by_full_trace(model: str, layout: str, mesh: str) -> tuple[dict, float]:
     from unittest import mock
 
-    from jaxdist import dryrun
+    from jaxdist import state_shapes
+    from jaxdist.plan import shapes as dryrun
     from jaxdist.config import ModelConfig, RunConfig, TrainConfig
     from jaxdist.mesh import parse_mesh
 
     cfg = RunConfig(model=ModelConfig(model=model), train=TrainConfig(layout=layout))
     start = time.process_time()
-    with mock.patch.object(dryrun, "_stacked_model_state", lambda *_: None):
+    with mock.patch.object(state_shapes, "_stacked_model_state", lambda *_: None):
         plan = dryrun.plan(cfg, parse_mesh(mesh))
     return json.loads(json.dumps(plan)), time.process_time() - start
 

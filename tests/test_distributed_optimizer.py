@@ -134,17 +134,17 @@ def test_tp_pp_same_losses_as_one_device():
 def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
     """--dry-run: gpt-tiny under tp on data:4,tensor:2 with bf16: per device, params (bf16,
     over tensor) + master (f32, over tensor x data) + opt (2 x f32, likewise)."""
-    from jaxdist import dryrun
+    from jaxdist.plan import shapes
 
     cfg = RunConfig(mesh=MeshConfig(mesh="data:4,tensor:2"),
                     model=ModelConfig(model="gpt-tiny", dtype="bfloat16"),
                     train=TrainConfig(layout="tp", distributed_optimizer=True))
-    plan = dryrun.plan(cfg, parse_mesh("data:4,tensor:2"))
+    plan = shapes.plan(cfg, parse_mesh("data:4,tensor:2"))
     per = plan["state_bytes_per_device"]
     assert plan["distributed_optimizer"] is True
     assert per["master"] == 2 * per["params"] // 4
     assert per["opt"] - 2 * per["master"] in (4, 8)  # the step counter
-    assert "layout tp + distributed optimizer on" in dryrun.format_plan(plan)
+    assert "layout tp + distributed optimizer on" in shapes.format_plan(plan)
 
 
 @pytest.mark.parametrize("args, says", [

@@ -5,7 +5,8 @@ import json
 import jax
 import pytest
 
-from jaxdist import dryrun
+from jaxdist import state_shapes
+from jaxdist.plan import shapes as dryrun
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
@@ -37,7 +38,7 @@ def test_dry_run_needs_an_explicit_mesh(tmp_path, monkeypatch, capsys):
 
 
 # Plans are computed from a decoder's depth-1 and depth-2 shapes stacked to full depth
-# (jaxdist/dryrun.py). These bytes are the ones the whole-model trace gives
+# (jaxdist/plan/shapes.py). These bytes are the ones the whole-model trace gives
 # (scripts/bench_dryrun.py --compare-full-trace): 24.64 GiB and 64.30 GiB (docs/running.md).
 PLANS = {
     ("llama3-70b", "fsdp", "4x8"): (70_553_706_496, {
@@ -66,8 +67,8 @@ def test_stacked_state_is_the_whole_model_trace(model, opts):
     cfg = RunConfig(model=ModelConfig(model=model, model_opts=opts))
     model_cfg, _ = build_model(cfg)
     tx = make_optimizer("adamw", 1e-3)
-    assert dryrun._stacked_model_state(model_cfg, "float32") is not None  # the fast path
-    stacked = dryrun.planning_state(model_cfg, "float32", tx)
+    assert state_shapes._stacked_model_state(model_cfg, "float32") is not None  # the fast path
+    stacked = state_shapes.planning_state(model_cfg, "float32", tx)
     whole = abstract_train_state(model_cfg, "float32", tx)
     assert jax.tree.structure(stacked) == jax.tree.structure(whole)
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(stacked)] == \
@@ -77,4 +78,4 @@ def test_stacked_state_is_the_whole_model_trace(model, opts):
 def test_models_that_are_not_a_stack_are_traced_whole():
     for model in ("mlp-tiny", "resnet-tiny", "gpt-tiny"):  # gpt-tiny: depth 2, nothing to gain
         model_cfg, _ = build_model(RunConfig(model=ModelConfig(model=model)))
-        assert dryrun._stacked_model_state(model_cfg, "float32") is None
+        assert state_shapes._stacked_model_state(model_cfg, "float32") is None

@@ -350,11 +350,11 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
 @pytest.mark.parametrize("layout,mesh", [("fsdp_tp", "data:2,tensor:2"),
                                          ("tp_pp", "stage:2,tensor:2")])
 def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
-    """A suite plan's cache (jaxdist.predict.plan): the --overlap variant of a row reuses the
+    """A suite plan's cache (jaxdist.plan.predicted): the --overlap variant of a row reuses the
     base row's lowerings (its flags are compile options only), is compiled again with its
     flags, and predicts exactly what the same settings predict with no cache."""
     from jaxdist.config import CompilerConfig, OutputConfig
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist.plan.predicted import predict_plan
 
     def cfg(overlap):
         return RunConfig(mesh=MeshConfig(mesh=mesh),

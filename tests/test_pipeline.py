@@ -296,7 +296,7 @@ def test_stage_axis_forms():
 def _plan(*argv):
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
-    from jaxdist.pipeline.plan import plan_pipeline
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
 
     cfg = from_namespace(build_parser().parse_args(["--dry-run", *argv]))
     return plan_pipeline(cfg, parse_mesh(cfg.mesh.mesh))

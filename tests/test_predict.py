@@ -11,7 +11,8 @@ from jaxdist.program import compiled
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
-from jaxdist.predict import memory, model, program
+from jaxdist.predict import memory, program
+from jaxdist.predict import time_model
 from jaxdist.run_model import build_model
 from tests.helpers import run_cli
 
@@ -27,36 +28,36 @@ AG4_LAT = 8.4e-6 + 3 * 9.6e-6
 
 def test_which_collectives_cross_nodes():
     # Host-major order: node = device id // GPUs per node; fsdp is the inner axis.
-    assert not model.crosses_nodes(MESH, ["fsdp"], 8)
-    assert model.crosses_nodes(MESH, ["data"], 8)
-    assert model.crosses_nodes(MESH, ["data", "fsdp"], 8)
-    assert model.crosses_nodes(MESH, ["data"], 16)       # 2 nodes of 16: data 0,1 | 2,3
-    assert not model.crosses_nodes(MESH, ["data"], 32)   # one node
-    assert not model.crosses_nodes(MESH, [], 8)
+    assert not time_model.crosses_nodes(MESH, ["fsdp"], 8)
+    assert time_model.crosses_nodes(MESH, ["data"], 8)
+    assert time_model.crosses_nodes(MESH, ["data", "fsdp"], 8)
+    assert time_model.crosses_nodes(MESH, ["data"], 16)       # 2 nodes of 16: data 0,1 | 2,3
+    assert not time_model.crosses_nodes(MESH, ["data"], 32)   # one node
+    assert not time_model.crosses_nodes(MESH, [], 8)
     three = {"data": 2, "fsdp": 2, "tensor": 8}
-    assert not model.crosses_nodes(three, ["tensor"], 8)
-    assert model.crosses_nodes(three, ["fsdp"], 8)
-    assert not model.crosses_nodes(three, ["fsdp", "tensor"], 16)
+    assert not time_model.crosses_nodes(three, ["tensor"], 8)
+    assert time_model.crosses_nodes(three, ["fsdp"], 8)
+    assert not time_model.crosses_nodes(three, ["fsdp", "tensor"], 16)
 
 
 def test_ring_hops():
-    assert model.ring_hops("all-reduce", 8) == 14
-    assert model.ring_hops("all-gather", 8) == 7
-    assert model.ring_hops("reduce-scatter", 4) == 3
-    assert model.ring_hops("collective-permute", 8) == 1
-    assert model.ring_hops("all-reduce", 1) == 0
+    assert time_model.ring_hops("all-reduce", 8) == 14
+    assert time_model.ring_hops("all-gather", 8) == 7
+    assert time_model.ring_hops("reduce-scatter", 4) == 3
+    assert time_model.ring_hops("collective-permute", 8) == 1
+    assert time_model.ring_hops("all-reduce", 1) == 0
 
 
 def test_collective_time_intra_and_inter_node():
     op = {"kind": "all-reduce", "axes": ["fsdp"], "group_size": 8, "count": 2,
           "ring_bytes": 3.6e9}
-    t = model.collective_time(op, H200, MESH)
+    t = time_model.collective_time(op, H200, MESH)
     assert t["link"] == "intra-node"
     # NCCL ring latency per call: base 8.4 us + 14 NVLink steps x 3.4 us
     assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * (8.4e-6 + 14 * 3.4e-6),
                                          rel=1e-12)
     # data: one member per node, every ring step on the network, each GPU's own NIC
-    t = model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
+    t = time_model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
     assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 4, 1)
     assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * (8.4e-6 + 6 * 9.6e-6),
                                          rel=1e-12)
@@ -69,16 +70,16 @@ def test_inter_node_ring_spreads_over_the_nics_of_a_node():
     a100 = get_hardware("a100-sxm-80gb")
     op = {"kind": "all-gather", "axes": ["fsdp"], "group_size": 64, "count": 3,
           "ring_bytes": 1.6e9}
-    t = model.collective_time(op, a100, {"data": 1, "fsdp": 64})
+    t = time_model.collective_time(op, a100, {"data": 1, "fsdp": 64})
     assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 8, 8)
     assert t["seconds"] == pytest.approx(
         1.6e9 / (200e9 * LINK) + 3 * (8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6), rel=1e-12)
     # 16 GPUs per node: 16 x 25 GB/s of NICs exceed NVLink's 300 GB/s, which bounds it
-    t = model.collective_time(op, get_hardware("a100-sxm-80gb", 16), {"data": 1, "fsdp": 64})
+    t = time_model.collective_time(op, get_hardware("a100-sxm-80gb", 16), {"data": 1, "fsdp": 64})
     assert (t["nodes"], t["members_per_node"]) == (4, 16)
     assert t["seconds"] == pytest.approx(
         1.6e9 / (300e9 * LINK) + 3 * (8.4e-6 + 60 * 3.4e-6 + 3 * 9.6e-6), rel=1e-12)
-    assert model.group_nodes({"data": 4, "fsdp": 8}, ["data"], 16) == (2, 2)
+    assert time_model.group_nodes({"data": 4, "fsdp": 8}, ["data"], 16) == (2, 2)
 
 
 def _inter(seconds_of_bandwidth: float) -> list[dict]:
@@ -90,12 +91,12 @@ def test_compute_bound_step_without_and_with_overlap():
     flops = 0.1 * PEAK * EFF  # 100 ms of compute
     comm = _inter(0.03)       # 30 ms + 3 hops x 10 us
     comm_s = 0.03 + AG4_LAT
-    plain = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
+    plain = time_model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
     assert plain["compute_s"] == pytest.approx(0.1)
     assert plain["inter_node_s"] == pytest.approx(comm_s)
     assert plain["step_s"] == pytest.approx(0.1 + comm_s)
     assert plain["bottleneck"] == "compute"
-    hidden = model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16", overlap=True)
+    hidden = time_model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16", overlap=True)
     assert hidden["step_s"] == pytest.approx(0.1)
     assert hidden["comm_exposed_s"] == 0.0
     assert plain["label"] == hidden["label"] == "predicted"
@@ -103,7 +104,7 @@ def test_compute_bound_step_without_and_with_overlap():
 
 def test_inter_node_bound_step_with_overlap_exposes_the_excess():
     flops = 0.01 * PEAK * EFF
-    t = model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
+    t = time_model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
     assert t["step_s"] == pytest.approx(0.05 + AG4_LAT)  # compute 10 ms hidden inside
     assert t["comm_exposed_s"] == pytest.approx(0.04 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
@@ -111,25 +112,25 @@ def test_inter_node_bound_step_with_overlap_exposes_the_excess():
 
 def test_hbm_bound_step():
     bytes_accessed = 0.2 * 4.8e12 * constant("hbm_efficiency")
-    t = model.step_time(0.1 * PEAK * EFF, bytes_accessed, [], H200, MESH, "bfloat16")
+    t = time_model.step_time(0.1 * PEAK * EFF, bytes_accessed, [], H200, MESH, "bfloat16")
     assert t["hbm_s"] == pytest.approx(0.2)
     assert t["step_s"] == pytest.approx(0.2)
     assert t["bottleneck"] == "HBM"
 
 
 def test_pipeline_bubble():
-    t = model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
+    t = time_model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
                         microbatches=6)
     assert t["bubble_s"] == pytest.approx(0.1 * 3 / 6)
     assert t["step_s"] == pytest.approx(0.15)
-    t = model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
+    t = time_model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
                         microbatches=1)
     assert t["bottleneck"] == "pipeline bubble"  # 300 ms of bubble beside 100 ms of work
 
 
 def test_throughput_and_mfu():
     step = {"step_s": 0.5, "peak_flops_per_device": PEAK}
-    out = model.throughput(step, tokens_per_step=16 * 8192, model_flops_per_step=1e15,
+    out = time_model.throughput(step, tokens_per_step=16 * 8192, model_flops_per_step=1e15,
                            num_devices=8)
     assert out["tokens_per_s_per_gpu"] == 16 * 8192 / 0.5 / 8
     assert out["mfu"] == pytest.approx(1e15 / (0.5 * PEAK * 8))
@@ -141,18 +142,18 @@ def _estimate(state, total):
 
 
 def test_memory_verdict_uses_the_estimate_not_the_cpu_compiler():
-    ok = model.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
+    ok = time_model.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
     assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
     assert ok["cpu_compiler_temp_bytes"] == 900 * 10**9  # carried, labelled, not used
     assert ok["temp_bytes"] == 30 * 10**9
-    over = model.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
+    over = time_model.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
     assert over["fits"] is False and over["over_by_bytes"] == 9 * 10**9
     assert "saved activations" in over["fits_reason"]
     # without remat the estimate is an upper bound: over HBM is "unknown", not an OOM
-    loose = model.memory_verdict({**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True},
+    loose = time_model.memory_verdict({**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True},
                                  0, H200)
     assert loose["fits"] is None and "upper bound" in loose["fits_reason"]
-    oom = model.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
+    oom = time_model.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
     assert oom["fits"] is False and oom["fits_reason"].startswith("the train state alone")
 
 
@@ -220,12 +221,12 @@ def test_saved_residuals_are_what_jax_reports(capsys):
 
 
 def test_micro_batches_halve_activations_and_carry_an_accumulator():
-    from jaxdist import dryrun
+    from jaxdist.plan import shapes
 
     cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="dots"))
     model_cfg = build_model(cfg)[0]
-    state = dryrun.plan(cfg, parse_mesh("2x4"))
+    state = shapes.plan(cfg, parse_mesh("2x4"))
     args = ({"data": 2, "fsdp": 4}, state["state_bytes_per_device"],
             state["state_bytes_global"]["params"], False, True)
     one = memory.predict_memory(model_cfg, "float32", 16, 1, *args)
@@ -244,7 +245,7 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
     (gradients + saved residuals + working set) is measured at 1.13x: XLA fuses cheap
     elementwise producers into the backward instead of keeping them, so the jaxpr's
     residuals are a slight upper bound."""
-    from jaxdist import dryrun
+    from jaxdist.plan import shapes
 
     cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32",
                                       model_opts="seq_len=128,mlp_hidden=256"),
@@ -252,7 +253,7 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
     model_cfg = build_model(cfg)[0]
     shape = parse_mesh("1x1")
     compiled = program.figures(cfg, model_cfg, shape)["memory"]["temp_bytes"]
-    state = dryrun.plan(cfg, shape)
+    state = shapes.plan(cfg, shape)
     est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
                                 state["state_bytes_per_device"],
                                 state["state_bytes_global"]["params"], False, True)
@@ -264,11 +265,11 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
 def test_aggregate_and_extrapolate_hand_built():
     ops = [{"kind": "all-gather", "axes": ["fsdp"], "group_size": 8, "times": 1, "bytes": 10,
             "ring_bytes": 8.75}] * 3
-    agg = model.aggregate(ops)
+    agg = time_model.aggregate(ops)
     assert agg == [{"kind": "all-gather", "axes": ["fsdp"], "group_size": 8, "count": 3,
                     "bytes": 30, "ring_bytes": 26.25, "upper_bound": False, "async": False}]
     # A count from a branch without a frequency stays flagged through the aggregate.
-    flagged = model.aggregate(ops + [{**ops[0], "upper_bound": True, "async": True}])
+    flagged = time_model.aggregate(ops + [{**ops[0], "upper_bound": True, "async": True}])
     assert flagged[0]["upper_bound"] and flagged[0]["async"] and flagged[0]["count"] == 4
     one = {"flops": 10.0, "bytes_accessed": 5.0, "memory": {"temp_bytes": 100},
            "comm": [{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}]}
@@ -314,7 +315,7 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
     t = plan["time"]
     assert t["step_s"] == pytest.approx(max(t["compute_s"], t["hbm_s"]) + t["comm_exposed_s"])
     assert t["inter_node_s"] == 0.0  # 8 GPUs: one node
-    assert plan["memory"]["state_bytes"] == 202_756  # dryrun.plan's per-device state
+    assert plan["memory"]["state_bytes"] == 202_756  # shapes.plan's per-device state
     assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
         16 * 32 / t["step_s"] / 8)
 
@@ -339,7 +340,7 @@ def test_dry_run_hardware_compiles_with_xla_gpu_and_times_kernel_by_kernel(tmp_p
     c = mem["compiler"]
     assert c["peak_bytes"] == c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + \
         c["temp_bytes"]
-    assert c["alias_bytes"] == 202_756  # the donated state: exactly dryrun.plan's shards
+    assert c["alias_bytes"] == 202_756  # the donated state: exactly shapes.plan's shards
     state, rest = mem["terms"]
     assert state["compiler_bytes"] == state["hand_bytes"] == 202_756 and state["agrees"]
     # gpt-tiny's activations are a few hundred KiB: the hand estimate's working set (a
@@ -466,14 +467,14 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     # Go's llama3-70b fsdp on 4x8 H200 looked like this: compute 14.7 s, inter-node 27.6 s
     # with overlap; the step is the communication, and so is the bottleneck.
     flops = 14.7 * PEAK * EFF
-    t = model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
+    t = time_model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
     assert t["step_s"] == pytest.approx(27.6 + AG4_LAT)
     assert t["bottleneck"] == "inter-node"
 
 
 def test_plans_that_do_not_fit_say_what_would():
     """Issue 24 item 5: an OOM or unknown plan names the levers, from its own settings."""
-    from jaxdist.predict.plan import next_steps
+    from jaxdist.plan.predicted import next_steps
 
     plan = {"memory": {"fits": None, "fits_reason": "the state fits; the estimate ..."},
             "settings": {"dtype": "float32", "remat": "none", "microbatches": 1,
@@ -494,7 +495,7 @@ def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
     its throughput is kept, labelled "if it fit", in plan.json and in the printout. A GPT of
     2.5B parameters under ddp on 8 L4: the train state alone is over their 24 GB of HBM."""
     from jaxdist.config import CompilerConfig, MeshConfig, OutputConfig
-    from jaxdist.predict.plan import format_prediction, predict_plan
+    from jaxdist.plan.predicted import format_prediction, predict_plan
 
     cfg = RunConfig(mesh=MeshConfig(mesh="8"),
                     model=ModelConfig(model="gpt", model_opts="width=1024,depth=200,heads=8,"
@@ -549,7 +550,7 @@ def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
     32 x 1,024 tokens a device); the plan is compiled again with Triton GEMMs off, every dot
     a cuBLAS call, and says so."""
     from jaxdist.config import MeshConfig, OutputConfig
-    from jaxdist.predict.plan import format_prediction, predict_plan
+    from jaxdist.plan.predicted import format_prediction, predict_plan
 
     cfg = RunConfig(mesh=MeshConfig(mesh="32"),
                     model=ModelConfig(model="gpt", model_opts="width=2304,heads=16,depth=1,"
@@ -605,7 +606,7 @@ def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_te
                "upper_bound": upper_bound}
         gpu = {"argument_bytes": state + gib, "output_bytes": state, "alias_bytes": state,
                "temp_bytes": xla_rest - gib}
-        return model.gpu_memory_verdict(est, gpu, hw)
+        return time_model.gpu_memory_verdict(est, gpu, hw)
 
     agree = verdict(50 * gib, 55 * gib)
     assert agree["source"] == "XLA:GPU buffer assignment" and agree["fits"] is True

@@ -171,7 +171,7 @@ def tiny_cfg(schedule="1f1b", depth=4):
 
 def test_tiny_pipeline_prediction_end_to_end():
     from jaxdist.program.xla_compile import compiles_run
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist.plan.predicted import predict_plan
     from jaxdist.run_model import build_model
 
     cache, compiles = {}, compiles_run()
@@ -210,7 +210,7 @@ def test_remat_variant_compiles_only_the_programs_recomputation_changes():
     chunk's F (its stash changes) and F + BACK, at 1 and 2 blocks and the head's, are
     compiled again (6 of 7), and the prediction equals one made with no cache."""
     from jaxdist.program.xla_compile import compiles_run
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist.plan.predicted import predict_plan
 
     mesh, cache = parse_mesh("stage:2,tensor:2"), {}
     predict_plan(tiny_cfg(), mesh, cache=cache)

@@ -5,7 +5,7 @@ plan.json per row under OUT/NAME/, then the ranking (analysis.plan_rank): rankin
 ranking.md and ranking.png, all labelled PREDICTED.
 
 Compiles are shared across rows whose program is the same (`cache`, see
-jaxdist.predict.plan), and the wall time of the whole plan is measured and recorded.
+jaxdist.plan.predicted), and the wall time of the whole plan is measured and recorded.
 """
 
 from __future__ import annotations
@@ -232,13 +232,13 @@ def side_by_side(tasks: list, threads: int, stop: threading.Event | None = None)
 def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> list[dict]:
     """Predict the rows of one entry in order with one cache; each row's plan.json (none
     once `stop` is set)."""
-    from jaxdist.predict.plan import predict_plan
+    from jaxdist import plan as plans
 
     cache: dict = {}
     timings = []
     for row, cfg, shape in items:
         t0 = time.perf_counter()
-        plan = predict_plan(cfg, shape, cache=cache)
+        plan = plans.plan(cfg, shape, cache=cache)
         if stop.is_set():
             break
         plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}

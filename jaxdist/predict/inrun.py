@@ -7,7 +7,7 @@ report (jaxdist.parts: "NVIDIA H200" -> h200, ...). None of them (e.g. a CPU run
 
 From what: the run's own compiled step, for the devices it ran on (on a GPU, XLA:GPU's
 program: its FLOPs, bytes accessed, collectives and temporaries), through the same model
-as `--dry-run --hardware` (jaxdist.predict.model). Pipeline layouts: the tick model
+as `--dry-run --hardware` (jaxdist.predict.time_model). Pipeline layouts: the tick model
 (jaxdist.predict.pipeline), its op pieces compiled on the run's devices (one process only).
 The ratios are measured / predicted.
 """
@@ -20,7 +20,7 @@ from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.errors import UsageError
 from jaxdist.hardware import check_nodes, get_hardware
 from jaxdist.parts import NAMED, PREDICTABLE
-from jaxdist.predict import model
+from jaxdist.predict import time_model
 from jaxdist.predict.program import flash_attention_applies
 from sharding.pipeline import PIPELINE_LAYOUTS
 
@@ -36,7 +36,7 @@ def part_for_device_kind(device_kind: str | None) -> str | None:
 
 
 def absent(reason: str) -> dict:
-    return {"label": model.LABEL, "available": False, "reason": reason}
+    return {"label": time_model.LABEL, "available": False, "reason": reason}
 
 
 def _ratio(measured, predicted):
@@ -46,13 +46,13 @@ def _ratio(measured, predicted):
 def run_memory(cfg, model_cfg, shape, mesh: dict, hw, cpu_temp_bytes: int) -> dict:
     """The predicted memory of this run's layout on the part, as the dry-run plan predicts
     it (the run's own compiled temporaries ride along as XLA's figure)."""
-    from jaxdist import dryrun
-    from jaxdist.predict.plan import memory_estimate, pipeline_memory
+    from jaxdist.plan import shapes
+    from jaxdist.plan.predicted import memory_estimate, pipeline_memory
 
     if cfg.train.layout in PIPELINE_LAYOUTS:
-        from jaxdist.pipeline.plan import plan_pipeline
+        from jaxdist.plan.pipeline_shapes import plan_pipeline
         return pipeline_memory(plan_pipeline(cfg, shape), hw)
-    return memory_estimate(cfg, model_cfg, dryrun.plan(cfg, shape),
+    return memory_estimate(cfg, model_cfg, shapes.plan(cfg, shape),
                            flash_attention_applies(model_cfg, cfg.model.dtype), mesh, hw,
                            cpu_temp_bytes)
 
@@ -115,16 +115,16 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
         else:  # the run's own compiled step
             reading = program_reading.read(compiled, target, mesh, step_flops=step_flops)
             flops, bytes_accessed = reading["flops"], reading["bytes_accessed"]
-            ops = model.aggregate(reading["collectives"])
+            ops = time_model.aggregate(reading["collectives"])
         if not flops:
             return absent(f"{target.compiler}'s program gave no FLOPs for this step, so no "
                           f"compute time can be predicted")
-        step = model.step_time(flops, bytes_accessed, ops, hw, mesh, cfg.model.dtype,
+        step = time_model.step_time(flops, bytes_accessed, ops, hw, mesh, cfg.model.dtype,
                                cfg.compiler.overlap,
                                matmul_precision=cfg.model.matmul_precision)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
-    thr = model.throughput(step, tokens * batch if tokens else None,
+    thr = time_model.throughput(step, tokens * batch if tokens else None,
                            model_cfg.flops_per_sample() * batch, n)
     memory = run_memory(cfg, model_cfg, platform.shape, mesh, hw, int(temp))
     measured_step = (results.get("step_time_s") or {}).get("mean")
@@ -133,10 +133,10 @@ def prediction_block(cfg, platform, model_cfg, program, compiled, results: dict,
     peak = mem.get("measured_peak_bytes")
     simulated = platform.simulated or platform.backend == "cpu"
     return {
-        "label": model.LABEL, "available": True, "hardware": hw.name, "source": source,
+        "label": time_model.LABEL, "available": True, "hardware": hw.name, "source": source,
         "compiler": target.label,
         "basis": f"this run's step compiled by {target.label}, through "
-                 f"jaxdist.predict.model" + (" (pipeline: the tick model, its op pieces "
+                 f"jaxdist.predict.time_model" + (" (pipeline: the tick model, its op pieces "
                                              "compiled there)"
                                              if "pipeline" in step else ""),
         "predicted": {"step_s": step["step_s"],

@@ -6,7 +6,7 @@ part's achievable dense matmul rate, cuDNN attention at its forward / backward r
 sequence length, everything else at the streaming HBM rate (jaxdist.parts: published
 microbenchmarks, each cited), all scaled by the generation's one fitted number, the kernel
 efficiency (jaxdist.hardware.MODEL_CONSTANTS, fitted on one named record). Each collective costs what
-jaxdist.predict.model.collective_time says (NCCL's ring: bandwidth by link, latency per
+jaxdist.predict.time_model.collective_time says (NCCL's ring: bandwidth by link, latency per
 step), and an async one is hidden only behind the kernels XLA's latency-hiding scheduler
 placed between its `-start` and its `-done`; what the kernels there do not cover is exposed.
 Loop bodies count their trip count; a conditional's branches count as often as the caller
@@ -20,7 +20,7 @@ import bisect
 from jaxdist.program import kernels
 from jaxdist.hardware import kernel_efficiency, rates_part
 from jaxdist.parts import ANY_DTYPE, Part, attention_curve, rate
-from jaxdist.predict.model import collective_time
+from jaxdist.predict.time_model import collective_time
 
 GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused convolution",
               "unfused ragged-dot", "cuDNN fusion")
@@ -28,7 +28,7 @@ GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused c
 
 def has_rates(hw: Part) -> bool:
     """Whether the part has every published rate this model needs; else the roofline model
-    (jaxdist.predict.model.step_time) times the program."""
+    (jaxdist.predict.time_model.step_time) times the program."""
     try:
         Rates(hw)
     except KeyError:

@@ -15,7 +15,7 @@ left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (th
   cost the same;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
   over `stage`), then the optimizer update, at full depth.
-Each op's time is `jaxdist.predict.model.step_time` of its figures (compute or HBM, its own
+Each op's time is `jaxdist.predict.time_model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
 jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
 stage's ops plus its sends: one micro-batch's activation or gradient per device, over
@@ -162,7 +162,7 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
 def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update."""
-    from jaxdist.pipeline.plan import pipeline_planning_state
+    from jaxdist.state_shapes import pipeline_planning_state
     from jaxdist.pipeline.program import data_reduction
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(

@@ -27,7 +27,7 @@ from jaxdist.program import compiled as compiled_mod, liveness, program_reading
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
 from jaxdist.predict.depth import linear_times
-from jaxdist.predict.model import aggregate
+from jaxdist.predict.time_model import aggregate
 from jaxdist.train_step import compiled_step_flops
 
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate

@@ -13,12 +13,12 @@ import numpy as np
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, Schedule
-from jaxdist.predict.model import LABEL, kernel_step, ring_latency, step_time
+from jaxdist.predict.time_model import LABEL, kernel_step, ring_latency, step_time
 
 
 def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
     """Node index of every device, over the mesh axes (row-major device order, host-major:
-    as jaxdist.predict.model.crosses_nodes numbers them)."""
+    as jaxdist.predict.time_model.crosses_nodes numbers them)."""
     return np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values())) // gpus_per_node
 
 
@@ -144,7 +144,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     named = {device_name if k == "compute" else k: v for k, v in terms.items()}
     step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail["seconds"]
     # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
-    # tail (as jaxdist.predict.model reports it); exposed_*: what adds to the step.
+    # tail (as jaxdist.predict.time_model reports it); exposed_*: what adds to the step.
     return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
             "device_s": terms["compute"],
             "intra_node_s": work["intra_node_s"] + sends["intra-node"] + tail["intra_node_s"],

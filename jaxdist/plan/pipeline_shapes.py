@@ -2,8 +2,8 @@
 every stage, from shapes alone, and whether they fit a device (an H200: 141 GB).
 
 Parameters and optimizer state: the pipeline train state (blocks stacked [S, V, K, ...], the
-embeddings and head on every stage) assembled from the decoder's depth-1 shapes as
-jaxdist/dryrun.py does, placed by the layout's specs on an abstract mesh.
+embeddings and head on every stage) assembled from the decoder's depth-1 shapes
+(jaxdist.state_shapes), placed by the layout's specs on an abstract mesh.
 
 Activations (an estimate, not a compiled figure): stage s stashes, for each micro-batch
 between its forward and its backward (`res_slots_s`, counted from the schedule's table: M
@@ -23,42 +23,19 @@ from __future__ import annotations
 
 import math
 
-import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
 from jaxdist.run_model import build_model
 from jaxdist.pipeline.checks import check_pipeline
-from jaxdist.pipeline.parts import SHARED
 from jaxdist.pipeline.schedule import build_schedule
+from jaxdist.state_shapes import pipeline_planning_state
 from jaxdist.train_step import DTYPES, make_optimizer
-from jaxdist.update import train_state
 from sharding import get_layout
 from sharding.axes import batch_axes
 
 H200_BYTES = 141 * 10 ** 9  # NVIDIA H200: 141 GB of HBM3e (nvidia.com/h200 datasheet)
-
-
-def _stack_abstract(blocks: list, S: int, V: int):
-    K = len(blocks) // (S * V)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((S, V, K, *x.shape), x.dtype),
-                        blocks[0])
-
-
-def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int,
-                            master: bool = False) -> dict:
-    from jaxdist.dryrun import planning_params
-
-    base = planning_params(model_cfg, dtype_name)[0]
-    pure = base.to_pure_dict() if isinstance(base, nnx.State) else base
-    depth = model_cfg.depth
-    blocks = [pure["blocks"][i] for i in range(depth)]
-    params = {"stages": _stack_abstract(blocks, S, V),
-              "shared": {k: pure[k] for k in SHARED if k in pure}}
-    dtype = DTYPES[dtype_name] if master else None
-    return jax.eval_shape(lambda p: train_state(p, {}, tx, dtype), params)
 
 
 def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
@@ -136,14 +113,11 @@ def plan_pipeline(cfg, shape) -> dict:
 
 
 def format_pipeline_plan(p: dict) -> str:
-    from jaxdist.summary import dist_opt_text, human_bytes
+    from jaxdist.plan import headline
+    from jaxdist.summary import human_bytes
 
     pp = p["pipeline"]
-    devices = math.prod(p["mesh"].values())
-    lines = [f"dry run: {p['model']['name']} ({p['model']['params']:,} params), layout "
-             f"{p['layout']}{dist_opt_text(p)} on " +
-             " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
-             f" ({devices} devices); {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+    lines = [f"{headline(p)}; {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
              f"M={pp['microbatches']}, {pp['blocks_per_chunk']} blocks per chunk, "
              f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
              f"{pp['bubble']:.1%}; nothing allocated",

@@ -1,7 +1,7 @@
 """`--dry-run --hardware NAME`: the step compiled for the real mesh (XLA:GPU for NAME's
 topology without a device where the GPU compiler is installed, else XLA:CPU on simulated CPU
 devices: `jaxdist.program.compiled.for_part`), turned into a predicted memory verdict and step time
-on NAME (jaxdist.predict.model)."""
+on NAME (jaxdist.predict.time_model)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import copy
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
-from jaxdist import dryrun
+from jaxdist.plan import shapes
 from jaxdist.program import compiled
 from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
 from jaxdist.mesh import MeshShape
 from jaxdist.summary import dist_opt_text
-from jaxdist.predict import kernels_time, memory, model, program
+from jaxdist.predict import kernels_time, memory, program
+from jaxdist.predict import time_model
 from jaxdist.run_model import build_model
 from sharding.pipeline import PIPELINE_LAYOUTS
 
@@ -74,7 +75,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
         return predict_pipeline_plan(cfg, shape, hw, cache)
     model_cfg, _ = build_model(cfg)
     settings = (repr(cfg.model), repr(cfg.train), tuple(shape.axis_sizes.items()))
-    state = memo(cache, ("dryrun plan", *settings), lambda: dryrun.plan(cfg, shape))
+    state = memo(cache, ("shapes plan", *settings), lambda: shapes.plan(cfg, shape))
     target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
     mesh = dict(shape.axis_sizes)
     # The hand estimate traces the loss (Python) while XLA compiles (threads without the
@@ -91,17 +92,17 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
     mesh = dict(shape.axis_sizes)
     n = shape.size
     if "kernel_time" in figures:  # XLA:GPU's program, kernel by kernel
-        step = model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
+        step = time_model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
                                  cfg.model.dtype, cfg.model.matmul_precision)
     else:
-        step = model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
+        step = time_model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
                                mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
                                cfg.train.microbatches, cfg.model.matmul_precision)
     step = exposed_by_link(step)
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
-        "label": model.LABEL,
+        "label": time_model.LABEL,
         "dry_run": True,
         "settings": plan_settings(cfg, model_cfg),
         "layout": cfg.train.layout,
@@ -127,7 +128,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
             target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype)),
             mesh, hw, int(max(0.0, temp)), figures["memory"] if target.gpu else None, peak),
         "time": step,
-        "throughput": model.throughput(step, tokens * batch if tokens else None,
+        "throughput": time_model.throughput(step, tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
     }
 
@@ -188,7 +189,7 @@ def exposed_by_link(step: dict) -> dict:
 
 
 def hand_memory(cfg, model_cfg, state: dict, mesh: dict[str, int]) -> dict:
-    """jaxdist.predict.memory's peak estimate (exact state from `state`, dryrun.plan's)."""
+    """jaxdist.predict.memory's peak estimate (exact state from `state`, shapes.plan's)."""
     return memory.predict_memory(
         model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
         state["state_bytes_per_device"], state["state_bytes_global"]["params"],
@@ -205,8 +206,8 @@ def memory_estimate(cfg, model_cfg, state: dict, flash: bool, mesh: dict[str, in
     ratio."""
     peak = peak or hand_memory(cfg, model_cfg, state, mesh)
     if gpu_memory:
-        return model.gpu_memory_verdict(peak, gpu_memory, hw)
-    return model.memory_verdict(peak, cpu_temp_bytes, hw)
+        return time_model.gpu_memory_verdict(peak, gpu_memory, hw)
+    return time_model.memory_verdict(peak, cpu_temp_bytes, hw)
 
 
 def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None) -> dict:
@@ -227,11 +228,11 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
                if compiled_working is not None else
                "one chunk's backward by Korthikanti et al. 2022")
-    return {"label": model.LABEL, "state_bytes": state_bytes,
+    return {"label": time_model.LABEL, "state_bytes": state_bytes,
             "gradient_bytes": worst["gradients"],
             "temp_bytes": worst["activation_stash"] + worst["activation_working"],
             "temp_note": f"activations per stage: stash counted from the schedule table, "
-                         f"working set of {working} (jaxdist.pipeline.plan)",
+                         f"working set of {working} (jaxdist.plan.pipeline_shapes)",
             "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,
             "fits_reason": None if fits else "state + gradients + activations of stage "
                                              f"{worst['stage']} exceed HBM",
@@ -243,7 +244,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     """pp, tp_pp, fsdp_pp: the step tick by tick from the executed schedule table
     (jaxdist.predict.pipeline); memory from the pipeline memory plan (exact state per stage,
     activations estimated), against the part's HBM."""
-    from jaxdist.pipeline.plan import plan_pipeline
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
     from jaxdist.predict.pipeline import pipeline_step
 
     model_cfg, _ = build_model(cfg)
@@ -257,7 +258,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
     tokens = model_cfg.tokens_per_sample
     batch = cfg.train.batch_size
     return {
-        "label": model.LABEL, "dry_run": True, "settings": plan_settings(cfg, model_cfg),
+        "label": time_model.LABEL, "dry_run": True, "settings": plan_settings(cfg, model_cfg),
         "layout": cfg.train.layout, "mesh": mesh,
         "distributed_optimizer": memory_plan["distributed_optimizer"],
         "state_bytes_per_device": memory_plan["state_bytes_per_device"],  # exact, by part
@@ -271,7 +272,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
                      **pred["time"]["pipeline"]},
         "memory": pipeline_memory(memory_plan, hw, pred.get("working_temp_bytes")),
         "time": pred["time"],
-        "throughput": model.throughput(pred["time"], tokens * batch if tokens else None,
+        "throughput": time_model.throughput(pred["time"], tokens * batch if tokens else None,
                                        model_cfg.flops_per_sample() * batch, n),
     }
 

@@ -1,7 +1,6 @@
-"""`--dry-run`: what a layout would put on each device, from shapes alone.
-
-No parameter is allocated and no device is needed, so the full-size models of Go et al.
-(gpt3-175b, llama3-70b) can be planned for a 4x8 cluster on a laptop.
+"""The train state's shapes, cheaply, for plans: nothing is allocated and no device is
+needed, so the full-size models of Go et al. (gpt3-175b, llama3-70b) can be planned for a 4x8
+cluster on a laptop.
 
 Why not simply `jax.eval_shape` of the whole model's constructor: inside one trace, every
 Flax RNG draw updates a counter Variable whose setter asks the tracer for `.sharding`, and
@@ -13,6 +12,9 @@ the stack is assembled to full depth from those shapes; the optimizer state is t
 `eval_shape` of the optimizer's init on the assembled parameters. The tree (paths, shapes,
 dtypes) is the one the full trace gives, so the layouts see the same input
 (tests/test_dry_run.py compares both ways leaf by leaf).
+
+`pipeline_planning_state`: a pipeline's state, its blocks stacked [S, V, K, ...] and the
+embeddings and head on every stage (jaxdist.pipeline.parts.SHARED).
 """
 
 from __future__ import annotations
@@ -21,41 +23,12 @@ import dataclasses
 
 import jax
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType
 
-from jaxdist import metrics
-from jaxdist.mesh import MeshShape
-from jaxdist.train_step import DTYPES, split_model, abstract_train_state, make_optimizer
+from jaxdist.pipeline.parts import SHARED
+from jaxdist.train_step import DTYPES, abstract_train_state, split_model
 from jaxdist.update import train_state
-from jaxdist.run_model import build_model
-from sharding import get_layout
 
 STACK = "blocks"  # the decoders' nnx.List of identical blocks
-
-
-def plan(cfg, shape: MeshShape) -> dict:
-    model_cfg, _ = build_model(cfg)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    state = planning_state(model_cfg, cfg.model.dtype,
-                           make_optimizer(cfg.train.optimizer, cfg.train.lr),
-                           layout.master_weights(cfg.model.dtype))
-    sizes = shape.axis_sizes
-    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
-                        axis_types=(AxisType.Auto,) * len(sizes))
-    specs = layout(state, mesh)
-    summary = metrics.sharding_summary(state, specs)
-    return {
-        "dry_run": True,
-        "layout": cfg.train.layout,
-        "distributed_optimizer": layout.distributed_optimizer,
-        "mesh": dict(sizes),
-        "model": {"name": cfg.model.model, "params": metrics.param_count(state)},
-        "state_bytes_global": {part: sum(leaf.size * leaf.dtype.itemsize
-                                         for leaf in jax.tree.leaves(state[part]))
-                               for part in state},
-        "state_bytes_per_device": metrics.planned_bytes_per_device(state, specs, sizes),
-        "sharding": summary,
-    }
 
 
 def planning_state(model_cfg, dtype_name: str, tx, master: bool = False) -> dict:
@@ -114,22 +87,19 @@ def _same(a, b) -> bool:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def format_plan(p: dict) -> str:
-    from jaxdist.summary import dist_opt_text, human_bytes, replicated_text
+def _stack_abstract(blocks: list, S: int, V: int):
+    K = len(blocks) // (S * V)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((S, V, K, *x.shape), x.dtype),
+                        blocks[0])
 
-    devices = 1
-    for n in p["mesh"].values():
-        devices *= n
-    lines = [f"dry run: {p['model']['name']} ({p['model']['params']:,} params), layout "
-             f"{p['layout']}{dist_opt_text(p)} on " +
-             " x ".join(f"{k}={v}" for k, v in p["mesh"].items()) +
-             f" ({devices} devices); nothing allocated",
-             f"  {'state part':<12}{'global':>14}{'per device':>14}"]
-    for part, total in p["state_bytes_global"].items():
-        lines.append(f"  {part:<12}{human_bytes(total):>14}"
-                     f"{human_bytes(p['state_bytes_per_device'][part]):>14}")
-    lines.append(f"  {'total':<12}{human_bytes(sum(p['state_bytes_global'].values())):>14}"
-                 f"{human_bytes(p['state_bytes_per_device']['total']):>14}")
-    lines.append(f"  replicated: {replicated_text(p['sharding'])} (activations and "
-                 f"temporaries not included)")
-    return "\n".join(lines)
+
+def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int,
+                            master: bool = False) -> dict:
+    base = planning_params(model_cfg, dtype_name)[0]
+    pure = base.to_pure_dict() if isinstance(base, nnx.State) else base
+    depth = model_cfg.depth
+    blocks = [pure["blocks"][i] for i in range(depth)]
+    params = {"stages": _stack_abstract(blocks, S, V),
+              "shared": {k: pure[k] for k in SHARED if k in pure}}
+    dtype = DTYPES[dtype_name] if master else None
+    return jax.eval_shape(lambda p: train_state(p, {}, tx, dtype), params)
