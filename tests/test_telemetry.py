@@ -96,6 +96,20 @@ def test_totals_sum_over_gpus():
     assert r["peak_gpu_w"] == pytest.approx(300)
 
 
+def test_average_power_of_an_integral_is_over_the_time_its_samples_span():
+    """A short window's energy is the samples' integral; when the sampler missed the last
+    10% of the window (starved of CPU), energy_j leaves it out (flagged) and avg_w is the
+    samples' mean, 300 W, not 300 x 0.9."""
+    gpus = [{"energy_counter_j": None, "energy_integral_j": 270.0 * 0.5, "avg_w": 300.0,
+             "peak_w": 300.0}, {"energy_counter_j": None, "energy_integral_j": 100.0 * 0.5,
+                                "avg_w": 100.0, "peak_w": 100.0}]
+    r, flags = energy.totals(gpus, window_s=0.5, steps=10, samples=80, tokens=None,
+                             th=energy.Thresholds())
+    assert r["energy_source"] == "integral" and r["energy_j"] == pytest.approx(185.0)
+    assert r["avg_w"] == pytest.approx(400.0)
+    assert [f["code"] for f in flags] == ["short_window"]
+
+
 def test_integral_interpolates_window_edges():
     t = np.array([0.0, 1.0, 2.0, 3.0])
     w = np.array([0.0, 100.0, 100.0, 0.0])

@@ -190,7 +190,11 @@ def totals(gpus: list[dict], window_s: float, steps: int, samples: int, tokens: 
         "energy_per_step_j": per(steps),
         "energy_per_sample_j": per(samples),
         "energy_per_token_j": per(tokens),
-        "avg_w": energy / window_s if energy is not None and window_s > 0 else None,
+        # From the integral: the samples' mean over the time they span, summed over GPUs (a
+        # sampler starved of CPU that misses the window's edges leaves them out of energy_j,
+        # flagged integral_incomplete, but does not dilute the average with them)
+        "avg_w": (_sum([g["avg_w"] for g in gpus]) if source == "integral" else
+                  energy / window_s if energy is not None and window_s > 0 else None),
         "peak_gpu_w": max(peaks) if peaks else None,
         "samples_per_s": rate,
         # Go et al.'s efficiency: throughput divided by energy in megajoules.
