@@ -18,15 +18,11 @@ from pathlib import Path
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace, parse_profile_steps
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
-from jaxdist.run_model import build_model
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.notices import notices
 from experiments.run_dirs import make_logdir, resume_folder, wrote_record
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
-from jaxdist.pipeline.checks import check_pipeline
-from sharding import check_layout, get_layout
-from sharding.pipeline import PIPELINE_LAYOUTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(cfg: RunConfig) -> MeshShape:
-    """Every check that needs no device. Returns the parsed mesh."""
+    """Every check that needs no device. Returns the parsed mesh. The layout first, before
+    the models (flax) are imported: a misspelled --layout is refused in about a second."""
+    from sharding import check_layout, get_layout
     get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    from jaxdist.pipeline.checks import check_pipeline
+    from jaxdist.run_model import build_model
+    from sharding.pipeline import PIPELINE_LAYOUTS
+
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     if (cfg.train.layout in PIPELINE_LAYOUTS and shape.stage == 1 and shape.size

@@ -272,8 +272,14 @@ def registry_help() -> dict[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | None = None):
     """One flag per field (`batch_size` -> `--batch-size`), grouped by section; --model and
-    --layout list the registered names."""
-    extra_help = {**registry_help(), **(extra_help or {})}
+    --layout list the registered names (read when the help is printed, where the parser
+    can wait: a OneLineParser's late_help)."""
+    extra_help = dict(extra_help or {})
+    if hasattr(parser, "late_help"):
+        parser.late_help.update({k: (lambda k=k: registry_help()[k])
+                                 for k in ("model", "layout") if k not in extra_help})
+    else:
+        extra_help = {**registry_help(), **extra_help}
     for name, kind in _SECTIONS.items():
         group = parser.add_argument_group(name)
         for f in dataclasses.fields(kind):

@@ -45,6 +45,17 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", NameKeepingFormatter)
         super().__init__(*args, **kwargs)
         self.dash_values: set[str] = set()
+        # {dest: () -> text} appended to an option's help when the help is printed: the
+        # registries' names need jax and flax imported, which a parse must not wait for
+        self.late_help: dict = {}
+
+    def format_help(self):
+        late, self.late_help = self.late_help, {}
+        for action in self._actions:
+            if action.dest in late and action.help:  # before add_arguments' "(default: x)"
+                text, sep, default = action.help.partition(" (default:")
+                action.help = text + late[action.dest]() + sep + default
+        return super().format_help()
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

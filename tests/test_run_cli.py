@@ -2,11 +2,13 @@
 every kind of bad input (exit 2, one line, no traceback, no run directory)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from jaxdist.record import check
-from tests.helpers import cli_main, read_scalars, run_cli
+from tests.helpers import child_env, cli_main, read_scalars, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -153,6 +155,24 @@ def test_mesh_help_names_the_stage_axis():
     from experiments.run import build_parser
     text = " ".join(build_parser().format_help().split())
     assert "DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]]" in text and "data:2,stage:4" in text
+
+
+def test_a_misspelled_layout_is_refused_before_the_models_are_imported(tmp_path):
+    """The real binary (what a user waits for): one line naming the valid layouts, exit 2,
+    nothing written, and neither flax nor a model module imported on the way (`python -X
+    importtime`): the layout is checked first, which is what keeps it near a second."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "experiments.run",
+                           "--layout", "fsdpp", "--mesh", "4x8"], cwd=tmp_path,
+                          env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1
+    assert "unknown layout 'fsdpp' (did you mean 'fsdp'" in errors[0] and "zero1" in errors[0]
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines()
+                if ln.startswith("import time:") and ln.count("|") == 2}
+    assert "sharding.registry" in imported
+    assert sorted(m for m in imported if m.split(".")[0] in ("flax", "optax", "models")) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_mesh_that_does_not_match_the_devices(tmp_path):
