@@ -85,8 +85,8 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         layout = cfg.train.layout
-        from sharding.pipeline import PIPELINE_LAYOUTS  # here: it imports jax, which bad input
-        # must not wait for
+        # imported here, not at the top: sharding imports jax, which bad input must not wait for
+        from sharding.pipeline import PIPELINE_LAYOUTS
         if layout in PIPELINE_LAYOUTS:  # a gpipe and a 1f1b run differ by name
             layout += "-" + pipeline_schedule({"schedule": cfg.train.pp_schedule,
                                                "virtual": cfg.train.pp_virtual})
