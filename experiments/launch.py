@@ -89,7 +89,8 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     """The checks a run makes before it touches a device, made once here: a mistake is one
     line and exit 2 before N processes start (each would import jax and print the same line).
     None when the run may start; dry runs and PS runs start no jax.distributed job here."""
-    from experiments.run import build_parser, check_batch, validate
+    from experiments.run import build_parser
+    from experiments.validation import validate
     from jaxdist.config import from_namespace
     from jaxdist.devices import check_split
     from jaxdist.errors import UsageError
@@ -98,9 +99,8 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     if cfg.output.dry_run or cfg.train.layout == "ps":
         return None
     try:
-        shape = validate(cfg)
+        shape = validate(cfg).shape  # the run's own pass (the batch split included)
         if shape.size is not None:
-            check_batch(cfg, shape)
             check_split(shape, processes)
     except UsageError as e:
         print(f"launch: error: {e}", file=sys.stderr)

@@ -32,56 +32,6 @@ from ps.security import TOKEN_ENV, run_token
 from ps.shard_client import ShardClient
 
 
-# -- validation ---------------------------------------------------------------------------
-
-def validate_ps(cfg, shape) -> None:
-    """Every PS option check that needs no process; UsageError before any run dir exists."""
-    from ps.security import security_problems
-    from ps.shardmap import shard_map_for
-
-    ps = cfg.ps
-    if ps.ps_shards < 1:
-        raise UsageError(f"--ps-shards must be 1 or more, got {ps.ps_shards}")
-    if ps.staleness < 0:
-        raise UsageError(f"--staleness must be 0 or more, got {ps.staleness}")
-    if not ps.ps_timeout_s > 0:
-        raise UsageError(f"--ps-timeout-s must be positive, got {ps.ps_timeout_s}")
-    if ps.ps_checkpoint_every < 0:
-        raise UsageError(f"--ps-checkpoint-every must be 0 or more, got "
-                         f"{ps.ps_checkpoint_every}")
-    if not 1 <= ps.ps_max_message_mb <= 2047:
-        raise UsageError(f"--ps-max-message-mb must be within 1..2047 (gRPC's limit is a "
-                         f"32-bit size), got {ps.ps_max_message_mb}")
-    unsupported = [(cfg.train.microbatches > 1, "--microbatches"),
-                   (bool(cfg.checkpoint.checkpoint_dir), "--checkpoint-dir (use "
-                                                         "--ps-checkpoint-every)"),
-                   (cfg.dist.num_processes > 1, "--num-processes (the launcher starts "
-                                                "one process per worker and shard)"),
-                   (bool(cfg.output.profile_steps), "--profile-steps")]
-    for bad, flag in unsupported:
-        if bad:
-            raise UsageError(f"--layout ps does not support {flag}")
-    if ps.ps_staleness_lr and ps.ps_mode == "sync":
-        raise UsageError("--ps-staleness-lr applies to --ps-mode async or ssp; in sync mode "
-                         "every update has staleness 0")
-    run_token(os.environ, ps.ps_insecure)  # --ps-insecure against a given token
-    # beyond this host only with a token the user gives (and gives the other hosts)
-    problem = security_problems(ps.ps_bind, os.environ.get(TOKEN_ENV), ps.ps_tls_cert,
-                                ps.ps_tls_key)
-    if problem:
-        raise UsageError(problem)
-    if not procs.port_free(ps.ps_bind, 0):
-        raise UsageError(f"--ps-bind {ps.ps_bind} is not an address of this host")
-    base = getattr(ps, "ps_port", 0)  # optional field: fixed ports base, base+1, ...
-    if base:
-        busy = [base + k for k in range(ps.ps_shards) if not procs.port_free(ps.ps_bind,
-                                                                              base + k)]
-        if busy:
-            raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
-                             f"use; choose another --ps-port or 0 for free ports")
-    shard_map_for(cfg)  # too many shards, non-float32 parameters
-
-
 def run_ps(cfg, shape, logdir: Path, log=print) -> dict:
     from ps.shardmap import shard_map_for
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.run import build_parser, check_batch
+from experiments.run import build_parser
+from experiments.validation import check_batch
 from jaxdist.config import CheckpointConfig, CompilerConfig, DataConfig, ModelConfig
 from jaxdist.config import OutputConfig, PSConfig
 from jaxdist.config import RunConfig, TrainConfig

@@ -267,7 +267,8 @@ def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
 
 
 def test_batch_not_divisible_by_data_x_microbatches():
-    from experiments.run import build_parser, check_batch
+    from experiments.run import build_parser
+    from experiments.validation import check_batch
     from jaxdist.config import from_namespace
 
     cfg = from_namespace(build_parser().parse_args(

@@ -290,10 +290,10 @@ def test_insecure_with_a_token_is_one_line_exit_2(tmp_path, monkeypatch, capsys)
 def test_the_validation_of_a_run_does_not_import_the_shard_server():
     """ps.server forces JAX_PLATFORMS=cpu on import; the launcher imported it to validate a
     run, so on a GPU node its workers inherited JAX_PLATFORMS=cpu. The checks live in
-    ps.security now."""
-    code = ("import sys; from jaxdist.mesh import parse_mesh; from ps.driver import "
-            "validate_ps; from tests.test_ps_server import CFG; "
-            "validate_ps(CFG, parse_mesh(CFG.mesh.mesh)); print('ps.server' in sys.modules)")
+    ps.security now, called from the validation pass."""
+    code = ("import sys; from experiments.validation import check_ps; "
+            "from tests.test_ps_server import CFG; "
+            "check_ps(CFG); print('ps.server' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=server_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False"], out.stderr[-2000:]

@@ -325,23 +325,23 @@ BAD = [
 
 @pytest.mark.parametrize("fields, message", BAD, ids=[str(f) for f, _ in BAD])
 def test_validate_ps(fields, message, monkeypatch):
-    from ps.driver import validate_ps
+    from experiments.validation import check_ps
 
     monkeypatch.delenv("JAXDIST_PS_TOKEN", raising=False)
     cfg = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
                     ps=PSConfig(**fields))
     with pytest.raises(UsageError, match=message):
-        validate_ps(cfg, MeshShape(2, 1))
+        check_ps(cfg)
 
 
 def test_validate_ps_address_not_local(monkeypatch):
-    from ps.driver import validate_ps
+    from experiments.validation import check_ps
 
     monkeypatch.setenv("JAXDIST_PS_TOKEN", "x" * 20)
     cfg = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
                     ps=PSConfig(ps_bind="203.0.113.9"))
     with pytest.raises(UsageError, match="not an address of this host"):
-        validate_ps(cfg, MeshShape(2, 1))
+        check_ps(cfg)
 
 
 def test_killing_the_launcher_leaves_no_orphans(tmp_path):

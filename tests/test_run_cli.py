@@ -175,6 +175,21 @@ def test_a_misspelled_layout_is_refused_before_the_models_are_imported(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_bad_value_is_refused_before_jax_is_imported(tmp_path):
+    """The validation pass checks the flags' values first (experiments/validation.py), so
+    `--lr 0` is refused by the real binary without importing jax at all."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "experiments.run",
+                           "--layout", "fsdp", "--mesh", "4x8", "--lr", "0"], cwd=tmp_path,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    assert proc.returncode == 2 and errors == ["run: error: --lr must be positive, got 0.0"]
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines()
+                if ln.startswith("import time:") and ln.count("|") == 2}
+    assert "experiments.validation" in imported
+    assert sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "flax")) == []
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mesh_that_does_not_match_the_devices(tmp_path):
     proc = run_cli("--mesh", "4x8", "--model", "mlp-tiny", cwd=tmp_path,
                    xla_flags="--xla_force_host_platform_device_count=8")

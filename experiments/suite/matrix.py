@@ -98,16 +98,12 @@ def preflight(p: Planned) -> str | None:
     reason the run would stop at once, or None. Only --dry-run uses it; a real run is
     always judged by its own exit status."""
     from experiments import run as run_mod
+    from experiments.validation import validate
 
     try:
         parser = run_mod.build_parser()
         parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
-        cfg = run_mod.from_namespace(parser.parse_args(p.args))
-        shape = run_mod.validate(cfg)
-        if shape.size is not None:
-            run_mod.check_batch(cfg, shape)
-        elif cfg.train.layout == "ps":
-            raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+        validate(run_mod.from_namespace(parser.parse_args(p.args)))
     except UsageError as e:
         return str(e)
     return None

@@ -138,7 +138,9 @@ def _check(table: dict, allowed, where: str) -> None:
 def row_config(row: PlanRow, hardware: str, gpus_per_node: int):
     """(RunConfig, MeshShape) of a row, through experiments.run's own parser and checks."""
     from experiments import run as run_mod
+    from experiments.validation import validate
     from jaxdist.config import to_argv
+    from jaxdist.mesh import parse_mesh
 
     parser = run_mod.build_parser()
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
@@ -146,11 +148,9 @@ def row_config(row: PlanRow, hardware: str, gpus_per_node: int):
     if gpus_per_node:
         values["gpus_per_node"] = gpus_per_node
     cfg = run_mod.from_namespace(parser.parse_args(to_argv(values)))
-    shape = run_mod.validate(cfg)
-    if shape.size is None:
+    if parse_mesh(cfg.mesh.mesh).size is None:
         raise UsageError(f"plan row {row.name}: needs an explicit mesh")
-    run_mod.check_batch(cfg, shape)
-    return cfg, shape
+    return cfg, validate(cfg).shape
 
 
 PLAN_THREADS = 2  # entries predicted side by side: one lowers (Python) while one compiles

@@ -1,0 +1,201 @@
+"""One validation pass over a run's config: every check that needs no device, in one place,
+before a run directory, a process or a backend exists. `validate(cfg)` raises the first
+problem as a one-line UsageError (later checks read what earlier ones parsed, so there is
+one to report) and returns the parsed mesh and the notices (flags that do nothing here,
+jaxdist/notices.py) for the caller to print once it has a place to write.
+
+Cheapest first: the flags' values need nothing but the config, so a bad value is refused
+before jax is imported; the layout then needs the layout registry (jax), the model its
+config (flax), the parameter server its shard map and a --checkpoint-dir Orbax. The checks that are facts of a domain stay there and are
+called from here: a layout's mesh (sharding.check_layout), a pipeline's schedule and depth
+(jaxdist.pipeline.checks), a model's own fields (its config's `validate`), a GPU part
+(jaxdist.hardware).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from jaxdist.config import RunConfig, parse_profile_steps
+from jaxdist.errors import UsageError
+from jaxdist.mesh import MeshShape, parse_mesh
+
+
+@dataclass(frozen=True)
+class Validated:
+    shape: MeshShape              # the parsed --mesh (size None for -1: known with devices)
+    notices: tuple[str, ...]      # "notice: ..." lines, in jaxdist.notices' order
+
+
+def validate(cfg: RunConfig) -> Validated:
+    """Every check of `cfg` for `experiments.run` (a mesh run, --dry-run or --layout ps)."""
+    check_values(cfg)
+    if cfg.output.hardware:  # a named part (jaxdist.parts): no jax
+        from jaxdist.hardware import get_hardware
+        get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+    shape = parse_mesh(cfg.mesh.mesh)
+    if shape.size is None and (cfg.output.dry_run or cfg.train.layout == "ps"):
+        raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1"
+                         if cfg.output.dry_run else
+                         "--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+    check_layout_and_model(cfg, shape)
+    # After the layout: a pipeline layout's decoders evaluate on no dataset (its own error)
+    if cfg.data.eval_every and cfg.data.dataset == "synthetic":
+        raise UsageError("--eval-every needs a real dataset: add --dataset digits")
+    if cfg.output.dry_run and cfg.output.hardware:  # the step is compiled for that cluster
+        from jaxdist.hardware import check_nodes, get_hardware
+        from jaxdist.program.compiled import xla_options
+        check_batch(cfg, shape)
+        check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
+        xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
+    elif not cfg.output.dry_run and shape.size is not None:  # -1: checked once devices are
+        check_batch(cfg, shape)
+    if cfg.train.layout == "ps":
+        check_ps(cfg)
+    elif not cfg.output.dry_run and cfg.compiler.xla_flags.strip():
+        from jaxdist.devices import check_xla_flags
+        check_xla_flags(cfg.compiler.xla_flags.strip())
+    check_checkpoint_dir(cfg)
+    from jaxdist.notices import disk_notices, notices
+    return Validated(shape, tuple(notices(cfg) + disk_notices(cfg)))
+
+
+def check_values(cfg: RunConfig) -> None:
+    """What the flags' values alone say (no model, mesh or layout read)."""
+    if cfg.data.eval_every < 0:
+        raise UsageError(f"--eval-every must be 0 or more, got {cfg.data.eval_every}")
+    for name, value in (("--steps", cfg.loop.steps), ("--batch-size", cfg.train.batch_size)):
+        if value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}")
+    if cfg.train.microbatches < 1:
+        raise UsageError(f"--microbatches must be a positive integer, got "
+                         f"{cfg.train.microbatches}")
+    if cfg.loop.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {cfg.loop.warmup}")
+    ck = cfg.checkpoint
+    if ck.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be 0 or more, got {ck.checkpoint_every}")
+    if (ck.resume or ck.checkpoint_every) and not ck.checkpoint_dir:
+        raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    cfg.power.validate()
+    profile = parse_profile_steps(cfg.output.profile_steps)
+    if profile and profile[1] >= cfg.loop.warmup + cfg.loop.steps:
+        raise UsageError(f"--profile-steps {cfg.output.profile_steps}: the run has steps 0.."
+                         f"{cfg.loop.warmup + cfg.loop.steps - 1}")
+    if not cfg.train.lr > 0:
+        raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
+
+
+def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
+    """The layout against the mesh and the model. The layout's name first, before the
+    models (flax) are imported: a misspelled --layout is refused in about a second."""
+    from sharding import check_layout, get_layout
+    get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    from jaxdist.pipeline.checks import check_pipeline
+    from jaxdist.run_model import build_model
+    from sharding.pipeline import PIPELINE_LAYOUTS
+
+    model_cfg, _ = build_model(cfg)
+    pipelined = cfg.train.layout in PIPELINE_LAYOUTS
+    if (pipelined and shape.stage == 1 and shape.size
+            and model_cfg.family in ("gpt", "moe")):  # other families: check_layout says so
+        raise UsageError(f"layout {cfg.train.layout!r} splits over the stage axis, which "
+                         f"this mesh does not have (the short form puts stage fifth: "
+                         f"DATAxFSDPxTENSORxEXPERTxSTAGE); e.g. --mesh "
+                         f"{stage_example(cfg.train.layout, shape)}")
+    check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family,
+                 cfg.train.distributed_optimizer)
+    if pipelined:  # depth vs stages x chunks, schedule vs M
+        check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
+                       cfg.train.pp_virtual, cfg.data.eval_every, shape.data)
+
+
+def stage_example(layout: str, shape: MeshShape) -> str:
+    """A mesh with a stage axis on the same devices for a pipeline layout: the layout's own
+    inner axis (tp_pp: tensor, fsdp_pp: fsdp) kept, 2 stages (or all) from the rest."""
+    inner = {"tp_pp": "tensor", "fsdp_pp": "fsdp"}.get(layout)
+    kept = getattr(shape, inner) if inner else 1
+    rest = shape.size // kept
+    if rest == 1 and kept % 2 == 0:  # every device on the inner axis: give half to stage
+        kept, rest = kept // 2, 2
+    stages = 2 if rest % 2 == 0 or rest == 1 else rest
+    rest = max(rest, stages)
+    sizes = {"data": rest // stages, "stage": stages, **({inner: kept} if kept > 1 else {})}
+    return ",".join(f"{a}:{n}" for a, n in sizes.items())
+
+
+def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
+    """The batch is split over every device but the tensor axis, then into micro-batches.
+    Also run once devices are known, for a mesh of -1."""
+    b, m = cfg.train.batch_size, cfg.train.microbatches
+    num_devices, mesh_label = shape.size // shape.tensor // shape.stage, shape.label
+    if m < 1:
+        raise UsageError(f"--microbatches must be a positive integer, got {m}")
+    unit = num_devices * m
+    if b % unit:
+        below, above = b // unit * unit, (b // unit + 1) * unit
+        nearest = f"{below} or {above}" if below else f"{above}"
+        what = (f"the {num_devices} batch shards of mesh {mesh_label}" if m == 1 else
+                f"{num_devices} batch shards x {m} micro-batches")
+        raise UsageError(f"global batch {b} is not divisible by {what}; use a multiple of "
+                         f"{unit}, e.g. --batch-size {nearest}")
+
+
+def check_checkpoint_dir(cfg: RunConfig) -> None:
+    """--checkpoint-dir: a writable folder, empty unless --resume continues its checkpoints
+    (jaxdist/checkpoint.py). A dry run writes none, and --layout ps refuses the flag."""
+    if cfg.checkpoint.checkpoint_dir and not cfg.output.dry_run and cfg.train.layout != "ps":
+        from jaxdist.checkpoint import check_directory, identity
+        check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume, identity(cfg))
+
+
+def check_ps(cfg: RunConfig) -> None:
+    """--layout ps: its options, the flags it does not support, its address and ports and
+    its shard map (no process started; ps.server, which forces JAX_PLATFORMS=cpu on import,
+    is not imported)."""
+    from jaxdist import procs
+    from ps.security import TOKEN_ENV, run_token, security_problems
+    from ps.shardmap import shard_map_for
+
+    ps = cfg.ps
+    if ps.ps_shards < 1:
+        raise UsageError(f"--ps-shards must be 1 or more, got {ps.ps_shards}")
+    if ps.staleness < 0:
+        raise UsageError(f"--staleness must be 0 or more, got {ps.staleness}")
+    if not ps.ps_timeout_s > 0:
+        raise UsageError(f"--ps-timeout-s must be positive, got {ps.ps_timeout_s}")
+    if ps.ps_checkpoint_every < 0:
+        raise UsageError(f"--ps-checkpoint-every must be 0 or more, got "
+                         f"{ps.ps_checkpoint_every}")
+    if not 1 <= ps.ps_max_message_mb <= 2047:
+        raise UsageError(f"--ps-max-message-mb must be within 1..2047 (gRPC's limit is a "
+                         f"32-bit size), got {ps.ps_max_message_mb}")
+    unsupported = [(cfg.train.microbatches > 1, "--microbatches"),
+                   (bool(cfg.checkpoint.checkpoint_dir), "--checkpoint-dir (use "
+                                                         "--ps-checkpoint-every)"),
+                   (cfg.dist.num_processes > 1, "--num-processes (the launcher starts "
+                                                "one process per worker and shard)"),
+                   (bool(cfg.output.profile_steps), "--profile-steps")]
+    for bad, flag in unsupported:
+        if bad:
+            raise UsageError(f"--layout ps does not support {flag}")
+    if ps.ps_staleness_lr and ps.ps_mode == "sync":
+        raise UsageError("--ps-staleness-lr applies to --ps-mode async or ssp; in sync mode "
+                         "every update has staleness 0")
+    run_token(os.environ, ps.ps_insecure)  # --ps-insecure against a given token
+    # beyond this host only with a token the user gives (and gives the other hosts)
+    problem = security_problems(ps.ps_bind, os.environ.get(TOKEN_ENV), ps.ps_tls_cert,
+                                ps.ps_tls_key)
+    if problem:
+        raise UsageError(problem)
+    if not procs.port_free(ps.ps_bind, 0):
+        raise UsageError(f"--ps-bind {ps.ps_bind} is not an address of this host")
+    base = getattr(ps, "ps_port", 0)  # optional field: fixed ports base, base+1, ...
+    if base:
+        busy = [base + k for k in range(ps.ps_shards) if not procs.port_free(ps.ps_bind,
+                                                                              base + k)]
+        if busy:
+            raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
+                             f"use; choose another --ps-port or 0 for free ports")
+    shard_map_for(cfg)  # too many shards, non-float32 parameters
