@@ -35,7 +35,6 @@ def rows_of(directory: Path) -> list[dict]:
     for name, plan in load_plans(directory):
         r = row(name, plan)
         r["entry"], r["variant"], _ = split_name(name, r["model"])
-        r["hardware"] = plan["hardware"]["name"]
         out.append(r)
     return out
 

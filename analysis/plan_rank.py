@@ -36,9 +36,12 @@ def bars(plan: dict) -> dict:
 
 
 def row(name: str, plan: dict) -> dict:
+    """The one reader of a plan.json (the ranking and analysis.go2025 read its rows): what
+    the plan says, flat, labelled predicted."""
     t, m, thr = plan["time"], plan["memory"], plan["throughput"]
     pp = plan.get("pipeline") or {}
     return {"name": name, "model": plan["model"]["name"], "layout": plan["layout"],
+            "hardware": (plan.get("hardware") or {}).get("name"),
             "mesh": ",".join(f"{k}:{v}" for k, v in plan["mesh"].items() if v > 1) or "1",
             "schedule": pp.get("schedule"), "microbatches": pp.get("microbatches"),
             "batch_size": plan["batch_size"], "step_s": t["step_s"],

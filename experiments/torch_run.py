@@ -287,7 +287,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     world, warmup = job["world"], job["warmup"]
     # A step takes as long as its slowest rank (every rank started it after a barrier).
     step_s = np.max(np.array([r["step_s"] for r in reports]), axis=0).tolist()
-    steps = metrics.latency_stats(step_s[warmup:])
+    steps = metrics.step_time_block(step_s[warmup:])
     first = reports[0]
     device_kind = first["device_kind"]
     by_device = [{"device": r["rank"], "process": r["rank"], "bytes": r["state_bytes"]}
@@ -295,25 +295,21 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     cuda = job["device"] == "cuda"
     threads = sorted({r["threads"] for r in reports})
     mesh = {"data": world, "fsdp": 1} if job["strategy"] == "ddp" else {"data": 1, "fsdp": world}
-    return {
-        **record.header("pytorch", job["strategy"], mesh, cfg, model_cfg, first["params"]),
-        "env": {"jax_version": first["torch_version"], "torch_version": first["torch_version"],
-                "backend": job["device"], "device_kind": device_kind, "num_devices": world,
-                "num_processes": world, "simulated": False,
-                "threads_per_process": threads[0] if len(threads) == 1 else threads,
-                "host_cpus": os.cpu_count()},
-        "compile_s": None,  # not measured: there is no compilation step to time
-        "compile_note": "eager PyTorch: nothing is compiled; one-off costs (lazy optimizer "
-                        "state, FSDP lazy init) fall in the warm-up steps",
-        "step_time_s": steps,
-        "warmup_step_time_s": step_s[:warmup],
-        "step_time_by_rank_s": [r["step_s"][warmup:] for r in reports],
-        "throughput": record.throughput_block(job["batch_size"], model_cfg.tokens_per_sample,
-                                              steps["mean"]),
-        "mfu": metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
-                           model_cfg.flops_per_sample() * job["batch_size"],
-                           matmul_precision=job["matmul_precision"]),
-        "memory": dict(
+    return record.build(
+        "pytorch", job["strategy"], mesh, cfg, model_cfg, first["params"],
+        env={"jax_version": first["torch_version"], "torch_version": first["torch_version"],
+             "backend": job["device"], "device_kind": device_kind, "num_devices": world,
+             "num_processes": world, "simulated": False,
+             "threads_per_process": threads[0] if len(threads) == 1 else threads,
+             "host_cpus": os.cpu_count()},
+        compile_s=None,  # not measured: there is no compilation step to time
+        step_time_s=steps, warmup_step_time_s=step_s[:warmup],
+        throughput=record.throughput_block(job["batch_size"], model_cfg.tokens_per_sample,
+                                           steps["mean"]),
+        mfu=metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
+                        model_cfg.flops_per_sample() * job["batch_size"],
+                        matmul_precision=job["matmul_precision"]),
+        memory=dict(
             record.memory_block(
                 by_device, None, max(r["peak_bytes"] for r in reports) if cuda else None,
                 None if cuda else "torch on CPU has no allocator peak counter (process RSS is "
@@ -323,24 +319,25 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
             compiled_reason="eager PyTorch: no compiled program, so no compiler bound",
             reserved_peak_bytes=max(r["reserved_bytes"] for r in reports) if cuda else None,
             process_peak_rss_bytes=[r["max_rss_bytes"] for r in reports]),
-        "sharding": first["sharding"],
-        "loss": first["loss"],
-        "comm": None,  # the summary says why instead of a bare n/a
-        "comm_reason": "not read for PyTorch: its collectives (gloo/NCCL, eager) are not "
-                       "analysed as a compiled XLA program's are",
+        sharding=first["sharding"], loss=first["loss"],
+        comm=None,  # the summary says why instead of a bare n/a
         # each rank sampled its own GPU (jaxdist.telemetry, as a mesh run): added up
-        "power": combine({r["rank"]: r["power"] for r in reports}, who="rank"),
-        "window": {"start_unix_s": min(r["window"][0] for r in reports),
-                   "end_unix_s": max(r["window"][1] for r in reports)},
-        "torch": {"strategy": job["strategy"], "implementation": first["implementation"],
-                  "backend": first["backend"], "threads_per_process": job["threads"],
-                  "init": job["init"], "optimizer_impl": first["optimizer_impl"],
-                  "fp32_precision": first["fp32_precision"],
-                  "autocast": job["dtype"] if job["dtype"] != "float32" else None,
-                  "sync": "barrier before each step (untimed); the step ends after the loss "
-                          "all-reduce" + (" and torch.cuda.synchronize()" if cuda else ""),
-                  "step_time_rule": "max over ranks per step"},
-    }
+        power=combine({r["rank"]: r["power"] for r in reports}, who="rank"),
+        window={"start_unix_s": min(r["window"][0] for r in reports),
+                "end_unix_s": max(r["window"][1] for r in reports)},
+        compile_note="eager PyTorch: nothing is compiled; one-off costs (lazy optimizer "
+                     "state, FSDP lazy init) fall in the warm-up steps",
+        step_time_by_rank_s=[r["step_s"][warmup:] for r in reports],
+        comm_reason="not read for PyTorch: its collectives (gloo/NCCL, eager) are not "
+                    "analysed as a compiled XLA program's are",
+        torch={"strategy": job["strategy"], "implementation": first["implementation"],
+               "backend": first["backend"], "threads_per_process": job["threads"],
+               "init": job["init"], "optimizer_impl": first["optimizer_impl"],
+               "fp32_precision": first["fp32_precision"],
+               "autocast": job["dtype"] if job["dtype"] != "float32" else None,
+               "sync": "barrier before each step (untimed); the step ends after the loss "
+                       "all-reduce" + (" and torch.cuda.synchronize()" if cuda else ""),
+               "step_time_rule": "max over ranks per step"})
 
 
 def write_outputs(cfg, logdir: Path, results: dict) -> None:

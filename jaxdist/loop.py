@@ -133,23 +133,21 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                 window_close = steps_done - 1  # the window ends with the last step run
                 monitor.close_window()
 
-        results = assemble_results(cfg, platform, model_cfg, program, compiled, compile_s,
-                                   timer, losses, state, start_step)
-        results["status"] = "interrupted" if interrupted else "complete"
-        results["steps_done"] = steps_done
-        results["interrupted"] = ({"signal": stop.signal or "SIGTERM",
-                                   "received_here": stop.signal is not None,
-                                   "steps_planned": total_steps,
-                                   "timed_steps": len(timer.timed_s)}
-                                  if interrupted else None)
         # Each process measures its own GPUs, so it is credited with its share of the samples.
         share = len([d for d in platform.devices if d.process_index == jax.process_index()])
         window_n = max(min(window_close, steps_done - 1) - window_open + 1, 0)
         window_samples = window_n * cfg.train.batch_size * share // len(platform.devices)
         tokens = model_cfg.tokens_per_sample
-        results["power"] = monitor.result(window_n, window_samples,
-                                          window_samples * tokens if tokens else None,
-                                          first_step=window_open)
+        power = monitor.result(window_n, window_samples,
+                               window_samples * tokens if tokens else None,
+                               first_step=window_open)
+        results = assemble_results(
+            cfg, platform, model_cfg, program, compiled, compile_s, timer, losses, state,
+            start_step, power, steps_done,
+            interrupted=({"signal": stop.signal or "SIGTERM",
+                          "received_here": stop.signal is not None,
+                          "steps_planned": total_steps, "timed_steps": len(timer.timed_s)}
+                         if interrupted else None))
         results["memory"]["devices"] = telemetry.memory_snapshot(platform.devices, monitor)
         measured, estimate = (results["memory"]["measured_peak_bytes"],
                               (results["memory"]["compiled"] or {}).get("peak_bytes"))
@@ -220,10 +218,9 @@ def evaluate(program, state, dataset, cfg: RunConfig) -> float:
 
 
 def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, timer, losses,
-                     state, start_step: int = 0) -> dict:
-    steps = (metrics.latency_stats(timer.timed_s) if timer.timed_s else
-             dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
-                  n=0, reason="interrupted before the first timed step (after warm-up)"))
+                     state, start_step: int, power: dict, steps_done: int,
+                     interrupted: dict | None) -> dict:
+    steps = metrics.step_time_block(timer.timed_s)
     profile = parse_profile_steps(cfg.output.profile_steps)
     if profile and steps["n"]:  # the timed steps are the last n this process ran
         last = start_step + len(losses) - 1
@@ -235,31 +232,26 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    results = {
-        **record.header("jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg,
-                        model_cfg, metrics.param_count(program.abstract_state)),
-        "env": env_info(platform),
-        "compile_s": compile_s,
-        "step_time_s": steps,
-        "warmup_step_time_s": timer.warmup_s,
-        "throughput": record.throughput_block(cfg.train.batch_size,
-                                              model_cfg.tokens_per_sample, mean_s),
-        "mfu": mfu_block(cfg, model_cfg, program, compiled, platform.device_kind,
-                         len(platform.devices), mean_s),
-        "memory": record.memory_block(metrics.state_bytes_by_device(state),
-                                      metrics.compiled_memory(compiled),
-                                      *metrics.measured_peak(platform.devices)),
-        "sharding": metrics.sharding_summary(program.abstract_state, program.state_specs),
-        "distributed_optimizer": layout.distributed_optimizer,
-        "comm": comm_block(layout.name, compiled, program),
-        "program": program_block(cfg, platform, program, compiled),
-        "pipeline": (pipeline_block(program, compiled, state, batch,
-                                    model_cfg.flops_per_sample() * batch,
-                                    len(platform.devices))
-                     if isinstance(program, PipelineProgram) else None),
-        "loss": losses,
-        "window": {"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
-    }
+    results = record.build(
+        "jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg, model_cfg,
+        metrics.param_count(program.abstract_state),
+        env=env_info(platform), compile_s=compile_s, step_time_s=steps,
+        warmup_step_time_s=timer.warmup_s,
+        throughput=record.throughput_block(batch, model_cfg.tokens_per_sample, mean_s),
+        mfu=mfu_block(cfg, model_cfg, program, compiled, platform.device_kind,
+                      len(platform.devices), mean_s),
+        memory=record.memory_block(metrics.state_bytes_by_device(state),
+                                   metrics.compiled_memory(compiled),
+                                   *metrics.measured_peak(platform.devices)),
+        sharding=metrics.sharding_summary(program.abstract_state, program.state_specs),
+        loss=losses, comm=comm_block(layout.name, compiled, program), power=power,
+        window={"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
+        steps_done=steps_done, interrupted=interrupted,
+        distributed_optimizer=layout.distributed_optimizer,
+        program=program_block(cfg, platform, program, compiled),
+        pipeline=(pipeline_block(program, compiled, state, batch,
+                                 model_cfg.flops_per_sample() * batch, len(platform.devices))
+                  if isinstance(program, PipelineProgram) else None))
     results["memory"]["state_bytes_by_part"] = metrics.state_bytes_by_part(state)
     if results["pipeline"]:  # bytes each stage sends, beside the analytic activation volume
         results["comm"]["stage"] = results["pipeline"]["stage_bytes"]

@@ -37,6 +37,15 @@ def latency_stats(seconds) -> dict:
     }
 
 
+def step_time_block(timed_s) -> dict:
+    """results["step_time_s"]: the timed steps' distribution, or, for a run interrupted
+    before its first timed step, null figures with the reason."""
+    if len(timed_s):
+        return latency_stats(timed_s)
+    return dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
+                n=0, reason="interrupted before the first timed step (after warm-up)")
+
+
 def scalar(x) -> float:
     """A replicated scalar as a Python float, also when other processes hold copies too."""
     return float(x.addressable_data(0)) if isinstance(x, jax.Array) else float(x)

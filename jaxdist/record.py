@@ -115,7 +115,27 @@ def write_json(path: Path, data) -> None:
 
 
 # ---------------------------------------------------------------------------- writing: the
-# blocks every producer (jaxdist.loop, ps.driver, experiments.torch_run) spells the same way
+# one builder of every producer (jaxdist.loop, ps.collect, experiments.torch_run)
+
+def build(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int, *, env: dict,
+          compile_s: float | None, step_time_s: dict, warmup_step_time_s: list,
+          throughput: dict, mfu: dict, memory: dict, sharding: dict, loss: list,
+          comm: dict | None, power: dict, window: dict, steps_done: int | None = None,
+          interrupted: dict | None = None, **own) -> dict:
+    """A results.json record: the schema's blocks (SCHEMA, docs/results.md) in one order,
+    then the producer's own (`own`: `comm_reason`, `pipeline`, `program`, `ps`, `torch`,
+    ...). `steps_done` defaults to every step's loss; `interrupted` (the signal, the steps
+    planned) makes the status `interrupted`."""
+    return {
+        **header(framework, layout, mesh, cfg, model_cfg, params),
+        "status": "interrupted" if interrupted else "complete",
+        "steps_done": len(loss) if steps_done is None else steps_done,
+        "interrupted": interrupted,
+        "env": env, "compile_s": compile_s, "step_time_s": step_time_s,
+        "warmup_step_time_s": warmup_step_time_s, "throughput": throughput, "mfu": mfu,
+        "memory": memory, "sharding": sharding, "loss": loss, "comm": comm, "power": power,
+        "window": window, **own}
+
 
 def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
     """What the run is: schema_version, framework, layout, mesh, model, config."""

@@ -202,9 +202,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
             break
         losses.append(sum(values) / len(values))
     timed = ref["step_s"][warmup:]
-    steps = (metrics.latency_stats(timed) if timed else
-             dict(dict.fromkeys(("mean", "std", "p50", "p90", "p99", "min", "max", "ci95")),
-                  n=0, reason="interrupted before the first timed step (after warm-up)"))
+    steps = metrics.step_time_block(timed)
     model_cfg, _, abstract_params, abstract_ms = abstract_model(cfg)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
@@ -294,37 +292,29 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                               "shard servers: ps.server_bytes_per_shard")
     # A worker writes its file after its last step, or after the step it stopped at when
     # the run was interrupted (ps.launch.stop_workers).
-    results = {
-        **record.header("jax", "ps", {"workers": num_workers, "devices_per_worker": devices},
-                        cfg, model_cfg, shard_map.total),
-        "env": env,
-        "status": "interrupted" if interrupted else "complete",
-        "steps_done": steps_done,  # loop iterations of each reporting worker (warm-up too)
-        "interrupted": {"signal": interrupted, "received_here": True, "steps_planned": total,
-                        "timed_steps": len(timed),
-                        "steps_done_per_worker": ps_block["steps_done_per_worker"]}
+    results = record.build(
+        "jax", "ps", {"workers": num_workers, "devices_per_worker": devices}, cfg, model_cfg,
+        shard_map.total, env=env, compile_s=ref["compile_s"], step_time_s=steps,
+        warmup_step_time_s=ref["step_s"][:warmup], throughput=throughput,
+        mfu=metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices, batch_s,
+                        ref["compiled_flops"], model_cfg.flops_per_sample() * batch,
+                        cfg.model.matmul_precision),
+        memory=memory, sharding=metrics.sharding_summary(abstract, specs), loss=losses,
+        comm=None,
+        power=combine({w: r.get("power") or {"available": False, "reason": "the worker "
+                                             "recorded no power block"}
+                       for w, r in workers.items()}),
+        window=throughput["window"],
+        steps_done=steps_done,  # loop iterations of each reporting worker (warm-up too)
+        interrupted={"signal": interrupted, "received_here": True, "steps_planned": total,
+                     "timed_steps": len(timed),
+                     "steps_done_per_worker": ps_block["steps_done_per_worker"]}
         if interrupted else None,
-        "compile_s": ref["compile_s"],
-        "step_time_s": steps,
-        "warmup_step_time_s": ref["step_s"][:warmup],
-        "throughput": throughput,
-        "mfu": metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices,
-                           batch_s, ref["compiled_flops"],
-                           model_cfg.flops_per_sample() * batch, cfg.model.matmul_precision),
-        "memory": memory,
-        "sharding": metrics.sharding_summary(abstract, specs),
-        "loss": losses,
-        "comm": None,
-        "comm_reason": "not XLA collectives: workers exchange gradients and parameters with "
-                       f"the shards over {ps_block['carried_by']} (ps bytes per step)" + (
-                           f"; the all-reduce over each worker's {devices} devices is not "
-                           f"analysed" if devices > 1 else ""),
-        "power": combine({w: r.get("power") or {"available": False, "reason": "the "
-                                "worker recorded no power block"} for w, r in workers.items()}),
-        "window": throughput["window"],
-        "accuracy": ref["accuracy"],
-        "ps": ps_block,
-    }
+        comm_reason="not XLA collectives: workers exchange gradients and parameters with the "
+                    f"shards over {ps_block['carried_by']} (ps bytes per step)" + (
+                        f"; the all-reduce over each worker's {devices} devices is not "
+                        f"analysed" if devices > 1 else ""),
+        accuracy=ref["accuracy"], ps=ps_block)
     writer = RunWriter(Path(logdir), cfg.to_dict())
     try:
         writer.summary(results)  # the record first (results.json), then the curves

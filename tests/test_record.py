@@ -60,6 +60,43 @@ def test_record_of_a_parameter_server_run(produced):
     assert r.step_p("n") == 3 and r.devices == 2
 
 
+# The blocks record.build writes first, in this order, for every producer (the PyTorch
+# reference's record: tests/test_torch_ref.py)
+BUILT = ["schema_version", "framework", "layout", "mesh", "model", "config", "status",
+         "steps_done", "interrupted", "env", "compile_s", "step_time_s", "warmup_step_time_s",
+         "throughput", "mfu", "memory", "sharding", "loss", "comm", "power", "window"]
+
+
+def test_mesh_and_ps_records_come_from_the_one_builder(produced):
+    """jaxdist.loop and ps.collect build their records with jaxdist.record.build: the same
+    blocks in the same order, schema-valid, the producer's own blocks after them."""
+    from jaxdist.record import check
+
+    for run_dir, own in zip(produced, ("program", "ps")):
+        d = json.loads((run_dir / "results.json").read_text())
+        assert list(d)[:len(BUILT)] == BUILT and own in list(d)[len(BUILT):]
+        assert check(d) == [] and (d["status"], d["interrupted"]) == ("complete", None)
+        assert d["steps_done"] == len(d["loss"]) == 4
+
+
+def test_the_schema_doc_has_a_row_for_every_key_the_builder_writes():
+    """docs/results.md against the code: a row for each block record.build writes, and each
+    field the schema checks named in its block's row (or a row of its own)."""
+    import re
+
+    from jaxdist.record import SCHEMA
+
+    doc = (ROOT / "docs" / "results.md").read_text()
+    rows = {m.group(1): m.group(0)
+            for m in re.finditer(r"^\| `([a-z_.0-9]+)` \|.*$", doc, re.M)}
+    missing = [k for k in BUILT if k not in rows and not any(r.startswith(k + ".") for r in rows)]
+    for key, kind in SCHEMA.items():
+        if isinstance(kind, dict):
+            missing += [f"{key}.{sub}" for sub in kind if f"{key}.{sub}" not in rows
+                        and f"`{sub}`" not in rows.get(key, "")]
+    assert missing == []
+
+
 def test_what_is_not_a_record(tmp_path):
     (tmp_path / "a.json").write_text("{not json")
     (tmp_path / "b.json").write_text("[1, 2]")

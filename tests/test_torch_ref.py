@@ -98,6 +98,10 @@ def test_torch_run_writes_schema_valid_results(runs, strategy):
     assert check(results) == []
     assert results["framework"] == "pytorch"
     assert results["layout"] == strategy
+    # built by jaxdist.record.build, as mesh and ps records are (tests/test_record.py)
+    from tests.test_record import BUILT
+    assert list(results)[:len(BUILT)] == BUILT and "torch" in list(results)[len(BUILT):]
+    assert (results["status"], results["steps_done"]) == ("complete", 4)
     assert results["env"]["backend"] == "cpu" and results["env"]["simulated"] is False
     assert results["env"]["torch_version"].startswith("2.")
     assert results["env"]["num_processes"] == 2
