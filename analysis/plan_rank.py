@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 from analysis.text import GiB, md_escape
 
@@ -35,27 +36,51 @@ def bars(plan: dict) -> dict:
             "intra-node": intra, "inter-node": inter, "pipeline bubble": t.get("bubble_s", 0.0)}
 
 
-def row(name: str, plan: dict) -> dict:
+class PlanRow(TypedDict):
+    """A plan.json as its readers see it (ranking.json's rows are these, as JSON)."""
+    name: str                     # the suite row's folder
+    model: str
+    layout: str
+    hardware: str | None          # the part it was predicted for
+    mesh: str                     # axes over 1, `data:4,fsdp:8` ("1": one device)
+    schedule: str | None          # pipeline layouts only, as are microbatches and bubble
+    microbatches: int | None
+    batch_size: int
+    step_s: float
+    tokens_per_s_per_gpu: float | None
+    mfu: float
+    memory_gib: float             # per device
+    fits: bool | None             # None: unknown (an estimate over HBM)
+    bottleneck: str
+    bars: dict                    # bars(): the step's stacked terms, seconds
+    label: str                    # always "predicted"
+    bubble: float | None          # idle share of the schedule's ticks
+    runtime: str | None           # the pipeline runtime the step was predicted under
+    step_by_runtime: dict | None  # {"jaxdist": s, "megatron": s}: the sends, tail included
+    link_busy: float              # share of the step the busiest link carries traffic
+
+
+def row(name: str, plan: dict) -> PlanRow:
     """The one reader of a plan.json (the ranking and analysis.go2025 read its rows): what
     the plan says, flat, labelled predicted."""
     t, m, thr = plan["time"], plan["memory"], plan["throughput"]
     pp = plan.get("pipeline") or {}
-    return {"name": name, "model": plan["model"]["name"], "layout": plan["layout"],
-            "hardware": (plan.get("hardware") or {}).get("name"),
-            "mesh": ",".join(f"{k}:{v}" for k, v in plan["mesh"].items() if v > 1) or "1",
-            "schedule": pp.get("schedule"), "microbatches": pp.get("microbatches"),
-            "batch_size": plan["batch_size"], "step_s": t["step_s"],
-            "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],
-            "memory_gib": m["total_bytes"] / GiB, "fits": m["fits"],
-            "bottleneck": t["bottleneck"], "bars": bars(plan), "label": "predicted",
-            "bubble": pp.get("bubble_fraction_of_ticks"), "runtime": pp.get("runtime"),
-            # the step under each pipeline runtime (the sends and the tail included)
-            "step_by_runtime": None if "lockstep_s" not in pp else {
-                "jaxdist": pp["lockstep_s"] + pp["tail_s"],
-                "megatron": pp["dataflow_s"] + pp["tail_s"]},
-            # the share of the step the busiest link carries traffic
-            "link_busy": max(t["intra_node_s"], t["inter_node_s"]) / t["step_s"]
-            if t["step_s"] else 0.0}
+    return PlanRow(
+        name=name, model=plan["model"]["name"], layout=plan["layout"],
+        hardware=(plan.get("hardware") or {}).get("name"),
+        mesh=",".join(f"{k}:{v}" for k, v in plan["mesh"].items() if v > 1) or "1",
+        schedule=pp.get("schedule"), microbatches=pp.get("microbatches"),
+        batch_size=plan["batch_size"], step_s=t["step_s"],
+        tokens_per_s_per_gpu=thr["tokens_per_s_per_gpu"], mfu=thr["mfu"],
+        memory_gib=m["total_bytes"] / GiB, fits=m["fits"], bottleneck=t["bottleneck"],
+        bars=bars(plan), label="predicted", bubble=pp.get("bubble_fraction_of_ticks"),
+        runtime=pp.get("runtime"),
+        # the step under each pipeline runtime (the sends and the tail included)
+        step_by_runtime=None if "lockstep_s" not in pp else {
+            "jaxdist": pp["lockstep_s"] + pp["tail_s"],
+            "megatron": pp["dataflow_s"] + pp["tail_s"]},
+        link_busy=max(t["intra_node_s"], t["inter_node_s"]) / t["step_s"]
+        if t["step_s"] else 0.0)
 
 
 def load_plans(directory: Path) -> list[tuple[str, dict]]:
@@ -63,7 +88,7 @@ def load_plans(directory: Path) -> list[tuple[str, dict]]:
             for p in sorted(Path(directory).glob("*/plan.json"))]
 
 
-def rank(rows: list[dict]) -> dict[str, list[dict]]:
+def rank(rows: list[PlanRow]) -> dict[str, list[PlanRow]]:
     """Rows grouped by model, each group best first: rows that do not fit (OOM) last, then
     predicted tokens/s per GPU (step time where a model has no tokens)."""
     out: dict[str, list[dict]] = {}

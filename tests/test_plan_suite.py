@@ -108,6 +108,9 @@ def test_quick_plan_end_to_end(tmp_path):
     assert ranking["label"] == "predicted"
     assert [r["name"] for r in ranking["models"]["gpt-tiny"]] and \
         len(ranking["models"]["gpt-tiny"]) == 3
+    # each row read from its plan.json by the one reader, plan_rank.row: a PlanRow
+    assert all(set(r) == set(plan_rank.PlanRow.__annotations__) and r["hardware"] == "h200"
+               for r in ranking["models"]["gpt-tiny"])
     # fsdp_tp: one step compile; tp_pp: F and F + BACK at 1 and 2 blocks and the head's at
     # 1 (6) + the tail, shared by gpipe and 1f1b.
     assert ranking["meta"]["compiles"] == 8
