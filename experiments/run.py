@@ -112,7 +112,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
                 raise
         distributed.initialize(topo, cfg.dist.init_timeout)
         platform = select_devices(shape)
-        check_batch(cfg, platform.shape)
+        check_batch(cfg, platform.shape)  # a mesh of -1 is sized only now, by the devices
         if topo.process_id == 0 and run_dir is None:  # its name needs the resolved mesh
             run_dir = make_logdir(cfg, platform.shape.label)
     except UsageError as e:
