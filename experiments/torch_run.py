@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.torch_worker import TORCH_FP32_PRECISION
-from jaxdist import procs, record
+from jaxdist import procs, record, record_builder
 from jaxdist.errors import OneLineParser, UsageError
 
 STRATEGIES = {
@@ -295,7 +295,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     cuda = job["device"] == "cuda"
     threads = sorted({r["threads"] for r in reports})
     mesh = {"data": world, "fsdp": 1} if job["strategy"] == "ddp" else {"data": 1, "fsdp": world}
-    return record.build(
+    return record_builder.build(
         "pytorch", job["strategy"], mesh, cfg, model_cfg, first["params"],
         env={"jax_version": first["torch_version"], "torch_version": first["torch_version"],
              "backend": job["device"], "device_kind": device_kind, "num_devices": world,
@@ -304,13 +304,13 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
              "host_cpus": os.cpu_count()},
         compile_s=None,  # not measured: there is no compilation step to time
         step_time_s=steps, warmup_step_time_s=step_s[:warmup],
-        throughput=record.throughput_block(job["batch_size"], model_cfg.tokens_per_sample,
+        throughput=record_builder.throughput_block(job["batch_size"], model_cfg.tokens_per_sample,
                                            steps["mean"]),
         mfu=metrics.mfu(device_kind, job["dtype"], world, steps["mean"], None,
                         model_cfg.flops_per_sample() * job["batch_size"],
                         matmul_precision=job["matmul_precision"]),
         memory=dict(
-            record.memory_block(
+            record_builder.memory_block(
                 by_device, None, max(r["peak_bytes"] for r in reports) if cuda else None,
                 None if cuda else "torch on CPU has no allocator peak counter (process RSS is "
                 "in memory.process_peak_rss_bytes, not comparable to a device peak)"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from jaxdist import metrics, record, telemetry
+from jaxdist import metrics, record_builder, telemetry
 from jaxdist.program import comm
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
@@ -232,15 +232,15 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    results = record.build(
+    results = record_builder.build(
         "jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg, model_cfg,
         metrics.param_count(program.abstract_state),
         env=env_info(platform), compile_s=compile_s, step_time_s=steps,
         warmup_step_time_s=timer.warmup_s,
-        throughput=record.throughput_block(batch, model_cfg.tokens_per_sample, mean_s),
+        throughput=record_builder.throughput_block(batch, model_cfg.tokens_per_sample, mean_s),
         mfu=mfu_block(cfg, model_cfg, program, compiled, platform.device_kind,
                       len(platform.devices), mean_s),
-        memory=record.memory_block(metrics.state_bytes_by_device(state),
+        memory=record_builder.memory_block(metrics.state_bytes_by_device(state),
                                    metrics.compiled_memory(compiled),
                                    *metrics.measured_peak(platform.devices)),
         sharding=metrics.sharding_summary(program.abstract_state, program.state_specs),

@@ -1,6 +1,7 @@
 """results.json, a run's record, in one place: its schema (documented in docs/results.md), a
 checker, an atomic write, and `RunRecord`, the typed read view every reader uses (the report,
-compare, the suite). Imports no jax: readers start without it."""
+compare, the suite); the one builder every producer writes with is jaxdist.record_builder.
+Imports no jax: readers start without it."""
 
 from __future__ import annotations
 
@@ -112,59 +113,6 @@ def write_json(path: Path, data) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------- writing: the
-# one builder of every producer (jaxdist.loop, ps.collect, experiments.torch_run)
-
-def build(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int, *, env: dict,
-          compile_s: float | None, step_time_s: dict, warmup_step_time_s: list,
-          throughput: dict, mfu: dict, memory: dict, sharding: dict, loss: list,
-          comm: dict | None, power: dict, window: dict, steps_done: int | None = None,
-          interrupted: dict | None = None, **own) -> dict:
-    """A results.json record: the schema's blocks (SCHEMA, docs/results.md) in one order,
-    then the producer's own (`own`: `comm_reason`, `pipeline`, `program`, `ps`, `torch`,
-    ...). `steps_done` defaults to every step's loss; `interrupted` (the signal, the steps
-    planned) makes the status `interrupted`."""
-    return {
-        **header(framework, layout, mesh, cfg, model_cfg, params),
-        "status": "interrupted" if interrupted else "complete",
-        "steps_done": len(loss) if steps_done is None else steps_done,
-        "interrupted": interrupted,
-        "env": env, "compile_s": compile_s, "step_time_s": step_time_s,
-        "warmup_step_time_s": warmup_step_time_s, "throughput": throughput, "mfu": mfu,
-        "memory": memory, "sharding": sharding, "loss": loss, "comm": comm, "power": power,
-        "window": window, **own}
-
-
-def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
-    """What the run is: schema_version, framework, layout, mesh, model, config."""
-    return {"schema_version": SCHEMA_VERSION, "framework": framework, "layout": layout,
-            "mesh": mesh,
-            "model": {"name": cfg.model.model, "params": params,
-                      "flops_per_sample": model_cfg.flops_per_sample(),
-                      "tokens_per_sample": model_cfg.tokens_per_sample,
-                      # image models: their input side in pixels (readers match on it)
-                      "image_size": getattr(model_cfg, "image_size", None),
-                      # slices of each device's batch the sequence-parallel blocks ran on
-                      "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None)},
-            "config": cfg.to_dict()}
-
-
-def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | None) -> dict:
-    """Samples (and tokens) per second at the mean step time; null with no timed step."""
-    return {"samples_per_s": batch / mean_s if mean_s else None,
-            "tokens_per_s": batch * tokens_per_sample / mean_s
-            if mean_s and tokens_per_sample else None}
-
-
-def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: int | None,
-                 measured_peak_reason: str | None) -> dict:
-    """State bytes on every device (and on the fullest), XLA's allocation bound, and the
-    allocator's peak where the backend has one (else why not)."""
-    return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
-            "state_bytes_by_device": by_device, "compiled": compiled,
-            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
 
 
 def mesh_spec(mesh: dict) -> str:

@@ -174,7 +174,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     import jax
 
     from jaxdist import metrics
-    from jaxdist import record
+    from jaxdist import record_builder
     from jaxdist.writers import RunWriter
     from jaxdist.telemetry import outputs
     from jaxdist.telemetry.combine import combine
@@ -292,7 +292,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
                               "shard servers: ps.server_bytes_per_shard")
     # A worker writes its file after its last step, or after the step it stopped at when
     # the run was interrupted (ps.launch.stop_workers).
-    results = record.build(
+    results = record_builder.build(
         "jax", "ps", {"workers": num_workers, "devices_per_worker": devices}, cfg, model_cfg,
         shard_map.total, env=env, compile_s=ref["compile_s"], step_time_s=steps,
         warmup_step_time_s=ref["step_s"][:warmup], throughput=throughput,

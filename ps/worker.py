@@ -21,7 +21,8 @@ import signal
 import sys
 import time
 from pathlib import Path
-from jaxdist.record import memory_block, write_json
+from jaxdist.record import write_json
+from jaxdist.record_builder import memory_block
 from ps.series import SeriesWriter
 
 FAULT_ENV = "JAXDIST_PS_FAULT"

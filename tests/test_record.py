@@ -60,7 +60,7 @@ def test_record_of_a_parameter_server_run(produced):
     assert r.step_p("n") == 3 and r.devices == 2
 
 
-# The blocks record.build writes first, in this order, for every producer (the PyTorch
+# The blocks record_builder.build writes first, in this order, for every producer (the PyTorch
 # reference's record: tests/test_torch_ref.py)
 BUILT = ["schema_version", "framework", "layout", "mesh", "model", "config", "status",
          "steps_done", "interrupted", "env", "compile_s", "step_time_s", "warmup_step_time_s",
@@ -68,7 +68,7 @@ BUILT = ["schema_version", "framework", "layout", "mesh", "model", "config", "st
 
 
 def test_mesh_and_ps_records_come_from_the_one_builder(produced):
-    """jaxdist.loop and ps.collect build their records with jaxdist.record.build: the same
+    """jaxdist.loop and ps.collect build their records with jaxdist.record_builder.build: the same
     blocks in the same order, schema-valid, the producer's own blocks after them."""
     from jaxdist.record import check
 
@@ -80,7 +80,7 @@ def test_mesh_and_ps_records_come_from_the_one_builder(produced):
 
 
 def test_the_schema_doc_has_a_row_for_every_key_the_builder_writes():
-    """docs/results.md against the code: a row for each block record.build writes, and each
+    """docs/results.md against the code: a row for each block record_builder.build writes, and each
     field the schema checks named in its block's row (or a row of its own)."""
     import re
 
@@ -131,7 +131,7 @@ def test_header_records_the_image_size_readers_match_on():
     # analysis/published.py matches published records on the input size; it reads it from
     # the record instead of importing the model registry (and jax) to recompute it.
     from jaxdist.config import RunConfig
-    from jaxdist.record import header
+    from jaxdist.record_builder import header
     from models import get_model
 
     cfg = RunConfig()
