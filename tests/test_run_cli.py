@@ -157,19 +157,25 @@ def test_mesh_help_names_the_stage_axis():
     assert "DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]]" in text and "data:2,stage:4" in text
 
 
+def _run_importtime(cwd, *argv) -> tuple[int, list[str], set[str]]:
+    """The real binary under `python -X importtime`: (exit status, its stderr lines that are
+    not import timings, the modules it imported)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "experiments.run", *argv],
+                          cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    errors = [ln for ln in lines if not ln.startswith("import time:")]
+    imported = {ln.rsplit("|", 1)[1].strip() for ln in lines
+                if ln.startswith("import time:") and ln.count("|") == 2}
+    return proc.returncode, errors, imported
+
+
 def test_a_misspelled_layout_is_refused_before_the_models_are_imported(tmp_path):
     """The real binary (what a user waits for): one line naming the valid layouts, exit 2,
     nothing written, and neither flax nor a model module imported on the way (`python -X
     importtime`): the layout is checked first, which is what keeps it near a second."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "experiments.run",
-                           "--layout", "fsdpp", "--mesh", "4x8"], cwd=tmp_path,
-                          env=child_env(), capture_output=True,
-                          text=True, timeout=120)
-    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
-    assert proc.returncode == 2 and len(errors) == 1
+    code, errors, imported = _run_importtime(tmp_path, "--layout", "fsdpp", "--mesh", "4x8")
+    assert code == 2 and len(errors) == 1
     assert "unknown layout 'fsdpp' (did you mean 'fsdp'" in errors[0] and "zero1" in errors[0]
-    imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines()
-                if ln.startswith("import time:") and ln.count("|") == 2}
     assert "sharding.registry" in imported
     assert sorted(m for m in imported if m.split(".")[0] in ("flax", "optax", "models")) == []
     assert list(tmp_path.iterdir()) == []
@@ -178,13 +184,9 @@ def test_a_misspelled_layout_is_refused_before_the_models_are_imported(tmp_path)
 def test_a_bad_value_is_refused_before_jax_is_imported(tmp_path):
     """The validation pass checks the flags' values first (experiments/validation.py), so
     `--lr 0` is refused by the real binary without importing jax at all."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "experiments.run",
-                           "--layout", "fsdp", "--mesh", "4x8", "--lr", "0"], cwd=tmp_path,
-                          env=child_env(), capture_output=True, text=True, timeout=120)
-    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
-    assert proc.returncode == 2 and errors == ["run: error: --lr must be positive, got 0.0"]
-    imported = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines()
-                if ln.startswith("import time:") and ln.count("|") == 2}
+    code, errors, imported = _run_importtime(tmp_path, "--layout", "fsdp", "--mesh", "4x8",
+                                             "--lr", "0")
+    assert code == 2 and errors == ["run: error: --lr must be positive, got 0.0"]
     assert "experiments.validation" in imported
     assert sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "flax")) == []
     assert list(tmp_path.iterdir()) == []
