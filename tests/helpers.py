@@ -88,3 +88,14 @@ class FakeGPU:
     process_index: int
     platform: str = "gpu"
     device_kind: str = "NVIDIA H200"
+
+
+def avg_power_tolerance(power: dict) -> float:
+    """The relative tolerance of a power block's total `avg_w` against a steady fake GPU: a
+    window of 1 s or more takes its energy from the counter, which advances every 100 ms
+    (fake.FakeGPU.counter_period_s, as NVML's), so it is good to one update over the window
+    (docs/power.md: 6.7% of a 1.5-s window, which a loaded host's 30-40 steps can last);
+    a shorter window's energy is the samples' integral, good to 5%."""
+    if power["energy_source"] == "counter":
+        return 0.1 / power["window"]["duration_s"] + 0.01
+    return 0.05

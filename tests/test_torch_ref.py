@@ -98,7 +98,7 @@ def test_torch_run_writes_schema_valid_results(runs, strategy):
     assert check(results) == []
     assert results["framework"] == "pytorch"
     assert results["layout"] == strategy
-    # built by jaxdist.record.build, as mesh and ps records are (tests/test_record.py)
+    # built by jaxdist.record_builder.build, as mesh and ps records are (tests/test_record.py)
     from tests.test_record import BUILT
     assert list(results)[:len(BUILT)] == BUILT and "torch" in list(results)[len(BUILT):]
     assert (results["status"], results["steps_done"]) == ("complete", 4)
@@ -149,7 +149,7 @@ def test_a_rank_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     from jaxdist import telemetry
     from jaxdist.summary import format_summary
     from jaxdist.telemetry import fake
-    from tests.helpers import read_scalars
+    from tests.helpers import avg_power_tolerance, read_scalars
 
     real = telemetry.create_monitor
 
@@ -169,7 +169,7 @@ def test_a_rank_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     assert mine["available"] is True, mine.get("reason")
     assert mine["window"]["steps"] == 30 and mine["window"]["samples"] == 30 * 8
     assert mine["window"]["window_steps"] == [1, 30]
-    assert mine["avg_w"] == pytest.approx(300.0, rel=0.05)
+    assert mine["avg_w"] == pytest.approx(300.0, rel=avg_power_tolerance(mine))
     assert (logdir / "rank0" / "power" / "gpu_power_0.csv").stat().st_size > 0
     results = torch_run.assemble_results(cfg, model_cfg, job, [report])
     torch_run.write_outputs(cfg, logdir, results)
