@@ -44,8 +44,10 @@ def build_model(cfg):
         model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
-        model_cfg = dataclasses.replace(model_cfg, sequence_parallel=True,
-                                        tp_comm_chunks=tp_comm_chunks(cfg))
+        from sharding.logical import RULES
+        model_cfg = dataclasses.replace(
+            model_cfg, sequence_parallel=True, tp_comm_chunks=tp_comm_chunks(cfg),
+            weight_rules=cfg.train.layout if cfg.train.layout in RULES else None)
     return adapt_model(model_cfg, dataset), dataset
 
 

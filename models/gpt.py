@@ -64,15 +64,17 @@ class MLPBlock(nnx.Module):
 
 
 def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
-              sequence_parallel: bool = False, attention: str = "default") -> PreNormBlock:
+              sequence_parallel: bool = False, attention: str = "default",
+              weight_rules: str | None = None) -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
     attn = CausalSelfAttention(width, heads, **kw,
                                implementation=None if attention == "default" else attention)
     ln2 = layer_norm(width, **kw)
-    block = SequenceParallelBlock if sequence_parallel else PreNormBlock
-    return block(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
+    if sequence_parallel:
+        return SequenceParallelBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw), weight_rules)
+    return PreNormBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
 
 
 class GPT(nnx.Module):
@@ -81,7 +83,8 @@ class GPT(nnx.Module):
         self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List(
             gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
-                      sequence_parallel=cfg.sequence_parallel, attention=cfg.attention)
+                      sequence_parallel=cfg.sequence_parallel, attention=cfg.attention,
+                      weight_rules=cfg.weight_rules)
             for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
@@ -114,6 +117,10 @@ class GPTConfig:
     # independent slices of each device's batch the blocks run on under sequence parallelism,
     # so that one slice's collectives overlap another's matmuls (sequence_parallel.run_stack)
     tp_comm_chunks: int = 1
+    # the layout's logical rules (sharding/logical.RULES) under sequence parallelism: its
+    # sublayers cast each parameter to the compute dtype where the layout stores it, so
+    # fsdp_tp gathers bf16 weight shards (sequence_parallel.sublayer; set by jaxdist.run_model)
+    weight_rules: str | None = None
     # blocks run in order (models/layers.run_blocks) whatever the remat: where the layout
     # gathers each block's weights (sharding.registry.gathers_block_weights; set by
     # jaxdist.run_model). Full remat orders them anyway (layers.ordered_backward).

@@ -130,8 +130,9 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
     weights' gradients are reduce-scattered in bf16 too (its sublayers take their weights in
     the compute dtype: float32 and combined into one reduce-scatter at the end before), and
     the norms' gradients, partial over the sequence shards, all-reduced over data, fsdp and
-    tensor (f32: 4 norms of 64). Some of its weight all-gathers are still float32 (98,944
-    bytes where 57,984 are bf16 without it): open."""
+    tensor (f32: 4 norms of 64). Its weight shards are cast before they are gathered, as
+    without it (models/sequence_parallel.sublayer: they were gathered in float32, 98,944
+    bytes where 57,984 are bf16)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -162,9 +163,8 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
     assert all(op["axes"] == ["data", "fsdp"] for op in on_data)
     size = {"bf16": 2, "f32": 4}
     gathered = [op for op in on_data if op["kind"] == "all-gather"]
-    if not sequence_parallel:
-        assert sum(op["bytes"] for op in gathered) == 2 * shard
-        assert {d for op in gathered for d in op["dtypes"]} == {"bf16"}
+    assert sum(op["bytes"] for op in gathered) == 2 * shard
+    assert {d for op in gathered for d in op["dtypes"]} == {"bf16"}
     scattered = [op for op in on_data if op["kind"] == "reduce-scatter"]
     assert sum(op["bytes"] // size[op["dtypes"][0]] for op in scattered) == shard - 4 * 64 * (
         sequence_parallel)
