@@ -119,8 +119,10 @@ class GPTConfig:
     tp_comm_chunks: int = 1
     # the layout's logical rules (sharding/logical.RULES) under sequence parallelism: its
     # sublayers cast each parameter to the compute dtype where the layout stores it, so
-    # fsdp_tp gathers bf16 weight shards (sequence_parallel.sublayer; set by jaxdist.run_model)
-    weight_rules: str | None = None
+    # fsdp_tp gathers bf16 weight shards (sequence_parallel.sublayer); set by jaxdist.run_model
+    # from --layout, so not a --model-opts option
+    weight_rules: str | None = dataclasses.field(default=None,
+                                                 metadata={"set_by_the_layout": True})
     # blocks run in order (models/layers.run_blocks) whatever the remat: where the layout
     # gathers each block's weights (sharding.registry.gathers_block_weights; set by
     # jaxdist.run_model). Full remat orders them anyway (layers.ordered_backward).

@@ -65,7 +65,8 @@ def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig
     config = _REGISTRY[name]
     if not overrides:
         return config
-    fields = {f.name: f for f in dataclasses.fields(config) if f.name != "family"}
+    fields = {f.name: f for f in dataclasses.fields(config)
+              if f.name != "family" and not f.metadata.get("set_by_the_layout")}
     changes = {}
     for key, text in overrides.items():
         if key not in fields:
