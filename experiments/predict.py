@@ -56,6 +56,7 @@ class Case:
     small: bool = False           # part of the quick form run by the test suite
     same_as: str = ""             # the case whose configuration this one repeats
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
+    tp_comm_chunks: int = 0          # --tp-comm-chunks; 1: torchtitan's TP without async TP
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -89,15 +90,15 @@ CASES = (
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
     Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, TT_H100, LLAMA31_8B,
          "data:8,tensor:8", 96, "selective_op", "fsdp_tp",
-         sequence_parallel=True),
+         sequence_parallel=True, tp_comm_chunks=1),
     Case("tt25-70b-fsdp32-tp8", "tt25-asynctp-70b-bf16-vanilla", None, TT_H100, LLAMA3_70B,
          "data:32,tensor:8", 512, "full", "fsdp_tp",
-         sequence_parallel=True),
+         sequence_parallel=True, tp_comm_chunks=1),
     # the same lower-TDP HBM2e H100 (94/95 GB); this older page states no cap: the SKU's
     # default limit, 500 W per the 2024-12 page, is assumed
     Case("tt-405b-fsdp16-tp8", "tt-h100-405b-2d-none-wps", None, TT_H100, LLAMA31_405B,
          "data:16,tensor:8", 32, "full", "fsdp_tp",
-         sequence_parallel=True),
+         sequence_parallel=True, tp_comm_chunks=1),
     Case("tt-a100-l3-8b-sac-op", "tt-a100-l3-8b-sac-op-wps", None, "a100-sxm-80gb", LLAMA31_8B,
          "8x8", 64, "selective_op"),
     Case("tt-a100-l2-13b-noac", "tt-a100-l2-13b-noac-wps", None, "a100-sxm-80gb", LLAMA2_13B,
@@ -169,7 +170,8 @@ def case_config(case: Case):
                                        dtype="bfloat16"),
                      train=TrainConfig(layout=case.layout, batch_size=case.batch,
                                        remat=case.remat,
-                                       sequence_parallel=case.sequence_parallel),
+                                       sequence_parallel=case.sequence_parallel,
+                                       tp_comm_chunks=case.tp_comm_chunks),
                      compiler=CompilerConfig(overlap=True),
                      output=OutputConfig(dry_run=True, hardware=case.hardware))
 

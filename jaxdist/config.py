@@ -101,8 +101,8 @@ class TrainConfig:
                                "on N independent slices of each device's micro-batch, so "
                                "that one slice's tensor-axis all-gathers and reduce-"
                                "scatters overlap another's matmuls (DeepSpeed Domino's "
-                               "batch split); 0: under tp 2 where that micro-batch is even, "
-                               "else 1 (fsdp_tp: 1, see docs/layouts.md); 1: off")
+                               "batch split); 0: 2 where that micro-batch is even, else 1; "
+                               "1: off")
     distributed_optimizer: bool = _opt(False, "Megatron's distributed optimizer (ZeRO-1 over "
                                        "the data axes; ddp, tp, ep, pp, tp_pp): optimizer "
                                        "state and float32 master weights sharded over the "

@@ -54,11 +54,10 @@ def build_model(cfg):
 def tp_comm_chunks(cfg) -> int:
     """--tp-comm-chunks resolved: the slices of each device's micro-batch that the
     sequence-parallel blocks run on (models/sequence_parallel.run_stack). Auto (0): under tp
-    2 where the micro-batch is even, else 1. Under fsdp_tp auto is 1: there the slices also
-    cost memory and, with --remat full, weight all-gathers on data (XLA:GPU, llama3-70b on
-    data:32,tensor:8: 338 -> 390 GiB, 47 -> 69 GB gathered a step; docs/layouts.md), so
-    they are asked for. The pipeline layouts run their stages' blocks as one chain
-    (jaxdist/pipeline/parts.py): 1 there. The auto figure is the layout registry's."""
+    and fsdp_tp 2 where the micro-batch is even, else 1 (XLA:GPU plans of fsdp_tp: faster
+    and smaller with the same weight gathers, docs/layouts.md). The pipeline layouts run
+    their stages' blocks as one chain (jaxdist/pipeline/parts.py): 1 there. The auto figure
+    is the layout registry's."""
     from jaxdist.mesh import parse_mesh
     from sharding.axes import batch_axes
     from sharding.registry import facts

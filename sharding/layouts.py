@@ -124,7 +124,8 @@ def tp(state, mesh: Mesh):
 @register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
                  "dimension sharded over data and fsdp",
                  mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
-                 requires=("tensor",), gathers_weights=True, sequence_parallel=True)
+                 requires=("tensor",), gathers_weights=True, sequence_parallel=True,
+                 tp_comm_chunks=2)
 def fsdp_tp(state, mesh: Mesh):
     return rule_specs(state, mesh, "fsdp_tp")
 

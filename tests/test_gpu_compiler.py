@@ -141,7 +141,8 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
                     model=ModelConfig(model="llama-tiny", dtype="bfloat16",
                                       model_opts="kv_heads=4"),
                     train=TrainConfig(layout="fsdp_tp", batch_size=64,
-                                      sequence_parallel=sequence_parallel))
+                                      sequence_parallel=sequence_parallel,
+                                      tp_comm_chunks=1))  # one chain: one norm reduction
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(H200, shape.size)

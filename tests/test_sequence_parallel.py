@@ -146,9 +146,9 @@ def test_tp_comm_chunks_split_each_collective_in_two_and_move_nothing_more():
 
 
 def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
-    """Auto: under tp 2 where each device's micro-batch is even, else 1; under fsdp_tp 1 (the
-    slices cost it memory and weight gathers); 1 under a pipeline layout (a stage's blocks
-    are one chain); an explicit count must divide the micro-batch."""
+    """Auto: under tp and fsdp_tp 2 where each device's micro-batch is even, else 1; 1 under
+    a pipeline layout (a stage's blocks are one chain); an explicit count must divide the
+    micro-batch."""
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
     from jaxdist.errors import UsageError
@@ -161,9 +161,10 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "6") == 1
     assert chunks("--layout", "tp", "--mesh", "data:4,tensor:2", "--batch-size", "16",
                   "--microbatches", "4") == 1
-    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "8") == 1
+    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "8") == 2
+    assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "12") == 1
     assert chunks("--layout", "fsdp_tp", "--mesh", "2x2x2", "--batch-size", "8",
-                  "--tp-comm-chunks", "2") == 2
+                  "--tp-comm-chunks", "1") == 1
     assert chunks("--layout", "tp", "--mesh", "1x1x2", "--batch-size", "16",
                   "--tp-comm-chunks", "4") == 4
     assert chunks("--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--batch-size",
