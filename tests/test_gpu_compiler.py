@@ -121,8 +121,8 @@ def test_data_parallel_bytes_are_the_analytic_volume_at_the_dtype_moved(layout):
         assert 0 <= rows[("all-reduce", "data")]["bytes"] - 2 * p / 8 <= scalars
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,chunks", [(False, 1), (True, 1), (True, 2)])
+def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel, chunks):
     """fsdp_tp as torchtitan's FSDP2 x TP (llama-tiny, 4 hosts x 8 H200 as data 4 x fsdp 2 x
     tensor 4): on data and fsdp XLA:GPU's program moves no activation, only the weights'
     tensor shards all-gathered (bf16) and their gradients reduce-scattered, each exactly the
@@ -132,7 +132,8 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
     the norms' gradients, partial over the sequence shards, all-reduced over data, fsdp and
     tensor (f32: 4 norms of 64). Its weight shards are cast before they are gathered, as
     without it (models/sequence_parallel.sublayer: they were gathered in float32, 98,944
-    bytes where 57,984 are bf16)."""
+    bytes where 57,984 are bf16). Two tp-comm slices (fsdp_tp's default here) gather and
+    reduce the norms' vectors once per slice and move nothing else more."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -142,7 +143,7 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
                                       model_opts="kv_heads=4"),
                     train=TrainConfig(layout="fsdp_tp", batch_size=64,
                                       sequence_parallel=sequence_parallel,
-                                      tp_comm_chunks=1))  # one chain: one norm reduction
+                                      tp_comm_chunks=chunks))
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(H200, shape.size)
@@ -157,14 +158,14 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel):
     norms = [op for op in on_data if "tensor" in op["axes"]]
     if sequence_parallel:
         assert [(op["kind"], op["bytes"], op["dtypes"]) for op in norms] == [
-            ("all-reduce", 4 * 4 * 64, ["f32"])]
+            ("all-reduce", 4 * 4 * 64 * chunks, ["f32"])]
     else:
         assert norms == []  # never mixed with tensor
     on_data = [op for op in on_data if op not in norms]
     assert all(op["axes"] == ["data", "fsdp"] for op in on_data)
     size = {"bf16": 2, "f32": 4}
     gathered = [op for op in on_data if op["kind"] == "all-gather"]
-    assert sum(op["bytes"] for op in gathered) == 2 * shard
+    assert sum(op["bytes"] for op in gathered) == 2 * (shard + 4 * 64 * (chunks - 1))
     assert {d for op in gathered for d in op["dtypes"]} == {"bf16"}
     scattered = [op for op in on_data if op["kind"] == "reduce-scatter"]
     assert sum(op["bytes"] // size[op["dtypes"][0]] for op in scattered) == shard - 4 * 64 * (
