@@ -72,9 +72,10 @@ def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
     attn = CausalSelfAttention(width, heads, **kw,
                                implementation=None if attention == "default" else attention)
     ln2 = layer_norm(width, **kw)
+    mlp = MLPBlock(width, hidden, **kw)
     if sequence_parallel:
-        return SequenceParallelBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw), weight_rules)
-    return PreNormBlock(ln1, attn, ln2, MLPBlock(width, hidden, **kw))
+        return SequenceParallelBlock(ln1, attn, ln2, mlp, weight_rules)
+    return PreNormBlock(ln1, attn, ln2, mlp)
 
 
 class GPT(nnx.Module):

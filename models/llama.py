@@ -84,10 +84,10 @@ def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
     ln1 = rms_norm(cfg.width, **kw)
     attn = Attention(cfg, **kw)
     ln2 = rms_norm(cfg.width, **kw)
+    mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
     if cfg.sequence_parallel:
-        return SequenceParallelBlock(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw),
-                                     cfg.weight_rules)
-    return PreNormBlock(ln1, attn, ln2, SwiGLU(cfg.width, cfg.mlp_hidden, **kw))
+        return SequenceParallelBlock(ln1, attn, ln2, mlp, cfg.weight_rules)
+    return PreNormBlock(ln1, attn, ln2, mlp)
 
 
 class Llama(nnx.Module):
