@@ -137,6 +137,7 @@ def validate(args) -> tuple:
     """Every check that needs no process. Returns (model config, "cpu" or "cuda")."""
     import torch
 
+    from experiments.validation import check_lr, check_seed
     from models import get_model, parse_overrides
 
     model_cfg = get_model(args.model, parse_overrides(args.model_opts))
@@ -151,8 +152,8 @@ def validate(args) -> tuple:
         raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.threads < 0:
         raise UsageError(f"--threads must be 0 (automatic) or more, got {args.threads}")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
+    check_lr(args.lr)
+    check_seed(args.seed)
     if not args.timeout_s > 0:
         raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
     power_config(args).validate()

@@ -14,6 +14,7 @@ called from here: a layout's mesh (sharding.check_layout), a pipeline's schedule
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -83,8 +84,27 @@ def check_values(cfg: RunConfig) -> None:
     if profile and profile[1] >= cfg.loop.warmup + cfg.loop.steps:
         raise UsageError(f"--profile-steps {cfg.output.profile_steps}: the run has steps 0.."
                          f"{cfg.loop.warmup + cfg.loop.steps - 1}")
-    if not cfg.train.lr > 0:
-        raise UsageError(f"--lr must be positive, got {cfg.train.lr}")
+    check_lr(cfg.train.lr)
+    check_seed(cfg.train.seed)
+    if cfg.dist.init_timeout < 1:
+        raise UsageError(f"--init-timeout must be 1 or more seconds, got "
+                         f"{cfg.dist.init_timeout}")
+
+
+def check_lr(lr: float) -> None:
+    """Also experiments.torch_run's: an infinite rate trains to nan from the first update."""
+    if not (lr > 0 and math.isfinite(lr)):
+        raise UsageError(f"--lr must be a positive finite number, got {lr}")
+
+
+SEED_LIMIT = 2 ** 32  # jax.random.key keeps a seed's low 32 bits: 2**32 would be seed 0
+
+
+def check_seed(seed: int) -> None:
+    """Also experiments.torch_run's: numpy refuses negative seeds with a traceback, and JAX
+    keeps only 32 bits, so 2**32 and up would silently repeat a smaller seed's run."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"--seed must be within 0..{SEED_LIMIT - 1}, got {seed}")
 
 
 def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
@@ -163,8 +183,12 @@ def check_ps(cfg: RunConfig) -> None:
         raise UsageError(f"--ps-shards must be 1 or more, got {ps.ps_shards}")
     if ps.staleness < 0:
         raise UsageError(f"--staleness must be 0 or more, got {ps.staleness}")
-    if not ps.ps_timeout_s > 0:
-        raise UsageError(f"--ps-timeout-s must be positive, got {ps.ps_timeout_s}")
+    if not (ps.ps_timeout_s > 0 and math.isfinite(ps.ps_timeout_s)):
+        raise UsageError(f"--ps-timeout-s must be a positive finite number, got "
+                         f"{ps.ps_timeout_s}")
+    if not (ps.ps_clip_norm >= 0 and math.isfinite(ps.ps_clip_norm)):
+        raise UsageError(f"--ps-clip-norm must be 0 (off) or a positive finite norm, got "
+                         f"{ps.ps_clip_norm}")
     if ps.ps_checkpoint_every < 0:
         raise UsageError(f"--ps-checkpoint-every must be 0 or more, got "
                          f"{ps.ps_checkpoint_every}")
@@ -192,6 +216,11 @@ def check_ps(cfg: RunConfig) -> None:
     if not procs.port_free(ps.ps_bind, 0):
         raise UsageError(f"--ps-bind {ps.ps_bind} is not an address of this host")
     base = getattr(ps, "ps_port", 0)  # optional field: fixed ports base, base+1, ...
+    if base and not 1024 <= base <= 65536 - ps.ps_shards:
+        raise UsageError(f"--ps-port {base} with {ps.ps_shards} shard(s) needs ports "
+                         f"{base}..{base + ps.ps_shards - 1}; give a base within 1024.."
+                         f"{65536 - ps.ps_shards} (ports below 1024 need root), or 0 for "
+                         f"free ports")
     if base:
         busy = [base + k for k in range(ps.ps_shards) if not procs.port_free(ps.ps_bind,
                                                                               base + k)]

@@ -46,6 +46,9 @@ def resolve(coordinator: str, num_processes: int, process_id: int) -> Topology:
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
             raise UsageError(f"--coordinator {coordinator!r} is not HOST:PORT")
+        if not 1 <= int(port) <= 65534:  # PORT+1 is the join check's
+            raise UsageError(f"--coordinator {coordinator!r}: PORT must be within 1..65534 "
+                             f"(PORT+1 is used for the join check)")
         return Topology(coordinator, num, pid)
     detected = _detect_cluster()
     if detected:

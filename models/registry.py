@@ -95,6 +95,10 @@ def parse_overrides(text: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise UsageError(f"--model-opts item {item!r} is not key=value (e.g. depth=2,width=64)")
-        out[key.strip().replace("-", "_")] = value.strip()
+        key = key.strip().replace("-", "_")
+        if key in out:
+            raise UsageError(f"--model-opts gives {key} twice ({out[key]} and "
+                             f"{value.strip()}); give each option once")
+        out[key] = value.strip()
     return out
 

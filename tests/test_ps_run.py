@@ -313,7 +313,12 @@ BAD = [
     ({"ps_shards": 0}, "--ps-shards must be 1 or more"),
     ({"ps_shards": 11}, "exceeds the 10 pieces"),
     ({"staleness": -1}, "--staleness must be 0 or more"),
-    ({"ps_timeout_s": 0.0}, "--ps-timeout-s must be positive"),
+    ({"ps_timeout_s": 0.0}, "--ps-timeout-s must be a positive finite number"),
+    ({"ps_timeout_s": float("inf")}, "--ps-timeout-s must be a positive finite number"),
+    ({"ps_clip_norm": -1.0}, "--ps-clip-norm must be 0 \\(off\\) or a positive finite"),
+    ({"ps_clip_norm": float("nan")}, "--ps-clip-norm must be 0"),
+    ({"ps_port": 70000}, "--ps-port 70000 with 2 shard\\(s\\) needs ports 70000..70001"),
+    ({"ps_port": 80}, "give a base within 1024..65534"),  # was bind()'s traceback
     ({"ps_checkpoint_every": -2}, "--ps-checkpoint-every must be 0 or more"),
     ({"ps_max_message_mb": 0}, "--ps-max-message-mb must be within"),
     ({"ps_staleness_lr": True}, "--ps-staleness-lr applies to"),

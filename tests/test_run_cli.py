@@ -107,6 +107,13 @@ BAD = [
     (["--xla-flags", "--xla_backend_optimization_level=0 --xla_bogus_flag=1"],
      "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),  # was numpy's traceback
+    (["--seed", "4294967296"], "--seed must be within 0..4294967295"),  # JAX: seed 0's run
+    (["--model-opts", "depth=2,depth=3"], "--model-opts gives depth twice (2 and 3)"),
+    (["--init-timeout", "0"], "--init-timeout must be 1 or more seconds, got 0"),
+    (["--coordinator", "localhost:99999", "--num-processes", "2", "--process-id", "0"],
+     "PORT must be within 1..65534"),  # was bind()'s OverflowError traceback
 ]
 
 
@@ -186,7 +193,7 @@ def test_a_bad_value_is_refused_before_jax_is_imported(tmp_path):
     `--lr 0` is refused by the real binary without importing jax at all."""
     code, errors, imported = _run_importtime(tmp_path, "--layout", "fsdp", "--mesh", "4x8",
                                              "--lr", "0")
-    assert code == 2 and errors == ["run: error: --lr must be positive, got 0.0"]
+    assert code == 2 and errors == ["run: error: --lr must be a positive finite number, got 0.0"]
     assert "experiments.validation" in imported
     assert sorted(m for m in imported if m.split(".")[0] in ("jax", "jaxlib", "flax")) == []
     assert list(tmp_path.iterdir()) == []

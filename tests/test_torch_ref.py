@@ -188,6 +188,8 @@ BAD = [
     (["--device", "cuda"], "needs 2 GPUs"),
     (["--matmul-precision", "tf32"], "--matmul-precision: invalid choice: 'tf32'"),
     (["--power-sample-ms", "0"], "--power-sample-ms must be 1..60000, got 0"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),
 ]
 
 
