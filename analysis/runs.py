@@ -117,13 +117,18 @@ def collect(root: Path, skip: Path | None) -> tuple[list[RunRecord], list[Failur
                                                           else status),
                                     rec.get("stderr_tail") or "", rec.get("command", "")))
     named = {f.name for f in failures}
+    without = _dirs_without_results(root, skip, found)
     unfinished += [Failure(name, "unfinished", "no results.json: the run was killed, or is "
                            "still running", "", "")
-                   for name in _dirs_without_results(root, skip, found)]
+                   for name, _ in without]
     failures += sorted((f for f in unfinished if f.name not in named), key=lambda f: f.name)
-    if not runs and not failures:
-        raise UsageError(f"no runs in {root}: no results.json below it and no suite.json "
-                         f"(run python -m experiments.suite or experiments.run first)")
+    # Empty folders count as killed runs only beside evidence of runs: a folder of empty
+    # folders alone (e.g. /etc's) is not a runs directory, and the report is not written there.
+    if not (runs or suite_json.exists() or any(events for _, events in without)
+            or any(f.status == "interrupted" for f in unfinished)):
+        raise UsageError(f"no runs in {root}: no results.json, TensorBoard events or "
+                         f"suite.json below it (run python -m experiments.suite or "
+                         f"experiments.run first)")
     runs.sort(key=lambda r: (r.model, layout_rank(r.group), r.name))
     return runs, failures, problems, meta
 
@@ -132,11 +137,12 @@ def _name(root: Path, run_dir: Path) -> str:
     return str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
 
 
-def _dirs_without_results(root: Path, skip: Path | None, found: list[Path]) -> list[str]:
-    """Run directories that never got a results.json: those holding TensorBoard event files
-    (a run writes them from its first step) and empty ones (a run killed while compiling),
-    unless they sit inside a run that has a results.json. Hidden directories and the
-    report's own output are not runs."""
+def _dirs_without_results(root: Path, skip: Path | None, found: list[Path]
+                          ) -> list[tuple[str, bool]]:
+    """(name, holds event files) of the run directories that never got a results.json:
+    those holding TensorBoard event files (a run writes them from its first step) and empty
+    ones (a run killed while compiling), unless they sit inside a run that has a
+    results.json. Hidden directories and the report's own output are not runs."""
     finished = {p.parent.resolve() for p in found}
     names = []
     try:
@@ -159,7 +165,7 @@ def _dirs_without_results(root: Path, skip: Path | None, found: list[Path]) -> l
         resolved = d.resolve()
         if resolved in finished or finished & set(resolved.parents):
             continue
-        names.append(_name(root, d))
+        names.append((_name(root, d), has_events))
     return names
 
 

@@ -449,7 +449,15 @@ def test_report_bad_input(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     _one_line_error(capsys, report.main([str(tmp_path / "file"), "--out", str(rep)]),
                     "is not a directory")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file"]  # nothing written
+    # Folders that are empty and nothing else (e.g. /etc's): no run ever wrote there, so no
+    # report is written into it (the default --out is RUNS_DIR/report); they counted as
+    # runs killed while compiling, and the report went in.
+    holder = tmp_path / "not-runs"
+    for name in ("a", "b"):
+        (holder / name).mkdir(parents=True)
+    _one_line_error(capsys, report.main([str(holder)]), f"no runs in {holder}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "not-runs"]
+    assert sorted(p.name for p in holder.iterdir()) == ["a", "b"]
     assert list(empty.iterdir()) == []
 
 
