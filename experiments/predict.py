@@ -21,10 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from jaxdist.errors import UsageError
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "analysis" / "baselines" / "published.json"
 GIB = 2 ** 30
@@ -309,6 +313,19 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_output_file(flag: str, path: Path) -> None:
+    """Before minutes of predictions: a file the flag can write (its folder exists), not a
+    folder."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
+    try:  # root passes permission bits: only a write tells (a probe file, removed)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {path.parent}: "
+                         f"{e.strerror or e}") from None
+
+
 def go2025_alias(args) -> int:
     """--go2025: the suite's plan form of the go2025 preset (experiments.suite.plan)."""
     import shutil
@@ -341,6 +358,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="", help="--go2025: the plan directory (default "
                         "runs/plan-go2025)")
     args = parser.parse_args(argv)
+    try:
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                check_output_file(flag, Path(path))
+    except UsageError as e:
+        print(f"predict: error: {e}", file=sys.stderr)
+        return 2
+    ignored = ([f for f, given in (("--hardware", args.hardware != "h200"),
+                                   ("--plot", args.plot), ("--out", args.out)) if given]
+               if args.validate else ["--quick"] if args.quick else [])
+    for flag in ignored:
+        print(f"notice: {flag} applies only to --{'go2025' if args.validate else 'validate'}; "
+              f"ignored", file=sys.stderr)
     if args.go2025:
         return go2025_alias(args)
     import jax

@@ -655,3 +655,28 @@ def test_xla_plans_a_device_less_compile_for_the_parts_usable_hbm(capfd):
     jax.jit(lambda a: jnp.sin(a).sum()).lower(big).compile()
     err = capfd.readouterr().err
     assert f"exceeds the base limit ({int(hw.hbm_bytes)})" in err, err[-500:]
+
+
+def test_predict_output_paths_are_checked_before_predicting(tmp_path, capsys):
+    """--json and --plot were written after minutes of predictions, a bad path then a
+    traceback; now refused first, in one line, and flags the chosen mode does not read are
+    named as ignored."""
+    from experiments.predict import main
+
+    for argv, message in (
+            (["--validate", "--json", str(tmp_path / "no" / "rows.json")],
+             f"--json {tmp_path / 'no' / 'rows.json'}: cannot write in {tmp_path / 'no'}"),
+            (["--validate", "--json", str(tmp_path)], f"--json {tmp_path} is a folder"),
+            (["--go2025", "--plot", str(tmp_path / "no" / "r.png")], "--plot")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("predict: error: ") and message in err[0]
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine.txt").write_text("mine")
+    assert main(["--go2025", "--quick", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "notice: --quick applies only to --validate; ignored",
+        f"suite: error: --out {tmp_path} is a folder no suite wrote (it has files but no "
+        f"ranking.json or */plan.json); choose a new or empty folder, or an earlier suite's "
+        f"to resume it"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]

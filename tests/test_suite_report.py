@@ -408,6 +408,33 @@ def test_suite_bad_input(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
+def test_out_is_never_a_users_folder(tmp_path, capsys, preset_file):
+    """--out /etc wrote a plan folder per row into /etc, and a run whose name matched one of
+    the user's folders had that folder deleted before it ran. Now --out is new, empty or a
+    suite's own (suite.json; a plan's ranking.json or */plan.json); a run folder that exists
+    but that suite.json does not say the suite started is neither deleted nor run over."""
+    mine = tmp_path / "mine"
+    (mine / NAMES[0]).mkdir(parents=True)
+    (mine / NAMES[0] / "notes.txt").write_text("mine")
+    for argv, marker in ((["--preset", str(preset_file), "--quick"], "no suite.json"),
+                         (["--preset", "go2025", "--plan", "--hardware", "h200"],
+                          "no ranking.json or */plan.json")):
+        _one_line_error(capsys, cli.main([*argv, "--out", str(mine)]),
+                        f"--out {mine} is a folder no suite wrote (it has files but {marker})")
+    assert [p.name for p in mine.iterdir()] == [NAMES[0]]
+    # A suite's folder (suite.json) holding a folder the suite did not start: left alone,
+    # the run recorded failed with the reason, on every pass.
+    (mine / "suite.json").write_text('{"runs": []}')
+    for _ in range(2):
+        assert cli.main(["--preset", str(preset_file), "--quick", "--layouts", "ddp",
+                         "--out", str(mine)]) == 0
+        (rec,) = json.loads((mine / "suite.json").read_text())["runs"]
+        assert rec["status"] == "failed" and rec["reason"].startswith(
+            f"{mine / NAMES[0]} exists, and suite.json does not say this suite started it")
+        assert (mine / NAMES[0] / "notes.txt").read_text() == "mine"
+    assert "FAILED" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text, message", [
     ('models = ["mlp-tiny", "resnet9000"]\n[[layouts]]\nname = "ddp"\n',
      "unknown model 'resnet9000'"),

@@ -4,6 +4,7 @@ preset and apply the flags to it, plan the runs, then run them (or print them: -
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tomllib
@@ -115,6 +116,8 @@ def _main_plan(args) -> int:
                f"plan-{path.stem}{'-quick' if args.quick else ''}").absolute()
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} is a file, not a directory")
+        check_out(out, "ranking.json or */plan.json", lambda d: (
+            (d / "ranking.json").is_file() or any(d.glob("*/plan.json"))))
         return main_plan(args, path, run_keys(), out)
     except UsageError as e:
         print(f"suite: error: {e}", file=sys.stderr)
@@ -140,9 +143,26 @@ def prepare(args) -> tuple[Preset, list[Planned], Path]:
            Path("runs") / f"suite-{preset.name}{'-quick' if args.quick else ''}").absolute()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a directory")
+    check_out(out, "suite.json", lambda d: (d / "suite.json").is_file())
     if not args.dry_run:
         ensure_writable_dir(out, "--out")
     return preset, runs, out
+
+
+def check_out(out: Path, marker: str, written_by_a_suite) -> None:
+    """--out is new, empty, or a folder a suite wrote (`written_by_a_suite(out)`, which
+    finds its `marker`), to resume. Never a user's folder: the suite writes a folder per
+    run there, and deletes a run's folder before running it again."""
+    if not out.is_dir():
+        return
+    try:
+        entries = os.listdir(out)
+    except OSError as e:
+        raise UsageError(f"cannot read --out {out}: {e.strerror or e}") from None
+    if entries and not written_by_a_suite(out):
+        raise UsageError(f"--out {out} is a folder no suite wrote (it has files but no "
+                         f"{marker}); choose a new or empty folder, or an earlier suite's "
+                         f"to resume it")
 
 
 def _narrow(preset: Preset, args) -> None:

@@ -54,6 +54,7 @@ class Suite:
         self.launcher, self.timeout_s, self.retry_failed = launcher, timeout_s, retry_failed
         self.logs = out / "logs"
         self.records: dict[str, dict] = {}
+        self.started_before: set[str] = set()  # runs suite.json says an earlier pass started
 
     # -- state on disk
     def load_previous(self) -> None:
@@ -65,6 +66,7 @@ class Suite:
                                 if isinstance(r, dict) and "name" in r}
             except (OSError, ValueError):
                 self.records = {}
+        self.started_before = {n for n, r in self.records.items() if "started_unix_s" in r}
 
     def record(self, p: Planned, **fields) -> dict:
         rec = self.records.get(p.name, {})
@@ -95,6 +97,13 @@ class Suite:
     # -- one run
     def execute(self, p: Planned) -> dict:
         run_dir = self.out / p.name
+        if run_dir.exists() and p.name not in self.started_before:
+            # not a run this suite started: never deleted, and the run is not started over it
+            rec = self.record(p, status="failed", seconds=0.0, reason=(
+                f"{run_dir} exists, and suite.json does not say this suite started it: "
+                f"move it away and rerun"))
+            self.save()
+            return rec
         if run_dir.exists():  # a partial directory from an interrupted or failed attempt
             shutil.rmtree(run_dir)
         out_path, err_path = self.logs / f"{p.name}.out", self.logs / f"{p.name}.err"
