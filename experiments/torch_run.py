@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -138,12 +139,13 @@ def validate(args) -> tuple:
     import torch
 
     from experiments.validation import check_lr, check_seed
-    from models import get_model, parse_overrides
+    from models import get_model, parse_overrides, torch_ref
 
     model_cfg = get_model(args.model, parse_overrides(args.model_opts))
-    if model_cfg.family not in ("mlp", "resnet", "gpt"):
-        raise UsageError(f"model {args.model!r} (family {model_cfg.family}) has no PyTorch "
-                         f"twin in models/torch_ref.py")
+    problem = torch_ref.twin_problem(model_cfg)
+    if problem:
+        raise UsageError(f"model {args.model!r} ({problem}) has no PyTorch twin in "
+                         f"models/torch_ref.py; twins: the mlp, resnet and gpt models")
     for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
                         ("--nproc", args.nproc)):
         if value < 1:
@@ -154,8 +156,8 @@ def validate(args) -> tuple:
         raise UsageError(f"--threads must be 0 (automatic) or more, got {args.threads}")
     check_lr(args.lr)
     check_seed(args.seed)
-    if not args.timeout_s > 0:
-        raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
+    if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
+        raise UsageError(f"--timeout-s must be a positive finite number, got {args.timeout_s}")
     power_config(args).validate()
     if args.batch_size % args.nproc:
         fit = (args.batch_size // args.nproc + 1) * args.nproc

@@ -36,11 +36,25 @@ import numpy as np
 FAMILIES = ("mlp", "resnet", "gpt")
 
 
+def twin_problem(model_cfg) -> str | None:
+    """Why `model_cfg` has no PyTorch twin here, or None. The gpt twin is GPTConfig's
+    architecture; Llama configs share its family (layouts, data) but not its blocks (RMSNorm,
+    RoPE, SwiGLU, grouped-query attention)."""
+    from models.gpt import GPTConfig
+
+    if model_cfg.family not in FAMILIES:
+        return f"family {model_cfg.family}"
+    if model_cfg.family == "gpt" and type(model_cfg) is not GPTConfig:
+        return f"{type(model_cfg).__name__.removesuffix('Config')}, not GPT's blocks"
+    return None
+
+
 def arch_spec(model_cfg) -> dict[str, Any]:
     """A JSON-able description of a registered model config: everything `build` needs."""
     family = model_cfg.family
-    if family not in FAMILIES:
-        raise ValueError(f"no PyTorch twin for model family {family!r}")
+    problem = twin_problem(model_cfg)
+    if problem:
+        raise ValueError(f"no PyTorch twin for {problem}")
     spec = {k: v for k, v in dataclasses.asdict(model_cfg).items()}
     if family == "resnet":
         spec["block_specs"] = [list(b) for b in model_cfg.block_specs()]

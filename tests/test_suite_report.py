@@ -398,6 +398,7 @@ SUITE_BAD = [
     (["--preset", "ovi2025", "--dataset", "imagenet"], "dataset='imagenet' is not one of"),
     (["--preset", "ovi2025", "--layouts", "ddp,zero9"], "--layouts: zero9"),
     (["--preset", "/no/such/preset.toml"], "preset file /no/such/preset.toml does not exist"),
+    (["--preset", "ovi2025", "--timeout-s", "nan"], "--timeout-s must be a positive finite"),
 ]
 
 

@@ -190,6 +190,11 @@ BAD = [
     (["--power-sample-ms", "0"], "--power-sample-ms must be 1..60000, got 0"),
     (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),
+    (["--timeout-s", "inf"], "--timeout-s must be a positive finite number, got inf"),
+    # llama is of the gpt family (its layouts, its data) but has its own blocks: the ranks
+    # failed loading the weights, each with a traceback
+    (["--model", "llama-tiny"], "model 'llama-tiny' (Llama, not GPT's blocks) has no PyTorch "
+                                "twin"),
 ]
 
 

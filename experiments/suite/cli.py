@@ -4,6 +4,7 @@ preset and apply the flags to it, plan the runs, then run them (or print them: -
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -134,8 +135,8 @@ def prepare(args) -> tuple[Preset, list[Planned], Path]:
     if args.dataset is not None:
         overrides["dataset"] = convert(keys["dataset"], args.dataset, "--dataset")
     _narrow(preset, args)
-    if args.timeout_s is not None and args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be positive, got {args.timeout_s}")
+    if args.timeout_s is not None and not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
+        raise UsageError(f"--timeout-s must be a positive finite number, got {args.timeout_s}")
     runs = plan(preset, overrides)
     validate_names(runs)
     # Absolute: the runs start in the repository root, wherever the suite was started.
