@@ -12,11 +12,11 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from jaxdist import metrics, record_builder, telemetry
+from jaxdist import host_memory, metrics, record_builder, telemetry
 from jaxdist.program import comm
 from jaxdist.checkpoint import Checkpointer, identity
 from jaxdist.config import RunConfig, parse_profile_steps
-from jaxdist.data import TrainStream, eval_batches
+from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
@@ -43,6 +43,8 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
                                         build_mesh(platform.shape, platform.devices))
     if notice:
         log(notice)
+    if platform.backend == "cpu":  # this host's RAM: refused before anything is allocated
+        check_host_memory(cfg, platform, model_cfg, dataset, program)
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
     total_steps = cfg.loop.warmup + cfg.loop.steps
@@ -68,6 +70,11 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
     first = put_batch(stream.batch(0), program.batch_sharding)
     compiled, compile_s = compile_timed(program.step, state, first)
     log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+    memory = metrics.compiled_memory(compiled)
+    if platform.backend == "cpu" and memory:  # beyond its arguments (allocated already)
+        local = sum(d.process_index == jax.process_index() for d in platform.devices)
+        host_memory.check((memory["peak_bytes"] - memory["argument_bytes"]) * local,
+                          "step (outputs and temporaries, the compiler's figure)", local)
 
     # A resumed run warms up again (fresh compile), keeping at least one timed step.
     warmup = min(cfg.loop.warmup, total_steps - start_step - 1)
@@ -169,6 +176,20 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
     finally:
         writer.close()
     return results
+
+
+def check_host_memory(cfg, platform, model_cfg, dataset, program) -> None:
+    """The train state's shards on this process's CPU devices (exact, from shapes) and its
+    batches: a synthetic pool of NUM_SYNTHETIC_BATCHES on the host, each placed on the
+    devices once (batch_feed); a dataset's one at a time."""
+    local = [d for d in platform.devices if d.process_index == jax.process_index()]
+    batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        compiled_mod.abstract_batch(model_cfg, cfg.train.batch_size)))
+    pool = NUM_SYNTHETIC_BATCHES if dataset is None else 1
+    host_memory.check(host_memory.state_bytes(program.abstract_state, program.state_shardings,
+                                              local)
+                      + pool * batch * (1 + len(local) / len(platform.devices)),
+                      f"train state and {pool} batch(es)", len(local))
 
 
 def batch_feed(stream: TrainStream, real_data: bool, sharding):

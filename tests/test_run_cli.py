@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxdist.record import check
@@ -274,3 +275,40 @@ def test_an_interrupted_logdir_can_be_reused(tmp_path):
     (tmp_path / "results.json").write_text('{"status": "complete"}')
     with pytest.raises(UsageError, match="already holds a finished run"):
         make_logdir(cfg, "2")
+
+
+def test_a_run_larger_than_the_hosts_free_memory_is_refused(tmp_path, monkeypatch, capsys):
+    """CPU devices hold their buffers in this host's RAM: a state and batches, or a step,
+    beyond what /proc/meminfo says is available is refused in one line (exit 2, nothing
+    kept), where the kernel's OOM killer used to SIGKILL the run or XLA to raise
+    RESOURCE_EXHAUSTED with a traceback. The state's bytes are its shards' exact bytes."""
+    from jaxdist import host_memory
+    from jaxdist.data import NUM_SYNTHETIC_BATCHES
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.metrics import state_bytes_by_device
+    from tests.helpers import train
+
+    _, state, program = train("gpt-tiny", "fsdp", parse_mesh("2x4"), steps=0)
+    exact = sum(row["bytes"] for row in state_bytes_by_device(state))
+    assert host_memory.state_bytes(program.abstract_state, program.state_shardings,
+                                   jax.devices()) == exact > 0
+    batch = 8 * 33 * 4  # gpt-tiny: 8 sequences of 32 + 1 int32 tokens
+    need = exact + NUM_SYNTHETIC_BATCHES * batch * 2  # on the host and on the devices
+    monkeypatch.chdir(tmp_path)
+    argv = ("--model", "gpt-tiny", "--layout", "fsdp", "--mesh", "2x4", "--batch-size", "8",
+            "--steps", "1", "--warmup", "0")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: need - 1)
+    proc = cli_main(capsys, *argv)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"run: error: the train state and {NUM_SYNTHETIC_BATCHES} batch(es) needs "
+        f"{need / 2**30:.1f} GiB of host memory on the 8 CPU device(s) of this process, and "
+        f"{(need - 1) / 2**30:.1f} GiB is available: use a smaller model, batch or mesh "
+        f"(--microbatches), or plan it with --dry-run --hardware PART, which allocates "
+        f"nothing"]
+    calls = iter([need, 0])  # the state fits; the compiled step then does not
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: next(calls))
+    proc = cli_main(capsys, *argv)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "run: error: the step (outputs and temporaries, the compiler's figure) needs ")
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []

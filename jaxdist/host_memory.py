@@ -1,0 +1,54 @@
+"""Host memory for runs on CPU devices. Their buffers are this host's RAM, so a train state
+or a step larger than what the host has free is refused in one line before it is allocated:
+otherwise the kernel's OOM killer SIGKILLs the run (nothing said, an empty run folder left:
+gpt-tiny with vocab=100000000 on 8 simulated devices) or XLA raises RESOURCE_EXHAUSTED from
+inside the loop with a traceback (a batch of 8,000,000 sequences: 532 GiB asked of 22).
+GPU runs are not checked here: their memory is the device's, and a plan (`--dry-run
+--hardware`) says whether a step fits it."""
+
+from __future__ import annotations
+
+import math
+
+from jaxdist.errors import UsageError
+
+GIB = 2 ** 30
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or None
+    where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def state_bytes(abstract_state, shardings, devices) -> int:
+    """Exact bytes the train state's shards take on `devices`, from shapes alone."""
+    import jax
+
+    local = set(devices)
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_state), jax.tree.leaves(shardings),
+                              strict=True):
+        shard = math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        total += shard * sum(d in local for d in sharding.device_set)
+    return total
+
+
+def check(need: int, what: str, devices: int, available: int | None = None) -> None:
+    """UsageError when `need` bytes (of `what`, over `devices` CPU devices of this process)
+    exceed what the host has available."""
+    available = available_bytes() if available is None else available
+    need = int(need)
+    if available is not None and need > available:
+        raise UsageError(
+            f"the {what} needs {need / GIB:.1f} GiB of host memory on the {devices} CPU "
+            f"device(s) of this process, and {available / GIB:.1f} GiB is available: use a "
+            f"smaller model, batch or mesh (--microbatches), or plan it with --dry-run "
+            f"--hardware PART, which allocates nothing")
