@@ -73,6 +73,36 @@ def check(results: dict) -> list[str]:
     return problems
 
 
+def check_types(results: dict) -> list[str]:
+    """What a lenient read (a record from before some field existed) still needs: every
+    field the schema knows, where present and not null, of the schema's type, so that the
+    readers (this module's RunRecord) never meet a number where they read an object."""
+    present = _present(results, SCHEMA)
+    problems = _check(present, _spec_of(present, SCHEMA), "")
+    if isinstance(results.get("loss"), list) and not all(isinstance(x, NUM)
+                                                         for x in results["loss"]):
+        problems.append("loss: every entry must be a number")
+    return problems
+
+
+def _present(obj: dict, spec: dict) -> dict:
+    """`obj` less the fields `spec` names that are missing or null, at every depth."""
+    out = {}
+    for key, value in obj.items():
+        if key in spec and value is None:
+            continue
+        if isinstance(spec.get(key), dict) and isinstance(value, dict):
+            value = _present(value, spec[key])
+        out[key] = value
+    return out
+
+
+def _spec_of(obj: dict, spec: dict) -> dict:
+    """`spec` restricted to the fields `obj` has."""
+    return {k: _spec_of(obj[k], kind) if isinstance(kind, dict) and isinstance(obj[k], dict)
+            else kind for k, kind in spec.items() if k in obj}
+
+
 def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
     problems = []
     for key, kind in spec.items():
@@ -86,7 +116,9 @@ def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
         elif isinstance(obj[key], bool) and kind in (int, NUM, OPT_NUM):
             problems.append(f"{prefix}{key}: expected a number, got a boolean")
         elif not isinstance(obj[key], kind):
-            problems.append(f"{prefix}{key}: expected {kind}, got {type(obj[key]).__name__}")
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple)
+                                                     else (kind,)))
+            problems.append(f"{prefix}{key}: expected {names}, got {type(obj[key]).__name__}")
     return problems
 
 
@@ -175,7 +207,7 @@ class RunRecord:
             raise RecordError("not a jaxdist results.json (not an object)")
         problems = check(results) if require_valid else (
             [] if "step_time_s" in results or results.get("status") == "interrupted"
-            else ["step_time_s: missing"])
+            else ["step_time_s: missing"]) + check_types(results)
         if problems:
             raise RecordError(f"not a jaxdist results.json ({problems[0]})")
         return cls(file.parent, results, name)

@@ -109,6 +109,20 @@ def test_what_is_not_a_record(tmp_path):
     assert RunRecord.load(tmp_path / "c.json").layout == "ddp"
     with pytest.raises(RecordError, match=r"\(schema_version: missing\)"):
         RunRecord.load(tmp_path / "c.json", require_valid=True)
+    # ... but not a field of the wrong type, which a reader would crash on: the report
+    # stopped with AttributeError on a step_time_s of 5 (now listed as unreadable)
+    for i, (fields, problem) in enumerate((
+            ({"step_time_s": 5}, "step_time_s: expected an object"),
+            ({"step_time_s": {"n": 1}, "mfu": 3}, "mfu: expected an object"),
+            ({"step_time_s": {"n": "1"}}, "step_time_s.n: expected int, got str"),
+            ({"step_time_s": {"n": 1}, "loss": [1.0, "x"]},
+             "loss: every entry must be a number"))):
+        (tmp_path / f"d{i}.json").write_text(json.dumps(fields))
+        with pytest.raises(RecordError, match=f"not a jaxdist results.json \\({problem}\\)"):
+            RunRecord.load(tmp_path / f"d{i}.json")
+    (tmp_path / "e.json").write_text(json.dumps({"step_time_s": {"n": 1, "p50": None},
+                                                 "mfu": None}))
+    assert RunRecord.load(tmp_path / "e.json").step_p50 is None  # null is absent, not wrong
 
 
 @pytest.mark.parametrize("module", ["experiments.report", "experiments.compare"])
