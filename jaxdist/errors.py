@@ -80,5 +80,13 @@ class OneLineParser(argparse.ArgumentParser):
             i += 1
         return out
 
+    def require_at_least(self, args, **minimums: int) -> None:
+        """One line and exit 2 for an option below its minimum: `--steps 0` where a count
+        of steps divides a total later (benchmarks' ZeroDivisionError) or indexes rounds."""
+        for dest, low in minimums.items():
+            value = getattr(args, dest)
+            if value < low:
+                self.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value}")
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -11,7 +11,6 @@ Usage: python scripts/bench_loop.py [--model gpt-tiny] [--mesh 2x4] [--steps 30]
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -20,11 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jaxdist.errors import OneLineParser  # noqa: E402
 from jaxdist.mesh import parse_mesh  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--mesh", default="2x4")
     ap.add_argument("--batch-size", type=int, default=128)
@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--memory-model", default="gpt-small")
     args = ap.parse_args()
+    ap.require_at_least(args, batch_size=1, steps=1, rounds=1)
 
     import jax
     shape = parse_mesh(args.mesh)

@@ -18,7 +18,6 @@ Usage: python scripts/bench_pp.py [--ms 4,8,16,32] [--runs 5]
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxdist.data import TrainStream  # noqa: E402
+from jaxdist.errors import OneLineParser  # noqa: E402
 from jaxdist.mesh import build_mesh, parse_mesh  # noqa: E402
 from jaxdist.pipeline.program import build_pipeline_program  # noqa: E402
 from jaxdist.pipeline.report import local_activation_bytes, stage_sends  # noqa: E402
@@ -79,16 +79,23 @@ def measure(cfg, schedule: str, virtual: int, M: int, runs: int = 0) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="4,8,16,32", help="micro-batch counts")
     parser.add_argument("--runs", type=int, default=5, help="timed steps of gpipe and 1f1b")
     args = parser.parse_args()
+    try:
+        ms = [int(m) for m in args.ms.split(",")]
+    except ValueError:
+        parser.error(f"--ms {args.ms!r} is not comma-separated integers (e.g. 4,8,16)")
+    if args.runs < 1 or any(m < S for m in ms):
+        parser.error(f"--runs must be 1 or more and every --ms at least S={S} (1f1b needs "
+                     f"M >= S); got --runs {args.runs}, --ms {args.ms}")
     cfg = get_model("gpt-tiny", {"depth": "8"})
     rows = {}
     print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device")
     print(f"{'schedule':<16}{'M':>4}{'bubble':>9}{'analytic':>10}{'temp bytes':>13}"
           f"{'stashed mbs':>13}{'stage bytes':>13}{'analytic':>11}")
-    for M in (int(m) for m in args.ms.split(",")):
+    for M in ms:
         for name, V in SCHEDULES:
             r = measure(cfg, name, V, M, args.runs if name in ("gpipe", "1f1b") else 0)
             rows[(name, M)] = r

@@ -267,10 +267,7 @@ def parse_args(argv=None):
             parser.error(f"{flag} takes positive integers, comma-separated; got {text!r}")
         return values
     args.sizes, args.shards = counts("--sizes", args.sizes), counts("--shards", args.shards)
-    for flag in ("repeats", "batch_size", "workers", "steps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got "
-                         f"{getattr(args, flag)}")
+    parser.require_at_least(args, repeats=1, batch_size=1, workers=1, steps=1)
     if args.batch_size % args.workers:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --workers "
                      f"{args.workers}")

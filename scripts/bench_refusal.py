@@ -9,12 +9,13 @@ refusal is not exit 2 with one line.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from jaxdist.errors import OneLineParser
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_S = 2.0
@@ -27,9 +28,10 @@ CASES = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    parser.require_at_least(args, repeats=1)
     ok = True
     for name, argv in CASES.items():
         seconds = []

@@ -11,7 +11,6 @@ Usage: python scripts/bench_telemetry.py [--model mlp-10m] [--devices 1] [--bloc
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,9 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jaxdist.errors import OneLineParser  # noqa: E402
+
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlp-10m")
     ap.add_argument("--devices", type=int, default=1, help="simulated CPU devices (data axis)")
     ap.add_argument("--batch-size", type=int, default=32)
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per block")
     ap.add_argument("--sample-ms", type=int, default=10)
     args = ap.parse_args()
+    ap.require_at_least(args, devices=1, batch_size=1, blocks=1, steps=1, sample_ms=1)
 
     import jax
     jax.config.update("jax_platforms", "cpu")

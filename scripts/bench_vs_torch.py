@@ -15,7 +15,6 @@ can be rebuilt with `python -m experiments.compare <out>`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.errors import OneLineParser
+
 ROOT = Path(__file__).resolve().parent.parent
 # Per-model protocol: warm-up and timed steps. gpt-small at batch 256 is ~1e12 FLOPs a step:
 # ~20 CPU-seconds, 10+ s a step on two cores, so it gets few.
@@ -31,7 +32,7 @@ PROTOCOL = {"mlp-10m": (3, 20), "gpt-small": (1, 3)}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="mlp-10m,gpt-small")
     p.add_argument("--layouts", default="ddp,fsdp")
     p.add_argument("--repeats", type=int, default=2)
@@ -45,7 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--torch-threads", type=int, default=0,
                    help="threads per PyTorch process (0: cores / processes)")
     p.add_argument("--out", default="")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    p.require_at_least(args, repeats=1, batch_size=1, devices=1, steps=0, warmup=-1,
+                       torch_threads=0)
+    return args
 
 
 def run(cmd: list[str], env_extra: dict) -> tuple[int, float, str]:

@@ -19,7 +19,6 @@ signal to the exit, and that no process of the run is left (/proc).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -38,6 +37,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdist import procs  # noqa: E402
+from jaxdist.errors import OneLineParser  # noqa: E402
 from ps import wire  # noqa: E402
 from ps.security import TOKEN_ENV  # noqa: E402
 from ps.shard_client import ShardClient  # noqa: E402
@@ -187,12 +187,13 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one fault of each kind")
     parser.add_argument("--only", choices=("servers", "runs"), default=None)
     parser.add_argument("--jobs", type=int, default=0, help="rows run at once (default: 5 "
                         "with --quick, else 2); each row's own timing does not depend on it")
     args = parser.parse_args(argv)
+    parser.require_at_least(args, jobs=0)
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.monotonic()

@@ -13,12 +13,13 @@ XLA:CPU on simulated devices. Compile times are this machine's wall seconds: fun
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxdist.errors import OneLineParser  # noqa: E402
 
 CASES = {  # layout: (mesh, model options, micro-batches); gpt-tiny (depth 4 for pipelines)
     "ddp": ("4x8", "", 1), "zero1": ("4x8", "", 1), "fsdp": ("4x8", "", 1),
@@ -50,7 +51,7 @@ def by_kind(comm_rows) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", default=",".join(CASES))
     parser.add_argument("--model", default="")
     parser.add_argument("--model-opts", default=None)
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--with-device", action="store_true",
                         help="on a GPU machine: this GPU's program vs the device-less one")
     args = parser.parse_args(argv)
+    parser.require_at_least(args, batch_size=1)
 
     import jax
     if not args.with_device:
