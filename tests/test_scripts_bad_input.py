@@ -1,0 +1,36 @@
+"""The benchmarks in scripts/ take bad input as every entry point does: one line, exit 2 (a
+count of 0 ended in ZeroDivisionError, IndexError or StatisticsError tracebacks).
+bench_ps.py's cases are in test_ps_record.py."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxdist.errors import OneLineParser
+from tests.helpers import ROOT, child_env
+
+
+def test_require_at_least_names_the_option_and_its_minimum(capsys):
+    parser = OneLineParser(prog="bench")
+    parser.add_argument("--batch-size", type=int, default=1)
+    args = parser.parse_args(["--batch-size", "0"])
+    parser.require_at_least(args, batch_size=0)  # at the minimum: nothing said
+    with pytest.raises(SystemExit) as e:
+        parser.require_at_least(args, batch_size=1)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "bench: error: --batch-size must be at least 1, got 0 (see --help)\n")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_loop.py", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("bench_telemetry.py", ["--blocks", "0"], "--blocks must be at least 1, got 0"),
+    ("bench_vs_torch.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    ("bench_pp.py", ["--ms", "2"], "every --ms at least S=4"),
+    ("compare_compilers.py", ["--batch-size", "0"], "--batch-size must be at least 1")])
+def test_a_benchmark_refuses_a_count_below_its_minimum(script, argv, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
