@@ -93,8 +93,13 @@ def main(argv=None) -> int:
     log = lambda msg: print(f"[shard {args.shard}] {msg}", flush=True)  # noqa: E731
     token = os.environ.get(TOKEN_ENV) or ""
     try:
+        if args.of < 1:
+            raise UsageError(f"--of must be 1 or more (the number of shards), got {args.of}")
         if not 0 <= args.shard < args.of:
             raise UsageError(f"--shard {args.shard} is outside 0..{args.of - 1}")
+        if not 0 <= args.port <= 65535:
+            raise UsageError(f"--port must be within 0..65535 (0: any free port), got "
+                             f"{args.port}")
         problem = security_problems(cfg.ps.ps_bind, token, cfg.ps.ps_tls_cert,
                                     cfg.ps.ps_tls_key)
         if problem:

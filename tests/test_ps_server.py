@@ -239,6 +239,12 @@ def test_port_in_use_is_a_usage_error():
         proc = _server_cli("--port", str(s.getsockname()[1]))
     assert proc.returncode == 2
     assert "is in use" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    for args, message in ((("--port", "99999"), "--port must be within 0..65535"),  # bind()'s
+                          (("--of", "0"), "--of must be 1 or more")):  # OverflowError
+        proc = _server_cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"ps.server: error: {message}")
 
 
 def test_binding_beyond_loopback_needs_a_token():
