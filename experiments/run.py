@@ -110,7 +110,8 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
             except UsageError as e:
                 distributed.refuse(topo, cfg.dist.init_timeout, str(e))
                 raise
-        distributed.initialize(topo, cfg.dist.init_timeout)
+        distributed.initialize(topo, cfg.dist.init_timeout,
+                               distributed.shared_settings(cfg.to_dict()))
         platform = select_devices(shape)
         check_batch(cfg, platform.shape)  # a mesh of -1 is sized only now, by the devices
         if topo.process_id == 0 and run_dir is None:  # its name needs the resolved mesh

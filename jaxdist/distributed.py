@@ -65,8 +65,24 @@ def _detect_cluster() -> tuple[int, int] | None:
     return None
 
 
-def initialize(topo: Topology, timeout_s: int) -> None:
-    """Join every process, then start jax.distributed. Single process: nothing to do."""
+# Settings each process may give its own way: the others must be equal, or the processes
+# compile different programs and their collectives do not match (gloo aborts the job:
+# "Received data size doesn't match expected size", with a C++ stack from each process).
+PER_PROCESS = {"process_id", "coordinator", "init_timeout", "logdir", "progress",
+               "data_dir"}  # a local path holding the same files
+
+
+def shared_settings(config: dict) -> dict:
+    """The settings of a RunConfig's to_dict() that every process must give alike, as flat
+    {name: value}."""
+    flat = {name: value for section in config.values() for name, value in section.items()
+            if name not in PER_PROCESS}
+    return json.loads(json.dumps(flat, default=str))  # as the other processes' arrive
+
+
+def initialize(topo: Topology, timeout_s: int, settings: dict | None = None) -> None:
+    """Join every process, then start jax.distributed. Single process: nothing to do.
+    `settings` (shared_settings): process 0 refuses a process whose settings differ."""
     if not topo.multi:
         return
     import jax
@@ -74,22 +90,37 @@ def initialize(topo: Topology, timeout_s: int) -> None:
     if topo.auto:
         jax.distributed.initialize(initialization_timeout=timeout_s)
         return
-    join(topo, timeout_s)
+    join(topo, timeout_s, settings=settings)
     jax.distributed.initialize(topo.coordinator, topo.num_processes, topo.process_id,
                                initialization_timeout=timeout_s)
 
 
-def join(topo: Topology, timeout_s: float, refusal: str | None = None) -> None:
+def join(topo: Topology, timeout_s: float, refusal: str | None = None,
+         settings: dict | None = None) -> None:
     """Meet every process at the join point. `refusal` (process 0 only): process 0 will not
     start (its --logdir, say); each process that arrives is told at once why, and the same
-    one-line error ends every process within seconds, not at its --init-timeout."""
+    one-line error ends every process within seconds, not at its --init-timeout. Each
+    process brings its `settings`; one whose settings differ from process 0's is refused the
+    same way, the differences named."""
     host, _, port = topo.coordinator.rpartition(":")
     address = (host, int(port) + 1)
     deadline = time.monotonic() + timeout_s
     if topo.process_id == 0:
-        _host_join(address, topo.num_processes, deadline, timeout_s, refusal)
+        _host_join(address, topo.num_processes, deadline, timeout_s, refusal, settings or {})
     else:
-        _reach_join(address, topo.process_id, deadline, timeout_s)
+        _reach_join(address, topo.process_id, deadline, timeout_s, settings or {})
+
+
+def differences(mine: dict, theirs: dict, process: int) -> str | None:
+    """One line naming the settings of `process` that differ from process 0's, or None."""
+    names = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if not names:
+        return None
+    shown = "; ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} (process 0: {mine.get(k)!r})"
+                      for k in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (f"process {process} was started with other settings than process 0: {shown}"
+            f"{more}; start every process with the same flags")
 
 
 def refuse(topo: Topology, timeout_s: float, reason: str) -> None:
@@ -103,7 +134,7 @@ def refuse(topo: Topology, timeout_s: float, reason: str) -> None:
 
 
 def _host_join(address, num_processes: int, deadline: float, timeout_s: float,
-               refusal: str | None = None) -> None:
+               refusal: str | None = None, settings: dict | None = None) -> None:
     joined: dict[int, socket.socket] = {}
     with socket.create_server(address, reuse_port=False) as server:
         while len(joined) < num_processes - 1:
@@ -123,11 +154,17 @@ def _host_join(address, num_processes: int, deadline: float, timeout_s: float,
                 continue
             conn.settimeout(5)
             try:
-                process = json.loads(conn.recv(64))["process"]
-            except (OSError, ValueError, KeyError):
+                hello = json.loads(conn.makefile("rb").readline(1 << 20))
+                process = hello["process"]
+            except (OSError, ValueError, KeyError, TypeError):
                 conn.close()
                 continue
             joined[process] = conn
+            mismatch = differences(settings or {}, hello.get("settings") or {}, process)
+            if mismatch and not refusal:  # every process is told; process 0 stops too
+                refusal = mismatch
+                _tell({p: c for p, c in joined.items() if p != process},
+                      {"ok": False, "error": refusal})
             if refusal:  # told now: it need not wait for the slowest peer
                 _tell({process: conn}, {"ok": False, "error": refusal})
         if refusal:
@@ -144,7 +181,8 @@ def _tell(conns: dict, message: dict) -> None:
         conn.close()
 
 
-def _reach_join(address, process_id: int, deadline: float, timeout_s: float) -> None:
+def _reach_join(address, process_id: int, deadline: float, timeout_s: float,
+                settings: dict | None = None) -> None:
     while True:
         try:
             conn = socket.create_connection(address, timeout=1.0)
@@ -156,7 +194,8 @@ def _reach_join(address, process_id: int, deadline: float, timeout_s: float) -> 
                                  f"(--init-timeout)") from None
             time.sleep(0.2)
     with conn:
-        conn.sendall(json.dumps({"process": process_id}).encode())
+        conn.sendall(json.dumps({"process": process_id, "settings": settings or {}},
+                                default=str).encode() + b"\n")
         conn.settimeout(max(deadline - time.monotonic(), 0) + 2)
         try:
             reply = json.loads(conn.recv(4096) or b"{}")

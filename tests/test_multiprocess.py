@@ -120,3 +120,49 @@ def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(
     assert out[1][1].strip() == f"run: error: process 0: {reason}"
     assert elapsed < 60  # seconds of start-up, not the 120 s --init-timeout
     assert (finished / "results.json").read_text() == '{"status": "complete"}'
+
+
+def test_processes_started_with_other_settings_are_refused_by_name(tmp_path):
+    """Each process compiles its own program: started with another --model, they met in
+    gloo with collectives of other sizes and every process aborted ("Received data size
+    doesn't match expected size", a C++ stack each). Process 0 compares every process's
+    settings at the join point: one line each, exit 2, the difference named; a per-process
+    setting (--logdir, --init-timeout) may differ."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *COMMON, "--mesh", "2x4", "--no-progress",
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--init-timeout", str(60 + i), "--logdir", str(tmp_path / f"run{i}"),
+         "--lr", ("0.001", "0.002")[i]], cwd=tmp_path, env=child_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        out = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    reason = ("process 1 was started with other settings than process 0: --lr 0.002 (process "
+              "0: 0.001); start every process with the same flags")
+    assert [p.returncode for p in procs] == [2, 2], out
+    assert out[0][1].strip() == f"run: error: {reason}"
+    assert out[1][1].strip() == f"run: error: process 0: {reason}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shared_settings_leave_out_what_each_process_gives_its_own_way():
+    from jaxdist.config import RunConfig
+    from jaxdist.distributed import differences, shared_settings
+
+    mine = shared_settings(RunConfig().to_dict())
+    assert {"model", "mesh", "lr", "batch_size", "xla_flags"} <= set(mine)
+    assert not {"process_id", "logdir", "init_timeout", "data_dir"} & set(mine)
+    theirs = dict(mine, model="mlp-tiny", seed=1, steps=9, warmup=4)
+    assert differences(mine, mine, 1) is None
+    assert differences(mine, theirs, 3) == (
+        "process 3 was started with other settings than process 0: --model 'mlp-tiny' "
+        "(process 0: 'gpt-tiny'); --seed 1 (process 0: 0); --steps 9 (process 0: 20) and 1 "
+        "more; start every process with the same flags")
