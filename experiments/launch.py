@@ -88,7 +88,8 @@ def main(argv=None) -> int:
 def preflight(processes: int, run_args: list[str]) -> int | None:
     """The checks a run makes before it touches a device, made once here: a mistake is one
     line and exit 2 before N processes start (each would import jax and print the same line).
-    None when the run may start; dry runs and PS runs start no jax.distributed job here."""
+    None when the run may start. Dry runs and PS runs are refused: they start no
+    jax.distributed job, so N processes would each make the same plan or PS job."""
     from experiments.run import build_parser
     from experiments.validation import validate
     from jaxdist.config import from_namespace
@@ -96,9 +97,18 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     from jaxdist.errors import UsageError
 
     cfg = from_namespace(build_parser().parse_args(run_args))  # argparse: one line, exit 2
-    if cfg.output.dry_run or cfg.train.layout == "ps":
-        return None
     try:
+        given = [f for f, v in (("--coordinator", cfg.dist.coordinator),
+                                ("--num-processes", cfg.dist.num_processes),
+                                ("--process-id", cfg.dist.process_id >= 0)) if v]
+        if given:  # the launcher's own, appended to each process's (the last one wins)
+            raise UsageError(f"{', '.join(given)}: the launcher gives each process these; "
+                             f"leave them out")
+        if cfg.output.dry_run or cfg.train.layout == "ps":  # no jax.distributed job
+            raise UsageError(f"{'--dry-run' if cfg.output.dry_run else '--layout ps'} runs as "
+                             f"one process (a plan; the parameter server starts its own "
+                             f"workers and shards): python -m experiments.run "
+                             f"{' '.join(run_args)}")
         shape = validate(cfg).shape  # the run's own pass (the batch split included)
         if shape.size is not None:
             check_split(shape, processes)

@@ -77,7 +77,13 @@ def test_incomplete_distributed_flags(tmp_path, monkeypatch, capsys):
     (["--mesh", "3x1"], "launch: error: global batch 64 is not divisible by the 3 batch "
                         "shards of mesh 3x1; use a multiple of 3, e.g. --batch-size 63 or 66"),
     (["--mesh", "2x4", "--layout", "fsdpp"], "launch: error: unknown layout 'fsdpp' (did you "
-                                             "mean 'fsdp' or 'fsdp_tp'?)")])
+                                             "mean 'fsdp' or 'fsdp_tp'?)"),
+    # the launcher's own flags: a user's --num-processes 3 was overridden in silence
+    (["--mesh", "2x4", "--num-processes", "3"], "launch: error: --num-processes: the "
+                                                "launcher gives each process these"),
+    # one process's job: each of the N processes started the same PS job, and each failed
+    (["--mesh", "2x1", "--layout", "ps"], "launch: error: --layout ps runs as one process"),
+    (["--mesh", "2x4", "--dry-run"], "launch: error: --dry-run runs as one process")])
 def test_launcher_refuses_before_starting_processes(args, line, monkeypatch, capsys):
     """A mistake the run would refuse is refused once by the launcher, one line, exit 2,
     and no process is started (before, each of the N processes imported jax and printed
