@@ -96,32 +96,39 @@ def test_launcher_refuses_before_starting_processes(args, line, monkeypatch, cap
     assert code == 2 and err.startswith(line) and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(tmp_path):
-    """Process 1 used to wait out its --init-timeout after process 0 had refused --logdir."""
+def _two_processes(tmp_path, args_of) -> tuple[list[int], list[tuple[str, str]]]:
+    """Processes 0 and 1 of one job started by hand (COMMON on a 2x4 mesh, `args_of(i)`
+    added): (exit codes, (stdout, stderr) of each)."""
     import socket
 
-    finished = tmp_path / "done"
-    finished.mkdir()
-    (finished / "results.json").write_text('{"status": "complete"}')
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = child_env()
-    start = time.monotonic()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "experiments.run", *COMMON, "--mesh", "2x4", "--no-progress",
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-         "--init-timeout", "120", "--logdir", str(finished)], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+         *args_of(i)], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     try:
         out = [p.communicate(timeout=100) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return [p.returncode for p in procs], out
+
+
+def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(tmp_path):
+    """Process 1 used to wait out its --init-timeout after process 0 had refused --logdir."""
+    finished = tmp_path / "done"
+    finished.mkdir()
+    (finished / "results.json").write_text('{"status": "complete"}')
+    start = time.monotonic()
+    codes, out = _two_processes(tmp_path, lambda i: ["--init-timeout", "120",
+                                                     "--logdir", str(finished)])
     elapsed = time.monotonic() - start
     reason = f"--logdir {finished} already holds a finished run; choose another"
-    assert [p.returncode for p in procs] == [2, 2], out
+    assert codes == [2, 2], out
     assert out[0][1].strip() == f"run: error: {reason}"
     assert out[1][1].strip() == f"run: error: process 0: {reason}"
     assert elapsed < 60  # seconds of start-up, not the 120 s --init-timeout
@@ -134,26 +141,12 @@ def test_processes_started_with_other_settings_are_refused_by_name(tmp_path):
     doesn't match expected size", a C++ stack each). Process 0 compares every process's
     settings at the join point: one line each, exit 2, the difference named; a per-process
     setting (--logdir, --init-timeout) may differ."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", *COMMON, "--mesh", "2x4", "--no-progress",
-         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-         "--init-timeout", str(60 + i), "--logdir", str(tmp_path / f"run{i}"),
-         "--lr", ("0.001", "0.002")[i]], cwd=tmp_path, env=child_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    try:
-        out = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes, out = _two_processes(tmp_path, lambda i: [
+        "--init-timeout", str(60 + i), "--logdir", str(tmp_path / f"run{i}"),
+        "--lr", ("0.001", "0.002")[i]])
     reason = ("process 1 was started with other settings than process 0: --lr 0.002 (process "
               "0: 0.001); start every process with the same flags")
-    assert [p.returncode for p in procs] == [2, 2], out
+    assert codes == [2, 2], out
     assert out[0][1].strip() == f"run: error: {reason}"
     assert out[1][1].strip() == f"run: error: process 0: {reason}"
     assert list(tmp_path.iterdir()) == []
