@@ -9,6 +9,7 @@ of the chosen size. This module imports no model file.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,20 +73,32 @@ def get_model(name: str, overrides: dict[str, str] | None = None) -> ModelConfig
         if key not in fields:
             raise UsageError(
                 f"model {name!r} has no option {key!r}; choose from {choices(fields)}")
-        current = getattr(config, key)
-        try:
-            value = type(current)(text) if not isinstance(current, bool) else text.lower() in ("1", "true", "yes")
-        except ValueError:
-            raise UsageError(
-                f"model option {key}={text!r} is not a valid {type(current).__name__}") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-            raise UsageError(f"model option {key}={text!r} must be positive")
-        changes[key] = value
+        changes[key] = _option_value(key, text, getattr(config, key))
     new = dataclasses.replace(config, **changes)
     check = getattr(new, "validate", None)
     if check:
         check()
     return new
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _option_value(key: str, text: str, current):
+    """`text` as the type of the option's current value: a bool is one of _BOOLS (any other
+    word was read as False), a number is finite and positive."""
+    if isinstance(current, bool):
+        if text.lower() not in _BOOLS:
+            raise UsageError(f"model option {key}={text!r} is not a bool; give true or false")
+        return _BOOLS[text.lower()]
+    try:
+        value = type(current)(text)
+    except ValueError:
+        raise UsageError(
+            f"model option {key}={text!r} is not a valid {type(current).__name__}") from None
+    if isinstance(value, (int, float)) and not (0 < value < math.inf):
+        raise UsageError(f"model option {key}={text!r} must be a positive, finite number")
+    return value
 
 
 def parse_overrides(text: str) -> dict[str, str]:

@@ -188,6 +188,15 @@ def test_overrides_and_validation():
         21_797_672
     with pytest.raises(UsageError, match="auto, cifar, imagenet"):
         get_model("resnet18", {"stem": "patch"})
+    # A bool is a bool word (ordered_blocks=2 ran as False) and a number finite and positive
+    # (capacity_factor=nan passed `<= 0` and reached the router).
+    assert get_model("gpt-tiny", {"ordered_blocks": "True"}).ordered_blocks is True
+    assert get_model("gpt-tiny", {"ordered_blocks": "no"}).ordered_blocks is False
+    with pytest.raises(UsageError, match=r"ordered_blocks='2' is not a bool; give true or false"):
+        get_model("gpt-tiny", {"ordered_blocks": "2"})
+    for bad in ("nan", "inf", "-inf", "0", "-0.5"):
+        with pytest.raises(UsageError, match=f"capacity_factor='{bad}' must be a positive, fin"):
+            get_model("moe-tiny", {"capacity_factor": bad})
 
 
 def test_unknown_model_lists_names():
