@@ -152,8 +152,10 @@ def validate(args) -> tuple:
             raise UsageError(f"{name} must be a positive integer, got {value}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
-    if args.threads < 0:
-        raise UsageError(f"--threads must be 0 (automatic) or more, got {args.threads}")
+    cpus = os.cpu_count() or 1
+    if not 0 <= args.threads <= cpus:  # more only contend (100000 failed creating threads)
+        raise UsageError(f"--threads must be 0 (automatic) to this host's {cpus} CPUs, "
+                         f"got {args.threads}")
     check_lr(args.lr)
     check_seed(args.seed)
     if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):

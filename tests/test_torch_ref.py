@@ -191,6 +191,8 @@ BAD = [
     (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),
     (["--timeout-s", "inf"], "--timeout-s must be a positive finite number, got inf"),
+    # every rank failed creating its threads (EAGAIN), each with a traceback
+    (["--threads", "100000"], "--threads must be 0 (automatic) to this host's "),
     # llama is of the gpt family (its layouts, its data) but has its own blocks: the ranks
     # failed loading the weights, each with a traceback
     (["--model", "llama-tiny"], "model 'llama-tiny' (Llama, not GPT's blocks) has no PyTorch "
