@@ -449,6 +449,11 @@ def test_out_is_never_a_users_folder(tmp_path, capsys, preset_file):
      "[quick.layouts.fsdp] names no layout entry"),
     ('models = ["mlp-tiny"]\n[[layouts]]\nname = "ddp"\n[quick.settings]\nstep = 2\n',
      "[quick.settings]: unknown key 'step'; closest: steps"),
+    # nan and inf passed '<= 0' and ran every run with no limit
+    ('models = ["mlp-tiny"]\ntimeout_s = nan\n[[layouts]]\nname = "ddp"\n',
+     "timeout_s must be a positive finite number of seconds"),
+    ('models = ["mlp-tiny"]\ntimeout_s = inf\n[[layouts]]\nname = "ddp"\n',
+     "timeout_s must be a positive finite number of seconds"),
 ])
 def test_suite_bad_preset_file(tmp_path, capsys, text, message):
     path = tmp_path / "p.toml"

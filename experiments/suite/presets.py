@@ -5,6 +5,7 @@ docs/suite.md). Every mistake is a one-line UsageError naming the file and the e
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -88,8 +89,8 @@ def _load_preset(path: Path, quick: bool, keys: dict[str, Key]) -> Preset:
         raise UsageError(f"{label}: [env] values must be strings")
     timeout = q.get("timeout_s", data.get("timeout_s"))
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or timeout <= 0):
-        raise UsageError(f"{label}: timeout_s must be a positive number of seconds")
+                                or not 0 < timeout < math.inf):  # nan and inf: no limit
+        raise UsageError(f"{label}: timeout_s must be a positive finite number of seconds")
     name = data.get("name", path.stem)
     return Preset(str(name), path, str(data.get("description", "")), models, repeats, settings,
                   layouts, variants, sweep, env, timeout, has_quick=bool(data.get("quick")))
