@@ -193,10 +193,22 @@ class Checkpointer:
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target)))["state"]
-        except (ValueError, KeyError) as e:
-            raise UsageError(f"checkpoint {step} in {self.directory} does not fit this "
-                             f"model's state: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # noqa: BLE001 - Orbax's ValueError, TensorStore's Exception
+            raise UsageError(self._unrestorable(step, e)) from None
         return state, meta
+
+    def _unrestorable(self, step: int, error: BaseException) -> str:
+        """One line for a checkpoint that cannot be restored into this run's state (a tree
+        that does not fit it, or files truncated or lost after Orbax committed the step; both
+        were tracebacks): the first line of the root cause, and what the user can do. The
+        folder is the user's: never deleted here."""
+        while error.__cause__ is not None:
+            error = error.__cause__
+        earlier = [s for s in step_folders(self.directory) if s < step]
+        todo = (f"move {self.directory / str(step)} aside to resume from step {earlier[-1]}"
+                if earlier else "give --checkpoint-dir a new folder to start afresh")
+        return (f"checkpoint {step} in {self.directory} cannot be restored "
+                f"({str(error).splitlines()[0]}); {todo}")
 
     def finish(self) -> dict:
         """Wait for pending writes; the checkpoint block of results."""

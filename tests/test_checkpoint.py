@@ -103,6 +103,27 @@ def test_interrupted_save_never_replaces_the_last_good_one(tmp_path, capsys):
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint 6" in resumed.stdout
 
+    # A committed step whose files were truncated afterwards (a disk filled, a copy cut
+    # short): one line naming it and what to do, no run folder; it was TensorStore's
+    # traceback. The folder is the user's: left as it is.
+    *_, before, last = _complete_steps(ck)
+    for f in (ck / str(last) / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")
+    args = [*ARGS[:-1], "30", "--checkpoint-dir", str(ck), "--resume"]
+    broken = cli_main(capsys, *args, "--logdir", str(tmp_path / "c"))
+    assert broken.returncode == 2
+    assert broken.stderr.strip().splitlines() == [
+        f"run: error: checkpoint {last} in {ck} cannot be restored (" +
+        broken.stderr.split(" cannot be restored (", 1)[1].rsplit("); ", 1)[0] +
+        f"); move {ck / str(last)} aside to resume from step {before}"]
+    assert "OUT_OF_RANGE" in broken.stderr and (ck / str(last)).is_dir()
+    assert not (tmp_path / "c").exists()
+    (ck / str(last)).rename(tmp_path / "aside")
+    again = cli_main(capsys, *args, "--logdir", str(tmp_path / "d"))
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from checkpoint {before}" in again.stdout
+
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
     ck = tmp_path / "ck"
