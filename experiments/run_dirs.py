@@ -51,37 +51,60 @@ def _remove_except(path: Path, kept: set[Path]) -> None:
             _remove_except(child, kept)
 
 
+def check_logdir(cfg: RunConfig) -> None:
+    """What an existing --logdir may be, read before any work (a plan compiles for minutes):
+    a folder without a run, holding nothing this run writes (a second dry run wrote over
+    the first's plan.json), or an interrupted run's, only to resume it with the same settings
+    plus --resume. Process 0's to check: the only one that writes outputs."""
+    if not cfg.output.logdir or cfg.dist.process_id > 0:
+        return
+    path = Path(cfg.output.logdir)
+    status, saved = _status(path / "results.json")
+    if status is None and path.is_dir():
+        taken = sorted(set(os.listdir(path)) & _outputs(cfg))
+        if taken:
+            raise UsageError(f"--logdir {path} already holds {', '.join(taken)}, which this "
+                             f"run would write over; choose another --logdir")
+    if status is not None and status != "interrupted":
+        raise UsageError(f"--logdir {path} already holds a finished run; choose another")
+    if status == "interrupted":
+        now, default = (json.loads(json.dumps(c.to_dict())) for c in (cfg, RunConfig()))
+        if cfg.checkpoint.checkpoint_dir:  # the folder, however it is spelled
+            now["checkpoint"]["checkpoint_dir"] = str(
+                Path(cfg.checkpoint.checkpoint_dir).absolute())
+        # The resume flag, the progress bar and this launch's process wiring may change;
+        # a setting newer than the record was at its default.
+        free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
+        was = {(section, name): saved.get(section, {}).get(name, default[section][name])
+               for section, fields in now.items() for name in fields}
+        if not was["checkpoint", "checkpoint_dir"]:
+            raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
+                             f"checkpoint, so it cannot be resumed; choose another --logdir")
+        differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
+                  for section, fields in now.items() for name, value in fields.items()
+                  if name not in free and was[section, name] != value]
+        if differ:
+            raise UsageError(f"--logdir {path} holds an interrupted run with other "
+                             f"settings ({'; '.join(differ)}); resume it with its own "
+                             f"settings plus --resume, or choose another --logdir")
+        if not cfg.checkpoint.resume:
+            raise UsageError(f"--logdir {path} holds an interrupted run; resume it with "
+                             f"the same command plus --resume, or choose another --logdir")
+
+
+def _outputs(cfg: RunConfig) -> set[str]:
+    """The entries this run writes at a fixed name in its folder (event files and profiler
+    traces are named by their time; results.json is checked as a run's record)."""
+    if cfg.output.dry_run:  # jaxdist.plan.file_name
+        return {"plan.json" if cfg.output.hardware else "dry_run.json"}
+    return {"ps"} if cfg.train.layout == "ps" else {"power"}  # ps.driver, jaxdist.telemetry
+
+
 def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
-    """Create the run directory (or reuse --logdir: an existing folder without a run, or an
-    interrupted run's, only to resume it with the same settings plus --resume)."""
+    """Create the run directory (or reuse --logdir, as check_logdir allows)."""
     if cfg.output.logdir:
+        check_logdir(cfg)
         path = Path(cfg.output.logdir)
-        status, saved = _status(path / "results.json")
-        if status is not None and status != "interrupted":
-            raise UsageError(f"--logdir {path} already holds a finished run; choose another")
-        if status == "interrupted":
-            now, default = (json.loads(json.dumps(c.to_dict())) for c in (cfg, RunConfig()))
-            if cfg.checkpoint.checkpoint_dir:  # the folder, however it is spelled
-                now["checkpoint"]["checkpoint_dir"] = str(
-                    Path(cfg.checkpoint.checkpoint_dir).absolute())
-            # The resume flag, the progress bar and this launch's process wiring may change;
-            # a setting newer than the record was at its default.
-            free = {"resume", "progress", "logdir", "coordinator", "init_timeout"}
-            was = {(section, name): saved.get(section, {}).get(name, default[section][name])
-                   for section, fields in now.items() for name in fields}
-            if not was["checkpoint", "checkpoint_dir"]:
-                raise UsageError(f"--logdir {path} holds an interrupted run that saved no "
-                                 f"checkpoint, so it cannot be resumed; choose another --logdir")
-            differ = [f"--{name.replace('_', '-')} was {was[section, name]!r}, now {value!r}"
-                      for section, fields in now.items() for name, value in fields.items()
-                      if name not in free and was[section, name] != value]
-            if differ:
-                raise UsageError(f"--logdir {path} holds an interrupted run with other "
-                                 f"settings ({'; '.join(differ)}); resume it with its own "
-                                 f"settings plus --resume, or choose another --logdir")
-            if not cfg.checkpoint.resume:
-                raise UsageError(f"--logdir {path} holds an interrupted run; resume it with "
-                                 f"the same command plus --resume, or choose another --logdir")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         layout = cfg.train.layout

@@ -150,6 +150,30 @@ ARGS = ["--mesh", "2x4", "--model", "mlp-tiny", "--batch-size", "16", "--warmup"
         "--steps", "3", "--no-progress"]
 
 
+def test_a_logdir_holding_what_the_run_writes_is_refused_before_any_work(tmp_path, capsys):
+    """A user's folder is written beside, never over: a dry run into a folder holding
+    plan.json (a user's, or another plan's) wrote over it, after minutes of compiling. A
+    finished run's folder is refused before the plan too. A run writes no plan.json, so it
+    may go beside one."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "plan.json").write_text("mine")
+    (folder / "dry_run.json").write_text("mine too")
+    before = _snapshot(folder)
+    for extra, taken in ((["--hardware", "h100-sxm"], "plan.json"), ([], "dry_run.json")):
+        line = _refused(cli_main(capsys, *RUN, "--dry-run", *extra, "--logdir", str(folder)))
+        assert line == (f"run: error: --logdir {folder} already holds {taken}, which this run "
+                        f"would write over; choose another --logdir")
+        assert "compiled" not in capsys.readouterr().out  # nothing planned before it
+    assert _snapshot(folder) == before
+    made = cli_main(capsys, *RUN, "--logdir", str(folder))
+    assert made.returncode == 0, made.stderr
+    assert (folder / "plan.json").read_text() == "mine" and (folder / "results.json").exists()
+    line = _refused(cli_main(capsys, *RUN, "--dry-run", "--hardware", "h100-sxm", "--logdir",
+                             str(folder)))
+    assert line == f"run: error: --logdir {folder} already holds a finished run; choose another"
+
+
 def _interrupted_run(folder: Path) -> tuple[list[str], Path]:
     """A real interrupted run (stopped after 2 of 4 steps, checkpoint saved) made in this
     process; (its command line, its logdir)."""
