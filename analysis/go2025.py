@@ -15,8 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from analysis.plan_rank import load_plans, row
+from analysis.plan_rank import plan_dir, read_rows
 from analysis.text import md_escape
+from jaxdist.errors import UsageError
 
 VARIANTS = ("base", "recompute", "overlap", "both")
 
@@ -31,11 +32,9 @@ def split_name(name: str, model: str) -> tuple[str, str, str | None]:
 
 
 def rows_of(directory: Path) -> list[dict]:
-    out = []
-    for name, plan in load_plans(directory):
-        r = row(name, plan)
-        r["entry"], r["variant"], _ = split_name(name, r["model"])
-        out.append(r)
+    out = read_rows(directory)
+    for r in out:
+        r["entry"], r["variant"], _ = split_name(r["name"], r["model"])
     return out
 
 
@@ -157,11 +156,16 @@ def report(h200_dir: Path, h100_dir: Path) -> str:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or not all(Path(a).is_dir() for a in args):
+    if len(args) != 2:
         print("usage: python -m analysis.go2025 H200_PLAN_DIR H100_PLAN_DIR (outputs of "
               "experiments.suite --preset go2025 --plan)", file=sys.stderr)
         return 2
-    print(report(Path(args[0]), Path(args[1])))
+    try:
+        text = report(*(plan_dir(a) for a in args))
+    except UsageError as e:
+        print(f"go2025: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from analysis.text import GiB, md_escape
+from jaxdist.errors import UsageError
 
 LABEL = "PREDICTED"
 TERMS = ("device", "intra-node", "inter-node", "pipeline bubble")
@@ -83,9 +84,30 @@ def row(name: str, plan: dict) -> PlanRow:
         if t["step_s"] else 0.0)
 
 
-def load_plans(directory: Path) -> list[tuple[str, dict]]:
-    return [(p.parent.name, json.loads(p.read_text()))
-            for p in sorted(Path(directory).glob("*/plan.json"))]
+def read_rows(directory: Path) -> list[PlanRow]:
+    """The rows of DIR/*/plan.json (the folder names them); a file that is not a plan
+    jaxdist wrote is one UsageError naming it (it was a KeyError traceback)."""
+    rows = []
+    for path in sorted(Path(directory).glob("*/plan.json")):
+        try:
+            rows.append(row(path.parent.name, json.loads(path.read_text())))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError,
+                AttributeError) as e:
+            why = f"no {e.args[0]!r} field" if isinstance(e, KeyError) else \
+                str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UsageError(f"{path} is not a plan jaxdist wrote ({why})") from None
+    return rows
+
+
+def plan_dir(text: str) -> Path:
+    """A suite --plan output folder given on the command line: one holding */plan.json."""
+    directory = Path(text)
+    if not directory.is_dir():
+        raise UsageError(f"{text} is not a directory (give a suite --plan output folder)")
+    if not any(directory.glob("*/plan.json")):
+        raise UsageError(f"no */plan.json in {text}: not a suite --plan output folder "
+                         f"(experiments.suite --plan --out DIR)")
+    return directory
 
 
 def rank(rows: list[PlanRow]) -> dict[str, list[PlanRow]]:
@@ -103,7 +125,7 @@ def rank(rows: list[PlanRow]) -> dict[str, list[PlanRow]]:
 def write_ranking(directory: Path, meta: dict | None = None) -> dict:
     """ranking.json, ranking.md and ranking.png in `directory` from its */plan.json."""
     directory = Path(directory)
-    ranked = rank([row(n, p) for n, p in load_plans(directory)])
+    ranked = rank(read_rows(directory))
     hardware = meta.get("hardware") if meta else None
     ranking = {"label": "predicted", "meta": meta or {}, "models": ranked}
     (directory / "ranking.json").write_text(json.dumps(ranking, indent=1))
@@ -191,14 +213,32 @@ def plot_ranking(ranked: dict[str, list[dict]], path: Path, hardware: str | None
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
+    if len(args) != 1:
         print("usage: python -m analysis.plan_rank DIR (a suite --plan output directory)",
               file=sys.stderr)
         return 2
-    old = Path(args[0]) / "ranking.json"
-    meta = json.loads(old.read_text()).get("meta") if old.is_file() else None
-    print(format_ranking(write_ranking(Path(args[0]), meta)))
+    try:
+        directory = plan_dir(args[0])
+        read_rows(directory)  # every plan readable before anything is written
+        old = directory / "ranking.json"
+        meta = _earlier_meta(old) if old.exists() else None
+    except UsageError as e:
+        print(f"plan_rank: error: {e}", file=sys.stderr)
+        return 2
+    print(format_ranking(write_ranking(directory, meta)))
     return 0
+
+
+def _earlier_meta(path: Path) -> dict:
+    """The meta block of the ranking.json a suite wrote, kept on a rewrite; any other file
+    of that name is not replaced."""
+    try:
+        meta = json.loads(path.read_text())["meta"]
+        if isinstance(meta, dict):
+            return meta
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        pass
+    raise UsageError(f"{path} is not a ranking plan_rank wrote; move it aside to write one")
 
 
 if __name__ == "__main__":

@@ -190,6 +190,43 @@ def test_ranking_orders_by_tokens_per_gpu(tmp_path):
     assert text.index("| 1 | fast |") < text.index("| 2 | mid |") < text.index("| 3 | slow |")
 
 
+def test_ranking_cli_refuses_what_is_not_a_plan_folder(tmp_path, capsys):
+    """One line, exit 2, nothing written: `plan_rank /etc` wrote /etc/ranking.{json,md}, and
+    a plan.json without a field or a ranking.json that is not a ranking were tracebacks."""
+    from analysis import go2025
+
+    def refused(main, *args):
+        assert main(list(map(str, args))) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    other = tmp_path / "other"
+    (other / "a").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    assert refused(plan_rank.main, other) == (
+        f"plan_rank: error: no */plan.json in {other}: not a suite --plan output folder "
+        f"(experiments.suite --plan --out DIR)")
+    assert refused(plan_rank.main, tmp_path / "nowhere") == (
+        f"plan_rank: error: {tmp_path / 'nowhere'} is not a directory (give a suite --plan "
+        f"output folder)")
+    (other / "a" / "plan.json").write_text('{"label": "predicted"}')
+    line = f"{other / 'a' / 'plan.json'} is not a plan jaxdist wrote (no 'time' field)"
+    assert refused(plan_rank.main, other) == f"plan_rank: error: {line}"
+    assert refused(go2025.main, other, other) == f"go2025: error: {line}"
+    (other / "a" / "plan.json").write_text("{")
+    assert "is not a plan jaxdist wrote (Expecting" in refused(plan_rank.main, other)
+    (other / "a" / "plan.json").write_text(json.dumps(plan(1, 1, 0, 0, 0, 0)))
+    (other / "ranking.json").write_text("mine")
+    assert refused(plan_rank.main, other) == (
+        f"plan_rank: error: {other / 'ranking.json'} is not a ranking plan_rank wrote; move "
+        f"it aside to write one")
+    assert sorted(p.name for p in other.iterdir()) == ["a", "notes.txt", "ranking.json"]
+    (other / "ranking.json").unlink()
+    assert plan_rank.main([str(other)]) == 0
+    assert json.loads((other / "ranking.json").read_text())["models"]["m"][0]["name"] == "a"
+
+
 def test_side_by_side_keeps_order_and_stops_at_the_first_error():
     """The plan's entries run on two threads: results come back in task order, and after a
     task fails no task starts; its error is raised."""
