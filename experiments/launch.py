@@ -95,6 +95,7 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     from jaxdist.config import from_namespace
     from jaxdist.devices import check_split
     from jaxdist.errors import UsageError
+    from jaxdist.host_memory import check_processes
 
     cfg = from_namespace(build_parser().parse_args(run_args))  # argparse: one line, exit 2
     try:
@@ -112,6 +113,7 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
         shape = validate(cfg).shape  # the run's own pass (the batch split included)
         if shape.size is not None:
             check_split(shape, processes)
+        check_processes(processes, f"--processes {processes} (experiments.run each)")
     except UsageError as e:
         print(f"launch: error: {e}", file=sys.stderr)
         return 2

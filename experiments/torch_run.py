@@ -34,6 +34,7 @@ import numpy as np
 from experiments.torch_worker import TORCH_FP32_PRECISION
 from jaxdist import procs, record, record_builder
 from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.host_memory import check_processes
 
 STRATEGIES = {
     "ddp": "DistributedDataParallel: parameters and optimizer state replicated, gradients "
@@ -161,6 +162,7 @@ def validate(args) -> tuple:
     if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
         raise UsageError(f"--timeout-s must be a positive finite number, got {args.timeout_s}")
     power_config(args).validate()
+    check_processes(args.nproc, f"--nproc {args.nproc} (a PyTorch rank each)")
     if args.batch_size % args.nproc:
         fit = (args.batch_size // args.nproc + 1) * args.nproc
         raise UsageError(f"global batch {args.batch_size} is not divisible by --nproc "

@@ -230,3 +230,8 @@ def check_ps(cfg: RunConfig) -> None:
             raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
                              f"use; choose another --ps-port or 0 for free ports")
     shard_map_for(cfg)  # too many shards, non-float32 parameters
+    from jaxdist.host_memory import check_processes
+    workers = parse_mesh(cfg.mesh.mesh).data
+    check_processes(workers + ps.ps_shards, f"--layout ps --mesh {cfg.mesh.mesh} --ps-shards "
+                                            f"{ps.ps_shards} ({workers} workers and "
+                                            f"{ps.ps_shards} shard servers on this host)")

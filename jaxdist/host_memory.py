@@ -4,7 +4,9 @@ otherwise the kernel's OOM killer SIGKILLs the run (nothing said, an empty run f
 gpt-tiny with vocab=100000000 on 8 simulated devices) or XLA raises RESOURCE_EXHAUSTED from
 inside the loop with a traceback (a batch of 8,000,000 sequences: 532 GiB asked of 22).
 GPU runs are not checked here: their memory is the device's, and a plan (`--dry-run
---hardware`) says whether a step fits it."""
+--hardware`) says whether a step fits it. Launchers that start processes on this host check
+their count the same way (check_processes): each process holds at least the interpreter with
+jax, so a count beyond the host's memory is refused before the first one starts."""
 
 from __future__ import annotations
 
@@ -52,3 +54,36 @@ def check(need: int, what: str, devices: int, available: int | None = None) -> N
             f"device(s) of this process, and {available / GIB:.1f} GiB is available: use a "
             f"smaller model, batch or mesh (--microbatches), or plan it with --dry-run "
             f"--hardware PART, which allocates nothing")
+
+
+# The least each process a launcher starts holds privately (not shared with other processes),
+# read as RssAnon here: `import numpy, jax` alone 63 MiB, experiments.run 84 MiB once its
+# input is validated, `import torch` 145 MiB. A floor, so a count refused here cannot run.
+PROCESS_FLOOR_BYTES = 60 << 20
+
+
+def private_bytes() -> int | None:
+    """This process's private resident memory (RssAnon of /proc/self/status: the pages no
+    other process shares, unlike the libraries' mapped files), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_processes(count: int, what: str, available: int | None = None,
+                    each: int = PROCESS_FLOOR_BYTES) -> None:
+    """UsageError when `count` processes (`what`: the flag that asks for them and what they
+    run) cannot each hold `each` bytes in what the host has available. Not this process's
+    own memory: a launcher called in a long-lived process (a test session, a notebook)
+    holds far more than the processes it starts."""
+    available = available_bytes() if available is None else available
+    if available is not None and count * each > available:
+        raise UsageError(
+            f"{what}: {count} processes, each holding at least {each / 2 ** 20:.0f} MiB "
+            f"(Python with jax or torch imported), {count * each / GIB:.1f} GiB in all, and "
+            f"this host has {available / GIB:.1f} GiB available; start fewer")

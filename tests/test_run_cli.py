@@ -312,3 +312,30 @@ def test_a_run_larger_than_the_hosts_free_memory_is_refused(tmp_path, monkeypatc
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "run: error: the step (outputs and temporaries, the compiler's figure) needs ")
     assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_launchers_refuse_more_processes_than_the_host_can_hold(tmp_path, monkeypatch, capsys):
+    """experiments.launch and a PS run start their processes on this host, each holding at
+    least an interpreter with jax (the floor is below what this one holds): a count beyond
+    the host's available memory is one line before any starts."""
+    from experiments import launch
+    from jaxdist import host_memory
+
+    floor = host_memory.PROCESS_FLOOR_BYTES
+    assert host_memory.private_bytes() > floor  # this process: jax, and much more
+    host_memory.check_processes(10, "x", available=10 * floor)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 11 * floor)
+    monkeypatch.chdir(tmp_path)
+    tail = (f"12 processes, each holding at least 60 MiB (Python with jax or torch "
+            f"imported), {12 * floor / 2**30:.1f} GiB in all, and this host has "
+            f"{11 * floor / 2**30:.1f} GiB available; start fewer")
+    assert launch.main(["--processes", "12", "--", "--model", "mlp-tiny", "--mesh", "12x1",
+                        "--batch-size", "12"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"launch: error: --processes 12 (experiments.run each): {tail}"]
+    proc = cli_main(capsys, "--layout", "ps", "--mesh", "8x1", "--ps-shards", "4",
+                    "--model", "mlp-tiny", "--batch-size", "16")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"run: error: --layout ps --mesh 8x1 --ps-shards 4 (8 workers and 4 shard servers on "
+        f"this host): {tail}"]
+    assert list(tmp_path.iterdir()) == []  # torch_run's --nproc: tests/test_torch_ref.py

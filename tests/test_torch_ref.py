@@ -200,6 +200,24 @@ BAD = [
 ]
 
 
+def test_more_ranks_than_the_host_can_hold_are_refused(tmp_path, monkeypatch, capsys):
+    """Each rank holds at least an interpreter with jax's floor (host_memory): --nproc
+    beyond the host's available memory is one line before any rank starts."""
+    from experiments.torch_run import main
+    from jaxdist import host_memory
+
+    floor = host_memory.PROCESS_FLOOR_BYTES
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 11 * floor)
+    logdir = tmp_path / "run"
+    assert main(["--nproc", "16", "--model", "mlp-tiny", "--batch-size", "16", "--logdir",
+                 str(logdir)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"torch_run: error: --nproc 16 (a PyTorch rank each): 16 processes, each holding at "
+        f"least 60 MiB (Python with jax or torch imported), {16 * floor / 2**30:.1f} GiB in "
+        f"all, and this host has {11 * floor / 2**30:.1f} GiB available; start fewer"]
+    assert not logdir.exists()
+
+
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input(tmp_path, capsys, args, message):
     if "--device" in args and torch.cuda.device_count() >= 2:
