@@ -69,13 +69,38 @@ def check_xla_flags(flags: str) -> None:
     import subprocess
     import sys
 
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+    # A small compile too: some values pass the flag parser and abort XLA's codegen
+    # (--xla_cpu_parallel_codegen_split_count=-5: std::length_error, an empty run folder).
+    probe = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; "
+                            "jax.jit(lambda x: jnp.tanh(x @ x) + 1)(jnp.ones((8, 8)))"
+                            ".block_until_ready()"],
                            env=dict(os.environ, XLA_FLAGS=flags), capture_output=True, text=True,
                            timeout=120)
     if probe.returncode != 0:
-        unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", probe.stderr)
-        raise UsageError(f"--xla-flags rejected by XLA: "
-                         f"{unknown.group(1).strip() if unknown else probe.stderr.strip()[-200:]}")
+        raise UsageError(f"--xla-flags rejected by XLA: {xla_flag_problem(probe.stderr)}")
+
+
+def xla_flag_problem(stderr: str) -> str:
+    """What XLA said of its flags as it aborted, in one line: the unknown flags, a value it
+    could not read with the type the flag takes (the tail of its stderr was a line of XLA's
+    flag listing), a C++ exception it aborted on, else its first logged error."""
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", stderr)
+    if unknown:
+        return unknown.group(1).strip()
+    value = re.search(r"Couldn't interpret value (.*) for flag (\w+)\.", stderr)
+    if value:
+        text, flag = value.groups()
+        kind = re.search(rf"^\s*--{flag}=\S*\s+(\w+)", stderr, re.M)
+        return f"--{flag} takes {kind.group(1) + ' values' if kind else 'another value'}, " \
+               f"not {text!r}"
+    aborted = re.search(r"terminate called after throwing an instance of '([^']+)'\s+what\(\):"
+                        r"\s*(.*)", stderr)
+    if aborted:
+        return f"XLA aborted compiling a small program with them ({aborted.group(1)}: " \
+               f"{aborted.group(2).strip()})"
+    logged = re.search(r"^[EF]\d{4} [\d:.]+\s+\d+ \S+\] (.+)$", stderr, re.M)
+    lines = stderr.strip().splitlines()
+    return logged.group(1).strip() if logged else (lines[-1][:200] if lines else "no message")
 
 
 def configure_host_devices(shape: MeshShape, platform: str, num_processes: int = 1) -> None:

@@ -107,6 +107,13 @@ BAD = [
     (["--xla-flags", "--xla_bogus_flag=1"], "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
     (["--xla-flags", "--xla_backend_optimization_level=0 --xla_bogus_flag=1"],
      "--xla-flags rejected by XLA: --xla_bogus_flag=1"),
+    # A value XLA cannot read (the message was a line of XLA's flag listing), and one it
+    # reads and then aborts compiling with (the run died with SIGABRT, its folder left empty)
+    (["--xla-flags", "--xla_cpu_use_thunk_runtime=maybe"],
+     "--xla-flags rejected by XLA: --xla_cpu_use_thunk_runtime takes bool values, not 'maybe'"),
+    (["--xla-flags", "--xla_cpu_parallel_codegen_split_count=-5"],
+     "--xla-flags rejected by XLA: XLA aborted compiling a small program with them "
+     "(std::length_error: "),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),  # was numpy's traceback
