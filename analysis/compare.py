@@ -34,23 +34,25 @@ from analysis.match import closest, group
 from analysis.published import published_section
 from analysis.runs import find_runs
 from analysis.text import fmt_ratio, human_bytes, median, ms, num, ratio
-from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.errors import OneLineParser, UsageError, path_arg
 from jaxdist.record import RunRecord
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m experiments.compare",
                       description="Compare JAX runs with live PyTorch runs (experiments."
                                   "torch_run) and, with --published, with published figures.")
-    p.add_argument("runs", nargs="+", metavar="RUNS",
+    p.add_argument("runs", nargs="+", metavar="RUNS", type=path_arg,
                    help="run directories (with results.json) or folders containing them")
     p.add_argument("--published", action="store_true",
                    help="also compare JAX runs with published records (analysis/baselines)")
     p.add_argument("--baselines", action="append", default=[], metavar="PATH",
+                   type=path_arg,
                    help="extra baseline records: a .json/.toml file or a folder of them "
                         "(repeatable); implies --published")
     p.add_argument("--top", type=int, default=3,
                    help="published records shown per JAX run, closest first (default: 3)")
-    p.add_argument("--out", default="", help="folder for compare.md, compare.csv and "
+    p.add_argument("--out", default="", type=path_arg,
+                   help="folder for compare.md, compare.csv and "
                    "compare.png: new, empty, or an earlier compare output (default: "
                    "runs/compare-<time>)")
     return p

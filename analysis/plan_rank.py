@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
+from argparse import ArgumentTypeError
 from pathlib import Path
 from typing import TypedDict
 
 from analysis.text import GiB, md_escape
-from jaxdist.errors import UsageError
+from jaxdist.errors import UsageError, path_arg
 
 LABEL = "PREDICTED"
 TERMS = ("device", "intra-node", "inter-node", "pipeline bubble")
@@ -101,7 +102,10 @@ def read_rows(directory: Path) -> list[PlanRow]:
 
 def plan_dir(text: str) -> Path:
     """A suite --plan output folder given on the command line: one holding */plan.json."""
-    directory = Path(text)
+    try:
+        directory = Path(path_arg(text))
+    except ArgumentTypeError as e:  # a name too long, a symlink loop
+        raise UsageError(str(e)) from None
     if not directory.is_dir():
         raise UsageError(f"{text} is not a directory (give a suite --plan output folder)")
     if not any(directory.glob("*/plan.json")):

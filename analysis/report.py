@@ -33,7 +33,7 @@ from pathlib import Path
 from analysis import claims, outdir, plots
 from analysis.runs import Failure, collect, layout_rank
 from analysis.text import human_bytes, md_escape, median, ms, num
-from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.errors import OneLineParser, UsageError, path_arg
 
 
 def variant_lines(runs) -> list[str]:
@@ -291,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                       description="Markdown report with figures from a directory of runs "
                                   "(an experiments.suite --out directory, or any folder of "
                                   "run directories).")
-    p.add_argument("runs", metavar="RUNS_DIR", help="directory holding run directories")
-    p.add_argument("--out", default=None,
+    p.add_argument("runs", metavar="RUNS_DIR", type=path_arg,
+                   help="directory holding run directories")
+    p.add_argument("--out", default=None, type=path_arg,
                    help="report directory: new, empty, or an earlier report, whose files "
                         "alone are replaced (default: RUNS_DIR/report)")
     return p

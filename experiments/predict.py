@@ -18,7 +18,6 @@ gives TFLOP/s per chip in its own analytic count, converted back with that count
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxdist.errors import UsageError
+from jaxdist.errors import OneLineParser, UsageError, path_arg
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "analysis" / "baselines" / "published.json"
 GIB = 2 ** 30
@@ -343,7 +342,7 @@ def go2025_alias(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.predict")
+    parser = OneLineParser(prog="python -m experiments.predict")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--validate", action="store_true",
                       help="predict each published record jaxdist can express")
@@ -352,11 +351,12 @@ def main(argv=None) -> int:
                            "--hardware H (Go et al.'s grid at full size, predicted, ranked)")
     parser.add_argument("--hardware", default="h200", help="with --go2025 (default h200)")
     parser.add_argument("--quick", action="store_true", help="--validate: only the small records")
-    parser.add_argument("--json", default="", help="also write the rows to this file")
-    parser.add_argument("--plot", default="", help="--go2025: also copy the ranking's "
-                        "stacked bars here (png)")
-    parser.add_argument("--out", default="", help="--go2025: the plan directory (default "
-                        "runs/plan-go2025)")
+    parser.add_argument("--json", default="", type=path_arg,
+                        help="also write the rows to this file")
+    parser.add_argument("--plot", default="", type=path_arg,
+                        help="--go2025: also copy the ranking's stacked bars here (png)")
+    parser.add_argument("--out", default="", type=path_arg,
+                        help="--go2025: the plan directory (default runs/plan-go2025)")
     args = parser.parse_args(argv)
     try:
         for flag, path in (("--json", args.json), ("--plot", args.plot)):

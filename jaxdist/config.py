@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxdist.data import DATASETS
-from jaxdist.errors import UsageError
+from jaxdist.errors import UsageError, path_arg
 from jaxdist.parts import PREDICTABLE
 from jaxdist.telemetry import PowerConfig
 
@@ -117,7 +117,8 @@ class DataConfig:
                         "8x8 handwritten digits, fixed train/test split), cifar10 or mnist "
                         "(read from --data-dir)",
                         choices=DATASETS)
-    data_dir: str = _opt("", "directory with the CIFAR-10 python batches or the MNIST IDX files")
+    data_dir: str = _opt("", "directory with the CIFAR-10 python batches or the MNIST IDX files",
+                         path=True)
     eval_every: int = _opt(0, "test accuracy every N steps and at the end (0: never; needs a "
                            "real dataset)")
 
@@ -141,8 +142,8 @@ class PSConfig:
                         "the token in JAXDIST_PS_TOKEN")
     ps_insecure: bool = _opt(False, "run without a token (by default the launcher makes one "
                              "per run unless JAXDIST_PS_TOKEN gives it)")
-    ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers")
-    ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers")
+    ps_tls_cert: str = _opt("", "TLS certificate (PEM) for the shard servers", path=True)
+    ps_tls_key: str = _opt("", "TLS private key (PEM) for the shard servers", path=True)
     ps_max_message_mb: int = _opt(64, "message limit, set on both ends; tensors are "
                                   "chunked below it")
     ps_transport: str = _opt("tcp", "tcp: pushes and pulls that fit one message go over a "
@@ -160,7 +161,8 @@ class LoopConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    checkpoint_dir: str = _opt("", "Orbax checkpoint directory (shared by all processes)")
+    checkpoint_dir: str = _opt("", "Orbax checkpoint directory (shared by all processes)",
+                               path=True)
     checkpoint_every: int = _opt(0, "save the train state every N steps, asynchronously (0: never)")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in "
                         "--checkpoint-dir (any layout or mesh); start afresh if there is none")
@@ -168,7 +170,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)")
+    logdir: str = _opt("", "run directory (default runs/<time>-<layout>-<mesh>-<model>)",
+                       path=True)
     progress: bool = _opt(True, "show a progress bar")
     dry_run: bool = _opt(False, "only plan: per-device train-state bytes of the layout on the "
                          "mesh, from shapes (no allocation, no devices; any model size)")
@@ -289,7 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser, extra_help: dict[str, str] | 
                 group.add_argument(flag, dest=f.name, default=f.default,
                                    action=argparse.BooleanOptionalAction, help=help_text)
                 continue
-            parse = {"int": int, "float": float, "str": str}[f.type]
+            parse = path_arg if f.metadata.get("path") else \
+                {"int": int, "float": float, "str": str}[f.type]
             if f.name in _DASH_VALUES and hasattr(parser, "dash_values"):
                 parser.dash_values.add(flag)
             group.add_argument(flag, dest=f.name, type=parse, default=f.default,

@@ -26,6 +26,24 @@ def unknown(what: str, name: str, names) -> str:
     return f"unknown {what} {name!r}{hint}; choose from {choices(names)}"
 
 
+def path_arg(text: str) -> str:
+    """The argparse type of every option that names a file or folder: a path no file can
+    have (a name longer than the file system allows, a symlink loop, a NUL byte) is the
+    parser's one line; Path.exists() raised it as a traceback wherever it was first read."""
+    import errno
+    import os
+
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    try:
+        os.stat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown!r} holds a NUL byte") from None
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            raise argparse.ArgumentTypeError(f"{shown}: {e.strerror}") from None
+    return text
+
+
 class NameKeepingFormatter(argparse.HelpFormatter):
     """Help text wrapped at spaces only: the default also breaks at hyphens, which splits
     names in the lists (`gpt-` / `small`, `convnext_large-` / `imagenet`)."""

@@ -346,3 +346,35 @@ def test_launchers_refuse_more_processes_than_the_host_can_hold(tmp_path, monkey
         f"run: error: --layout ps --mesh 8x1 --ps-shards 4 (8 workers and 4 shard servers on "
         f"this host): {tail}"]
     assert list(tmp_path.iterdir()) == []  # torch_run's --nproc: tests/test_torch_ref.py
+
+
+def test_every_entry_point_refuses_a_path_no_file_can_have(tmp_path, monkeypatch, capsys):
+    """A name longer than the file system allows or a symlink loop, in any option that names
+    a file or folder (jaxdist.errors.path_arg): one line, exit 2, nothing written; each was
+    an OSError traceback from wherever the path was first read."""
+    from analysis import compare, go2025, plan_rank, report
+    from experiments import predict, run, torch_run
+    from experiments.suite import cli as suite
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    long = "x" * 300
+    cases = [(run.main, ["--logdir", long]), (run.main, ["--checkpoint-dir", long]),
+             (run.main, ["--data-dir", "loop1"]), (torch_run.main, ["--logdir", long]),
+             (suite.main, ["--preset", long]), (suite.main, ["--out", "loop1/x"]),
+             (report.main, [long]), (report.main, [".", "--out", long]),
+             (compare.main, [long]), (compare.main, [".", "--baselines", "loop1"]),
+             (predict.main, ["--validate", "--json", long]), (plan_rank.main, [long]),
+             (go2025.main, ["loop1", "."])]
+    for main, argv in cases:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # the parsers' one line
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (argv, err)
+        assert err[0].endswith(("File name too long", "File name too long (see --help)",
+                                "Too many levels of symbolic links",
+                                "Too many levels of symbolic links (see --help)")), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop1", "loop2"]

@@ -18,7 +18,7 @@ from experiments.suite.runner import Suite
 from experiments.suite.settings import convert, parse_set
 from jaxdist import procs
 from jaxdist.config import keys as run_keys
-from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.errors import OneLineParser, UsageError, path_arg
 from jaxdist.record import ensure_writable_dir
 
 
@@ -29,10 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "x repeat), each as a fresh experiments.run process, interleaved; failures "
                     "recorded, finished runs skipped on a rerun. Then: python -m "
                     "experiments.report DIR.")
-    p.add_argument("--preset", required=False, default=None,
+    p.add_argument("--preset", required=False, default=None, type=path_arg,
                    help=f"built-in preset ({', '.join(preset_names())}) or a path to a .toml "
                         f"file (format: docs/suite.md)")
-    p.add_argument("--out", default=None, help="suite directory: one run directory per run, "
+    p.add_argument("--out", default=None, type=path_arg,
+                   help="suite directory: one run directory per run, "
                    "suite.json, logs/ (default: runs/suite-<preset>[-quick])")
     p.add_argument("--quick", action="store_true",
                    help="apply the preset's [quick] overrides (tiny models, few steps, small "
