@@ -399,6 +399,10 @@ SUITE_BAD = [
     (["--preset", "ovi2025", "--layouts", "ddp,zero9"], "--layouts: zero9"),
     (["--preset", "/no/such/preset.toml"], "preset file /no/such/preset.toml does not exist"),
     (["--preset", "ovi2025", "--timeout-s", "nan"], "--timeout-s must be a positive finite"),
+    # a FileNotFoundError traceback once suite.json was written; a ValueError traceback
+    (["--preset", "ovi2025", "--launcher", "no-such-launcher -N4"],
+     "--launcher: 'no-such-launcher' is not a command on this host"),
+    (["--preset", "ovi2025", "--launcher", "srun 'x"], "does not split into words: No closing"),
 ]
 
 

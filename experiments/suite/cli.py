@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import shlex
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -126,6 +127,19 @@ def _main_plan(args) -> int:
         return 2
 
 
+def check_launcher(text: str, dry_run: bool) -> None:
+    """--launcher splits into words, and (for a suite that runs) its command is found here:
+    a missing one was a FileNotFoundError traceback once suite.json had been written. A dry
+    run only prints the commands, which may be meant for another host."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"--launcher {text!r} does not split into words: {e}") from None
+    if words and not dry_run and not shutil.which(words[0]):
+        raise UsageError(f"--launcher: {words[0]!r} is not a command on this host (not an "
+                         f"executable on PATH)")
+
+
 def prepare(args) -> tuple[Preset, list[Planned], Path]:
     """(the preset with the flags applied, its runs, the suite directory), or UsageError."""
     if not args.preset:
@@ -138,6 +152,7 @@ def prepare(args) -> tuple[Preset, list[Planned], Path]:
     _narrow(preset, args)
     if args.timeout_s is not None and not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
         raise UsageError(f"--timeout-s must be a positive finite number, got {args.timeout_s}")
+    check_launcher(args.launcher, args.dry_run)
     runs = plan(preset, overrides)
     validate_names(runs)
     # Absolute: the runs start in the repository root, wherever the suite was started.
