@@ -15,6 +15,7 @@ SCHEMA_VERSION = 1
 
 NUM = (int, float)
 OPT_NUM = (int, float, type(None))
+LOSS = OPT_NUM  # a loss that was not finite is null in results.json (strict JSON)
 
 # key -> expected type, or a nested spec dict. Extra keys are allowed (later issues add
 # blocks); missing keys and wrong types are not.
@@ -67,10 +68,14 @@ def check(results: dict) -> list[str]:
         problems += _check(compiled, COMPILED, "memory.compiled.")
     if isinstance(p := results.get("prediction"), dict):
         problems += _check(p, PREDICTION.get(p.get("available"), {"available": bool}), "prediction.")
-    if isinstance(results.get("loss"), list):
-        if not all(isinstance(x, NUM) for x in results["loss"]):
-            problems.append("loss: every entry must be a number")
-    return problems
+    return problems + _loss_problems(results)
+
+
+def _loss_problems(results: dict) -> list[str]:
+    loss = results.get("loss")
+    if isinstance(loss, list) and not all(isinstance(x, LOSS) for x in loss):
+        return ["loss: every entry must be a number, or null where it was not finite"]
+    return []
 
 
 def check_types(results: dict) -> list[str]:
@@ -78,11 +83,7 @@ def check_types(results: dict) -> list[str]:
     field the schema knows, where present and not null, of the schema's type, so that the
     readers (this module's RunRecord) never meet a number where they read an object."""
     present = _present(results, SCHEMA)
-    problems = _check(present, _spec_of(present, SCHEMA), "")
-    if isinstance(results.get("loss"), list) and not all(isinstance(x, NUM)
-                                                         for x in results["loss"]):
-        problems.append("loss: every entry must be a number")
-    return problems
+    return _check(present, _spec_of(present, SCHEMA), "") + _loss_problems(results)
 
 
 def _present(obj: dict, spec: dict) -> dict:
@@ -140,11 +141,26 @@ def ensure_writable_dir(path: Path, flag: str) -> None:
         raise UsageError(f"cannot write to {flag} {path}: {e.strerror or e}") from None
 
 
-def write_json(path: Path, data) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
+def write_json(path: Path, data, strict: bool = False) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file. `strict`
+    (results.json): standard JSON, a number that is not finite (a diverged run's loss)
+    written as null; Python's NaN token stopped jq and every JSON.parse at the first one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    text = json.dumps(_finite(data) if strict else data, indent=2, sort_keys=False,
+                      allow_nan=not strict)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
+
+
+def _finite(obj):
+    """`obj` with every float that is nan or infinite replaced by None, at every depth."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def mesh_spec(mesh: dict) -> str:
@@ -387,7 +403,10 @@ class RunRecord:
     def final_accuracy(self):
         return self.accuracy[-1]["accuracy"] if self.accuracy else None
 
-    loss = property(lambda self: self.results.get("loss") or [])
+    @property
+    def loss(self) -> list:
+        """Per step; a diverged step's null (results.json is strict JSON) read as nan."""
+        return [math.nan if x is None else x for x in self.results.get("loss") or []]
 
     @property
     def train_time(self):

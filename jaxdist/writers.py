@@ -141,7 +141,7 @@ class RunWriter:
 
     def summary(self, results: dict) -> None:
         # The record first: whatever happens writing TensorBoard's copy, the run keeps it.
-        write_json(self.logdir / "results.json", results)
+        write_json(self.logdir / "results.json", results, strict=True)
         for name, value in {**summary_scalars(results), **predicted_scalars(results)}.items():
             self.tb.add_scalar(name, value, 0)
         for event in hparams_summaries(results, self.started):

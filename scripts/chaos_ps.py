@@ -135,7 +135,7 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
             results = logdir / "results.json"
             r = json.loads(results.read_text()) if results.exists() else {}
             dead = [d["worker"] for d in r.get("ps", {}).get("dead_workers", [])]
-            finite = bool(r) and all(np.isfinite(r["loss"]))
+            finite = bool(r) and all(x is not None and np.isfinite(x) for x in r["loss"])
             row.observed = f"exit {rc}, dead workers {dead}, {len(r.get('loss', []))} losses"
             row.intact = "yes" if finite else "NO"
             row.held = rc == 0 and dead == [1] and finite

@@ -116,7 +116,7 @@ def test_what_is_not_a_record(tmp_path):
             ({"step_time_s": {"n": 1}, "mfu": 3}, "mfu: expected an object"),
             ({"step_time_s": {"n": "1"}}, "step_time_s.n: expected int, got str"),
             ({"step_time_s": {"n": 1}, "loss": [1.0, "x"]},
-             "loss: every entry must be a number"))):
+             "loss: every entry must be a number, or null where it was not finite"))):
         (tmp_path / f"d{i}.json").write_text(json.dumps(fields))
         with pytest.raises(RecordError, match=f"not a jaxdist results.json \\({problem}\\)"):
             RunRecord.load(tmp_path / f"d{i}.json")
@@ -208,3 +208,27 @@ def test_peak_falling_back_to_the_compiler_bound_says_not_measured():
     measured = gpu_run(24 * 2 ** 30)
     _, rows, _ = published_section([measured], [rec], top=1)
     assert (rows[0]["verdict"], rows[0]["ours_basis"]) == ("comparable: ratio 1.20x", "measured")
+
+
+def test_a_diverged_run_writes_standard_json(tmp_path, monkeypatch, capsys):
+    """A loss that is not finite is null in results.json: Python wrote NaN tokens, which jq
+    and JSON.parse refuse. The schema takes null there, and the reader reads it back as
+    nan (summary and report say nan, as the run's own summary did)."""
+    import math
+
+    from jaxdist.record import check
+    from tests.helpers import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
+                    "--warmup", "0", "--steps", "3", "--lr", "1e30", "--logdir", "run")
+    assert proc.returncode == 0, proc.stderr
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    results = json.loads((tmp_path / "run" / "results.json").read_text(),
+                         parse_constant=refuse)
+    assert results["loss"][0] > 0 and None in results["loss"] and check(results) == []
+    record = RunRecord.load(tmp_path / "run", require_valid=True)
+    assert len(record.loss) == 3 and math.isnan(record.loss[-1])
