@@ -20,6 +20,7 @@ the other way round).
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 import struct
 import zlib
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist import host_memory
 from jaxdist.errors import UsageError
 
 FILE_DATASETS = ("cifar10", "mnist")
@@ -179,30 +181,49 @@ def _idx(path: Path, ndim: int) -> np.ndarray:
         return UsageError(f"MNIST {kind} file {path} is malformed: {why} (expected an IDX "
                           f"file, magic 0x{_IDX_MAGIC[ndim]:08x})")
 
+    header = 4 + 4 * ndim
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                raw = f.read()
-        else:
-            raw = path.read_bytes()
+        # Read as far as the header says and one byte more, never the whole stream: a small
+        # .gz that inflates to gigabytes (a zip bomb) was read whole into memory first.
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            raw = f.read(header)
+            if len(raw) < 4:
+                raise bad(f"{len(raw)} bytes, shorter than the 4-byte magic number")
+            (magic,) = struct.unpack(">I", raw[:4])
+            if magic != _IDX_MAGIC[ndim]:
+                raise bad(f"magic number 0x{magic:08x}")
+            if len(raw) < header:
+                raise bad(f"{len(raw)} bytes, shorter than its {header}-byte header")
+            dims = struct.unpack(f">{ndim}I", raw[4:header])
+            if ndim == 3 and dims[1:] != (28, 28):
+                raise bad(f"images of {dims[1]}x{dims[2]}, not 28x28")
+            expected = header + math.prod(dims)  # Python ints: numpy's overflow
+            available = host_memory.available_bytes()
+            if available is not None and expected > available:
+                raise bad(f"the header {dims} implies {expected:,} bytes, more than the "
+                          f"{available:,} this host has available")
+            raw += _read_at_most(f, expected - header + 1)
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise bad(f"cannot decompress ({type(e).__name__}: {e})") from None
-    header = 4 + 4 * ndim
-    if len(raw) < 4:
-        raise bad(f"{len(raw)} bytes, shorter than the 4-byte magic number")
-    (magic,) = struct.unpack(">I", raw[:4])
-    if magic != _IDX_MAGIC[ndim]:
-        raise bad(f"magic number 0x{magic:08x}")
-    if len(raw) < header:
-        raise bad(f"{len(raw)} bytes, shorter than its {header}-byte header")
-    dims = struct.unpack(f">{ndim}I", raw[4:header])
-    if ndim == 3 and dims[1:] != (28, 28):
-        raise bad(f"images of {dims[1]}x{dims[2]}, not 28x28")
-    expected = header + int(np.prod(dims))
-    if len(raw) != expected:
-        raise bad(f"{len(raw)} bytes where the header {dims} implies {expected}"
-                  f" ({'truncated' if len(raw) < expected else 'trailing bytes'})")
+    if len(raw) < expected:
+        raise bad(f"{len(raw):,} bytes where the header {dims} implies {expected:,} "
+                  f"(truncated)")
+    if len(raw) > expected:
+        raise bad(f"more than the {expected:,} bytes the header {dims} implies (trailing "
+                  f"bytes)")
     return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def _read_at_most(f, n: int, chunk: int = 1 << 24) -> bytes:
+    """Up to `n` bytes of stream `f`, read in chunks (one read(n) allocates n at once)."""
+    parts, left = [], n
+    while left > 0:
+        part = f.read(min(left, chunk))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def _existing_dir(data_dir) -> Path:

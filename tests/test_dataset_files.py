@@ -214,6 +214,27 @@ def test_mnist_bad_gzip(tmp_path):
         load_mnist(tmp_path)
 
 
+def test_mnist_reads_no_further_than_its_header_says(tmp_path, monkeypatch):
+    """A small .gz that inflates far past what its header says (a zip bomb) is read up to
+    the header's size and one byte, not whole; a header that implies more bytes than the
+    host has available is refused before reading."""
+    from jaxdist import host_memory
+
+    write_mnist(tmp_path, gz=True)
+    name = MNIST_FILES["test_x"] + ".gz"
+    with gzip.open(tmp_path / name, "wb") as f:
+        f.write(idx_bytes(np.zeros((3, 28, 28))))
+        f.write(bytes(64 << 20))  # 64 MiB of zeros after the 3 images: 64 KiB compressed
+    with pytest.raises(UsageError, match=r"more than the 2,368 bytes the header \(3, 28, 28\) "
+                                         r"implies \(trailing bytes\)"):
+        load_mnist(tmp_path)
+    write_mnist(tmp_path, gz=True, n_train=2000)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 10 ** 6)
+    with pytest.raises(UsageError, match=r"the header \(2000, 28, 28\) implies 1,568,016 "
+                                         r"bytes, more than the 1,000,000 this host has"):
+        load_mnist(tmp_path)
+
+
 def test_unknown_name():
     with pytest.raises(UsageError, match="cifar10, mnist"):
         load_files("imagenet", "/nonexistent")
