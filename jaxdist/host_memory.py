@@ -43,17 +43,20 @@ def state_bytes(abstract_state, shardings, devices) -> int:
     return total
 
 
-def check(need: int, what: str, devices: int, available: int | None = None) -> None:
-    """UsageError when `need` bytes (of `what`, over `devices` CPU devices of this process)
-    exceed what the host has available."""
+def check(need: int, what: str, devices: int | None = None,
+          available: int | None = None) -> None:
+    """UsageError when `need` bytes (of `what`, over `devices` CPU devices of this process;
+    None: over the processes a job starts here) exceed what the host has available."""
     available = available_bytes() if available is None else available
     need = int(need)
     if available is not None and need > available:
-        raise UsageError(
-            f"the {what} needs {need / GIB:.1f} GiB of host memory on the {devices} CPU "
-            f"device(s) of this process, and {available / GIB:.1f} GiB is available: use a "
-            f"smaller model, batch or mesh (--microbatches), or plan it with --dry-run "
-            f"--hardware PART, which allocates nothing")
+        where, advice = ((f" on the {devices} CPU device(s) of this process",
+                          "use a smaller model, batch or mesh (--microbatches), or plan it "
+                          "with --dry-run --hardware PART, which allocates nothing")
+                         if devices else ("", "use a smaller model or batch, or fewer "
+                                              "processes"))
+        raise UsageError(f"the {what} needs {need / GIB:.1f} GiB of host memory{where}, and "
+                         f"{available / GIB:.1f} GiB is available: {advice}")
 
 
 # The least each process a launcher starts holds privately (not shared with other processes),

@@ -348,6 +348,21 @@ def test_launchers_refuse_more_processes_than_the_host_can_hold(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []  # torch_run's --nproc: tests/test_torch_ref.py
 
 
+def test_a_ps_job_larger_than_the_host_is_refused_before_it_starts(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Each PS worker builds the global batch pool: a batch of 10^10 (19,670 GiB over two
+    workers) failed in a worker with numpy's MemoryError after the job had started."""
+    monkeypatch.chdir(tmp_path)
+    proc = cli_main(capsys, "--layout", "ps", "--mesh", "2x1", "--model", "mlp-tiny",
+                    "--batch-size", str(10 ** 10))
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and line.startswith(
+        "run: error: the PS job's buffers (2 workers, each with 8 global batch(es) and 4 "
+        "copies of the parameters; the shards' copy) needs 1966")  # 10^10 x 132 B x 8 x 2
+    assert line.endswith("GiB is available: use a smaller model or batch, or fewer processes")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_entry_point_refuses_a_path_no_file_can_have(tmp_path, monkeypatch, capsys):
     """A name longer than the file system allows or a symlink loop, in any option that names
     a file or folder (jaxdist.errors.path_arg): one line, exit 2, nothing written; each was
