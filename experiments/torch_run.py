@@ -168,6 +168,7 @@ def validate(args) -> tuple:
         raise UsageError(f"global batch {args.batch_size} is not divisible by --nproc "
                          f"{args.nproc}; use a multiple of {args.nproc}, e.g. "
                          f"--batch-size {fit}")
+    check_batch_pool(model_cfg, args.batch_size)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and gpus < args.nproc:
         raise UsageError(f"--device cuda with --nproc {args.nproc} needs {args.nproc} GPUs; "
@@ -252,6 +253,22 @@ def jax_initial_state(model_cfg, seed: int):
     compiled = compile_with(init.lower(), {"xla_backend_optimization_level": 0,
                                            "xla_llvm_disable_expensive_passes": True})
     return compiled()
+
+
+def check_batch_pool(model_cfg, batch_size: int) -> None:
+    """The launcher builds the JAX run's pool of global batches (write_job) before any rank
+    starts: beyond the host's memory it is one line (a batch of 10^10 was numpy's
+    MemoryError traceback). A floor: the ranks' copies come on top."""
+    import jax
+
+    from jaxdist import host_memory
+    from jaxdist.data import NUM_SYNTHETIC_BATCHES
+    from jaxdist.program.compiled import abstract_batch
+
+    batch = sum(x.size * x.dtype.itemsize
+                for x in jax.tree.leaves(abstract_batch(model_cfg, batch_size)))
+    host_memory.check(NUM_SYNTHETIC_BATCHES * batch,
+                      f"pool of {NUM_SYNTHETIC_BATCHES} global batches the ranks train on")
 
 
 def write_job(args, model_cfg, device: str, work: Path, logdir: Path) -> dict:

@@ -193,6 +193,9 @@ BAD = [
     (["--timeout-s", "inf"], "--timeout-s must be a positive finite number, got inf"),
     # every rank failed creating its threads (EAGAIN), each with a traceback
     (["--threads", "100000"], "--threads must be 0 (automatic) to this host's "),
+    # numpy's MemoryError traceback in the launcher, building the batches
+    (["--batch-size", str(10 ** 10)], "the pool of 8 global batches the ranks train on needs "
+                                       "9834"),
     # llama is of the gpt family (its layouts, its data) but has its own blocks: the ranks
     # failed loading the weights, each with a traceback
     (["--model", "llama-tiny"], "model 'llama-tiny' (Llama, not GPT's blocks) has no PyTorch "
