@@ -20,10 +20,15 @@ GIB = 2 ** 30
 def available_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (what can be allocated without swapping), or None
     where there is no such file."""
+    return _proc_kib("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """The `field` line of a /proc file (a figure in kB) in bytes, or None."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
@@ -68,14 +73,7 @@ PROCESS_FLOOR_BYTES = 60 << 20
 def private_bytes() -> int | None:
     """This process's private resident memory (RssAnon of /proc/self/status: the pages no
     other process shares, unlike the libraries' mapped files), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _proc_kib("/proc/self/status", "RssAnon:")
 
 
 def check_processes(count: int, what: str, available: int | None = None,
