@@ -20,7 +20,7 @@ from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape
-from experiments.run_dirs import make_logdir, resume_folder, wrote_record
+from experiments.run_dirs import check_logdir, make_logdir, resume_folder, wrote_record
 from experiments.validation import Validated, check_batch, validate
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 
@@ -190,6 +190,7 @@ def main_dry_run(cfg: RunConfig, checked: Validated) -> int:
 
     noticed, shape = False, checked.shape
     try:
+        check_logdir(cfg)  # before a plan's minutes of compiling, not after
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
             from jaxdist.program.xla_log import explained_xla_warnings
             configure_host_devices(shape, "cpu")

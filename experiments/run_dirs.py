@@ -55,8 +55,9 @@ def check_logdir(cfg: RunConfig) -> None:
     """What an existing --logdir may be, read before any work (a plan compiles for minutes):
     a folder without a run, holding nothing this run writes (a second dry run wrote over
     the first's plan.json), or an interrupted run's, only to resume it with the same settings
-    plus --resume. Process 0's to check: the only one that writes outputs."""
-    if not cfg.output.logdir or cfg.dist.process_id > 0:
+    plus --resume. In a multi-process run process 0 checks it before the join, so the
+    others hear why (experiments.run.main_mesh)."""
+    if not cfg.output.logdir:
         return
     path = Path(cfg.output.logdir)
     status, saved = _status(path / "results.json")

@@ -18,7 +18,6 @@ import math
 import os
 from dataclasses import dataclass
 
-from experiments.run_dirs import check_logdir
 from jaxdist.config import RunConfig, parse_profile_steps
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
@@ -59,7 +58,6 @@ def validate(cfg: RunConfig) -> Validated:
         from jaxdist.devices import check_xla_flags
         check_xla_flags(cfg.compiler.xla_flags.strip())
     check_checkpoint_dir(cfg)
-    check_logdir(cfg)
     from jaxdist.notices import disk_notices, notices
     return Validated(shape, tuple(notices(cfg) + disk_notices(cfg)))
 
