@@ -93,7 +93,7 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     from experiments.run import build_parser
     from experiments.validation import validate
     from jaxdist.config import from_namespace
-    from jaxdist.devices import check_split
+    from jaxdist.devices import check_simulated_count, check_split
     from jaxdist.errors import UsageError
     from jaxdist.host_memory import check_processes
 
@@ -113,6 +113,7 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
         shape = validate(cfg).shape  # the run's own pass (the batch split included)
         if shape.size is not None:
             check_split(shape, processes)
+            check_simulated_count(shape, processes)
         check_processes(processes, f"--processes {processes} (experiments.run each)")
     except UsageError as e:
         print(f"launch: error: {e}", file=sys.stderr)

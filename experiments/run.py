@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
-from jaxdist.devices import configure_host_devices, configure_xla_flags, select_devices
+from jaxdist.devices import (check_simulated_count, configure_host_devices,
+                             configure_xla_flags, select_devices)
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape
 from experiments.run_dirs import check_logdir, make_logdir, resume_folder, wrote_record
@@ -101,6 +102,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
         configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)
+        check_simulated_count(shape, topo.num_processes)
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
         # Process 0 writes the outputs; the others only compute. A --logdir it refuses is
         # known before the join, so the others hear why and stop with it.

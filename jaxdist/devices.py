@@ -118,6 +118,22 @@ def configure_host_devices(shape: MeshShape, platform: str, num_processes: int =
         jax.config.update("jax_num_cpu_devices", shape.size // num_processes)
 
 
+# XLA's CPU client (jax 0.10.2) runs a program over at most this many devices of one
+# process: over 2,049 simulated devices the first program failed with "Multiprocess
+# computations aren't implemented on the CPU backend" (measured; 2,048 runs).
+CPU_DEVICES_PER_PROCESS = 2048
+
+
+def check_simulated_count(shape: MeshShape, num_processes: int) -> None:
+    """A run's mesh has at most CPU_DEVICES_PER_PROCESS devices in each process (plans
+    compile for any size: they run nothing)."""
+    if shape.size is not None and shape.size // num_processes > CPU_DEVICES_PER_PROCESS:
+        raise UsageError(
+            f"mesh {shape.label} puts {shape.size // num_processes} devices in one process; "
+            f"XLA's CPU backend runs at most {CPU_DEVICES_PER_PROCESS} there: plan it with "
+            f"--dry-run --hardware PART, which runs nothing")
+
+
 def check_split(shape: MeshShape, num_processes: int) -> None:
     """The mesh's devices split evenly over the processes (each holds the same count)."""
     if shape.size is not None and shape.size % num_processes:

@@ -114,6 +114,9 @@ BAD = [
     (["--xla-flags", "--xla_cpu_parallel_codegen_split_count=-5"],
      "--xla-flags rejected by XLA: XLA aborted compiling a small program with them "
      "(std::length_error: "),
+    # XLA's CPU backend failed the first program with a traceback (measured: 2,048 runs)
+    (["--mesh", "2049", "--batch-size", "2049"], "mesh 2049x1 puts 2049 devices in one process; "
+                                                 "XLA's CPU backend runs at most 2048 there"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
     (["--seed", "-1"], "--seed must be within 0..4294967295, got -1"),  # was numpy's traceback
