@@ -22,7 +22,7 @@ from jaxdist.devices import (check_simulated_count, configure_host_devices,
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape
 from experiments.run_dirs import check_logdir, make_logdir, resume_folder, wrote_record
-from experiments.validation import Validated, check_batch, validate
+from experiments.validation import Validated, check_batch, check_ps_host, validate
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 
 
@@ -242,6 +242,7 @@ def main_ps(cfg: RunConfig, checked: Validated) -> int:
 
     shape = checked.shape
     try:
+        check_ps_host(cfg)
         run_dir = make_logdir(cfg, shape.label)
         logdir = run_dir.path
     except UsageError as e:

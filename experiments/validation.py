@@ -227,31 +227,34 @@ def check_ps(cfg: RunConfig) -> None:
         if busy:
             raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
                              f"use; choose another --ps-port or 0 for free ports")
-    params = shard_map_for(cfg).total * 4  # too many shards, non-float32 parameters
-    from jaxdist.host_memory import check_processes
-    workers = parse_mesh(cfg.mesh.mesh).data
-    check_processes(workers + ps.ps_shards, f"--layout ps --mesh {cfg.mesh.mesh} --ps-shards "
-                                            f"{ps.ps_shards} ({workers} workers and "
-                                            f"{ps.ps_shards} shard servers on this host)")
-    check_ps_memory(cfg, params, workers)
+    shard_map_for(cfg)  # too many shards, non-float32 parameters
 
 
-def check_ps_memory(cfg: RunConfig, params: int, workers: int) -> None:
-    """The PS job's buffers on this host, a floor (the runtimes not counted): each worker
-    builds the global batch pool (it slices its own rows from it) and holds the `params`
-    bytes four times (the flat vector, two gradient buffers, its devices' copy); the shards
-    hold them once more. A batch of 10^10 failed in a worker after the job had started."""
+def check_ps_host(cfg: RunConfig) -> None:
+    """What this host can hold of a PS job, before its processes start (this host's, so not
+    among the run's own checks, which a suite's preflight reads on another host): the
+    processes, and their buffers, a floor (the runtimes not counted): each worker builds the
+    global batch pool (it slices its own rows from it) and holds the parameters three times
+    on the host (the flat vector, two gradient buffers); the shards hold them once more. A
+    batch of 10^10 failed in a worker after the job had started."""
     import jax
 
     from jaxdist import host_memory
     from jaxdist.data import NUM_SYNTHETIC_BATCHES
     from jaxdist.program.compiled import abstract_batch
     from models import get_model, parse_overrides
+    from ps.shardmap import shard_map_for
 
+    ps, workers = cfg.ps, parse_mesh(cfg.mesh.mesh).data
+    host_memory.check_processes(workers + ps.ps_shards,
+                                f"--layout ps --mesh {cfg.mesh.mesh} --ps-shards "
+                                f"{ps.ps_shards} ({workers} workers and {ps.ps_shards} shard "
+                                f"servers on this host)")
+    params = shard_map_for(cfg).total * 4
     model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
     batch = sum(x.size * x.dtype.itemsize
                 for x in jax.tree.leaves(abstract_batch(model_cfg, cfg.train.batch_size)))
     pool = NUM_SYNTHETIC_BATCHES if cfg.data.dataset == "synthetic" else 1
-    host_memory.check(workers * (pool * batch + 4 * params) + params,
+    host_memory.check(workers * (pool * batch + 3 * params) + params,
                       f"PS job's buffers ({workers} workers, each with {pool} global "
-                      f"batch(es) and 4 copies of the parameters; the shards' copy)")
+                      f"batch(es) and 3 copies of the parameters; the shards' copy)")

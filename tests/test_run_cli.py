@@ -360,7 +360,7 @@ def test_a_ps_job_larger_than_the_host_is_refused_before_it_starts(tmp_path, mon
                     "--batch-size", str(10 ** 10))
     (line,) = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and line.startswith(
-        "run: error: the PS job's buffers (2 workers, each with 8 global batch(es) and 4 "
+        "run: error: the PS job's buffers (2 workers, each with 8 global batch(es) and 3 "
         "copies of the parameters; the shards' copy) needs 1966")  # 10^10 x 132 B x 8 x 2
     assert line.endswith("GiB is available: use a smaller model or batch, or fewer processes")
     assert list(tmp_path.iterdir()) == []

@@ -403,6 +403,9 @@ SUITE_BAD = [
     (["--preset", "ovi2025", "--launcher", "no-such-launcher -N4"],
      "--launcher: 'no-such-launcher' is not a command on this host"),
     (["--preset", "ovi2025", "--launcher", "srun 'x"], "does not split into words: No closing"),
+    # planned for minutes, growing, before it would have run out of memory
+    (["--preset", "ovi2025", "--repeats", "100000000"], "the suite would plan 3,000,000,000 "
+                                                        "runs (5 model(s) x 6 layout entries"),
 ]
 
 

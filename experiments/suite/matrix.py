@@ -4,6 +4,7 @@ checks a run would make itself, made before any starts."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -41,25 +42,35 @@ def sweep_points(sweep: dict[str, list]) -> list[dict]:
     return [dict(zip(names, combo)) for combo in itertools.product(*(sweep[n] for n in names))]
 
 
+# A suite of more runs would take weeks at seconds a run; suite.json lists every one.
+MAX_RUNS = 10_000
+
+
 def plan(preset: Preset, overrides: dict) -> list[Planned]:
     """Every run, in execution order: for each repeat, for each model, for each variant and
     sweep point, every layout entry in turn; round r starts at layout entry r (rotation).
     A run's settings: the preset's, its model, layout entry, variant, sweep point, then
     `overrides` (--set), each over the ones before."""
-    runs = []
+    runs, points = [], sweep_points(preset.sweep)
     n = len(preset.layouts)
+    count = preset.repeats * len(preset.models) * len(preset.variants) * len(points) * n
+    if count > MAX_RUNS:  # --repeats 100000000 planned for minutes, then ran out of memory
+        raise UsageError(
+            f"the suite would plan {count:,} runs ({len(preset.models)} model(s) x {n} layout "
+            f"entries x {len(preset.variants)} variant(s) x {len(points)} sweep point(s) x "
+            f"{preset.repeats:,} repeat(s)); at most {MAX_RUNS:,}: lower --repeats or the "
+            f"preset's lists")
     for r in range(preset.repeats):
         order = preset.layouts[r % n:] + preset.layouts[:r % n]
         for model, variant, point, entry in itertools.product(
-                preset.models, preset.variants, sweep_points(preset.sweep), order):
+                preset.models, preset.variants, points, order):
             settings = {**preset.settings, "model": model, **entry.settings,
                         **variant.settings, **point, **overrides}
             runs.append(Planned(len(runs) + 1, _run_name(preset, settings, entry.name,
                                                          variant.name, point, r + 1),
                                 str(settings["model"]), entry.name, variant.name, dict(point),
                                 r + 1, settings, to_argv(settings)))
-    names = [p.name for p in runs]
-    dupes = sorted({x for x in names if names.count(x) > 1})
+    dupes = sorted(x for x, k in collections.Counter(p.name for p in runs).items() if k > 1)
     if dupes:
         raise UsageError(f"preset {preset.path}: runs share a name ({', '.join(dupes[:3])}); "
                          f"give layout entries and variants distinct names")
