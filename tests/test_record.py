@@ -220,7 +220,7 @@ def test_a_diverged_run_writes_standard_json(tmp_path, monkeypatch, capsys):
     from tests.helpers import cli_main
 
     monkeypatch.chdir(tmp_path)
-    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2", "--batch-size", "4",
+    proc = cli_main(capsys, "--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "8",
                     "--warmup", "0", "--steps", "3", "--lr", "1e30", "--logdir", "run")
     assert proc.returncode == 0, proc.stderr
 
