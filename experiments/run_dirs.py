@@ -62,7 +62,12 @@ def check_logdir(cfg: RunConfig) -> None:
     path = Path(cfg.output.logdir)
     status, saved = _status(path / "results.json")
     if status is None and path.is_dir():
-        taken = sorted(set(os.listdir(path)) & _outputs(cfg))
+        try:
+            entries = set(os.listdir(path))
+        except OSError as e:  # make_logdir lists it too (what it held before the run)
+            raise UsageError(f"--logdir {path} cannot be read ({e.strerror}); choose "
+                             f"another --logdir") from None
+        taken = sorted(entries & _outputs(cfg))
         if taken:
             raise UsageError(f"--logdir {path} already holds {', '.join(taken)}, which this "
                              f"run would write over; choose another --logdir")

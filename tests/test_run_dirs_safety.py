@@ -174,6 +174,24 @@ def test_a_logdir_holding_what_the_run_writes_is_refused_before_any_work(tmp_pat
     assert line == f"run: error: --logdir {folder} already holds a finished run; choose another"
 
 
+
+def test_a_logdir_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, capsys):
+    """As root every folder reads, so the refusal is staged: os.listdir's PermissionError
+    (a folder of mode 000 for anyone else) was a traceback from the run's folder check."""
+    from experiments import run_dirs
+
+    folder = tmp_path / "locked"
+    folder.mkdir()
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_dirs.os, "listdir", denied)
+    line = _refused(cli_main(capsys, *RUN, "--logdir", str(folder)))
+    assert line == (f"run: error: --logdir {folder} cannot be read (Permission denied); "
+                    f"choose another --logdir")
+
+
 def _interrupted_run(folder: Path) -> tuple[list[str], Path]:
     """A real interrupted run (stopped after 2 of 4 steps, checkpoint saved) made in this
     process; (its command line, its logdir)."""
