@@ -188,7 +188,7 @@ def main_dry_run(cfg: RunConfig, checked: Validated) -> int:
     from the step compiled for that cluster); only the CPU backend is touched (no
     accelerator memory is claimed), and -1 is not a mesh one can plan for."""
     from jaxdist import plan as plans
-    from jaxdist.record import write_json
+    from jaxdist.files import write_json
 
     noticed, shape = False, checked.shape
     try:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
-from jaxdist.record import ensure_writable_dir, pipeline_schedule
+from jaxdist.files import ensure_writable_dir
+from jaxdist.record import pipeline_schedule
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 
 from experiments.torch_worker import TORCH_FP32_PRECISION
 from jaxdist import procs, record, record_builder
+from jaxdist.files import write_json
 from jaxdist.errors import OneLineParser, UsageError, path_arg
 from jaxdist.host_memory import check_processes
 
@@ -300,7 +301,7 @@ def write_job(args, model_cfg, device: str, work: Path, logdir: Path) -> dict:
         "logdir": str(logdir), "tokens_per_sample": model_cfg.tokens_per_sample,
         "power": dataclasses.asdict(power_config(args)),
     }
-    record.write_json(work / "job.json", job)
+    write_json(work / "job.json", job)
     return job
 
 

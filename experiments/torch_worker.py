@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.procs import parent_watchdog
-from jaxdist.record import write_json
+from jaxdist.files import write_json
 
 # --matmul-precision -> PyTorch's float32 setting for matmuls (cuBLAS) and convolutions
 # (cuDNN), through the fp32_precision API of torch >= 2.9: "tf32" is what

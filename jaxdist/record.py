@@ -1,5 +1,5 @@
 """results.json, a run's record, in one place: its schema (documented in docs/results.md), a
-checker, an atomic write, and `RunRecord`, the typed read view every reader uses (the report,
+checker, and `RunRecord`, the typed read view every reader uses (the report,
 compare, the suite); the one builder every producer writes with is jaxdist.record_builder.
 Imports no jax: readers start without it."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,46 +120,6 @@ def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
                                                      else (kind,)))
             problems.append(f"{prefix}{key}: expected {names}, got {type(obj[key]).__name__}")
     return problems
-
-
-def ensure_writable_dir(path: Path, flag: str) -> None:
-    """Create `path` and prove a file can be written in it, or a one-line UsageError naming
-    the flag (root bypasses permission bits, so only an actual write tells)."""
-    from jaxdist.errors import UsageError
-
-    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if file is not None:
-        raise UsageError(f"cannot write to {flag} {path}: {file} is a file, not a folder "
-                         f"({flag} takes a folder, new or existing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"cannot write to {flag} {path}: {e.strerror or e}") from None
-
-
-def write_json(path: Path, data, strict: bool = False) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file. `strict`
-    (results.json): standard JSON, a number that is not finite (a diverged run's loss)
-    written as null; Python's NaN token stopped jq and every JSON.parse at the first one."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    text = json.dumps(_finite(data) if strict else data, indent=2, sort_keys=False,
-                      allow_nan=not strict)
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
-
-
-def _finite(obj):
-    """`obj` with every float that is nan or infinite replaced by None, at every depth."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def mesh_spec(mesh: dict) -> str:

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxdist.record import mesh_spec, pipeline_schedule, write_json
+from jaxdist.files import write_json
+from jaxdist.record import mesh_spec, pipeline_schedule
 from jaxdist.summary import format_markdown
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens

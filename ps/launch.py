@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxdist import procs
 from jaxdist.config import to_argv
-from jaxdist.record import write_json
+from jaxdist.files import write_json
 from ps.security import TOKEN_ENV
 from ps.shard_client import PSError, ShardClient
 

@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdist.errors import UsageError  # noqa: E402
-from jaxdist.record import write_json  # noqa: E402
+from jaxdist.files import write_json  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
 from ps.security import TOKEN_ENV, security_problems  # noqa: E402

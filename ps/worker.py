@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from jaxdist.record import write_json
+from jaxdist.files import write_json
 from jaxdist.record_builder import memory_block
 from ps.series import SeriesWriter
 

@@ -20,7 +20,7 @@ from experiments.suite.settings import convert, parse_set
 from jaxdist import procs
 from jaxdist.config import keys as run_keys
 from jaxdist.errors import OneLineParser, UsageError, path_arg
-from jaxdist.record import ensure_writable_dir
+from jaxdist.files import ensure_writable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from pathlib import Path
 from experiments.suite.settings import settings_table
 from jaxdist.config import Key
 from jaxdist.errors import UsageError
-from jaxdist.record import ensure_writable_dir, write_json
+from jaxdist.files import ensure_writable_dir, write_json
 
 PLAN_KEYS = ("settings", "models", "rows", "quick", "pp_schedules", "variants")
 QUICK_KEYS = ("settings", "models", "rows", "pp_schedules", "variants")

@@ -16,7 +16,7 @@ from pathlib import Path
 from experiments.suite.matrix import Planned, preflight
 from experiments.suite.presets import Preset
 from jaxdist import procs
-from jaxdist.record import write_json
+from jaxdist.files import write_json
 
 SUITE_VERSION = 1
 STDERR_TAIL_LINES = 25
