@@ -260,15 +260,11 @@ def check_batch_pool(model_cfg, batch_size: int) -> None:
     """The launcher builds the JAX run's pool of global batches (write_job) before any rank
     starts: beyond the host's memory it is one line (a batch of 10^10 was numpy's
     MemoryError traceback). A floor: the ranks' copies come on top."""
-    import jax
-
     from jaxdist import host_memory
     from jaxdist.data import NUM_SYNTHETIC_BATCHES
-    from jaxdist.program.compiled import abstract_batch
+    from jaxdist.program.compiled import batch_bytes
 
-    batch = sum(x.size * x.dtype.itemsize
-                for x in jax.tree.leaves(abstract_batch(model_cfg, batch_size)))
-    host_memory.check(NUM_SYNTHETIC_BATCHES * batch,
+    host_memory.check(NUM_SYNTHETIC_BATCHES * batch_bytes(model_cfg, batch_size),
                       f"pool of {NUM_SYNTHETIC_BATCHES} global batches the ranks train on")
 
 

@@ -237,11 +237,9 @@ def check_ps_host(cfg: RunConfig) -> None:
     global batch pool (it slices its own rows from it) and holds the parameters three times
     on the host (the flat vector, two gradient buffers); the shards hold them once more. A
     batch of 10^10 failed in a worker after the job had started."""
-    import jax
-
     from jaxdist import host_memory
     from jaxdist.data import NUM_SYNTHETIC_BATCHES
-    from jaxdist.program.compiled import abstract_batch
+    from jaxdist.program.compiled import batch_bytes
     from models import get_model, parse_overrides
     from ps.shardmap import shard_map_for
 
@@ -252,8 +250,7 @@ def check_ps_host(cfg: RunConfig) -> None:
                                 f"servers on this host)")
     params = shard_map_for(cfg).total * 4
     model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
-    batch = sum(x.size * x.dtype.itemsize
-                for x in jax.tree.leaves(abstract_batch(model_cfg, cfg.train.batch_size)))
+    batch = batch_bytes(model_cfg, cfg.train.batch_size)
     pool = NUM_SYNTHETIC_BATCHES if cfg.data.dataset == "synthetic" else 1
     host_memory.check(workers * (pool * batch + 3 * params) + params,
                       f"PS job's buffers ({workers} workers, each with {pool} global "

@@ -183,8 +183,7 @@ def check_host_memory(cfg, platform, model_cfg, dataset, program) -> None:
     batches: a synthetic pool of NUM_SYNTHETIC_BATCHES on the host, each placed on the
     devices once (batch_feed); a dataset's one at a time."""
     local = [d for d in platform.devices if d.process_index == jax.process_index()]
-    batch = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        compiled_mod.abstract_batch(model_cfg, cfg.train.batch_size)))
+    batch = compiled_mod.batch_bytes(model_cfg, cfg.train.batch_size)
     pool = NUM_SYNTHETIC_BATCHES if dataset is None else 1
     host_memory.check(host_memory.state_bytes(program.abstract_state, program.state_shardings,
                                               local)

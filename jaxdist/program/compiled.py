@@ -155,6 +155,15 @@ def step_program(cfg, model_cfg, mesh):
                          matmul_precision=cfg.model.matmul_precision)
 
 
+def batch_bytes(model_cfg, batch_size: int) -> int:
+    """The global batch's bytes, from shapes (the host-memory checks of runs, PS jobs and
+    the PyTorch reference's batch pool)."""
+    import jax
+
+    return sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves(abstract_batch(model_cfg, batch_size)))
+
+
 def abstract_batch(model_cfg, batch_size: int) -> dict:
     """The global batch as shapes (nothing allocated)."""
     import jax
