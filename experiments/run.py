@@ -12,7 +12,6 @@ if __name__ == "__main__":  # Ctrl-C while JAX is imported: noted, then handled 
 
 import argparse  # noqa: E402
 import sys
-import time
 from pathlib import Path
 
 from jaxdist import distributed
@@ -21,7 +20,8 @@ from jaxdist.devices import (check_simulated_count, configure_host_devices,
                              configure_xla_flags, select_devices)
 from jaxdist.errors import OneLineParser, UsageError
 from jaxdist.mesh import MeshShape
-from experiments.run_dirs import check_logdir, make_logdir, resume_folder, wrote_record
+from experiments.run_dirs import (check_logdir, make_logdir, record_stamp, resume_folder,
+                                  wrote_record)
 from experiments.validation import Validated, check_batch, check_ps_host, validate
 from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
 
@@ -151,7 +151,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
                  f"{len(platform.devices)} host CPU devices. Step times are functional, not "
                  f"performance figures; memory figures (shard bytes, compiler) are exact."
                  if platform.simulated else None)
-    loop_started = time.time()
+    record_before = record_stamp(logdir)
     try:
         results = loop.run(cfg, platform, logdir, stop=stop, notice=simulated)
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
@@ -160,7 +160,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
               file=sys.stderr)
         return 130
     except BaseException as e:
-        if wrote_record(logdir, loop_started):  # what it measured stays
+        if wrote_record(logdir, record_before):  # what it measured stays
             print(f"run: failed after writing {logdir / 'results.json'}; {logdir} is kept",
                   file=sys.stderr)
         elif run_dir is not None:

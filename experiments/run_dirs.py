@@ -174,7 +174,18 @@ def _status(results_json: Path) -> tuple[str | None, dict]:
         return "complete", {}  # unreadable: do not write over it
 
 
-def wrote_record(logdir: Path | None, since: float) -> bool:
-    """Whether this run wrote results.json (at or after `since`)."""
-    record = logdir / "results.json" if logdir is not None else None
-    return record is not None and record.exists() and record.stat().st_mtime >= since
+def record_stamp(logdir: Path | None) -> tuple | None:
+    """results.json's identity in `logdir` (inode, mtime in ns), None where there is none."""
+    try:
+        st = (logdir / "results.json").stat()
+    except (OSError, TypeError):
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def wrote_record(logdir: Path | None, before: tuple | None) -> bool:
+    """Whether this run wrote results.json since `before` (record_stamp then): a file's
+    mtime against time.time() lost to the kernel's coarser file clock, so a record written
+    within milliseconds read as older than the run and its folder was deleted."""
+    now = record_stamp(logdir)
+    return now is not None and now != before
