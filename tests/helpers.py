@@ -40,11 +40,21 @@ def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="
     return np.array(losses), state, program
 
 
+# The persistent compilation cache of the session's child processes (conftest says why not
+# the xdist workers'): at -O0 most compiles take under a second, so every one is kept.
+CHILD_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ["JAXDIST_TEST_SESSION_DIR"], "jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),  # > 0: entries are file-locked
+}
+
+
 def child_env(xla_flags: str = "", **extra: str) -> dict:
     """The environment of a process a test starts: the session's (conftest: fast XLA flags,
-    CPU only, the shared compilation caches), this checkout on PYTHONPATH, `xla_flags`
-    appended to XLA_FLAGS, and `extra` variables."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    CPU only, the kernel cache), the children's compilation cache, this checkout on
+    PYTHONPATH, `xla_flags` appended to XLA_FLAGS, and `extra` variables."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **CHILD_CACHE_ENV, **extra)
     if xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     return env
