@@ -69,10 +69,11 @@ class PSClient:
                 raise PSError(f"worker(s) {waiting} did not start within {timeout_s:g} s")
             time.sleep(0.05)
 
-    def _run(self, starts: dict) -> dict:
+    def _run(self, starts: dict, t0: float | None = None) -> dict:
         """Finish started calls: small ones are in flight already, large ones stream on the
-        pool's threads. {shard: (result or exception, seconds)}."""
-        t0 = time.perf_counter()
+        pool's threads. {shard: (result or exception, seconds since t0, when they were
+        started; now by default)}."""
+        t0 = time.perf_counter() if t0 is None else t0
         out = {}
 
         def timed(k, finish):
@@ -137,24 +138,36 @@ class PSClient:
     def push(self, step: int, grad: np.ndarray, repeat: int = 1) -> list[dict]:
         """Send `grad` (global flat vector) of `step` to every shard; `repeat` > 1 sends it
         again, as a retry after a lost reply would (the copies must be deduplicated)."""
+        return self._begin_push(step, grad, repeat)()
+
+    def _begin_push(self, step: int, grad: np.ndarray, repeat: int = 1):
+        """Start `push`: small transfers are on the wire when this returns; `finish()`
+        reads the replies (streaming the large ones) and returns what `push` does."""
         versions, epochs = list(self.version), list(self.epoch)
         self.last_push = (step, grad, versions, epochs)
-        first = {}
-        for _ in range(repeat):
-            starts = {k: s.start_push(self.pieces[k], grad, {
+
+        def start():
+            return {k: s.start_push(self.pieces[k], grad, {
                 "worker": self.worker, "step": step, "version": versions[k],
                 "epoch": epochs[k]}) for k, s in enumerate(self.shards)}
-            for k, (result, seconds) in self._run(starts).items():
-                if isinstance(result, Exception):
-                    raise result
-                reply, nbytes = result
-                self.push_s.append(seconds)
-                self.push_bytes += nbytes
-                self.epoch[k] = max(self.epoch[k], reply["epoch"])
-                if reply.get("status") == "rejected_nonfinite":
-                    self.rejected_nonfinite += 1
-                first.setdefault(k, reply)
-        return [first[k] for k in range(len(self.shards))]
+        sent = [(time.perf_counter(), start())]
+
+        def finish() -> list[dict]:
+            first = {}
+            for i in range(repeat):
+                t0, starts = sent.pop() if i == 0 else (time.perf_counter(), start())
+                for k, (result, seconds) in self._run(starts, t0).items():
+                    if isinstance(result, Exception):
+                        raise result
+                    reply, nbytes = result
+                    self.push_s.append(seconds)
+                    self.push_bytes += nbytes
+                    self.epoch[k] = max(self.epoch[k], reply["epoch"])
+                    if reply.get("status") == "rejected_nonfinite":
+                        self.rejected_nonfinite += 1
+                    first.setdefault(k, reply)
+            return [first[k] for k in range(len(self.shards))]
+        return finish
 
     def start_push(self, step: int, grad: np.ndarray, repeat: int = 1, then_pull=None):
         """Push in the background; returns `finish()`, which waits for it. With
@@ -166,6 +179,16 @@ class PSClient:
                 and then_pull[0] == step + 1
                 and all(s.small(p) for s, p in zip(self.shards, self.pieces))):
             return self._start_push_pull(step, grad, then_pull[1])
+        if then_pull is None and all(s.small(p) for s, p in zip(self.shards, self.pieces)):
+            # Sent from this thread now, the replies read in finish(): the next batch is
+            # prepared meanwhile, with no hand-off to another thread (async mlp-tiny, one
+            # worker: the push phase was 0.92 ms of a 1.83 ms step, the calls 0.61 ms).
+            pushed = self._begin_push(step, grad, repeat)
+
+            def finish_sent():
+                pushed()
+                return None
+            return finish_sent
         pushing = self.side.submit(self.push, step, grad, repeat)
         if then_pull is None:
             def finish_push():

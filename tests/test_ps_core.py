@@ -91,6 +91,72 @@ def test_frames_round_trip_in_chunks():
                                           src[p.offset:p.offset + p.length])
 
 
+def test_whole_small_pieces_travel_as_runs_and_land_where_their_layout_says():
+    """Consecutive whole pieces that fit in one frame go as one frame (one header): 10
+    pieces of 1,024 elements and two of 30 over 2 shards, frames of 16 KiB. Shard pieces are
+    not contiguous in the global vector (the greedy deal interleaves them), so each piece of
+    a run lands at its own offset; a piece larger than a frame still goes in chunks."""
+    m = build_shard_map(leaves(*[1024] * 10, 30, 9000, 30), 2, chunk_elems=1024)
+    src = np.random.default_rng(1).standard_normal(m.total).astype(np.float32)
+    for k in range(2):
+        pieces = m.shard_pieces(k)
+        frames = list(wire.frames("push", pieces, src, 16 << 10, {"worker": 1, "step": 7}))
+        headers = [wire.decode(f)[0] for f in frames]
+        assert sum(h.get("count", 1) for h in headers) == len(pieces)
+        assert len(frames) < len(pieces)
+        assert all(h["nbytes"] <= 16 << 10 for h in headers)
+        assert all(h["shape"] == [h["nbytes"] // 4] for h in headers if "count" in h)
+        dest = np.zeros(m.total, np.float32)
+        for message in (frames, [wire.bundle("push", pieces, src, 16 << 10,
+                                             {"worker": 1, "step": 7})]):
+            dest[:] = 0
+            asm = wire.Assembler("push", {p.name: (p.length, p.offset) for p in pieces},
+                                 dest, fixed=("worker", "step"))
+            for f in message:
+                asm.add(f)
+            assert asm.finish() == {"worker": 1, "step": 7}
+            mine = np.zeros(m.total, bool)
+            for p in pieces:
+                mine[p.offset:p.offset + p.length] = True
+            np.testing.assert_array_equal(dest[mine], src[mine])
+            assert not dest[~mine].any()
+
+
+def _run_frames():
+    m = build_shard_map(leaves(100, 200, 300), 1)
+    src = np.ones(m.total, np.float32)
+    frame, = wire.frames("push", m.pieces, src, 1 << 20, {"worker": 0, "step": 0})
+    return m, frame, {p.name: (p.length, p.offset) for p in m.pieces}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: {**h, "count": 4}, "outside"),                    # more pieces than the map
+    (lambda h: {**h, "count": 0}, "outside"),
+    (lambda h: {**h, "count": True}, "must be an integer"),
+    (lambda h: {**h, "name": "l1[0:200]"}, "past the last piece"),  # 3 from the second
+    (lambda h: {**h, "shape": [599]}, "shape"),
+    (lambda h: {**h, "offset": 4}, "chunk at byte 4"),
+    (lambda h: {**h, "count": 2, "shape": [300]}, "does not fit"),  # 600 elements sent
+])
+def test_malformed_runs(edit, message):
+    m, frame, layout = _run_frames()
+    header, payload = wire.decode(frame)
+    assert header["count"] == 3 and header["shape"] == [600]
+    asm = wire.Assembler("push", layout, np.zeros(m.total, np.float32), fixed=("worker",))
+    with pytest.raises(wire.WireError, match=message):
+        asm.add(wire.encode(edit(header), payload))
+
+
+def test_a_run_over_a_piece_already_received_is_refused():
+    m, frame, layout = _run_frames()
+    first, = wire.frames("push", m.pieces[:1], np.ones(m.total, np.float32), 1 << 20,
+                         {"worker": 0, "step": 0})
+    asm = wire.Assembler("push", layout, np.zeros(m.total, np.float32), fixed=("worker",))
+    asm.add(first)
+    with pytest.raises(wire.WireError, match="chunk at byte 0, expected 400"):
+        asm.add(frame)
+
+
 def _one_piece_frames():
     m = build_shard_map(leaves(2048), 1)
     src = np.ones(m.total, np.float32)

@@ -109,7 +109,7 @@ def test_sync_results_and_tensorboard(sync_run):
     assert r["step_time_s"]["p50"] == pytest.approx(np.percentile(step_s, 50), rel=1e-12)
     assert ps["bytes_per_step"]["push"] * 4 == _push_bytes(r, logdir)  # exact, headers too
     payload = 4 * 2 * 6922 * 4                                # steps x workers x params
-    frames = 4 * 2 * ps["shard_map"]["pieces"]                # one frame per piece
+    frames = 4 * 2 * ps["shards"]                             # one frame (a run) per shard
     pull_min = payload + _header_bytes(r, logdir, "param", {"version": 0, "epoch": 0,
                                                              "waited_us": 0}) * 4 * 2
     # each version and waited_us field adds at most 7 digits to a header
@@ -124,15 +124,18 @@ def test_sync_results_and_tensorboard(sync_run):
 
 
 def _header_bytes(r, logdir, op, meta) -> int:
-    """Bytes of every frame header of one full transfer (all shards) with these fields."""
+    """Bytes of every frame header of one full transfer (all shards) with these fields:
+    a shard's pieces (mlp-tiny: 6,922 parameters) fit in one frame, so they travel as one
+    run, its header naming the first piece and their count."""
     smap = json.loads((logdir / "ps" / "shard_map.json").read_text())
     total = 0
     for k in range(smap["num_shards"]):
         pieces = [p for p in smap["pieces"] if p["shard"] == k]
-        for p in pieces:
-            header = {"op": op, "name": p["name"], "dtype": "float32", "shape": [p["length"]],
-                      "offset": 0, **meta, "nbytes": p["length"] * 4}
-            total += 8 + len(json.dumps(header, separators=(",", ":")))
+        elements = sum(p["length"] for p in pieces)
+        assert len(pieces) > 1 and elements * 4 <= 1 << 20
+        header = {"op": op, "name": pieces[0]["name"], "dtype": "float32", "shape": [elements],
+                  "offset": 0, **meta, "nbytes": elements * 4, "count": len(pieces)}
+        total += 8 + len(json.dumps(header, separators=(",", ":")))
     return total
 
 
