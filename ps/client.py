@@ -171,15 +171,17 @@ class PSClient:
 
     def start_push(self, step: int, grad: np.ndarray, repeat: int = 1, then_pull=None):
         """Push in the background; returns `finish()`, which waits for it. With
-        `then_pull=(next_step, dest)` (sync mode) the pull of the next step is sent at once
-        too: the shard holds it until this step's barrier completes, so the parameters come
-        back without another round trip; `finish()` then returns the pull's wait (else
-        None). A failed push is reported before the pull it made wait."""
-        if (then_pull is not None and self.mode == "sync" and repeat == 1
-                and then_pull[0] == step + 1
-                and all(s.small(p) for s, p in zip(self.shards, self.pieces))):
+        `then_pull=(next_step, dest)` the pull of the next step comes with it and `finish()`
+        returns the pull's wait (else None). Small transfers: one PushPullOne call per
+        shard, which pulls once the push is applied (ps-lite's ZPushPull): a sync shard
+        holds it until this step's barrier completes, so the parameters come back without
+        another round trip. Larger ones: sync sends the pull at once (the barrier orders
+        it), async/ssp after the push's reply (a pull must see the worker's own update). A
+        failed push is reported before the pull it made wait."""
+        small = all(s.small(p) for s, p in zip(self.shards, self.pieces))
+        if then_pull is not None and repeat == 1 and then_pull[0] == step + 1 and small:
             return self._start_push_pull(step, grad, then_pull[1])
-        if then_pull is None and all(s.small(p) for s, p in zip(self.shards, self.pieces)):
+        if then_pull is None and small:
             # Sent from this thread now, the replies read in finish(): the next batch is
             # prepared meanwhile, with no hand-off to another thread (async mlp-tiny, one
             # worker: the push phase was 0.92 ms of a 1.83 ms step, the calls 0.61 ms).
@@ -190,10 +192,10 @@ class PSClient:
                 return None
             return finish_sent
         pushing = self.side.submit(self.push, step, grad, repeat)
-        if then_pull is None:
+        if then_pull is None or self.mode != "sync":
             def finish_push():
                 pushing.result()
-                return None
+                return None if then_pull is None else self.pull(*then_pull)
             return finish_push
 
         def finish():
@@ -207,8 +209,8 @@ class PSClient:
         return finish
 
     def _start_push_pull(self, step: int, grad: np.ndarray, dest: np.ndarray):
-        """Sync with small shards: one PushPullOne call per shard carries the push of
-        `step` and brings back the parameters of step+1. Each call counts as one push and
+        """Small shards: one PushPullOne call per shard carries the push of `step` and
+        brings back the parameters of step+1. Each call counts as one push and
         one pull of the same duration. A shard that restarted meanwhile is pulled again the
         ordinary way (which re-pushes this gradient; the shard deduplicates it)."""
         versions, epochs = list(self.version), list(self.epoch)

@@ -109,15 +109,15 @@ class ShardServicer:
         return json.dumps(self._push(request_iterator, context)[0]).encode()
 
     def push_pull_one(self, request, context, join: bool = True):
-        """Sync: the push of step t and the pull of step t+1 in one call (one message each
-        way, no second call to hand the parameters over). Reply: a frame `op=reply` with
-        the push's JSON fields, then the parameter frames."""
-        if self.core.mode != "sync":
-            self._abort(context, "invalid", "PushPullOne is for --ps-mode sync")
+        """The push of step t and, once it is applied, the pull of step t+1 in one call (one
+        message each way, no second call to hand the parameters over); the pull waits as
+        the mode says (sync: step t's barrier, ssp: the bound). Reply: a frame `op=reply`
+        with the push's JSON fields, then the parameter frames."""
         reply, meta = self._push(iter((request,)), context)
         step = meta["step"] + 1
         pull = wire.encode({"op": "pull", "worker": meta["worker"], "step": step,
-                            "min_version": step, "epoch": meta["epoch"]})
+                            "min_version": step if self.core.mode == "sync" else 0,
+                            "epoch": meta["epoch"]})
         return self.pull_one(pull, context, first=wire.encode({"op": "reply", **reply}),
                              join=join)
 

@@ -206,7 +206,6 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
     window = [None, None]
     every = cfg.data.eval_every
     report_every = max(1, total // 10)
-    sync = cfg.ps.ps_mode == "sync"
     pulled = None      # (waited, seconds) when the parameters for this step are already here
     # Gradients alternate between two buffers: the previous step's stays intact for a
     # re-push after a shard restart (client.last_push) while this one is written.
@@ -246,11 +245,11 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
         evaluate_now = (worker == 0 and dataset is not None and every
                         and ((t + 1) % every == 0 or t + 1 == total))
         p0 = time.perf_counter()
-        # The push runs in the background while the next batch is prepared. In sync mode
-        # the pull of step t+1 is sent at the same time: the shard holds it until the
-        # barrier of step t completes and answers at once, with no round trip in between.
-        # (async/ssp pull after the push: a pull must see the worker's own update.)
-        prefetch = (t + 1, flat) if sync and (t + 1 < total or evaluate_now) else None
+        # The push runs in the background while the next batch is prepared, and the pull
+        # of step t+1 goes with it (ps.client.start_push): the shard answers it once the
+        # push is applied (sync: once step t's barrier completes), with no round trip in
+        # between.
+        prefetch = (t + 1, flat) if t + 1 < total or evaluate_now else None
         inflight = client.start_push(t, grad, repeat=2 if fault.get("dup-push") == t else 1,
                                      then_pull=prefetch)
         b0 = time.perf_counter()
@@ -269,10 +268,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
             os.kill(os.getpid(), signal.SIGKILL)
         if worker == 0 and (t + 1) % report_every == 0:
             log(f"step {t + 1}/{total} loss {losses[-1]:.4f} step {step_s[-1] * 1e3:.1f} ms")
-        if evaluate_now:
-            if pulled is None:  # async/ssp: the parameters after this step; reused by t+1
-                w0 = time.perf_counter()
-                pulled = (client.pull(t + 1, flat), time.perf_counter() - w0)
+        if evaluate_now:  # on the parameters after this step (pulled with the push)
             with monitor.paused(f"evaluation after step {t}", window_open <= t < window_close):
                 acc = evaluate(program.params(flat), model_state)
             accuracy.append({"step": t + 1, "wall_s": time.perf_counter() - started,

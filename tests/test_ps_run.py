@@ -195,6 +195,13 @@ def test_async_and_ssp_learn_digits_and_survive_a_dead_worker(which, request):
     scalars = read_scalars(logdir)
     assert len(scalars["eval/accuracy"]) == 2
     assert_no_orphans(logdir, r["ps"]["pids"])
+    # Every pull after the first came with the previous step's push, answered once the
+    # push was applied (one PushPullOne call per shard): no time of its own on the worker,
+    # and each shard's pull took the seconds of the push it rode with.
+    worker = read_worker(logdir / "ps" / "worker0.json")
+    assert worker["phases_s"]["pull_s"][0] > 0 and not any(worker["phases_s"]["pull_s"][1:])
+    pulls = worker["pull_s"][shards:]
+    assert len(pulls) >= shards * (STEPS - 1) and pulls == worker["push_s"][:len(pulls)]
 
 
 def test_ssp_never_exceeds_its_bound(ssp_run):

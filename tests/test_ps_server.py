@@ -308,7 +308,7 @@ EDGE = {
                                                            "nbytes": 0}, "worker")),
     "push: empty trailing message": ("Push", [wire.encode({"op": "push"}), b""]),
     "push: empty trailing frame": ("PushOne", wire.encode({"op": "push"}) + b"JDP1" + bytes(4)),
-    "push+pull in async mode": ("PushPullOne", wire.encode({"op": "push"})),
+    "push+pull: an empty push": ("PushPullOne", wire.encode({"op": "push"})),
 }
 
 
