@@ -21,6 +21,7 @@ end, fields that change mid-stream, and (at `finish`) pieces left incomplete.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
@@ -207,8 +208,6 @@ class Assembler:
         self.received = dict.fromkeys(layout, 0)
         self.meta: dict | None = None
         self.bytes = 0
-        self._names: list | None = None  # the layout's order, for run frames
-        self._index: dict | None = None
 
     def add(self, message: bytes) -> None:
         """Take every frame of one message."""
@@ -260,11 +259,9 @@ class Assembler:
         must be whole in it, so none may have arrived yet."""
         if count == 1:
             return [name]
-        if self._names is None:
-            self._names = list(self.layout)
-            self._index = {n: i for i, n in enumerate(self._names)}
-        first = self._index[name]
-        run = self._names[first:first + count]
+        names = iter(self.layout)
+        next(n for n in names if n == name)  # the layout holds it: checked by the caller
+        run = [name, *itertools.islice(names, count - 1)]
         if len(run) != count:
             raise WireError(f"{name}: a run of {count} pieces goes past the last piece")
         taken = [n for n in run if self.received[n]]
