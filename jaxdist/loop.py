@@ -283,7 +283,7 @@ def program_block(cfg, platform, program, compiled) -> dict:
     (jaxdist.program.kernels) and XLA's own cost counts; never fails the run it describes."""
     try:
         mesh_shape = dict(program.batch_sharding.mesh.shape)
-        runs = (switch_runs(compiled.as_text(), mesh_shape, program.schedule)
+        runs = (switch_runs(program_reading.text(compiled), mesh_shape, program.schedule)
                 if isinstance(program, PipelineProgram) else None)
         reading = program_reading.read(compiled, compiled_mod.run_devices(platform), mesh_shape,
                                     runs)
@@ -308,7 +308,7 @@ def comm_block(layout: str, compiled, program) -> dict:
     """Collectives of the compiled step (bytes per device per step, by kind and mesh axis)
     beside the layout's analytic parameter/gradient traffic."""
     mesh_shape = dict(program.batch_sharding.mesh.shape)
-    hlo_text = compiled.as_text()
+    hlo_text = program_reading.text(compiled)
     # A pipeline's tick loop switches on its schedule table: how often each branch runs
     # comes from that table, not the HLO.
     runs = (switch_runs(hlo_text, mesh_shape, program.schedule)

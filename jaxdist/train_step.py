@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist import metrics
-from jaxdist.program import hlo
+from jaxdist.program import hlo, program_reading
 from jaxdist.program.xla_compile import compile_timed
 from jaxdist.errors import UsageError
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
@@ -218,7 +218,7 @@ def compiled_step_flops(program: Program, compiled) -> float | None:
     M = program.microbatches
     if flops is None or M == 1 or program.loop_body_flops is None:
         return flops  # no micro-batch loop (a pipeline's tick loop is unrolled: all counted)
-    counted = _bodies_counted(hlo.while_trip_counts(compiled.as_text() or ""), M)
+    counted = _bodies_counted(hlo.while_trip_counts(program_reading.text(compiled)), M)
     if counted == M:
         return flops
     batch_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),

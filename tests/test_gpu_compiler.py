@@ -228,6 +228,11 @@ def test_gpu_and_cpu_programs_side_by_side_name_their_differences():
     for target in (compiled.gpu_topology(H200, 8), compiled.simulated_cpu(8)):
         _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
         readings[target.compiler] = program_reading.read(comp, target, shape.axis_sizes)
+        # as_text's text, fetched once: XLA:GPU's from the modules the cost analysis read
+        assert program_reading.text(comp) == comp.as_text()
+        assert program_reading.text(comp) is program_reading.text(comp)
+        if target.gpu:
+            assert program_reading.modules(comp) is program_reading.modules(comp)
     gpu, cpu = readings["XLA:GPU"], readings["XLA:CPU"]
     assert "1 host(s) x 8 h200" in gpu["label"]
     total = {k: sum(op["bytes"] for op in r["collectives"]) for k, r in readings.items()}

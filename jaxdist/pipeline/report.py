@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxdist import metrics
-from jaxdist.program import comm, hlo
+from jaxdist.program import comm, hlo, program_reading
 from jaxdist.pipeline.step import pattern_runs
 
 
@@ -140,7 +140,7 @@ def pipeline_block(program, compiled, state, batch_size: int, model_flops_per_st
     sched = program.schedule
     mesh = program.batch_sharding.mesh
     act = local_activation_bytes(program, batch_size)
-    sends = stage_sends(compiled.as_text() or "", dict(mesh.shape), sched)
+    sends = stage_sends(program_reading.text(compiled), dict(mesh.shape), sched)
     boundaries = sched.chunks - 1
     analytic = 2 * act * sched.microbatches * boundaries
     flops = metrics.compiled_flops(compiled)

@@ -56,7 +56,8 @@ def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
         runs = None
         if getattr(program, "schedule", None) is not None:  # a pipeline's switches
             from jaxdist.pipeline.report import switch_runs
-            runs = switch_runs(compiled.as_text(), dict(shape.axis_sizes), program.schedule)
+            runs = switch_runs(program_reading.text(compiled), dict(shape.axis_sizes),
+                              program.schedule)
         out.append(read_program(compiled, seconds, target, dict(shape.axis_sizes), cfg, hw,
                                 runs, step_flops, memo))
     return out
@@ -70,7 +71,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
     when XLA:GPU compiled it and `hw` has published rates. Everything but the compiler's memory
     is a function of the program's text: with `memo`, a program whose text was read before
     (e.g. a variant whose flags left the program unchanged) is not parsed again."""
-    hlo = compiled.as_text() or ""
+    hlo = program_reading.text(compiled)
     timed = target.gpu and hw is not None and kernels_time.has_rates(hw)
     key = ("reading", hashlib.blake2b(hlo.encode(), digest_size=16).digest(), target.label,
            tuple(sizes.items()), tuple(sorted((runs or {}).items())), step_flops,

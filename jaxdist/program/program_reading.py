@@ -7,6 +7,7 @@ readings of two compilers differ. Where a program is compiled for: jaxdist.progr
 from __future__ import annotations
 
 import math
+import weakref
 
 from jaxdist import metrics
 from jaxdist.program import comm, kernels
@@ -14,6 +15,42 @@ from jaxdist.program import comm, kernels
 
 class ProgramError(RuntimeError):
     """A compiled program could not be read as promised (e.g. a private XLA binding moved)."""
+
+
+_OPTIMIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _optimized(compiled) -> dict:
+    """{"text", and "modules" once fetched} of a compiled program, kept while it lives."""
+    try:
+        return _OPTIMIZED.setdefault(compiled, {})
+    except TypeError:  # not weak-referenceable: fetched each time, not kept
+        return {}
+
+
+def text(compiled) -> str:
+    """The optimized HLO text of a compiled program, `compiled.as_text()`, fetched once per
+    program. Where the executable has no text of its own (a device-less XLA:GPU program,
+    across the plugin's C API), as_text fetches the modules (serialised in the compiler and
+    parsed again in jaxlib) and prints them; the text is then printed from `modules`, the
+    same fetch the cost analysis uses: fetching them twice was a quarter of reading such a
+    program."""
+    kept = _optimized(compiled)
+    if "text" not in kept:
+        executable = compiled.runtime_executable()
+        if hasattr(executable, "get_hlo_text") or not hasattr(executable, "hlo_modules"):
+            kept["text"] = compiled.as_text() or ""  # printed directly (XLA:CPU)
+        else:
+            kept["text"] = "\n\n".join(m.to_string() for m in modules(compiled))
+    return kept["text"]
+
+
+def modules(compiled) -> list:
+    """XLA's optimized HLO modules of a compiled program, fetched once per program."""
+    kept = _optimized(compiled)
+    if "modules" not in kept:
+        kept["modules"] = compiled.runtime_executable().hlo_modules()
+    return kept["modules"]
 
 
 def xla_cost(compiled) -> dict:
@@ -32,7 +69,7 @@ def xla_cost(compiled) -> dict:
     try:
         from jax._src import xla_bridge
         from jax._src.lib import _jax
-        module = compiled.runtime_executable().hlo_modules()[0]
+        module = modules(compiled)[0]
         cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
     except Exception as e:  # noqa: BLE001
         raise ProgramError(f"XLA's cost analysis is not available for this program and the "
@@ -53,7 +90,7 @@ def read(compiled, target, axis_sizes: dict[str, int],
     count, cuDNN attention counted); XLA:CPU: XLA's cost analysis as before (`step_flops`,
     the caller's micro-batch-corrected count, when given). `xla_cost` keeps XLA's own counts
     beside them. `hlo`: the program's text where the caller already has it."""
-    hlo = hlo if hlo is not None else (compiled.as_text() or "")
+    hlo = hlo if hlo is not None else text(compiled)
     cost = xla_cost(compiled)
     inventory = kernels.inventory(hlo, branch_runs)
     if target.gpu:
