@@ -11,9 +11,10 @@ _decide_platform()
 # A jaxdist process (a run, a PS shard or worker, a plan) makes most of its objects once and
 # keeps them: jax and flax imported, the step traced, lowered and compiled. At CPython's
 # default thresholds (700, 10, 10) the cyclic collector walks that growing heap again every
-# few thousand allocations: 9 s of a pytest worker's 107 s of tracing and compiling, and
-# 10% of importing jax, flax, optax and tensorboardX (3.8 -> 3.4 s of CPU); at 10,000 for the
-# youngest generation, 3.4 s of the 107 (2 of them pytest's own collections at its end).
+# few thousand allocations: 8.4-9.4 s of a pytest worker's 107 s of tracing and compiling,
+# and 0.3 s of importing jax, flax, optax and tensorboardX (3.3 -> 3.0 s of CPU); at 10,000
+# for the youngest generation, 3.8-4.1 s of the 107 (2 of them pytest's own collections at
+# its end).
 # Garbage that is not a cycle is freed at once by reference counting either way.
 if 0 < _gc.get_threshold()[0] < 10_000:  # kept: a threshold raised, or 0 (disabled)
     _gc.set_threshold(10_000, *_gc.get_threshold()[1:])

@@ -33,8 +33,8 @@ def text(compiled) -> str:
     program. Where the executable has no text of its own (a device-less XLA:GPU program,
     across the plugin's C API), as_text fetches the modules (serialised in the compiler and
     parsed again in jaxlib) and prints them; the text is then printed from `modules`, the
-    same fetch the cost analysis uses: fetching them twice was a quarter of reading such a
-    program."""
+    same fetch the cost analysis uses (its second fetch was a fifth of reading such a
+    program)."""
     kept = _optimized(compiled)
     if "text" not in kept:
         executable = compiled.runtime_executable()
