@@ -33,8 +33,8 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h200"), shape.size)
     program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
-    hlo = comp.as_text()
-    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds, hlo=hlo)
+    hlo = program_reading.text(comp)
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     scatters = {op["name"]: op for op in reading["collectives"]
                 if op["kind"] == "reduce-scatter" and op["axes"] == ["data"]}
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
@@ -67,9 +67,8 @@ def _tensor_collectives_hidden(chunks: int) -> tuple[int, int]:
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
-    hlo = comp.as_text()
-    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds,
-                                   hlo=hlo)
+    hlo = program_reading.text(comp)
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
              and op["kind"] in ("all-gather", "reduce-scatter")}
     in_flight, hidden = set(), set()

@@ -80,7 +80,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
         return {**copy.deepcopy(memo[key]), "memory": program_reading.memory_bytes(compiled),
                 "liveness": liveness.of(compiled), "compile_s": seconds}
     reading = program_reading.read(compiled, target, sizes, runs, step_flops=step_flops,
-                                compile_s=seconds, hlo=hlo)
+                                compile_s=seconds)
     out = {"flops": reading["flops"], "bytes_accessed": reading["bytes_accessed"],
            "comm": aggregate(reading["collectives"]), "kernels": reading["kernels"]}
     if timed:

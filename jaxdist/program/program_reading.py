@@ -83,14 +83,14 @@ def xla_cost(compiled) -> dict:
 
 def read(compiled, target, axis_sizes: dict[str, int],
          branch_runs: dict[str, float] | None = None, step_flops: float | None = None,
-         compile_s: float | None = None, hlo: str | None = None) -> dict:
+         compile_s: float | None = None) -> dict:
     """What the compiled program says, per device per step.
 
     flops / bytes_accessed: XLA:GPU: the kernel inventory's (every loop body times its trip
     count, cuDNN attention counted); XLA:CPU: XLA's cost analysis as before (`step_flops`,
     the caller's micro-batch-corrected count, when given). `xla_cost` keeps XLA's own counts
-    beside them. `hlo`: the program's text where the caller already has it."""
-    hlo = hlo if hlo is not None else text(compiled)
+    beside them."""
+    hlo = text(compiled)
     cost = xla_cost(compiled)
     inventory = kernels.inventory(hlo, branch_runs)
     if target.gpu:
