@@ -28,7 +28,8 @@ def test_require_at_least_names_the_option_and_its_minimum(capsys):
     ("bench_telemetry.py", ["--blocks", "0"], "--blocks must be at least 1, got 0"),
     ("bench_vs_torch.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
     ("bench_pp.py", ["--ms", "2"], "every --ms at least S=4"),
-    ("compare_compilers.py", ["--batch-size", "0"], "--batch-size must be at least 1")])
+    ("compare_compilers.py", ["--batch-size", "0"], "--batch-size must be at least 1"),
+    ("suite_cpu.py", ["--top", "0", "tests"], "--top must be at least 1, got 0")])
 def test_a_benchmark_refuses_a_count_below_its_minimum(script, argv, message):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=120)
