@@ -74,8 +74,8 @@ def read_rows(folder: Path) -> list[dict]:
 
 def report(rows: list[dict], top: int) -> str:
     own, child = sum(r["self"] for r in rows), sum(r["child"] for r in rows)
-    lines = [f"{len(rows)} tests: {own + child:.1f} s of CPU, {own:.1f} s in the pytest "
-             f"processes and {child:.1f} s in the processes the tests started; "
+    lines = [f"{len(rows)} tests (run or skipped): {own + child:.1f} s of CPU, {own:.1f} s "
+             f"in the pytest processes and {child:.1f} s in the processes the tests started; "
              f"{sum(r['wall'] for r in rows):.1f} s of test wall time summed"]
     modules = defaultdict(lambda: [0.0, 0.0, 0])
     for r in rows:
