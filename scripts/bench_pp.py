@@ -25,22 +25,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0").strip()
-
-import jax  # noqa: E402
-
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 4)
-
-from jaxdist.data import TrainStream  # noqa: E402
-from jaxdist.errors import OneLineParser  # noqa: E402
-from jaxdist.mesh import build_mesh, parse_mesh  # noqa: E402
-from jaxdist.pipeline.program import build_pipeline_program  # noqa: E402
-from jaxdist.pipeline.report import local_activation_bytes, stage_sends  # noqa: E402
-from jaxdist.train_step import make_optimizer, put_batch  # noqa: E402
-from models import get_model  # noqa: E402
-from sharding import get_layout  # noqa: E402
 
 S, BATCH = 4, 64
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
@@ -60,7 +44,27 @@ def step_seconds(program, compiled, batch, runs: int) -> float:
     return statistics.median(times)
 
 
+def start_jax():
+    """jax on S simulated CPU devices at XLA's -O0: after the flags are checked, so that bad
+    input is refused before jax is imported."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=0").strip()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", S)
+
+
 def measure(cfg, schedule: str, virtual: int, M: int, runs: int = 0) -> dict:
+    import jax
+
+    from jaxdist.data import TrainStream
+    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.pipeline.program import build_pipeline_program
+    from jaxdist.pipeline.report import local_activation_bytes, stage_sends
+    from jaxdist.train_step import make_optimizer, put_batch
+    from sharding import get_layout
+
     shape = parse_mesh(f"stage:{S}")
     program = build_pipeline_program(cfg, "float32", make_optimizer("adamw", 1e-3),
                                      get_layout("pp"), build_mesh(shape, jax.devices()[:S]),
@@ -79,6 +83,8 @@ def measure(cfg, schedule: str, virtual: int, M: int, runs: int = 0) -> dict:
 
 
 def main() -> int:
+    from jaxdist.errors import OneLineParser
+
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="4,8,16,32", help="micro-batch counts")
     parser.add_argument("--runs", type=int, default=5, help="timed steps of gpipe and 1f1b")
@@ -90,6 +96,9 @@ def main() -> int:
     if args.runs < 1 or any(m < S for m in ms):
         parser.error(f"--runs must be 1 or more and every --ms at least S={S} (1f1b needs "
                      f"M >= S); got --runs {args.runs}, --ms {args.ms}")
+    start_jax()
+    from models import get_model
+
     cfg = get_model("gpt-tiny", {"depth": "8"})
     rows = {}
     print(f"gpt-tiny depth 8, batch {BATCH}, S={S}; bytes per device")

@@ -238,9 +238,9 @@ def format_breakdown(b: dict) -> str:
 
 
 def parse_args(argv=None):
-    """The flags, checked: a bad value is one line and exit status 2."""
+    """The flags, checked: a bad value is one line and exit status 2, and before the models
+    (flax, jax: a second) are imported unless --model is what is checked."""
     from jaxdist.errors import OneLineParser, unknown
-    from models.registry import model_names
 
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,40,400", help="MB, comma-separated")
@@ -276,6 +276,7 @@ def parse_args(argv=None):
         if transport not in ("tcp", "grpc"):
             parser.error(unknown("transport", transport, ["tcp", "grpc"]))
     args.model = [m.strip() for m in args.model.split(",")]
+    from models import model_names  # the families register their sizes on import
     for model in args.model:
         if model not in model_names():
             parser.error(unknown("model", model, model_names()))

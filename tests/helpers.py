@@ -68,6 +68,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, xla_flags: 
                           text=True, timeout=timeout)
 
 
+HEAVY_MODULES = ("flax", "jax")
+
+
+def run_refusing_script(script: Path, argv: list, timeout: int = 120):
+    """`python SCRIPT ARGV` (run as __main__ in a child) for bad input, which is refused before
+    the heavy imports: the child then prints on stdout which of HEAVY_MODULES it had imported
+    (`[]` when none), after whatever the script printed."""
+    code = (f"import runpy, sys\nsys.argv = [{str(script)!r}, *{list(argv)!r}]\ntry:\n"
+            f"    runpy.run_path({str(script)!r}, run_name='__main__')\nfinally:\n"
+            f"    print([m for m in {HEAVY_MODULES!r} if m in sys.modules])")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @dataclass
 class Exit:
     """What an in-process `main(argv)` returned and printed, shaped like a finished process."""

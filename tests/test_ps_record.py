@@ -17,7 +17,7 @@ from jaxdist.record import RunRecord, check
 from jaxdist.summary import format_summary
 from ps import collect
 from ps.series import read_worker
-from tests.helpers import ROOT, child_env, run_cli
+from tests.helpers import HEAVY_MODULES, ROOT, child_env, run_cli, run_refusing_script
 
 WORKERS, BATCH, WARMUP, STEPS = 2, 8, 1, 3
 BARE_NA = re.compile(r"n/a(?! \()")  # an n/a not followed by its reason in parentheses
@@ -134,8 +134,9 @@ def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
     (["--batch-size", "63"], "not divisible by --workers 2"),
     (["--steps", "0"], "--steps must be at least 1")])
 def test_bench_ps_bad_input_is_one_line_and_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ps.py"), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """Only a --model check imports the models (flax, jax: a second); the rest is refused
+    before them."""
+    proc = run_refusing_script(ROOT / "scripts" / "bench_ps.py", argv)
     assert proc.returncode == 2
-    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert message in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+    assert proc.stdout == f"{list(HEAVY_MODULES) if argv[0] == '--model' else []}\n"
