@@ -126,6 +126,9 @@ def collect(root: Path, skip: Path | None) -> tuple[list[RunRecord], list[Failur
     # folders alone (e.g. /etc's) is not a runs directory, and the report is not written there.
     if not (runs or suite_json.exists() or any(events for _, events in without)
             or any(f.status == "interrupted" for f in unfinished)):
+        if problems:  # records there, none readable: say which, not that there are none
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise UsageError(f"no runs in {root}: {problems[0]}{more}")
         raise UsageError(f"no runs in {root}: no results.json, TensorBoard events or "
                          f"suite.json below it (run python -m experiments.suite or "
                          f"experiments.run first)")

@@ -57,17 +57,28 @@ INTERRUPTED = dict(SCHEMA,
 
 def check(results: dict) -> list[str]:
     """Problems with `results` against the schema; empty when it conforms."""
-    timed = (results.get("step_time_s") or {}).get("n")
+    timed = _block(results, "step_time_s").get("n")
     spec = INTERRUPTED if results.get("status") == "interrupted" and not timed else SCHEMA
-    problems = _check(results, spec, "")
-    if results.get("status") not in (None, "complete", "interrupted"):
-        problems.append(f"status: expected complete or interrupted, got {results['status']!r}")
-    compiled = results.get("memory", {}).get("compiled")
+    problems = _check(results, spec, "") + _status_problems(results)
+    compiled = _block(results, "memory").get("compiled")
     if isinstance(compiled, dict):
         problems += _check(compiled, COMPILED, "memory.compiled.")
     if isinstance(p := results.get("prediction"), dict):
         problems += _check(p, PREDICTION.get(p.get("available"), {"available": bool}), "prediction.")
     return problems + _loss_problems(results)
+
+
+def _block(results: dict, key: str) -> dict:
+    """results[key] where it is an object, else {} (its wrong type is _check's to report:
+    a hand-edited record must get its problems listed, not an AttributeError)."""
+    value = results.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _status_problems(results: dict) -> list[str]:
+    if results.get("status") not in (None, "complete", "interrupted"):
+        return [f"status: expected complete or interrupted, got {results['status']!r}"]
+    return []
 
 
 def _loss_problems(results: dict) -> list[str]:
@@ -82,7 +93,8 @@ def check_types(results: dict) -> list[str]:
     field the schema knows, where present and not null, of the schema's type, so that the
     readers (this module's RunRecord) never meet a number where they read an object."""
     present = _present(results, SCHEMA)
-    return _check(present, _spec_of(present, SCHEMA), "") + _loss_problems(results)
+    return (_check(present, _spec_of(present, SCHEMA), "") + _status_problems(results)
+            + _loss_problems(results))
 
 
 def _present(obj: dict, spec: dict) -> dict:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord
+from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord, check
 from tests.helpers import ROOT, run_cli
 
 TINY = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3",
@@ -120,6 +120,17 @@ def test_what_is_not_a_record(tmp_path):
         (tmp_path / f"d{i}.json").write_text(json.dumps(fields))
         with pytest.raises(RecordError, match=f"not a jaxdist results.json \\({problem}\\)"):
             RunRecord.load(tmp_path / f"d{i}.json")
+    # the strict check (compare's) lists a block of the wrong type: it raised AttributeError
+    # on a str step_time_s or a list memory; a status that is neither is refused by both
+    for fields, problem in (
+            ({"step_time_s": "fast"}, "step_time_s: expected an object"),
+            ({"step_time_s": {"n": 1}, "memory": [1]}, "memory: expected an object"),
+            ({"step_time_s": {"n": 1}, "status": 3},
+             "status: expected complete or interrupted, got 3")):
+        assert problem in check(fields)
+    (tmp_path / "s.json").write_text(json.dumps({"step_time_s": {"n": 1}, "status": 3}))
+    with pytest.raises(RecordError, match=r"\(status: expected complete or interrupted"):
+        RunRecord.load(tmp_path / "s.json")
     (tmp_path / "e.json").write_text(json.dumps({"step_time_s": {"n": 1, "p50": None},
                                                  "mfu": None}))
     assert RunRecord.load(tmp_path / "e.json").step_p50 is None  # null is absent, not wrong

@@ -496,6 +496,14 @@ def test_report_bad_input(tmp_path, capsys):
     for name in ("a", "b"):
         (holder / name).mkdir(parents=True)
     _one_line_error(capsys, report.main([str(holder)]), f"no runs in {holder}")
+    # a results.json that is not a record: the error names it, not "no results.json"
+    (empty / "r1").mkdir()
+    (empty / "r1" / "results.json").write_text(json.dumps({"step_time_s": "fast"}))
+    _one_line_error(capsys, report.main([str(empty), "--out", str(rep)]),
+                    f"no runs in {empty}: {empty / 'r1' / 'results.json'}: unreadable (not a "
+                    "jaxdist results.json (step_time_s: expected an object))")
+    (empty / "r1" / "results.json").unlink()
+    (empty / "r1").rmdir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "not-runs"]
     assert sorted(p.name for p in holder.iterdir()) == ["a", "b"]
     assert list(empty.iterdir()) == []
