@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from jaxdist.errors import UsageError
+from jaxdist.procs import host_port
 
 ENV = ("JAXDIST_COORDINATOR", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
 
@@ -43,12 +44,7 @@ def resolve(coordinator: str, num_processes: int, process_id: int) -> Topology:
                              "JAXDIST_NUM_PROCESSES, JAXDIST_PROCESS_ID)")
         if pid >= num:
             raise UsageError(f"--process-id {pid} is out of range for {num} processes (0..{num - 1})")
-        host, _, port = coordinator.rpartition(":")
-        if not host or not port.isdigit():
-            raise UsageError(f"--coordinator {coordinator!r} is not HOST:PORT")
-        if not 1 <= int(port) <= 65534:  # PORT+1 is the join check's
-            raise UsageError(f"--coordinator {coordinator!r}: PORT must be within 1..65534 "
-                             f"(PORT+1 is used for the join check)")
+        host_port(coordinator, "--coordinator", 65534, " (PORT+1 is used for the join check)")
         return Topology(coordinator, num, pid)
     detected = _detect_cluster()
     if detected:

@@ -234,6 +234,19 @@ def python_env(extra: dict | None = None) -> dict:
     return env
 
 
+def host_port(value: str, flag: str, last: int = 65535, why: str = "") -> tuple[str, int]:
+    """`value` as (HOST, PORT within 1..last), or a UsageError naming `flag` (and `why` the
+    range): an address is checked when it is given, not found wrong after a timeout."""
+    from jaxdist.errors import UsageError
+
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not port.isdigit():
+        raise UsageError(f"{flag} {value!r} is not HOST:PORT")
+    if not 1 <= int(port) <= last:
+        raise UsageError(f"{flag} {value!r}: PORT must be within 1..{last}{why}")
+    return host, int(port)
+
+
 def port_free(host: str, port: int) -> bool:
     """Nothing listens on (or is bound to) host:port. Connections of a killed server left
     in TIME_WAIT do not count: gRPC binds with SO_REUSEADDR, so a restarted server can take

@@ -108,6 +108,11 @@ def main(argv=None) -> int:
             raise UsageError("--ps-max-message-mb must be 1 or more")
         if args.port and not procs.port_free(cfg.ps.ps_bind, args.port):
             raise UsageError(f"port {args.port} on {cfg.ps.ps_bind} is in use")
+        ready = Path(args.ready_file) if args.ready_file else None
+        if ready and (ready.is_dir() or not ready.parent.is_dir()):
+            raise UsageError(f"--ready-file {ready}: " + (
+                "is a folder, not a file" if ready.is_dir() else
+                f"{ready.parent} is not a folder (the file is written once serving)"))
         if (cfg.ps.ps_checkpoint_every or args.restore) and not args.snapshot_dir:
             raise UsageError("--ps-checkpoint-every and --restore need --snapshot-dir")
         shard_map = shard_map_for(cfg, args.of)

@@ -342,6 +342,8 @@ def main(argv=None) -> int:
         servers = [s.strip() for s in args.servers.split(",") if s.strip()]
         if not servers:
             raise UsageError("--servers needs at least one HOST:PORT")
+        for server in servers:
+            procs.host_port(server, "--servers")
         from jaxdist.devices import configure_host_devices, select_devices
 
         local = MeshShape(shape.fsdp, 1)  # this worker's devices, data-parallel

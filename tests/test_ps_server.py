@@ -534,3 +534,33 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     assert half == {"available": False, "reason": "worker(s) [1]: NVML library not found"}
     assert combine({0: {"available": False, "reason": "r"}}) == {
         "available": False, "reason": "r"}
+
+
+def test_addresses_and_the_ready_file_are_checked_before_anything_starts(tmp_path, capsys):
+    """A worker given an address no shard can have (`host:notaport`, port 99999) waited out
+    its 120 s connect deadline and exited 3; a shard whose --ready-file lay under a file
+    started up, then raised NotADirectoryError. Both are bad input: one line, exit 2."""
+    import signal
+
+    from ps import server, worker
+
+    (tmp_path / "afile").write_text("")
+    for ready, message in ((tmp_path / "afile" / "r", f"{tmp_path / 'afile'} is not a folder"),
+                           (tmp_path, "is a folder, not a file")):
+        assert server.main(["--shard", "0", "--of", "1", *FLAGS, "--ready-file", str(ready)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"ps.server: error: --ready-file {ready}: ")
+        assert message in lines[0]
+    sigint = signal.getsignal(signal.SIGINT)  # the worker's main takes SIGINT over
+    try:
+        for servers, message in (("host:notaport", "'host:notaport' is not HOST:PORT"),
+                                 ("127.0.0.1:99999", "'127.0.0.1:99999': PORT must be within "
+                                                     "1..65535"),
+                                 ("a,b,,c", "'a' is not HOST:PORT"),
+                                 (":::", "':::' is not HOST:PORT")):
+            assert worker.main(["--worker", "0", "--servers", servers, *FLAGS]) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert lines == [f"ps.worker: error: --servers {message}"]
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
