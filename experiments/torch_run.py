@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_values(args)  # before torch, jax and flax: a wrong number is refused at once
+    except UsageError as e:
+        print(f"torch_run: error: {e}", file=sys.stderr)
+        return 2
+    try:
         import torch  # noqa: F401
     except ImportError:
         print(f"torch_run: error: PyTorch is not installed; install the extra: "
@@ -122,6 +127,11 @@ def main(argv=None) -> int:
         if isinstance(e, RankFailure):
             print(f"torch_run: error: {e}", file=sys.stderr)
             return 1
+        if isinstance(e, KeyboardInterrupt):  # the ranks are stopped (launch's finally)
+            print("torch_run: interrupted (SIGINT): the ranks were stopped; the PyTorch "
+                  "reference writes its record when its ranks finish, so none was written",
+                  file=sys.stderr)
+            return 130
         raise
     from jaxdist.summary import format_summary
 
@@ -136,18 +146,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def validate(args) -> tuple:
-    """Every check that needs no process. Returns (model config, "cpu" or "cuda")."""
-    import torch
-
+def check_values(args) -> None:
+    """The flags' values, which need neither torch nor the models."""
     from experiments.validation import check_lr, check_seed
-    from models import get_model, parse_overrides, torch_ref
 
-    model_cfg = get_model(args.model, parse_overrides(args.model_opts))
-    problem = torch_ref.twin_problem(model_cfg)
-    if problem:
-        raise UsageError(f"model {args.model!r} ({problem}) has no PyTorch twin in "
-                         f"models/torch_ref.py; twins: the mlp, resnet and gpt models")
     for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
                         ("--nproc", args.nproc)):
         if value < 1:
@@ -169,6 +171,20 @@ def validate(args) -> tuple:
         raise UsageError(f"global batch {args.batch_size} is not divisible by --nproc "
                          f"{args.nproc}; use a multiple of {args.nproc}, e.g. "
                          f"--batch-size {fit}")
+
+
+def validate(args) -> tuple:
+    """Every check that needs no process, after check_values. Returns (model config, "cpu"
+    or "cuda")."""
+    import torch
+
+    from models import get_model, parse_overrides, torch_ref
+
+    model_cfg = get_model(args.model, parse_overrides(args.model_opts))
+    problem = torch_ref.twin_problem(model_cfg)
+    if problem:
+        raise UsageError(f"model {args.model!r} ({problem}) has no PyTorch twin in "
+                         f"models/torch_ref.py; twins: the mlp, resnet and gpt models")
     check_batch_pool(model_cfg, args.batch_size)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and gpus < args.nproc:

@@ -3,9 +3,12 @@
 batches, and a 2-process DDP / FSDP2 run on CPU that writes a schema-valid results.json."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,7 @@ from flax import nnx
 
 from jaxdist.record import check
 from models import get_model
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, run_refusing_script
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: make test installs "
                             "torch==2.13.0 (pip install torch==2.13.0 by hand)")
@@ -247,3 +250,55 @@ def test_torch_missing_names_the_extra(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "pip install -e '.[torch]'" in lines[0] and "torch==2.13.0" in lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [(["--nproc", "0"], "--nproc must be a positive "
+                                            "integer, got 0"),
+                                           (["--lr", "nan"], "--lr must be a positive finite")])
+def test_wrong_numbers_are_refused_before_jax_and_flax(argv, message):
+    """The flags' values are checked before torch and the models are imported (it took ~3 s
+    of imports to refuse --nproc 0)."""
+    proc = run_refusing_script(ROOT / "experiments" / "torch_run.py", argv)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+    assert proc.stdout == "[]\n"
+
+
+def test_ctrl_c_stops_the_ranks_in_one_line(tmp_path):
+    """Ctrl-C during the ranks' run: exit 130, one line saying no record was written, no
+    traceback (a KeyboardInterrupt traceback from procs.watch before), no run folder, and no
+    rank left running."""
+    import signal
+
+    logdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.torch_run", "--model",
+                             "mlp-tiny", "--steps", "100000", "--logdir", str(logdir),
+                             "--no-progress"], cwd=ROOT, env=child_env(TMPDIR=str(tmp_path)),
+                            text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not logdir.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)  # the ranks start
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "torch_run: interrupted (SIGINT): the ranks were stopped; the PyTorch reference "
+        "writes its record when its ranks finish, so none was written"], err
+    assert not logdir.exists()
+    assert [p for p in Path("/proc").glob("[0-9]*/cmdline")  # the ranks' job is under tmp
+            if str(tmp_path) in _read(p)] == []
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:  # the process is gone
+        return ""
