@@ -403,6 +403,10 @@ SUITE_BAD = [
     (["--preset", "ovi2025", "--launcher", "no-such-launcher -N4"],
      "--launcher: 'no-such-launcher' is not a command on this host"),
     (["--preset", "ovi2025", "--launcher", "srun 'x"], "does not split into words: No closing"),
+    # a value no run can take: every run started, exited 2, and the suite exited 0
+    (["--preset", "ovi2025", "--quick", "--set", "steps=-1"],
+     "run 1 (mlp-tiny-ddp-r1): --steps must be a positive integer, got -1"),
+    (["--preset", "ovi2025", "--quick", "--set", "lr=nan"], "--lr must be a positive finite"),
     # planned for minutes, growing, before it would have run out of memory
     (["--preset", "ovi2025", "--repeats", "100000000"], "the suite would plan 3,000,000,000 "
                                                         "runs (5 model(s) x 6 layout entries"),

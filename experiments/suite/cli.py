@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from experiments.suite.matrix import Planned, plan, sweep_points, validate_names
+from experiments.suite.matrix import Planned, check_values, plan, sweep_points, validate_names
 from experiments.suite.presets import (PRESETS_DIR, Preset, find_preset, load_preset,
                                            preset_names)
 from experiments.suite.runner import Suite
@@ -155,6 +155,7 @@ def prepare(args) -> tuple[Preset, list[Planned], Path]:
     check_launcher(args.launcher, args.dry_run)
     runs = plan(preset, overrides)
     validate_names(runs)
+    check_values(runs)
     # Absolute: the runs start in the repository root, wherever the suite was started.
     out = (Path(args.out) if args.out else
            Path("runs") / f"suite-{preset.name}{'-quick' if args.quick else ''}").absolute()

@@ -108,14 +108,35 @@ def preflight(p: Planned) -> str | None:
     """The checks experiments.run makes before it starts (no devices, no processes): the
     reason the run would stop at once, or None. Only --dry-run uses it; a real run is
     always judged by its own exit status."""
-    from experiments import run as run_mod
     from experiments.validation import validate
 
     try:
-        parser = run_mod.build_parser()
-        parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
-        validate(run_mod.from_namespace(parser.parse_args(p.args)))
+        validate(_run_config(p))
     except UsageError as e:
         return str(e)
     return None
+
+
+def check_values(runs: list[Planned]) -> None:
+    """What the flags' values alone say, for every run (experiments.validation.check_values):
+    a value no run can take (--set steps=-1, a preset's lr = nan) refuses the suite before
+    anything is written, where every run would have started only to exit 2. A combination
+    one run cannot take (a layout on a mesh without its axis) stays that run's failure."""
+    from experiments import validation
+
+    for p in runs:
+        try:
+            validation.check_values(_run_config(p))
+        except UsageError as e:
+            raise UsageError(f"run {p.index} ({p.name}): {e}") from None
+
+
+def _run_config(p: Planned):
+    """The RunConfig experiments.run makes of the run's flags (UsageError for a flag it
+    refuses)."""
+    from experiments import run as run_mod
+
+    parser = run_mod.build_parser()
+    parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
+    return run_mod.from_namespace(parser.parse_args(p.args))
 
