@@ -102,11 +102,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_values(args)  # before torch, jax and flax: a wrong number is refused at once
+        import torch  # noqa: F401
     except UsageError as e:
         print(f"torch_run: error: {e}", file=sys.stderr)
         return 2
-    try:
-        import torch  # noqa: F401
     except ImportError:
         print(f"torch_run: error: PyTorch is not installed; install the extra: "
               f"{TORCH_INSTALL}", file=sys.stderr)
@@ -127,12 +126,11 @@ def main(argv=None) -> int:
         if isinstance(e, RankFailure):
             print(f"torch_run: error: {e}", file=sys.stderr)
             return 1
-        if isinstance(e, KeyboardInterrupt):  # the ranks are stopped (launch's finally)
-            print("torch_run: interrupted (SIGINT): the ranks were stopped; the PyTorch "
-                  "reference writes its record when its ranks finish, so none was written",
-                  file=sys.stderr)
-            return 130
-        raise
+        if not isinstance(e, KeyboardInterrupt):
+            raise
+        print("torch_run: interrupted (SIGINT): the ranks were stopped; the PyTorch reference "
+              "writes its record when its ranks finish, so none was written", file=sys.stderr)
+        return 130  # launch's `finally` stopped the ranks
     from jaxdist.summary import format_summary
 
     print()
@@ -174,8 +172,7 @@ def check_values(args) -> None:
 
 
 def validate(args) -> tuple:
-    """Every check that needs no process, after check_values. Returns (model config, "cpu"
-    or "cuda")."""
+    """The checks after check_values that need no process: (model config, "cpu"/"cuda")."""
     import torch
 
     from models import get_model, parse_overrides, torch_ref
