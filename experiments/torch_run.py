@@ -381,21 +381,18 @@ def write_outputs(cfg, logdir: Path, results: dict) -> None:
     problems = record.check(results)
     if problems:  # a bug here, not bad input
         raise AssertionError(f"results.json does not match the schema: {problems}")
+    # every step's time, warm-up included: the slowest rank's
+    steps_s = (results["warmup_step_time_s"]
+               + np.array(results["step_time_by_rank_s"]).max(axis=0).tolist())
     writer = RunWriter(logdir, cfg.to_dict())
     try:
         warm = len(results["warmup_step_time_s"])
-        for i, (loss, step_s) in enumerate(zip(results["loss"], step_times(results))):
+        for i, (loss, step_s) in enumerate(zip(results["loss"], steps_s)):
             writer.step(i, loss, step_s, i >= warm)
         writer.summary(results)  # also writes results.json
         outputs.write_summary(writer.tb, results["power"])  # the ranks' series: rank<r>/
     finally:
         writer.close()
-
-
-def step_times(results: dict) -> list[float]:
-    """Every step's time (warm-up included): the slowest rank's."""
-    timed = np.array(results["step_time_by_rank_s"]).max(axis=0).tolist()
-    return results["warmup_step_time_s"] + timed
 
 
 if __name__ == "__main__":
