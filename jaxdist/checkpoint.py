@@ -202,7 +202,10 @@ class Checkpointer:
                               abstract_state, shardings)
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target)))["state"]
+                # strict=False: a leaf stored padded under another layout's split (or none)
+                # is cut or zero-padded to this one's (sharding/padding.py); the identity
+                # check above has ruled out a different model
+                state=ocp.args.StandardRestore(target, strict=False)))["state"]
         except Exception as e:  # noqa: BLE001 - Orbax's ValueError, TensorStore's Exception
             raise UsageError(self._unrestorable(step, e)) from None
         return state, meta

@@ -254,7 +254,7 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     results = record_builder.build(
         "jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg, model_cfg,
-        metrics.param_count(program.abstract_state),
+        metrics.param_count(program.logical_state),
         env=env_info(platform), compile_s=compile_s, step_time_s=steps,
         warmup_step_time_s=timer.warmup_s,
         throughput=record_builder.throughput_block(batch, model_cfg.tokens_per_sample, mean_s),
@@ -263,7 +263,8 @@ def assemble_results(cfg, platform, model_cfg, program, compiled, compile_s, tim
         memory=record_builder.memory_block(metrics.state_bytes_by_device(state),
                                    metrics.compiled_memory(compiled),
                                    *metrics.measured_peak(platform.devices)),
-        sharding=metrics.sharding_summary(program.abstract_state, program.state_specs),
+        sharding=metrics.sharding_summary(program.abstract_state, program.state_specs,
+                                          program.logical_state),
         loss=losses, comm=comm_block(layout.name, compiled, program), power=power,
         window={"start_unix_s": timer.window_start, "end_unix_s": timer.window_end},
         steps_done=steps_done, interrupted=interrupted,
@@ -315,7 +316,7 @@ def comm_block(layout: str, compiled, program) -> dict:
             if isinstance(program, PipelineProgram) else None)
     summary = comm.summarize(comm.collectives(hlo_text, mesh_shape, runs))
     param_bytes, grad_bytes = (sum(leaf.size * leaf.dtype.itemsize for leaf in
-                                   jax.tree.leaves(program.abstract_state.get(part, {})))
+                                   jax.tree.leaves(program.logical_state.get(part, {})))
                                for part in ("params", "master"))
     analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes, grad_bytes or None)
     summary["analytic_ring_bytes"] = analytic

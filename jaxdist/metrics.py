@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sharding import padding
+
 from jaxdist.parts import peak_flops, peak_row
 
 
@@ -83,9 +85,13 @@ def _nbytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
 
 
-def sharding_summary(abstract_state, specs) -> dict:
-    """Global (logical) bytes of the leaves a layout shards vs replicates, per state part."""
-    out = {"sharded_bytes": 0, "replicated_bytes": 0, "replicated_leaves": 0, "parts": {}}
+def sharding_summary(abstract_state, specs, logical_state=None) -> dict:
+    """Global bytes of the leaves a layout shards vs replicates, per state part, as stored
+    (`abstract_state`: padding included); `padding_bytes`: what the padding adds to the
+    `logical_state` (sharding/padding.py)."""
+    out = {"sharded_bytes": 0, "replicated_bytes": 0, "replicated_leaves": 0, "parts": {},
+           "padding_bytes": (padding.padding_bytes(logical_state, abstract_state)
+                             if logical_state is not None else 0)}
     for part in abstract_state:
         leaves = jax.tree.leaves(abstract_state[part])
         part_specs = jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P))

@@ -23,7 +23,7 @@ from jaxdist.program.xla_compile import compile_timed
 from jaxdist.errors import UsageError
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
                             scattered_gradients, train_state)
-from sharding import batch_spec
+from sharding import batch_spec, padding
 from sharding.axes import batch_axes
 from sharding.optimizer import axes_of
 
@@ -55,7 +55,7 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
 class Program:
     """Everything compiled for one (model, optimizer, layout, mesh)."""
     graphdef: Any
-    abstract_state: Any       # ShapeDtypeStruct tree of the train state
+    abstract_state: Any       # ShapeDtypeStruct tree of the train state as stored (padded)
     state_specs: Any          # PartitionSpec tree, the layout's output
     state_shardings: Any      # NamedSharding tree
     batch_sharding: NamedSharding
@@ -66,6 +66,9 @@ class Program:
     # (global batch shapes) -> per-device FLOPs of one micro-batch iteration as compiled
     # alone; None without micro-batches. See compiled_step_flops.
     loop_body_flops: Callable | None = None
+    # The state's logical shapes (what the model computes with); abstract_state is this
+    # tree padded where a layout splits a dimension its shards do not divide.
+    logical_state: Any = None
 
 
 def split_model(model_cfg, dtype, seed):
@@ -92,24 +95,36 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                   microbatches: int = 1, matmul_precision: str = "default") -> Program:
     dtype = DTYPES[dtype_name]
     precision = jax_matmul_precision(dtype_name, matmul_precision)
-    init_fn = _init_fn(model_cfg, dtype, tx, seed, layout.master_weights(dtype_name))
+    logical_init = _init_fn(model_cfg, dtype, tx, seed, layout.master_weights(dtype_name))
     graphdef = nnx.eval_shape(lambda: split_model(model_cfg, dtype, seed))[0]
-    abstract_state = jax.eval_shape(init_fn)
-    specs = layout(abstract_state, mesh)
+    logical = jax.eval_shape(logical_init)
+    specs = layout(logical, mesh)
+    # The state as stored: padded where a split dimension is not divisible (sharding/padding.py)
+    abstract_state = padding.storage(logical, specs, dict(mesh.shape))
+
+    def init_fn():
+        return padding.fit_tree(logical_init(), abstract_state)
+
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
     # Where gradients are reduced to and the optimizer runs: the parameters' placement, or
     # under the distributed optimizer their shards over the data axes (sharding/optimizer.py)
-    update_specs = layout.update_specs(abstract_state["params"], specs["params"], mesh)
+    update_specs = layout.update_specs(logical["params"], specs["params"], mesh)
+    update_shapes = padding.storage(logical["params"], update_specs, dict(mesh.shape))
     update_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), update_specs,
                                     is_leaf=lambda x: isinstance(x, P))
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
 
     def loss_fn(params, model_state, batch):
-        model = nnx.merge(graphdef, params, model_state, copy=True)
+        # the model computes on the logical view: padding never enters the math, and its
+        # gradient is zero
+        params = padding.fit_tree(params, logical["params"])
+        model = nnx.merge(graphdef, params,
+                          padding.fit_tree(model_state, logical["model_state"]), copy=True)
         loss = model_cfg.loss(model, batch)
-        return loss, nnx.split(model, nnx.Param, ...)[2]
+        return loss, padding.fit_tree(nnx.split(model, nnx.Param, ...)[2],
+                                      abstract_state["model_state"])
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -140,21 +155,25 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     # axes manual, so each leaf is reduce-scattered in float32 where the step says, not where
     # the partitioner meets the weight gradient's bf16 dot (XLA:GPU would reduce bf16 there).
     if explicit:
-        gradients = _explicit_reduce(gradients, mesh, update_specs, "master" in abstract_state)
+        gradients = _explicit_reduce(gradients, mesh, update_specs, update_shapes,
+                                     "master" in abstract_state)
     elif (stateless and layout.distributed_optimizer
           and not _params_on(specs, batch_axes(mesh.axis_names))):
         gradients = scattered_gradients(gradients, mesh, batch_axes(mesh.axis_names), specs["params"],
-                                        update_specs, "master" in abstract_state)
+                                        update_specs, update_shapes, "master" in abstract_state)
 
     def step_fn(state, batch):
         (loss, model_state), grads = gradients(state["params"], state["model_state"], batch)
         # Gradients take the update's placement: reduce-scattered under fsdp and under the
         # distributed optimizer (zero1), all-reduced under ddp and tp.
-        new = apply_gradients(tx, state, grads, update_shardings)
+        new = apply_gradients(tx, state, grads, update_shardings, update_shapes,
+                              abstract_state["params"])
         return {**new, "model_state": model_state}, loss
 
     def correct_fn(state, batch):
-        model = nnx.merge(graphdef, state["params"], state["model_state"], copy=True)
+        model = nnx.merge(graphdef, padding.fit_tree(state["params"], logical["params"]),
+                          padding.fit_tree(state["model_state"], logical["model_state"]),
+                          copy=True)
         model.eval()  # BatchNorm: running statistics, not the test batch's
         hit_B = jnp.argmax(model(batch["x"]), axis=-1) == batch["y"]
         return jnp.sum(hit_B * batch["mask"])
@@ -174,7 +193,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                                           mesh, microbatches, explicit, precision)
                        if microbatches > 1 else None)
     return Program(graphdef, abstract_state, specs, shardings, batch_sharding, init, step,
-                   correct, microbatches, loop_body_flops)
+                   correct, microbatches, loop_body_flops, logical)
 
 
 def _loop_body_counter(micro_step, abstract_state, shardings, batch_sharding, mesh: Mesh,
@@ -238,11 +257,12 @@ def _params_on(specs, axes) -> bool:
         specs["params"], is_leaf=lambda x: isinstance(x, P)) for e in spec)
 
 
-def _explicit_reduce(gradients, mesh: Mesh, grad_specs, float32: bool = False):
+def _explicit_reduce(gradients, mesh: Mesh, grad_specs, grad_shapes, float32: bool = False):
     """Replicated parameters (ddp, zero1): each device computes its local gradients and one
     explicit all-reduce (pmean) averages them, in a shard_map; under the distributed
     optimizer (zero1) a reduce-scatter (psum_scatter) to the optimizer's shard of each leaf
-    instead. `float32`: bfloat16 gradients are cast up first (reduced in float32).
+    instead, each gradient first padded to `grad_shapes` (the shard's stored shape).
+    `float32`: bfloat16 gradients are cast up first (reduced in float32).
 
     Left to the SPMD partitioner, XLA:CPU puts the gradient all-reduce between each weight
     gradient's matmul and its transpose, so the transpose cannot be folded and every device
@@ -255,9 +275,9 @@ def _explicit_reduce(gradients, mesh: Mesh, grad_specs, float32: bool = False):
     def local(params, model_state, batch):
         (loss, ms), grads = gradients(params, model_state, batch)
         grads = jax.tree.map(
-            lambda spec, g: mean_to_shard(g.astype(jnp.float32) if float32 else g, spec,
-                                          axes, n), grad_specs, grads,
-            is_leaf=lambda x: isinstance(x, P))
+            lambda spec, g, shape: mean_to_shard(
+                padding.fit(g.astype(jnp.float32) if float32 else g, shape.shape), spec,
+                axes, n), grad_specs, grads, grad_shapes, is_leaf=lambda x: isinstance(x, P))
         return (jax.lax.pmean(loss, axes), ms), grads
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), batch_spec(mesh)),

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import batch_spec
 from sharding.optimizer import axes_of
+from sharding.padding import fit, fit_tree
 
 
 def train_state(params, model_state, tx, master_dtype=None) -> dict:
@@ -34,11 +35,17 @@ def train_state(params, model_state, tx, master_dtype=None) -> dict:
             "opt": tx.init(params)}
 
 
-def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
+def apply_gradients(tx, state: dict, grads, update_shardings, update_shapes=None,
+                    param_shapes=None) -> dict:
     """The state after one optimizer step on `grads` (model_state as it was: the caller
-    replaces it), the update run in `update_shardings`."""
+    replaces it), the update run in `update_shardings` on leaves stored as `update_shapes`
+    (padded where the update's split does not divide them; None: as they come), the new
+    parameters stored as `param_shapes`."""
     master = "master" in state
     weights = state["master"] if master else state["params"]
+    if update_shapes is not None:
+        grads = fit_tree(grads, update_shapes)
+        weights = fit_tree(weights, update_shapes)
     if master:  # float32 before the reduction: the barrier keeps XLA from reducing bf16;
         # one barrier per leaf, so no leaf's update waits for every other leaf's gradient
         grads = jax.tree.map(lambda g, w: jax.lax.optimization_barrier(g.astype(w.dtype)),
@@ -55,6 +62,8 @@ def apply_gradients(tx, state: dict, grads, update_shardings) -> dict:
         out["params"] = jax.lax.with_sharding_constraint(working, update_shardings)
     else:
         out["params"] = weights
+    if param_shapes is not None:
+        out["params"] = fit_tree(out["params"], param_shapes)
     return out
 
 
@@ -86,14 +95,15 @@ def weight_part(state) -> str:
 
 
 def scattered_gradients(gradients, mesh, data_axes: tuple[str, ...], param_specs,
-                        update_specs, float32: bool):
+                        update_specs, update_shapes, float32: bool):
     """`gradients` (params, model_state, batch) -> ((loss, model_state), gradients in
     `update_specs`) for parameters split on no data axis but on others (tp): each data shard's
     partial sums leave a shard_map over the data axes stacked on a leading dimension (the
     weight gradients' bf16 dots are not reduced by the partitioner there), and a second,
     fully manual shard_map reduce-scatters them over the data axes, in float32 where
     `float32`, each to its optimizer shard. (A psum_scatter inside the first map, with tensor
-    left to the partitioner, makes XLA gather its operand over tensor first.)"""
+    left to the partitioner, makes XLA gather its operand over tensor first.) `update_shapes`:
+    the update's stored shapes (sharding/padding.py)."""
     stack = P(data_axes)
 
     def local(params, model_state, batch):
@@ -109,7 +119,7 @@ def scattered_gradients(gradients, mesh, data_axes: tuple[str, ...], param_specs
     def run(params, model_state, batch):
         (loss, ms), grads = partial(params, model_state, batch)
         return (loss, ms), scatter_partial_sums(grads, mesh, data_axes, param_specs,
-                                                update_specs, 0)
+                                                update_specs, update_shapes, 0)
     return run
 
 
@@ -128,10 +138,12 @@ def mean_to_shard(g, spec: P, axes: tuple[str, ...], n: int):
 
 
 def scatter_partial_sums(stacked, mesh, data_axes: tuple[str, ...], param_specs, update_specs,
-                         data_dim: int):
+                         update_shapes, data_dim: int):
     """Partial sums of gradients, each data shard's at index `data_dim` of a dimension added
     to every leaf of `param_specs`' tree (split over `data_axes` there) -> their mean,
-    reduce-scattered over the data axes to `update_specs` in one fully manual shard_map."""
+    reduce-scattered over the data axes to `update_specs` in one fully manual shard_map, on
+    leaves stored as `update_shapes` (the update splits a dimension the parameter keeps
+    whole, so that dimension is padded at its end on every device alike)."""
     is_p = lambda x: isinstance(x, P)  # noqa: E731
     n = 1
     for a in data_axes:
@@ -141,8 +153,15 @@ def scatter_partial_sums(stacked, mesh, data_axes: tuple[str, ...], param_specs,
         entries = list(s) + [None] * max(0, data_dim - len(s))
         return P(*entries[:data_dim], data_axes, *entries[data_dim:])
 
+    def local(spec, g, param_spec, shape):
+        g = g.squeeze(data_dim)
+        whole = list(param_spec) + [None] * (g.ndim - len(param_spec))
+        target = tuple(full if e is None else size
+                       for size, full, e in zip(g.shape, shape.shape, whole))
+        return mean_to_shard(fit(g, target), spec, data_axes, n)
+
     specs_in = jax.tree.map(stacked_spec, param_specs, is_leaf=is_p)
     return jax.shard_map(
-        lambda gs: jax.tree.map(lambda s, g: mean_to_shard(g.squeeze(data_dim), s, data_axes,
-                                                           n), update_specs, gs, is_leaf=is_p),
+        lambda gs: jax.tree.map(local, update_specs, gs, param_specs, update_shapes,
+                                is_leaf=is_p),
         mesh=mesh, in_specs=(specs_in,), out_specs=update_specs, check_vma=False)(stacked)

@@ -4,8 +4,9 @@ servers hold the rest), and TP, FSDP x TP and EP (rules over logical axes,
 sharding/logical.py). The pipeline layouts (pp, tp_pp, fsdp_pp) are in sharding/pipeline.py.
 
 A sharded leaf is split on its largest dimension divisible by the shard count (ties: the
-first such dimension); a leaf with no such dimension stays replicated, and the metrics count
-it, because a layout that silently replicates most of a model is not the layout it claims.
+first such dimension); where none divides, on the dimension that pads least, stored padded
+(sharding/padding.py), so a layout shards what it says on any device count. Only scalars and
+leaves whose every dimension is 1 stay replicated.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding.logical import rule_specs
+from sharding.padding import choose_dim
 from sharding.registry import Analytic, register_layout
 
 
 def shard_dim(shape: tuple[int, ...], shards: int) -> int | None:
-    """Index of the dimension to split `shards` ways, or None to replicate."""
-    best = None
-    for i, size in enumerate(shape):
-        if size % shards == 0 and (best is None or size > shape[best]):
-            best = i
-    return None if shards == 1 else best
+    """Index of the dimension to split `shards` ways (padded where they do not divide it),
+    or None to replicate."""
+    return choose_dim(shape, shards)
 
 
 def sharded(tree, mesh: Mesh, axes: tuple[str, ...]):

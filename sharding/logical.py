@@ -120,66 +120,82 @@ def logical_axes(path) -> tuple | None:
     return None
 
 
-# A logical dimension a rule splits but the mesh does not divide stays whole only for the
-# vocabulary (Megatron pads it to the tensor size; gpt3-175b's 50257 is odd). Any other is an
-# error: an fsdp_tp whose embed dimension stayed whole would silently be tp.
-MAY_STAY_WHOLE = ("vocab",)
+# A logical dimension a rule splits but the mesh does not divide is split anyway, stored
+# padded (sharding/padding.py), where padding is what the anchors do: the vocabulary (Megatron
+# pads it to a multiple of the tensor size; gpt3-175b's 50257 is odd) and the embedding
+# dimension FSDP splits (FSDP2 pads). Heads, MLP hidden and experts are the model's structure:
+# a tensor or expert axis that does not divide them is an error, as in Megatron.
+MAY_PAD = ("vocab", "embed")
+
+
+def leaf_rule_spec(path, shape, mesh_shape: dict[str, int], layout: str,
+                   bad: list | None = None) -> P:
+    """The spec of one decoder leaf under `RULES[layout]`; a dimension the rule's mesh axes
+    do not divide (and may not be padded) is appended to `bad` and left whole."""
+    axes = logical_axes(path)
+    if axes is None or len(axes) != len(shape):
+        where = "/".join(_names(path))
+        raise UsageError(f"layout {layout!r} applies to decoder models (gpt, moe); "
+                         f"parameter {where!r} has no logical axes")
+    rules = RULES[layout]
+    out = []
+    for name, size in zip(axes, shape):
+        target = rules.get(name)
+        parts = (target,) if isinstance(target, str) else (target or ())
+        parts = tuple(a for a in parts if mesh_shape.get(a, 1) > 1)
+        n = math.prod(mesh_shape[a] for a in parts)
+        if parts and size % n and name not in MAY_PAD:
+            if bad is not None:
+                bad.append(("/".join(_names(path)), name, size, parts))
+            out.append(None)
+        else:
+            out.append(None if not parts else (parts[0] if len(parts) == 1 else parts))
+    return P(*out)
 
 
 def rule_specs(state, mesh: Mesh, layout: str):
     """Specs for a decoder state under `RULES[layout]`. A leaf with no logical axes (not a
     decoder) is an error; so is a dimension the rule's mesh axes do not divide (one line:
-    the dimension, its size, the axes' product and a mesh that works), but the vocabulary,
-    which stays whole."""
-    rules = RULES[layout]
-    sizes: dict[str, set[int]] = {}
+    the dimension, its size, the axes' product and a mesh that works), but the vocabulary and
+    the embedding dimension, which are padded."""
     bad: list[tuple[str, str, int, tuple[str, ...]]] = []
+    shape = dict(mesh.shape)
 
     def spec(path, leaf):
         if not leaf.shape:
             return P()  # optimizer step counts
-        axes = logical_axes(path)
-        if axes is None or len(axes) != len(leaf.shape):
-            where = "/".join(_names(path))
-            raise UsageError(f"layout {layout!r} applies to decoder models (gpt, moe); "
-                             f"parameter {where!r} has no logical axes")
-        out = []
-        for name, size in zip(axes, leaf.shape):
-            target = rules.get(name)
-            parts = (target,) if isinstance(target, str) else (target or ())
-            parts = tuple(a for a in parts if mesh.shape.get(a, 1) > 1)
-            n = math.prod(mesh.shape[a] for a in parts)
-            sizes.setdefault(name, set()).add(size)
-            if parts and size % n and name not in MAY_STAY_WHOLE:
-                bad.append(("/".join(_names(path)), name, size, parts))
-            out.append(None if not parts or size % n else
-                       (parts[0] if len(parts) == 1 else parts))
-        return P(*out)
+        return leaf_rule_spec(path, tuple(leaf.shape), shape, layout, bad)
 
     specs = jax.tree_util.tree_map_with_path(spec, state)
     if bad:
-        # a parameter named rather than its optimizer state
-        where, name, size, parts = min(bad, key=lambda b: not b[0].startswith("params/"))
-        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in parts)
-        if len(parts) > 1:
-            axes += f" = {math.prod(mesh.shape[a] for a in parts)}"
-        raise UsageError(f"layout {layout!r} splits the {name} dimension ({where.split('/', 1)[-1]}"
-                         f": {size}) over {axes}, which does not divide it; "
-                         f"{_working_mesh(mesh, parts, sizes[name])}")
+        raise_indivisible(bad, shape, layout)
     return specs
 
 
-def _working_mesh(mesh: Mesh, parts: tuple[str, ...], sizes: set[int]) -> str:
-    """A mesh like `mesh` whose `parts` axes together divide every size in `sizes`: their
-    product cut to the largest such divisor (inner axes kept where they divide it)."""
-    n = math.prod(mesh.shape[a] for a in parts)
+def raise_indivisible(bad, mesh_shape: dict[str, int], layout: str):
+    """One line for the first leaf of `bad` (a parameter named rather than its optimizer
+    state): the dimension, its size, the axes and a mesh that divides it."""
+    where, name, size, parts = min(bad, key=lambda b: not b[0].startswith("params/"))
+    sizes = {b[2] for b in bad if b[1] == name}
+    axes = " x ".join(f"{a}={mesh_shape[a]}" for a in parts)
+    if len(parts) > 1:
+        axes += f" = {math.prod(mesh_shape[a] for a in parts)}"
+    raise UsageError(f"layout {layout!r} splits the {name} dimension ({where.split('/', 1)[-1]}"
+                     f": {size}) over {axes}, which does not divide it; "
+                     f"{_working_mesh(mesh_shape, parts, sizes)}")
+
+
+def _working_mesh(mesh_shape: dict[str, int], parts: tuple[str, ...], sizes: set[int]) -> str:
+    """A mesh like `mesh_shape` whose `parts` axes together divide every size in `sizes`:
+    their product cut to the largest such divisor (inner axes kept where they divide it)."""
+    n = math.prod(mesh_shape[a] for a in parts)
     d = max(k for k in range(1, n + 1) if all(s % k == 0 for s in sizes))
     if d == 1:
-        return f"no {' x '.join(parts)} product above 1 divides it: use --layout tp"
-    new = dict(mesh.shape)
+        return f"no {' x '.join(parts)} size above 1 divides it"
+    new = dict(mesh_shape)
     left = d
     for a in reversed(parts):  # inner first: fsdp stays inside a host where it can
-        new[a] = math.gcd(mesh.shape[a], left)
+        new[a] = math.gcd(mesh_shape[a], left)
         left //= new[a]
     new[parts[0]] *= left
     named = ",".join(f"{a}:{k}" for a, k in new.items() if k > 1 or a == "data")

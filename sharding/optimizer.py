@@ -10,7 +10,10 @@ that placement, updates the shard and all-gathers the new parameters (jaxdist/up
 Data axes: the batch's mesh axes (every axis but `tensor` and `stage`: data, fsdp and, under
 ep, expert, whose non-expert gradients are averaged over it too) of size > 1. A leaf is split
 on its largest dimension not yet sharded that the data axes' product divides, else on its
-largest sharded one whose shard they divide; a leaf with neither stays as the layout put it.
+largest sharded one whose shard they divide, else on the dimension not yet sharded that pads
+least, stored padded (sharding/padding.py: Megatron pads its flat buffer so that any
+data-parallel size works). A leaf with every dimension already sharded and none dividing (a
+bias split over tensor) stays as the layout put it: `unsplit_leaves` names such leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from sharding.axes import batch_axes
+from sharding.padding import axes_of, choose_dim
 
 # The state parts the distributed optimizer shards (params stay as the layout puts them).
 SHARDED_PARTS = ("opt", "master")
@@ -31,10 +35,6 @@ SHARDED_PARTS = ("opt", "master")
 def data_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes the batch is split on, of size > 1, outer to inner."""
     return tuple(a for a in batch_axes(mesh_shape) if mesh_shape[a] > 1)
-
-
-def axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int]) -> P:
@@ -52,9 +52,12 @@ def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int]) 
     fits = [i for i, size in enumerate(shape) if size % (shards(entries[i]) * n) == 0]
     whole = [i for i in fits if entries[i] is None]
     pool = whole or fits
-    if not pool:
-        return spec
-    dim = max(pool, key=lambda i: (shape[i] // shards(entries[i]), -i))
+    if pool:
+        dim = max(pool, key=lambda i: (shape[i] // shards(entries[i]), -i))
+    else:  # padded: only a whole dimension, whose padding sits at its end on every device
+        dim = choose_dim(shape, n, [i for i, e in enumerate(entries) if e is None])
+        if dim is None:
+            return spec
     axes = axes_of(entries[dim]) + free
     entries[dim] = axes[0] if len(axes) == 1 else axes
     while entries and entries[-1] is None:

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from sharding.layouts import shard_dim
-from sharding.logical import RULES, logical_axes
+from sharding.logical import leaf_rule_spec, raise_indivisible
 from sharding.registry import layouts_where, register_layout
 
 STACKED = "stages"  # params["stages"]: leaves [S, V, K, *shape]
@@ -38,16 +38,12 @@ def _names(path) -> list[str]:
     return out
 
 
-def _inner(path, shape, mesh: Mesh, inner: str) -> list:
-    """The spec of one parameter (without stack dimensions) inside a stage."""
+def _inner(path, shape, mesh: Mesh, inner: str, bad: list) -> list:
+    """The spec of one parameter (without stack dimensions) inside a stage; a dimension tp
+    cannot split is appended to `bad`."""
     if inner == "tp":
-        axes = logical_axes(path)
-        if axes is None or len(axes) != len(shape):
-            return [None] * len(shape)
-        n = mesh.shape.get("tensor", 1)
-        rules = RULES["tp"]
-        return [rules.get(a) if rules.get(a) and n > 1 and size % n == 0 else None
-                for a, size in zip(axes, shape)]
+        spec = leaf_rule_spec(path, tuple(shape), dict(mesh.shape), "tp", bad)
+        return list(spec) + [None] * (len(shape) - len(spec))
     if inner == "fsdp":
         n = mesh.shape.get("fsdp", 1)
         dim = shard_dim(tuple(shape), n)
@@ -56,14 +52,19 @@ def _inner(path, shape, mesh: Mesh, inner: str) -> list:
 
 
 def pipeline_specs(state, mesh: Mesh, inner: str):
+    bad: list = []
+
     def spec(path, leaf):
         if not leaf.shape:
             return P()
         if STACKED in _names(path):
-            rest = _inner(path, leaf.shape[STACK_DIMS:], mesh, inner)
+            rest = _inner(path, leaf.shape[STACK_DIMS:], mesh, inner, bad)
             return P("stage", None, None, *rest)
-        return P(*_inner(path, leaf.shape, mesh, inner))
-    return jax.tree_util.tree_map_with_path(spec, state)
+        return P(*_inner(path, leaf.shape, mesh, inner, bad))
+    specs = jax.tree_util.tree_map_with_path(spec, state)
+    if bad:
+        raise_indivisible(bad, dict(mesh.shape), "tp_pp")
+    return specs
 
 
 @register_layout("pp", "pipeline parallel: contiguous groups of blocks per device of the stage "

@@ -37,7 +37,9 @@ def _abstract_mesh(sizes: dict) -> AbstractMesh:
      P("expert", None, ("data", "fsdp"))),
     # a non-expert leaf under ep: its gradient is averaged over expert too
     ((32, 64), P(), {"data": 2, "expert": 2}, P(None, ("data", "expert"))),
-    ((10,), P(), {"data": 4}, P()),              # nothing divides: left as it was
+    ((10,), P(), {"data": 4}, P("data")),        # nothing divides: padded to 12
+    ((6, 10), P(), {"data": 4}, P(None, "data")),  # the one that pads least (12/10)
+    ((6,), P("tensor"), {"data": 4, "tensor": 2}, P("tensor")),  # no whole dim: as it was
     ((), P(), {"data": 4}, P()),                 # step counters
     ((64, 64), P(), {"data": 1, "tensor": 2}, P()),  # no data axis above 1
     ((64, 32), P(), {"data": 2, "stage": 2}, P("data")),  # never over stage

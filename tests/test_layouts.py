@@ -39,7 +39,10 @@ def test_shard_dim_rule():
     assert shard_dim((32, 64), 8) == 1      # largest divisible
     assert shard_dim((64, 10), 8) == 0      # 10 is not divisible
     assert shard_dim((64, 64), 8) == 0      # ties: first
-    assert shard_dim((10,), 8) is None      # replicated
+    assert shard_dim((10,), 8) == 0         # padded to 16: 2 a device, not 10
+    assert shard_dim((10, 100), 8) == 1     # none divides: the one that pads least (104)
+    assert shard_dim((1, 3), 8) == 1
+    assert shard_dim((1, 1), 8) is None     # nothing would shrink: replicated
     assert shard_dim((), 8) is None
     assert shard_dim((64,), 1) is None      # one shard: nothing to split
 
@@ -48,10 +51,9 @@ def test_shard_dim_rule():
 GOLDEN_FSDP = {
     "['hidden'][0]['kernel']": P(None, ALL), "['hidden'][0]['bias']": P(ALL),
     "['hidden'][1]['kernel']": P(ALL), "['hidden'][1]['bias']": P(ALL),
-    "['head']['kernel']": P(ALL), "['head']['bias']": P(),
+    "['head']['kernel']": P(ALL), "['head']['bias']": P(ALL),  # 10: stored padded to 16
 }
 GOLDEN_HSDP = {k: P(*[None if a is None else "fsdp" for a in v]) for k, v in GOLDEN_FSDP.items()}
-GOLDEN_HSDP["['head']['bias']"] = P()  # 10 is not divisible by 4 either
 
 
 def _strip(flat):

@@ -16,7 +16,8 @@ from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
 from jaxdist.update import apply_gradients, scatter_partial_sums, train_state
-from sharding import batch_spec
+from sharding import batch_spec, padding
+from sharding.padding import fit
 
 
 @dataclass
@@ -41,11 +42,13 @@ def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtu
     return init_fn, abstract, holder["parts"]
 
 
-def data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
+def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
+                   distributed: bool):
     """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
     each data shard returns from the shard_map over stage and data, and the reduction after
     it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
-    and one fully manual shard_map reduce-scatters them to the optimizer's shards
+    stored as `param_shapes` (padded, sharding/padding.py), and one fully manual shard_map
+    reduce-scatters them to the optimizer's shards, stored as `update_shapes`
     (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
     Else (None, None, None): pmean inside, as before."""
     if not distributed:
@@ -57,11 +60,18 @@ def data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
     def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
         return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
 
+    def stored(stacked, shapes, data_dim):
+        return jax.tree.map(
+            lambda g, s: fit(g, (*s.shape[:data_dim], g.shape[data_dim], *s.shape[data_dim:])),
+            stacked, shapes)
+
     def reduce(g_stages, g_shared):
-        stages = scatter_partial_sums(g_stages, mesh, ("data",), param_specs["stages"],
-                                      update_specs["stages"], 1)
-        shared = scatter_partial_sums(g_shared, mesh, ("data",), param_specs["shared"],
-                                      update_specs["shared"], 0)
+        stages = scatter_partial_sums(stored(g_stages, param_shapes["stages"], 1), mesh,
+                                      ("data",), param_specs["stages"],
+                                      update_specs["stages"], update_shapes["stages"], 1)
+        shared = scatter_partial_sums(stored(g_shared, param_shapes["shared"], 0), mesh,
+                                      ("data",), param_specs["shared"],
+                                      update_specs["shared"], update_shapes["shared"], 0)
         return stages, shared
     return out, stack, reduce
 
@@ -77,16 +87,24 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     V = virtual if schedule == "interleaved" else 1
     sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
-    init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
-                                              layout.master_weights(dtype_name))
-    specs = layout(abstract, mesh)
+    logical_init, logical, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
+                                                  layout.master_weights(dtype_name))
+    specs = layout(logical, mesh)
+    # The state as stored: padded where a split dimension is not divisible (sharding/padding.py)
+    abstract = padding.storage(logical, specs, dict(mesh.shape))
+
+    def init_fn():
+        return padding.fit_tree(logical_init(), abstract)
+
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
-    update_specs = layout.update_specs(abstract["params"], specs["params"], mesh)
+    update_specs = layout.update_specs(logical["params"], specs["params"], mesh)
+    update_shapes = padding.storage(logical["params"], update_specs, dict(mesh.shape))
     update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
         lambda s: NamedSharding(mesh, s), update_specs, is_leaf=lambda x: isinstance(x, P))
-    grad_out, grad_stack, grad_reduce = data_reduction(specs["params"], update_specs, mesh,
-                                                        layout.distributed_optimizer)
+    grad_out, grad_stack, grad_reduce = data_reduction(
+        specs["params"], update_specs, abstract["params"], update_shapes, mesh,
+        layout.distributed_optimizer)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
     M = microbatches
@@ -106,7 +124,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         act_shape = (B // M // data, L1 - 1, model_cfg.width)
         run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data",
                                  grad_reduce=grad_stack)
-        params = state["params"]
+        params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
@@ -117,7 +135,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         if grad_reduce is not None:
             g_stages, g_shared = grad_reduce(g_stages, g_shared)
         grads = {"stages": g_stages, "shared": g_shared}
-        return apply_gradients(tx, state, grads, update_shardings), loss
+        return apply_gradients(tx, state, grads, update_shardings, update_shapes,
+                               abstract["params"]), loss
 
     def correct_fn(state, batch):
         raise UsageError("--eval-every measures accuracy on an image dataset, which the "
@@ -130,6 +149,6 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     extra = {"act_row_shape": (model_cfg.seq_len, model_cfg.width),
              "act_itemsize": jnp.dtype(dtype).itemsize}
     return PipelineProgram(None, abstract, specs, shardings, batch_sharding, init, step,
-                           correct_fn, microbatches, None, schedule=sched, parts=parts,
-                           extra=extra)
+                           correct_fn, microbatches, None, logical, schedule=sched,
+                           parts=parts, extra=extra)
 

@@ -15,7 +15,7 @@ from jaxdist.mesh import MeshShape
 from jaxdist.run_model import build_model
 from jaxdist.state_shapes import planning_state
 from jaxdist.train_step import make_optimizer
-from sharding import get_layout
+from sharding import get_layout, padding
 
 
 def plan(cfg, shape: MeshShape) -> dict:
@@ -28,7 +28,7 @@ def plan(cfg, shape: MeshShape) -> dict:
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
     specs = layout(state, mesh)
-    summary = metrics.sharding_summary(state, specs)
+    summary = metrics.sharding_summary(padding.storage(state, specs, sizes), specs, state)
     return {
         "dry_run": True,
         "layout": cfg.train.layout,
