@@ -36,8 +36,16 @@ def test_restore_reshards(tmp_path, layout, shape):
     restored, meta = Checkpointer(str(tmp_path), 0, META).restore(
         2, target.abstract_state, target.state_shardings)
     assert meta["step"] == 2 and meta["data_position"] == 2
-    for a, b in zip(_host(saved), _host(restored), strict=True):
-        np.testing.assert_array_equal(a, b)
+    # fsdp on 8 devices stores the head's 10-wide bias padded to 16 (sharding/padding.py);
+    # ddp keeps it whole: the restore cuts the padding off, and pads where the target does
+    for a, b, want in zip(_host(saved), _host(restored), jax.tree.leaves(target.abstract_state),
+                          strict=True):
+        assert b.shape == want.shape
+        common = tuple(slice(0, min(i, j)) for i, j in zip(a.shape, b.shape))
+        np.testing.assert_array_equal(a[common], b[common])
+        for whole in (a.copy(), b.copy()):  # beyond the common part: padding, zeros
+            whole[common] = 0
+            assert not whole.any()
     for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(target.state_shardings)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 

@@ -305,8 +305,9 @@ def _plan(*argv):
 
 def test_dry_run_go2025_grid_gpt3_tp_pp():
     """gpt3-175b on 32 GPUs as TPxPP 2x16 and 8x4: every stage holds 1/S of the blocks
-    split t ways, plus the embeddings and head (vocab 50257 does not divide over tensor, so
-    they stay whole, as the tp layout does); AdamW's mu and nu are twice the parameters.
+    split t ways, plus the embeddings and head split t ways over the vocabulary (50257, which
+    t does not divide: stored padded to a multiple of t, as Megatron pads it); AdamW's mu and
+    nu are twice the parameters.
     --remat full: without it 1F1B's stash (up to 2S-1 = 31 micro-batches of 6 blocks'
     activations on stage 0 at 2x16) does not fit; with it each holds the block inputs."""
     for t, s in ((2, 16), (8, 4)):
@@ -320,6 +321,8 @@ def test_dry_run_go2025_grid_gpt3_tp_pp():
         stage = 96 // s * ((12 * d * d + 7 * d) // t + 6 * d)
         shared = 2 * v * d + v + L * d + 2 * d  # tok, head (+bias), pos, ln_f
         assert p["model"]["params"] == 96 * block + shared
+        vt = -(-v // t)  # the vocabulary's padded shard
+        shared = 2 * vt * d + vt + L * d + 2 * d
         assert p["state_bytes_per_device"]["params"] == 4 * (stage + shared)
         # AdamW: mu and nu like the parameters, plus Adam's int32 step count
         assert p["state_bytes_per_device"]["opt"] == 2 * 4 * (stage + shared) + 4

@@ -149,19 +149,19 @@ def test_llama_under_tensor_layouts_matches_single_device(layout):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--mesh", "data:3,tensor:2", "--dry-run"],
-     "(blocks/attn/k/kernel: 64) over data=3, which does not divide it; e.g. --mesh "
-     "data:2,tensor:2"),
-    (["--mesh", "data:4,tensor:2", "--model-opts", "width=42,heads=2", "--steps", "1",
+    (["--mesh", "data:2,tensor:3", "--dry-run"],
+     "heads dimension (blocks/attn/k/bias: 64) over tensor=3, which does not divide it; "
+     "e.g. --mesh data:2,tensor:2"),
+    (["--mesh", "data:2,tensor:4", "--model-opts", "width=42,heads=2", "--steps", "1",
       "--batch-size", "8"],
-     "(blocks/attn/k/kernel: 42) over data=4, which does not divide it; e.g. --mesh "
-     "data:3,tensor:2"),
+     "heads dimension (blocks/attn/k/bias: 42) over tensor=4, which does not divide it; "
+     "e.g. --mesh data:2,tensor:3"),
 ])
 def test_a_dimension_the_mesh_cannot_split_is_refused(args, line, tmp_path, monkeypatch,
                                                       capsys):
-    """fsdp_tp with gpt-tiny's width over a data axis that does not divide it would leave
-    every embed dimension whole and silently be tp: in a plan and in a run, one line naming
-    the dimension, its size, the axes' product and a mesh that works, exit 2."""
+    """fsdp_tp whose tensor axis does not divide the heads dimension (the model's structure,
+    never padded; the embed dimension over data is padded instead): in a plan and in a run,
+    one line naming the dimension, its size, the axes' product and a mesh that works, exit 2."""
     monkeypatch.chdir(tmp_path)
     # the session's 8 CPU devices stand (no backend re-configuration in this process)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
@@ -170,6 +170,6 @@ def test_a_dimension_the_mesh_cannot_split_is_refused(args, line, tmp_path, monk
                     *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"run: error: layout 'fsdp_tp' splits the embed dimension {line}"]
+        f"run: error: layout 'fsdp_tp' splits the {line}"]
     assert "simulating mesh" not in proc.stdout  # the refusal comes alone, before notices
     assert list(tmp_path.iterdir()) == []
