@@ -161,8 +161,7 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
         results["memory"]["measured_over_estimate"] = (measured / estimate
                                                        if measured and estimate else None)
         # The model's prediction for the part (--hardware, or the devices' own), beside it.
-        results["prediction"] = safe_prediction_block(cfg, platform, model_cfg, program,
-                                                      compiled, results)
+        results["prediction"] = safe_prediction_block(cfg, platform, results)
         results["accuracy"] = accuracy
         results["start_step"] = start_step
         results["checkpoint"] = ckpt.finish() if ckpt else None

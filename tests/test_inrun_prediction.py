@@ -102,5 +102,23 @@ def test_pipeline_run_is_predicted_by_the_tick_model():
                              pp_schedule="gpipe")
     p = results["prediction"]
     assert p["available"] is True, p.get("reason")
-    assert "tick model" in p["basis"]
     assert p["predicted"]["bubble_s"] > 0        # 2 stages, 2 micro-batches: S-1 idle ticks
+
+
+def test_a_run_records_the_plan_of_the_same_job():
+    """One prediction path: the run's prediction is the plan `--dry-run --hardware` makes of
+    the same job (XLA:GPU for the part's topology, device-less, where it is installed)."""
+    from jaxdist import plan as plans
+
+    results = run_in_process("fsdp", "2x2", hardware="h100-sxm")
+    p = results["prediction"]
+    assert p["available"] is True, p.get("reason")
+    cfg = RunConfig(mesh=MeshConfig(mesh="2x2"), model=ModelConfig(model="gpt-tiny"),
+                    train=TrainConfig(layout="fsdp", batch_size=8),
+                    output=OutputConfig(dry_run=True, hardware="h100-sxm"))
+    plan = plans.plan(cfg, parse_mesh("2x2"))
+    assert p["predicted"]["step_s"] == plan["time"]["step_s"]
+    assert p["predicted"]["memory_bytes_per_device"] == plan["memory"]["total_bytes"]
+    assert (p["predicted"]["fits"], p["predicted"]["verdict"]) == (plan["memory"]["fits"],
+                                                                  plan["verdict"])
+    assert p["compiler"] == plan["compiled"]["compiler"]

@@ -45,7 +45,7 @@ from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
 from jaxdist.program.xla_compile import compile_lowered
-from sharding import get_layout
+from sharding import get_layout, padding
 from sharding.axes import batch_axes
 
 
@@ -120,9 +120,10 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     small = dataclasses.replace(model_cfg, depth=blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    _, abstract, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1,
-                                        layout.master_weights(cfg.model.dtype))
-    specs = layout(abstract, mesh)
+    _, logical, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1,
+                                       layout.master_weights(cfg.model.dtype))
+    specs = layout(logical, mesh)
+    abstract = padding.storage(logical, specs, dict(mesh.shape))  # as the step stores it
     sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), specs["params"],
                            is_leaf=lambda x: isinstance(x, P))
     dtype = DTYPES[cfg.model.dtype]
@@ -148,9 +149,13 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
     out = P() if kind != FULL else (stage_specs, shared_specs, P(), P())
-    fn = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
-                                                  P("data"), P("data")),
-                       out_specs=out, axis_names={"stage", "data"}, check_vma=False)
+    mapped = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
+                                                      P("data"), P("data")),
+                           out_specs=out, axis_names={"stage", "data"}, check_vma=False)
+
+    def fn(stages, shared, *rest):  # the logical view of the stored parameters, as the step
+        return mapped(padding.fit_tree(stages, logical["params"]["stages"]),
+                      padding.fit_tree(shared, logical["params"]["shared"]), *rest)
     batch = NamedSharding(mesh, P("data"))
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
                                                batch, batch)),
@@ -170,17 +175,20 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                    layout.master_weights(cfg.model.dtype))
-    specs = layout(state, mesh)
-    update_specs = layout.update_specs(state["params"], specs["params"], mesh)
+    logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
+                                      layout.master_weights(cfg.model.dtype))
+    specs = layout(logical, mesh)
+    state = padding.storage(logical, specs, sizes)  # as stored: padded (sharding/padding.py)
+    update_specs = layout.update_specs(logical["params"], specs["params"], mesh)
+    update_shapes = padding.storage(logical["params"], update_specs, sizes)
     shardings, update = (jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
                                       is_leaf=lambda x: isinstance(x, P))
                          for tree in (specs, update_specs))
     params = state["params"]
     # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
     # the step does (jaxdist/pipeline/program.py)
-    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, mesh,
+    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, params,
+                                               update_shapes, mesh,
                                                layout.distributed_optimizer)
 
     def reduce(g_stages, g_shared):
@@ -200,7 +208,8 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
             check_vma=False)(grads["stages"], grads["shared"])
         if scatter is not None:
             g_stages, g_shared = scatter(g_stages, g_shared)
-        return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update)
+        return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update,
+                               update_shapes, params)
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)
