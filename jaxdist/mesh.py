@@ -152,6 +152,23 @@ def host_of(sizes: dict[str, int], per_host: int):
     return placement(list(sizes.values()), per_host)[0]
 
 
+def axis_spread(sizes: dict[str, int], hosts) -> dict:
+    """Per mesh axis, how its groups lie over hosts: {axis: {"in_host": fewest members of a
+    group in one host, "hosts": most hosts a group spans}}; `hosts`: the host of every mesh
+    position (an array over the axes)."""
+    import numpy as np
+
+    hosts = np.asarray(hosts).reshape(tuple(sizes.values()))
+    out = {}
+    for i, (axis, size) in enumerate(sizes.items()):
+        worst = (1, size)
+        for group in np.moveaxis(hosts, i, -1).reshape(-1, size):
+            _, counts = np.unique(group, return_counts=True)
+            worst = max(worst, (len(counts), int(counts.min())), key=lambda t: (t[0], -t[1]))
+        out[axis] = {"in_host": worst[1], "hosts": worst[0]}
+    return out
+
+
 def hybrid_device_array(shape: MeshShape, devices):
     """Devices as an array over the mesh axes, placed over the hosts (processes) by
     `placement`: a host's devices in id order fill its slots. One process: id order."""

@@ -67,15 +67,16 @@ def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict:
     across nodes (network)". `nodes`: the node of each mesh position (the devices a program
     was compiled for: jaxdist.program.compiled.mesh_hosts), else the mesh placed on `hw`'s
     nodes (jaxdist.mesh.placement)."""
+    from jaxdist.mesh import axis_spread, host_of
+
     intra = {"nvlink": "NVLink", "pcie": "PCIe"}.get(hw.intra_node_link, hw.intra_node_link)
     network = f"network, {hw.inter_node_bandwidth / 1e9:g} GB/s per GPU"
+    spread = axis_spread(mesh, host_of(mesh, hw.gpus_per_node) if nodes is None else nodes)
     out = {}
-    for axis, size in mesh.items():
-        spans, per_node = group_nodes(mesh, [axis], hw.gpus_per_node if nodes is None
-                                      else nodes)
-        words = ([f"{per_node} in-node ({intra})"] if per_node > 1 else []) + \
-            ([f"{spans} across nodes ({network})"] if spans > 1 else [])
-        out[axis] = {"in_node": per_node, "nodes": spans,
+    for axis, s in spread.items():
+        words = ([f"{s['in_host']} in-node ({intra})"] if s["in_host"] > 1 else []) + \
+            ([f"{s['hosts']} across nodes ({network})"] if s["hosts"] > 1 else [])
+        out[axis] = {"in_node": s["in_host"], "nodes": s["hosts"],
                      "links": " x ".join(words) or "1 (no communication)"}
     return out
 
