@@ -68,7 +68,7 @@ def _fsdp_gather(devices, sizes: dict):
     mesh = build_mesh(MeshShape(**sizes), devices)
     step = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("fsdp")),
                    out_shardings=NamedSharding(mesh, P()))
-    return step.lower(jax.ShapeDtypeStruct((64,), jnp.float32)).compile()
+    return step.lower(jax.ShapeDtypeStruct((96,), jnp.float32)).compile()
 
 
 def test_collectives_span_the_simulated_nodes_of_a_part():
@@ -92,22 +92,23 @@ def test_collectives_span_the_simulated_nodes_of_a_part():
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                     reason=str(compiled.gpu_compiler_missing()))
 def test_collectives_read_against_the_topologys_hosts():
-    """XLA:GPU for 4 hosts x 4 H200 (no device): the mesh data:2,fsdp:8 puts fsdp 4 in a
-    host x 2 hosts; the hosts of the program's devices are their process indices in mesh
-    order, and the all-gather's groups span 2 of them, 4 members in each."""
+    """XLA:GPU for 3 hosts x 4 H200 (no device): data:2,fsdp:6 puts fsdp 2 in a host x 3
+    hosts and data inside a host, so mesh order is not host-major. The hosts of the
+    program's devices are their process indices in mesh order, and the all-gather's groups
+    span 3 of them, 2 members in each (numbering devices host-major would say 2 hosts)."""
     from jaxdist.program import program_reading
 
-    hw = get_hardware("h200", 4)
-    target = compiled.gpu_topology(hw, 16)
-    sizes = {"data": 2, "fsdp": 8}
+    target = compiled.gpu_topology(get_hardware("h200", 4), 12)
+    sizes = {"data": 2, "fsdp": 6}
     program = _fsdp_gather(target.devices, sizes)
     hosts = program_reading.hosts(program, target, sizes)
-    assert hosts.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    assert compiled.mesh_hosts(parse_mesh("data:2,fsdp:8"), target).ravel().tolist() == \
+    assert hosts.tolist() == [0, 0, 1, 1, 2, 2] * 2
+    assert compiled.mesh_hosts(parse_mesh("data:2,fsdp:6"), target).ravel().tolist() == \
         hosts.tolist()
     ops = [o for o in program_reading.read(program, target, sizes)["collectives"]
            if o["kind"] == "all-gather"]
-    assert ops and {(o["nodes"], o["members_per_node"]) for o in ops} == {(2, 4)}
+    assert ops and {(o["nodes"], o["members_per_node"]) for o in ops} == {(3, 2)}
+    assert time_model.group_nodes(sizes, ["fsdp"], 4) == (3, 2)
 
 
 def test_ring_hops():
