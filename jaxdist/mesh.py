@@ -12,8 +12,10 @@ taking the largest part of its size that the devices left in the host divide; th
 every axis spans hosts. `data:2,fsdp:128` on 32 hosts of 8 is fsdp 8 in-host x 16 across and
 data 2 across (ICI FSDP 8 x DCN FSDP 16 x DCN DP 2); `data:4,fsdp:8` on hosts of 8 keeps each
 fsdp group in a host and replicates across hosts; tensor parallelism leaves a host only when
-`tensor` is larger than one. Any mesh whose devices fill its hosts evenly has such a split.
+`tensor` is larger than one host. Any mesh whose devices fill its hosts evenly has such a
+split.
 """
+
 from __future__ import annotations
 
 import math

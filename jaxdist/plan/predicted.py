@@ -355,8 +355,8 @@ def format_prediction(p: dict) -> str:
          if p["compiled"]["flash_attention"] else "") +
         (f"; Triton GEMMs off ({p['compiled']['fallback']['xla_flags']}): XLA:GPU found no "
          f"Triton tiling for a dot" if p["compiled"].get("fallback") else ""),
-        "  links per axis: " + "; ".join(f"{a}: {v['links']}"
-                                         for a, v in p.get("links", {}).items()),
+        *(["  links per axis: " + "; ".join(f"{a}: {v['links']}" for a, v in
+                                             p["links"].items())] if p.get("links") else []),
         memory_line(p),
         f"  time per step, kernel by kernel from the program (published rates x the "
         f"fitted kernel efficiency {t.get('kernel_efficiency', 0):.3f}): compute-bound kernels "

@@ -6,7 +6,6 @@ arrived). The ops' figures come from jaxdist.predict.pipeline, which compiles th
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from jaxdist.hardware import constant
