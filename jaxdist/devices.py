@@ -159,7 +159,12 @@ def select_devices(shape: MeshShape) -> Platform:
 
 
 def env_info(platform: Platform) -> dict:
+    """The run's environment; `hosts_per_axis`: how each mesh axis lies over the processes
+    (jaxdist.mesh.axis_spread: members of a group in one process x processes it spans)."""
     import jax
+    import numpy as np
+
+    from jaxdist.mesh import axis_spread, hybrid_device_array
 
     return {
         "jax_version": jax.__version__,
@@ -168,5 +173,8 @@ def env_info(platform: Platform) -> dict:
         "num_devices": len(platform.devices),
         "num_processes": jax.process_count(),
         "simulated": platform.simulated,
+        "hosts_per_axis": axis_spread(platform.shape.axis_sizes, np.vectorize(
+            lambda d: d.process_index, otypes=[int])(hybrid_device_array(platform.shape,
+                                                                         platform.devices))),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

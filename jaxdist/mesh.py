@@ -3,11 +3,17 @@ device mesh built from them.
 
 Axes, outer to inner: `stage` (pipeline, named form only: `data:2,stage:4,tensor:4`) when
 given, `data`, `fsdp`, then `tensor` and `expert` when given. `stage` is outermost, as in
-Megatron-LM: consecutive stages are the farthest apart, so on several hosts the stages cross
-hosts first (then `data`) while `tensor` stays inside a node. Otherwise only `data` may cross
-hosts; the inner axes stay inside a host, where the links are fast
-(NVLink vs InfiniBand): devices are grouped by process first (hybrid device mesh), so hsdp
-shards within a node and replicates across nodes, and tensor parallelism never leaves a node.
+Megatron-LM: consecutive stages are the farthest apart.
+
+Across hosts (processes of a run; nodes of `--gpus-per-node` GPUs in a plan) the device array
+is a hybrid mesh, as MaxText's ICI x DCN split (`mesh_utils.create_hybrid_device_mesh`): each
+axis is an in-host part times an across-host part. The innermost axes fill a host first, each
+taking the largest part of its size that the devices left in the host divide; the rest of
+every axis spans hosts. `data:2,fsdp:128` on 32 hosts of 8 is fsdp 8 in-host x 16 across and
+data 2 across (ICI FSDP 8 x DCN FSDP 16 x DCN DP 2); `data:4,fsdp:8` on hosts of 8 keeps each
+fsdp group in a host and replicates across hosts; tensor parallelism leaves a host only when
+`tensor` is larger than one host. Any mesh whose devices fill its hosts evenly has such a
+split.
 """
 
 from __future__ import annotations
@@ -112,43 +118,76 @@ def build_mesh(shape: MeshShape, devices=None):
                 axis_types=(AxisType.Auto,) * len(names))
 
 
-def hybrid_device_array(shape: MeshShape, devices):
-    """Devices as an array over the mesh axes whose inner axes never cross a process (host)."""
+def host_split(dims: list[int], per_host: int) -> list[int]:
+    """The in-host part of each axis of `dims` on hosts of `per_host` devices: innermost
+    axes first, each the largest divisor of its size that the devices left in the host
+    divide (gcd); an axis's size / its part spans hosts."""
+    parts, left = [], per_host
+    for n in reversed(dims):
+        parts.append(math.gcd(n, left))
+        left //= parts[-1]
+    if left != 1:  # per_host does not divide the mesh's devices
+        raise UsageError(f"mesh {'x'.join(map(str, dims))} ({math.prod(dims)} devices) cannot "
+                         f"fill hosts of {per_host} devices: use a mesh whose device count is "
+                         f"a multiple of {per_host}")
+    return parts[::-1]
+
+
+def placement(dims: list[int], per_host: int):
+    """(host, slot) of every mesh position, arrays of shape `dims`: hosts numbered row-major
+    over the across-host parts of the axes, slots row-major over the in-host parts
+    (`host_split`); a mesh of at most one host is host 0 throughout."""
     import numpy as np
-    from jax.experimental import mesh_utils
+
+    per_host = min(per_host, math.prod(dims))
+    inner = host_split(dims, per_host)
+    outer = [n // k for n, k in zip(dims, inner)]
+    index = np.indices(dims)
+    host = np.ravel_multi_index([index[i] // inner[i] for i in range(len(dims))], outer)
+    slot = np.ravel_multi_index([index[i] % inner[i] for i in range(len(dims))], inner)
+    return host, slot
+
+
+def host_of(sizes: dict[str, int], per_host: int):
+    """The host of every position of a mesh of `sizes` on hosts of `per_host` devices (its
+    placement by `placement`), an array over the mesh axes."""
+    return placement(list(sizes.values()), per_host)[0]
+
+
+def axis_spread(sizes: dict[str, int], hosts) -> dict:
+    """Per mesh axis, how its groups lie over hosts: {axis: {"in_host": fewest members of a
+    group in one host, "hosts": most hosts a group spans}}; `hosts`: the host of every mesh
+    position (an array over the axes)."""
+    import numpy as np
+
+    hosts = np.asarray(hosts).reshape(tuple(sizes.values()))
+    out = {}
+    for i, (axis, size) in enumerate(sizes.items()):
+        worst = (1, size)
+        for group in np.moveaxis(hosts, i, -1).reshape(-1, size):
+            _, counts = np.unique(group, return_counts=True)
+            worst = max(worst, (len(counts), int(counts.min())), key=lambda t: (t[0], -t[1]))
+        out[axis] = {"in_host": worst[1], "hosts": worst[0]}
+    return out
+
+
+def hybrid_device_array(shape: MeshShape, devices):
+    """Devices as an array over the mesh axes, placed over the hosts (processes) by
+    `placement`: a host's devices in id order fill its slots. One process: id order."""
+    import numpy as np
 
     dims = list(shape.axis_sizes.values())
-    processes = sorted({d.process_index for d in devices})
-    if len(processes) == 1:
-        return np.array(sorted(devices, key=lambda d: d.id)).reshape(dims)
-    if shape.stage > 1:
-        return _stage_major(shape, dims, devices, len(processes))
-    per_process = len(devices) // len(processes)
-    inner = math.prod(dims[1:])
-    if per_process % inner or shape.data % len(processes):
-        raise UsageError(
-            f"mesh {shape.label}: the inner axes ({inner} devices) must divide the devices "
-            f"of one host ({per_process}) and data ({shape.data}) must be a multiple of the "
-            f"hosts ({len(processes)}), so that only data crosses hosts")
-    return mesh_utils.create_hybrid_device_mesh(
-        [shape.data // len(processes), *dims[1:]], [len(processes)] + [1] * (len(dims) - 1),
-        devices, process_is_granule=True)
-
-
-def _stage_major(shape: MeshShape, dims: list[int], devices, hosts: int):
-    """Several hosts with a pipeline: hosts are spread over `stage` first, then `data`, so a
-    stage's tensor group never leaves a node (Megatron-LM's placement)."""
-    from jax.experimental import mesh_utils
-
-    across_stage = math.gcd(shape.stage, hosts)
-    across_data = hosts // across_stage
-    per_host = len(devices) // hosts
-    inner = math.prod(dims[2:])
-    if shape.data % across_data or per_host % inner:
-        raise UsageError(
-            f"mesh {shape.label}: {hosts} hosts must split over stage ({shape.stage}) and then "
-            f"data ({shape.data}), with the inner axes ({inner} devices) inside one host "
-            f"({per_host} devices)")
-    ici = [shape.stage // across_stage, shape.data // across_data, *dims[2:]]
-    dcn = [across_stage, across_data] + [1] * (len(dims) - 2)
-    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+    hosts: dict[int, list] = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        hosts.setdefault(d.process_index, []).append(d)
+    by_host = list(hosts.values())
+    if len(by_host) == 1:
+        return np.array(by_host[0]).reshape(dims)
+    if len({len(h) for h in by_host}) > 1:
+        raise UsageError(f"mesh {shape.label}: its hosts hold different device counts "
+                         f"({', '.join(str(len(h)) for h in by_host)})")
+    host, slot = placement(dims, len(by_host[0]))
+    array = np.empty(dims, dtype=object)
+    for index in np.ndindex(*dims):
+        array[index] = by_host[host[index]][slot[index]]
+    return array

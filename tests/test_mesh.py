@@ -60,7 +60,50 @@ def test_fsdp_axis_stays_inside_a_host():
     assert [row[0].process_index for row in array] == [0, 1, 2, 3]
 
 
-def test_hsdp_groups_across_hosts_rejected_when_fsdp_spans_hosts():
-    devices = [FakeGPU(p * 8 + i, p) for p in range(4) for i in range(8)]
-    with pytest.raises(UsageError, match="only data crosses hosts"):
-        hybrid_device_array(MeshShape(2, 16), devices)
+def test_fsdp_spans_hosts_as_an_in_host_part_times_an_across_host_part():
+    """data:2,fsdp:16 on 4 hosts of 8: fsdp is 8 in a host x 2 hosts, data 2 across hosts
+    (MaxText's ICI FSDP x DCN FSDP x DCN DP): position (d, f) holds host 2d + f // 8's device
+    f % 8, in id order within the host, whatever order the cluster lists them in."""
+    devices = [FakeGPU(p * 8 + i, p) for i in range(8) for p in (3, 1, 0, 2)]
+    array = hybrid_device_array(MeshShape(2, 16), devices)
+    assert [[d.id for d in row] for row in array] == [list(range(16)), list(range(16, 32))]
+    assert [[d.process_index for d in row] for row in array] == \
+        [[0] * 8 + [1] * 8, [2] * 8 + [3] * 8]
+
+
+def test_innermost_axes_fill_a_host_first():
+    """data:2,fsdp:6 on 3 hosts of 4: fsdp takes gcd(6, 4) = 2 of a host, data the other 2,
+    so fsdp is 2 in-host x 3 across and data stays in a host. Exact order checked."""
+    from jaxdist.mesh import host_split
+
+    assert host_split([2, 6], 4) == [2, 2]
+    assert host_split([2, 128], 8) == [1, 8] and host_split([16, 128], 8) == [1, 8]
+    assert host_split([2, 4, 2], 8) == [1, 4, 2]  # stage, data, tensor: stage crosses
+    devices = [FakeGPU(p * 4 + i, p) for p in range(3) for i in range(4)]
+    array = hybrid_device_array(MeshShape(2, 6), devices)
+    assert [[d.id for d in row] for row in array] == [[0, 1, 4, 5, 8, 9],
+                                                      [2, 3, 6, 7, 10, 11]]
+
+
+def test_the_placement_is_mesh_utils_hybrid_mesh():
+    """Where the split is contiguous, the array is the one JAX's own
+    create_hybrid_device_mesh builds from the same ICI and DCN shapes."""
+    from jax.experimental import mesh_utils
+    from jaxdist.mesh import host_split
+
+    devices = [FakeGPU(p * 8 + i, p) for p in range(8) for i in range(8)]
+    for shape in (MeshShape(2, 32), MeshShape(4, 16), MeshShape(1, 16, 4), MeshShape(8, 8)):
+        dims = list(shape.axis_sizes.values())
+        ici = host_split(dims, 8)
+        ours = hybrid_device_array(shape, devices)
+        theirs = mesh_utils.create_hybrid_device_mesh(
+            ici, [n // k for n, k in zip(dims, ici)], devices, process_is_granule=True)
+        assert [d.id for d in ours.flat] == [d.id for d in theirs.flat], shape
+
+
+def test_a_mesh_that_cannot_fill_its_hosts_is_one_line():
+    from jaxdist.mesh import host_split
+
+    with pytest.raises(UsageError, match=r"mesh 3x4 \(12 devices\) cannot fill hosts of 8 "
+                                         r"devices"):
+        host_split([3, 4], 8)

@@ -19,16 +19,22 @@ def launch(*args, timeout=120):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp"])
-def test_two_processes_equal_one(tmp_path, layout):
-    one = run_cli("--layout", layout, "--mesh", "2x4", *COMMON, "--logdir", str(tmp_path / "one"))
+@pytest.mark.parametrize("layout, mesh, hosts", [
+    ("ddp", "2x4", None), ("fsdp", "2x4", None),
+    ("hsdp", "2x4", {"data": {"in_host": 1, "hosts": 2}, "fsdp": {"in_host": 4, "hosts": 1}}),
+    # fsdp over both processes: 4 devices in each x 2 processes
+    ("fsdp", "1x8", {"data": {"in_host": 1, "hosts": 1}, "fsdp": {"in_host": 4, "hosts": 2}})])
+def test_two_processes_equal_one(tmp_path, layout, mesh, hosts):
+    one = run_cli("--layout", layout, "--mesh", mesh, *COMMON, "--logdir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    two = launch("--processes", "2", "--", "--layout", layout, "--mesh", "2x4", *COMMON,
+    two = launch("--processes", "2", "--", "--layout", layout, "--mesh", mesh, *COMMON,
                  "--logdir", str(tmp_path / "two"))
     assert two.returncode == 0, two.stdout + two.stderr
     a = json.loads((tmp_path / "one" / "results.json").read_text())
     b = json.loads((tmp_path / "two" / "results.json").read_text())
     assert b["env"]["num_processes"] == 2 and a["env"]["num_processes"] == 1
+    if hosts:
+        assert b["env"]["hosts_per_axis"] == hosts
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
     # Every device's shard bytes, gathered from both processes, labelled by process.
     assert [d["bytes"] for d in b["memory"]["state_bytes_by_device"]] == \

@@ -411,6 +411,7 @@ def test_multi_host_stage_placement_keeps_tensor_in_a_host():
     for s in range(4):
         assert len({d.process_index for d in array[s, 0, 0]}) == 1
     assert {array[s, 0, 0, 0].process_index for s in range(4)} == {0, 1}
-    # a tensor group that cannot fit in a host is refused
-    with pytest.raises(UsageError, match="inside one host"):
-        hybrid_device_array(MeshShape(1, stage=2, tensor=8), hosts(4, 4))
+    # a tensor group larger than a host: 4 in each of 2 hosts, stage across the other 2
+    array = hybrid_device_array(MeshShape(1, stage=2, tensor=8), hosts(4, 4))
+    assert [[d.process_index for d in array[s, 0, 0]] for s in range(2)] == \
+        [[0] * 4 + [1] * 4, [2] * 4 + [3] * 4]

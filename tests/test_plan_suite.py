@@ -137,21 +137,22 @@ def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                     reason="XLA:GPU's topology places hosts; simulated CPU devices are one host")
 def test_plan_row_that_cannot_be_placed_fails_before_any_compile(tmp_path):
-    """A row whose mesh cannot be laid out on the part's nodes (here fsdp over 32 GPUs of
-    8-GPU nodes: only data crosses nodes) is one line naming the row, exit 2, before any
-    row is predicted or anything is written."""
+    """A row whose mesh cannot be laid out on the part's nodes (here 12 GPUs on nodes of 8:
+    they do not fill them) is one line, exit 2, before any row is predicted or anything is
+    written. Any mesh that fills its nodes is placed (jaxdist.mesh.placement)."""
     preset = tmp_path / "p.toml"
-    preset.write_text('name = "p"\n[plan]\n[plan.settings]\nbatch_size = 32\n'
+    preset.write_text('name = "p"\n[plan]\n[plan.settings]\nbatch_size = 96\n'
                       '[[plan.rows]]\nname = "ok"\nlayout = "fsdp"\nmesh = "4x8"\n'
                       'models = ["gpt-tiny"]\n'
-                      '[[plan.rows]]\nname = "wide"\nlayout = "fsdp"\nmesh = "1x32"\n'
+                      '[[plan.rows]]\nname = "wide"\nlayout = "fsdp"\nmesh = "3x4"\n'
                       'models = ["gpt-tiny"]\n')
     out = tmp_path / "o"
     r = suite("--preset", str(preset), "--plan", "--hardware", "h200", "--out", str(out))
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "plan row gpt-tiny-wide: mesh 1x32" in lines[0]
-    assert "only data crosses hosts" in lines[0]
+    assert lines == ["suite: error: the mesh's 12 devices do not fill nodes of 8 GPUs (h200); "
+                     "give --gpus-per-node a divisor of 12, or a mesh of a multiple of 8 "
+                     "devices"]
     assert "predicted" not in r.stdout and not out.exists()
 
 

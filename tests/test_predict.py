@@ -40,6 +40,77 @@ def test_which_collectives_cross_nodes():
     assert not time_model.crosses_nodes(three, ["fsdp", "tensor"], 16)
 
 
+def test_each_axis_names_its_links():
+    """MaxText's 70B layouts: fsdp 128 is 8 in a node x 16 nodes; data crosses nodes."""
+    net = "network, 50 GB/s per GPU"
+    assert time_model.axis_links({"data": 2, "fsdp": 128}, H200) == {
+        "data": {"in_node": 1, "nodes": 2, "links": f"2 across nodes ({net})"},
+        "fsdp": {"in_node": 8, "nodes": 16,
+                 "links": f"8 in-node (NVLink) x 16 across nodes ({net})"}}
+    links = time_model.axis_links({"data": 16, "fsdp": 128, "tensor": 1},
+                                  get_hardware("h100-sxm"))
+    assert [v["links"] for v in links.values()] == [
+        f"16 across nodes ({net})", f"8 in-node (NVLink) x 16 across nodes ({net})",
+        "1 (no communication)"]
+    assert time_model.axis_links(MESH, get_hardware("l4"))["fsdp"]["links"] == \
+        "8 in-node (PCIe)"
+
+
+def _fsdp_gather(devices, sizes: dict):
+    """A program that all-gathers an array sharded over fsdp, compiled for `devices` laid
+    out as jaxdist builds the mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxdist.mesh import MeshShape, build_mesh
+
+    mesh = build_mesh(MeshShape(**sizes), devices)
+    step = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("fsdp")),
+                   out_shardings=NamedSharding(mesh, P()))
+    return step.lower(jax.ShapeDtypeStruct((96,), jnp.float32)).compile()
+
+
+def test_collectives_span_the_simulated_nodes_of_a_part():
+    """On 8 simulated CPU devices standing for nodes of 2 GPUs, fsdp:4 is 2 in a node x 2
+    nodes: the all-gather's replica groups, read against those nodes, span 2 nodes with 2
+    members in each, and the time model puts it on the network."""
+    from jaxdist.program import program_reading
+
+    sizes = {"data": 2, "fsdp": 4}
+    target = compiled.simulated_cpu(8, gpus_per_node=2)
+    program = _fsdp_gather(target.devices, sizes)
+    assert program_reading.hosts(program, target, sizes).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    ops = program_reading.read(program, target, sizes)["collectives"]
+    assert [(o["kind"], o["axes"], o["nodes"], o["members_per_node"]) for o in ops] == \
+        [("all-gather", ["fsdp"], 2, 2)]
+    t = time_model.collective_time(time_model.aggregate(ops)[0],
+                                   get_hardware("h200", 2), sizes)
+    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 2, 2)
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_collectives_read_against_the_topologys_hosts():
+    """XLA:GPU for 3 hosts x 4 H200 (no device): data:2,fsdp:6 puts fsdp 2 in a host x 3
+    hosts and data inside a host, so mesh order is not host-major. The hosts of the
+    program's devices are their process indices in mesh order, and the all-gather's groups
+    span 3 of them, 2 members in each (numbering devices host-major would say 2 hosts)."""
+    from jaxdist.program import program_reading
+
+    target = compiled.gpu_topology(get_hardware("h200", 4), 12)
+    sizes = {"data": 2, "fsdp": 6}
+    program = _fsdp_gather(target.devices, sizes)
+    hosts = program_reading.hosts(program, target, sizes)
+    assert hosts.tolist() == [0, 0, 1, 1, 2, 2] * 2
+    assert compiled.mesh_hosts(parse_mesh("data:2,fsdp:6"), target).ravel().tolist() == \
+        hosts.tolist()
+    ops = [o for o in program_reading.read(program, target, sizes)["collectives"]
+           if o["kind"] == "all-gather"]
+    assert ops and {(o["nodes"], o["members_per_node"]) for o in ops} == {(3, 2)}
+    assert time_model.group_nodes(sizes, ["fsdp"], 4) == (3, 2)
+
+
 def test_ring_hops():
     assert time_model.ring_hops("all-reduce", 8) == 14
     assert time_model.ring_hops("all-gather", 8) == 7
@@ -315,9 +386,33 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
     t = plan["time"]
     assert t["step_s"] == pytest.approx(max(t["compute_s"], t["hbm_s"]) + t["comm_exposed_s"])
     assert t["inter_node_s"] == 0.0  # 8 GPUs: one node
+    assert plan["links"] == {"data": {"in_node": 2, "nodes": 1, "links": "2 in-node (NVLink)"},
+                             "fsdp": {"in_node": 4, "nodes": 1, "links": "4 in-node (NVLink)"}}
+    assert "\n  links per axis: data: 2 in-node (NVLink); fsdp: 4 in-node (NVLink)\n" in \
+        proc.stdout
     assert plan["memory"]["state_bytes"] == 202_756  # shapes.plan's per-device state
     assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
         16 * 32 / t["step_s"] / 8)
+
+
+def test_a_plan_over_nodes_names_each_axis_links_and_times_each_collective_on_them(
+        tmp_path):
+    """fsdp:4 on nodes of 2 GPUs (--gpus-per-node 2): fsdp is 2 in a node x 2 nodes, data
+    crosses nodes; the plan says so per axis, and every fsdp collective of the program is
+    timed on the network with 2 members in each of its 2 nodes."""
+    proc = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "2", "--model",
+                   "gpt-tiny", "--layout", "hsdp", "--mesh", "data:2,fsdp:4", "--batch-size", "16",
+                   "--logdir", str(tmp_path / "p"), "--compiler", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    net = "network, 50 GB/s per GPU"
+    assert f"\n  links per axis: data: 2 across nodes ({net}); fsdp: 2 in-node (NVLink) x 2 " \
+           f"across nodes ({net})\n" in proc.stdout
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["hardware"]["nodes"] == 4
+    fsdp = [c for c in plan["time"]["collectives"] if c["axes"] == ["fsdp"]]
+    assert fsdp and {(c["link"], c["nodes"], c["members_per_node"]) for c in fsdp} == \
+        {("inter-node", 2, 2)}
+    assert plan["time"]["intra_node_s"] == 0.0 and plan["time"]["inter_node_s"] > 0
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,

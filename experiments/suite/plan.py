@@ -252,9 +252,9 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
 
 
 def check_topologies(configs: list[tuple], hw) -> None:
-    """Every row's mesh laid out on the part's nodes (only `data`, or `stage` then `data`,
-    crosses hosts: jaxdist.mesh) before anything compiles: a row that cannot be placed is one
-    line naming it, not a failure after the rows before it were predicted."""
+    """Every row's mesh laid out on the part's nodes (jaxdist.mesh.placement) before anything
+    compiles: a row that cannot be placed is one line naming it, not a failure after the
+    rows before it were predicted."""
     from jaxdist.program import compiled
     from jaxdist.mesh import build_mesh
 

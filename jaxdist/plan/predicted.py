@@ -112,6 +112,7 @@ def _predict_plan(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> dic
         "state_bytes_per_device": state["state_bytes_per_device"],  # exact, by part
         "batch_size": batch,
         "hardware": {**hw.prediction_fields(), "nodes": -(-n // hw.gpus_per_node)},
+        "links": time_model.axis_links(mesh, hw, compiled.mesh_hosts(shape, target)),
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
                      "xla_flags": cfg.compiler.xla_flags, "method": figures["method"], "flops_per_device": figures["flops"],
@@ -264,6 +265,7 @@ def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) 
         "state_bytes_per_device": memory_plan["state_bytes_per_device"],  # exact, by part
         "model": memory_plan["model"], "batch_size": batch,
         "hardware": {**hw.prediction_fields(), "nodes": -(-n // hw.gpus_per_node)},
+        "links": time_model.axis_links(mesh, hw, compiled.mesh_hosts(shape, target)),
         "constants": {k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
         "compiled": {"compiler": target.label, "gpu": target.gpu,
                      "xla_flags": cfg.compiler.xla_flags, "method": pred["method"], "flops_per_device": pred["flops_per_device"],
@@ -353,6 +355,8 @@ def format_prediction(p: dict) -> str:
          if p["compiled"]["flash_attention"] else "") +
         (f"; Triton GEMMs off ({p['compiled']['fallback']['xla_flags']}): XLA:GPU found no "
          f"Triton tiling for a dot" if p["compiled"].get("fallback") else ""),
+        *(["  links per axis: " + "; ".join(f"{a}: {v['links']}" for a, v in
+                                             p["links"].items())] if p.get("links") else []),
         memory_line(p),
         f"  time per step, kernel by kernel from the program (published rates x the "
         f"fitted kernel efficiency {t.get('kernel_efficiency', 0):.3f}): compute-bound kernels "

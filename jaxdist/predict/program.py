@@ -102,17 +102,22 @@ def extrapolate(one: dict, two: dict, depth: int, ordered: bool = False) -> dict
     def line(a, b):
         return a + (depth - 1) * (b - a)
 
+    def key(row):  # the nodes its groups span, where the reading knew the hosts
+        return (row["kind"], tuple(row["axes"]), row["group_size"], row.get("nodes"),
+                row.get("members_per_node"))
+
     rows = {}
     for row in one["comm"]:
-        rows[(row["kind"], tuple(row["axes"]), row["group_size"])] = (row, None)
+        rows[key(row)] = (row, None)
     for row in two["comm"]:
-        key = (row["kind"], tuple(row["axes"]), row["group_size"])
-        rows[key] = (rows.get(key, (None,))[0], row)
+        rows[key(row)] = (rows.get(key(row), (None,))[0], row)
     comm_rows = []
-    for (kind, axes, n), (a, b) in rows.items():
+    for (kind, axes, n, nodes, per_node), (a, b) in rows.items():
         zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
         a, b = a or zero, b or zero
         comm_rows.append({"kind": kind, "axes": list(axes), "group_size": n,
+                          **({"nodes": nodes, "members_per_node": per_node}
+                             if nodes is not None else {}),
                           **{f: line(a[f], b[f]) for f in ("count", "bytes", "ring_bytes")},
                           **{f: bool(a.get(f) or b.get(f)) for f in ("upper_bound", "async")}})
     kernels = {}

@@ -6,8 +6,6 @@ arrived). The ops' figures come from jaxdist.predict.pipeline, which compiles th
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from jaxdist.hardware import constant
@@ -17,9 +15,12 @@ from jaxdist.predict.time_model import LABEL, kernel_step, ring_latency, step_ti
 
 
 def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
-    """Node index of every device, over the mesh axes (row-major device order, host-major:
-    as jaxdist.predict.time_model.crosses_nodes numbers them)."""
-    return np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values())) // gpus_per_node
+    """Node index of every device, over the mesh axes (the mesh placed on nodes of
+    `gpus_per_node` by jaxdist.mesh.placement, as jaxdist.predict.time_model.group_nodes
+    places it)."""
+    from jaxdist.mesh import host_of
+
+    return host_of(mesh, gpus_per_node)
 
 
 def send_crosses_nodes(mesh: dict[str, int], src: int, dst: int, gpus_per_node: int) -> bool:

@@ -13,8 +13,10 @@ Terms, per device per step:
   bandwidth is NVLink/PCIe per GPU. Across nodes it is the NICs of the k group members a node
   holds: NCCL runs one ring channel per NIC, so each node boundary of the ring is crossed on
   k NICs at once and only 1/k of the ring's bytes go through any one NIC (capped by the
-  intra-node link). The device order is host-major, as `jaxdist.mesh.hybrid_device_array`
-  builds it;
+  intra-node link). Which nodes a collective spans is read from its replica groups (or
+  source-target pairs) against the host of each device of the compiled program
+  (`jaxdist.program.comm.spread`); without that map, from the mesh as `jaxdist.mesh.placement`
+  lays it on the part's nodes;
 - overlap "none": communication adds to compute; "overlap": it hides behind compute up to
   compute's length (the exposed part is what exceeds it);
 - pipeline bubble: (S-1)/M of the device time for S stages and M micro-batches (1F1B/GPipe).
@@ -32,15 +34,18 @@ from jaxdist.parts import Part
 LABEL = "predicted"
 
 
-def group_nodes(mesh: dict[str, int], axes, gpus_per_node: int) -> tuple[int, int]:
+def group_nodes(mesh: dict[str, int], axes, nodes) -> tuple[int, int]:
     """(nodes a group spans, fewest members it has in one of them) for a collective over
-    mesh `axes`, devices numbered row-major over the mesh (host-major: node = device id //
-    per node); the worst group of the collective."""
+    mesh `axes`; `nodes`: the node of every mesh position (an array over the axes), or GPUs
+    per node, the mesh placed on such nodes as jaxdist.mesh.placement places it; the worst
+    group of the collective."""
+    from jaxdist.mesh import host_of
+
     spanned = tuple(i for i, a in enumerate(mesh) if a in set(axes))
     if not spanned:
         return 1, 1
     shape = tuple(mesh.values())
-    node = np.arange(math.prod(shape)).reshape(shape) // gpus_per_node
+    node = np.asarray(nodes).reshape(shape) if np.ndim(nodes) else host_of(mesh, nodes)
     others = tuple(i for i in range(len(shape)) if i not in spanned)
     groups = np.moveaxis(node, spanned + others, tuple(range(len(shape))))
     groups = groups.reshape(math.prod(shape[i] for i in spanned), -1).T
@@ -54,6 +59,26 @@ def group_nodes(mesh: dict[str, int], axes, gpus_per_node: int) -> tuple[int, in
 def crosses_nodes(mesh: dict[str, int], axes, gpus_per_node: int) -> bool:
     """Whether a collective over mesh `axes` has a group spanning more than one node."""
     return group_nodes(mesh, axes, gpus_per_node)[0] > 1
+
+
+def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict:
+    """Per mesh axis, the links its groups use: {axis: {in_node, nodes, links}}: `in_node`
+    members of a group in each of `nodes` nodes, and in words, e.g. "8 in-node (NVLink) x 16
+    across nodes (network)". `nodes`: the node of each mesh position (the devices a program
+    was compiled for: jaxdist.program.compiled.mesh_hosts), else the mesh placed on `hw`'s
+    nodes (jaxdist.mesh.placement)."""
+    from jaxdist.mesh import axis_spread, host_of
+
+    intra = {"nvlink": "NVLink", "pcie": "PCIe"}.get(hw.intra_node_link, hw.intra_node_link)
+    network = f"network, {hw.inter_node_bandwidth / 1e9:g} GB/s per GPU"
+    spread = axis_spread(mesh, host_of(mesh, hw.gpus_per_node) if nodes is None else nodes)
+    out = {}
+    for axis, s in spread.items():
+        words = ([f"{s['in_host']} in-node ({intra})"] if s["in_host"] > 1 else []) + \
+            ([f"{s['hosts']} across nodes ({network})"] if s["hosts"] > 1 else [])
+        out[axis] = {"in_node": s["in_host"], "nodes": s["hosts"],
+                     "links": " x ".join(words) or "1 (no communication)"}
+    return out
 
 
 def ring_hops(kind: str, n: int) -> int:
@@ -79,7 +104,8 @@ def ring_latency(kind: str, n: int, nodes: int, hw: Part) -> float:
 def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
     """Seconds of one (aggregated) collective: `op` has kind, axes, group_size, ring_bytes
     and count (how many times it runs per step)."""
-    nodes, per_node = group_nodes(mesh, op["axes"], hw.gpus_per_node)
+    nodes, per_node = (op["nodes"], op["members_per_node"]) if "nodes" in op else \
+        group_nodes(mesh, op["axes"], hw.gpus_per_node)
     inter = nodes > 1
     rate = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth) if inter else \
         hw.intra_node_bandwidth
@@ -90,12 +116,14 @@ def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
 
 
 def aggregate(ops: list[dict]) -> list[dict]:
-    """Collectives (jaxdist.program.comm.collectives entries) summed by (kind, axes, group size)."""
+    """Collectives (jaxdist.program.comm.collectives entries) summed by (kind, axes, group
+    size, and the nodes they span where known)."""
     out: dict = {}
     for op in ops:
-        key = (op["kind"], tuple(op["axes"]), op["group_size"])
+        spans = {k: op[k] for k in ("nodes", "members_per_node") if k in op}
+        key = (op["kind"], tuple(op["axes"]), op["group_size"], *spans.values())
         row = out.setdefault(key, {"kind": key[0], "axes": list(key[1]), "group_size": key[2],
-                                   "count": 0, "bytes": 0, "ring_bytes": 0.0,
+                                   **spans, "count": 0, "bytes": 0, "ring_bytes": 0.0,
                                    "upper_bound": False, "async": False})
         row["count"] += op.get("times", 1)
         row["bytes"] += op["bytes"]

@@ -176,15 +176,28 @@ def _spanned_axes(names: list[str], sizes: list[int], devices_by_link) -> list[s
     return [a for i, a in enumerate(names) if i in axes]
 
 
+def spread(links, hosts) -> tuple[int, int]:
+    """(hosts a link spans, fewest of its devices in one of them) of the worst link (a
+    group, or a source-target pair): most hosts first, then fewest devices in one;
+    `hosts[i]`: the host of logical device i."""
+    worst = (1, max((len(link) for link in links), default=1))
+    for link in links:
+        _, counts = np.unique(np.asarray(hosts)[list(link)], return_counts=True)
+        worst = max(worst, (len(counts), int(counts.min())), key=lambda t: (t[0], -t[1]))
+    return worst
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int],
-                branch_runs: dict[str, float] | None = None) -> list[dict]:
+                branch_runs: dict[str, float] | None = None, hosts=None) -> list[dict]:
     """One entry per collective in the optimized HLO, each counted once: a sync op, the
     `-start` of an async pair (never its `-done`), or the collective inside an async-start's
     wrapped computation (never the async-start/-done around it). `bytes` is the collective's
     buffer (all-gather: the gathered result; reduce-scatter: the operand; all-reduce,
     all-to-all, collective-permute: the array moved; a combined op: the sum of its arrays)
     times `times`, how often it runs per step (`upper_bound`: inside a conditional branch
-    whose frequency `branch_runs` does not give; see execution_counts)."""
+    whose frequency `branch_runs` does not give; see execution_counts). With `hosts` (the
+    host of each logical device: program_reading.hosts), `nodes` and `members_per_node`
+    say which hosts its groups (or pairs) actually span (`spread`)."""
     names = list(mesh_shape)
     sizes = [mesh_shape[a] for a in names]
     everyone = list(range(math.prod(sizes)))
@@ -207,6 +220,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
             groups = replica_groups(line) or [everyone]
             n = len(groups[0])
             links = groups[:1]
+            moving = groups
         if n <= 1:
             continue  # a group of one (XLA:CPU emits such all-reduces): nothing moves
         if kind == "reduce-scatter":
@@ -227,6 +241,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
                     "axes": _spanned_axes(names, sizes, links),
                     "ring_bytes": buffer * times * _ring_factor(kind, n),
                     "upper_bound": current in guessed,
+                    **(dict(zip(("nodes", "members_per_node"), spread(moving, hosts)))
+                       if hosts is not None else {}),
                     "async": op.endswith("-start") or current in wrapped,
                     "dtypes": sorted(set(re.findall(r"\b(bf16|f16|f32|f64|s32|u32|s8|u8|"
                                                     r"f8e4m3fn|f8e5m2|pred)\[",

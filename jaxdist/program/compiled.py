@@ -40,6 +40,7 @@ class Target:
     label: str
     device_less: bool = False
     part: str | None = None
+    gpus_per_node: int = 0  # simulated devices standing for a part's nodes (0: one host)
 
     @property
     def gpu(self) -> bool:
@@ -96,10 +97,13 @@ def gpu_topology(hw, num_devices: int) -> Target:
     derived = f" ({spec.derived})" if spec.derived else ""
     return Target("XLA:GPU", devices,
                   f"XLA:GPU {spec.sm}, compiled without a device, {hosts} host(s) x "
-                  f"{per_host} {hw.name}{derived}", device_less=True, part=hw.name)
+                  f"{per_host} {hw.name}{derived}", device_less=True, part=hw.name,
+                  gpus_per_node=per_host)
 
 
-def simulated_cpu(num_devices: int, why: str = "") -> Target:
+def simulated_cpu(num_devices: int, why: str = "", gpus_per_node: int = 0) -> Target:
+    """`num_devices` simulated CPU devices of one process; `gpus_per_node`: the nodes of a
+    part they stand for (the hosts a collective's groups span, `program_reading.hosts`)."""
     import jax
 
     devices = tuple(jax.devices("cpu")[:num_devices])
@@ -107,7 +111,7 @@ def simulated_cpu(num_devices: int, why: str = "") -> Target:
         raise UsageError(f"{num_devices} simulated CPU devices are needed, {len(devices)} "
                          f"exist (the CPU device count is fixed once JAX has started)")
     return Target("XLA:CPU", devices, f"XLA:CPU on {num_devices} simulated CPU devices" +
-                  (f" ({why})" if why else ""))
+                  (f" ({why})" if why else ""), gpus_per_node=gpus_per_node)
 
 
 def run_devices(platform) -> Target:
@@ -128,11 +132,27 @@ def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
     if choice not in COMPILERS:
         raise UsageError(f"unknown --compiler {choice!r}; choose from {', '.join(COMPILERS)}")
     if choice == "cpu":
-        return simulated_cpu(num_devices, "--compiler cpu")
+        return simulated_cpu(num_devices, "--compiler cpu", hw.gpus_per_node)
     missing = gpu_compiler_missing()
     if missing and choice == "auto":
-        return simulated_cpu(num_devices, "GPU compiler not installed")
+        return simulated_cpu(num_devices, "GPU compiler not installed", hw.gpus_per_node)
     return gpu_topology(hw, num_devices)
+
+
+def mesh_hosts(shape, target: Target):
+    """The host of every position of `shape`'s mesh (an array over its axes) as a compile
+    for `target` builds it: the process of each device where its devices span several (a
+    run's processes, a device-less topology's hosts), else the part's nodes the simulated
+    devices stand for (jaxdist.mesh.placement), else one host."""
+    import numpy as np
+
+    from jaxdist.mesh import build_mesh, host_of
+
+    devices = build_mesh(shape, target.devices[:shape.size]).devices
+    process = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
+    if len(np.unique(process)) > 1:
+        return np.unique(process, return_inverse=True)[1].reshape(devices.shape)
+    return host_of(shape.axis_sizes, target.gpus_per_node or shape.size)
 
 
 def step_program(cfg, model_cfg, mesh):

@@ -106,10 +106,34 @@ def read(compiled, target, axis_sizes: dict[str, int],
             "xla_cost": {"flops": float(cost.get("flops", 0.0)),
                          "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
                          "note": "XLA's HloCostAnalysis: a while body counted once"},
-            "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs),
+            "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs,
+                                            hosts(compiled, target, axis_sizes)),
             "memory": memory_bytes(compiled),
             "kernels": inventory["kernels"], "kernels_upper_bound": inventory["upper_bound"],
             "compile_s": compile_s}
+
+
+def hosts(compiled, target, axis_sizes: dict[str, int]):
+    """The host of each of the program's devices, by logical id (the replica groups' ids:
+    the device assignment, its mesh's devices in order): the process of each device of the
+    mesh the program was compiled for where they span several (a run's processes, the hosts
+    of a device-less XLA:GPU topology); else, for simulated devices standing for a part's
+    nodes, that part's nodes as jaxdist.mesh places the mesh on them; else None (one host)."""
+    import jax
+    import numpy as np
+
+    from jaxdist.mesh import host_of
+
+    n = math.prod(axis_sizes.values())
+    meshes = [s.mesh for s in jax.tree.leaves(compiled.input_shardings)
+              if getattr(s, "mesh", None) is not None and s.mesh.devices.size == n]
+    if meshes:
+        process = np.array([d.process_index for d in meshes[0].devices.flat])
+        if len(set(process.tolist())) > 1:
+            return np.unique(process, return_inverse=True)[1]
+    if getattr(target, "gpus_per_node", 0):
+        return host_of(axis_sizes, target.gpus_per_node).ravel()
+    return None
 
 
 def memory_bytes(compiled) -> dict:
