@@ -56,7 +56,7 @@ def test_selective_op_keeps_every_other_matmul_and_the_attention_output():
     block, x = _block_and_input()
     saved = _saved(block, x, "selective_op")
     assert _named(saved) == {"matmul_1": (B, L, 32), "matmul_3": (B, L, 16),
-                             "matmul_5": (B, L, 48), "attention": (B, L, 4, 8)}
+                             "matmul_5": (B, L, 48), "context": (B, L, 4, 8)}
     # else only the block's input and the parameters
     assert [source for _, source in saved if not source.startswith(("named '", "from the "
                                                                     "argument"))] == []
@@ -111,7 +111,7 @@ def test_selective_op_keeps_cudnn_attention_outputs():
     saved = _saved(block, x, "selective_op")
     kernel = [aval.shape for aval, source in saved if "dot_product_attention_fwd" in source]
     assert sorted(kernel, key=len) == [(B, 4, L), (B, L, 4, 8)]
-    assert "attention" not in _named(saved)
+    assert "context" not in _named(saved)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
