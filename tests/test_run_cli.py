@@ -78,6 +78,11 @@ BAD = [
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--batch-size", "-4"], "--batch-size must be a positive integer"),
     (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--remat", "custom"], "--remat: invalid choice: 'custom' (choose from 'none', 'full', "
+                            "'dots', 'selective_op', 'minimal', 'minimal_flash', "
+                            "'save_dot_with_context_except_mlp', 'save_dot_except_mlpwi', "
+                            "'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj', "
+                            "'minimal_offloaded', 'qkv_proj_offloaded')"),
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--model-opts", "depth=2,colour=blue"], "has no option 'colour'"),
     (["--layout", "tp", "--mesh", "2x2x2"], "layout 'tp' applies to gpt, moe models, not 'mlp'"),
