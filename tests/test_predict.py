@@ -680,3 +680,35 @@ def test_predict_output_paths_are_checked_before_predicting(tmp_path, capsys):
         f"ranking.json or */plan.json); choose a new or empty folder, or an earlier suite's "
         f"to resume it"]
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+HOST_COPY_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: bf16[4096,4096], w: bf16[4096,4096]) -> (bf16[4096,4096], bf16[4096,4096]) {
+  %p = bf16[4096,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %cs = (bf16[4096,4096]{1,0:S(5)}, bf16[4096,4096]{1,0}, u32[]) copy-start(%p)
+  %d = bf16[4096,4096]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cd = bf16[4096,4096]{1,0:S(5)} copy-done(%cs)
+  ROOT %t = (bf16[4096,4096]{1,0:S(5)}, bf16[4096,4096]{1,0}) tuple(%cd, %d)
+}
+"""
+
+
+def test_host_memory_copies_are_timed_over_pcie_and_wait_where_uncovered():
+    """An offloading remat policy's copy to host memory (memory space S(5) in XLA:GPU's
+    program) is an asynchronous transfer over PCIe, not an HBM kernel: its seconds are its
+    bytes over the host link (Gen5 x16 at link_efficiency), and the part the dot between its
+    start and done does not cover is device time the step waits."""
+    from jaxdist.predict import kernels_time
+
+    hw = get_hardware("h100-sxm")
+    t = kernels_time.step_time(HOST_COPY_HLO, [], hw, {"data": 1})
+    copy_s = 4096 * 4096 * 2 / (constant("host_link_bandwidth_hopper")
+                                * constant("link_efficiency"))
+    dot_s = t["compute_s"] + t["launch_s"]
+    assert t["host_transfer_s"] == pytest.approx(copy_s)
+    assert 0 < dot_s < copy_s  # the dot hides part of it
+    assert t["exposed_host_transfer_s"] == pytest.approx(copy_s - dot_s)
+    assert t["device_s"] == pytest.approx(copy_s)
+    assert "copy" not in t["by_kind"]  # no HBM copy kernel

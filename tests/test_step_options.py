@@ -56,7 +56,7 @@ def _plain_losses(model):
 
 # MaxText's named policies (models.layers REMAT_NAMES) keep or offload other values; the
 # numbers are no-remat's. The offloading ones run on XLA:CPU, where host memory is device
-# memory: JAX places nothing apart there (the XLA:GPU program holds the copies).
+# memory: XLA:CPU compiles the placement away (the XLA:GPU program holds the copies).
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
 @pytest.mark.parametrize("policy", NAMED_REMATS)
 def test_named_remat_equals_no_remat(model, policy):
