@@ -166,12 +166,19 @@ def test_residuals_classified_hand_built():
     at_2b = [{**r, "bytes": r["bytes"] * (1 if r["shape"] == (8, 32) else 2)} for r in at_b]
     flash = memory.classify(at_b, at_2b, L, flash=True)
     assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
-                     "largest_batch_bytes": 25600, "largest_constant_bytes": 512}
+                     "host_bytes": 0, "largest_batch_bytes": 25600,
+                     "largest_constant_bytes": 512}
     kept = memory.classify(at_b, at_2b, L, flash=False)
     assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
     # 8 devices hold the batch: activations split, the weight copy whole
     assert memory.per_device(flash, 8) == {"residual_bytes": 26624 / 8 + 512,
+                                          "host_residual_bytes": 0.0,
                                           "largest_bytes": 25600 / 8}
+    # a residual the remat policy offloads is host bytes, not device bytes
+    moved = [{**r, "host": r["shape"] == (4, L, 8)} for r in at_b]
+    offloaded = memory.classify(moved, at_2b, L, flash=True)
+    assert offloaded["host_bytes"] == 1024 and offloaded["batch_bytes"] == 25600
+    assert memory.per_device(offloaded, 8)["host_residual_bytes"] == 1024 / 8
     assert memory.batch_shards({"data": 2, "fsdp": 4, "tensor": 2}) == 8
     with pytest.raises(ValueError):
         memory.classify(at_b, at_2b[:2], L, flash=False)
