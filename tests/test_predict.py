@@ -168,6 +168,10 @@ def test_residuals_classified_hand_built():
     assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
                      "host_bytes": 0, "largest_batch_bytes": 25600,
                      "largest_constant_bytes": 512}
+    # an activation as wide as the sequence is long is no score (llama3-70b: 8192 and 8192)
+    square = [{"shape": (4, L, L), "dtype": "bfloat16", "bytes": 2048}]
+    assert memory.classify(square, [{**square[0], "bytes": 4096}], L, flash=True)[
+        "batch_bytes"] == 2048
     kept = memory.classify(at_b, at_2b, L, flash=False)
     assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
     # 8 devices hold the batch: activations split, the weight copy whole

@@ -92,8 +92,9 @@ def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
 
 def is_attention_scores(shape, seq_len: int) -> bool:
     """An L x L attention tensor (scores, softmax, mask): two dimensions of the sequence
-    length."""
-    return seq_len > 1 and sum(d == seq_len for d in shape) >= 2
+    length, beside batch and heads (4 or more dimensions: a [batch, L, width] activation
+    whose width equals L, llama3-70b's 8192 and 8192, is not one)."""
+    return seq_len > 1 and len(shape) >= 4 and sum(d == seq_len for d in shape) >= 2
 
 
 def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None, flash: bool) -> dict:
