@@ -15,8 +15,8 @@ attention scores, which cuDNN's flash attention does not keep), scaled to the co
 with --remat full each block's input; with --remat dots its input and its matmuls' outputs
 (q, k, v, the scores unless flash, attention output, projection, MLP up and down:
 L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named values it
-keeps in device memory that a backward reads (`named_saved_bytes`; offloaded ones are in host
-memory). b = batch / (M x batch shards). Received activations and gradients in
+keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
+jaxdist.pipeline.checks). b = batch / (M x batch shards). Received activations and gradients in
 flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
 activations (the block being differentiated, recomputed under --remat).
 """
