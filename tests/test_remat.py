@@ -104,11 +104,14 @@ def test_sequence_parallel_block_counts_its_row_matmuls_and_names_its_reduce_sca
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                     reason="tracing cuDNN attention needs jax's CUDA plugin (make gpu-compiler)")
-def test_selective_op_keeps_cudnn_attention_outputs():
+@pytest.mark.parametrize("remat", ["selective_op", "minimal_flash",
+                                   "save_dot_with_context_except_mlp"])
+def test_context_policies_keep_cudnn_attention_outputs(remat):
     """With cuDNN's flash attention the kernel's own outputs are kept (output and
-    logsumexp, what its backward reads; torchtitan keeps SDPA's), not a named copy."""
+    logsumexp, what its backward reads; torchtitan keeps SDPA's, MaxText's `context`), not a
+    named copy."""
     block, x = _block_and_input(jnp.bfloat16, attention="cudnn")
-    saved = _saved(block, x, "selective_op")
+    saved = _saved(block, x, remat)
     kernel = [aval.shape for aval, source in saved if "dot_product_attention_fwd" in source]
     assert sorted(kernel, key=len) == [(B, 4, L), (B, L, 4, 8)]
     assert "context" not in _named(saved)
