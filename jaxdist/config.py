@@ -83,8 +83,14 @@ class TrainConfig:
     remat: str = _opt("none", "activation recomputation per block (the decoders: gpt, "
                       "llama and moe models): full keeps block inputs, dots also every "
                       "matmul output, selective_op every other matmul output and the "
-                      "attention's (torchtitan's op-level selective AC)",
-                      choices=("none", "full", "dots", "selective_op"))
+                      "attention's (torchtitan's op-level selective AC); MaxText's policies "
+                      "by name keep (or, *_offloaded, move to host memory) the block's named "
+                      "projections: docs/running.md lists what each keeps",
+                      choices=("none", "full", "dots", "selective_op", "minimal",
+                               "minimal_flash", "save_dot_with_context_except_mlp",
+                               "save_dot_except_mlpwi", "save_dot_except_mlp",
+                               "save_qkv_proj", "save_out_proj", "minimal_offloaded",
+                               "qkv_proj_offloaded"))
     pp_schedule: str = _opt("1f1b", "pipeline schedule of the pp, tp_pp and fsdp_pp layouts "
                             "over --microbatches: gpipe (all forwards, then all backwards; "
                             "M activations live), 1f1b (one forward, one backward; about S "

@@ -81,6 +81,13 @@ MODEL_CONSTANTS: dict[str, Constant] = {
         9.6e-6, "per ring step that crosses nodes (NCCL counts nNodes - 1 of them for an "
         "all-gather, 2 (nNodes - 1) for an all-reduce): hwLat[NET][Ring][Simple] = 9.6 us in "
         + _NCCL),
+    "host_link_bandwidth_hopper": Constant(
+        64e9, "bytes/s one way between a GPU and its host's pinned memory (remat offload's "
+        "copies): PCIe Gen5 x16, 128 GB/s both ways on the H100 and H200 SXM datasheets; "
+        "timed at link_efficiency of it"),
+    "host_link_bandwidth_ampere": Constant(
+        32e9, "bytes/s one way between a GPU and its host's pinned memory: PCIe Gen4 x16, "
+        "64 GB/s both ways on the A100 datasheet; timed at link_efficiency of it"),
     "power_cap_clock_exponent": Constant(
         1 / 3, "a power-limited GPU runs its compute at the clock where its dynamic power meets "
         "the cap; CMOS dynamic power is C V^2 f and, along the DVFS curve, V rises in proportion "

@@ -156,6 +156,9 @@ def compiled_memory(compiled) -> dict | None:
         "alias_bytes": m.alias_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes,
         "generated_code_bytes": m.generated_code_size_in_bytes,
+        # host memory the program holds (saved activations a remat policy offloads),
+        # not device memory: not in peak_bytes
+        "host_temp_bytes": getattr(m, "host_temp_size_in_bytes", 0),
     }
     fields = {k: int(v) for k, v in fields.items()}
     fields["peak_bytes"] = (fields["argument_bytes"] + fields["output_bytes"]

@@ -78,8 +78,8 @@ def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None):
     """softmax(q k^T / sqrt(H), causal) v, with fewer kv heads than query heads (GQA)
     taken directly; cuDNN's kernel with q, k and v sharded alike (see the module doc)."""
     if implementation == "cudnn":
-        # its outputs are kept by the selective_op remat policy as the kernel's own
-        # (models.layers), so no name here: a named copy would count twice
+        # its outputs are kept by the remat policies that keep `context` as the kernel's
+        # own (models.layers), so no name here: a named copy would count twice
         return sharded_alike(_cudnn, q_BLNH, k_BLKH, v_BLKH)
     return checkpoint_name(jax.nn.dot_product_attention(
-        q_BLNH, k_BLKH, v_BLKH, is_causal=True, implementation=implementation), "attention")
+        q_BLNH, k_BLKH, v_BLKH, is_causal=True, implementation=implementation), "context")

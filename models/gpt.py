@@ -16,9 +16,9 @@ import optax
 from flax import nnx
 
 from jaxdist.errors import UsageError
-from models.layers import (BLD, BLF, BLH, BLNH, BLV, REMAT_POLICIES, PreNormBlock,
+from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNormBlock,
                            block_runner, constrain, embed, layer_norm, linear, lookup,
-                           ordered_backward)
+                           ordered_backward, tagged)
 from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
@@ -32,7 +32,7 @@ class CausalSelfAttention(nnx.Module):
         self.q = linear(width, width, dtype=dtype, rngs=rngs)
         self.k = linear(width, width, dtype=dtype, rngs=rngs)
         self.v = linear(width, width, dtype=dtype, rngs=rngs)
-        self.out = linear(width, width, dtype=dtype, rngs=rngs)
+        self.out = linear(width, width, tag="out_proj", dtype=dtype, rngs=rngs)
 
     row = "out"  # the row-parallel projection (models/sequence_parallel.py)
 
@@ -40,8 +40,9 @@ class CausalSelfAttention(nnx.Module):
         """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
         B, L, D = x_BLD.shape
         # -1 heads: under sequence parallelism this runs on one device's heads only
-        q_BLNH, k_BLNH, v_BLNH = (constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads),
-                                            *BLNH) for proj in (self.q, self.k, self.v))
+        q_BLNH, k_BLNH, v_BLNH = (
+            tagged(constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads), *BLNH), tag)
+            for proj, tag in zip((self.q, self.k, self.v), QKV))
         y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
@@ -51,8 +52,8 @@ class CausalSelfAttention(nnx.Module):
 
 class MLPBlock(nnx.Module):
     def __init__(self, width: int, hidden: int, *, dtype, rngs):
-        self.up = linear(width, hidden, dtype=dtype, rngs=rngs)
-        self.down = linear(hidden, width, dtype=dtype, rngs=rngs)
+        self.up = linear(width, hidden, tag="mlpwi", dtype=dtype, rngs=rngs)
+        self.down = linear(hidden, width, tag="mlpwo", dtype=dtype, rngs=rngs)
 
     row = "down"
 

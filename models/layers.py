@@ -71,15 +71,25 @@ def rms_norm(d, *, epsilon=1e-5, dtype, rngs):
 class Linear(nnx.Linear):
     """nnx.Linear whose output carries its place among the matmuls of the block being traced
     (`matmul_1`, `matmul_2`, ... in call order, `counted_matmuls`), for the remat policy
-    that keeps every other one (REMAT_POLICIES["selective_op"])."""
+    that keeps every other one (REMAT_POLICIES["selective_op"]), and its `tag` (a name of
+    REMAT_NAMES' policies: `out_proj`, `mlpwi`, ...) where it has one."""
+
+    def __init__(self, *args, tag: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
 
     def __call__(self, x):
-        return counted(super().__call__(x))
+        return tagged(counted(super().__call__(x)), self.tag)
 
 
-def linear(a, b, *, bias=True, init=LECUN_NORMAL, dtype, rngs):
+def linear(a, b, *, bias=True, init=LECUN_NORMAL, tag=None, dtype, rngs):
     return Linear(a, b, use_bias=bias, kernel_init=init, dtype=dtype,
-                  param_dtype=jnp.float32, rngs=rngs)
+                  param_dtype=jnp.float32, rngs=rngs, tag=tag)
+
+
+def tagged(y, tag: str | None):
+    """y named `tag` for the remat policies (REMAT_NAMES); y itself for no tag."""
+    return y if tag is None else checkpoint_name(y, tag)
 
 
 def embed(n, d, *, dtype, rngs):
@@ -154,12 +164,58 @@ def _cudnn_attention_forward(prim, *_, **__) -> bool:
 # inside the policy, since JAX may consult a policy more than once per equation.
 _SELECTIVE_OP = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(
-        "attention", "reduce_scatter", *(f"matmul_{k}" for k in range(1, 128, 2))),
+        "context", "reduce_scatter", *(f"matmul_{k}" for k in range(1, 128, 2))),
     _cudnn_attention_forward)
+
+# MaxText's remat policies by name (its decoders' get_remat_policy), over the values every
+# decoder block here names as MaxText's do: `query_proj`, `key_proj`, `value_proj` (q, k, v as
+# the attention reads them: after RoPE), `context` (the attention's output, before its output
+# projection; under cuDNN the kernel's own outputs), `out_proj` (the attention's output
+# projection), `mlpwi` (GPT's one up projection) or `mlpwi_0` / `mlpwi_1` (SwiGLU's gate and
+# up, also the MoE experts'), `mlpwo` (the MLP's down projection). Under sequence parallelism
+# `out_proj` and `mlpwo` are the reduce-scattered sequence shards. (MaxText's `qkv_proj`
+# names a fused q/k/v projection, which no decoder here has.)
+# policy -> (names kept in device memory, names moved to host memory for the backward)
+QKV = ("query_proj", "key_proj", "value_proj")
+MLP = ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo")
+REMAT_NAMES = {
+    "minimal": ((*QKV, "out_proj", *MLP), ()),
+    "minimal_flash": ((*QKV, "context", "out_proj", *MLP), ()),
+    "save_dot_with_context_except_mlp": ((*QKV, "context", "out_proj"), ()),
+    "save_dot_except_mlpwi": ((*QKV, "out_proj", "mlpwo"), ()),
+    "save_dot_except_mlp": ((*QKV, "out_proj"), ()),
+    "save_qkv_proj": (QKV, ()),
+    "save_out_proj": (("out_proj",), ()),
+    "minimal_offloaded": ((), (*QKV, "out_proj", *MLP)),
+    "qkv_proj_offloaded": ((), QKV),
+}
+
+
+def named_policy(saved: tuple[str, ...], offloaded: tuple[str, ...]):
+    """A jax.checkpoint policy keeping `saved` in device memory and moving `offloaded` to
+    pinned host memory (copies in the XLA program, back before the backward reads them);
+    `context` also keeps cuDNN attention's outputs, which carry no name."""
+    if offloaded:
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(saved), names_which_can_be_offloaded=list(offloaded),
+            offload_src="device", offload_dst="pinned_host")
+    else:
+        policy = jax.checkpoint_policies.save_only_these_names(*saved)
+    if "context" in saved:
+        policy = jax.checkpoint_policies.save_from_both_policies(policy,
+                                                                 _cudnn_attention_forward)
+    return policy
+
 
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots,
-                  "selective_op": _SELECTIVE_OP}
+                  "selective_op": _SELECTIVE_OP,
+                  **{name: named_policy(*kept) for name, kept in REMAT_NAMES.items()}}
+
+
+def offloads(remat: str) -> bool:
+    """Whether a remat policy moves saved values to host memory."""
+    return bool(REMAT_NAMES.get(remat, ((), ()))[1])
 
 
 BLOCK_SCOPE = "block_{}"  # a decoder block's name scope (run_blocks)
@@ -234,7 +290,7 @@ def block_runner(block_cls, remat: str):
     """`block_cls.__call__` with its matmuls counted, and with remat its nnx.remat: the
     backward pass recomputes each block's activations instead of keeping them ("full" keeps
     only block inputs, "dots" also every matmul output, "selective_op" every other one and
-    the attention's outputs)."""
+    the attention's outputs, MaxText's names what REMAT_NAMES says)."""
     def run(block, *args):
         with counted_matmuls():
             return block_cls.__call__(block, *args)

@@ -17,7 +17,7 @@ from jaxdist.errors import UsageError
 from models.attention import causal_attention
 from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
-                           constrain, embed, linear, lookup, rms_norm)
+                           constrain, embed, linear, lookup, rms_norm, tagged)
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -42,7 +42,7 @@ class Attention(nnx.Module):
         self.q = linear(cfg.width, cfg.heads * head_dim, **kw)
         self.k = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
         self.v = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
-        self.out = linear(cfg.heads * head_dim, cfg.width, **kw)
+        self.out = linear(cfg.heads * head_dim, cfg.width, tag="out_proj", **kw)
 
     row = "out"  # the row-parallel projection (models/sequence_parallel.py)
 
@@ -54,9 +54,12 @@ class Attention(nnx.Module):
         B, L, D = x_BLD.shape
         hd = D // self.heads
         # -1 heads: under sequence parallelism this runs on one device's heads only
-        q_BLNH = rope(constrain(self.q(x_BLD).reshape(B, L, -1, hd), *BLNH), self.theta)
-        k_BLKH = rope(constrain(self.k(x_BLD).reshape(B, L, -1, hd), *BLKH), self.theta)
-        v_BLKH = constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH)
+        # named as the attention reads them (MaxText's query_proj, ...: after RoPE)
+        q_BLNH = tagged(rope(constrain(self.q(x_BLD).reshape(B, L, -1, hd), *BLNH),
+                             self.theta), "query_proj")
+        k_BLKH = tagged(rope(constrain(self.k(x_BLD).reshape(B, L, -1, hd), *BLKH),
+                             self.theta), "key_proj")
+        v_BLKH = tagged(constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH), "value_proj")
         # fewer key/value heads than query heads (GQA) are taken directly
         y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
@@ -65,9 +68,9 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     def __init__(self, width: int, hidden: int, *, dtype, rngs):
         kw = dict(bias=False, dtype=dtype, rngs=rngs)
-        self.gate = linear(width, hidden, **kw)
-        self.up = linear(width, hidden, **kw)
-        self.down = linear(hidden, width, **kw)
+        self.gate = linear(width, hidden, tag="mlpwi_0", **kw)
+        self.up = linear(width, hidden, tag="mlpwi_1", **kw)
+        self.down = linear(hidden, width, tag="mlpwo", **kw)
 
     row = "down"
 

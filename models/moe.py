@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLV, block_runner, check_choice, constrain, lookup,
-                           rms_norm, run_blocks)
+                           rms_norm, run_blocks, tagged)
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 from sharding.axes import batch_axes
@@ -124,9 +124,9 @@ def _ragged_experts(in_EBCD, gate, up, down):
         E, B, C, D = x_EBCD.shape
         sizes = jnp.full((E,), B * C, jnp.int32)
         x_MD = x_EBCD.reshape(E * B * C, D)
-        h_MH = (nnx.silu(jax.lax.ragged_dot(x_MD, g_EDH, sizes))
-                * jax.lax.ragged_dot(x_MD, u_EDH, sizes))
-        out_MD = jax.lax.ragged_dot(h_MH, d_EHD, sizes)
+        h_MH = (nnx.silu(tagged(jax.lax.ragged_dot(x_MD, g_EDH, sizes), "mlpwi_0"))
+                * tagged(jax.lax.ragged_dot(x_MD, u_EDH, sizes), "mlpwi_1"))
+        out_MD = tagged(jax.lax.ragged_dot(h_MH, d_EHD, sizes), "mlpwo")
         if tensor:
             out_MD = jax.lax.psum(out_MD, "tensor")
         return out_MD.reshape(E, B, C, D)
@@ -196,9 +196,11 @@ class MoE(nnx.Module):
     def _experts(self, in_EBCD):
         """The SwiGLU experts as batched GEMMs over [experts, batch x capacity] buffers."""
         cast = lambda t: t.astype(self.dtype)  # noqa: E731
-        h_EBCH = (nnx.silu(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.gate[...])))
-                  * jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.up[...])))
-        return _to_experts(jnp.einsum("ebch,ehd->ebcd", h_EBCH, cast(self.down[...])))
+        h_EBCH = (nnx.silu(tagged(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.gate[...])),
+                                  "mlpwi_0"))
+                  * tagged(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.up[...])), "mlpwi_1"))
+        return _to_experts(tagged(jnp.einsum("ebch,ehd->ebcd", h_EBCH, cast(self.down[...])),
+                                  "mlpwo"))
 
     def _dense(self, x_BLD, idx_BLk, gates_BLk, capacity):
         """GShard's dispatch and combine einsums over one-hot [B, L, E, C] tensors."""

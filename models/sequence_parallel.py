@@ -32,7 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from models.layers import PreNormBlock, counted, run_blocks
+from models.layers import PreNormBlock, counted, run_blocks, tagged
 
 
 
@@ -183,8 +183,9 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
                                            precision=row.precision))
             if scattered is not None:
                 part, _ = jax.lax.optimization_barrier((part, scattered))
-            scattered = checkpoint_name(jax.lax.psum_scatter(
-                part, "tensor", scatter_dimension=1, tiled=True), "reduce_scatter")
+            # the row projection's name (out_proj, mlpwo) on its sequence shard
+            scattered = tagged(checkpoint_name(jax.lax.psum_scatter(
+                part, "tensor", scatter_dimension=1, tiled=True), "reduce_scatter"), row.tag)
             outs.append(scattered if bias is None else scattered + bias)
         return tuple(outs)
 

@@ -491,3 +491,27 @@ def test_ordered_temporaries_extrapolate_from_the_live_ranges_to_a_whole_compile
                                                          rel=0.05)
     for key in ("argument_bytes", "output_bytes", "alias_bytes"):
         assert line["memory"][key] == whole["memory"][key]
+
+
+def test_offloading_remat_holds_host_buffers_and_the_plan_counts_them_apart():
+    """minimal_offloaded (models.layers REMAT_NAMES) on XLA:GPU: the program holds host
+    buffers (its copies to memory space S(5)), minimal's none; the hand estimate keeps full's
+    residuals in device memory and what minimal keeps beyond them in host memory (a depth-1
+    llama: the same values, JAX's trace places them), and the copies are timed over PCIe."""
+    from jaxdist.config import OutputConfig
+    from jaxdist.plan.predicted import predict_plan
+
+    def plan(remat):
+        return predict_plan(RunConfig(
+            mesh=MeshConfig(mesh="1x8"),
+            model=ModelConfig(model="llama-tiny", model_opts="depth=1", dtype="bfloat16"),
+            train=TrainConfig(layout="fsdp", batch_size=8, remat=remat),
+            output=OutputConfig(dry_run=True, hardware="h100-sxm")), parse_mesh("1x8"))
+
+    kept, moved, full = plan("minimal"), plan("minimal_offloaded"), plan("full")
+    assert kept["compiled"]["memory"]["host_temp_bytes"] == 0
+    assert moved["compiled"]["memory"]["host_temp_bytes"] > 0
+    assert moved["memory"]["residual_bytes"] == full["memory"]["residual_bytes"]
+    assert moved["memory"]["host_residual_bytes"] == \
+        kept["memory"]["residual_bytes"] - full["memory"]["residual_bytes"] > 0
+    assert kept["time"]["host_transfer_s"] == 0 < moved["time"]["host_transfer_s"]

@@ -56,12 +56,14 @@ def test_every_constant_says_why():
         "compute_efficiency_hopper", "compute_efficiency_ampere",
         "kernel_efficiency_hopper", "kernel_efficiency_ampere", "hbm_efficiency",
         "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
-        "network_hop_latency_s", "power_cap_clock_exponent"}
+        "network_hop_latency_s", "power_cap_clock_exponent", "host_link_bandwidth_hopper",
+        "host_link_bandwidth_ampere"}
     # every part names an efficiency and an intra-node link that have a constant
     for hw in map(parts.NAMED.get, parts.PREDICTABLE):
         assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
         assert f"kernel_efficiency_{hw.efficiency}" in MODEL_CONSTANTS
         assert f"{hw.intra_node_link}_hop_latency_s" in MODEL_CONSTANTS
+        assert f"host_link_bandwidth_{hw.efficiency}" in MODEL_CONSTANTS
     assert all(len(c.why) > 40 for c in MODEL_CONSTANTS.values())
 
 

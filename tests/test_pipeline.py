@@ -415,3 +415,19 @@ def test_multi_host_stage_placement_keeps_tensor_in_a_host():
     array = hybrid_device_array(MeshShape(1, stage=2, tensor=8), hosts(4, 4))
     assert [[d.process_index for d in array[s, 0, 0]] for s in range(2)] == \
         [[0] * 4 + [1] * 4, [2] * 4 + [3] * 4]
+
+
+@pytest.mark.parametrize("remat,widths", [
+    ("save_qkv_proj", 8192 + 2 * 1024),                         # q, k, v (8 kv heads of 128)
+    ("minimal", 8192 + 2 * 1024 + 8192 + 2 * 28672)])          # + out_proj, gate, up
+def test_pipeline_plan_stashes_what_a_named_policy_keeps(remat, widths):
+    """MaxText's named policies in a pipeline plan: each micro-batch in flight keeps, per
+    block of a chunk, its input and the named values the policy keeps, at their widths per
+    token (mlpwo none: no backward reads it). The offloading ones are refused (the stash
+    is device buffers: jaxdist.pipeline.checks.check_remat, test_run_cli)."""
+    p = _plan("--model", "llama3-70b", "--model-opts", "depth=8", "--layout", "pp", "--mesh",
+              "stage:4", "--microbatches", "8", "--batch-size", "8", "--dtype", "bfloat16",
+              "--remat", remat)
+    L, D, K, slots = 8192, 8192, 2, min(8, 2 * 4 - 1)  # one row per micro-batch, bf16
+    act = L * D * 2
+    assert p["stages"][0]["activation_stash"] == act + slots * K * (act + L * widths * 2)

@@ -237,12 +237,23 @@ def test_residuals_classified_hand_built():
     at_2b = [{**r, "bytes": r["bytes"] * (1 if r["shape"] == (8, 32) else 2)} for r in at_b]
     flash = memory.classify(at_b, at_2b, L, flash=True)
     assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
-                     "largest_batch_bytes": 25600, "largest_constant_bytes": 512}
+                     "host_bytes": 0, "largest_batch_bytes": 25600,
+                     "largest_constant_bytes": 512}
+    # an activation as wide as the sequence is long is no score (llama3-70b: 8192 and 8192)
+    square = [{"shape": (4, L, L), "dtype": "bfloat16", "bytes": 2048}]
+    assert memory.classify(square, [{**square[0], "bytes": 4096}], L, flash=True)[
+        "batch_bytes"] == 2048
     kept = memory.classify(at_b, at_2b, L, flash=False)
     assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
     # 8 devices hold the batch: activations split, the weight copy whole
     assert memory.per_device(flash, 8) == {"residual_bytes": 26624 / 8 + 512,
+                                          "host_residual_bytes": 0.0,
                                           "largest_bytes": 25600 / 8}
+    # a residual the remat policy offloads is host bytes, not device bytes
+    moved = [{**r, "host": r["shape"] == (4, L, 8)} for r in at_b]
+    offloaded = memory.classify(moved, at_2b, L, flash=True)
+    assert offloaded["host_bytes"] == 1024 and offloaded["batch_bytes"] == 25600
+    assert memory.per_device(offloaded, 8)["host_residual_bytes"] == 1024 / 8
     assert memory.batch_shards({"data": 2, "fsdp": 4, "tensor": 2}) == 8
     with pytest.raises(ValueError):
         memory.classify(at_b, at_2b[:2], L, flash=False)
@@ -775,3 +786,35 @@ def test_predict_output_paths_are_checked_before_predicting(tmp_path, capsys):
         f"ranking.json or */plan.json); choose a new or empty folder, or an earlier suite's "
         f"to resume it"]
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+HOST_COPY_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: bf16[4096,4096], w: bf16[4096,4096]) -> (bf16[4096,4096], bf16[4096,4096]) {
+  %p = bf16[4096,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %cs = (bf16[4096,4096]{1,0:S(5)}, bf16[4096,4096]{1,0}, u32[]) copy-start(%p)
+  %d = bf16[4096,4096]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cd = bf16[4096,4096]{1,0:S(5)} copy-done(%cs)
+  ROOT %t = (bf16[4096,4096]{1,0:S(5)}, bf16[4096,4096]{1,0}) tuple(%cd, %d)
+}
+"""
+
+
+def test_host_memory_copies_are_timed_over_pcie_and_wait_where_uncovered():
+    """An offloading remat policy's copy to host memory (memory space S(5) in XLA:GPU's
+    program) is an asynchronous transfer over PCIe, not an HBM kernel: its seconds are its
+    bytes over the host link (Gen5 x16 at link_efficiency), and the part the dot between its
+    start and done does not cover is device time the step waits."""
+    from jaxdist.predict import kernels_time
+
+    hw = get_hardware("h100-sxm")
+    t = kernels_time.step_time(HOST_COPY_HLO, [], hw, {"data": 1})
+    copy_s = 4096 * 4096 * 2 / (constant("host_link_bandwidth_hopper")
+                                * constant("link_efficiency"))
+    dot_s = t["compute_s"] + t["launch_s"]
+    assert t["host_transfer_s"] == pytest.approx(copy_s)
+    assert 0 < dot_s < copy_s  # the dot hides part of it
+    assert t["exposed_host_transfer_s"] == pytest.approx(copy_s - dot_s)
+    assert t["device_s"] == pytest.approx(copy_s)
+    assert "copy" not in t["by_kind"]  # no HBM copy kernel

@@ -56,7 +56,7 @@ def test_selective_op_keeps_every_other_matmul_and_the_attention_output():
     block, x = _block_and_input()
     saved = _saved(block, x, "selective_op")
     assert _named(saved) == {"matmul_1": (B, L, 32), "matmul_3": (B, L, 16),
-                             "matmul_5": (B, L, 48), "attention": (B, L, 4, 8)}
+                             "matmul_5": (B, L, 48), "context": (B, L, 4, 8)}
     # else only the block's input and the parameters
     assert [source for _, source in saved if not source.startswith(("named '", "from the "
                                                                     "argument"))] == []
@@ -104,14 +104,17 @@ def test_sequence_parallel_block_counts_its_row_matmuls_and_names_its_reduce_sca
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                     reason="tracing cuDNN attention needs jax's CUDA plugin (make gpu-compiler)")
-def test_selective_op_keeps_cudnn_attention_outputs():
+@pytest.mark.parametrize("remat", ["selective_op", "minimal_flash",
+                                   "save_dot_with_context_except_mlp"])
+def test_context_policies_keep_cudnn_attention_outputs(remat):
     """With cuDNN's flash attention the kernel's own outputs are kept (output and
-    logsumexp, what its backward reads; torchtitan keeps SDPA's), not a named copy."""
+    logsumexp, what its backward reads; torchtitan keeps SDPA's, MaxText's `context`), not a
+    named copy."""
     block, x = _block_and_input(jnp.bfloat16, attention="cudnn")
-    saved = _saved(block, x, "selective_op")
+    saved = _saved(block, x, remat)
     kernel = [aval.shape for aval, source in saved if "dot_product_attention_fwd" in source]
     assert sorted(kernel, key=len) == [(B, 4, L), (B, L, 4, 8)]
-    assert "attention" not in _named(saved)
+    assert "context" not in _named(saved)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
@@ -119,3 +122,90 @@ def test_other_policies_unchanged_by_the_names(remat):
     """full keeps no name; dots keeps every matmul (names do not change what it picks)."""
     block, x = _block_and_input()
     assert _named(_saved(block, x, remat)) == {}
+
+
+# MaxText's named policies (models.layers REMAT_NAMES) on the llama block above: what JAX's
+# own report says each keeps by name. The backward reads every named value but the MLP's
+# output (mlpwo: the residual add needs none), so save_dot_except_mlpwi keeps what
+# save_dot_except_mlp keeps.
+QKV_SHAPES = {"query_proj": (B, L, 4, 8), "key_proj": (B, L, 2, 8), "value_proj": (B, L, 2, 8)}
+CONTEXT, OUT = {"context": (B, L, 4, 8)}, {"out_proj": (B, L, 32)}
+MLP_IN = {"mlpwi_0": (B, L, 48), "mlpwi_1": (B, L, 48)}
+NAMED_SAVES = {
+    "minimal": {**QKV_SHAPES, **OUT, **MLP_IN},
+    "minimal_flash": {**QKV_SHAPES, **CONTEXT, **OUT, **MLP_IN},
+    "save_dot_with_context_except_mlp": {**QKV_SHAPES, **CONTEXT, **OUT},
+    "save_dot_except_mlpwi": {**QKV_SHAPES, **OUT},
+    "save_dot_except_mlp": {**QKV_SHAPES, **OUT},
+    "save_qkv_proj": QKV_SHAPES,
+    "save_out_proj": OUT,
+}
+# the offloading ones: the same values, in host memory
+OFFLOADS = {"minimal_offloaded": NAMED_SAVES["minimal"], "qkv_proj_offloaded": QKV_SHAPES}
+
+
+def test_every_named_policy_is_listed():
+    from models.layers import REMAT_NAMES
+    assert set(REMAT_NAMES) == set(NAMED_SAVES) | set(OFFLOADS)
+
+
+@pytest.mark.parametrize("remat", sorted(NAMED_SAVES))
+def test_named_policy_keeps_its_names(remat):
+    block, x = _block_and_input()
+    saved = _saved(block, x, remat)
+    assert _named(saved) == NAMED_SAVES[remat]
+    # else only the block's input and the parameters, all in device memory
+    assert [s for _, s in saved if not s.startswith(("named '", "from the argument"))] == []
+    assert {str(a.memory_space) for a, _ in saved} == {"MemorySpace.Device"}
+
+
+@pytest.mark.parametrize("remat", sorted(OFFLOADS))
+def test_offloading_policy_moves_its_names_to_host_memory(remat):
+    """Nothing kept by name in device memory; in host memory exactly the values the
+    device-side policy keeps (JAX's report names them by the device_put that moves them)."""
+    block, x = _block_and_input()
+    saved = _saved(block, x, remat)
+    host = sorted(a.shape for a, _ in saved if str(a.memory_space) == "MemorySpace.Host")
+    assert _named(saved) == {}
+    assert host == sorted(OFFLOADS[remat].values())
+    assert all(s.startswith("from the argument") for a, s in saved
+               if str(a.memory_space) != "MemorySpace.Host")
+
+
+def test_gpt_block_names_its_single_up_projection_mlpwi():
+    """GPT's MLP has one up projection (MaxText's `mlpwi`), no gate."""
+    cfg = get_model("gpt-tiny", {"width": "32", "heads": "4", "seq_len": "8", "vocab": "64",
+                                 "depth": "1"})
+    block = cfg.build(nnx.Rngs(0), jnp.float32).blocks[0]
+    saved = _named(_saved(block, jnp.ones((B, L, 32)), "minimal"))
+    assert saved == {**{k: (B, L, 4, 8) for k in QKV_SHAPES}, **OUT, "mlpwi": (B, L, 128)}
+
+
+def test_moe_experts_name_gate_up_and_down():
+    """The MoE block's experts are tagged as MaxText's: mlpwi_0, mlpwi_1, mlpwo, all kept by
+    minimal (the combine's backward reads the experts' outputs for the gates' gradient),
+    the attention as llama's."""
+    cfg = get_model("moe-tiny", {"seq_len": "8", "vocab": "64", "depth": "1"})
+    block = cfg.build(nnx.Rngs(0), jnp.float32).blocks[0]
+    run = block_runner(type(block), "minimal")
+    graphdef, state = nnx.split(block)
+    saved = saved_residuals(lambda s, x: run(nnx.merge(graphdef, s), x)[0].sum(), state,
+                            jnp.ones((B, L, cfg.width)))
+    assert set(_named(saved)) == {"query_proj", "key_proj", "value_proj", "out_proj",
+                                  "mlpwi_0", "mlpwi_1", "mlpwo"}
+
+
+def test_sequence_parallel_names_its_row_projections():
+    """Under sequence parallelism out_proj and mlpwo name the reduce-scattered shards."""
+    block, x = _block_and_input(sequence_parallel=True)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    run = block_runner(type(block), "minimal")
+    graphdef, state = nnx.split(block)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda state, x: run(nnx.merge(graphdef, state), x))(
+            state, x).jaxpr
+    names = _checkpoint_names(jaxpr)
+    assert [n for n in names if not n.startswith(("matmul_", "reduce_scatter"))] == [
+        "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1",
+        "mlpwo"]

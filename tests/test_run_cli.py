@@ -78,7 +78,17 @@ BAD = [
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--batch-size", "-4"], "--batch-size must be a positive integer"),
     (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["--remat", "custom"], "--remat: invalid choice: 'custom' (choose from 'none', 'full', "
+                            "'dots', 'selective_op', 'minimal', 'minimal_flash', "
+                            "'save_dot_with_context_except_mlp', 'save_dot_except_mlpwi', "
+                            "'save_dot_except_mlp', 'save_qkv_proj', 'save_out_proj', "
+                            "'minimal_offloaded', 'qkv_proj_offloaded')"),
     (["--steps", "many"], "invalid int value: 'many'"),
+    (["--layout", "pp", "--model", "gpt-tiny", "--mesh", "data:4,stage:2", "--model-opts",
+      "depth=2", "--microbatches", "2", "--remat", "qkv_proj_offloaded"],
+     "--remat qkv_proj_offloaded moves saved values to host memory, which the pipeline "
+     "layouts' stash (device buffers between ticks) cannot hold; use --remat save_qkv_proj "
+     "(the same values in device memory) or a layout without stages"),
     (["--model-opts", "depth=2,colour=blue"], "has no option 'colour'"),
     (["--layout", "tp", "--mesh", "2x2x2"], "layout 'tp' applies to gpt, moe models, not 'mlp'"),
     (["--layout", "tp", "--model", "gpt-tiny"], "layout 'tp' splits over the tensor axis, which "

@@ -1,5 +1,7 @@
 """Step options that must not change the math: gradient accumulation and recomputation."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -39,3 +41,24 @@ def test_remat_equals_no_remat(model, policy):
     np.testing.assert_allclose(remat, plain, rtol=1e-6)
     for a, b in zip(_params(state_plain), _params(state_remat)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+NAMED_REMATS = ("minimal", "minimal_flash", "save_dot_with_context_except_mlp",
+                "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
+                "minimal_offloaded", "qkv_proj_offloaded")
+SMALL = MeshShape(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_losses(model):
+    return train(model, "fsdp", SMALL, steps=2, optimizer="sgd")[0]
+
+
+# MaxText's named policies (models.layers REMAT_NAMES) keep or offload other values; the
+# numbers are no-remat's. The offloading ones run on XLA:CPU, where host memory is device
+# memory: XLA:CPU compiles the placement away (the XLA:GPU program holds the copies).
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("policy", NAMED_REMATS)
+def test_named_remat_equals_no_remat(model, policy):
+    losses = train(model, "fsdp", SMALL, steps=2, optimizer="sgd", remat=policy)[0]
+    np.testing.assert_allclose(losses, _plain_losses(model), rtol=1e-5)

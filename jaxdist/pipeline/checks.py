@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxdist.errors import UsageError
 from jaxdist.pipeline.parts import check_depth
 from jaxdist.pipeline.schedule import check_schedule
+from models.layers import REMAT_NAMES
 
 
 def check_moe_data(model_cfg, data: int) -> None:
@@ -18,12 +19,29 @@ def check_moe_data(model_cfg, data: int) -> None:
                          f"on fsdp instead (fsdp_pp, e.g. --mesh fsdp:{data},stage:2)")
 
 
+def check_remat(model_cfg) -> None:
+    """A remat policy that offloads (models.layers REMAT_NAMES) leaves F's residuals in host
+    memory, and the stash carries them between ticks in device buffers that every branch of
+    a tick's switch returns alike (jaxdist/pipeline/ops.py): refused, naming the policy
+    that keeps the same values in device memory."""
+    remat = getattr(model_cfg, "remat", "none")
+    moved = REMAT_NAMES.get(remat, ((), ()))[1]
+    if moved:
+        twin = next(n for n, (kept, off) in REMAT_NAMES.items() if not off and
+                    set(kept) == set(moved))
+        raise UsageError(f"--remat {remat} moves saved values to host memory, which the "
+                         f"pipeline layouts' stash (device buffers between ticks) cannot "
+                         f"hold; use --remat {twin} (the same values in device memory) or a "
+                         f"layout without stages")
+
+
 def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, virtual: int,
                    eval_every: int = 0, data: int = 1) -> None:
     V = virtual if schedule == "interleaved" else 1
     check_schedule(schedule, stages, microbatches, V)
     check_depth(model_cfg, stages, V)
     check_moe_data(model_cfg, data)
+    check_remat(model_cfg)
     if eval_every:
         # Evaluation is test-split accuracy on an image dataset (jaxdist/loop.py evaluate);
         # the pipeline layouts run decoders, which read tokens (models/build.py), so there

@@ -14,7 +14,9 @@ a: heads; 34/t for the first two terms with sequence parallel; the last term is 
 attention scores, which cuDNN's flash attention does not keep), scaled to the compute dtype;
 with --remat full each block's input; with --remat dots its input and its matmuls' outputs
 (q, k, v, the scores unless flash, attention output, projection, MLP up and down:
-L*b*(10*D + a*L)). b = batch / (M x batch shards). Received activations and gradients in
+L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named values it
+keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
+jaxdist.pipeline.checks). b = batch / (M x batch shards). Received activations and gradients in
 flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
 activations (the block being differentiated, recomputed under --remat).
 """
@@ -32,6 +34,7 @@ from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.state_shapes import pipeline_planning_state
 from jaxdist.train_step import DTYPES, make_optimizer
+from models.layers import REMAT_NAMES
 from sharding import get_layout
 from sharding.axes import batch_axes
 
@@ -48,6 +51,25 @@ def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
     linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
     scores = 0.0 if flash else 5 * a * L / (D * tensor)
     return L * rows * D * (linear + scores) * itemsize / 2
+
+
+def named_saved_bytes(model_cfg, names, rows: int, tensor: int, itemsize: int,
+                      sequence_parallel: bool = False) -> float:
+    """Bytes of one block's values kept by name (models.layers REMAT_NAMES) per micro-batch:
+    each name's width per token, split over `tensor` where tensor parallelism splits it.
+    `mlpwo` counts nothing: no backward reads the MLP's output (JAX keeps only what one
+    reads)."""
+    D, hd = model_cfg.width, model_cfg.width // model_cfg.heads
+    kv = getattr(model_cfg, "kv_heads", model_cfg.heads) * hd
+    gated = hasattr(model_cfg, "mlp_hidden")  # SwiGLU: gate and up (mlpwi_0, mlpwi_1)
+    F = model_cfg.mlp_hidden if gated else model_cfg.mlp_ratio * D
+    width = {"query_proj": D, "key_proj": kv, "value_proj": kv, "context": D,
+             "mlpwi": 0 if gated else F, "mlpwi_0": F if gated else 0,
+             "mlpwi_1": F if gated else 0}
+    per_token = sum(width.get(n, 0) for n in names) / tensor
+    if "out_proj" in names:  # whole on every tensor device, a sequence shard under SP
+        per_token += D / tensor if sequence_parallel else D
+    return rows * model_cfg.seq_len * per_token * itemsize
 
 
 def plan_pipeline(cfg, shape) -> dict:
@@ -81,8 +103,13 @@ def plan_pipeline(cfg, shape) -> dict:
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
     # selective_op: every other matmul's output and the attention's
     selective = rows * model_cfg.seq_len * 6 * model_cfg.width / tensor * itemsize
-    stashed = K * {"none": block, "full": act, "dots": act + dots,
-                   "selective_op": act + selective}[remat]
+    if remat in REMAT_NAMES:
+        stashed = K * (act + named_saved_bytes(model_cfg, REMAT_NAMES[remat][0], rows, tensor,
+                                               itemsize, getattr(model_cfg,
+                                                                 "sequence_parallel", False)))
+    else:
+        stashed = K * {"none": block, "full": act, "dots": act + dots,
+                       "selective_op": act + selective}[remat]
     working = block
     stages = []
     for s in range(S):

@@ -300,7 +300,8 @@ def memory_line(p: dict) -> str:
                 f"{human_bytes(c['alias_bytes'])} + temporaries {human_bytes(c['temp_bytes'])}"
                 f" = {human_bytes(c['peak_bytes'])} (planned for {human_bytes(mem['hbm_bytes'])}"
                 f"); hand estimate {human_bytes(mem['hand_estimate_bytes'])}\n"
-                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem['source_note']}")
+                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem['source_note']}"
+                + host_line(mem, c.get("host_temp_bytes", 0)))
     if "pipeline" in p:
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
                  f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}")
@@ -313,7 +314,21 @@ def memory_line(p: dict) -> str:
                f"{human_bytes(mem['cpu_compiler_temp_bytes'])})")
     return (f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + {parts} = "
             f"{human_bytes(mem['total_bytes'])} of {human_bytes(mem['hbm_bytes'])} HBM -> "
-            f"{verdict}{cpu}")
+            f"{verdict}{cpu}" + host_line(mem))
+
+
+def host_line(mem: dict, compiler_host_bytes: float | None = None) -> str:
+    """The saved activations an offloading remat policy keeps in host memory (not HBM), or
+    '' where nothing is offloaded."""
+    from jaxdist.summary import human_bytes
+
+    hand = mem.get("host_residual_bytes", 0)
+    if not hand and not compiler_host_bytes:
+        return ""
+    xla = ("" if compiler_host_bytes is None else
+           f"XLA:GPU's host buffers {human_bytes(compiler_host_bytes)}, ")
+    return (f"\n    offloaded to host memory (remat policy), not in HBM: {xla}hand estimate "
+            f"{human_bytes(hand)} per device")
 
 
 def next_steps(p: dict) -> list[str]:
@@ -363,7 +378,10 @@ def format_prediction(p: dict) -> str:
         f"{t['compute_s'] * ms:.1f} ms, memory-bound {t['hbm_s'] * ms:.1f} ms, launches "
         f"{t['launch_s'] * ms:.1f} ms; intra-node comm {t['intra_node_s'] * ms:.1f} ms, "
         f"inter-node {t['inter_node_s'] * ms:.1f} ms, exposed {t['comm_exposed_s'] * ms:.1f} ms "
-        f"(where XLA's schedule leaves it uncovered)" if "launch_s" in t else
+        f"(where XLA's schedule leaves it uncovered)" + (
+            f"; host memory copies (remat offload, PCIe) {t['host_transfer_s'] * ms:.1f} ms, "
+            f"{t['exposed_host_transfer_s'] * ms:.1f} ms of it uncovered (in the step)"
+            if t.get("host_transfer_s") else "") if "launch_s" in t else
         f"  time per step: compute {t['compute_s'] * ms:.1f} ms, HBM {t['hbm_s'] * ms:.1f} ms, "
         f"intra-node comm {t['intra_node_s'] * ms:.1f} ms, inter-node comm "
         f"{t['inter_node_s'] * ms:.1f} ms (exposed {t['comm_exposed_s'] * ms:.1f} ms; "

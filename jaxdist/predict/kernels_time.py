@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 
 from jaxdist.program import kernels
-from jaxdist.hardware import kernel_efficiency, rates_part
+from jaxdist.hardware import constant, kernel_efficiency, rates_part
 from jaxdist.parts import ANY_DTYPE, Part, attention_curve, rate
 from jaxdist.predict.time_model import collective_time
 
@@ -50,6 +50,9 @@ class Rates:
         self.gemm_bf16 = k * clock * rate(part, "gemm", "bfloat16").value
         self.hbm = k * hbm * rate(part, "hbm_copy", ANY_DTYPE).value
         self.launch = rate(part, "launch", ANY_DTYPE).value
+        # copies between HBM and host memory (an offloading remat policy's) ride PCIe
+        self.host = constant(f"host_link_bandwidth_{hw.efficiency}") * \
+            constant("link_efficiency")
         self.attention = {kind: k * clock * rate(part, kind, "bfloat16").value
                           for kind in ("attention_fwd", "attention_bwd")}
         self.curve = tuple((n, k * clock * f, k * clock * b) for n, f, b in
@@ -106,11 +109,14 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         comm[op["name"]] = (t["seconds"], t["link"])
         comm.setdefault(f"@{op['computation']}", (t["seconds"], t["link"]))
     totals = {"compute_s": 0.0, "hbm_s": 0.0, "launch_s": 0.0, "intra-node": 0.0,
-              "inter-node": 0.0, "exposed intra-node": 0.0, "exposed inter-node": 0.0}
+              "inter-node": 0.0, "exposed intra-node": 0.0, "exposed inter-node": 0.0,
+              "host": 0.0, "exposed host": 0.0}
     by_kind: dict[str, float] = {}
     flags = {"upper_bound": False}
 
     def collective(item) -> tuple[float, str]:
+        if "host_bytes" in item:  # a copy between HBM and host memory, over PCIe
+            return item["host_bytes"] / r.host, "host"
         if item.get("wraps"):  # an async-start: the collective it wraps
             return comm.get(f"@{item['wraps']}", (0.0, "intra-node"))
         return comm.get(item["name"], (0.0, "intra-node"))
@@ -148,6 +154,8 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
                 op = open_ops.pop(item["name"], None)
                 if op is not None:
                     totals[f"exposed {op[1]}"] += max(0.0, op[0] - op[2]) * times
+                    if op[1] == "host":  # the stream waits for the copy: device time
+                        device += max(0.0, op[0] - op[2])
                 continue
             else:  # a synchronous collective: nothing hides it
                 seconds, link = collective(item)
@@ -159,6 +167,8 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
                 op[2] += spent
         for seconds, link, covered in open_ops.values():  # never closed here: exposed
             totals[f"exposed {link}"] += max(0.0, seconds - covered) * times
+            if link == "host":
+                device += max(0.0, seconds - covered)
         return device * times
 
     from jaxdist.program.hlo import entry_computation, execution_counts
@@ -171,6 +181,8 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
             "inter_node_s": totals["inter-node"],
             "exposed_intra_node_s": totals["exposed intra-node"],
             "exposed_inter_node_s": totals["exposed inter-node"],
+            # host copies (remat offload): their time, and the part no kernel hid (in device_s)
+            "host_transfer_s": totals["host"], "exposed_host_transfer_s": totals["exposed host"],
             "comm_exposed_s": exposed, "step_s": device + exposed,
             "upper_bound": flags["upper_bound"] or bool(guessed),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),

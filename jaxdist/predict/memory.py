@@ -24,6 +24,10 @@ weight, which XLA can fuse or recompute from the values it keeps (torchtitan's L
 without activation checkpointing ran in 80 GB on 64 A100s where this estimate says 139
 GiB); `upper_bound` says so and the verdict then calls nothing an OOM on it alone.
 
+A remat policy that offloads (`minimal_offloaded`, `qkv_proj_offloaded`: models.layers
+REMAT_NAMES) saves those residuals in host memory (JAX's trace says so: their memory space is
+Host): they are counted apart, as host bytes, not against HBM.
+
 On a GPU with flash attention (cuDNN), residuals with two sequence-length dimensions (the
 L x L scores, their softmax and mask) are not kept; their per-row statistics (float32, one
 per head and row) are, and are negligible beside the block's activations.
@@ -56,8 +60,8 @@ def batch_shards(mesh: dict[str, int]) -> int:
 def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
     """The values jax.vjp of the model's loss (with respect to the parameters) saves for
     the backward pass, at a global batch of `batch_size`, without allocating: [{shape,
-    dtype, bytes}]. Parameters and the batch themselves are left out (they are the state
-    and the input)."""
+    dtype, bytes, host}] (host: offloaded to host memory by the remat policy). Parameters
+    and the batch themselves are left out (they are the state and the input)."""
     graphdef, params, model_state = nnx.eval_shape(
         lambda: split_model(model_cfg, DTYPES[dtype_name], 0))
     one = model_cfg.synthetic_batch(np.random.default_rng(0), 1)
@@ -81,25 +85,30 @@ def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
         seen.add(v)
         aval = v.aval
         out.append({"shape": tuple(aval.shape), "dtype": str(aval.dtype),
-                    "bytes": int(aval.size) * np.dtype(aval.dtype).itemsize})
+                    "bytes": int(aval.size) * np.dtype(aval.dtype).itemsize,
+                    "host": getattr(aval, "memory_space", None) == jax.memory.Space.Host})
     return out
 
 
 def is_attention_scores(shape, seq_len: int) -> bool:
     """An L x L attention tensor (scores, softmax, mask): two dimensions of the sequence
-    length."""
-    return seq_len > 1 and sum(d == seq_len for d in shape) >= 2
+    length, beside batch and heads (4 or more dimensions: a [batch, L, width] activation
+    whose width equals L, llama3-70b's 8192 and 8192, is not one)."""
+    return seq_len > 1 and len(shape) >= 4 and sum(d == seq_len for d in shape) >= 2
 
 
 def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None, flash: bool) -> dict:
     """Residual bytes by kind from the same trace at batch B and 2B (same order): per-batch
-    (activations), constant (weight-derived), L x L scores; and the largest single one of
-    each kind that is kept."""
+    (activations), constant (weight-derived), L x L scores, offloaded to host (activations);
+    and the largest single one of each kind that is kept in device memory."""
     if len(at_b) != len(at_2b):
         raise ValueError("the residuals at batch B and 2B differ in number")
-    out = {"batch_bytes": 0, "constant_bytes": 0, "scores_bytes": 0,
+    out = {"batch_bytes": 0, "constant_bytes": 0, "scores_bytes": 0, "host_bytes": 0,
            "largest_batch_bytes": 0, "largest_constant_bytes": 0}
     for a, b in zip(at_b, at_2b):
+        if a.get("host"):
+            out["host_bytes"] += a["bytes"]
+            continue
         if flash and seq_len and is_attention_scores(a["shape"], seq_len):
             out["scores_bytes"] += a["bytes"]
             continue
@@ -112,6 +121,7 @@ def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None, flash: bo
 def per_device(c: dict, shards: int) -> dict:
     """Bytes per device: activations split over the batch's shards, the rest whole."""
     return {"residual_bytes": c["batch_bytes"] / shards + c["constant_bytes"],
+            "host_residual_bytes": c.get("host_bytes", 0) / shards,
             "largest_bytes": max(c["largest_batch_bytes"] / shards,
                                  c["largest_constant_bytes"])}
 
@@ -142,6 +152,7 @@ def residual_figures(model_cfg, dtype_name: str, micro_batch: int, shards: int,
     at = {d: per_device(_summary(dataclasses.replace(model_cfg, depth=d), dtype_name,
                                  micro_batch, flash), shards) for d in (1, 2)}
     block = at[2]["residual_bytes"] - at[1]["residual_bytes"]
+    host_block = at[2]["host_residual_bytes"] - at[1]["host_residual_bytes"]
     recompute = 0.0
     if getattr(model_cfg, "remat", "none") != "none":
         plain = {d: per_device(_summary(dataclasses.replace(model_cfg, depth=d, remat="none"),
@@ -149,6 +160,7 @@ def residual_figures(model_cfg, dtype_name: str, micro_batch: int, shards: int,
                  for d in (1, 2)}
         recompute = plain[2]["residual_bytes"] - plain[1]["residual_bytes"]
     return {"residual_bytes": at[1]["residual_bytes"] + (depth - 1) * block,
+            "host_residual_bytes": at[1]["host_residual_bytes"] + (depth - 1) * host_block,
             "largest_bytes": at[2]["largest_bytes"],
             "block_residual_bytes": block,
             "block_recompute_bytes": recompute,
@@ -164,6 +176,7 @@ def peak(state_bytes: float, grad_bytes: float, residuals: dict,
     return {"label": LABEL, "state_bytes": state_bytes, "gradient_bytes": grad_bytes,
             "residual_bytes": residuals["residual_bytes"],
             "transient_bytes": transient, "gathered_param_bytes": gathered_param_bytes,
+            "host_residual_bytes": residuals.get("host_residual_bytes", 0.0),
             "total_bytes": total, "method": residuals["method"]}
 
 

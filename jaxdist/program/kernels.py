@@ -202,11 +202,15 @@ def _dtype(shapes: list[str]) -> str:
         found[0][0] if found else "", found[0][0] if found else "")
 
 
+HOST_MEMORY = ":S(5)"  # XLA:GPU's layout mark of a buffer in host memory (memory space 5)
+
+
 @functools.lru_cache(maxsize=4)  # a program is read by inventory(), then timed (2 threads)
 def schedule(hlo_text: str) -> dict[str, list[dict]]:
     """Every computation's items in schedule order (XLA prints a scheduled module's
     instructions in the order they run): kernels {"kernel", kind, flops, bytes, dtype},
-    async collective halves {"start"/"done", "name"}, sync collectives {"sync", "name"}, and
+    async collective halves {"start"/"done", "name"}, copies between HBM and host memory as
+    the same halves with "host_bytes", sync collectives {"sync", "name"}, and
     calls into other computations {"call", "callee", "repeat" (a while's trip count),
     "branch"}. Fusion bodies and reducers are folded into their kernel. Shared between
     callers (cached): read it, never change it."""
@@ -241,6 +245,11 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
             continue
         if op.endswith("-done"):
             out[comp].append({"item": "done", "name": operands[0] if operands else ""})
+            continue
+        if op == "copy-start" and HOST_MEMORY in shape:  # to or from host memory: a transfer
+            out[comp].append({"item": "start", "name": name,
+                              "host_bytes": float(next(_BYTES[t] * math.prod(d)
+                                                       for t, d in arrays(shape)))})
             continue
         kind = kernel_kind(op, line)
         if kind is None:
