@@ -71,7 +71,8 @@ CALIBRATION = ("maxtext-a3-7b-2vm", "tt-a100-l3-8b-sac-op")
 
 def _maxtext_a3(vms: int) -> Case:
     # MaxText configs/a3/llama_2_7b/{N}vm.sh: ici_fsdp 8 x dcn_data N, 4 per device
-    return Case(f"maxtext-a3-7b-{vms}vm", f"maxtext-a3-llama2-7b-{vms}vm", None, "h100-sxm",
+    return Case(f"maxtext-a3-7b-{vms}vm", f"maxtext-a3-llama2-7b-{vms}vm", None,
+                "h100-sxm-a3-high",
                 LLAMA2_7B, f"data:{vms},fsdp:8", 32 * vms, "dots", "hsdp", small=vms == 1)
 
 
@@ -114,6 +115,13 @@ CASES = (
          "8x8", 128, "full"),
     Case("tt-a100-l2-70b-sac-op", "tt-a100-l2-70b-sac-op-wps", None, "a100-sxm-80gb",
          LLAMA2_70B, "8x8", 64, "selective_op"),
+    # NVIDIA's DGX Cloud MaxText recipe: Llama2-70B, 2 sequences per GPU, FSDP across nodes
+    # (ICI FSDP 8 x DCN FSDP), DCN data parallel above 256 GPUs
+    *(Case(f"dgxc-maxtext-70b-{n}", f"dgxc-maxtext-llama2-70b-bf16-{n}", None, "h100-sxm",
+           LLAMA2_70B, mesh, 2 * n, "save_dot_except_mlpwi", layout)
+      for n, mesh, layout in ((128, "1x128", "fsdp"), (256, "1x256", "fsdp"),
+                              (512, "data:4,fsdp:128", "hsdp"),
+                              (1024, "data:8,fsdp:128", "hsdp"))),
 )
 # Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
 # Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block

@@ -179,6 +179,18 @@ PARTS: tuple[Part, ...] = (
                  "H800 SXM5 has the H100 SXM's HBM3 (3.35 TB/s); only NVLink differs"),
              ("launch", ANY_DTYPE): _LAUNCH},
          attention_curves={"bfloat16": _H200_ATTENTION}),   # SAME_DIE
+    # Google Cloud's A3 VMs: 8 H100 SXM 80 GB over NVLink 4, and GPU-to-GPU traffic between VMs
+    # over GPUDirect-TCPX(O) NICs, not InfiniBand (Google Cloud, "Networking and GPU machines",
+    # compute/docs/gpus/gpu-network-bandwidth): A3 High 4 NICs x 200 Gbps for the GPUs
+    # (1,000 Gbps in all with the general-purpose gVNIC), A3 Mega 8 x 200 Gbps (1,800 Gbps in
+    # all). The die, HBM and kernel rates are h100-sxm's.
+    *(Part(name, "NVIDIA H100 80GB HBM3", 80 * GB, 3.35e12, 450 * GB, gbps / 8 / 8 * GB, 8, 700,
+           ("NVIDIA H100 datasheet, SXM column: 80 GB HBM3, 3.35 TB/s, TDP up to 700 W",
+            _NVLINK4, f"Google Cloud {vm}: {nics} x 200 Gbps GPUDirect-{tcpx} NICs for "
+            f"GPU-to-GPU traffic -> {gbps:,} Gbps per VM, {gbps / 8 / 8:g} GB/s per GPU"),
+           rates_from="h100-sxm", target=GpuTarget(_H100_SXM_INFO, (_H100_SXM_SPEC, ADDED)))
+      for name, vm, nics, tcpx, gbps in (("h100-sxm-a3-high", "A3 High", 4, "TCPX", 800),
+                                         ("h100-sxm-a3-mega", "A3 Mega", 8, "TCPXO", 1600))),
     Part("h100-pcie", "NVIDIA H100 PCIe", 80 * GB, 2.0e12, 64 * GB, 50 * GB, 8, 350,
          ("NVIDIA H100 datasheet, PCIe column: 80 GB HBM2e, 2 TB/s, TDP 300-350 W",
           "PCIe Gen5 x16: 128 GB/s bidirectional -> 64 GB/s one way (no NVLink bridge "

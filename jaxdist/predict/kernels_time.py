@@ -57,9 +57,10 @@ class Rates:
                           for kind in ("attention_fwd", "attention_bwd")}
         self.curve = tuple((n, k * clock * f, k * clock * b) for n, f, b in
                            attention_curve(part, "bfloat16"))
+        cap = f" under the {hw.power_cap_w:g} W cap" if hw.power_cap_w else ""
         scaled = "" if part == hw.name else (
-            f" ({part}'s rate x {clock:.3f}, its clock under the {hw.power_cap_w:g} W cap, "
-            f"for compute; x {hbm:.3f}, the HBM bandwidth ratio, for streaming)")
+            f" ({part}'s rate x {clock:.3f}, its clock{cap}, for compute; x {hbm:.3f}, the "
+            f"HBM bandwidth ratio, for streaming)")
         self.sources = {k: rate(part, k, d).source + scaled for k, d in
                         (("gemm", "bfloat16"), ("hbm_copy", ANY_DTYPE),
                          ("launch", ANY_DTYPE), ("attention_fwd", "bfloat16"),
