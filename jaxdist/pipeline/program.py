@@ -27,13 +27,15 @@ class PipelineProgram(Program):
 
 
 def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int,
-                   master: bool = False):
+                   master: bool = False, stage_blocks: tuple[int, ...] = ()):
     """(init_fn, abstract state, parts) of the pipeline train state; `master`: bfloat16
-    working weights beside the float32 master (jaxdist/update.py)."""
+    working weights beside the float32 master (jaxdist/update.py); `stage_blocks`:
+    --pp-stage-blocks (jaxdist/pipeline/parts.py)."""
     holder = {}
 
     def init_fn():
-        parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual)
+        parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual,
+                                             stage_blocks)
         holder["parts"] = parts
         return train_state(params, {}, tx, DTYPES[dtype_name] if master else None)
 
@@ -68,7 +70,8 @@ def data_reduction(param_specs, update_specs, mesh: Mesh, distributed: bool):
 
 def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                            microbatches: int, schedule: str, virtual: int = 1,
-                           matmul_precision: str = "default") -> PipelineProgram:
+                           matmul_precision: str = "default",
+                           stage_blocks: tuple[int, ...] = ()) -> PipelineProgram:
     S = mesh.shape.get("stage", 1)
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
@@ -78,7 +81,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
-                                              layout.master_weights(dtype_name))
+                                              layout.master_weights(dtype_name), stage_blocks)
     specs = layout(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
