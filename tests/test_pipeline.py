@@ -126,13 +126,13 @@ def test_live_activations_gpipe_m_1f1b_bounded():
 
 # ------------------------------------------------------------------ compiled programs
 
-def _pipeline(model, layout, mesh, schedule, M, virtual=1, **opts):
+def _pipeline(model, layout, mesh, schedule, M, virtual=1, stage_blocks=(), **opts):
     shape = parse_mesh(mesh)
     cfg = get_model(model, {k: str(v) for k, v in opts.items()})
     program = build_pipeline_program(cfg, "float32", make_optimizer("adamw", 1e-2),
                                      get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
-                                     schedule, virtual)
+                                     schedule, virtual, stage_blocks=stage_blocks)
     return cfg, program
 
 
@@ -194,9 +194,11 @@ def _one_device_dot_flops(cfg) -> float:
                              .as_text())["flops"]
 
 
-@pytest.mark.parametrize("schedule,remat", [("1f1b", "none"), ("zb-h1", "none"),
-                                            ("1f1b", "full"), ("1f1b", "selective_op")])
-def test_step_dot_flops_are_the_models(schedule, remat):
+@pytest.mark.parametrize("schedule,remat,blocks", [
+    ("1f1b", "none", ()), ("zb-h1", "none", ()), ("1f1b", "full", ()),
+    ("1f1b", "selective_op", ()), ("1f1b", "none", (1, 2)), ("zb-h1", "full", (2, 1)),
+    ("interleaved", "none", (3, 2))])
+def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     """The backward reads what F stashed: under --remat none a pipelined step's dot FLOPs
     (each branch of its switches weighed by the schedule table) are the one-device step's,
     with no second forward; --remat full and selective_op recompute as the one-device step
@@ -205,16 +207,21 @@ def test_step_dot_flops_are_the_models(schedule, remat):
     1F1B's BACK.
     F: 8 dots a block (q, k, v, out, up, down, QK^T, PV) and, under the last chunk's cond,
     the head's forward and backward (3). (Before, B reran the forward and W the
-    input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)"""
+    input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)
+    Uneven stages (`blocks`, --pp-stage-blocks): a chunk's padded slots are skipped under
+    a cond, so the step's dot FLOPs are still the model's, each slot's cond weighed by the
+    chunks that hold the block."""
     S, M = 2, 2
-    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, depth=S, remat=remat)
+    V = 2 if schedule == "interleaved" else 1
+    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, V, blocks,
+                             depth=sum(blocks) or S, remat=remat)
     batch = put_batch(TrainStream(cfg, None, BATCH, 0).batch(0), program.batch_sharding)
     text = program.step.lower(program.abstract_state, batch).compile().as_text()
     mesh = dict(program.batch_sharding.mesh.shape)
     runs = switch_runs(text, mesh, program.schedule)
     assert kernels.inventory(text, runs)["flops"] * S == pytest.approx(
         _one_device_dot_flops(cfg), rel=1e-9)
-    if remat != "none":
+    if remat != "none" or blocks:
         return
     dots = _dots_by_computation(text)
     # the action switch (idle and the kinds); the send switch's branches run no dot

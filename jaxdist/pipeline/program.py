@@ -78,10 +78,10 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
                          "--mesh data:2,stage:4")
     check_moe_data(model_cfg, mesh.shape.get("data", 1))
     V = virtual if schedule == "interleaved" else 1
-    sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     init_fn, abstract, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
                                               layout.master_weights(dtype_name), stage_blocks)
+    sched = build_schedule(schedule, S, microbatches, V, parts.counts)
     specs = layout(abstract, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
