@@ -155,24 +155,6 @@ def skippable(fn):
     return run
 
 
-def parse_stage_blocks(text: str) -> tuple[int, ...]:
-    """`--pp-stage-blocks`: one block count per stage, comma-separated; `NxR` is N repeated
-    R times (`7,8x14,7`: 7, fourteen 8s, 7). Empty: even stages."""
-    if not text.strip():
-        return ()
-    counts = []
-    for item in text.split(","):
-        n, _, times = item.strip().partition("x")
-        if not (n.isdigit() and (times.isdigit() if _ else True)):
-            raise UsageError(f"--pp-stage-blocks takes positive integers, one per stage "
-                             f"(NxR: N repeated R times), e.g. 7,8x14,7; got {item.strip()!r}")
-        counts += [int(n)] * (int(times) if _ else 1)
-    if 0 in counts or not counts:
-        raise UsageError(f"--pp-stage-blocks: every stage needs at least one block, got "
-                         f"{text!r}; e.g. 7,8x14,7")
-    return tuple(counts)
-
-
 def check_depth(model_cfg, stages: int, virtual: int) -> None:
     depth = getattr(model_cfg, "depth", None)
     chunks = stages * virtual

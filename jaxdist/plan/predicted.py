@@ -222,14 +222,17 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                    "total": s["total"] - s["activation_working"] + int(compiled_working)}
                   for s in stages]
     worst = max(stages, key=lambda s: s["total"])
-    state_bytes = worst["params"] + worst["opt"] + worst.get("master", 0)
+    # padded slots (--pp-stage-blocks: the program holds the largest chunk's slots on every
+    # stage) are state and gradients the stage holds
+    state_bytes = (worst["params"] + worst["opt"] + worst.get("master", 0) +
+                   worst.get("padding_state", 0))
     need = worst["total"]
     fits = need <= hw.hbm_bytes
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
                if compiled_working is not None else
                "one chunk's backward by Korthikanti et al. 2022")
     return {"label": time_model.LABEL, "state_bytes": state_bytes,
-            "gradient_bytes": worst["gradients"],
+            "gradient_bytes": worst["gradients"] + worst.get("padding_gradients", 0),
             "temp_bytes": worst["activation_stash"] + worst["activation_working"],
             "temp_note": f"activations per stage: stash counted from the schedule table, "
                          f"working set of {working} (jaxdist.plan.pipeline_shapes)",
@@ -238,6 +241,15 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                                              f"{worst['stage']} exceed HBM",
             "over_by_bytes": max(0, need - hw.hbm_bytes),
             "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": stages}
+
+
+def formula_note(pp: dict) -> str:
+    """How the counted bubble relates to the formula: equal where every stage holds the
+    same blocks; with --pp-stage-blocks it also counts the smaller stages' waiting."""
+    if len(set(pp.get("stage_blocks") or [])) < 2:
+        return "the formula's figure"
+    return (f"the formula's {pp['analytic_bubble']:.1%} plus the stages of fewer blocks "
+            f"waiting for the largest")
 
 
 def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) -> dict:
@@ -378,7 +390,8 @@ def format_prediction(p: dict) -> str:
                          f"{pp['lockstep_s'] * ms:.1f} ms; what-if, Megatron's dataflow "
                          f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
         lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage time idle "
-                         f"(counted from the schedule table: the formula's figure); "
+                         f"(counted from the schedule table: "
+                         f"{formula_note(pp)}); "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                          f"(each tick weighted by its predicted duration)")
     if p["compiled"].get("kernels"):
