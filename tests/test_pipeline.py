@@ -262,6 +262,26 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
      "drop --eval-every"),
     (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1", "--dataset",
       "digits"], "dataset 'digits' is images; model family 'gpt' cannot read it"),
+    # --pp-stage-blocks: one count per stage, summing to the depth, none zero, integers,
+    # at least one block per virtual chunk, and only on a pipeline layout
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1,1,2"], "--pp-stage-blocks 1,1,2 has 3 counts for stage=2; "
+     "give one block count per stage"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1,2"], "--pp-stage-blocks 1,2 sums to 3 blocks; the model has "
+     "depth 4"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "0,4"], "--pp-stage-blocks '0,4': '0' is not a positive block "
+     "count; give one per stage (NxR: N repeated R times), e.g. 7,8x14,7"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1.5,2.5"], "'1.5' is not a positive block count"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-schedule", "interleaved", "--pp-virtual", "2", "--pp-stage-blocks", "1,3"],
+     "--pp-stage-blocks 1,3: a stage of 1 blocks cannot fill --pp-virtual 2 chunks; give "
+     "every stage at least 2 blocks"),
+    (["--layout", "fsdp", "--mesh", "2", "--pp-stage-blocks", "1,1"],
+     "--pp-stage-blocks splits the blocks over pipeline stages; layout 'fsdp' has none "
+     "(use one of pp, tp_pp, fsdp_pp)"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main
@@ -334,6 +354,38 @@ def test_dry_run_go2025_grid_gpt3_tp_pp():
         act, K = 64 // 32 * L * d * 2, 96 // s  # one micro-batch's block input, bf16
         assert p["stages"][0]["activation_stash"] == (1 + min(32, 2 * s - 1) * K) * act
         assert p["pipeline"]["bubble"] == pytest.approx((s - 1) / (32 + s - 1))
+
+
+def test_dry_run_uneven_stages_count_each_stages_blocks():
+    """Llama 3 405B's 126 blocks over 16 stages as Meta ran it (7, fourteen 8s, 7) under
+    tp_pp: each stage's parameters and optimizer state are its own blocks' (the 8-block
+    stages' those of an even 128-block split), the 7-block stages hold one padded slot
+    (counted in their total, named as padding), the model's parameters are the 126 blocks',
+    and results/plans record the split."""
+    model = ["--model", "llama3-70b", "--layout", "tp_pp", "--microbatches", "16",
+             "--batch-size", "16", "--dtype", "bfloat16", "--remat", "full"]
+    opts = "width=16384,heads=128,kv_heads=8,mlp_hidden=53248"
+    p = _plan(*model, "--mesh", "stage:16,tensor:8", "--model-opts", f"depth=126,{opts}",
+              "--pp-stage-blocks", "7,8x14,7")
+    even = _plan(*model, "--mesh", "stage:16,tensor:8", "--model-opts", f"depth=128,{opts}")
+    nine = _plan(*model, "--mesh", "stage:14,tensor:8", "--model-opts", f"depth=126,{opts}")
+    assert p["pipeline"]["stage_blocks"] == [7] + [8] * 14 + [7]
+    assert p["pipeline"]["chunk_blocks"] == [[7]] + [[8]] * 14 + [[7]]
+    assert p["model"]["params"] == nine["model"]["params"] < even["model"]["params"]
+    block = {k: even["stages"][1][k] - p["stages"][0][k] for k in ("params", "opt")}
+    for s in p["stages"]:
+        short = s["blocks"] == 7
+        assert s["blocks"] == (7 if s["stage"] in (0, 15) else 8)
+        for k in ("params", "opt", "gradients"):
+            assert s[k] == even["stages"][s["stage"]][k] - short * (
+                block["params"] if k == "gradients" else block[k])
+        assert s["padded_slots"] == short
+        assert s["padding_state"] == short * (block["params"] + block["opt"])
+        assert s["padding_gradients"] == short * block["params"]
+        assert s["total"] == even["stages"][s["stage"]]["total"]  # the same program memory
+    # the 7-block stages wait for the 8-block ones: counted, above the formula's bubble
+    assert p["pipeline"]["bubble"] > p["pipeline"]["analytic_bubble"] == \
+        even["pipeline"]["bubble"]
 
 
 def test_notices_for_pp_flags():

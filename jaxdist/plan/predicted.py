@@ -222,8 +222,7 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                    "total": s["total"] - s["activation_working"] + int(compiled_working)}
                   for s in stages]
     worst = max(stages, key=lambda s: s["total"])
-    # padded slots (--pp-stage-blocks: the program holds the largest chunk's slots on every
-    # stage) are state and gradients the stage holds
+    # padded slots (--pp-stage-blocks): state and gradients the stage holds
     state_bytes = (worst["params"] + worst["opt"] + worst.get("master", 0) +
                    worst.get("padding_state", 0))
     need = worst["total"]
@@ -241,15 +240,6 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                                              f"{worst['stage']} exceed HBM",
             "over_by_bytes": max(0, need - hw.hbm_bytes),
             "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": stages}
-
-
-def formula_note(pp: dict) -> str:
-    """How the counted bubble relates to the formula: equal where every stage holds the
-    same blocks; with --pp-stage-blocks it also counts the smaller stages' waiting."""
-    if len(set(pp.get("stage_blocks") or [])) < 2:
-        return "the formula's figure"
-    return (f"the formula's {pp['analytic_bubble']:.1%} plus the stages of fewer blocks "
-            f"waiting for the largest")
 
 
 def predict_pipeline_plan(cfg, shape: MeshShape, hw, cache: dict | None = None) -> dict:
@@ -390,8 +380,9 @@ def format_prediction(p: dict) -> str:
                          f"{pp['lockstep_s'] * ms:.1f} ms; what-if, Megatron's dataflow "
                          f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
         lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage time idle "
-                         f"(counted from the schedule table: "
-                         f"{formula_note(pp)}); "
+                         f"(counted from the schedule table: " + (
+                             "the formula's figure" if len(set(pp.get("stage_blocks", ()))) < 2
+                             else "with the stages of fewer blocks waiting") + "); "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                          f"(each tick weighted by its predicted duration)")
     if p["compiled"].get("kernels"):
