@@ -470,3 +470,21 @@ def test_multi_host_stage_placement_keeps_tensor_in_a_host():
     # a tensor group that cannot fit in a host is refused
     with pytest.raises(UsageError, match="inside one host"):
         hybrid_device_array(MeshShape(1, stage=2, tensor=8), hosts(4, 4))
+
+
+def test_run_records_uneven_stages(tmp_path):
+    """An uneven pp run in this process: results.json's pipeline block records the split;
+    both stages hold two block slots (stage 0 one of them padding: equal shards)."""
+    import json
+
+    from experiments.run import main
+
+    logdir = tmp_path / "pp"
+    assert main(["--layout", "pp", "--mesh", "stage:2", "--model-opts", "depth=3",
+                 "--pp-stage-blocks", "1,2", "--pp-schedule", "gpipe", "--microbatches", "2",
+                 "--batch-size", "4", "--warmup", "0", "--steps", "1",
+                 "--logdir", str(logdir)]) == 0
+    pp = json.loads((logdir / "results.json").read_text())["pipeline"]
+    assert (pp["stage_blocks"], pp["chunk_blocks"]) == ([1, 2], [[1], [2]])
+    by_stage = pp["memory"]["param_bytes_by_stage"]
+    assert len(by_stage) == 2 and by_stage[0] == by_stage[1]
