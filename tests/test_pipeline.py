@@ -478,13 +478,41 @@ def test_run_records_uneven_stages(tmp_path):
     import json
 
     from experiments.run import main
+    from jaxdist.record import check
 
     logdir = tmp_path / "pp"
     assert main(["--layout", "pp", "--mesh", "stage:2", "--model-opts", "depth=3",
                  "--pp-stage-blocks", "1,2", "--pp-schedule", "gpipe", "--microbatches", "2",
                  "--batch-size", "4", "--warmup", "0", "--steps", "1",
                  "--logdir", str(logdir)]) == 0
-    pp = json.loads((logdir / "results.json").read_text())["pipeline"]
+    results = json.loads((logdir / "results.json").read_text())
+    assert check(results) == []
+    pp = results["pipeline"]
     assert (pp["stage_blocks"], pp["chunk_blocks"]) == ([1, 2], [[1], [2]])
     by_stage = pp["memory"]["param_bytes_by_stage"]
     assert len(by_stage) == 2 and by_stage[0] == by_stage[1]
+
+
+def test_skipped_slot_stashes_no_weights():
+    """A padded slot's block runs under `skippable` (a cond inside a custom vjp): the stash
+    of a chunk with such a slot holds what the even split's holds plus one flag per slot,
+    no copy of the slot's weights (a vjp through a plain `lax.cond` would return them as
+    residuals)."""
+    import math
+
+    import jax.numpy as jnp
+
+    from jaxdist.pipeline.ops import ChunkOps
+    from jaxdist.pipeline.parts import split_pipeline_model
+
+    def stash_bytes(depth, blocks):
+        cfg = get_model("gpt-tiny", {"depth": str(depth)})
+        parts, params = split_pipeline_model(cfg, "float32", 0, 2, 1, blocks)
+        chunk = jax.tree.map(lambda a: a[0, 0], params["stages"])
+        x = jax.ShapeDtypeStruct((2, cfg.seq_len, cfg.width), jnp.float32)
+        tokens = jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)
+        stash = ChunkOps(parts, 2).stash_shapes(chunk, params["shared"], x, tokens)
+        return sum(math.prod(r.shape) * r.dtype.itemsize for r in stash), len(stash)
+
+    (even, n_even), (uneven, n_uneven) = stash_bytes(4, ()), stash_bytes(3, (1, 2))
+    assert n_uneven > n_even and uneven - even == 1  # one bool: slot 1's `on`

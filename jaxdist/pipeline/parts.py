@@ -137,13 +137,15 @@ def skippable(fn):
         def skipped(w_, x_):
             return skip(w_, x_, out), [jnp.zeros(r.shape, r.dtype) for r in res]
         out, res = jax.lax.cond(on, go, skipped, w, x)
-        return out, (w, x, on, res)
+        # x only where fn's vjp reads it as it is (else its residuals hold what it needs)
+        keep_x = len(jax.tree.leaves(w)) in seen["forwarded"]
+        return out, (w, x if keep_x else None, on, res)
 
     def bwd(residuals, g):
         w, x, on, res = residuals
 
         def go(w_, x_, res_, g_):
-            inputs, it = jax.tree.leaves(w_) + [x_], iter(res_)
+            inputs, it = jax.tree.leaves(w_) + [x_], iter(res_)  # x_: None if not read
             leaves = [next(it) if i is None else inputs[i] for i in seen["forwarded"]]
             return jax.tree.unflatten(seen["tree"], leaves)(g_)
 
