@@ -481,9 +481,10 @@ def test_run_records_uneven_stages(tmp_path):
     from jaxdist.record import check
 
     logdir = tmp_path / "pp"
-    assert main(["--layout", "pp", "--mesh", "stage:2", "--model-opts", "depth=3",
+    # 8 devices: the count this process's backend started with (tests/conftest.py)
+    assert main(["--layout", "pp", "--mesh", "data:4,stage:2", "--model-opts", "depth=3",
                  "--pp-stage-blocks", "1,2", "--pp-schedule", "gpipe", "--microbatches", "2",
-                 "--batch-size", "4", "--warmup", "0", "--steps", "1",
+                 "--batch-size", "8", "--warmup", "0", "--steps", "1", "--no-progress",
                  "--logdir", str(logdir)]) == 0
     results = json.loads((logdir / "results.json").read_text())
     assert check(results) == []

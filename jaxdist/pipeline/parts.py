@@ -8,9 +8,9 @@ chunk v) holds the next blocks in model order after chunk c-1's. By default ever
 holds K = depth / (S*V) blocks; `--pp-stage-blocks` gives each stage its own count, split
 over its V chunks as evenly as possible (the first chunks one more), and K is then the
 largest chunk's: a shorter chunk's last slots are padding (zero parameters, zero
-gradients) that its forward skips under a `lax.cond` (`skippable`), so a stage computes its
-own blocks only. The padding is held (a sharded array has equal shards on every stage):
-the plan counts it (jaxdist/plan/pipeline_shapes.py).
+gradients) that its forward and backward skip under a `lax.cond` (`skippable`), so a
+stage computes its own blocks only. The padding is held (a sharded array has equal shards
+on every stage): the plan counts it (jaxdist/plan/pipeline_shapes.py).
 """
 
 from __future__ import annotations
