@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from jaxdist.config import RunConfig, parse_profile_steps
+from jaxdist.config import RunConfig, parse_profile_steps, parse_stage_blocks
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 
@@ -86,6 +86,7 @@ def check_values(cfg: RunConfig) -> None:
                          f"{cfg.loop.warmup + cfg.loop.steps - 1}")
     check_lr(cfg.train.lr)
     check_seed(cfg.train.seed)
+    parse_stage_blocks(cfg.train.pp_stage_blocks)
     if cfg.dist.init_timeout < 1:
         raise UsageError(f"--init-timeout must be 1 or more seconds, got "
                          f"{cfg.dist.init_timeout}")
@@ -118,6 +119,10 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
 
     model_cfg, _ = build_model(cfg)
     pipelined = cfg.train.layout in PIPELINE_LAYOUTS
+    if cfg.train.pp_stage_blocks and not pipelined:
+        raise UsageError(f"--pp-stage-blocks splits the blocks over pipeline stages; layout "
+                         f"{cfg.train.layout!r} has none (use one of "
+                         f"{', '.join(PIPELINE_LAYOUTS)})")
     if (pipelined and shape.stage == 1 and shape.size
             and model_cfg.family in ("gpt", "moe")):  # other families: check_layout says so
         raise UsageError(f"layout {cfg.train.layout!r} splits over the stage axis, which "
@@ -128,7 +133,8 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
                  cfg.train.distributed_optimizer)
     if pipelined:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
-                       cfg.train.pp_virtual, cfg.data.eval_every, shape.data)
+                       cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
+                       parse_stage_blocks(cfg.train.pp_stage_blocks))
 
 
 def stage_example(layout: str, shape: MeshShape) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,10 @@ class TrainConfig:
                             "Qi et al. 2023)",
                             choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     pp_virtual: int = _opt(1, "model chunks per pipeline stage for --pp-schedule interleaved")
+    pp_stage_blocks: str = _opt("", "blocks of each pipeline stage, one count per stage "
+                                "(NxR: N repeated R times), e.g. 7,8x14,7 for 126 blocks "
+                                "over 16 stages; split over a stage's --pp-virtual chunks "
+                                "as evenly as possible (default: depth / stages each)")
     sequence_parallel: bool = _opt(False, "Megatron sequence parallelism (tp, fsdp_tp, tp_pp "
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "
@@ -321,3 +326,19 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
     if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) > int(b):
         raise UsageError(f"--profile-steps {text!r} is not A:B with 0 <= A <= B (e.g. 5:7)")
     return int(a), int(b)
+
+
+def parse_stage_blocks(text: str) -> tuple[int, ...]:
+    """`--pp-stage-blocks`: one block count per stage, comma-separated; `NxR` is N repeated
+    R times (`7,8x14,7`: 7, fourteen 8s, 7). Empty: even stages."""
+    if not text.strip():
+        return ()
+    counts: list[int] = []
+    for item in (i.strip() for i in text.split(",")):
+        m = re.fullmatch(r"([0-9]+)(?:x([0-9]+))?", item)
+        if not m or int(m.group(1)) == 0 or m.group(2) is not None and int(m.group(2)) == 0:
+            raise UsageError(f"--pp-stage-blocks {text!r}: {item!r} is not a positive block "
+                             f"count; give one per stage (NxR: N repeated R times), e.g. "
+                             f"7,8x14,7")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return tuple(counts)

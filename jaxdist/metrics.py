@@ -109,22 +109,26 @@ def sharding_summary(abstract_state, specs, logical_state=None) -> dict:
     return out
 
 
+def shard_bytes(leaf, spec, axis_sizes: dict[str, int]) -> int:
+    """One device's bytes of `leaf` placed by `spec` (a shard of a dimension is
+    ceil(size / shards))."""
+    dims = list(leaf.shape)
+    for i, axes in enumerate(spec):
+        if axes is not None:
+            n = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            dims[i] = -(-dims[i] // n)
+    return math.prod(dims) * np.dtype(leaf.dtype).itemsize
+
+
 def planned_bytes_per_device(abstract_state, specs, axis_sizes: dict[str, int]) -> dict:
     """Per-device bytes a layout would give each state part on a mesh of `axis_sizes`,
     from shapes and specs alone (a shard of a dimension is ceil(size / shards))."""
-    def shard_bytes(leaf, spec) -> int:
-        dims = list(leaf.shape)
-        for i, axes in enumerate(spec):
-            if axes is not None:
-                n = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
-                dims[i] = -(-dims[i] // n)
-        return math.prod(dims) * np.dtype(leaf.dtype).itemsize
-
     out = {}
     for part in abstract_state:
         leaves = jax.tree.leaves(abstract_state[part])
         part_specs = jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P))
-        out[part] = sum(shard_bytes(leaf, spec) for leaf, spec in zip(leaves, part_specs))
+        out[part] = sum(shard_bytes(leaf, spec, axis_sizes)
+                        for leaf, spec in zip(leaves, part_specs))
     out["total"] = sum(out.values())
     return out
 

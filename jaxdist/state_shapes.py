@@ -24,7 +24,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from jaxdist.pipeline.parts import SHARED
+from jaxdist.pipeline.parts import SHARED, chunk_blocks
 from jaxdist.train_step import DTYPES, abstract_train_state, split_model
 from jaxdist.update import train_state
 
@@ -87,19 +87,19 @@ def _same(a, b) -> bool:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _stack_abstract(blocks: list, S: int, V: int):
-    K = len(blocks) // (S * V)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((S, V, K, *x.shape), x.dtype),
-                        blocks[0])
+def _stack_abstract(block, S: int, V: int, K: int):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((S, V, K, *x.shape), x.dtype), block)
 
 
 def pipeline_planning_state(model_cfg, dtype_name: str, tx, S: int, V: int,
-                            master: bool = False) -> dict:
+                            master: bool = False, stage_blocks: tuple[int, ...] = ()) -> dict:
+    """K: the largest chunk's blocks (jaxdist.pipeline.parts.chunk_blocks; the shorter
+    chunks' slots padded, as the program holds them)."""
+    counts = chunk_blocks(model_cfg, S, V, stage_blocks)
     base = planning_params(model_cfg, dtype_name)[0]
     pure = base.to_pure_dict() if isinstance(base, nnx.State) else base
-    depth = model_cfg.depth
-    blocks = [pure["blocks"][i] for i in range(depth)]
-    params = {"stages": _stack_abstract(blocks, S, V),
+    K = max(max(row) for row in counts)
+    params = {"stages": _stack_abstract(pure["blocks"][0], S, V, K),
               "shared": {k: pure[k] for k in SHARED if k in pure}}
     dtype = DTYPES[dtype_name] if master else None
     return jax.eval_shape(lambda p: train_state(p, {}, tx, dtype), params)

@@ -38,6 +38,11 @@ def _names(path) -> list[str]:
     return out
 
 
+def is_stacked(path) -> bool:
+    """Whether a state leaf's path is a stacked block leaf ([S, V, K, *shape])."""
+    return STACKED in _names(path)
+
+
 def _inner(path, shape, mesh: Mesh, inner: str, bad: list) -> list:
     """The spec of one parameter (without stack dimensions) inside a stage; a dimension tp
     cannot split is appended to `bad`."""
@@ -57,7 +62,7 @@ def pipeline_specs(state, mesh: Mesh, inner: str):
     def spec(path, leaf):
         if not leaf.shape:
             return P()
-        if STACKED in _names(path):
+        if is_stacked(path):
             rest = _inner(path, leaf.shape[STACK_DIMS:], mesh, inner, bad)
             return P("stage", None, None, *rest)
         return P(*_inner(path, leaf.shape, mesh, inner, bad))

@@ -126,13 +126,13 @@ def test_live_activations_gpipe_m_1f1b_bounded():
 
 # ------------------------------------------------------------------ compiled programs
 
-def _pipeline(model, layout, mesh, schedule, M, virtual=1, **opts):
+def _pipeline(model, layout, mesh, schedule, M, virtual=1, stage_blocks=(), **opts):
     shape = parse_mesh(mesh)
     cfg = get_model(model, {k: str(v) for k, v in opts.items()})
     program = build_pipeline_program(cfg, "float32", make_optimizer("adamw", 1e-2),
                                      get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
-                                     schedule, virtual)
+                                     schedule, virtual, stage_blocks=stage_blocks)
     return cfg, program
 
 
@@ -194,9 +194,11 @@ def _one_device_dot_flops(cfg) -> float:
                              .as_text())["flops"]
 
 
-@pytest.mark.parametrize("schedule,remat", [("1f1b", "none"), ("zb-h1", "none"),
-                                            ("1f1b", "full"), ("1f1b", "selective_op")])
-def test_step_dot_flops_are_the_models(schedule, remat):
+@pytest.mark.parametrize("schedule,remat,blocks", [
+    ("1f1b", "none", ()), ("zb-h1", "none", ()), ("1f1b", "full", ()),
+    ("1f1b", "selective_op", ()), ("1f1b", "none", (1, 2)), ("zb-h1", "full", (2, 1)),
+    ("interleaved", "none", (3, 2))])
+def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     """The backward reads what F stashed: under --remat none a pipelined step's dot FLOPs
     (each branch of its switches weighed by the schedule table) are the one-device step's,
     with no second forward; --remat full and selective_op recompute as the one-device step
@@ -205,16 +207,21 @@ def test_step_dot_flops_are_the_models(schedule, remat):
     1F1B's BACK.
     F: 8 dots a block (q, k, v, out, up, down, QK^T, PV) and, under the last chunk's cond,
     the head's forward and backward (3). (Before, B reran the forward and W the
-    input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)"""
+    input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)
+    Uneven stages (`blocks`, --pp-stage-blocks): a chunk's padded slots are skipped under
+    a cond, so the step's dot FLOPs are still the model's, each slot's cond weighed by the
+    chunks that hold the block."""
     S, M = 2, 2
-    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, depth=S, remat=remat)
+    V = 2 if schedule == "interleaved" else 1
+    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, V, blocks,
+                             depth=sum(blocks) or S, remat=remat)
     batch = put_batch(TrainStream(cfg, None, BATCH, 0).batch(0), program.batch_sharding)
     text = program.step.lower(program.abstract_state, batch).compile().as_text()
     mesh = dict(program.batch_sharding.mesh.shape)
     runs = switch_runs(text, mesh, program.schedule)
     assert kernels.inventory(text, runs)["flops"] * S == pytest.approx(
         _one_device_dot_flops(cfg), rel=1e-9)
-    if remat != "none":
+    if remat != "none" or blocks:
         return
     dots = _dots_by_computation(text)
     # the action switch (idle and the kinds); the send switch's branches run no dot
@@ -255,6 +262,26 @@ def test_step_dot_flops_are_the_models(schedule, remat):
      "drop --eval-every"),
     (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1", "--dataset",
       "digits"], "dataset 'digits' is images; model family 'gpt' cannot read it"),
+    # --pp-stage-blocks: one count per stage, summing to the depth, none zero, integers,
+    # at least one block per virtual chunk, and only on a pipeline layout
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1,1,2"], "--pp-stage-blocks 1,1,2 has 3 counts for stage=2; "
+     "give one block count per stage"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1,2"], "--pp-stage-blocks 1,2 sums to 3 blocks; the model has "
+     "depth 4"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "0,4"], "--pp-stage-blocks '0,4': '0' is not a positive block "
+     "count; give one per stage (NxR: N repeated R times), e.g. 7,8x14,7"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-stage-blocks", "1.5,2.5"], "'1.5' is not a positive block count"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--model-opts", "depth=4",
+      "--pp-schedule", "interleaved", "--pp-virtual", "2", "--pp-stage-blocks", "1,3"],
+     "--pp-stage-blocks 1,3: a stage of 1 blocks cannot fill --pp-virtual 2 chunks; give "
+     "every stage at least 2 blocks"),
+    (["--layout", "fsdp", "--mesh", "2", "--pp-stage-blocks", "1,1"],
+     "--pp-stage-blocks splits the blocks over pipeline stages; layout 'fsdp' has none "
+     "(use one of pp, tp_pp, fsdp_pp)"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main
@@ -330,6 +357,38 @@ def test_dry_run_go2025_grid_gpt3_tp_pp():
         act, K = 64 // 32 * L * d * 2, 96 // s  # one micro-batch's block input, bf16
         assert p["stages"][0]["activation_stash"] == (1 + min(32, 2 * s - 1) * K) * act
         assert p["pipeline"]["bubble"] == pytest.approx((s - 1) / (32 + s - 1))
+
+
+def test_dry_run_uneven_stages_count_each_stages_blocks():
+    """Llama 3 405B's 126 blocks over 16 stages as Meta ran it (7, fourteen 8s, 7) under
+    tp_pp: each stage's parameters and optimizer state are its own blocks' (the 8-block
+    stages' those of an even 128-block split), the 7-block stages hold one padded slot
+    (counted in their total, named as padding), the model's parameters are the 126 blocks',
+    and results/plans record the split."""
+    model = ["--model", "llama3-70b", "--layout", "tp_pp", "--microbatches", "16",
+             "--batch-size", "16", "--dtype", "bfloat16", "--remat", "full"]
+    opts = "width=16384,heads=128,kv_heads=8,mlp_hidden=53248"
+    p = _plan(*model, "--mesh", "stage:16,tensor:8", "--model-opts", f"depth=126,{opts}",
+              "--pp-stage-blocks", "7,8x14,7")
+    even = _plan(*model, "--mesh", "stage:16,tensor:8", "--model-opts", f"depth=128,{opts}")
+    nine = _plan(*model, "--mesh", "stage:14,tensor:8", "--model-opts", f"depth=126,{opts}")
+    assert p["pipeline"]["stage_blocks"] == [7] + [8] * 14 + [7]
+    assert p["pipeline"]["chunk_blocks"] == [[7]] + [[8]] * 14 + [[7]]
+    assert p["model"]["params"] == nine["model"]["params"] < even["model"]["params"]
+    block = {k: even["stages"][1][k] - p["stages"][0][k] for k in ("params", "opt")}
+    for s in p["stages"]:
+        short = s["blocks"] == 7
+        assert s["blocks"] == (7 if s["stage"] in (0, 15) else 8)
+        for k in ("params", "opt", "gradients"):
+            assert s[k] == even["stages"][s["stage"]][k] - short * (
+                block["params"] if k == "gradients" else block[k])
+        assert s["padded_slots"] == short
+        assert s["padding_state"] == short * (block["params"] + block["opt"])
+        assert s["padding_gradients"] == short * block["params"]
+        assert s["total"] == even["stages"][s["stage"]]["total"]  # the same program memory
+    # the 7-block stages wait for the 8-block ones: counted, above the formula's bubble
+    assert p["pipeline"]["bubble"] > p["pipeline"]["analytic_bubble"] == \
+        even["pipeline"]["bubble"]
 
 
 def test_notices_for_pp_flags():
@@ -431,3 +490,50 @@ def test_pipeline_plan_stashes_what_a_named_policy_keeps(remat, widths):
     L, D, K, slots = 8192, 8192, 2, min(8, 2 * 4 - 1)  # one row per micro-batch, bf16
     act = L * D * 2
     assert p["stages"][0]["activation_stash"] == act + slots * K * (act + L * widths * 2)
+
+
+def test_run_records_uneven_stages(tmp_path):
+    """An uneven pp run in this process: results.json's pipeline block records the split;
+    both stages hold two block slots (stage 0 one of them padding: equal shards)."""
+    import json
+
+    from experiments.run import main
+    from jaxdist.record import check
+
+    logdir = tmp_path / "pp"
+    # 8 devices: the count this process's backend started with (tests/conftest.py)
+    assert main(["--layout", "pp", "--mesh", "data:4,stage:2", "--model-opts", "depth=3",
+                 "--pp-stage-blocks", "1,2", "--pp-schedule", "gpipe", "--microbatches", "2",
+                 "--batch-size", "8", "--warmup", "0", "--steps", "1", "--no-progress",
+                 "--logdir", str(logdir)]) == 0
+    results = json.loads((logdir / "results.json").read_text())
+    assert check(results) == []
+    pp = results["pipeline"]
+    assert (pp["stage_blocks"], pp["chunk_blocks"]) == ([1, 2], [[1], [2]])
+    by_stage = pp["memory"]["param_bytes_by_stage"]
+    assert len(by_stage) == 2 and by_stage[0] == by_stage[1]
+
+
+def test_skipped_slot_stashes_no_weights():
+    """A padded slot's block runs under `skippable` (a cond inside a custom vjp): the stash
+    of a chunk with such a slot holds what the even split's holds plus one flag per slot,
+    no copy of the slot's weights (a vjp through a plain `lax.cond` would return them as
+    residuals)."""
+    import math
+
+    import jax.numpy as jnp
+
+    from jaxdist.pipeline.ops import ChunkOps
+    from jaxdist.pipeline.parts import split_pipeline_model
+
+    def stash_bytes(depth, blocks):
+        cfg = get_model("gpt-tiny", {"depth": str(depth)})
+        parts, params = split_pipeline_model(cfg, "float32", 0, 2, 1, blocks)
+        chunk = jax.tree.map(lambda a: a[0, 0], params["stages"])
+        x = jax.ShapeDtypeStruct((2, cfg.seq_len, cfg.width), jnp.float32)
+        tokens = jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)
+        stash = ChunkOps(parts, 2).stash_shapes(chunk, params["shared"], x, tokens)
+        return sum(math.prod(r.shape) * r.dtype.itemsize for r in stash), len(stash)
+
+    (even, n_even), (uneven, n_uneven) = stash_bytes(4, ()), stash_bytes(3, (1, 2))
+    assert n_uneven > n_even and uneven - even == 1  # one bool: slot 1's `on`

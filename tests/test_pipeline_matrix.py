@@ -78,13 +78,13 @@ def _reference(model, depth, microbatches=1):
     return _REFERENCE[key]
 
 
-def _initial(program, cfg, S, V):
+def _initial(program, cfg, S, V, stage_blocks=()):
     """The initial pipeline state (what program.init() makes), built eagerly once per
-    (model, S, V) instead of compiled per case, and placed with this program's shardings
-    (the layouts differ only in placement)."""
-    key = (cfg, S, V)
+    (model, S, V, stage blocks) instead of compiled per case, and placed with this
+    program's shardings (the layouts differ only in placement)."""
+    key = (cfg, S, V, stage_blocks)
     if key not in _INITIAL:
-        _, params = split_pipeline_model(cfg, "float32", 0, S, V)
+        _, params = split_pipeline_model(cfg, "float32", 0, S, V, stage_blocks)
         # on the host: the step donates its state, so each case needs its own device copy
         _INITIAL[key] = jax.device_get({"params": params, "model_state": {},
                                         "opt": _TX.init(params)})
@@ -126,17 +126,32 @@ def test_zb_h1_equals_single_device(model, layout, S, M):
                 _reference(model, S))
 
 
-def _check_case(model, layout, mesh, schedule, V, S, M, reference, **extra):
-    depth = S * V
+# Uneven stages (--pp-stage-blocks): a stage's blocks split over its V chunks, the shorter
+# chunks' padded slots skipped; each schedule once, pp and tp_pp / fsdp_pp, both models.
+@pytest.mark.parametrize("model,layout,schedule,V,S,M,blocks", [
+    ("gpt-tiny", "pp", "gpipe", 1, 2, 2, (1, 2)),
+    ("llama-tiny", "pp", "1f1b", 1, 2, 4, (2, 1)),
+    ("gpt-tiny", "pp", "interleaved", 2, 2, 2, (3, 2)),
+    ("llama-tiny", "tp_pp", "interleaved", 2, 2, 4, (2, 3)),
+    ("gpt-tiny", "fsdp_pp", "1f1b", 1, 2, 2, (1, 2)),
+    ("llama-tiny", "tp_pp", "zb-h1", 1, 2, 2, (2, 1))])
+def test_uneven_stages_equal_single_device(model, layout, schedule, V, S, M, blocks):
+    _check_case(model, layout, MESHES[layout].format(S=S), schedule, V, S, M,
+                _reference(model, sum(blocks)), stage_blocks=blocks)
+
+
+def _check_case(model, layout, mesh, schedule, V, S, M, reference, stage_blocks=(),
+                **extra):
+    depth = sum(stage_blocks) or S * V
     cfg = _cfg(model, depth, **extra)
     shape = parse_mesh(mesh)
     program = build_pipeline_program(cfg, "float32", _TX, get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
-                                     schedule, V)
+                                     schedule, V, stage_blocks=stage_blocks)
     assert (program.schedule.stages, program.schedule.virtual,
             program.schedule.microbatches) == (S, V, M)
     stream = TrainStream(cfg, None, BATCH, 0)
-    state = _initial(program, cfg, S, V)
+    state = _initial(program, cfg, S, V, stage_blocks)
     compiled = program.step.lower(state, put_batch(stream.batch(0), program.batch_sharding)
                                   ).compile()
     losses = []

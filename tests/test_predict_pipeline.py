@@ -239,3 +239,31 @@ def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["label"] == "predicted" and plan["pipeline"]["ticks"] == 5
     assert plan["pipeline"]["schedule_bubble"] == pytest.approx(1 / 3)
+
+
+def test_uneven_stages_time_each_chunk_at_its_own_blocks():
+    """--pp-stage-blocks 1,2 (depth 3) beside the even 2,2 (depth 4): the ops are the same
+    1- and 2-block programs and the tail holds the same padded [2, 1, 2] stack, so nothing
+    is compiled again; stage 1's ops (2 blocks, the head) are the even split's, stage 0's
+    forward is a 1-block chunk's, so the ticks are shorter than the even split's and stage
+    1 is the critical one; the plan records the split."""
+    from jaxdist.program.xla_compile import compiles_run
+    from jaxdist.plan.predicted import predict_plan
+
+    mesh, cache = parse_mesh("stage:2,tensor:2"), {}
+    even = predict_plan(tiny_cfg(depth=4), mesh, cache=cache)
+    base = tiny_cfg(depth=3)
+    cfg = dataclasses.replace(base, train=dataclasses.replace(base.train,
+                                                              pp_stage_blocks="1,2"))
+    before = compiles_run()
+    plan = predict_plan(cfg, mesh, cache=cache)
+    assert compiles_run() == before
+    p = plan["pipeline"]
+    assert (p["stage_blocks"], p["chunk_blocks"], p["blocks_per_chunk"]) == \
+        ([1, 2], [[1], [2]], 2)
+    assert p["critical_stage"] == 1
+    assert plan["compiled"]["ops"] == even["compiled"]["ops"]  # the 2-block chunk's figures
+    assert p["critical_stage_work_s"] == pytest.approx(
+        even["pipeline"]["critical_stage_work_s"])
+    assert p["ticks_s"] < even["pipeline"]["ticks_s"]
+    assert p["bubble"] > p["analytic_bubble"] == even["pipeline"]["bubble"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxdist.errors import UsageError
-from jaxdist.pipeline.parts import check_depth
+from jaxdist.pipeline.parts import chunk_blocks
 from jaxdist.pipeline.schedule import check_schedule
 from models.layers import REMAT_NAMES
 
@@ -36,10 +36,11 @@ def check_remat(model_cfg) -> None:
 
 
 def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, virtual: int,
-                   eval_every: int = 0, data: int = 1) -> None:
+                   eval_every: int = 0, data: int = 1,
+                   stage_blocks: tuple[int, ...] = ()) -> None:
     V = virtual if schedule == "interleaved" else 1
     check_schedule(schedule, stages, microbatches, V)
-    check_depth(model_cfg, stages, V)
+    chunk_blocks(model_cfg, stages, V, stage_blocks)
     check_moe_data(model_cfg, data)
     check_remat(model_cfg)
     if eval_every:

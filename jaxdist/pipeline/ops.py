@@ -122,12 +122,13 @@ class ChunkOps:
         self._split: dict = {}
 
     # ---- F
-    def forward(self, chunk, shared, x, tokens, is_first):
+    def forward(self, chunk, shared, x, tokens, is_first, count=None):
         """(output activation, balance-loss term, the stash: the vjp's residuals that are
-        not the chunk's own inputs)."""
+        not the chunk's own inputs). `count`: the chunk's blocks where chunks differ
+        (jaxdist/pipeline/parts.py); its skipped slots' flags are in the stash."""
         blocks = self.parts.block_params(chunk)
         (y, aux), vjp = jax.vjp(lambda b, sh, x_: self.parts.chunk(b, sh, x_, tokens,
-                                                                   is_first),
+                                                                   is_first, count),
                                 blocks, shared, x)
         leaves, tree = jax.tree.flatten(vjp)
         inputs = jax.tree.leaves((blocks, shared)) + [x]
@@ -141,7 +142,9 @@ class ChunkOps:
 
     def stash_shapes(self, chunk, shared, x, tokens):
         flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        return jax.eval_shape(lambda *a: self.forward(*a)[2], chunk, shared, x, tokens, flag)
+        count = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.eval_shape(lambda *a: self.forward(*a)[2], chunk, shared, x, tokens, flag,
+                              count)
 
     def head(self, shared, h, tokens):
         """The last chunk's head: (loss, gradient into `h`, the head's weight gradients as

@@ -28,13 +28,15 @@ class PipelineProgram(Program):
 
 
 def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtual: int,
-                   master: bool = False):
+                   master: bool = False, stage_blocks: tuple[int, ...] = ()):
     """(init_fn, abstract state, parts) of the pipeline train state; `master`: bfloat16
-    working weights beside the float32 master (jaxdist/update.py)."""
+    working weights beside the float32 master (jaxdist/update.py); `stage_blocks`:
+    --pp-stage-blocks (jaxdist/pipeline/parts.py)."""
     holder = {}
 
     def init_fn():
-        parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual)
+        parts, params = split_pipeline_model(model_cfg, dtype_name, seed, stages, virtual,
+                                             stage_blocks)
         holder["parts"] = parts
         return train_state(params, {}, tx, DTYPES[dtype_name] if master else None)
 
@@ -78,17 +80,19 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
 
 def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                            microbatches: int, schedule: str, virtual: int = 1,
-                           matmul_precision: str = "default") -> PipelineProgram:
+                           matmul_precision: str = "default",
+                           stage_blocks: tuple[int, ...] = ()) -> PipelineProgram:
     S = mesh.shape.get("stage", 1)
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
                          "--mesh data:2,stage:4")
     check_moe_data(model_cfg, mesh.shape.get("data", 1))
     V = virtual if schedule == "interleaved" else 1
-    sched = build_schedule(schedule, S, microbatches, V)
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     logical_init, logical, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
-                                                  layout.master_weights(dtype_name))
+                                                  layout.master_weights(dtype_name),
+                                                  stage_blocks)
+    sched = build_schedule(schedule, S, microbatches, V, parts.counts)
     specs = layout(logical, mesh)
     # The state as stored: padded where a split dimension is not divisible (sharding/padding.py)
     abstract = padding.storage(logical, specs, dict(mesh.shape))

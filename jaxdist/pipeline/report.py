@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxdist import metrics
 from jaxdist.program import comm, hlo, program_reading
+from jaxdist.pipeline.schedule import FWD, WGT
 from jaxdist.pipeline.step import pattern_runs
 
 
@@ -50,7 +51,11 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     - the action switch (idle and the schedule's kinds, jaxdist/pipeline/step.py): the
       slots at which a stage runs each operation, averaged over stages;
     - the two-way conditionals directly inside an operation's branch: F's head,
-      `lax.cond(is_last, ...)` of jaxdist/pipeline/step.py, true on the last chunk only.
+      `lax.cond(is_last, ...)` of jaxdist/pipeline/step.py, true on the last chunk only,
+      F's last; and, where chunks hold different block counts (`sched.blocks[s][v]`,
+      jaxdist/pipeline/parts.py), one per padded slot j (the slots some chunk lacks,
+      `skippable`), true on the chunks whose count exceeds j: in F in slot order before
+      the head, in a backward (BACK, B) in reverse slot order.
     Any other conditional stays unnamed, so its collectives are marked upper bounds."""
     conds = hlo.conditionals(hlo_text)
     S = sched.stages
@@ -78,11 +83,22 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     last = {k: per_stage(sum(op.kind == k and s == S - 1 and op.v == sched.virtual - 1
                              for op, s in placed)) for k in kinds}
     runs[action[0][0]] = sched.ticks * len(kinds) - sum(per_kind.values())
+    counts = sched.blocks
+    low = min(min(row) for row in counts) if counts else 0
+    padded = list(range(low, max(max(row) for row in counts))) if counts else []
     for i, k in enumerate(kinds):
         runs[action[0][i + 1]] = per_kind[k]
-        for host, b in conds:
-            if host == action[0][i + 1] and len(b) == 2:
-                runs[b[0]], runs[b[1]] = per_kind[k] - last[k], last[k]
+        two_way = [b for host, b in conds if host == action[0][i + 1] and len(b) == 2]
+        head = two_way[-1:] if k == FWD else []
+        slots = two_way[:len(two_way) - len(head)]
+        order = padded if k == FWD else padded[::-1]
+        for b in head:
+            runs[b[0]], runs[b[1]] = per_kind[k] - last[k], last[k]
+        if len(slots) != (len(order) if k != WGT else 0):
+            continue  # not the step's shape: these stay upper bounds
+        for j, b in zip(order, slots):
+            on = per_stage(sum(op.kind == k and counts[s][op.v] > j for op, s in placed))
+            runs[b[0]], runs[b[1]] = per_kind[k] - on, on
     return runs
 
 

@@ -26,7 +26,10 @@ lockstep ticks W cannot fill the cool-down (stage 0's backwards are its last wor
 table costs 1F1B's and it differs in the program (B sends the input gradient, W reads B's
 cotangents). Interleaved (V > 1) runs Megatron's forward and backward orders over V chunks
 per stage, chunk c = v*S + s on stage s, so activations go round the ring of stages V
-times. The bubble is *counted* from the table (idle work units / all), not assumed.
+times. The bubble is *counted* from the table (idle work units / all), not assumed. Where
+stages hold different block counts (--pp-stage-blocks), an operation costs its chunk's
+blocks over the largest chunk's, so the count includes the stages with fewer blocks
+waiting for the others.
 
 Slots: a stage keeps each received activation (the input of one of its chunk forwards, read
 again by the backward) and each gradient in a slot of a fixed-size buffer, and each
@@ -72,6 +75,9 @@ class Schedule:
     res_slots: int = 0
     act_slots_by_stage: list[int] = field(default_factory=list)
     res_slots_by_stage: list[int] = field(default_factory=list)
+    # blocks of chunk (s, v) as blocks[s][v] (jaxdist/pipeline/parts.py chunk_blocks), set
+    # by whoever splits the model; () where not known (every chunk's figures alike)
+    blocks: tuple = ()
 
     @property
     def split_backward(self) -> bool:
@@ -86,17 +92,25 @@ class Schedule:
     def stage_ops(self, t: int, s: int) -> tuple[Op, ...]:
         return self.ops[t][s]
 
+    def share(self, s: int, v: int) -> float:
+        """Chunk (s, v)'s blocks over the largest chunk's (1 where all are alike): what an
+        operation on it costs in F-units, an F-unit being the largest chunk's forward."""
+        if not self.blocks:
+            return 1.0
+        return self.blocks[s][v] / max(max(row) for row in self.blocks)
+
     def cost(self, units: dict[int, float] | None = None) -> float:
         """The step's length in F-units as executed: each tick as long as its busiest
         stage (the sum of its operations' costs), ticks one after the other."""
         units = UNITS if units is None else units
-        return sum(max(sum(units[o.kind] for o in ops) for ops in row)
-                   for row in self.ops)
+        return sum(max(sum(units[o.kind] * self.share(s, o.v) for o in ops)
+                       for s, ops in enumerate(row)) for row in self.ops)
 
     def work(self, units: dict[int, float] | None = None) -> float:
         """All stages' operations in F-units."""
         units = UNITS if units is None else units
-        return sum(units[o.kind] for row in self.ops for ops in row for o in ops)
+        return sum(units[o.kind] * self.share(s, o.v) for row in self.ops
+                   for s, ops in enumerate(row) for o in ops)
 
     @property
     def ticks(self) -> int:
@@ -146,7 +160,10 @@ class Schedule:
                 "cost_f_units": self.cost(),
                 "live_activation_slots": self.act_slots, "gradient_slots": self.grad_slots,
                 "residual_slots": self.res_slots,
-                "residual_slots_by_stage": self.res_slots_by_stage}
+                "residual_slots_by_stage": self.res_slots_by_stage,
+                **({"stage_blocks": [sum(row) for row in self.blocks],
+                    "chunk_blocks": [list(row) for row in self.blocks]}
+                   if self.blocks else {})}
 
 
 def _orders(name: str, S: int, V: int, M: int) -> list[tuple[list, list]]:
@@ -168,11 +185,14 @@ def _orders(name: str, S: int, V: int, M: int) -> list[tuple[list, list]]:
             for _ in range(S)]
 
 
-def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
+                   blocks: tuple = ()) -> Schedule:
+    """`blocks`: each chunk's blocks, blocks[s][v] (jaxdist/pipeline/parts.py chunk_blocks),
+    which weigh the operations' costs; () counts every chunk alike."""
     S, M = stages, microbatches
     V = virtual if name == "interleaved" else 1
     check_schedule(name, S, M, V)
-    sched = Schedule(name, S, V, M)
+    sched = Schedule(name, S, V, M, blocks=tuple(tuple(row) for row in blocks))
     split = sched.split_backward
     back = BWD if split else BACK  # the op that makes (and sends) the input gradient
     orders = _orders(name, S, V, M)

@@ -112,6 +112,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         s = jax.lax.axis_index("stage")
         local = jax.tree.map(lambda a: a[0], stage_params)  # [V, K, ...]
         table = {k: jnp.asarray(a) for k, a in tables.items()}
+        counts = jnp.asarray(np.array(parts.counts or [[parts.blocks_per_chunk] * V] * S,
+                                      np.int32))  # [S, V]: each chunk's own blocks
         pattern = jnp.asarray(pattern_of_slot)
 
         def chunk_of(v):
@@ -158,7 +160,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             def fwd(acc):  # F: the stash for the backward; the last chunk's head and its
                 # backward at once, its gradient into the chunk's output
                 kept, g_l, g_s, ls, y_out, dx_out = acc
-                y, aux, stored = ops.forward(chunk, shared, x, tokens, is_first)
+                y, aux, stored = ops.forward(chunk, shared, x, tokens, is_first,
+                                             counts[s, v])
 
                 def head(a):
                     ls, g_s, dh = a

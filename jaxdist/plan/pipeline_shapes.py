@@ -3,7 +3,12 @@ every stage, from shapes alone, and whether they fit a device (an H200: 141 GB).
 
 Parameters and optimizer state: the pipeline train state (blocks stacked [S, V, K, ...], the
 embeddings and head on every stage) assembled from the decoder's depth-1 shapes
-(jaxdist.state_shapes), placed by the layout's specs on an abstract mesh.
+(jaxdist.state_shapes), placed by the layout's specs on an abstract mesh. With
+--pp-stage-blocks each stage's `params`, `opt`, `master` and `gradients` are its own blocks'
+(and the shared leaves'); the slots a stage holds beyond its own blocks (K is the largest
+chunk's: a sharded array has equal shards on every stage) are `padding_state` and
+`padding_gradients`, counted in its `total`. The activation stash is the program's: every
+stage's slots sized for K blocks.
 
 Activations (an estimate, not a compiled figure): stage s stashes, for each micro-batch
 between its forward and its backward (`res_slots_s`, counted from the schedule's table: M
@@ -25,18 +30,22 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxdist import metrics
+from jaxdist.config import parse_stage_blocks
 from jaxdist.run_model import build_model
 from jaxdist.pipeline.checks import check_pipeline
+from jaxdist.pipeline.parts import chunk_blocks
 from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.state_shapes import pipeline_planning_state
 from jaxdist.train_step import DTYPES, make_optimizer
 from models.layers import REMAT_NAMES
 from sharding import get_layout
 from sharding.axes import batch_axes
+from sharding.pipeline import is_stacked
 
 H200_BYTES = 141 * 10 ** 9  # NVIDIA H200: 141 GB of HBM3e (nvidia.com/h200 datasheet)
 
@@ -72,27 +81,52 @@ def named_saved_bytes(model_cfg, names, rows: int, tensor: int, itemsize: int,
     return rows * model_cfg.seq_len * per_token * itemsize
 
 
+def stacked_bytes_per_device(state, specs, sizes: dict[str, int]) -> dict[str, int]:
+    """Per state part, one device's bytes of the stacked block leaves ([S, V, K, ...]
+    parameters and their optimizer state and master copies), padded slots included."""
+    out = {}
+    for part in state:
+        leaves = jax.tree_util.tree_flatten_with_path(state[part])[0]
+        part_specs = jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P))
+        out[part] = sum(metrics.shard_bytes(leaf, spec, sizes)
+                        for (path, leaf), spec in zip(leaves, part_specs)
+                        if is_stacked(path))
+    return out
+
+
+def model_params(state, counts) -> int:
+    """The model's parameters: the stacked leaves' less their padded slots."""
+    S, V = len(counts), len(counts[0])
+    K = max(max(row) for row in counts)
+    blocks = sum(sum(row) for row in counts)
+    stacked = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]["stages"]))
+    return metrics.param_count(state) - stacked + stacked // (S * V * K) * blocks
+
+
 def plan_pipeline(cfg, shape) -> dict:
     model_cfg, _ = build_model(cfg)
     sizes = shape.axis_sizes
     S, M = shape.stage, cfg.train.microbatches
     schedule = cfg.train.pp_schedule
     V = cfg.train.pp_virtual if schedule == "interleaved" else 1
-    check_pipeline(model_cfg, S, schedule, M, V)
+    stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
+    check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks)
+    counts = chunk_blocks(model_cfg, S, V, stage_blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                    layout.master_weights(cfg.model.dtype))
+                                    layout.master_weights(cfg.model.dtype), stage_blocks)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
     specs = layout(state, mesh)
     per_device = metrics.planned_bytes_per_device(state, specs, sizes)
-    sched = build_schedule(schedule, S, M, V)
+    stacked = stacked_bytes_per_device(state, specs, sizes)
+    sched = build_schedule(schedule, S, M, V, counts)
     batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (M * batch_shards)
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
     act = rows * model_cfg.seq_len * model_cfg.width * itemsize
-    K = model_cfg.depth // (S * V)
+    K = max(max(row) for row in counts)  # the program's slots per chunk
     tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
              cfg.model.dtype == "bfloat16")
@@ -115,21 +149,31 @@ def plan_pipeline(cfg, shape) -> dict:
     for s in range(S):
         stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * act +
                  sched.res_slots_by_stage[s] * stashed)
+        own, pad = sum(counts[s]), V * K - sum(counts[s])  # slots: own blocks, padding
+        mine = {part: per_device.get(part, 0) - stacked.get(part, 0) +
+                stacked.get(part, 0) * own // (V * K) for part in ("params", "opt", "master")}
+        padding = {part: stacked.get(part, 0) * pad // (V * K)
+                   for part in ("params", "opt", "master")}
+        master = mine["master"]  # float32 master shards (distributed optimizer)
         # the step accumulates the stage's gradients over its micro-batches: one more
-        # copy of its parameters, as they are sharded
-        master = per_device.get("master", 0)  # float32 master shards (distributed optimizer)
-        # its gradients are accumulated and reduced in float32: twice the bf16 weights
-        grads = per_device["params"] * (2 if master else 1)
-        total = per_device["params"] + grads + per_device["opt"] + master + stash + working
-        stages.append({"stage": s, "params": per_device["params"], "opt": per_device["opt"],
+        # copy of its parameters, as they are sharded; with float32 master shards they
+        # are accumulated and reduced in float32: twice the bf16 weights
+        twice = 2 if per_device.get("master", 0) else 1
+        grads = mine["params"] * twice
+        pad_state = sum(padding.values())
+        pad_grads = padding["params"] * twice
+        total = (mine["params"] + grads + mine["opt"] + master + pad_state + pad_grads +
+                 stash + working)
+        stages.append({"stage": s, "blocks": own, "params": mine["params"], "opt": mine["opt"],
                        "master": master,
-                       "gradients": grads,
+                       "gradients": grads, "padded_slots": pad, "padding_state": pad_state,
+                       "padding_gradients": pad_grads,
                        "activation_stash": stash, "activation_working": int(working),
                        "total": int(total), "fits_h200": total <= H200_BYTES})
     return {
         "dry_run": True, "layout": cfg.train.layout, "mesh": dict(sizes),
         "distributed_optimizer": layout.distributed_optimizer,
-        "model": {"name": cfg.model.model, "params": metrics.param_count(state)},
+        "model": {"name": cfg.model.model, "params": model_params(state, counts)},
         "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
                      cfg.train.batch_size, "microbatch_rows_per_device": rows},
         "state_bytes_per_device": per_device,
@@ -144,8 +188,12 @@ def format_pipeline_plan(p: dict) -> str:
     from jaxdist.summary import human_bytes
 
     pp = p["pipeline"]
+    blocks = pp.get("stage_blocks") or []
+    split = (f"{pp['blocks_per_chunk']} blocks per chunk" if len(set(blocks)) < 2 else
+             f"stage blocks {','.join(map(str, blocks))} (padded to "
+             f"{pp['blocks_per_chunk']} per chunk)")
     lines = [f"{headline(p)}; {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
-             f"M={pp['microbatches']}, {pp['blocks_per_chunk']} blocks per chunk, "
+             f"M={pp['microbatches']}, {split}, "
              f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
              f"{pp['bubble']:.1%}; nothing allocated",
              f"  {'stage':<6}{'params':>12}{'gradients':>12}{'optimizer':>12}"
@@ -160,4 +208,11 @@ def format_pipeline_plan(p: dict) -> str:
     lines.append("  per device; activations estimated (stash: the schedule's micro-batches "
                  "in flight x what a chunk's backward reads under --remat, working set: one "
                  "block's, by Korthikanti et al. 2022)")
+    padded = [s for s in p["stages"] if s.get("padded_slots")]
+    if padded:
+        lines.append("  padding (in total): " + ", ".join(
+            f"stage {s['stage']} {s['padded_slots']} slot(s) "
+            f"{human_bytes(s['padding_state'] + s['padding_gradients'])}" for s in padded) +
+            " of parameters, gradients and optimizer state the program holds beyond the "
+            "stage's own blocks (equal shards on every stage)")
     return "\n".join(lines)

@@ -223,14 +223,16 @@ def pipeline_memory(memory_plan: dict, hw, compiled_working: float | None = None
                    "total": s["total"] - s["activation_working"] + int(compiled_working)}
                   for s in stages]
     worst = max(stages, key=lambda s: s["total"])
-    state_bytes = worst["params"] + worst["opt"] + worst.get("master", 0)
+    # padded slots (--pp-stage-blocks): state and gradients the stage holds
+    state_bytes = (worst["params"] + worst["opt"] + worst.get("master", 0) +
+                   worst.get("padding_state", 0))
     need = worst["total"]
     fits = need <= hw.hbm_bytes
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
                if compiled_working is not None else
                "one chunk's backward by Korthikanti et al. 2022")
     return {"label": time_model.LABEL, "state_bytes": state_bytes,
-            "gradient_bytes": worst["gradients"],
+            "gradient_bytes": worst["gradients"] + worst.get("padding_gradients", 0),
             "temp_bytes": worst["activation_stash"] + worst["activation_working"],
             "temp_note": f"activations per stage: stash counted from the schedule table, "
                          f"working set of {working} (jaxdist.plan.pipeline_shapes)",
@@ -400,7 +402,9 @@ def format_prediction(p: dict) -> str:
                          f"{pp['lockstep_s'] * ms:.1f} ms; what-if, Megatron's dataflow "
                          f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
         lines.insert(-1, f"  bubble, two ways: {pp['schedule_bubble']:.1%} of stage time idle "
-                         f"(counted from the schedule table: the formula's figure); "
+                         f"(counted from the schedule table: " + (
+                             "the formula's figure" if len(set(pp.get("stage_blocks", ()))) < 2
+                             else "with the stages of fewer blocks waiting") + "); "
                          f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                          f"(each tick weighted by its predicted duration)")
     if p["compiled"].get("kernels"):

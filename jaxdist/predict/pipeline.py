@@ -9,7 +9,8 @@ left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (th
   (stashing the vjp's residuals; the last chunk's with the head and the head's backward),
   F then BACK (the whole backward from the stash) and, for zb-h1, F then B; BACK, B and W
   are differences of these (BACK = (F+BACK) - F, B = (F+B) - F, W = (F+BACK) - (F+B)).
-  Each at a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks, and the last
+  Each at a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks (each chunk at its
+  own K where --pp-stage-blocks makes chunks differ), and the last
   chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
   cost the same;
@@ -40,7 +41,9 @@ from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.parts import Part
 from jaxdist.predict.depth import linear, minus
 from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
-from jaxdist.predict.ticks import op_row, tick_model
+from jaxdist.predict.ticks import op_key, op_row, tick_model
+from jaxdist.config import parse_stage_blocks
+from jaxdist.pipeline.parts import chunk_blocks
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
@@ -164,9 +167,11 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                         act, act), dict(mesh.shape)
 
 
-def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
+def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+                 stage_blocks: tuple[int, ...] = ()) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
-    stages (shared) and averaged over data, then the optimizer update."""
+    stages (shared) and averaged over data, then the optimizer update (of the padded
+    slots too, as the program holds them)."""
     from jaxdist.state_shapes import pipeline_planning_state
     from jaxdist.pipeline.program import data_reduction
 
@@ -176,7 +181,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target) -> tuple:
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                      layout.master_weights(cfg.model.dtype))
+                                      layout.master_weights(cfg.model.dtype), stage_blocks)
     specs = layout(logical, mesh)
     state = padding.storage(logical, specs, sizes)  # as stored: padded (sharding/padding.py)
     update_specs = layout.update_specs(logical["params"], specs["params"], mesh)
@@ -249,8 +254,11 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     layout's step on `hw`."""
     S = sizes["stage"]
     V = cfg.train.pp_virtual if cfg.train.pp_schedule == "interleaved" else 1
-    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V)
-    K = model_cfg.depth // (S * V)
+    stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
+    counts = chunk_blocks(model_cfg, S, V, stage_blocks)
+    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V, counts)
+    K = max(max(row) for row in counts)  # the largest chunk's blocks
+    sizes_k = sorted({k for row in counts for k in row})  # each chunk's figures at its own
     rows = microbatch_rows(cfg, sizes)
     target = target or compiled_mod.simulated_cpu(math.prod(sizes.values()))
     # XLA:GPU compiles cuDNN attention itself; XLA:CPU's scores are measured and removed.
@@ -271,8 +279,9 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
             if flash and not last:  # the scores' part, at L/2 with twice the rows
                 pieces[("op", *half_common, blocks, kind, False)] = functools.partial(
                     op_lowered, cfg, half, sizes, blocks, kind, False, 2 * rows, target)
-    tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V)
-    pieces[tail_key] = functools.partial(tail_lowered, cfg, model_cfg, sizes, S, V, target)
+    tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V, stage_blocks)
+    pieces[tail_key] = functools.partial(tail_lowered, cfg, model_cfg, sizes, S, V, target,
+                                         stage_blocks)
     got = compile_pieces(cache, pieces, target, cfg, hw)
 
     def op(blocks, kind, last):
@@ -284,24 +293,27 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     figs, removed = {}, {}
     for kind in kinds:
         one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
-        scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), K)
-                  if flash else None)
-        for last, base in ((False, one), (True, last1)):
-            fig = linear(base, one, two, K)
-            if scores is not None:
-                fig["bytes_accessed"] -= scores["bytes_accessed"]
-                fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
-            figs[(kind, last)] = fig
-        removed[kind] = scores
+        for k in sizes_k:  # a chunk of k blocks (all chunks alike: k = K)
+            scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), k)
+                      if flash else None)
+            for last, base in ((False, one), (True, last1)):
+                fig = linear(base, one, two, k)
+                if scores is not None:
+                    fig["bytes_accessed"] -= scores["bytes_accessed"]
+                    fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
+                figs[(kind, last, k)] = fig
+            if k == K:
+                removed[kind] = scores
     for last in (False, True):  # the backward's figures: differences of F+... and F
-        if sched.split_backward:
-            figs[(WGT, last)] = minus(figs[(FULL, last)], figs[(F_B, last)])
-            figs[(BWD, last)] = minus(figs.pop((F_B, last)), figs[(FWD, last)])
-        figs[(BACK, last)] = minus(figs.pop((FULL, last)), figs[(FWD, last)])
+        for k in sizes_k:
+            if sched.split_backward:
+                figs[(WGT, last, k)] = minus(figs[(FULL, last, k)], figs[(F_B, last, k)])
+                figs[(BWD, last, k)] = minus(figs.pop((F_B, last, k)), figs[(FWD, last, k)])
+            figs[(BACK, last, k)] = minus(figs.pop((FULL, last, k)), figs[(FWD, last, k)])
     # XLA:GPU's temporaries of a K-block chunk's backward beyond its forward's (whose
     # stash the plan counts per slot): the working set the memory plan counts (XLA:CPU's
     # are an upper bound: the hand estimate stands there)
-    working = (max(figs[(BACK, last)]["memory"]["temp_bytes"] for last in (False, True))
+    working = (max(figs[(BACK, last, K)]["memory"]["temp_bytes"] for last in (False, True))
                if target.gpu else None)
     tail = got[tail_key]
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
@@ -318,14 +330,16 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
              (BACK, False): "backward", (BACK, True): "backward_last",
              (BWD, False): "input_gradient", (BWD, True): "input_gradient_last",
              (WGT, False): "weight_gradient", (WGT, True): "weight_gradient_last"}
-    per_op = {names[k]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
-                                           "intra_node_s", "inter_node_s",
-                                           "exposed_intra_node_s", "exposed_inter_node_s",
-                                           "flops", "bytes_accessed", "collectives")}
-              for k, r in ops.items()}
+    k_last = counts[S - 1][V - 1]  # the figures named per op: the largest chunk's, and
+    # the last chunk's at its own blocks
+    per_op = {names[k[:2]]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
+                                               "intra_node_s", "inter_node_s",
+                                               "exposed_intra_node_s", "exposed_inter_node_s",
+                                               "flops", "bytes_accessed", "collectives")}
+              for k, r in ops.items() if k[2] == (k_last if k[1] else K)}
     per_op["tail"] = {f: tail_row[f] for f in per_op["forward"]}
-    c, last = time["pipeline"]["critical_stage"], sched.chunks - 1
-    flops = tail["flops"] + sum(ops[(o.kind, sched.chunk(c, o.v) == last)]["flops"]
+    c = time["pipeline"]["critical_stage"]
+    flops = tail["flops"] + sum(ops[op_key(sched, o.kind, c, o.v)]["flops"]
                                 for row in sched.ops for o in row[c])
     per_op["flash_attention"] = None if not flash else {
         "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
@@ -336,7 +350,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
             "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
             "method": f"chunk forward, forward+backward (zb-h1: and forward+B) compiled at "
-                      f"1 and 2 blocks on one stage's devices, extrapolated to {K}, the "
+                      f"1 and 2 blocks on one stage's devices, extrapolated to "
+                      f"{'/'.join(map(str, sizes_k))} (each chunk's own blocks), the "
                       f"backward's figures their differences; tail (gradient reduction, "
                       f"optimizer) compiled at full depth; ticks from the {sched.name} "
                       f"table"}

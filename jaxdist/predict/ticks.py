@@ -60,6 +60,13 @@ def op_row(fig: dict, hw: Part, mesh: dict, dtype: str, overlap: bool,
             "collectives": t["collectives"]}
 
 
+def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
+    """The key of an op's figures: (kind, whether its chunk holds the head), and the
+    chunk's blocks where the schedule knows them (--pp-stage-blocks: chunks differ)."""
+    last = sched.chunk(s, v) == sched.chunks - 1
+    return (kind, last, sched.blocks[s][v]) if sched.blocks else (kind, last)
+
+
 def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part,
                      mesh: dict[str, int]) -> float:
     """The ticks' length when every stage runs its operations in the table's order, each as
@@ -87,20 +94,21 @@ def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part
                     ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
                 elif op.kind == back and c < last_chunk:
                     ready = max(ready, arrival(back, c + 1, op.mb, (c + 1) % S, s))
-                free[s] = ready + ops_figs[(op.kind, c == last_chunk)]["seconds"]
+                free[s] = ready + ops_figs[op_key(sched, op.kind, s, op.v)]["seconds"]
                 end[(op.kind, c, op.mb)] = free[s]
     return max(free)
 
 
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Part,
                mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
-    """The step from the schedule table. `ops[(kind, last)]`: op_row of a chunk's forward
+    """The step from the schedule table. `ops[op_key(...)]`: op_row of a chunk's forward
     (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the
-    head; `tail`: op_row of the gradient reduction and optimizer; `act_bytes`: one message
+    head (and the chunk's blocks where the schedule has them: a stage of fewer blocks runs
+    shorter ops, a tick lasts its busiest stage's); `tail`: op_row of the gradient reduction and optimizer; `act_bytes`: one message
     per device. `runtime`: jaxdist (its tick loop: a tick lasts its busiest stage's ops, then
     its sends) or megatron (a what-if: the same table, each stage driven by its own inputs,
     `dataflow_seconds`)."""
-    S, last_chunk = sched.stages, sched.chunks - 1
+    S = sched.stages
     busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
                            "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
                           0.0) for _ in range(S)]
@@ -112,7 +120,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
         for s, ops_s in enumerate(sched.ops[t]):
             stage_s = 0.0  # a stage runs its ops of the tick one after the other
             for op in ops_s:
-                row = ops[(op.kind, sched.chunk(s, op.v) == last_chunk)]
+                row = ops[op_key(sched, op.kind, s, op.v)]
                 for k in busy[s]:
                     busy[s][k] += row[k]
                 stage_s += row["seconds"]

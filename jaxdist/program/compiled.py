@@ -158,6 +158,7 @@ def mesh_hosts(shape, target: Target):
 def step_program(cfg, model_cfg, mesh):
     """The train step's program for `mesh`, exactly as a run builds it (one-program layouts
     or a pipeline); the devices under the mesh decide the compiler."""
+    from jaxdist.config import parse_stage_blocks
     from jaxdist.pipeline.program import build_pipeline_program
     from jaxdist.train_step import build_program, make_optimizer
     from sharding import get_layout
@@ -169,7 +170,8 @@ def step_program(cfg, model_cfg, mesh):
         return build_pipeline_program(
             model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
             cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
-            matmul_precision=cfg.model.matmul_precision)
+            matmul_precision=cfg.model.matmul_precision,
+            stage_blocks=parse_stage_blocks(cfg.train.pp_stage_blocks))
     return build_program(model_cfg, cfg.model.dtype, tx, layout, mesh,
                          cfg.train.seed, cfg.train.microbatches,
                          matmul_precision=cfg.model.matmul_precision)
