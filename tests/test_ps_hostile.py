@@ -411,3 +411,72 @@ def test_sigterm_after_50000_steps_of_a_ps_run_leaves_its_record(tmp_path):
     assert worker["interrupted"] == "SIGINT" and len(worker["losses"]) == r["steps_done"]
     assert (logdir / "ps" / "worker0.json").stat().st_size < 64 << 10  # no per-step lists
     print(f"{r['steps_done']} steps in {ran_s:.1f} s; SIGTERM to exit {exit_s:.2f} s")
+
+
+# -- a late worker is named as itself, not the worker that waits for it -----------------------
+
+class _Child:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+class _ProgressClient:
+    """A shard's `progress` replies, as the launcher's watchdog reads them."""
+
+    metadata = ()
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def _control(self, request, timeout, metadata):
+        return json.dumps(self.reply).encode()
+
+    def close(self):
+        pass
+
+
+def test_a_worker_later_than_the_step_timeout_is_named_not_the_one_waiting():
+    """Sync, --ps-timeout-s 5: worker 0 said hello and waits in start_together; worker 1 is
+    still starting (importing, compiling) 20 s later, within the start-up allowance. The
+    watchdog counted worker 0 as training from its hello, so after 5 s it ended the run
+    naming worker 0, which was ready and waiting."""
+    from ps.watchdog import Progress
+
+    reply = {"seen_step": [-1, -1], "started": [0], "retired": [], "missing": [],
+             "version": 0, "epoch": 0, "failure": None}
+
+    class Launch:
+        servers = [_Child(999_999_991)]
+        workers = [_Child(999_999_992), _Child(999_999_993)]
+        addresses = ["127.0.0.1:1"]
+
+        def client(self, k):
+            return _ProgressClient(reply)
+
+    progress = Progress(Launch(), 5.0, 125.0)
+    t0 = progress.began
+    for t in (1.0, 10.0, 20.0):
+        progress.probe(t0 + t)
+        progress.shard_seen = [t0 + t]  # the shard answered just now
+        assert progress.stalled(set(), t0 + t) is None, t
+    # worker 0 gave up waiting (its own start-up deadline): the late one is the cause
+    assert progress.first_cause(0, set()).startswith("worker 1 (pid 999999993) did not say "
+                                                     "hello within")
+    t = 130.0  # past the start-up allowance: worker 1 is the one named
+    progress.next_probe = 0.0
+    progress.probe(t0 + t)
+    progress.shard_seen = [t0 + t]
+    what, index, line = progress.stalled(set(), t0 + t)
+    assert (what, index) == ("worker", 1) and line.startswith(
+        "worker 1 (pid 999999993) did not start training within 125 s")
+    # once both said hello, training starts and the step timeout applies to each
+    reply["started"] = [0, 1]
+    progress.next_probe = 0.0
+    progress.probe(t0 + 131.0)
+    progress.shard_seen = [t0 + 137.0]
+    assert progress.started == [True, True]
+    what, index, line = progress.stalled(set(), t0 + 137.0)
+    assert (what, index) == ("worker", 0)  # neither pushed for 6 s: the lowest named
