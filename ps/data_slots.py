@@ -7,7 +7,8 @@ Now a slot of the cap (the gRPC pool's size) is only for a connection that authe
 - a new connection has PRE_AUTH_S for its TLS handshake, header and metadata (the token);
   past it, it is closed (`timed_out`);
 - at most MAX_WAITING connections wait to authenticate; one more drops the oldest of them
-  (`dropped`), so a peer without the token cannot keep a worker from getting in;
+  (`dropped`), so a peer without the token cannot keep a worker from getting in; so does
+  an accept that fails for want of file descriptors (ps.tcp);
 - a connection that authenticates when every slot is held is answered UNAVAILABLE and
   closed (`refused`); the worker makes that call over gRPC.
 
@@ -26,7 +27,8 @@ PRE_AUTH_S = 2.0
 MAX_WAITING = 64
 LOG_EVERY_S = 10.0
 KINDS = {"timed_out": f"timed out before authenticating ({PRE_AUTH_S:g} s)",
-         "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting)",
+         "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting, or out of file "
+                    "descriptors)",
          "refused": "refused authenticated (every slot held)",
          "unauthenticated": "failed the token"}
 
@@ -54,14 +56,23 @@ class ConnectionSlots:
         slot = Slot(sock)
         with self._lock:
             if len(self._waiting) >= MAX_WAITING:
-                _, oldest = self._waiting.popitem(last=False)
-                self._count("dropped")
-                try:  # its thread's read ends at once and closes it
-                    oldest.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._drop_oldest()
             self._waiting[id(slot)] = slot
         return slot
+
+    def _drop_oldest(self) -> None:  # under the lock
+        _, oldest = self._waiting.popitem(last=False)
+        self._count("dropped")
+        try:  # its thread's read ends at once and closes it
+            oldest.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def drop_oldest_waiting(self) -> None:
+        """Out of file descriptors: a connection without its token is the one to give up."""
+        with self._lock:
+            if self._waiting:
+                self._drop_oldest()
 
     def authenticate(self, slot: Slot) -> bool:
         """Move a connection that passed the token into a slot; False: dropped meanwhile,

@@ -12,7 +12,8 @@ client raises the errors a gRPC call would and ps.shard_client's retries apply u
 The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
 checked before a payload is read; an oversized message, bad magic or bad metadata closes
 the connection; a request must arrive whole within the call deadline, an idle connection
-is closed after it; only authenticated connections hold one of the slots (ps.data_slots).
+is closed after it; only authenticated connections hold one of the slots (ps.data_slots);
+out of file descriptors, the accept loop backs off and keeps listening.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from jaxdist.errors import UsageError
 from ps import wire
 from ps.admission import FAULT_KEY, pool_size
 from ps.data_slots import ConnectionSlots
+
+LOG_EVERY_S = 1.0  # an accept that keeps failing is logged at most this often
 
 MAGIC = b"JDT1"
 _HEAD = struct.Struct("<4sB3xIQ")
@@ -203,13 +206,34 @@ class DataServer:
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
+        """Accept for as long as the process lives. Out of file descriptors (a peer holds
+        many connections, here or on the gRPC port), the oldest connection waiting for its
+        token is dropped, the loop backs off and tries again (one line a second at most);
+        the pending connections wait in the listen backlog meanwhile."""
+        pause, failed, logged_at = 0.0, 0, -1.0
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(self.slots.accept(conn),),
-                             name="ps-data", daemon=True).start()
+            except OSError as e:
+                if self.sock.fileno() < 0:
+                    return  # closed
+                failed += 1
+                self.slots.drop_oldest_waiting()
+                pause = min(0.5, max(0.01, pause * 2))
+                now = time.monotonic()
+                if now - logged_at >= LOG_EVERY_S:
+                    logged_at = now
+                    self.log(f"data port: accept failed {failed} time(s) "
+                             f"({e.strerror or e}); retrying")
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            try:
+                threading.Thread(target=self._serve, args=(self.slots.accept(conn),),
+                                 name="ps-data", daemon=True).start()
+            except RuntimeError:  # no thread to be had: the peer waits for its reply
+                conn.close()
+                time.sleep(0.01)
 
     def _serve(self, slot) -> None:
         conn, why = slot.sock, None

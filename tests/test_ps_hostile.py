@@ -25,16 +25,21 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 class Shard:
     """A real `python -m ps.server` whose log goes to a file the test reads."""
 
-    def __init__(self, tmp, *extra, token=TOKEN):
+    def __init__(self, tmp, *extra, token=TOKEN, nofile=None, env=None):
+        """`nofile`: the shard's file-descriptor limit (soft and hard)."""
+        import resource
+
         self.log_path = tmp / "shard.log"
         ready = tmp / "ready.json"
-        env = server_env(JAXDIST_PS_TOKEN=token) if token else server_env()
+        env = {**(server_env(JAXDIST_PS_TOKEN=token) if token else server_env()), **(env or {})}
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+                 ) if nofile else None
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ps.server", "--shard", "0", "--of", "1", "--port", "0",
                  "--ready-file", str(ready), *FLAGS, *extra],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=limit)
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert self.proc.poll() is None, self.log()
@@ -480,3 +485,73 @@ def test_a_worker_later_than_the_step_timeout_is_named_not_the_one_waiting():
     assert progress.started == [True, True]
     what, index, line = progress.stalled(set(), t0 + 137.0)
     assert (what, index) == ("worker", 0)  # neither pushed for 6 s: the lowest named
+
+
+# -- a peer that exhausts a shard's file descriptors ------------------------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _data_pull(port: int, timeout: float = 10.0) -> int:
+    """One authenticated PullOne on the data port: the reply's size (CallError if none)."""
+    from ps.tcp import DataChannel
+
+    channel = DataChannel("127.0.0.1", lambda: port)
+    pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
+    try:
+        return len(channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
+                                                          ("x-jaxdist-worker", "0"))))
+    finally:
+        channel.close()
+
+
+def test_a_shard_out_of_file_descriptors_serves_its_data_port_once_the_peer_goes(tmp_path):
+    """A tokenless peer opens idle connections on both ports of a shard limited to 64 file
+    descriptors (cheap to exhaust; a real shard has ~1,024) until its accepts fail. The data
+    port's accept loop took that `OSError` as "closed" and ended for good (its listener then
+    collected: connection refused); every data call of the run fell back to gRPC. Now the
+    gRPC port caps its connections, the data port's accept backs off and drops the oldest
+    tokenless connection, and once the peer goes the data port serves. Bounded: 150 + 100
+    connections on 127.0.0.1, held ~2 s."""
+    shard = Shard(tmp_path, nofile=64)
+    socks = []
+    try:
+        before = _data_pull(shard.data_port)
+        grpc_port = int(shard.address.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 20
+        for _ in range(150):
+            sock = socket.create_connection(("127.0.0.1", grpc_port), timeout=5)
+            sock.sendall(H2_PREFACE)
+            socks.append(sock)
+        for _ in range(100):
+            socks.append(socket.create_connection(("127.0.0.1", shard.data_port), timeout=5))
+        full = _open_fds(shard.proc.pid)
+        while time.monotonic() < deadline and "accept failed" not in shard.log():
+            time.sleep(0.05)
+        time.sleep(1.0)  # a second of failing accepts: logged once, not once per try
+    finally:
+        for sock in socks:
+            sock.close()
+    try:
+        assert shard.proc.poll() is None
+        after = None
+        while after is None and time.monotonic() < deadline + 10:
+            try:
+                after = _data_pull(shard.data_port, timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.2)
+        assert after == before > 0, shard.log()[-2000:]
+        c = shard_client(shard.address)
+        assert c.control("ping") == {"ok": True}
+        c.close()
+        log = shard.log()
+        assert "Traceback" not in log
+        accepts = [ln for ln in log.splitlines() if "data port: accept failed" in ln]
+        assert 1 <= len(accepts) <= 4, log[-2000:]  # at most one a second
+        print(f"open fds at most {full} of 64; accept-failed lines {len(accepts)}")
+    finally:
+        shard.stop()
