@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # before anything imports jax: a shard holds no GPU
+# gRPC logs every failed TLS handshake at INFO, with no rate limit: a peer sending garbage
+# to a TLS port wrote 8 MB in 10 s. Its errors (a few, rate-limited by gRPC) still show.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse  # noqa: E402
 import signal  # noqa: E402

@@ -46,7 +46,9 @@ class Shard:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         self.address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
-        c = shard_client(self.address, token=token)
+        tls = {"tls_cert": extra[extra.index("--ps-tls-cert") + 1]} if (
+            "--ps-tls-cert" in extra) else {}
+        c = shard_client(self.address, token=token, **tls)
         self.data_port = c.control("info")["data_port"]
         c.close()
 
@@ -595,3 +597,37 @@ def test_tokenless_63_mib_calls_are_refused_before_their_body_is_read(shard):
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 32
     assert peak_mb < 3 * 63, peak_mb
     print(f"shard's peak memory +{peak_mb:.0f} MB for 32 tokenless 63 MiB calls")
+
+
+def test_failed_tls_handshakes_do_not_flood_the_shard_log(tmp_path):
+    """One thread sends garbage to a TLS shard's gRPC port for 2 s: gRPC logged a line per
+    failed handshake (8 MB in 10 s, ~200 bytes each). Now the shard's log stays as it was."""
+    import shutil
+
+    from tests.test_ps_server import make_cert
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    cert, key = make_cert(tmp_path)
+    shard = Shard(tmp_path, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key))
+    try:
+        port = int(shard.address.rsplit(":", 1)[1])
+        size0 = shard.log_path.stat().st_size
+        tries, end = 0, time.monotonic() + 2.0
+        while time.monotonic() < end and tries < 20_000:
+            tries += 1
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                sock.sendall(b"\x16\x03\x01\x00\x05hello" * 4)
+                try:
+                    sock.recv(100)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+        grown = shard.log_path.stat().st_size - size0
+        c = shard_client(shard.address, tls_cert=str(cert))
+        assert c.control("ping") == {"ok": True}
+        c.close()
+    finally:
+        shard.stop()
+    assert tries >= 100 and grown == 0, (tries, grown, shard.log()[-600:])
+    print(f"{tries} failed handshakes in 2 s, {grown} bytes logged")
