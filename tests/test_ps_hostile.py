@@ -631,3 +631,39 @@ def test_failed_tls_handshakes_do_not_flood_the_shard_log(tmp_path):
         shard.stop()
     assert tries >= 100 and grown == 0, (tries, grown, shard.log()[-600:])
     print(f"{tries} failed handshakes in 2 s, {grown} bytes logged")
+
+
+def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_path):
+    """The run (shards and workers) limited to 256 file descriptors; a tokenless peer
+    (scripts/bench_ps_peer.py's) holds up to 400 idle connections on each port of each
+    shard and reopens those closed (at most 4,000 connects). The shards ran out of
+    descriptors, the workers could not say hello, and the run ended (exit 1: 'worker 1 made
+    no progress for 20.3 s (before its first push)'). Now every step is done and every data
+    call is carried by the data ports. The step-time ratio is the script's to print."""
+    import importlib.util
+    import resource
+
+    spec = importlib.util.spec_from_file_location("bench_ps_peer",
+                                                  ROOT / "scripts" / "bench_ps_peer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    nofile = 256
+    peer = bench.Peer(tmp_path / "ps", 2, conns=400, max_opens=4000)
+    peer.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.run", *RUN, "--logdir", str(tmp_path),
+             "--no-progress"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+            timeout=240, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                               (nofile, nofile)))
+    finally:
+        peer.stop_event.set()
+        peer.join(10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert peer.held_max > nofile  # more than a shard could have had descriptors for
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert len(r["loss"]) == 12
+    assert r["ps"]["data_fallbacks"] == 0 and r["ps"]["bytes_by_transport"]["grpc"] == 0
+    for k in range(2):
+        assert "Traceback" not in (tmp_path / "ps" / f"shard{k}.log").read_text()
+    print(f"peer connects {peer.opens}, held at most {peer.held_max}")
