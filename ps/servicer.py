@@ -2,11 +2,11 @@
 `start_grpc`; the process around them is ps.server.
 
 The layer is thin: it authenticates (a token, compared in constant time on every call: by
-an interceptor on the metadata, before a tokenless call's body is read, and again in the
-handler, which the data port (ps.tcp) calls too),
-decodes and validates frames (ps.wire) into a scratch buffer, and hands whole gradients to
-the core. Anything malformed gets an error status; the core is never called with it, so
-parameters cannot change and the server stays up.
+an interceptor on the metadata before a tokenless call's body is read, and again in the
+handler, which the data port (ps.tcp) calls too), decodes and validates frames (ps.wire)
+into a scratch buffer, and hands whole gradients to the core. Anything malformed gets an
+error status; the core is never called with it, so parameters cannot change and the server
+stays up.
 
 Methods (generic handlers, raw bytes; no protoc):
   Push     client stream of frames (op "push") -> JSON reply {status, version, epoch, ...}

@@ -99,7 +99,9 @@ def run(logdir: Path, args, attack: bool) -> dict:
            "--ps-shards", "2", "--ps-mode", "sync", "--model", "mlp-tiny", "--batch-size", "16",
            "--warmup", "5", "--steps", str(args.steps), "--ps-timeout-s", "20",
            "--logdir", str(logdir), "--no-progress"]
-    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))  # noqa: E731
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
     peer = Peer(logdir / "ps", 2, args.conns, args.max_opens) if attack else None
     if peer:
         peer.start()
