@@ -228,11 +228,13 @@ class DataServer:
                 time.sleep(pause)
                 continue
             pause = 0.0
+            slot = self.slots.accept(conn)
             try:
-                threading.Thread(target=self._serve, args=(self.slots.accept(conn),),
-                                 name="ps-data", daemon=True).start()
-            except RuntimeError:  # no thread to be had: the peer waits for its reply
+                threading.Thread(target=self._serve, args=(slot,), name="ps-data",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: the peer tries again
                 conn.close()
+                self.slots.release(slot, "dropped")
                 time.sleep(0.01)
 
     def _serve(self, slot) -> None:
