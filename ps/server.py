@@ -161,7 +161,9 @@ def main(argv=None) -> int:
         return 2
     if args.ready_file:
         write_json(Path(args.ready_file), {"port": port, "pid": os.getpid(), "epoch": epoch,
-                                           "fingerprint": shard_map.fingerprint})
+                                           "fingerprint": shard_map.fingerprint,
+                                           **({"data_port": servicer.data_port}
+                                              if servicer.data_port else {})})
     on_data = f", data port {servicer.data_port}" if servicer.data_port else ""
     log(f"serving on {cfg.ps.ps_bind}:{port}{on_data} (mode {cfg.ps.ps_mode}, {workers} workers, "
         f"epoch {epoch}, token {'required' if token else 'off'}, "

@@ -1,5 +1,5 @@
-"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) over
-plain TCP, beside the gRPC port that keeps every other call. gRPC Python copies each message
+"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) and its
+control calls over plain TCP, beside the gRPC port that serves them all and the streams. gRPC Python copies each message
 several times and hands each call to a pool thread (docs/ps.md, "Measured": 40 MB push+pull
 at 0.35-0.55 of raw loopback TCP). Here a kept connection carries one call at a time and the
 connection's thread runs the servicer's own handler: token check, admission, validation and
@@ -39,7 +39,7 @@ LOG_EVERY_S = 1.0  # an accept that keeps failing is logged at most this often
 MAGIC = b"JDT1"
 _HEAD = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 64 * 1024
-PUSH_ONE, PULL_ONE, PUSH_PULL_ONE = 1, 2, 3
+PUSH_ONE, PULL_ONE, PUSH_PULL_ONE, CONTROL = 1, 2, 3, 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -193,7 +193,8 @@ class DataServer:
             pool_size(num_workers), log)
         self.handlers = {PUSH_ONE: lambda r, c: servicer.push(iter((r,)), c),
                          PULL_ONE: lambda r, c: servicer.pull_one(r, c, join=False),
-                         PUSH_PULL_ONE: lambda r, c: servicer.push_pull_one(r, c, join=False)}
+                         PUSH_PULL_ONE: lambda r, c: servicer.push_pull_one(r, c, join=False),
+                         CONTROL: servicer.control}
         self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if tls_cert else None
         if tls_cert:
             self.tls.load_cert_chain(tls_cert, tls_key)
