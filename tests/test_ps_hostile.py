@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from ps import wire
+from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
 from tests.helpers import ROOT, child_env
-from tests.test_ps_server import FLAGS, TOKEN, server_env, shard_client
+from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, shard_client
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -498,15 +499,17 @@ def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _data_pull(port: int, timeout: float = 10.0) -> int:
-    """One authenticated PullOne on the data port: the reply's size (CallError if none)."""
+def _data_pull(port: int, timeout: float = 10.0) -> bytes:
+    """One authenticated PullOne on the data port: the parameters' bytes in it (CallError
+    if no reply)."""
     from ps.tcp import DataChannel
 
     channel = DataChannel("127.0.0.1", lambda: port)
     pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
     try:
-        return len(channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
-                                                          ("x-jaxdist-worker", "0"))))
+        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
+                                                       ("x-jaxdist-worker", "0")))
+        return b"".join(bytes(p) for h, p in wire.split(reply) if h["op"] == "param")
     finally:
         channel.close()
 
@@ -546,7 +549,8 @@ def test_a_shard_out_of_file_descriptors_serves_its_data_port_once_the_peer_goes
                 after = _data_pull(shard.data_port, timeout=5)
             except grpc.RpcError:
                 time.sleep(0.2)
-        assert after == before > 0, shard.log()[-2000:]
+        assert after == before, shard.log()[-2000:]
+        assert len(before) == shard_map_for(CFG, 1).bytes_per_shard[0]
         c = shard_client(shard.address)
         assert c.control("ping") == {"ok": True}
         c.close()
