@@ -163,10 +163,9 @@ class ShardClient:
         self.channel.close()
 
     def use_data_port(self, info: dict) -> None:
-        """With --ps-transport tcp and a shard that has a data port (ps.tcp), the
-        one-message data calls and the control calls go there; streams stay on gRPC. Only
-        an authenticated connection holds a data-port slot, so a peer without the token
-        that holds the gRPC port's connections does not cut the run off its shards."""
+        """With --ps-transport tcp and a shard that has a data port (ps.tcp), one-message
+        data calls and control calls go there (only authenticated connections hold its
+        slots: a tokenless peer holding the gRPC port cannot cut them off)."""
         if self.transport != "tcp" or "data_port" not in info:
             return
         if self.data is None:
@@ -181,10 +180,8 @@ class ShardClient:
                                             self._push_pull_one, self._fell_back, self._via)
             # not counted as data fallbacks, and its door not noted where bytes are counted
             control = self.data.method(CONTROL)
-            self._control = _Fallback(
-                lambda request, timeout=None, metadata=None: bytes(
-                    control(request, timeout, metadata)),
-                self._grpc_control, lambda error: None, threading.local())
+            self._control = _Fallback(lambda *args: bytes(control(*args)), self._grpc_control,
+                                      lambda error: None, threading.local())
         self.data.port = info["data_port"]
 
     def _fell_back(self, error: CallError) -> None:

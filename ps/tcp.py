@@ -1,9 +1,10 @@
 """A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) and its
-control calls over plain TCP, beside the gRPC port that serves them all and the streams. gRPC Python copies each message
-several times and hands each call to a pool thread (docs/ps.md, "Measured": 40 MB push+pull
-at 0.35-0.55 of raw loopback TCP). Here a kept connection carries one call at a time and the
-connection's thread runs the servicer's own handler: token check, admission, validation and
-core are the same code as over gRPC; only the bytes move differently.
+control calls over plain TCP, beside the gRPC port that serves them all and the streams.
+gRPC Python copies each message several times and hands each call to a pool thread
+(docs/ps.md, "Measured": 40 MB push+pull at 0.35-0.55 of raw loopback TCP). Here a kept
+connection carries one call at a time and the connection's thread runs the servicer's own
+handler: token check, admission, validation and core are the same code as over gRPC; only
+the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,
 the JSON (request: the call's metadata as [key, value] pairs; reply: {details, fault}),
@@ -12,8 +13,8 @@ client raises the errors a gRPC call would and ps.shard_client's retries apply u
 The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
 checked before a payload is read; an oversized message, bad magic or bad metadata closes
 the connection; a request must arrive whole within the call deadline, an idle connection
-is closed after it; only authenticated connections hold one of the slots (ps.data_slots);
-out of file descriptors, the accept loop backs off and keeps listening.
+is closed after it; only authenticated connections hold one of the slots, and the accept
+loop outlives a shortage of file descriptors (ps.data_slots).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from jaxdist.errors import UsageError
 from ps import wire
 from ps.admission import FAULT_KEY, pool_size
 from ps.data_slots import ConnectionSlots
-
-LOG_EVERY_S = 1.0  # an accept that keeps failing is logged at most this often
 
 MAGIC = b"JDT1"
 _HEAD = struct.Struct("<4sB3xIQ")
@@ -207,36 +206,8 @@ class DataServer:
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
-        """Accept for as long as the process lives. Out of file descriptors (a peer holds
-        many connections, here or on the gRPC port), the oldest connection waiting for its
-        token is dropped, the loop backs off and tries again (one line a second at most);
-        the pending connections wait in the listen backlog meanwhile."""
-        pause, failed, logged_at = 0.0, 0, -1.0
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError as e:
-                if self.sock.fileno() < 0:
-                    return  # closed
-                failed += 1
-                self.slots.drop_oldest_waiting()
-                pause = min(0.5, max(0.01, pause * 2))
-                now = time.monotonic()
-                if now - logged_at >= LOG_EVERY_S:
-                    logged_at = now
-                    self.log(f"data port: accept failed {failed} time(s) "
-                             f"({e.strerror or e}); retrying")
-                time.sleep(pause)
-                continue
-            pause = 0.0
-            slot = self.slots.accept(conn)
-            try:
-                threading.Thread(target=self._serve, args=(slot,), name="ps-data",
-                                 daemon=True).start()
-            except RuntimeError:  # no thread to be had: the peer tries again
-                conn.close()
-                self.slots.release(slot, "dropped")
-                time.sleep(0.01)
+        self.slots.accept_forever(self.sock, lambda slot: threading.Thread(
+            target=self._serve, args=(slot,), name="ps-data", daemon=True).start())
 
     def _serve(self, slot) -> None:
         conn, why = slot.sock, None

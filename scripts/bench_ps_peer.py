@@ -4,9 +4,10 @@ The peer has no token. From the moment each shard's log names its ports it opens
 connections to both (the gRPC port's get the HTTP/2 preface, then silence), as many as it
 can up to --conns per port, and tops each port up again every --reopen-every-s (at most
 --max-opens connects in all, never past the run): a peer that holds connections, not a
-connect flood (on 2 cores a flood is a CPU contest whatever the shard does). Both runs get the same file-descriptor limit
-(--nofile, inherited by the launcher's shards and workers), low enough that the peer would
-exhaust a shard's descriptors if nothing capped its connections. Quiet and attacked runs
+connect flood (on 2 cores a flood is a CPU contest whatever the shard does). Both runs get
+the same file-descriptor limit (--nofile, inherited by the launcher's shards and workers),
+low enough that the peer would exhaust a shard's descriptors if nothing capped its
+connections. Quiet and attacked runs
 alternate --repeats times; prints each run's p50 step time, the calls the data ports refused
 (they went over gRPC) and the median of the per-pair ratios.
 
