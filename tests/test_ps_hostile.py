@@ -564,7 +564,9 @@ def test_a_shard_out_of_file_descriptors_serves_its_data_port_once_the_peer_goes
 
 
 def _status_kb(pid: int, key: str) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    with open(f"/proc/{pid}/status") as f:
+        lines = f.read().splitlines()
+    for line in lines:
         if line.startswith(key):
             return int(line.split()[1])
     raise KeyError(key)
