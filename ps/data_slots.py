@@ -7,7 +7,8 @@ Now a slot of the cap (the gRPC pool's size) is only for a connection that authe
 - a new connection has PRE_AUTH_S for its TLS handshake, header and metadata (the token);
   past it, it is closed (`timed_out`);
 - at most MAX_WAITING connections wait to authenticate; one more drops the oldest of them
-  (`dropped`), so a peer without the token cannot keep a worker from getting in;
+  (`dropped`), so a peer without the token cannot keep a worker from getting in; so does
+  an accept that fails for want of file descriptors (`accept_forever`);
 - a connection that authenticates when every slot is held is answered UNAVAILABLE and
   closed (`refused`); the worker makes that call over gRPC.
 
@@ -25,8 +26,10 @@ import time
 PRE_AUTH_S = 2.0
 MAX_WAITING = 64
 LOG_EVERY_S = 10.0
+ACCEPT_LOG_EVERY_S = 1.0  # an accept that keeps failing
 KINDS = {"timed_out": f"timed out before authenticating ({PRE_AUTH_S:g} s)",
-         "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting)",
+         "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting, or out of file "
+                    "descriptors)",
          "refused": "refused authenticated (every slot held)",
          "unauthenticated": "failed the token"}
 
@@ -54,14 +57,50 @@ class ConnectionSlots:
         slot = Slot(sock)
         with self._lock:
             if len(self._waiting) >= MAX_WAITING:
-                _, oldest = self._waiting.popitem(last=False)
-                self._count("dropped")
-                try:  # its thread's read ends at once and closes it
-                    oldest.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._drop_oldest()
             self._waiting[id(slot)] = slot
         return slot
+
+    def _drop_oldest(self) -> None:  # under the lock
+        _, oldest = self._waiting.popitem(last=False)
+        self._count("dropped")
+        try:  # its thread's read ends at once and closes it
+            oldest.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def accept_forever(self, listener, serve) -> None:
+        """Accept on `listener` and `serve(slot)` each connection, for as long as the
+        listener is open. Out of file descriptors (a peer holds many connections, here or
+        on the gRPC port), the oldest connection waiting for its token is dropped and the
+        loop backs off (10-500 ms) and tries again, logging one line a second at most; the
+        pending connections wait in the listen backlog meanwhile."""
+        pause, failed, logged_at = 0.0, 0, -1.0
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError as e:
+                if listener.fileno() < 0:
+                    return  # closed
+                failed += 1
+                with self._lock:
+                    if self._waiting:
+                        self._drop_oldest()
+                pause = min(0.5, max(0.01, pause * 2))
+                if time.monotonic() - logged_at >= ACCEPT_LOG_EVERY_S:
+                    logged_at = time.monotonic()
+                    self.log(f"data port: accept failed {failed} time(s) "
+                             f"({e.strerror or e}); retrying")
+                time.sleep(pause)
+                continue
+            pause = 0.0
+            slot = self.accept(conn)
+            try:
+                serve(slot)
+            except RuntimeError:  # no thread to be had: the peer tries again
+                conn.close()
+                self.release(slot, "dropped")
+                time.sleep(0.01)
 
     def authenticate(self, slot: Slot) -> bool:
         """Move a connection that passed the token into a slot; False: dropped meanwhile,

@@ -155,11 +155,17 @@ class Launch:
                  f"{self.cfg.ps.ps_mode}")
 
     def client(self, k: int) -> ShardClient:
-        return ShardClient(k, self.addresses[k],
-                           max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
-                           timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
-                           token=self.token,
-                           tls_cert=self.cfg.ps.ps_tls_cert)
+        client = ShardClient(k, self.addresses[k],
+                             max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
+                             timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
+                             token=self.token,
+                             tls_cert=self.cfg.ps.ps_tls_cert)
+        # the shard's data port from its ready file: control calls go there from the first
+        try:
+            client.use_data_port(json.loads(self.servers[k].extra["ready"].read_text()))
+        except (IndexError, KeyError, OSError, ValueError):
+            pass
+        return client
 
     def retire_everywhere(self, worker: int, reason: str) -> None:
         for k in range(len(self.servers)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 
 from jaxdist.errors import UsageError
@@ -31,8 +32,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def address_problem(bind: str) -> str | None:
+    """Why `bind` is no address at all (an IP address or a host name), or None. Checked
+    before the token rule, which only applies to a real address beyond loopback."""
+    try:
+        ipaddress.ip_address(bind)
+        return None
+    except ValueError:
+        pass
+    labels = bind.rstrip(".").split(".")
+    # a host name's last label is never all digits: 999.1.1.1 is a bad IPv4 address
+    if (0 < len(bind) <= 253 and all(_LABEL.fullmatch(x) for x in labels)
+            and not labels[-1].isdigit()):
+        return None
+    return (f"--ps-bind {bind[:80]!r} is not a valid address: give an IPv4 or IPv6 address "
+            f"of this host (127.0.0.1 by default) or a host name")
+
+
 def security_problems(bind: str, token: str | None, cert: str, key: str) -> str | None:
     """Why these security options are unusable, or None."""
+    bad = address_problem(bind)
+    if bad:
+        return bad
     if not is_loopback(bind) and not token:
         return (f"--ps-bind {bind} exposes the shard servers beyond this host; set a shared "
                 f"token in {TOKEN_ENV} (at least {MIN_TOKEN_CHARS} characters) on every "

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # before anything imports jax: a shard holds no GPU
+# gRPC logs every failed TLS handshake at INFO, with no rate limit: a peer sending garbage
+# to a TLS port wrote 8 MB in 10 s. Its errors (a few, rate-limited by gRPC) still show.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse  # noqa: E402
 import signal  # noqa: E402
@@ -88,6 +91,7 @@ def main(argv=None) -> int:
     from ps.shardmap import shard_map_for
 
     procs.parent_watchdog()
+    _raise_fd_limit()
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
     log = lambda msg: print(f"[shard {args.shard}] {msg}", flush=True)  # noqa: E731
@@ -149,17 +153,19 @@ def main(argv=None) -> int:
         server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
         if cfg.ps.ps_transport == "tcp":
-            data = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
-                              cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key, log=log)
-            servicer.data_port, servicer.data_slots = data.port, data.slots
+            data_server = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
+                                     cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key, log=log)
+            servicer.data_port, servicer.data_slots = data_server.port, data_server.slots
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
     if args.ready_file:
         write_json(Path(args.ready_file), {"port": port, "pid": os.getpid(), "epoch": epoch,
-                                           "fingerprint": shard_map.fingerprint})
-    data = f", data port {servicer.data_port}" if servicer.data_port else ""
-    log(f"serving on {cfg.ps.ps_bind}:{port}{data} (mode {cfg.ps.ps_mode}, {workers} workers, "
+                                           "fingerprint": shard_map.fingerprint,
+                                           **({"data_port": servicer.data_port}
+                                              if servicer.data_port else {})})
+    on_data = f", data port {servicer.data_port}" if servicer.data_port else ""
+    log(f"serving on {cfg.ps.ps_bind}:{port}{on_data} (mode {cfg.ps.ps_mode}, {workers} workers, "
         f"epoch {epoch}, token {'required' if token else 'off'}, "
         f"tls {'on' if cfg.ps.ps_tls_cert else 'off'})")
     signal.signal(signal.SIGTERM, lambda *_: servicer.stop_event.set())
@@ -176,6 +182,19 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _raise_fd_limit() -> None:
+    """The soft file-descriptor limit up to the hard one: the ports' connection caps
+    (ps.servicer.connection_cap) are derived from it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _num_workers(cfg) -> int:

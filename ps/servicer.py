@@ -1,10 +1,12 @@
 """The gRPC face of one shard: `ShardServicer` (handlers over a ps.core.ShardCore) and
 `start_grpc`; the process around them is ps.server.
 
-The layer is thin: it authenticates (a token, compared in constant time on every call),
-decodes and validates frames (ps.wire) into a scratch buffer, and hands whole gradients to
-the core. Anything malformed gets an error status; the core is never called with it, so
-parameters cannot change and the server stays up.
+The layer is thin: it authenticates (a token, compared in constant time on every call: by
+an interceptor on the metadata before a tokenless call's body is read, and again in the
+handler, which the data port (ps.tcp) calls too), decodes and validates frames (ps.wire)
+into a scratch buffer, and hands whole gradients to the core. Anything malformed gets an
+error status; the core is never called with it, so parameters cannot change and the server
+stays up.
 
 Methods (generic handlers, raw bytes; no protoc):
   Push     client stream of frames (op "push") -> JSON reply {status, version, epoch, ...}
@@ -40,12 +42,69 @@ _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
 
 
 
-def server_options(max_message_bytes: int) -> list:
+IDLE_MS = 20_000          # a connection with no call for this long is closed
+AGE_MS = 600_000          # and any connection after this long (its calls finish first)
+HANDSHAKE_MS = 5_000      # TLS handshake and HTTP/2 preface, from the TCP connect
+# File descriptors the shard keeps for itself (snapshots, logs, the data port's own cap)
+RESERVED_FDS = 64
+
+
+def connection_cap(num_workers: int, nofile: int | None = None) -> int:
+    """How many connections the gRPC port holds at once: what the file-descriptor limit
+    leaves after the data port's most (ps.data_slots) and the shard's own files, at most
+    1,024 and at least 16. Each worker and the launcher need one; more are refused at
+    accept, so a peer that opens many cannot exhaust the shard's descriptors."""
+    import resource
+
+    from ps.data_slots import MAX_WAITING
+
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    left = nofile - RESERVED_FDS - (pool_size(num_workers) + MAX_WAITING)
+    return max(16, min(1024, left))
+
+
+def server_options(max_message_bytes: int, num_workers: int = 1,
+                   call_deadline_s: float = 32.0) -> list:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # grpc sets SO_REUSEPORT by default: a second server could then share a busy
             # port silently. A port in use must be an error.
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0),
+            # Connections are capped and none lives for ever: a peer's idle or silent
+            # connections are closed (a worker's channel reconnects on its next call).
+            ("grpc.max_allowed_incoming_connections", connection_cap(num_workers)),
+            ("grpc.max_connection_idle_ms", IDLE_MS),
+            ("grpc.max_connection_age_ms", AGE_MS),
+            ("grpc.max_connection_age_grace_ms", int((call_deadline_s + 5) * 1000)),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS),
+            ("grpc.keepalive_time_ms", IDLE_MS),
+            ("grpc.keepalive_timeout_ms", 10_000)]
+    # No grpc.max_concurrent_streams: a client stream the shard refused mid-way (a bad
+    # push) stays counted until its connection closes, so a cap of 256 refused a
+    # well-behaved client's 305th call. Calls are bounded by ps.admission instead.
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """The token is checked on a call's metadata before its handler runs, so the body of a
+    tokenless call is never read into a message: the call is answered UNAUTHENTICATED by a
+    handler that does not take its request (a stream handler reads lazily)."""
+
+    def __init__(self, token: bytes):
+        self.token = token
+
+        def refuse(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+        if hmac.compare_digest(got, self.token):
+            return continuation(handler_call_details)
+        return self._refuse
 
 
 class ShardServicer:
@@ -265,7 +324,10 @@ def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes:
     pool = ThreadPoolExecutor(max_workers=pool_size(num_workers),
                               thread_name_prefix="ps-shard")
     server = grpc.server(pool, handlers=[servicer.handler()],
-                         options=server_options(max_message_bytes))
+                         interceptors=[TokenInterceptor(servicer.token)] if servicer.token
+                         else None,
+                         options=server_options(max_message_bytes, num_workers,
+                                                servicer.gate.deadline_s))
     host = f"[{bind}]" if ":" in bind else bind
     try:
         if tls_cert:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ps import wire
 from ps.admission import FAULT_KEY, TOKEN_KEY, WORKER_KEY
-from ps.tcp import PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel, _Method
+from ps.tcp import CONTROL, PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel, _Method
 
 SERVICE = "/jaxdist.ps.Shard/"
 UNARY_MAX_FRAMES = 4  # see ShardClient.small
@@ -145,7 +145,7 @@ class ShardClient:
         self.metadata = ((TOKEN_KEY, token),) if token else None
         self._push = self.channel.stream_unary(SERVICE + "Push")
         self._pull = self.channel.unary_stream(SERVICE + "Pull")
-        self._control = self.channel.unary_unary(SERVICE + "Control")
+        self._control = self._grpc_control = self.channel.unary_unary(SERVICE + "Control")
         self._push_one = self.channel.unary_unary(SERVICE + "PushOne")
         self._pull_one = self.channel.unary_unary(SERVICE + "PullOne")
         self._push_pull_one = self.channel.unary_unary(SERVICE + "PushPullOne")
@@ -162,9 +162,10 @@ class ShardClient:
             self.data.close()
         self.channel.close()
 
-    def _use_data_port(self, info: dict) -> None:
-        """With --ps-transport tcp and a shard that has a data port (ps.tcp), the
-        one-message data calls go there; everything else stays on gRPC."""
+    def use_data_port(self, info: dict) -> None:
+        """With --ps-transport tcp and a shard that has a data port (ps.tcp), one-message
+        data calls and control calls go there (only authenticated connections hold its
+        slots: a tokenless peer holding the gRPC port cannot cut them off)."""
         if self.transport != "tcp" or "data_port" not in info:
             return
         if self.data is None:
@@ -177,6 +178,10 @@ class ShardClient:
                                        self._fell_back, self._via)
             self._push_pull_one = _Fallback(self.data.method(PUSH_PULL_ONE),
                                             self._push_pull_one, self._fell_back, self._via)
+            # not counted as data fallbacks, and its door not noted where bytes are counted
+            control = self.data.method(CONTROL)
+            self._control = _Fallback(lambda *args: bytes(control(*args)), self._grpc_control,
+                                      lambda error: None, threading.local())
         self.data.port = info["data_port"]
 
     def _fell_back(self, error: CallError) -> None:
@@ -188,8 +193,8 @@ class ShardClient:
 
     def _data_port(self) -> int:
         """The shard's data port, asked again (a restarted shard listens on a new one)."""
-        info = json.loads(self._control(wire.encode({"op": "info"}), timeout=2.0,
-                                        metadata=self.metadata))
+        info = json.loads(self._grpc_control(wire.encode({"op": "info"}), timeout=2.0,
+                                             metadata=self.metadata))
         if "data_port" not in info:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the shard has no data port")
         return info["data_port"]
@@ -382,7 +387,7 @@ class ShardClient:
             try:
                 info = json.loads(self._control(wire.encode({"op": "info"}), timeout=2.0,
                                                 metadata=self.metadata))
-                self._use_data_port(info)
+                self.use_data_port(info)
                 return info
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE,

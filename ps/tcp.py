@@ -1,9 +1,10 @@
-"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) over
-plain TCP, beside the gRPC port that keeps every other call. gRPC Python copies each message
-several times and hands each call to a pool thread (docs/ps.md, "Measured": 40 MB push+pull
-at 0.35-0.55 of raw loopback TCP). Here a kept connection carries one call at a time and the
-connection's thread runs the servicer's own handler: token check, admission, validation and
-core are the same code as over gRPC; only the bytes move differently.
+"""A shard's data port: its one-message data calls (PushOne, PullOne, PushPullOne) and its
+control calls over plain TCP, beside the gRPC port that serves them all and the streams.
+gRPC Python copies each message several times and hands each call to a pool thread
+(docs/ps.md, "Measured": 40 MB push+pull at 0.35-0.55 of raw loopback TCP). Here a kept
+connection carries one call at a time and the connection's thread runs the servicer's own
+handler: token check, admission, validation and core are the same code as over gRPC; only
+the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,
 the JSON (request: the call's metadata as [key, value] pairs; reply: {details, fault}),
@@ -12,7 +13,8 @@ client raises the errors a gRPC call would and ps.shard_client's retries apply u
 The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
 checked before a payload is read; an oversized message, bad magic or bad metadata closes
 the connection; a request must arrive whole within the call deadline, an idle connection
-is closed after it; only authenticated connections hold one of the slots (ps.data_slots).
+is closed after it; only authenticated connections hold one of the slots, and the accept
+loop outlives a shortage of file descriptors (ps.data_slots).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ps.data_slots import ConnectionSlots
 MAGIC = b"JDT1"
 _HEAD = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 64 * 1024
-PUSH_ONE, PULL_ONE, PUSH_PULL_ONE = 1, 2, 3
+PUSH_ONE, PULL_ONE, PUSH_PULL_ONE, CONTROL = 1, 2, 3, 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -190,7 +192,8 @@ class DataServer:
             pool_size(num_workers), log)
         self.handlers = {PUSH_ONE: lambda r, c: servicer.push(iter((r,)), c),
                          PULL_ONE: lambda r, c: servicer.pull_one(r, c, join=False),
-                         PUSH_PULL_ONE: lambda r, c: servicer.push_pull_one(r, c, join=False)}
+                         PUSH_PULL_ONE: lambda r, c: servicer.push_pull_one(r, c, join=False),
+                         CONTROL: servicer.control}
         self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER) if tls_cert else None
         if tls_cert:
             self.tls.load_cert_chain(tls_cert, tls_key)
@@ -203,13 +206,8 @@ class DataServer:
         threading.Thread(target=self._accept, name="ps-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(self.slots.accept(conn),),
-                             name="ps-data", daemon=True).start()
+        self.slots.accept_forever(self.sock, lambda slot: threading.Thread(
+            target=self._serve, args=(slot,), name="ps-data", daemon=True).start())
 
     def _serve(self, slot) -> None:
         conn, why = slot.sock, None

@@ -3,9 +3,11 @@
 The launcher asks each shard for `progress` (a control call, served apart from data calls,
 with a short deadline) about twice a second. A worker's progress is the newest step any
 shard has seen it push; a shard's is answering at all. A worker that has not moved for
-`--ps-timeout-s` (after it started training; before that it gets the start-up allowance), or a
+`--ps-timeout-s` (after training started; before that it gets the start-up allowance), or a
 shard that has not answered for that long, ends the run: the launcher names it in one line
 and stops everything (jaxdist.procs: SIGTERM, SIGCONT, SIGKILL after a grace period).
+Training starts when every live worker has said hello (workers start together), so a
+worker that said hello and waits for a late one is not late: the late one is named.
 
 When several things stall at once (a frozen worker holds a sync barrier, so every worker
 stalls), the one named is the first cause: a stopped process, then a shard that does not
@@ -51,7 +53,8 @@ class Progress:
         self.shard_seen = [now] * k           # last time shard i answered
         self.step = [-1] * w                  # newest step seen pushed, over all shards
         self.moved = [now] * w                # when that last changed
-        self.started = [False] * w            # said hello to every shard
+        self.hello = [False] * w              # said hello to every shard
+        self.started = [False] * w            # training started: every live worker said hello
         self.missing: set[int] = set()        # sync: workers a barrier waits for
         self.next_probe = 0.0
 
@@ -65,7 +68,7 @@ class Progress:
             return
         self.next_probe = now + PROBE_EVERY_S
         request = wire.encode({"op": "progress"})
-        steps, started, missing = None, None, set()
+        steps, started, missing, retired = None, None, set(), set()
         for k, client in enumerate(self.clients):
             try:
                 reply = json.loads(client._control(request, timeout=min(2.0, self.timeout_s),
@@ -78,13 +81,18 @@ class Progress:
             here = set(reply["started"])
             started = here if started is None else started & here
             missing |= set(reply["missing"])
+            retired |= set(reply["retired"])
         self.missing = missing
         if steps is None:
             return
+        together = started is not None and all(
+            w in started or w in retired for w in range(len(steps)))
         for w, s in enumerate(steps):
             if s != self.step[w]:
                 self.step[w], self.moved[w] = s, now
-            if started is not None and w in started and not self.started[w]:
+            if started is not None and w in started:
+                self.hello[w] = True
+            if together and self.hello[w] and not self.started[w]:
                 self.started[w] = True
                 self.moved[w] = now  # training starts now: compile time is not a stall
 
@@ -118,7 +126,9 @@ class Progress:
                 late.append(w)
         if not late:
             return None
-        first = min(late, key=lambda w: (self.moved[w], self.step[w], w))
+        # before training starts, one that has not said hello is late, not those waiting for it
+        first = min(late, key=lambda w: (self.hello[w] and not self.started[w],
+                                          self.moved[w], self.step[w], w))
         if not self.started[first]:
             child = self.launch.workers[first]
             return "worker", first, (
@@ -142,6 +152,13 @@ class Progress:
         for k, child in enumerate(self.launch.servers):
             if child.poll() is None and self.shard_seen[k] < now - 1.0:
                 return f"shard {k} (pid {child.pid}) does not answer"
+        if self.hello[failed] and not self.started[failed]:  # it waited for the others
+            late = [w for w, child in enumerate(self.launch.workers) if not self.hello[w]
+                    and w not in done and child.poll() is None]
+            if late:
+                child = self.launch.workers[late[0]]
+                return (f"worker {late[0]} (pid {child.pid}) did not say hello within "
+                        f"{now - self.began:.1f} s of the start{_state_note(child.pid)}")
         behind = [w for w in self.missing if w != failed and w not in done]
         if behind:
             return self._worker_line(min(behind, key=lambda w: (self.step[w], w)), now)

@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from ps import wire
+from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
 from tests.helpers import ROOT, child_env
-from tests.test_ps_server import FLAGS, TOKEN, server_env, shard_client
+from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, shard_client
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -25,23 +26,30 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 class Shard:
     """A real `python -m ps.server` whose log goes to a file the test reads."""
 
-    def __init__(self, tmp, *extra, token=TOKEN):
+    def __init__(self, tmp, *extra, token=TOKEN, nofile=None, env=None):
+        """`nofile`: the shard's file-descriptor limit (soft and hard)."""
+        import resource
+
         self.log_path = tmp / "shard.log"
         ready = tmp / "ready.json"
-        env = server_env(JAXDIST_PS_TOKEN=token) if token else server_env()
+        env = {**(server_env(JAXDIST_PS_TOKEN=token) if token else server_env()), **(env or {})}
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+                 ) if nofile else None
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ps.server", "--shard", "0", "--of", "1", "--port", "0",
                  "--ready-file", str(ready), *FLAGS, *extra],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=limit)
         deadline = time.monotonic() + 60
         while not ready.exists():
             assert self.proc.poll() is None, self.log()
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         self.address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
-        c = shard_client(self.address, token=token)
+        tls = {"tls_cert": extra[extra.index("--ps-tls-cert") + 1]} if (
+            "--ps-tls-cert" in extra) else {}
+        c = shard_client(self.address, token=token, **tls)
         self.data_port = c.control("info")["data_port"]
         c.close()
 
@@ -411,3 +419,257 @@ def test_sigterm_after_50000_steps_of_a_ps_run_leaves_its_record(tmp_path):
     assert worker["interrupted"] == "SIGINT" and len(worker["losses"]) == r["steps_done"]
     assert (logdir / "ps" / "worker0.json").stat().st_size < 64 << 10  # no per-step lists
     print(f"{r['steps_done']} steps in {ran_s:.1f} s; SIGTERM to exit {exit_s:.2f} s")
+
+
+# -- a late worker is named as itself, not the worker that waits for it -----------------------
+
+class _Child:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+class _ProgressClient:
+    """A shard's `progress` replies, as the launcher's watchdog reads them."""
+
+    metadata = ()
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def _control(self, request, timeout, metadata):
+        return json.dumps(self.reply).encode()
+
+    def close(self):
+        pass
+
+
+def test_a_worker_later_than_the_step_timeout_is_named_not_the_one_waiting():
+    """Sync, --ps-timeout-s 5: worker 0 said hello and waits in start_together; worker 1 is
+    still starting (importing, compiling) 20 s later, within the start-up allowance. The
+    watchdog counted worker 0 as training from its hello, so after 5 s it ended the run
+    naming worker 0, which was ready and waiting."""
+    from ps.watchdog import Progress
+
+    reply = {"seen_step": [-1, -1], "started": [0], "retired": [], "missing": [],
+             "version": 0, "epoch": 0, "failure": None}
+
+    class Launch:
+        servers = [_Child(999_999_991)]
+        workers = [_Child(999_999_992), _Child(999_999_993)]
+        addresses = ["127.0.0.1:1"]
+
+        def client(self, k):
+            return _ProgressClient(reply)
+
+    progress = Progress(Launch(), 5.0, 125.0)
+    t0 = progress.began
+    for t in (1.0, 10.0, 20.0):
+        progress.probe(t0 + t)
+        progress.shard_seen = [t0 + t]  # the shard answered just now
+        assert progress.stalled(set(), t0 + t) is None, t
+    # worker 0 gave up waiting (its own start-up deadline): the late one is the cause
+    assert progress.first_cause(0, set()).startswith("worker 1 (pid 999999993) did not say "
+                                                     "hello within")
+    t = 130.0  # past the start-up allowance: worker 1 is the one named
+    progress.next_probe = 0.0
+    progress.probe(t0 + t)
+    progress.shard_seen = [t0 + t]
+    what, index, line = progress.stalled(set(), t0 + t)
+    assert (what, index) == ("worker", 1) and line.startswith(
+        "worker 1 (pid 999999993) did not start training within 125 s")
+    # once both said hello, training starts and the step timeout applies to each
+    reply["started"] = [0, 1]
+    progress.next_probe = 0.0
+    progress.probe(t0 + 131.0)
+    progress.shard_seen = [t0 + 137.0]
+    assert progress.started == [True, True]
+    what, index, line = progress.stalled(set(), t0 + 137.0)
+    assert (what, index) == ("worker", 0)  # neither pushed for 6 s: the lowest named
+
+
+# -- a peer that exhausts a shard's file descriptors ------------------------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _data_pull(port: int, timeout: float = 10.0) -> bytes:
+    """One authenticated PullOne on the data port: the parameters' bytes in it (CallError
+    if no reply)."""
+    from ps.tcp import DataChannel
+
+    channel = DataChannel("127.0.0.1", lambda: port)
+    pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
+    try:
+        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
+                                                       ("x-jaxdist-worker", "0")))
+        return b"".join(bytes(p) for h, p in wire.split(reply) if h["op"] == "param")
+    finally:
+        channel.close()
+
+
+def test_a_shard_out_of_file_descriptors_serves_its_data_port_once_the_peer_goes(tmp_path):
+    """A tokenless peer opens idle connections on both ports of a shard limited to 64 file
+    descriptors (cheap to exhaust; a real shard has ~1,024) until its accepts fail. The data
+    port's accept loop took that `OSError` as "closed" and ended for good (its listener then
+    collected: connection refused); every data call of the run fell back to gRPC. Now the
+    gRPC port caps its connections, the data port's accept backs off and drops the oldest
+    tokenless connection, and once the peer goes the data port serves. Bounded: 150 + 100
+    connections on 127.0.0.1, held ~2 s."""
+    shard = Shard(tmp_path, nofile=64)
+    socks = []
+    try:
+        before = _data_pull(shard.data_port)
+        grpc_port = int(shard.address.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 20
+        for _ in range(150):
+            sock = socket.create_connection(("127.0.0.1", grpc_port), timeout=5)
+            sock.sendall(H2_PREFACE)
+            socks.append(sock)
+        for _ in range(100):
+            socks.append(socket.create_connection(("127.0.0.1", shard.data_port), timeout=5))
+        full = _open_fds(shard.proc.pid)
+        while time.monotonic() < deadline and "accept failed" not in shard.log():
+            time.sleep(0.05)
+        time.sleep(1.0)  # a second of failing accepts: logged once, not once per try
+    finally:
+        for sock in socks:
+            sock.close()
+    try:
+        assert shard.proc.poll() is None
+        after = None
+        while after is None and time.monotonic() < deadline + 10:
+            try:
+                after = _data_pull(shard.data_port, timeout=5)
+            except grpc.RpcError:
+                time.sleep(0.2)
+        assert after == before, shard.log()[-2000:]
+        assert len(before) == shard_map_for(CFG, 1).bytes_per_shard[0]
+        c = shard_client(shard.address)
+        assert c.control("ping") == {"ok": True}
+        c.close()
+        log = shard.log()
+        assert "Traceback" not in log
+        accepts = [ln for ln in log.splitlines() if "data port: accept failed" in ln]
+        assert 1 <= len(accepts) <= 4, log[-2000:]  # at most one a second
+        print(f"open fds at most {full} of 64; accept-failed lines {len(accepts)}")
+    finally:
+        shard.stop()
+
+
+def _status_kb(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        if line.startswith(key):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_tokenless_63_mib_calls_are_refused_before_their_body_is_read(shard):
+    """32 tokenless 63 MiB PushOne calls (4 at a time) on the gRPC port: each message was
+    read whole before the handler checked the token (the shard's peak memory rose by ~580
+    MB, ~380 MB kept). The token is now checked on the metadata first and the body is never
+    read into a message: the peak rises by less than 3 such messages (measured: ~66 MB)."""
+    import threading
+
+    pid = shard.proc.pid
+    rss0 = _status_kb(pid, "VmRSS")
+    payload = b"\0" * (63 << 20)
+    channel = grpc.insecure_channel(shard.address,
+                                    options=[("grpc.max_send_message_length", 64 << 20)])
+    call = channel.unary_unary("/jaxdist.ps.Shard/PushOne")
+    codes = []
+
+    def one():
+        try:
+            call(payload, timeout=30, metadata=(("x-jaxdist-worker", "0"),))
+        except grpc.RpcError as e:
+            codes.append(e.code())
+    for _ in range(8):
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    channel.close()
+    peak_mb = (_status_kb(pid, "VmHWM") - rss0) / 1024
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 32
+    assert peak_mb < 3 * 63, peak_mb
+    print(f"shard's peak memory +{peak_mb:.0f} MB for 32 tokenless 63 MiB calls")
+
+
+def test_failed_tls_handshakes_do_not_flood_the_shard_log(tmp_path):
+    """One thread sends garbage to a TLS shard's gRPC port for 2 s: gRPC logged a line per
+    failed handshake (8 MB in 10 s, ~200 bytes each). Now the shard's log stays as it was."""
+    import shutil
+
+    from tests.test_ps_server import make_cert
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    cert, key = make_cert(tmp_path)
+    shard = Shard(tmp_path, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key))
+    try:
+        port = int(shard.address.rsplit(":", 1)[1])
+        size0 = shard.log_path.stat().st_size
+        tries, end = 0, time.monotonic() + 2.0
+        while time.monotonic() < end and tries < 20_000:
+            tries += 1
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                sock.sendall(b"\x16\x03\x01\x00\x05hello" * 4)
+                try:
+                    sock.recv(100)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+        grown = shard.log_path.stat().st_size - size0
+        c = shard_client(shard.address, tls_cert=str(cert))
+        assert c.control("ping") == {"ok": True}
+        c.close()
+    finally:
+        shard.stop()
+    assert tries >= 100 and grown == 0, (tries, grown, shard.log()[-600:])
+    print(f"{tries} failed handshakes in 2 s, {grown} bytes logged")
+
+
+def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_path):
+    """The run (shards and workers) limited to 256 file descriptors; a tokenless peer
+    (scripts/bench_ps_peer.py's) holds up to 400 idle connections on each port of each
+    shard and reopens those closed (at most 4,000 connects). The shards ran out of
+    descriptors, the workers could not say hello, and the run ended (exit 1: 'worker 1 made
+    no progress for 20.3 s (before its first push)'). Now every step is done and every data
+    call is carried by the data ports. The step-time ratio is the script's to print."""
+    import importlib.util
+    import resource
+
+    spec = importlib.util.spec_from_file_location("bench_ps_peer",
+                                                  ROOT / "scripts" / "bench_ps_peer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    nofile = 256
+    peer = bench.Peer(tmp_path / "ps", 2, conns=400, max_opens=4000)
+    peer.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.run", *RUN, "--logdir", str(tmp_path),
+             "--no-progress"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+            timeout=240, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                               (nofile, nofile)))
+    finally:
+        peer.stop_event.set()
+        peer.join(10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert peer.held_max > nofile  # more than a shard could have had descriptors for
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert len(r["loss"]) == 12
+    assert r["ps"]["data_fallbacks"] == 0 and r["ps"]["bytes_by_transport"]["grpc"] == 0
+    for k in range(2):
+        assert "Traceback" not in (tmp_path / "ps" / f"shard{k}.log").read_text()
+    print(f"peer connects {peer.opens}, held at most {peer.held_max}")

@@ -335,6 +335,8 @@ BAD = [
     ({"ps_tls_cert": "/nonexistent.pem"}, "go together"),
     ({"ps_tls_cert": "/nonexistent.pem", "ps_tls_key": "/k.pem"}, "no such file"),
     ({"ps_bind": "203.0.113.9"}, "JAXDIST_PS_TOKEN"),
+    ({"ps_bind": "999.1.1.1"}, "--ps-bind '999.1.1.1' is not a valid address"),  # not the
+    ({"ps_bind": "host name"}, "is not a valid address"),                         # token's
 ]
 
 

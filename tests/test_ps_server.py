@@ -551,6 +551,11 @@ def test_addresses_and_the_ready_file_are_checked_before_anything_starts(tmp_pat
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"ps.server: error: --ready-file {ready}: ")
         assert message in lines[0]
+    # a bad address is named as one, not as an address beyond loopback without a token
+    assert server.main(["--shard", "0", "--of", "1", *FLAGS, "--ps-bind", "999.1.1.1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ps.server: error: --ps-bind '999.1.1.1' is not a valid address: give an IPv4 or IPv6 "
+        "address of this host (127.0.0.1 by default) or a host name"]
     sigint = signal.getsignal(signal.SIGINT)  # the worker's main takes SIGINT over
     try:
         for servers, message in (("host:notaport", "'host:notaport' is not HOST:PORT"),
