@@ -55,7 +55,7 @@ class Case:
     mesh: str
     batch: int
     remat: str                    # torchtitan's selective op AC "selective_op", MaxText's
-    layout: str = "fsdp"          # minimal_flash ~ "dots", full AC "full"
+    layout: str = "fsdp"          # policies by their names, full AC "full"
     small: bool = False           # part of the quick form run by the test suite
     same_as: str = ""             # the case whose configuration this one repeats
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
@@ -73,7 +73,8 @@ def _maxtext_a3(vms: int) -> Case:
     # MaxText configs/a3/llama_2_7b/{N}vm.sh: ici_fsdp 8 x dcn_data N, 4 per device
     return Case(f"maxtext-a3-7b-{vms}vm", f"maxtext-a3-llama2-7b-{vms}vm", None,
                 "h100-sxm-a3-high",
-                LLAMA2_7B, f"data:{vms},fsdp:8", 32 * vms, "dots", "hsdp", small=vms == 1)
+                LLAMA2_7B, f"data:{vms},fsdp:8", 32 * vms, "minimal_flash", "hsdp",
+                small=vms == 1)
 
 
 # torchtitan's H100 runs were on Meta's Grand Teton H100s (96 GB HBM2e, 2.4 TB/s, 500 W
@@ -90,7 +91,7 @@ CASES = (
     Case("tt24-t3-fsdp", "tt24-t3-fsdp-tps", "tt24-t3-fsdp-mem", TT_H100, LLAMA31_8B,
          "16x8", 256, "selective_op"),
     Case("jaxtoolbox-7b", "jaxtoolbox-maxtext-llama2-7b-step", None, "h100-sxm", LLAMA2_7B,
-         "1x8", 16, "dots", small=True),
+         "1x8", 16, "minimal_flash", small=True),
     *(_maxtext_a3(n) for n in (1, 2, 4, 8, 16)),
     Case("tt25-8b-fsdp8-tp8", "tt25-asynctp-8b-bf16-vanilla", None, TT_H100, LLAMA31_8B,
          "data:8,tensor:8", 96, "selective_op", "fsdp_tp",
@@ -122,6 +123,9 @@ CASES = (
       for n, mesh, layout in ((128, "1x128", "fsdp"), (256, "1x256", "fsdp"),
                               (512, "data:4,fsdp:128", "hsdp"),
                               (1024, "data:8,fsdp:128", "hsdp"))),
+    # Google Cloud's gpu-recipes: MaxText Llama2-7B on 32 A3 Mega VMs (GPUDirect-TCPXO)
+    Case("gcp-a3mega-7b-256", "gcp-a3mega-maxtext-llama2-7b-256", None, "h100-sxm-a3-mega",
+         LLAMA2_7B, "data:32,fsdp:8", 1024, "minimal_flash", "hsdp"),
 )
 # Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
 # Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block
