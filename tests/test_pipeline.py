@@ -353,7 +353,8 @@ def test_dry_run_go2025_grid_gpt3_tp_pp():
         assert p["state_bytes_per_device"]["params"] == 4 * (stage + shared)
         # AdamW: mu and nu like the parameters, plus Adam's int32 step count
         assert p["state_bytes_per_device"]["opt"] == 2 * 4 * (stage + shared) + 4
-        assert len(p["stages"]) == s and p["fits_h200"]
+        assert len(p["stages"]) == s
+        assert all(st["total"] <= 141e9 for st in p["stages"])  # an H200 holds every stage
         act, K = 64 // 32 * L * d * 2, 96 // s  # one micro-batch's block input, bf16
         assert p["stages"][0]["activation_stash"] == (1 + min(32, 2 * s - 1) * K) * act
         assert p["pipeline"]["bubble"] == pytest.approx((s - 1) / (32 + s - 1))
