@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -200,10 +201,13 @@ class Checkpointer:
                              f"run ({'; '.join(mismatched)})")
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
+        _drop_closed_loop_callbacks()
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target)))["state"]
         except Exception as e:  # noqa: BLE001 - Orbax's ValueError, TensorStore's Exception
+            _drain_closed_loop_callbacks()
+            self.manager.close()
             raise UsageError(self._unrestorable(step, e)) from None
         return state, meta
 
@@ -218,7 +222,12 @@ class Checkpointer:
         todo = (f"move {self.directory / str(step)} aside to resume from step {earlier[-1]}"
                 if earlier else "give --checkpoint-dir a new folder to start afresh")
         return (f"checkpoint {step} in {self.directory} cannot be restored "
-                f"({str(error).splitlines()[0]}); {todo}")
+                f"({short_cause(error)}); {todo}")
+
+    def close(self) -> None:
+        """Stop Orbax's background threads without waiting for anything (a run that ends
+        before its first save)."""
+        self.manager.close()
 
     def finish(self) -> dict:
         """Wait for pending writes; the checkpoint block of results."""
@@ -230,3 +239,68 @@ class Checkpointer:
         return {"directory": str(self.directory), "every": self.every,
                 "saved_steps": self.saved_steps, "save_s": self.save_s,
                 "bytes_on_disk": size}
+
+
+def short_cause(error: BaseException) -> str:
+    """The first line of `error` without what TensorStore appends for its own debugging:
+    the JSON spec of every store it opened (`[tensorstore_spec='{...}']`, about 1.7 KB) and
+    the driver chain (`Error opening "zarr" driver: `) that leads to the file at fault."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = re.sub(r" ?\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
+    return re.sub(r'Error opening "\w+" driver: ', "", text).strip()
+
+
+# TensorStore reads still in flight when a restore fails call back into the event loop
+# Orbax ran them on, which Orbax has closed by then: each such callback was a "RuntimeError:
+# Event loop is closed" traceback on stderr (through sys.unraisablehook), 1 to 18 per failed
+# restore, some printed after the run's one error line and some at interpreter exit; and
+# the reads that failed too were each logged, with TensorStore's 2 KB spec, as "Future (or
+# Task) exception was never retrieved" when their futures were collected.
+_closed_loop_callbacks = [0]
+
+
+class _UnretrievedReads:
+    """A filter for asyncio's logger that drops "Future (or Task) exception was never
+    retrieved" for a TensorStore read (its exception names a tensorstore_spec); every other record passes."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith(("Future exception was never retrieved",
+                                                    "Task exception was never retrieved"))
+                    and "tensorstore_spec" in str(exc))
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    exc = unraisable.exc_value
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """From now on, drop those callbacks' tracebacks (only those: any other unraisable
+    exception goes to the hook that was there)."""
+    import logging
+    import sys
+
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_UnretrievedReads())
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False) is False:
+        def hook(unraisable):
+            if _is_closed_loop_callback(unraisable):
+                _closed_loop_callbacks[0] += 1
+            else:
+                previous(unraisable)
+        hook.drops_closed_loop_callbacks = True
+        sys.unraisablehook = hook
+
+
+def _drain_closed_loop_callbacks(quiet_s: float = 0.05, limit_s: float = 2.0) -> None:
+    """Wait until no such callback has come for `quiet_s` (at most `limit_s`): the reads
+    are over before the error is said."""
+    deadline = time.monotonic() + limit_s
+    seen, quiet_since = _closed_loop_callbacks[0], time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+        time.sleep(0.02)
+        if _closed_loop_callbacks[0] != seen:
+            seen, quiet_since = _closed_loop_callbacks[0], time.monotonic()

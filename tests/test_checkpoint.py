@@ -1,6 +1,7 @@
 """Checkpoints: reshard on restore, exact resume after kill -9, interrupted saves, and
 checkpoints from another model."""
 
+import gc
 import json
 import os
 import shutil
@@ -123,6 +124,37 @@ def test_interrupted_save_never_replaces_the_last_good_one(tmp_path, capsys):
     again = cli_main(capsys, *args, "--logdir", str(tmp_path / "d"))
     assert again.returncode == 0, again.stderr
     assert f"resumed from checkpoint {before}" in again.stdout
+
+
+def test_damaged_resume_is_one_line_every_time(tmp_path, capsys, caplog, monkeypatch):
+    """A --resume of a checkpoint whose files were emptied, 20 times: each time the one line
+    (no TensorStore spec), nothing else on stderr, no traceback through sys.unraisablehook
+    (where TensorStore's late callbacks went, also at interpreter exit), nothing logged by
+    asyncio when the failed reads are collected, no run folder."""
+    ck = tmp_path / "ck"
+    made = cli_main(capsys, *ARGS[:-1], "1", "--checkpoint-dir", str(ck),
+                    "--checkpoint-every", "1", "--logdir", str(tmp_path / "a"))
+    assert made.returncode == 0, made.stderr
+    for f in (ck / "2" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")
+    stray = []  # what reaches the hook: the tracebacks Python would print
+    monkeypatch.setattr(sys, "unraisablehook", stray.append)
+    args = [*ARGS[:-1], "30", "--checkpoint-dir", str(ck), "--resume",
+            "--logdir", str(tmp_path / "c")]
+    head = f"run: error: checkpoint 2 in {ck} cannot be restored (OUT_OF_RANGE: "
+    tail = f"); move {ck / '2'} aside to resume from step 1"
+    for _ in range(20):
+        broken = cli_main(capsys, *args)
+        gc.collect()  # the failed reads' futures: asyncio logs them when collected
+        lines = broken.stderr.splitlines()
+        assert broken.returncode == 2
+        assert len(lines) == 1 and lines[0].startswith(head) and lines[0].endswith(tail), \
+            broken.stderr[:3000]
+        assert "tensorstore_spec" not in lines[0] and len(lines[0]) < 1000
+        assert not (tmp_path / "c").exists()
+    assert [str(u.exc_value) for u in stray] == []
+    assert [r.getMessage()[:80] for r in caplog.records if r.name == "asyncio"] == []
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
