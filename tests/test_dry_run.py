@@ -79,3 +79,27 @@ def test_models_that_are_not_a_stack_are_traced_whole():
     for model in ("mlp-tiny", "resnet-tiny", "gpt-tiny"):  # gpt-tiny: depth 2, nothing to gain
         model_cfg, _ = build_model(RunConfig(model=ModelConfig(model=model)))
         assert state_shapes._stacked_model_state(model_cfg, "float32") is None
+
+
+@pytest.mark.parametrize("compiler", ["auto", "cpu"])
+def test_plan_beyond_xla_cpu_says_to_install_the_gpu_compiler(tmp_path, monkeypatch, capsys,
+                                                              compiler):
+    """A plan for more devices than XLA:CPU compiles for (jaxdist.devices
+    CPU_DEVICES_PER_PROCESS), with the GPU compiler absent (simulated, as where `make
+    gpu-compiler` was not run) or --compiler cpu: one line that says XLA:GPU is needed and
+    how to get it, before anything is compiled; it was XLA's "Multiprocess computations
+    aren't implemented on the CPU backend" after the lowering."""
+    from jaxdist.devices import CPU_DEVICES_PER_PROCESS
+    from jaxdist.program import compiled
+
+    missing = f"the GPU compiler (jax-cuda12 plugin) is not installed; {compiled.INSTALL_HINT}"
+    monkeypatch.setattr(compiled, "gpu_compiler_missing", lambda: missing)
+    n = 2 * CPU_DEVICES_PER_PROCESS
+    proc = cli_main(capsys, "--dry-run", "--hardware", "h100-sxm", "--model", "gpt-tiny",
+                    "--layout", "fsdp", "--mesh", str(n), "--batch-size", str(n),
+                    "--compiler", compiler, "--logdir", str(tmp_path / "plan"))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("run: error: ")
+    assert f"at most {CPU_DEVICES_PER_PROCESS} devices" in proc.stderr
+    assert "`make gpu-compiler`" in proc.stderr and str(n) in proc.stderr
+    assert "Multiprocess" not in proc.stderr and not (tmp_path / "plan").exists()

@@ -127,12 +127,31 @@ def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
     come from the other compiler."""
     if choice not in COMPILERS:
         raise UsageError(f"unknown --compiler {choice!r}; choose from {', '.join(COMPILERS)}")
+    limit = _cpu_limit()
     if choice == "cpu":
+        if num_devices > limit:
+            raise UsageError(f"--compiler cpu plans on XLA:CPU, which compiles for at most "
+                             f"{limit} devices in one process, and the mesh has "
+                             f"{num_devices}; use --compiler gpu (or auto) with the GPU "
+                             f"compiler installed (`make gpu-compiler`)")
         return simulated_cpu(num_devices, "--compiler cpu")
     missing = gpu_compiler_missing()
     if missing and choice == "auto":
+        if num_devices > limit:
+            raise UsageError(f"--hardware {hw.name} on {num_devices} devices needs XLA:GPU "
+                             f"(XLA:CPU, planned on without it, compiles for at most {limit} "
+                             f"devices in one process), and {missing}; or plan a mesh of at "
+                             f"most {limit} devices")
         return simulated_cpu(num_devices, "GPU compiler not installed")
     return gpu_topology(hw, num_devices)
+
+
+def _cpu_limit() -> int:
+    """jaxdist.devices.CPU_DEVICES_PER_PROCESS: beyond it, XLA:CPU fails a compile with
+    "Multiprocess computations aren't implemented on the CPU backend" (after the minutes
+    of lowering a plan that size takes), so a plan for more is refused before."""
+    from jaxdist.devices import CPU_DEVICES_PER_PROCESS
+    return CPU_DEVICES_PER_PROCESS
 
 
 def step_program(cfg, model_cfg, mesh):
