@@ -49,6 +49,8 @@ def validate(cfg: RunConfig) -> Validated:
         from jaxdist.program.compiled import xla_options
         check_batch(cfg, shape)
         check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
+        from jaxdist.program.compiled import check_cpu_limit
+        check_cpu_limit(cfg.output.hardware, shape.size, cfg.compiler.compiler)
         xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
     elif not cfg.output.dry_run and shape.size is not None:  # -1: checked once devices are
         check_batch(cfg, shape)

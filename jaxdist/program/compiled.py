@@ -127,23 +127,34 @@ def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
     come from the other compiler."""
     if choice not in COMPILERS:
         raise UsageError(f"unknown --compiler {choice!r}; choose from {', '.join(COMPILERS)}")
-    limit = _cpu_limit()
+    check_cpu_limit(hw.name, num_devices, choice)
     if choice == "cpu":
-        if num_devices > limit:
-            raise UsageError(f"--compiler cpu plans on XLA:CPU, which compiles for at most "
-                             f"{limit} devices in one process, and the mesh has "
-                             f"{num_devices}; use --compiler gpu (or auto) with the GPU "
-                             f"compiler installed (`make gpu-compiler`)")
         return simulated_cpu(num_devices, "--compiler cpu")
     missing = gpu_compiler_missing()
     if missing and choice == "auto":
-        if num_devices > limit:
-            raise UsageError(f"--hardware {hw.name} on {num_devices} devices needs XLA:GPU "
-                             f"(XLA:CPU, planned on without it, compiles for at most {limit} "
-                             f"devices in one process), and {missing}; or plan a mesh of at "
-                             f"most {limit} devices")
         return simulated_cpu(num_devices, "GPU compiler not installed")
     return gpu_topology(hw, num_devices)
+
+
+def check_cpu_limit(part: str, num_devices: int, choice: str) -> None:
+    """A plan for part `part` on `num_devices` that would compile with XLA:CPU (--compiler
+    cpu, or auto without the GPU compiler) and has more devices than it compiles for,
+    refused in one line with what to do (called by the validation pass, before JAX's
+    backend starts, and by for_part)."""
+    limit = _cpu_limit()
+    if num_devices is None or num_devices <= limit or choice == "gpu":
+        return
+    if choice == "cpu":
+        raise UsageError(f"--compiler cpu plans on XLA:CPU, which compiles for at most "
+                         f"{limit} devices in one process, and the mesh has {num_devices}; "
+                         f"use --compiler gpu (or auto) with the GPU compiler installed "
+                         f"(`make gpu-compiler`)")
+    missing = gpu_compiler_missing()
+    if missing:
+        raise UsageError(f"--hardware {part} on {num_devices} devices needs XLA:GPU "
+                         f"(XLA:CPU, planned on without it, compiles for at most {limit} "
+                         f"devices in one process), and {missing}; or plan a mesh of at "
+                         f"most {limit} devices")
 
 
 def _cpu_limit() -> int:
