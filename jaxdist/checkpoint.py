@@ -157,6 +157,9 @@ class Checkpointer:
         own = {s for s in step_folders(self.directory)
                if not mismatch(saved_meta(self.directory, s) or {}, meta)}
         self.policy = KeepLatestOwn(KEEP, own)
+        # The folders Orbax makes for this run (create=True): removed again if nothing is
+        # saved in them (a --resume pointed at a new folder, with no save due)
+        self.made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
         ocp = _orbax()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -235,6 +238,11 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.save_s += time.perf_counter() - start
         self.manager.close()
+        for folder in self.made:  # deepest first; one that holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         size = sum(f.stat().st_size for f in self.directory.rglob("*") if f.is_file())
         return {"directory": str(self.directory), "every": self.every,
                 "saved_steps": self.saved_steps, "save_s": self.save_s,

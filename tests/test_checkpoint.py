@@ -179,3 +179,15 @@ def test_resume_needs_a_directory(tmp_path, monkeypatch, capsys):
     assert "--resume needs --checkpoint-dir DIR" in proc.stderr
     assert "or --logdir of an interrupted run" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resume_into_a_new_folder_that_gets_no_save_leaves_no_folder(tmp_path, capsys):
+    """--resume --checkpoint-dir NEW/sub with no save due: the run starts afresh and leaves
+    neither NEW/sub nor NEW (Orbax made both, empty); a folder that was there stays."""
+    new = tmp_path / "new" / "sub"
+    run = cli_main(capsys, *ARGS[:-1], "1", "--checkpoint-dir", str(new), "--resume",
+                   "--logdir", str(tmp_path / "a"))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    record = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert record["checkpoint"]["saved_steps"] == [] and record["steps_done"] == 2
