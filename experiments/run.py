@@ -18,7 +18,7 @@ from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import (check_simulated_count, configure_host_devices,
                              configure_xla_flags, select_devices)
-from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.errors import OneLineParser, UsageError, WriteError
 from jaxdist.mesh import MeshShape
 from experiments.run_dirs import (check_logdir, make_logdir, record_stamp, resume_folder,
                                   wrote_record)
@@ -179,7 +179,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
             run_dir.discard()
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
-            return 2
+            return 1 if isinstance(e, WriteError) else 2
         raise
     if results["status"] == "interrupted":
         return report_interrupt(results, logdir, bool(cfg.output.logdir))

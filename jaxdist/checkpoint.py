@@ -160,6 +160,7 @@ class Checkpointer:
         # The folders Orbax makes for this run (create=True): removed again if nothing is
         # saved in them (a --resume pointed at a new folder, with no save due)
         self.made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
+        _quiet_failed_saves()
         ocp = _orbax()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -185,8 +186,11 @@ class Checkpointer:
             marker.write_text(json.dumps({"identity": {k: self.meta[k] for k in IDENTITY}}))
         self.policy.own.add(steps_done)
         ocp = _orbax()
-        self.manager.save(steps_done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        try:  # also where the previous save's error (written in the background) comes out
+            self.manager.save(steps_done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - TensorStore's ValueError, an OSError
+            raise self._unwritable(steps_done, e) from None
         self.save_s += time.perf_counter() - start  # the blocking part; writing goes on
         self.saved_steps.append(steps_done)
 
@@ -227,6 +231,29 @@ class Checkpointer:
         return (f"checkpoint {step} in {self.directory} cannot be restored "
                 f"({short_cause(error)}); {todo}")
 
+    def _unwritable(self, step: int, error: BaseException):
+        """WriteError for a save that failed (a full disk, a file-size limit): the step
+        whose write failed (Orbax's unfinished folder names it), the OS's reason, the step
+        a --resume restores. The unfinished folder is removed (it never counts as a
+        checkpoint: Orbax renames a save's folder only when it is complete)."""
+        import shutil
+
+        from jaxdist.errors import WriteError
+
+        unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        failed = min((int(p.name.split(".")[0]) for p in unfinished
+                      if p.name.split(".")[0].isdigit()), default=step)
+        for folder in unfinished:
+            shutil.rmtree(folder, ignore_errors=True)
+        code = re.search(r"os_error_code='(\d+)'", str(error))
+        why = os.strerror(int(code.group(1))) if code else short_cause(error)
+        complete = step_folders(self.directory)
+        kept = (f"checkpoint {complete[-1]} is complete and kept: free space, then resume "
+                f"with the same command plus --resume" if complete else
+                "no complete checkpoint is there")
+        return WriteError(f"checkpoint {failed} could not be written in {self.directory} "
+                          f"({why}); {kept}")
+
     def close(self) -> None:
         """Stop Orbax's background threads without waiting for anything (a run that ends
         before its first save)."""
@@ -235,7 +262,10 @@ class Checkpointer:
     def finish(self) -> dict:
         """Wait for pending writes; the checkpoint block of results."""
         start = time.perf_counter()
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - as in save
+            raise self._unwritable(self.saved_steps[-1], e) from None
         self.save_s += time.perf_counter() - start
         self.manager.close()
         for folder in self.made:  # deepest first; one that holds anything stays
@@ -312,3 +342,22 @@ def _drain_closed_loop_callbacks(quiet_s: float = 0.05, limit_s: float = 2.0) ->
         time.sleep(0.02)
         if _closed_loop_callbacks[0] != seen:
             seen, quiet_since = _closed_loop_callbacks[0], time.monotonic()
+
+
+class _FailedSaveLogs:
+    """A filter for absl's logger that drops Orbax's error records of a save that failed
+    (each background thread's, with its traceback: ~200 lines for one full disk); the run
+    says it in one line (Checkpointer._unwritable). Every other record passes."""
+    NOISE = ("_SignalingThread.run() raised", "in background save thread",
+             "Save Finalize thread")
+
+    def filter(self, record) -> bool:
+        return not (record.levelno >= 40 and any(n in record.getMessage() for n in self.NOISE))
+
+
+def _quiet_failed_saves() -> None:
+    import logging
+
+    log = logging.getLogger("absl")
+    if not any(isinstance(f, _FailedSaveLogs) for f in log.filters):
+        log.addFilter(_FailedSaveLogs())

@@ -191,3 +191,30 @@ def test_resume_into_a_new_folder_that_gets_no_save_leaves_no_folder(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     record = json.loads((tmp_path / "a" / "results.json").read_text())
     assert record["checkpoint"]["saved_steps"] == [] and record["steps_done"] == 2
+
+
+def test_a_full_disk_loses_nothing(tmp_path):
+    """Writes that fail as on a full disk (RLIMIT_FSIZE in a child, tests/full_disk_child.py):
+    a checkpoint save, the TensorBoard events, results.json. Each is one line naming the
+    path (exit 1), no traceback; the previous checkpoint stays restorable (the next
+    --resume continues from it), the previous results.json stays whole, nothing partial is
+    left. The events' error hung the run for good (tensorboardX's thread died, its queue
+    filled); the others were tracebacks and ~200 lines of Orbax's logs."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "full_disk_child.py"),
+                           str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    ck = tmp_path / "ck"
+    assert out["first"][0] == 0
+    assert out["checkpoint"] == [1, (
+        f"run: error: checkpoint 3 could not be written in {ck} (File too large); checkpoint "
+        f"2 is complete and kept: free space, then resume with the same command plus "
+        f"--resume\n")]
+    assert out["events"] == [1, f"run: error: cannot write the TensorBoard events in "
+                                f"{tmp_path / 'e'}: File too large\n"]
+    assert out["results"] == (f"cannot write {tmp_path / 'a' / 'results.json'}: File too "
+                              f"large; the previous one is kept") and out["results_kept"]
+    assert not list(tmp_path.rglob("*.tmp")) and not list(ck.glob("*orbax-checkpoint-tmp*"))
+    assert out["resumed"][0] == 0 and not (tmp_path / "b").exists()
+    assert json.loads((tmp_path / "c" / "results.json").read_text())["start_step"] == 2
