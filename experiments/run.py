@@ -161,7 +161,8 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
         STOPPED_IN_SETUP.append(True)
         ck = cfg.checkpoint
         kept = (f"; the checkpoints in {ck.checkpoint_dir} are kept (resume with the same "
-                f"command plus --resume)" if ck.checkpoint_dir and e.steps_done else "")
+                f"command plus --resume)" if ck.checkpoint_dir and (e.steps_done or ck.resume)
+                else "")
         print(f"run: interrupted by {e.signal} during {e.phase}, before step "
               f"{e.steps_done + 1} ({e.steps_done} of {cfg.loop.warmup + cfg.loop.steps} "
               f"steps done); nothing of this run was kept{kept}", file=sys.stderr)
