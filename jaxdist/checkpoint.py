@@ -319,6 +319,11 @@ def _drop_closed_loop_callbacks() -> None:
     import logging
     import sys
 
+    import warnings
+
+    # Orbax's metadata read that the failed restore left unawaited, said when collected
+    warnings.filterwarnings("ignore", message=r"coroutine 'Store\._get_array_metadatas' was "
+                            r"never awaited", category=RuntimeWarning)
     asyncio_log = logging.getLogger("asyncio")
     if not any(isinstance(f, _UnretrievedReads) for f in asyncio_log.filters):
         asyncio_log.addFilter(_UnretrievedReads())
