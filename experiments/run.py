@@ -18,12 +18,13 @@ from jaxdist import distributed
 from jaxdist.config import RunConfig, add_arguments, from_namespace
 from jaxdist.devices import (check_simulated_count, configure_host_devices,
                              configure_xla_flags, select_devices)
-from jaxdist.errors import OneLineParser, UsageError
+from jaxdist.errors import OneLineParser, UsageError, WriteError
 from jaxdist.mesh import MeshShape
 from experiments.run_dirs import (check_logdir, make_logdir, record_stamp, resume_folder,
                                   wrote_record)
 from experiments.validation import Validated, check_batch, check_ps_host, validate
-from jaxdist.stop import EXIT_CODES, HardStop, StopRequest, release_deferred
+from jaxdist.stop import (EXIT_CODES, HardStop, StopRequest, StoppedInSetup,
+                          release_deferred)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +70,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = from_namespace(args)
     stop = None
-    if not (cfg.output.dry_run or cfg.train.layout == "ps"):
-        # From here on SIGINT/SIGTERM ask a mesh run to stop; they never raise inside JAX's
-        # setup (a KeyboardInterrupt there can crash the process at exit).
+    if cfg.output.dry_run or cfg.train.layout != "ps":
+        # From here on SIGINT/SIGTERM ask a mesh run or a plan to stop; they never raise
+        # inside JAX's setup (a KeyboardInterrupt there can crash the process at exit).
         stop = StopRequest().install()
     else:
         release_deferred()
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 130
         if cfg.output.dry_run:
-            return main_dry_run(cfg, checked)
+            return main_dry_run(cfg, checked, stop)
         if cfg.train.layout == "ps":
             return main_ps(cfg, checked)
         return main_mesh(cfg, checked, stop)
@@ -154,6 +155,18 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
     record_before = record_stamp(logdir)
     try:
         results = loop.run(cfg, platform, logdir, stop=stop, notice=simulated)
+    except StoppedInSetup as e:  # its build or compile is left running: the caller exits
+        if run_dir is not None:
+            run_dir.discard()
+        STOPPED_IN_SETUP.append(True)
+        ck = cfg.checkpoint
+        kept = (f"; the checkpoints in {ck.checkpoint_dir} are kept (resume with the same "
+                f"command plus --resume)" if ck.checkpoint_dir and (e.steps_done or ck.resume)
+                else "")
+        print(f"run: interrupted by {e.signal} during {e.phase}, before step "
+              f"{e.steps_done + 1} ({e.steps_done} of {cfg.loop.warmup + cfg.loop.steps} "
+              f"steps done); nothing of this run was kept{kept}", file=sys.stderr)
+        return EXIT_CODES[e.signal]
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
         where = f"; {logdir} is left unfinished (no results.json)" if logdir else ""
         print(f"run: interrupted again while stopping: stopped at once{where}",
@@ -167,7 +180,7 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
             run_dir.discard()
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
-            return 2
+            return 1 if isinstance(e, WriteError) else 2
         raise
     if results["status"] == "interrupted":
         return report_interrupt(results, logdir, bool(cfg.output.logdir))
@@ -183,16 +196,19 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
     return 0
 
 
-def main_dry_run(cfg: RunConfig, checked: Validated) -> int:
+def main_dry_run(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
     """--dry-run: the layout's plan (jaxdist.plan: from shapes, or with --hardware predicted
     from the step compiled for that cluster); only the CPU backend is touched (no
-    accelerator memory is claimed), and -1 is not a mesh one can plan for."""
+    accelerator memory is claimed), and -1 is not a mesh one can plan for. A signal while
+    it traces or compiles ends it at once, before anything is written."""
     from jaxdist import plan as plans
     from jaxdist.files import write_json
+    from jaxdist.stop import run_abandonable, set_phase
 
     noticed, shape = False, checked.shape
     try:
         check_logdir(cfg)  # before a plan's minutes of compiling, not after
+        set_phase("the plan")
         if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
             from jaxdist.program.xla_log import explained_xla_warnings
             configure_host_devices(shape, "cpu")
@@ -201,14 +217,21 @@ def main_dry_run(cfg: RunConfig, checked: Validated) -> int:
             print_notices(checked)
             noticed = True
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
-                plan = plans.plan(cfg, shape)
+                plan = run_abandonable(lambda: plans.plan(cfg, shape), stop)
         else:  # from shapes: one host device, nothing allocated
             configure_host_devices(MeshShape(1), "cpu")
-            plan = plans.plan(cfg, shape)
+            plan = run_abandonable(lambda: plans.plan(cfg, shape), stop)
+        if stop.signal:  # came before the plan started, or as it ended
+            raise StoppedInSetup(stop.signal, "the plan", 0)
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
         print(f"run: error: {e}", file=sys.stderr)
         return 2
+    except StoppedInSetup as e:  # its trace or compile is left running: the caller exits
+        STOPPED_IN_SETUP.append(True)
+        print(f"run: interrupted by {e.signal} during {e.phase}; nothing was written",
+              file=sys.stderr)
+        return EXIT_CODES[e.signal]
     if not noticed:
         print_notices(checked)
     compiler = (plan.get("compiled") or {}).get("compiler", "")
@@ -227,6 +250,10 @@ def main_dry_run(cfg: RunConfig, checked: Validated) -> int:
         print(f"\nplan: {logdir / plans.file_name(plan)}")
     return 0
 
+
+# Set by main_mesh when a stop left the build or compile running in its thread: the process
+# ends without waiting for it (see __main__).
+STOPPED_IN_SETUP: list[bool] = []
 
 # Set by main_ps once its run is over (children stopped, files closed): the process may
 # skip the interpreter's teardown (see __main__).
@@ -278,8 +305,9 @@ def main_ps(cfg: RunConfig, checked: Validated) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if DONE_BUT_TEARDOWN:
-        # A PS launcher with its record written and every child stopped: the interpreter's
+    if DONE_BUT_TEARDOWN or STOPPED_IN_SETUP:
+        # A run stopped during its build or compile, which still runs in its thread; or
+        # a PS launcher with its record written and every child stopped: the interpreter's
         # teardown of what it imported (jax, grpc, tensorboardX) took 1-4 s on the loaded
         # 2-core machine, a share of the seconds SLURM gives a preempted run (issue 35).
         sys.stdout.flush()

@@ -49,6 +49,8 @@ def validate(cfg: RunConfig) -> Validated:
         from jaxdist.program.compiled import xla_options
         check_batch(cfg, shape)
         check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
+        from jaxdist.program.compiled import check_cpu_limit
+        check_cpu_limit(cfg.output.hardware, shape.size, cfg.compiler.compiler)
         xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
     elif not cfg.output.dry_run and shape.size is not None:  # -1: checked once devices are
         check_batch(cfg, shape)
@@ -131,10 +133,20 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
                          f"{stage_example(cfg.train.layout, shape)}")
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family,
                  cfg.train.distributed_optimizer)
+    from jaxdist.host_memory import check_model_size
+    check_model_size(cfg, model_cfg, cfg.output.dry_run, runs_on_cpu(cfg))
     if pipelined:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
                        parse_stage_blocks(cfg.train.pp_stage_blocks))
+
+
+def runs_on_cpu(cfg: RunConfig) -> bool:
+    """A mesh run's devices are this host's CPU (forced, or no GPU plugin installed)."""
+    import importlib.util
+
+    return cfg.mesh.platform == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu" or \
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is None
 
 
 def stage_example(layout: str, shape: MeshShape) -> str:

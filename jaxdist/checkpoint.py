@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -156,6 +157,10 @@ class Checkpointer:
         own = {s for s in step_folders(self.directory)
                if not mismatch(saved_meta(self.directory, s) or {}, meta)}
         self.policy = KeepLatestOwn(KEEP, own)
+        # The folders Orbax makes for this run (create=True): removed again if nothing is
+        # saved in them (a --resume pointed at a new folder, with no save due)
+        self.made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
+        _quiet_failed_saves()
         ocp = _orbax()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -181,8 +186,11 @@ class Checkpointer:
             marker.write_text(json.dumps({"identity": {k: self.meta[k] for k in IDENTITY}}))
         self.policy.own.add(steps_done)
         ocp = _orbax()
-        self.manager.save(steps_done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        try:  # also where the previous save's error (written in the background) comes out
+            self.manager.save(steps_done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - TensorStore's ValueError, an OSError
+            raise self._unwritable(steps_done, e) from None
         self.save_s += time.perf_counter() - start  # the blocking part; writing goes on
         self.saved_steps.append(steps_done)
 
@@ -200,6 +208,7 @@ class Checkpointer:
                              f"run ({'; '.join(mismatched)})")
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, shardings)
+        _drop_closed_loop_callbacks()
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
                 # strict=False: a leaf stored padded under another layout's split (or none)
@@ -207,6 +216,8 @@ class Checkpointer:
                 # check above has ruled out a different model
                 state=ocp.args.StandardRestore(target, strict=False)))["state"]
         except Exception as e:  # noqa: BLE001 - Orbax's ValueError, TensorStore's Exception
+            _drain_closed_loop_callbacks()
+            self.manager.close()
             raise UsageError(self._unrestorable(step, e)) from None
         return state, meta
 
@@ -221,15 +232,140 @@ class Checkpointer:
         todo = (f"move {self.directory / str(step)} aside to resume from step {earlier[-1]}"
                 if earlier else "give --checkpoint-dir a new folder to start afresh")
         return (f"checkpoint {step} in {self.directory} cannot be restored "
-                f"({str(error).splitlines()[0]}); {todo}")
+                f"({short_cause(error)}); {todo}")
+
+    def _unwritable(self, step: int, error: BaseException):
+        """WriteError for a save that failed (a full disk, a file-size limit): the step
+        whose write failed (Orbax's unfinished folder names it), the OS's reason, the step
+        a --resume restores. The unfinished folder is removed (it never counts as a
+        checkpoint: Orbax renames a save's folder only when it is complete)."""
+        import shutil
+
+        from jaxdist.errors import WriteError
+
+        unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        failed = min((int(p.name.split(".")[0]) for p in unfinished
+                      if p.name.split(".")[0].isdigit()), default=step)
+        for folder in unfinished:
+            shutil.rmtree(folder, ignore_errors=True)
+        code = re.search(r"os_error_code='(\d+)'", str(error))
+        why = os.strerror(int(code.group(1))) if code else short_cause(error)
+        complete = step_folders(self.directory)
+        kept = (f"checkpoint {complete[-1]} is complete and kept: free space, then resume "
+                f"with the same command plus --resume" if complete else
+                "no complete checkpoint is there")
+        return WriteError(f"checkpoint {failed} could not be written in {self.directory} "
+                          f"({why}); {kept}")
+
+    def close(self) -> None:
+        """Stop Orbax's background threads without waiting for anything (a run that ends
+        before its first save)."""
+        self.manager.close()
 
     def finish(self) -> dict:
         """Wait for pending writes; the checkpoint block of results."""
         start = time.perf_counter()
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - as in save
+            raise self._unwritable(self.saved_steps[-1], e) from None
         self.save_s += time.perf_counter() - start
         self.manager.close()
+        for folder in self.made:  # deepest first; one that holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         size = sum(f.stat().st_size for f in self.directory.rglob("*") if f.is_file())
         return {"directory": str(self.directory), "every": self.every,
                 "saved_steps": self.saved_steps, "save_s": self.save_s,
                 "bytes_on_disk": size}
+
+
+def short_cause(error: BaseException) -> str:
+    """The first line of `error` without what TensorStore appends for its own debugging:
+    the JSON spec of every store it opened (`[tensorstore_spec='{...}']`, about 1.7 KB) and
+    the driver chain (`Error opening "zarr" driver: `) that leads to the file at fault."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = re.sub(r" ?\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text)
+    return re.sub(r'Error opening "\w+" driver: ', "", text).strip()
+
+
+# TensorStore reads still in flight when a restore fails call back into the event loop
+# Orbax ran them on, which Orbax has closed by then: each such callback was a "RuntimeError:
+# Event loop is closed" traceback on stderr (through sys.unraisablehook), 1 to 18 per failed
+# restore, some printed after the run's one error line and some at interpreter exit; and
+# the reads that failed too were each logged, with TensorStore's 2 KB spec, as "Future (or
+# Task) exception was never retrieved" when their futures were collected.
+_closed_loop_callbacks = [0]
+
+
+class _UnretrievedReads:
+    """A filter for asyncio's logger that drops "Future (or Task) exception was never
+    retrieved" for a TensorStore read (its exception names a tensorstore_spec); every other record passes."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith(("Future exception was never retrieved",
+                                                    "Task exception was never retrieved"))
+                    and "tensorstore_spec" in str(exc))
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    exc = unraisable.exc_value
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """From now on, drop those callbacks' tracebacks (only those: any other unraisable
+    exception goes to the hook that was there)."""
+    import logging
+    import sys
+
+    import warnings
+
+    # Orbax's metadata read that the failed restore left unawaited, said when collected
+    warnings.filterwarnings("ignore", message=r"coroutine 'Store\._get_array_metadatas' was "
+                            r"never awaited", category=RuntimeWarning)
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_UnretrievedReads())
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False) is False:
+        def hook(unraisable):
+            if _is_closed_loop_callback(unraisable):
+                _closed_loop_callbacks[0] += 1
+            else:
+                previous(unraisable)
+        hook.drops_closed_loop_callbacks = True
+        sys.unraisablehook = hook
+
+
+def _drain_closed_loop_callbacks(quiet_s: float = 0.05, limit_s: float = 2.0) -> None:
+    """Wait until no such callback has come for `quiet_s` (at most `limit_s`): the reads
+    are over before the error is said."""
+    deadline = time.monotonic() + limit_s
+    seen, quiet_since = _closed_loop_callbacks[0], time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+        time.sleep(0.02)
+        if _closed_loop_callbacks[0] != seen:
+            seen, quiet_since = _closed_loop_callbacks[0], time.monotonic()
+
+
+class _FailedSaveLogs:
+    """A filter for absl's logger that drops Orbax's error records of a save that failed
+    (each background thread's, with its traceback: ~200 lines for one full disk); the run
+    says it in one line (Checkpointer._unwritable). Every other record passes."""
+    NOISE = ("_SignalingThread.run() raised", "in background save thread",
+             "Save Finalize thread")
+
+    def filter(self, record) -> bool:
+        return not (record.levelno >= 40 and any(n in record.getMessage() for n in self.NOISE))
+
+
+def _quiet_failed_saves() -> None:
+    import logging
+
+    log = logging.getLogger("absl")
+    if not any(isinstance(f, _FailedSaveLogs) for f in log.filters):
+        log.addFilter(_FailedSaveLogs())

@@ -125,8 +125,8 @@ CPU_DEVICES_PER_PROCESS = 2048
 
 
 def check_simulated_count(shape: MeshShape, num_processes: int) -> None:
-    """A run's mesh has at most CPU_DEVICES_PER_PROCESS devices in each process (plans
-    compile for any size: they run nothing)."""
+    """A run's mesh has at most CPU_DEVICES_PER_PROCESS devices in each process (a plan for
+    more compiles with XLA:GPU, which needs no device: jaxdist.program.compiled.for_part)."""
     if shape.size is not None and shape.size // num_processes > CPU_DEVICES_PER_PROCESS:
         raise UsageError(
             f"mesh {shape.label} puts {shape.size // num_processes} devices in one process; "

@@ -13,6 +13,11 @@ class UsageError(Exception):
     """Bad input: the message names the problem and, where there are any, the valid choices."""
 
 
+class WriteError(UsageError):
+    """An output could not be written (a full disk, a file-size limit): one line naming the
+    path and what was kept; the run's exit status is 1, not bad input's 2."""
+
+
 def choices(names) -> str:
     return ", ".join(sorted(names))
 

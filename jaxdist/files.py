@@ -28,14 +28,22 @@ def ensure_writable_dir(path: Path, flag: str) -> None:
 
 
 def write_json(path: Path, data, strict: bool = False) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file. `strict`
+    """Write via a temporary file and rename, so a reader never sees half a file (and a
+    write that fails, a full disk, leaves the previous file whole: WriteError). `strict`
     (results.json): standard JSON, a number that is not finite (a diverged run's loss)
     written as null; Python's NaN token stopped jq and every JSON.parse at the first one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     text = json.dumps(_finite(data) if strict else data, indent=2, sort_keys=False,
                       allow_nan=not strict)
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text + "\n")
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: what was there stays whole, the partial copy goes
+        from jaxdist.errors import WriteError
+
+        tmp.unlink(missing_ok=True)
+        kept = "; the previous one is kept" if path.exists() else ""
+        raise WriteError(f"cannot write {path}: {e.strerror or e}{kept}") from None
 
 
 def _finite(obj):

@@ -64,6 +64,39 @@ def check(need: int, what: str, devices: int | None = None,
                          f"{available / GIB:.1f} GiB is available: {advice}")
 
 
+# Host memory per leaf of the state that a plan's shapes or a build's trace hold (abstract
+# arrays of the parameters and optimizer state, their specs and shardings, the modules):
+# a gpt-tiny shapes plan grew by 162 KB per block of 16 leaves (558 MB at depth 2,000,
+# 1.53 GB at 8,000, measured as peak RSS). A floor: a build holds more.
+TRACE_BYTES_PER_LEAF = 8 << 10
+
+
+def check_model_size(cfg, model_cfg, dry_run: bool, cpu_run: bool,
+                     available: int | None = None) -> None:
+    """A decoder whose depth alone makes it larger than this host can hold, refused before
+    it is built or traced (at depth 1,000,000,000 the kernel's OOM killer ended a plan at
+    24 GB, with no message): its leaves' shapes for a plan, and for a run on CPU devices
+    (`cpu_run`) its parameters' bytes too, from the depth-1 and depth-2 traces
+    (jaxdist.state_shapes.stack_size). Other models are as large as their full build, and
+    are checked after it (jaxdist.loop.check_host_memory)."""
+    from jaxdist.state_shapes import stack_size
+
+    size = stack_size(model_cfg, cfg.model.dtype)
+    if size is None:
+        return
+    state_bytes, leaves = size
+    need = leaves * TRACE_BYTES_PER_LEAF + (state_bytes if cpu_run and not dry_run else 0)
+    available = available_bytes() if available is None else available
+    if available is not None and need > available:
+        what = ("its plan (the shapes of " if dry_run else
+                "its build (the parameters and the shapes of " if cpu_run else
+                "its build (the shapes of ")
+        raise UsageError(
+            f"--model {cfg.model.model} at depth {model_cfg.depth:,} needs about "
+            f"{need / GIB:,.1f} GiB of host memory for {what}{leaves:,} arrays), and "
+            f"{available / GIB:.1f} GiB is available: give a smaller depth in --model-opts")
+
+
 # The least each process a launcher starts holds privately (not shared with other processes),
 # read as RssAnon here: `import numpy, jax` alone 63 MiB, experiments.run 84 MiB once its
 # input is validated, `import torch` 145 MiB. A floor, so a count refused here cannot run.

@@ -20,9 +20,9 @@ from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream, eval_batches
 from jaxdist.errors import UsageError
 from jaxdist.devices import Platform, env_info
 from jaxdist.mesh import build_mesh
-from jaxdist.stop import StopRequest
+from jaxdist.stop import StopRequest, run_abandonable, set_phase
 from jaxdist.timing import StepTimer
-from jaxdist.program.xla_compile import compile_timed
+from jaxdist.program.xla_compile import compile_with
 from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.train_step import compiled_step_flops, put_batch
 from jaxdist.writers import NullWriter, RunWriter
@@ -37,7 +37,28 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
         stop: StopRequest | None = None, notice: str | None = None) -> dict:
     """One run; `stop` is the entry point's StopRequest (installed early), else the loop
     installs its own for its duration. `notice` is logged once the step program is built:
-    a layout the mesh cannot shard is refused there, and its one line comes alone."""
+    a layout the mesh cannot shard is refused there, and its one line comes alone.
+
+    Everything before the first step (build, restore, trace, XLA compile) runs where a
+    signal ends it at once (jaxdist.stop.run_abandonable: StoppedInSetup, naming the
+    phase), on one process; several processes stop together, after a step."""
+    own = stop is None
+    stop = StopRequest().install() if own else stop
+    try:
+        set_phase("model build", 0)
+        setup = (lambda: _setup(cfg, platform, log, notice))
+        ready = run_abandonable(setup, stop) if jax.process_count() == 1 else setup()
+        # SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
+        stop.attach(ready[7])  # start_step
+        return _train(cfg, platform, logdir, log, *ready, stop)
+    finally:
+        if own:
+            stop.restore()
+
+
+def _setup(cfg, platform, log, notice) -> tuple:
+    """What the steps need: the model, its step program, the data, the checkpointer, the
+    state and first step, the compiled step and its compile seconds."""
     model_cfg, dataset = build_model(cfg)
     program = compiled_mod.step_program(cfg, model_cfg,
                                         build_mesh(platform.shape, platform.devices))
@@ -53,23 +74,21 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
                          dict(identity(cfg), layout=cfg.train.layout, mesh=platform.shape.label,
                               seed=cfg.train.seed, batch_size=cfg.train.batch_size))
             if cfg.checkpoint.checkpoint_dir else None)
+    set_phase("checkpoint restore" if cfg.checkpoint.resume else "state init")
     state, start_step = restore_or_init(cfg, ckpt, program, stream, total_steps, log)
-    # SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
-    own = stop is None
-    stop = (StopRequest().install() if own else stop).attach(start_step)
-    try:
-        return _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream,
-                      next_batch, ckpt, state, start_step, total_steps, stop)
-    finally:
-        if own:
-            stop.restore()
+    set_phase("tracing the step", start_step)
+    start = time.perf_counter()
+    lowered = program.step.lower(state, put_batch(stream.batch(0), program.batch_sharding))
+    set_phase("the XLA compile")
+    compiled = compile_with(lowered, None)
+    compile_s = time.perf_counter() - start
+    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+    return (model_cfg, dataset, program, stream, next_batch, ckpt, state, start_step,
+            total_steps, compiled, compile_s)
 
 
 def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next_batch, ckpt,
-           state, start_step, total_steps, stop) -> dict:
-    first = put_batch(stream.batch(0), program.batch_sharding)
-    compiled, compile_s = compile_timed(program.step, state, first)
-    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+           state, start_step, total_steps, compiled, compile_s, stop) -> dict:
     memory = metrics.compiled_memory(compiled)
     if platform.backend == "cpu" and memory:  # beyond its arguments (allocated already)
         local = sum(d.process_index == jax.process_index() for d in platform.devices)
@@ -96,6 +115,8 @@ def _train(cfg, platform, logdir, log, model_cfg, dataset, program, stream, next
                        desc=f"{label} warm-up" if warmup else f"{label} timed",
                        disable=not cfg.output.progress)
             for i in range(start_step, total_steps):
+                if i == start_step and stop.signal and not stop.synced:
+                    break  # a stop that came before the first step: none is run
                 if profile and i == profile[0] and logdir is not None:
                     jax.profiler.start_trace(str(logdir))
                 if i == window_open:

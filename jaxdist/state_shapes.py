@@ -69,6 +69,23 @@ def _stacked_model_state(model_cfg, dtype_name: str):
     return tuple(_stack(part, depth) for part in one)
 
 
+def stack_size(model_cfg, dtype_name: str) -> tuple[int, int] | None:
+    """(bytes, leaves) of a decoder's parameters and model state at full depth, counted
+    from its depth-1 and depth-2 traces (about 0.2 s whatever the depth: the blocks are
+    identical), or None where the model is no such stack (depth 2 or less, or not a
+    decoder), whose full trace is no bigger than its build."""
+    depth = getattr(model_cfg, "depth", None)
+    if model_cfg.family not in ("gpt", "moe") or not isinstance(depth, int) or depth <= 2:
+        return None
+    sizes = []
+    for d in (1, 2):
+        leaves = jax.tree.leaves(_abstract_split(dataclasses.replace(model_cfg, depth=d),
+                                                 dtype_name))
+        sizes.append((sum(x.size * x.dtype.itemsize for x in leaves), len(leaves)))
+    (b1, l1), (b2, l2) = sizes
+    return b1 + (depth - 1) * (b2 - b1), l1 + (depth - 1) * (l2 - l1)
+
+
 def _stack(state: nnx.State, depth: int) -> nnx.State:
     """A depth-1 state with its one block repeated `depth` times (the same abstract leaves:
     only shapes and dtypes are read)."""

@@ -127,3 +127,52 @@ def _preemption_sync():
         return None
     from jax.experimental import multihost_utils
     return multihost_utils.reached_preemption_sync_point
+
+
+# What a run is doing before its first step (jaxdist.loop sets it): named by a stop then.
+PHASE = {"phase": "starting", "steps_done": 0}
+
+
+def set_phase(phase: str, steps_done: int | None = None) -> None:
+    PHASE["phase"] = phase
+    if steps_done is not None:
+        PHASE["steps_done"] = steps_done
+
+
+class StoppedInSetup(Exception):
+    """A signal came while a run was still building, tracing or compiling (`phase`): the
+    work was left running in its thread, so the caller must end the process (os._exit)
+    rather than wait for it."""
+
+    def __init__(self, signal_name: str, phase: str, steps_done: int):
+        super().__init__(f"{signal_name} during {phase}")
+        self.signal, self.phase, self.steps_done = signal_name, phase, steps_done
+
+
+def run_abandonable(work, stop: "StopRequest", poll_s: float = 0.05):
+    """`work()`'s result, computed in a daemon thread while this (the main) thread waits in
+    Python, where a signal handler runs at once: XLA's compile and Flax's build hold it in
+    C++ or in a long trace for minutes (a depth-40 gpt-tiny took ~70 s to react to
+    SIGTERM). Once `stop` has a signal, StoppedInSetup is raised here and the thread is
+    left to the process's end. Runs `work()` in this thread where signals are not this
+    process's alone to act on (several processes stop together: jaxdist.loop) or where
+    this is not the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="jaxdist-setup", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        if stop.signal is not None and thread.is_alive():
+            raise StoppedInSetup(stop.signal, PHASE["phase"], PHASE["steps_done"])
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

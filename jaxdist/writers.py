@@ -126,11 +126,40 @@ class RunWriter:
         self.logdir = logdir
         self.started = time.time()
         self.tb = SummaryWriter(logdir=str(logdir), flush_secs=5)
+        self.failed: OSError | None = None  # the events file's write error (a full disk)
+        self._guard_events()
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
         self.layout = (config.get("train") or {}).get("layout") or "run"
         self.tb.add_custom_scalars(custom_scalars(self.layout))
 
+    def _guard_events(self) -> None:
+        """tensorboardX writes the events file in a thread of its own; an OSError there (a
+        full disk, a file-size limit) ended that thread with a traceback, and the run then
+        hung for good on its next step, with the thread's queue full. Here the error is
+        kept instead, and the next step raises it as one line (WriteError)."""
+        events = getattr(getattr(self.tb.file_writer, "event_writer", None), "_ev_writer",
+                         None)
+        if events is None:
+            return
+        for name in ("write_event", "flush", "close"):
+            def guarded(*args, _original=getattr(events, name)):
+                if self.failed is not None:
+                    return None
+                try:
+                    return _original(*args)
+                except OSError as e:
+                    self.failed = e
+                    return None
+            setattr(events, name, guarded)
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            from jaxdist.errors import WriteError
+            raise WriteError(f"cannot write the TensorBoard events in {self.logdir}: "
+                             f"{self.failed.strerror or self.failed}")
+
     def step(self, index: int, loss: float, step_s: float, timed: bool) -> None:
+        self._check()
         self.tb.add_scalar("train/loss", loss, index)
         self.tb.add_scalar("train/step_time_s" if timed else "train/warmup_step_time_s",
                            step_s, index)
@@ -138,6 +167,7 @@ class RunWriter:
             self.tb.add_scalar(layout_step_tag(self.layout), step_s, index)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
+        self._check()
         self.tb.add_scalar(tag, value, step)
 
     def summary(self, results: dict) -> None:

@@ -13,7 +13,6 @@ Usage: python scripts/bench_dryrun.py [--compare-full-trace]
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -61,11 +60,13 @@ def plan_by_full_trace(model: str, layout: str, mesh: str) -> tuple[dict, float]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sys.path.insert(0, str(ROOT))
+    from jaxdist.errors import OneLineParser  # bad input: one line, exit 2
+
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare-full-trace", action="store_true",
                     help="also trace each whole model (minutes) and check the plans agree")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     print(f"{'model':<14}{'layout':<9}{'mesh':<9}{'wall s':>8}{'cpu s':>8}"
           f"{'per device':>16}  target: < 5 s each")
     worst = 0.0

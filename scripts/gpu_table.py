@@ -9,7 +9,6 @@ missed goal is a finding, not a missing figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -99,7 +98,10 @@ def goals(named: dict[str, dict]) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from jaxdist.errors import OneLineParser  # bad input: one line, exit 2
+
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--expect-torch", action="store_true",
                     help="with --check: a missing PyTorch run is a missing figure")

@@ -13,6 +13,8 @@ Usage: .venv/bin/python scripts/suite_cpu.py [--top N] [pytest arguments, e.g. -
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import resource
@@ -104,11 +106,39 @@ def main(argv: list[str]) -> int:
         p for p in (here, os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, here)
     try:
-        code = pytest.main(["-p", "suite_cpu", *pytest_args])
+        held = _UsageHeld(sys.stderr)
+        with contextlib.redirect_stderr(held):
+            code = pytest.main(["-p", "suite_cpu", *pytest_args])
+        if code == pytest.ExitCode.USAGE_ERROR and held.text:
+            # pytest's usage, error and ini lines: its error alone, as every entry point does
+            error = next((line.split(": error: ", 1)[1] for line in held.text.splitlines()
+                          if ": error: " in line), held.text.strip().splitlines()[-1])
+            parser.error(f"pytest: {error}")
         print(report(read_rows(folder), args.top))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return int(code)
+
+
+class _UsageHeld(io.TextIOBase):
+    """sys.stderr while pytest runs: passed through, except pytest's usage error (the
+    first thing written, `ERROR: usage: ...`), which is held for main to say in one line."""
+
+    def __init__(self, stream):
+        self.stream, self.text, self.decided = stream, "", False
+
+    def write(self, s: str) -> int:
+        if not self.decided and s:
+            self.decided = True
+            self.holding = s.lstrip().startswith("ERROR: usage:")
+        if self.decided and self.holding:
+            self.text += s
+        else:
+            self.stream.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 if __name__ == "__main__":

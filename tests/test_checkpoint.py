@@ -1,6 +1,7 @@
 """Checkpoints: reshard on restore, exact resume after kill -9, interrupted saves, and
 checkpoints from another model."""
 
+import gc
 import json
 import os
 import shutil
@@ -133,6 +134,37 @@ def test_interrupted_save_never_replaces_the_last_good_one(tmp_path, capsys):
     assert f"resumed from checkpoint {before}" in again.stdout
 
 
+def test_damaged_resume_is_one_line_every_time(tmp_path, capsys, caplog, monkeypatch):
+    """A --resume of a checkpoint whose files were emptied, 20 times: each time the one line
+    (no TensorStore spec), nothing else on stderr, no traceback through sys.unraisablehook
+    (where TensorStore's late callbacks went, also at interpreter exit), nothing logged by
+    asyncio when the failed reads are collected, no run folder."""
+    ck = tmp_path / "ck"
+    made = cli_main(capsys, *ARGS[:-1], "1", "--checkpoint-dir", str(ck),
+                    "--checkpoint-every", "1", "--logdir", str(tmp_path / "a"))
+    assert made.returncode == 0, made.stderr
+    for f in (ck / "2" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")
+    stray = []  # what reaches the hook: the tracebacks Python would print
+    monkeypatch.setattr(sys, "unraisablehook", stray.append)
+    args = [*ARGS[:-1], "30", "--checkpoint-dir", str(ck), "--resume",
+            "--logdir", str(tmp_path / "c")]
+    head = f"run: error: checkpoint 2 in {ck} cannot be restored (OUT_OF_RANGE: "
+    tail = f"); move {ck / '2'} aside to resume from step 1"
+    for _ in range(20):
+        broken = cli_main(capsys, *args)
+        gc.collect()  # the failed reads' futures: asyncio logs them when collected
+        lines = broken.stderr.splitlines()
+        assert broken.returncode == 2
+        assert len(lines) == 1 and lines[0].startswith(head) and lines[0].endswith(tail), \
+            broken.stderr[:3000]
+        assert "tensorstore_spec" not in lines[0] and len(lines[0]) < 1000
+        assert not (tmp_path / "c").exists()
+    assert [str(u.exc_value) for u in stray] == []
+    assert [r.getMessage()[:80] for r in caplog.records if r.name == "asyncio"] == []
+
+
 def test_checkpoint_from_another_model_is_refused(tmp_path, capsys):
     ck = tmp_path / "ck"
     made = cli_main(capsys, *ARGS[:-1], "2", "--checkpoint-dir", str(ck), "--checkpoint-every",
@@ -155,3 +187,42 @@ def test_resume_needs_a_directory(tmp_path, monkeypatch, capsys):
     assert "--resume needs --checkpoint-dir DIR" in proc.stderr
     assert "or --logdir of an interrupted run" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resume_into_a_new_folder_that_gets_no_save_leaves_no_folder(tmp_path, capsys):
+    """--resume --checkpoint-dir NEW/sub with no save due: the run starts afresh and leaves
+    neither NEW/sub nor NEW (Orbax made both, empty); a folder that was there stays."""
+    new = tmp_path / "new" / "sub"
+    run = cli_main(capsys, *ARGS[:-1], "1", "--checkpoint-dir", str(new), "--resume",
+                   "--logdir", str(tmp_path / "a"))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    record = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert record["checkpoint"]["saved_steps"] == [] and record["steps_done"] == 2
+
+
+def test_a_full_disk_loses_nothing(tmp_path):
+    """Writes that fail as on a full disk (RLIMIT_FSIZE in a child, tests/full_disk_child.py):
+    a checkpoint save, the TensorBoard events, results.json. Each is one line naming the
+    path (exit 1), no traceback; the previous checkpoint stays restorable (the next
+    --resume continues from it), the previous results.json stays whole, nothing partial is
+    left. The events' error hung the run for good (tensorboardX's thread died, its queue
+    filled); the others were tracebacks and ~200 lines of Orbax's logs."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "full_disk_child.py"),
+                           str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    ck = tmp_path / "ck"
+    assert out["first"][0] == 0
+    assert out["checkpoint"] == [1, (
+        f"run: error: checkpoint 3 could not be written in {ck} (File too large); checkpoint "
+        f"2 is complete and kept: free space, then resume with the same command plus "
+        f"--resume\n")]
+    assert out["events"] == [1, f"run: error: cannot write the TensorBoard events in "
+                                f"{tmp_path / 'e'}: File too large\n"]
+    assert out["results"] == (f"cannot write {tmp_path / 'a' / 'results.json'}: File too "
+                              f"large; the previous one is kept") and out["results_kept"]
+    assert not list(tmp_path.rglob("*.tmp")) and not list(ck.glob("*orbax-checkpoint-tmp*"))
+    assert out["resumed"][0] == 0 and not (tmp_path / "b").exists()
+    assert json.loads((tmp_path / "c" / "results.json").read_text())["start_step"] == 2

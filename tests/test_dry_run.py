@@ -1,6 +1,8 @@
 """--dry-run: per-device state bytes of full-size models from shapes alone."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -11,7 +13,7 @@ from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
 from jaxdist.run_model import build_model
-from tests.helpers import cli_main, run_cli
+from tests.helpers import ROOT, child_env, cli_main, run_cli
 
 
 def test_llama3_70b_fsdp_on_4x8(tmp_path):
@@ -81,3 +83,53 @@ def test_models_that_are_not_a_stack_are_traced_whole():
     for model in ("mlp-tiny", "resnet-tiny", "gpt-tiny"):  # gpt-tiny: depth 2, nothing to gain
         model_cfg, _ = build_model(RunConfig(model=ModelConfig(model=model)))
         assert state_shapes._stacked_model_state(model_cfg, "float32") is None
+
+
+@pytest.mark.parametrize("compiler", ["auto", "cpu"])
+def test_plan_beyond_xla_cpu_says_to_install_the_gpu_compiler(tmp_path, monkeypatch, capsys,
+                                                              compiler):
+    """A plan for more devices than XLA:CPU compiles for (jaxdist.devices
+    CPU_DEVICES_PER_PROCESS), with the GPU compiler absent (simulated, as where `make
+    gpu-compiler` was not run) or --compiler cpu: one line that says XLA:GPU is needed and
+    how to get it, before anything is compiled; it was XLA's "Multiprocess computations
+    aren't implemented on the CPU backend" after the lowering."""
+    from jaxdist.devices import CPU_DEVICES_PER_PROCESS
+    from jaxdist.program import compiled
+
+    missing = f"the GPU compiler (jax-cuda12 plugin) is not installed; {compiled.INSTALL_HINT}"
+    monkeypatch.setattr(compiled, "gpu_compiler_missing", lambda: missing)
+    n = 2 * CPU_DEVICES_PER_PROCESS
+    proc = cli_main(capsys, "--dry-run", "--hardware", "h100-sxm", "--model", "gpt-tiny",
+                    "--layout", "fsdp", "--mesh", str(n), "--batch-size", str(n),
+                    "--compiler", compiler, "--logdir", str(tmp_path / "plan"))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("run: error: ")
+    assert f"at most {CPU_DEVICES_PER_PROCESS} devices" in proc.stderr
+    assert "`make gpu-compiler`" in proc.stderr and str(n) in proc.stderr
+    assert "Multiprocess" not in proc.stderr and not (tmp_path / "plan").exists()
+
+
+def test_billion_block_model_is_refused_at_once(tmp_path):
+    """--model-opts depth=1000000000: a plan and a run on CPU devices each refused in one line
+    with the estimate, in under 5 s, nothing written; the plan grew to 24 GB until the OOM
+    killer ended it, and the run left an empty folder. In a child (bounded by its timeout:
+    the unguarded build would take the host's memory)."""
+    code = (
+        "import sys, time\nfrom experiments.run import main\n"
+        "for extra in (['--dry-run'], ['--platform', 'cpu', '--steps', '1']):\n"
+        "    start = time.perf_counter()\n"
+        "    code = main(['--model', 'gpt-tiny', '--mesh', '8', '--model-opts',\n"
+        "                 'depth=1000000000', '--no-progress', '--logdir', sys.argv[1], *extra])\n"
+        "    print(code, round(time.perf_counter() - start, 2))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    results = [line.split() for line in proc.stdout.splitlines()]
+    assert [r[0] for r in results] == ["2", "2"], proc.stdout + proc.stderr[-2000:]
+    assert all(float(seconds) < 5 for _, seconds in results), results
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and all(
+        line.startswith("run: error: --model gpt-tiny at depth 1,000,000,000 needs about ")
+        and "GiB is available: give a smaller depth in --model-opts" in line
+        for line in lines), proc.stderr
+    assert "its plan" in lines[0] and "its build (the parameters" in lines[1]
+    assert not (tmp_path / "out").exists()

@@ -277,3 +277,36 @@ def test_a_failure_before_the_record_removes_only_what_the_run_made(tmp_path, mo
     with pytest.raises(RuntimeError):
         main(["--mesh", "2x4", "--model", "mlp-tiny", "--logdir", str(tmp_path / "run")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_sigterm_during_a_long_compile_stops_within_10_s(tmp_path):
+    """SIGTERM once the step program is built (a depth-16 gpt-tiny then compiles its init
+    and its step for ~25 s on a loaded 2-core host): the process ends within 10 s with the
+    one line naming the phase and the steps done, exit 143, no folder kept. It waited for
+    XLA (45-48 s), then ran the step and exited 0 as "complete"."""
+    env = {k: v for k, v in child_env(PYTHONUNBUFFERED="1").items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", "--model", "gpt-tiny", "--model-opts",
+         "depth=16", "--mesh", "2", "--batch-size", "2", "--warmup", "0", "--steps", "1",
+         "--no-progress", "--logdir", str(tmp_path / "run")], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # logged once the program is built, before its compiles
+            if line.startswith("No accelerator in use"):
+                break
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert took < 10, took
+    assert re.fullmatch(r"run: interrupted by SIGTERM during (state init|tracing the step|the "
+                        r"XLA compile), before step 1 \(0 of 1 steps done\); nothing of this "
+                        r"run was kept\n", err), err
+    assert not (tmp_path / "run").exists()

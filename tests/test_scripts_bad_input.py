@@ -32,3 +32,16 @@ def test_a_benchmark_refuses_a_count_below_its_minimum(script, argv, message):
     proc = run_refusing_script(ROOT / "scripts" / script, argv)
     assert proc.returncode == 2 and proc.stdout == "[]\n"
     assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_dryrun.py", ["--bogus"], "bench_dryrun.py: error: unrecognized arguments: --bogus"),
+    ("gpu_table.py", [], "gpu_table.py: error: the following arguments are required: runs"),
+    ("suite_cpu.py", ["--bogus"],
+     "suite_cpu.py: error: pytest: unrecognized arguments: --bogus")])
+def test_an_unknown_argument_is_one_line_and_exit_2(script, argv, message):
+    """argparse's usage line and pytest's usage, ini and rootdir lines (with its exit
+    status 4) were printed before the error."""
+    proc = run_refusing_script(ROOT / "scripts" / script, argv)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"{message} (see --help)"], proc.stderr

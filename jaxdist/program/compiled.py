@@ -131,6 +131,7 @@ def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
     come from the other compiler."""
     if choice not in COMPILERS:
         raise UsageError(f"unknown --compiler {choice!r}; choose from {', '.join(COMPILERS)}")
+    check_cpu_limit(hw.name, num_devices, choice)
     if choice == "cpu":
         return simulated_cpu(num_devices, "--compiler cpu", hw.gpus_per_node)
     missing = gpu_compiler_missing()
@@ -153,6 +154,35 @@ def mesh_hosts(shape, target: Target):
     if len(np.unique(process)) > 1:
         return np.unique(process, return_inverse=True)[1].reshape(devices.shape)
     return host_of(shape.axis_sizes, target.gpus_per_node or shape.size)
+
+
+def check_cpu_limit(part: str, num_devices: int, choice: str) -> None:
+    """A plan for part `part` on `num_devices` that would compile with XLA:CPU (--compiler
+    cpu, or auto without the GPU compiler) and has more devices than it compiles for,
+    refused in one line with what to do (called by the validation pass, before JAX's
+    backend starts, and by for_part)."""
+    limit = _cpu_limit()
+    if num_devices is None or num_devices <= limit or choice == "gpu":
+        return
+    if choice == "cpu":
+        raise UsageError(f"--compiler cpu plans on XLA:CPU, which compiles for at most "
+                         f"{limit} devices in one process, and the mesh has {num_devices}; "
+                         f"use --compiler gpu (or auto) with the GPU compiler installed "
+                         f"(`make gpu-compiler`)")
+    missing = gpu_compiler_missing()
+    if missing:
+        raise UsageError(f"--hardware {part} on {num_devices} devices needs XLA:GPU "
+                         f"(XLA:CPU, planned on without it, compiles for at most {limit} "
+                         f"devices in one process), and {missing}; or plan a mesh of at "
+                         f"most {limit} devices")
+
+
+def _cpu_limit() -> int:
+    """jaxdist.devices.CPU_DEVICES_PER_PROCESS: beyond it, XLA:CPU fails a compile with
+    "Multiprocess computations aren't implemented on the CPU backend" (after the minutes
+    of lowering a plan that size takes), so a plan for more is refused before."""
+    from jaxdist.devices import CPU_DEVICES_PER_PROCESS
+    return CPU_DEVICES_PER_PROCESS
 
 
 def step_program(cfg, model_cfg, mesh):
