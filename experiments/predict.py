@@ -120,9 +120,10 @@ CASES = (
     # (ICI FSDP 8 x DCN FSDP), DCN data parallel above 256 GPUs
     *(Case(f"dgxc-maxtext-70b-{n}", f"dgxc-maxtext-llama2-70b-bf16-{n}", None, "h100-sxm",
            LLAMA2_70B, mesh, 2 * n, "save_dot_except_mlpwi", layout)
-      for n, mesh, layout in ((128, "1x128", "fsdp"), (256, "1x256", "fsdp"),
-                              (512, "data:4,fsdp:128", "hsdp"),
-                              (1024, "data:8,fsdp:128", "hsdp"))),
+      for n, mesh, layout in ((64, "1x64", "fsdp"), (128, "1x128", "fsdp"),
+                              (256, "1x256", "fsdp"), (512, "data:4,fsdp:128", "hsdp"),
+                              (1024, "data:8,fsdp:128", "hsdp"),
+                              (2048, "data:16,fsdp:128", "hsdp"))),
     # Google Cloud's gpu-recipes: MaxText Llama2-7B on 32 A3 Mega VMs (GPUDirect-TCPXO)
     Case("gcp-a3mega-7b-256", "gcp-a3mega-maxtext-llama2-7b-256", None, "h100-sxm-a3-mega",
          LLAMA2_7B, "data:32,fsdp:8", 1024, "minimal_flash", "hsdp"),

@@ -141,7 +141,8 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
 
     # Imported only now: the loop's writers and XLA plumbing, which bad input should not
     # wait for.
-    from jaxdist import loop
+    from jaxdist import loop, record_builder
+    from jaxdist.files import write_json
     from jaxdist.summary import format_summary, mesh_text
 
     if cfg.compiler.overlap and platform.backend != "gpu":
@@ -156,16 +157,21 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
     try:
         results = loop.run(cfg, platform, logdir, stop=stop, notice=simulated)
     except StoppedInSetup as e:  # its build or compile is left running: the caller exits
-        if run_dir is not None:
-            run_dir.discard()
         STOPPED_IN_SETUP.append(True)
+        total = cfg.loop.warmup + cfg.loop.steps
+        kept = ""
+        if run_dir is not None:  # the record: what the run was, the phase, the steps done
+            write_json(run_dir.path / "results.json", record_builder.stopped_in_setup(
+                cfg.train.layout, dict(platform.shape.axis_sizes), cfg, e.signal, e.phase,
+                e.steps_done, total))
+            kept = f"; {run_dir.path / 'results.json'} records it"
         ck = cfg.checkpoint
-        kept = (f"; the checkpoints in {ck.checkpoint_dir} are kept (resume with the same "
-                f"command plus --resume)" if ck.checkpoint_dir and (e.steps_done or ck.resume)
-                else "")
+        if ck.checkpoint_dir and (e.steps_done or ck.resume):
+            kept += (f"; the checkpoints in {ck.checkpoint_dir} are kept (resume with the "
+                     f"same command plus --resume)")
         print(f"run: interrupted by {e.signal} during {e.phase}, before step "
-              f"{e.steps_done + 1} ({e.steps_done} of {cfg.loop.warmup + cfg.loop.steps} "
-              f"steps done); nothing of this run was kept{kept}", file=sys.stderr)
+              f"{e.steps_done + 1} ({e.steps_done} of {total} steps done){kept}",
+              file=sys.stderr)
         return EXIT_CODES[e.signal]
     except HardStop:  # Ctrl-C twice: what exists stays, without results (unfinished)
         where = f"; {logdir} is left unfinished (no results.json)" if logdir else ""

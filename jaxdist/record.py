@@ -55,10 +55,21 @@ INTERRUPTED = dict(SCHEMA,
                    throughput={"samples_per_s": OPT_NUM, "tokens_per_s": OPT_NUM})
 
 
+# A run a signal stopped before its first step (jaxdist.record_builder.stopped_in_setup):
+# what it was, the phase and the steps done, nothing measured.
+STOPPED_IN_SETUP = {
+    "schema_version": int, "framework": str, "layout": str, "mesh": dict,
+    "model": {"name": str}, "config": dict, "status": str, "steps_done": int,
+    "interrupted": {"signal": str, "phase": str, "steps_planned": int},
+    "step_time_s": {"n": int, "reason": str}, "loss": list}
+
+
 def check(results: dict) -> list[str]:
     """Problems with `results` against the schema; empty when it conforms."""
     timed = _block(results, "step_time_s").get("n")
-    spec = INTERRUPTED if results.get("status") == "interrupted" and not timed else SCHEMA
+    stopped = results.get("status") == "interrupted" and not timed
+    spec = (STOPPED_IN_SETUP if stopped and "phase" in _block(results, "interrupted")
+            else INTERRUPTED if stopped else SCHEMA)
     problems = _check(results, spec, "") + _status_problems(results)
     compiled = _block(results, "memory").get("compiled")
     if isinstance(compiled, dict):

@@ -42,6 +42,22 @@ def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int)
             "config": cfg.to_dict()}
 
 
+def stopped_in_setup(layout: str, mesh: dict, cfg, signal: str, phase: str, steps_done: int,
+                     steps_planned: int) -> dict:
+    """The record of a run a signal stopped before its first step (during `phase`: the model
+    build, the state's init or restore, tracing the step, XLA's compile): what the run was,
+    `"status": "interrupted"`, the phase and the steps done; no figure, since nothing ran
+    (record.STOPPED_IN_SETUP is its schema)."""
+    return {"schema_version": SCHEMA_VERSION, "framework": "jax", "layout": layout,
+            "mesh": mesh, "model": {"name": cfg.model.model}, "config": cfg.to_dict(),
+            "status": "interrupted", "steps_done": steps_done,
+            "interrupted": {"signal": signal, "received_here": True, "phase": phase,
+                            "steps_planned": steps_planned, "timed_steps": 0},
+            "step_time_s": {"n": 0, "reason": f"stopped by {signal} during {phase}, before "
+                                              f"step {steps_done + 1}: no step was run"},
+            "loss": []}
+
+
 def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | None) -> dict:
     """Samples (and tokens) per second at the mean step time; null with no timed step."""
     return {"samples_per_s": batch / mean_s if mean_s else None,

@@ -8,8 +8,8 @@ from jaxdist.errors import UsageError
 from jaxdist.hardware import MODEL_CONSTANTS, get_hardware
 from tests.helpers import cli_main
 
-KNOWN = ("h100-sxm, h100-pcie, h200, h100-sxm-96gb-500w, a100-sxm-40gb, a100-sxm-80gb, a10g, "
-         "l4")
+KNOWN = ("h100-sxm, h100-sxm-a3-high, h100-sxm-a3-mega, h100-pcie, h200, h100-sxm-96gb-500w, "
+         "a100-sxm-40gb, a100-sxm-80gb, a10g, l4")
 
 
 def test_the_parts_the_issue_names_are_there():
@@ -49,6 +49,9 @@ def test_datasheet_figures():
     assert get_hardware("h100-pcie").peak_flops("bfloat16") == 1513e12 / 2
     assert get_hardware("a100-sxm-40gb").hbm_bandwidth == 1.555e12
     assert get_hardware("l4").inter_node_bandwidth == 12.5e9 / 8
+    # Google Cloud A3 VMs: GPUDirect-TCPX(O) NICs, 800 / 1,600 Gbps over 8 GPUs
+    assert get_hardware("h100-sxm-a3-high").inter_node_bandwidth == 12.5e9
+    assert get_hardware("h100-sxm-a3-mega").inter_node_bandwidth == 25e9
 
 
 def test_every_constant_says_why():

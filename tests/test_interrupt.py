@@ -17,6 +17,7 @@ from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, R
                             TrainConfig)
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape
+from jaxdist.record import RunRecord, check
 from tests.helpers import ROOT, child_env
 
 # No warm-up: every step is timed, so an interrupt always lands after timed steps (the path
@@ -282,8 +283,9 @@ def test_a_failure_before_the_record_removes_only_what_the_run_made(tmp_path, mo
 def test_sigterm_during_a_long_compile_stops_within_10_s(tmp_path):
     """SIGTERM once the step program is built (a depth-16 gpt-tiny then compiles its init
     and its step for ~25 s on a loaded 2-core host): the process ends within 10 s with the
-    one line naming the phase and the steps done, exit 143, no folder kept. It waited for
-    XLA (45-48 s), then ran the step and exited 0 as "complete"."""
+    one line naming the phase and the steps done, exit 143, and the interrupted record:
+    status interrupted, the phase, no step. It waited for XLA (45-48 s), then ran the step
+    and exited 0 as "complete"."""
     env = {k: v for k, v in child_env(PYTHONUNBUFFERED="1").items()
            if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     proc = subprocess.Popen(
@@ -306,7 +308,15 @@ def test_sigterm_during_a_long_compile_stops_within_10_s(tmp_path):
             proc.wait()
     assert proc.returncode == 143, err
     assert took < 10, took
-    assert re.fullmatch(r"run: interrupted by SIGTERM during (state init|tracing the step|the "
-                        r"XLA compile), before step 1 \(0 of 1 steps done\); nothing of this "
-                        r"run was kept\n", err), err
-    assert not (tmp_path / "run").exists()
+    record = tmp_path / "run" / "results.json"
+    phase = re.fullmatch(r"run: interrupted by SIGTERM during (state init|tracing the step|the "
+                         r"XLA compile), before step 1 \(0 of 1 steps done\); "
+                         + re.escape(str(record)) + r" records it\n", err)
+    assert phase, err
+    results = json.loads(record.read_text())
+    assert check(results) == []
+    assert (results["status"], results["steps_done"], results["loss"]) == ("interrupted", 0, [])
+    assert results["interrupted"]["phase"] == phase.group(1)
+    assert results["interrupted"]["signal"] == "SIGTERM"
+    assert RunRecord.load(record).status == "interrupted"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["results.json"]

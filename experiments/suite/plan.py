@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -293,14 +294,26 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
     print(f"suite plan {data.get('name', preset_path.stem)}{' (quick)' if args.quick else ''}: "
           f"{len(rows)} rows on {args.hardware} -> {out} (PREDICTED, nothing is run)",
           flush=True)
+    from jaxdist.stop import EXIT_CODES, StopRequest, StoppedInSetup, run_abandonable
+
+    # The rows compile in a thread a signal can leave (XLA's compile holds the main thread in
+    # C++ for minutes): SIGINT or SIGTERM ends the suite at once; each plan.json is written
+    # whole, so what was planned stays and nothing is half-written.
+    stop = StopRequest().install()
     try:
-        ranking = run_plan(rows, args.hardware, out, args.gpus_per_node,
-                           log=lambda s: print(s, flush=True))
-    except KeyboardInterrupt:
+        ranking = run_abandonable(lambda: run_plan(rows, args.hardware, out,
+                                                   args.gpus_per_node,
+                                                   log=lambda s: print(s, flush=True)), stop)
+    except (StoppedInSetup, KeyboardInterrupt) as e:
         done = len(list(out.glob("*/plan.json")))
         print(f"\nsuite: interrupted after {done} of {len(rows)} rows (their plan.json under "
               f"{out}; no ranking: rerun the command to predict them all)", file=sys.stderr)
+        if isinstance(e, StoppedInSetup):
+            sys.stderr.flush()
+            os._exit(EXIT_CODES[e.signal])  # the row's compile still runs in its thread
         return 130
+    finally:
+        stop.restore()
     print(format_ranking(ranking))
     print(f"\nranking: {out / 'ranking.md'}; wall time {ranking['meta']['wall_s']:.0f} s")
     return 0
