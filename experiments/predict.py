@@ -41,6 +41,9 @@ LLAMA2_13B = ("vocab=32000,seq_len=4096,depth=40,width=5120,heads=40,kv_heads=40
               "mlp_hidden=13824," + _ATTN)
 LLAMA2_70B = "vocab=32000,seq_len=4096," + _ATTN        # llama3-70b's shape, Llama 2's vocab
 LLAMA3_70B = "seq_len=8192," + _ATTN
+# Paxml's GPT-5B (paxml/contrib/gpu/scripts_gpu/configs.py GPT5B: 24 x 4096, 32 heads, MLP
+# 16384, learned positions, GELU, biases; vocabulary 51,200 as NVIDIA's recipe counts it)
+GPT_5B = "vocab=51200,seq_len=2048,depth=24,width=4096,heads=32," + _ATTN
 LLAMA31_405B = ("vocab=128256,seq_len=8192,depth=126,width=16384,heads=128,kv_heads=8,"
                 "mlp_hidden=53248," + _ATTN)
 
@@ -60,6 +63,7 @@ class Case:
     same_as: str = ""             # the case whose configuration this one repeats
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
     tp_comm_chunks: int = 0          # --tp-comm-chunks; 1: torchtitan's TP without async TP
+    model: str = "llama3-70b"        # the registered model model_opts resize
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -124,6 +128,10 @@ CASES = (
                               (256, "1x256", "fsdp"), (512, "data:4,fsdp:128", "hsdp"),
                               (1024, "data:8,fsdp:128", "hsdp"),
                               (2048, "data:16,fsdp:128", "hsdp"))),
+    # NVIDIA's DGX Cloud Paxml recipe: GPT-5B, 4 sequences per GPU, FSDP across nodes,
+    # remat SAVE_DOT_ONLY (dots)
+    *(Case(f"dgxc-paxml-5b-{n}", f"dgxc-paxml-gpt5b-bf16-{n}", None, "h100-sxm", GPT_5B,
+           f"1x{n}", 4 * n, "dots", model="gpt") for n in (16, 32, 64, 128)),
     # Google Cloud's gpu-recipes: MaxText Llama2-7B on 32 A3 Mega VMs (GPUDirect-TCPXO)
     Case("gcp-a3mega-7b-256", "gcp-a3mega-maxtext-llama2-7b-256", None, "h100-sxm-a3-mega",
          LLAMA2_7B, "data:32,fsdp:8", 1024, "minimal_flash", "hsdp"),
@@ -131,7 +139,7 @@ CASES = (
 # Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
 # Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block
 # recomputed; jaxdist's remat is one policy for every block), pipeline rows (all Float8 +
-# AsyncTP), Paxml GPT (sequence length not stated), FSDP1 blog rows (no per-run config).
+# AsyncTP), FSDP1 blog rows (no per-run config).
 
 
 def published() -> dict:
@@ -139,7 +147,9 @@ def published() -> dict:
 
 
 def model_dims(case: Case) -> dict:
-    """The case's model fields: llama3-70b's, with its --model-opts overrides."""
+    """The case's model fields: llama3-70b's, with its --model-opts overrides (the fields a
+    published figure's conversion reads: seq_len for a step time, the rest for MaxText's
+    FLOP count)."""
     dims = {"vocab": 128256, "seq_len": 8192, "depth": 80, "width": 8192, "heads": 64,
             "kv_heads": 8, "mlp_hidden": 28672}
     for item in case.model_opts.split(","):
@@ -182,7 +192,7 @@ def case_config(case: Case):
     from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfig,
                                 RunConfig, TrainConfig)
     return RunConfig(mesh=MeshConfig(mesh=case.mesh),
-                     model=ModelConfig(model="llama3-70b", model_opts=case.model_opts,
+                     model=ModelConfig(model=case.model, model_opts=case.model_opts,
                                        dtype="bfloat16"),
                      train=TrainConfig(layout=case.layout, batch_size=case.batch,
                                        remat=case.remat,
