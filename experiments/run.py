@@ -314,8 +314,8 @@ if __name__ == "__main__":
     if DONE_BUT_TEARDOWN or STOPPED_IN_SETUP:
         # A run stopped during its build or compile, which still runs in its thread; or
         # a PS launcher with its record written and every child stopped: the interpreter's
-        # teardown of what it imported (jax, grpc, tensorboardX) took 1-4 s on the loaded
-        # 2-core machine, a share of the seconds SLURM gives a preempted run (issue 35).
+        # teardown of what it imported (jax, grpc, tensorboardX) takes 1-4 s on the loaded
+        # 2-core machine, a share of the seconds SLURM gives a preempted run.
         sys.stdout.flush()
         sys.stderr.flush()
         import os

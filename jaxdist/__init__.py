@@ -12,7 +12,7 @@ _decide_platform()
 # keeps them: jax and flax imported, the step traced, lowered and compiled. At CPython's
 # default thresholds (700, 10, 10) the cyclic collector walks that growing heap again every
 # few thousand allocations: 8.4-9.4 s of a pytest worker's 107 s of tracing and compiling,
-# and 0.3 s of importing jax, flax, optax and tensorboardX (3.3 -> 3.0 s of CPU); at 10,000
+# and 0.3 s of the 3.3 s of CPU importing jax, flax, optax and tensorboardX; at 10,000
 # for the youngest generation, 3.8-4.1 s of the 107 (2 of them pytest's own collections at
 # its end).
 # Garbage that is not a cycle is freed at once by reference counting either way.

@@ -1,8 +1,8 @@
 """Which data calls a shard serves at once, and for how long.
 
 gRPC's Python server runs every call on one thread pool. A client that opens streams and
-sends nothing, or many pulls parked on a sync barrier, used to hold every thread, so a ping
-waited seconds (20 idle streams: 11 s). Three rules keep the shard responsive:
+sends nothing, or many pulls parked on a sync barrier, could hold every thread, so a ping
+would wait seconds (20 idle streams: 11 s). Three rules keep the shard responsive:
 
 - every data call (Push, Pull, PushOne, PullOne) names its worker in the metadata
   `x-jaxdist-worker`; a worker may have at most `per_worker` calls open on a shard, further

@@ -1,8 +1,7 @@
 """Which connections a shard's data port (ps.tcp) keeps, and what it tells about the rest.
 
-A slot used to be taken when a socket was accepted and freed at the call deadline: 16 plain
-sockets that reconnected when closed held every slot, and the workers' runs died (issue 35).
-Now a slot of the cap (the gRPC pool's size) is only for a connection that authenticated:
+A slot of the cap (the gRPC pool's size) is only for a connection that authenticated, so
+plain sockets that reconnect when closed cannot hold every slot and lock the workers out:
 
 - a new connection has PRE_AUTH_S for its TLS handshake, header and metadata (the token);
   past it, it is closed (`timed_out`);

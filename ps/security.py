@@ -3,8 +3,8 @@
 Its own module, free of side effects: ps.server forces JAX_PLATFORMS=cpu when imported,
 and the launcher importing it for these checks passed that on to GPU workers.
 
-A run launched in one command (ps.driver) has a token by default (issue 35): without one,
-any local process was a trusted peer on both ports. The launcher makes a random one per run
+A run launched in one command (ps.driver) has a token by default: without one, any local
+process is a trusted peer on both ports. The launcher makes a random one per run
 and hands it to its shards and workers in their environment (readable only by this user,
 like a 0600 file), unless JAXDIST_PS_TOKEN gives one; `--ps-insecure`, or
 JAXDIST_PS_TOKEN set to "", runs without, with a notice.

@@ -366,7 +366,7 @@ if __name__ == "__main__":
     if code == 0:
         # Everything is written (worker<w>.json last, its series flushed, the log): skip
         # the interpreter's and JAX's teardown, ~0.8 s on a loaded 2-core machine that an
-        # interrupted run's launcher waits for before it writes the record (issue 35).
+        # interrupted run's launcher would wait for before it writes the record.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -149,11 +149,12 @@ def gathers_block_weights(name: str) -> bool:
     """Whether `name` gathers each block's weights and reduces its gradients block by block:
     there a decoder's blocks are ordered whatever the remat (models.layers.run_blocks), as
     PyTorch FSDP prefetches one block and frees it after its backward. XLA:GPU plans
-    (experiments.predict --validate): Llama2-13B without remat, fsdp on 64 A100, 81.6 ->
-    72.7 GiB (the whole 40-block program compiled: 70.3) and 2,147 -> 2,347 tokens/s/GPU;
-    the `dots` rows within 4% in time. Not where gradients are reduced after the backward
-    (ddp, zero1, tp with the distributed optimizer: the Megatron-style plan went 41.0 ->
-    48.5 GiB and 861 -> 889 ms a step ordered)."""
+    (experiments.predict --validate): Llama2-13B without remat, fsdp on 64 A100, ordered
+    72.7 GiB (the whole 40-block program compiled: 70.3) and 2,347 tokens/s/GPU against
+    81.6 GiB and 2,147 unordered; the `dots` rows within 4% in time. Not where gradients are
+    reduced after the backward (ddp, zero1, tp with the distributed optimizer: the
+    Megatron-style plan holds 48.5 GiB and takes 889 ms a step ordered, 41.0 GiB and 861 ms
+    unordered)."""
     return name in _FACTS and _FACTS[name].gathers_weights
 
 

@@ -4,8 +4,8 @@ async wrappers, conditional branches weighed by the caller or marked upper bound
 jaxdist.program.comm builds its collective accounting on it.
 
 The text is parsed once (`reading`, kept for the last few programs): a run or a plan asks
-of one program its collectives, kernels, sends, schedule and op names, and each used to
-split and match every line again (a pipeline test spent a fifth of its time here)."""
+of one program its collectives, kernels, sends, schedule and op names, and splitting and
+matching every line for each would cost a pipeline test a fifth of its time."""
 
 from __future__ import annotations
 
