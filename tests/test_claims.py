@@ -33,9 +33,9 @@ def _run(name, layout, sps, peak):
 
 
 def test_compare_states_the_reports_verdicts_in_the_claims_direction():
-    # FSDP faster than DDP: v1's "FSDP training time up to 6x DDP's" does not hold. compare
-    # used to divide the wrong way here (its "time FSDP/DDP" was FSDP/DDP throughput: 2.0,
-    # "within up to 6x").
+    # FSDP faster than DDP: v1's "FSDP training time up to 6x DDP's" does not hold. The
+    # time ratio is FSDP's time over DDP's (0.5), not FSDP/DDP throughput (2.0, which would
+    # read "within up to 6x").
     runs = [_run("ddp", "ddp", 100.0, 1000), _run("fsdp", "fsdp", 200.0, 200)]
     rs = {r.what: r for r in claims.ratios(runs)}
     assert rs["FSDP/DDP throughput"].value == 2.0

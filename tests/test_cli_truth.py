@@ -120,7 +120,7 @@ NOTICES = [
      ["notice: --batch-size, --checkpoint-dir apply only to a training run, not --dry-run "
       "(which plans memory from shapes only); ignored",
       "notice: --ps-shards applies only to --layout ps; ignored"]),
-    # --hardware compiles the step: --xla-flags go to its compiles (issue #34 item 4)
+    # --hardware compiles the step: --xla-flags go to its compiles
     (RunConfig(output=OutputConfig(dry_run=True, hardware="h200"),
                compiler=CompilerConfig(xla_flags="--xla_gpu_enable_triton_gemm=false")), []),
     (RunConfig(output=OutputConfig(dry_run=True),

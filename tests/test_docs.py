@@ -1,5 +1,5 @@
-"""The README stays one screen's worth and every relative link in it and in docs/ resolves
-(issue #31 item 9). Reads markdown only: no jax."""
+"""The README stays one screen's worth and every relative link in it and in docs/ resolves.
+Reads markdown only: no jax."""
 
 import re
 from pathlib import Path
@@ -32,7 +32,7 @@ def _relative_links(page: Path) -> list[str]:
 
 def test_readme_is_at_most_250_lines():
     n = len((ROOT / "README.md").read_text().splitlines())
-    assert n <= 250, f"README.md has {n} lines; move detail into docs/ (issue #31 item 9)"
+    assert n <= 250, f"README.md has {n} lines (at most 250); move detail into docs/"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])

@@ -86,7 +86,7 @@ def test_one_process_stops_writes_results_and_checkpoint(tmp_path, signum, code)
 
 
 def test_sigterm_after_10000_steps_leaves_the_record(tmp_path):
-    """Issue 35 item 5 for mesh runs: SLURM sends SIGKILL 30 s after SIGTERM, so what a stop
+    """Mesh runs: SLURM sends SIGKILL 30 s after SIGTERM, so what a stop
     has left to write must not grow with the run. TensorBoard's events are written as the
     steps go (RunWriter.step); at the stop come the statistics and results.json. One device,
     mlp-tiny (the cheapest step, ~0.8 ms here); the step count is read off the progress bar.

@@ -1,4 +1,4 @@
-"""Issue #15's equivalence matrix: pp, tp_pp and fsdp_pp x gpt and llama x gpipe, 1f1b and
+"""The pipeline equivalence matrix: pp, tp_pp and fsdp_pp x gpt and llama x gpipe, 1f1b and
 interleaved (V = 2) x S in {2, 4} x M in {S, 2S}, each equal to one device's loss over 3
 steps (rtol 1e-5): 72 compiled pipeline programs. Each also checks the stage-to-stage bytes
 read from its compiled HLO against the analytic volume, and pp's per-stage parameters.

@@ -552,7 +552,7 @@ def test_validation_quick_form_memory_out_of_sample():
     selective AC (remat selective_op). jaxdist's program holds less than torchtitan
     reserved: 51.4 GiB by XLA's buffer assignment (hand 61.1) against 77.0, 0.67 (1.04 while
     the dots policy, which keeps every matmul, stood in for torchtitan's). Pinned here so a
-    change in either is seen; issue #34 wants 0.8-1.25 (open: docs/predict.md says what
+    change in either is seen; the target is 0.8-1.25 (open: docs/predict.md says what
     torchtitan holds that this program does not). The same configuration ran eager at 5,762
     tokens/s per GPU (tt24-t1-fsdp): within 0.8-1.25 on that part. Measured: 1.18 (1.23
     under dots, 1.42 on the 700 W h100-sxm)."""
@@ -579,7 +579,7 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
 
 
 def test_plans_that_do_not_fit_say_what_would():
-    """Issue 24 item 5: an OOM or unknown plan names the levers, from its own settings."""
+    """An OOM or unknown plan names the levers, from its own settings."""
     from jaxdist.plan.predicted import next_steps
 
     plan = {"memory": {"fits": None, "fits_reason": "the state fits; the estimate ..."},
@@ -597,7 +597,7 @@ def test_plans_that_do_not_fit_say_what_would():
 
 
 def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
-    """Issue #34 item 2: an OOM plan's result line is its memory verdict and what would fit;
+    """An OOM plan's result line is its memory verdict and what would fit;
     its throughput is kept, labelled "if it fit", in plan.json and in the printout. A GPT of
     2.5B parameters under ddp on 8 L4: the train state alone is over their 24 GB of HBM."""
     from jaxdist.config import CompilerConfig, MeshConfig, OutputConfig
@@ -622,7 +622,7 @@ def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
 
 
 def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time():
-    """Issue #34 item 3: how much of a collective a block hides is not linear in depth, so
+    """How much of a collective a block hides is not linear in depth, so
     base + k (two - one) can cross zero or pass the link's own seconds; it is bounded."""
     from jaxdist.predict.depth import linear_times
 
@@ -651,7 +651,7 @@ def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time(
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                     reason=str(compiled.gpu_compiler_missing()))
 def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
-    """Issue #34 item 4: on sm_80 XLA:GPU's Triton GEMM emitter finds no tiling for
+    """On sm_80 XLA:GPU's Triton GEMM emitter finds no tiling for
     bf16[32768,2304] (a GPT of width 2304, head dim 144, attention=default, ddp on 32 A100:
     32 x 1,024 tokens a device); the plan is compiled again with Triton GEMMs off, every dot
     a cuBLAS call, and says so."""
@@ -701,7 +701,7 @@ def test_xla_flags_reach_the_plan_compile_and_a_rejection_is_one_line(capsys):
 
 
 def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_term():
-    """Issue #34 item 1: XLA:GPU's buffer assignment decides where each term (state; the
+    """XLA:GPU's buffer assignment decides where each term (state; the
     rest: gradients, saved activations, working set) is within MEMORY_BAND of the hand
     estimate's; else the verdict is what both figures say, and names the term."""
     gib = 2 ** 30

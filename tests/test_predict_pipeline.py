@@ -87,10 +87,9 @@ def test_equal_op_times_give_the_schedule_bubble(name, S, M):
 
 @pytest.mark.parametrize("S", [2, 4])
 def test_1f1b_costs_gpipe_whatever_the_ops_cost(S):
-    """Issue 33: at equal M, 1F1B's predicted step equals GPipe's (M+S-1)(F+B) in what
-    jaxdist runs, whatever F and the backward cost, sends included: its steady-state ticks
-    run one F and one BACK on every stage. (Before, a tick held one op per stage, so a B or W
-    that cost more than F made a 1F1B tick mixing them last the longer op.)"""
+    """At equal M, 1F1B's predicted step equals GPipe's (M+S-1)(F+B) in what jaxdist runs,
+    whatever F and the backward cost, sends included: its steady-state ticks run one F and
+    one BACK on every stage (a tick of one op per stage would last the longer of F and B)."""
     mesh = {"stage": S, "data": 1, "fsdp": 1}
     for M in (S, 2 * S, 3 * S):
         for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 2.0), (3.0, 1.0, 0.5)):

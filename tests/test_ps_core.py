@@ -398,7 +398,7 @@ def test_frames_stay_under_the_message_limit():
     assert len(frames) == 4 and max(len(f) for f in frames) < limit
 
 
-# -- finite aggregates, pushes from the future (issue #12, items 3 and 4) ------------------
+# -- finite aggregates, pushes from the future ---------------------------------------------
 
 def test_sync_overflowing_aggregate_is_rejected_whole():
     """Two finite 3e38 gradients sum to inf: the step is skipped, counted, parameters and
@@ -441,8 +441,8 @@ def test_clip_norm_bounds_the_applied_gradient():
 
 @pytest.mark.parametrize("mode, bound", [("async", 0), ("ssp", 2)])
 def test_push_from_the_future_is_refused(mode, bound):
-    """step=10**9 used to be applied, after which every real push of that worker was
-    'deduplicated'. Now: FAILED_PRECONDITION, nothing applied, real pushes go on."""
+    """step=10**9 gets FAILED_PRECONDITION, nothing applied, and the worker's real pushes go
+    on (applied, it would make every real push of that worker 'deduplicated')."""
     c = core(mode, workers=2, staleness=bound)
     before = c.params()[1].copy()
     with pytest.raises(PSFault, match="beyond the step") as e:
@@ -529,7 +529,7 @@ def test_finite_check_of_a_push_is_exact_when_the_sum_overflows(values):
 def test_a_rejected_push_does_not_consume_its_step():
     """async/ssp: a push rejected as non-finite leaves its step undone, so its retry is
     applied, not deduplicated; the worker may also go on to its next step first, and a
-    second retry of the applied step is a duplicate again (issue 35 item 4)."""
+    second retry of the applied step is a duplicate again."""
     for mode in ("async", "ssp"):
         c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode=mode, num_workers=1)
         assert c.push(0, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"
@@ -548,9 +548,8 @@ def test_a_rejected_push_does_not_consume_its_step():
 
 def test_a_retry_of_a_skipped_sync_step_is_told_so_not_deduplicated():
     """sync: a barrier whose update is not finite is skipped whole (the version moves on:
-    every worker goes to the next step). A retry of that step (its reply was lost) used to
-    read `deduplicated`, as if applied; it now gets the step's outcome and counts nothing
-    (issue 35 item 4). A retry of an applied step is still a duplicate."""
+    every worker goes to the next step). A retry of that step (its reply was lost) gets the
+    step's outcome and counts nothing, not `deduplicated` as if applied. A retry of an applied step is still a duplicate."""
     c = ShardCore(np.ones(8, np.float32), optax.adamw(0.1), mode="sync", num_workers=2)
     assert c.push(0, 0, 0, 0, g(3e38))["status"] == "pending"
     assert c.push(1, 0, 0, 0, g(3e38))["status"] == "rejected_nonfinite"

@@ -1,4 +1,4 @@
-"""The parameter server under a hostile local peer, and what issue 35 asked beside: what a
+"""The parameter server under a hostile local peer, and how a run ends: what a
 peer that is not a worker sends gets an error status or a closed connection, never a
 traceback in the shard's log; tokenless sockets cannot lock the workers out; a run has a
 token by default; labels name the transport that carried the bytes; a long run's curves
@@ -132,14 +132,14 @@ def test_worker_ids_are_ascii_digits():
         assert e.value.kind == "invalid"
 
 
-# -- issue 35 item 1: a run while tokenless sockets hold the data ports -----------------------
+# -- a run while tokenless sockets hold the data ports ----------------------------------------
 
 RUN = ["--layout", "ps", "--mesh", "2x1", "--ps-shards", "2", "--ps-mode", "sync",
        "--model", "mlp-tiny", "--batch-size", "16", "--lr", "0.01", "--warmup", "0",
        "--steps", "12", "--ps-timeout-s", "5"]
 # worker 1 sleeps 0.3 s a step: the steps span several pre-auth deadlines of the attack
 SLOW = "slow-worker:1:0.3"
-ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, every slot it used to have
+ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, as many as the slots
 
 
 class Attack:
@@ -266,7 +266,7 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
           f"{attack.reconnects}, timed out per shard {timed_out}")
 
 
-# -- issue 35 item 3: a token by default ---------------------------------------------------
+# -- a token by default -----------------------------------------------------------------
 
 def test_run_token_rules():
     from jaxdist.errors import UsageError
@@ -356,7 +356,7 @@ def test_labels_name_one_transport_or_both_with_their_shares():
         "TCP (the shards' data ports, 75% of the bytes) and gRPC (25%)")
 
 
-# -- issue 35 item 5 (part): a long run's curves in bounded time ------------------------------
+# -- a long run's curves in bounded time --------------------------------------------------
 
 def test_curves_of_a_long_run_are_bounded_and_keep_their_ends():
     from ps.collect import CURVE_POINTS, curve_steps
@@ -371,12 +371,12 @@ def test_curves_of_a_long_run_are_bounded_and_keep_their_ends():
 
 
 def test_sigterm_after_50000_steps_of_a_ps_run_leaves_its_record(tmp_path):
-    """Issue 35 item 5: SLURM sends SIGKILL 30 s after SIGTERM, and a PS run stopped after
-    70,886 steps took ~90 s to exit (its workers wrote 14 MB JSON files at the end). The
-    worker's per-step figures are on disk in chunks before the signal (ps.series), so what a
+    """SLURM sends SIGKILL 30 s after SIGTERM, so a PS run's workers cannot write 14 MB JSON
+    files at the stop (a run of 70,886 steps would take ~90 s to exit). The worker's per-step
+    figures are on disk in chunks before the signal (ps.series), so what a
     stop has left to write is bounded: exit 143 with the interrupted record. One worker, one
     shard, mlp-tiny: the cheapest PS step there is (~1.5 ms here); SIGTERM-to-exit seconds
-    are printed (2 cores: see the closing note of issue 35), not asserted."""
+    are printed (2 shared cores make them noisy), not asserted."""
     import re
     import signal
 

@@ -391,8 +391,7 @@ def test_killing_the_launcher_leaves_no_orphans(tmp_path):
 
 
 def test_ctrl_c_keeps_a_ps_runs_results_marked_interrupted(tmp_path):
-    """SIGINT used to stop a PS run without results (workers wrote only at the end). Now
-    every worker stops after its current step and writes what it measured, sync's barrier
+    """SIGINT keeps a PS run's results: every worker stops after its current step and writes what it measured, sync's barrier
     lets the others finish theirs, and the record says `interrupted`; per-worker step-time
     curves hold timed steps only."""
     import signal

@@ -281,7 +281,7 @@ def test_tls(tmp_path):
         stop_server(proc)
 
 
-# -- wire edge cases, future steps, slow clients (issue #12, items 4, 6, 7) ----------------
+# -- wire edge cases, future steps, slow clients -------------------------------------------
 
 def _raw(address):
     channel = grpc.insecure_channel(address)
@@ -360,8 +360,8 @@ def sync_server(tmp_path_factory):
 
 
 def test_idle_streams_and_parked_pulls_do_not_delay_control(sync_server):
-    """20 push streams that send nothing and 20 pulls parked on a sync barrier used to take
-    every server thread (a ping waited 5-11 s). A worker now gets 4 data calls at a time
+    """20 push streams that send nothing and 20 pulls parked on a sync barrier cannot take
+    every server thread (a ping would wait 5-11 s): a worker gets 4 data calls at a time
     (the rest: RESOURCE_EXHAUSTED at once), control calls have threads of their own, and a
     call past the server's deadline is cancelled."""
     import threading
@@ -483,7 +483,7 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     """A worker samples its GPUs with jaxdist.telemetry (a scripted fake NVML here: no GPU
     on this machine) over the same window as a mesh run, jaxdist.telemetry.combine sums the
     workers' blocks into the run's, and the collector's record, summary and TensorBoard
-    show it (issue 35 item 6)."""
+    show it."""
     from jaxdist import telemetry
     from jaxdist.config import LoopConfig, TrainConfig
     from jaxdist.devices import select_devices

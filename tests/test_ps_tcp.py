@@ -86,7 +86,7 @@ def test_data_calls_go_over_the_data_port_and_match_grpc(token_server):
     plain.pull(0, over_grpc)
     np.testing.assert_array_equal(over_tcp, over_grpc)
     assert not np.array_equal(over_tcp, flat)       # the push moved the parameters
-    # what carried the bytes is counted as such (results label it, issue 35 item 7)
+    # what carried the bytes is counted as such (results label it by transport)
     assert tcp.shards[0].bytes_by["grpc"] == 0
     assert tcp.shards[0].bytes_by["tcp"] > 3 * flat.nbytes
     assert plain.shards[0].bytes_by == {"tcp": 0, "grpc": plain.shards[0].bytes_by["grpc"]}

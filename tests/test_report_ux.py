@@ -1,4 +1,4 @@
-"""What the report says to someone comparing runs (issue 24 items 1 and 6): pipeline runs
+"""What the report says to someone comparing runs: pipeline runs
 side by side with their schedule, bubble and stage bytes; memory ticks at round byte values;
 the runs comm.png leaves out, named with the reason; a ps run's state labelled as living on
 the servers; energy's reasons one per line; the memory ratio titled by what it divides."""

@@ -300,7 +300,7 @@ def test_an_interrupted_logdir_can_be_reused(tmp_path):
 def test_a_run_larger_than_the_hosts_free_memory_is_refused(tmp_path, monkeypatch, capsys):
     """CPU devices hold their buffers in this host's RAM: a state and batches, or a step,
     beyond what /proc/meminfo says is available is refused in one line (exit 2, nothing
-    kept), where the kernel's OOM killer used to SIGKILL the run or XLA to raise
+    kept), rather than the kernel's OOM killer SIGKILLing the run or XLA raising
     RESOURCE_EXHAUSTED with a traceback. The state's bytes are its shards' exact bytes."""
     from jaxdist import host_memory
     from jaxdist.data import NUM_SYNTHETIC_BATCHES

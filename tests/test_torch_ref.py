@@ -147,7 +147,7 @@ def test_a_rank_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     """Each rank samples its GPU with jaxdist.telemetry (a scripted fake NVML at 300 W here:
     no GPU on this machine) over the timed steps, as a mesh run does; the launcher adds the
     ranks' blocks up (jaxdist.telemetry.combine) into the record, its summary line and
-    TensorBoard (issue 35 item 6). One rank, in this process: gloo with a world of one."""
+    TensorBoard. One rank, in this process: gloo with a world of one."""
     from experiments import torch_run, torch_worker
     from jaxdist import telemetry
     from jaxdist.summary import format_summary
