@@ -1,10 +1,10 @@
 """In-process tests run on 8 simulated CPU devices; the count is fixed before any backend
 starts, which is why this sits in conftest (imported before every test module).
 
-XLA's CPU optimisation level 0 cuts compile time about 4x (a ResNet init: 7 s -> 1.7 s on
-2 cores), the legacy (non fusion-emitter) CPU path halves it again for CNNs, and one LLVM
+XLA's CPU optimisation level 0 cuts compile time about 4x (a ResNet init: 1.7 s against 7 s
+on 2 cores), the legacy (non fusion-emitter) CPU path halves it again for CNNs, and one LLVM
 module per program instead of XLA's split into parallel codegen pieces takes another 20-40%
-of a step's compile CPU (gpt-tiny fsdp 0.92 -> 0.70 s, densenet-tiny 2.0 -> 1.1 s): the
+of a step's compile CPU (gpt-tiny fsdp 0.70 s against 0.92, densenet-tiny 1.1 s against 2.0): the
 pieces only pay off on idle cores, and the suite keeps both busy. Tests compare numbers
 between layouts compiled the same way, never speed. The device-less XLA:GPU compiles hand
 their PTX to ptxas at -O0 (about 15% of such a test's time): the tests read the HLO, its

@@ -188,7 +188,7 @@ def _gpu_hlo(name: str) -> str:
     # device sends half the array on average.
     ("collective_permute_start", {"data": 2, "fsdp": 8},
      [("collective-permute", 262144 * 1024 * 4 * 8 // 16, 1, 16, ["data"])]),
-    # Four arrays; pairs 0->2->4, 1->3->5 step along 'data' (was: one array, every axis);
+    # Four arrays; pairs 0->2->4, 1->3->5 step along 'data' (not one array on every axis);
     # 4 of the 8 devices send.
     ("collective_permute_start_combined", {"data": 4, "tensor": 2},
      [("collective-permute", 4 * 2 * 128 * 4 * 4 // 8, 1, 6, ["data"])]),

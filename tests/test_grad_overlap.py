@@ -54,7 +54,7 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
 def _tensor_collectives_hidden(chunks: int) -> tuple[int, int]:
     """(tensor-axis all-gathers and reduce-scatters with a matmul scheduled between their
     start and done, all of them) in the XLA:GPU program of one block of the Megatron-style
-    GPT of issue #32 (width 5120, 40 heads, 4,096 tokens, cuDNN attention), tp on
+    GPT (width 5120, 40 heads, 4,096 tokens, cuDNN attention), tp on
     data:32,tensor:4, bf16, --distributed-optimizer --sequence-parallel with `chunks`
     slices. Full-size shapes: with tiny ones XLA's scheduler sees nothing worth hiding."""
     cfg = RunConfig(mesh=MeshConfig(mesh="data:32,tensor:4"),

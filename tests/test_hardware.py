@@ -28,7 +28,7 @@ def test_every_part_has_flop_peaks_from_metrics_and_sources(name):
 
 
 def test_one_record_per_part_is_every_view():
-    """Issue #31 item 4: a part's facts are one record of jaxdist.parts; the --hardware help,
+    """A part's facts are one record of jaxdist.parts; the --hardware help,
     the peak lookup, the XLA:GPU targets and the kernel rates are views of it."""
     import dataclasses
 
@@ -127,7 +127,7 @@ def test_notices_with_hardware():
 
 
 def test_a_power_cap_slows_compute_by_the_clock_it_leaves_and_not_hbm():
-    """Issue #34 item 5: a part may carry a power cap; its compute runs at the clock the cap
+    """A part may carry a power cap; its compute runs at the clock the cap
     leaves, (cap / rated)^(1/3) (dynamic power ~ f^3, MODEL_CONSTANTS), its streaming kernels
     at its own HBM's rate. torchtitan's Grand Teton H100: 500 W against the 700 W at which
     h100-sxm's rates were measured, and 2.4 TB/s HBM2e against 3.35 TB/s HBM3."""

@@ -63,7 +63,7 @@ REAL_KINDS = [
     ("NVIDIA A10G", "A10G (A10 datasheet as proxy)", 125e12, 62.5e12, 31.2e12),
     # GoogleCloudPlatform/pubsec-declarative-toolkit#655 (nvidia-smi on GCP g2): "NVIDIA L4".
     ("NVIDIA L4", "L4", 121e12, 60e12, 30.3e12),
-    # Named in the lead's brief (issue #11) as JAX reports them; not found pasted verbatim in
+    # Named as JAX reports them; not found pasted verbatim in
     # the searched corpora: the 80 GB PCIe A100 and the Grace Hopper superchip.
     ("NVIDIA A100 80GB PCIe", "A100 PCIe (40/80 GB)", 312e12, 156e12, 19.5e12),
     ("NVIDIA GH200 480GB", "GH200 (Hopper GPU)", 989.5e12, 494.5e12, 67e12),

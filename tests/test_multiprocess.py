@@ -125,7 +125,7 @@ def _two_processes(tmp_path, args_of) -> tuple[list[int], list[tuple[str, str]]]
 
 
 def test_a_logdir_process_0_refuses_stops_every_process_at_once_with_its_reason(tmp_path):
-    """Process 1 used to wait out its --init-timeout after process 0 had refused --logdir."""
+    """Process 1 stops at once, not after its --init-timeout, when process 0 refuses --logdir."""
     finished = tmp_path / "done"
     finished.mkdir()
     (finished / "results.json").write_text('{"status": "complete"}')

@@ -33,9 +33,9 @@ def go_rows(quick=False, hardware="h200"):
 
 
 def test_go2025_plan_rows_are_go_et_al_grid():
-    """Issue 23: the grid as Go et al. ran it: batch 128 at micro-batch 1 (M = 128 / DP),
-    bf16, cuDNN flash attention, sequence parallel with TP > 1, four variants, the
-    pipelines timed as jaxdist runs them (issue 33: no longer Megatron's runtime); 32 H200
+    """The grid as Go et al. ran it: batch 128 at micro-batch 1 (M = 128 / DP), bf16, cuDNN
+    flash attention, sequence parallel with TP > 1, four variants, the pipelines timed as
+    jaxdist runs them (Megatron's runtime only as a what-if); 32 H200
     and 64 H100 each get their own rows."""
     rows = {r.name: r.settings for r in go_rows()}
     meshes = {m: {s["mesh"] for n, s in rows.items() if n.startswith(m) and "pp" in n}

@@ -1,4 +1,4 @@
-"""Report figures people can read (#13.6): memory on a linear axis with each bar's value on
+"""Report figures people can read: memory on a linear axis with each bar's value on
 it, legends beside the axes, settings the runs do not share named in the title, and the
 compare chart saying when its runs were simulated CPU devices."""
 

@@ -1,4 +1,4 @@
-"""Per-step work the PS no longer does (issue 24 item 8): counted, never timed. The speed
+"""Per-step work the PS does not do: counted, never timed. The speed
 targets themselves live in scripts/bench_ps.py."""
 
 import threading
@@ -23,8 +23,8 @@ class FakeContext:
 
 
 def test_admitting_a_call_does_not_wake_the_deadline_thread():
-    """Every data call used to notify the reaper thread (a thread switch per call on every
-    shard); deadlines are admission + a constant, so a new one is not the earliest."""
+    """A data call does not notify the reaper thread (that would be a thread switch per call
+    on every shard); deadlines are admission + a constant, so a new one is not the earliest."""
     gate = CallGate(num_workers=2, deadline_s=30.0)
     time.sleep(0.05)                       # the reaper has started and is asleep
     gate.admit(FakeContext(0))             # the first deadline: the reaper must learn it

@@ -185,7 +185,7 @@ def test_layers_import_no_model_family():
     assert {t for t in imported if t.startswith("models")} == set()
 
 
-# ---------------------------------------------------------------- the whole tree (issue #14)
+# ---------------------------------------------------------------- the whole tree
 
 def test_no_import_cycle_anywhere():
     # A package's __init__ assembling its own submodules is not a cycle between peers.
