@@ -166,25 +166,25 @@ def _gpu_hlo(name: str) -> str:
      [("all-reduce", 32768 * 4, 1, 8, ["data", "fsdp"])]),
     ("all_reduce_start_combined", {"data": 2, "fsdp": 2},
      [("all-reduce", 2 * 2 * 3 * 4, 1, 4, ["data", "fsdp"])]),
-    # The gathered results, both arrays (was: the second operand only, 2048).
+    # The gathered results, both arrays (not the second operand only, 2048).
     ("all_gather_start_combined", {"fsdp": 4},
      [("all-gather", (4096 + 2048) * 4, 1, 4, ["fsdp"])]),
     # async-start ((operands), result) + calls=: the wrapped tuple reduce-scatter, once.
     ("reduce_scatter_async_start", {"fsdp": 4},
      [("reduce-scatter", (4096 + 2048) * 4, 1, 4, ["fsdp"])]),
-    # async-done naming the wrapped computation too (was: counted twice, 64).
+    # async-done naming the wrapped computation too (not counted twice, 64).
     ("reduce_scatter_async_done_calls", {"data": 2},
      [("reduce-scatter", 8 * 4, 1, 2, ["data"])]),
-    # reduce-scatter-start ((operand), result): the operand (was: (n+1)x, 48).
+    # reduce-scatter-start ((operand), result): the operand (not (n+1)x, 48).
     ("reduce_scatter_start", {"fsdp": 2},
      [("reduce-scatter", 4 * 4, 1, 2, ["fsdp"])]),
     ("all_to_all_async_start", {"data": 2, "fsdp": 4},
      [("all-to-all", 4 * 8 * 128 * 4, 1, 8, ["data", "fsdp"])]),
-    # all-to-all-start ((operand), result) from a JAX GPU dump (was: twice the bytes).
+    # all-to-all-start ((operand), result) from a JAX GPU dump (not twice the bytes).
     ("all_to_all_start", {"z": 2, "y": 4},
      [("all-to-all", 128 * 64 * 256 * 8, 1, 2, ["z"]),
       ("all-to-all", 64 * 128 * 256 * 8, 1, 4, ["y"])]),
-    # Pairs {i, i+8} cross only 'data' (was: every axis); 8 of the 16 devices send, so a
+    # Pairs {i, i+8} cross only 'data' (not every axis); 8 of the 16 devices send, so a
     # device sends half the array on average.
     ("collective_permute_start", {"data": 2, "fsdp": 8},
      [("collective-permute", 262144 * 1024 * 4 * 8 // 16, 1, 16, ["data"])]),

@@ -63,9 +63,9 @@ def test_bubble_counted_equals_analytic(name, S, M):
 def test_1f1b_costs_no_more_than_gpipe(S, M):
     """At equal M the executed table of 1F1B costs GPipe's (M+S-1)(F+B) whatever F and the
     backward cost: its steady-state ticks run one F and one BACK on every stage, so no tick
-    holds a forward on one stage against a backward on its neighbour. (Before, a tick held
-    one op per stage and lasted its slowest: predicted 1F1B/GPipe 1.30 for gpt-small on
-    H200.) 1F1B stashes at most 2(S-1-s)+1 micro-batches on stage s, GPipe M."""
+    holds a forward on one stage against a backward on its neighbour (a tick of one op per
+    stage would last its slowest: predicted 1F1B/GPipe 1.30 for gpt-small on H200). 1F1B
+    stashes at most 2(S-1-s)+1 micro-batches on stage s, GPipe M."""
     gpipe, ofob = build_schedule("gpipe", S, M), build_schedule("1f1b", S, M)
     assert gpipe.cost() == ofob.cost() == 3 * (M + S - 1)
     for units in ({FWD: 1, BACK: 3.7}, {FWD: 2.5, BACK: 1}):
@@ -206,8 +206,8 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     dot and none of B's input-gradient chain (6 kernels' and 4 attention dots), and B + W =
     1F1B's BACK.
     F: 8 dots a block (q, k, v, out, up, down, QK^T, PV) and, under the last chunk's cond,
-    the head's forward and backward (3). (Before, B reran the forward and W the
-    input-gradient chain: 4/3 and 5/3 of the model's FLOPs.)
+    the head's forward and backward (3). B reruns no forward and W no input-gradient
+    chain (with them the step would be 4/3 and 5/3 of the model's FLOPs).
     Uneven stages (`blocks`, --pp-stage-blocks): a chunk's padded slots are skipped under
     a cond, so the step's dot FLOPs are still the model's, each slot's cond weighed by the
     chunks that hold the block."""
