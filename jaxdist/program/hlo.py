@@ -112,9 +112,7 @@ def reading(hlo_text: str) -> Reading:
         name = line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%") if m else None
         out.append(Statement(line, current, m, name))
         if m:
-            typed_out.append(Instruction(current, name, m.group("op"), m.group("shape"),
-                                         m.group("rest"), line,
-                                         line.lstrip().startswith("ROOT")))
+            typed_out.append(Instruction.read(current, name, m, line))
         # The -update and -done halves of an async op name the same computation as its
         # -start; following them too would count the wrapped collective two or three times.
         if current is None or m and m.group("op").endswith(("-done", "-update")):
@@ -383,6 +381,20 @@ def _operand_text(rest: str) -> str:
     return rest
 
 
+class _once:
+    """A property computed on first use and kept in the instance's __dict__: a lock-free
+    functools.cached_property (two threads asking at once both compute the same value)."""
+
+    def __init__(self, compute):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.compute(obj)
+        return value
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Instruction:
     """One HLO instruction. The name, op and texts are read when the program is; each
@@ -396,26 +408,36 @@ class Instruction:
     line: str
     root: bool
 
-    @functools.cached_property
+    @classmethod
+    def read(cls, computation: str | None, name: str, m: re.Match, line: str) -> Instruction:
+        """The record of one INSTRUCTION match (built without the frozen __init__'s
+        per-field setattr: a large program has tens of thousands)."""
+        ins = object.__new__(cls)
+        ins.__dict__.update(computation=computation, name=name, op=m.group("op"),
+                            shape=m.group("shape"), rest=m.group("rest"), line=line,
+                            root=line.lstrip().startswith("ROOT"))
+        return ins
+
+    @_once
     def result(self):
         """The result as Arrays: an Array, or a tuple (of trees) for a tuple."""
         return shape_tree(self.shape)
 
-    @functools.cached_property
+    @_once
     def results(self) -> tuple[Array, ...]:
         """Every array of the result, flattened in order."""
         return tuple(arrays(self.shape))
 
-    @functools.cached_property
+    @_once
     def operand_text(self) -> str:
         return _operand_text(self.rest)
 
-    @functools.cached_property
+    @_once
     def operands(self) -> tuple[str, ...]:
         """The operands' names."""
         return tuple(_OPERAND.findall(self.operand_text))
 
-    @functools.cached_property
+    @_once
     def operand_count(self) -> int:
         """Operands between the parentheses, named or not (shapes printed with the operands,
         `f32[2,3]{1,0} %p`, hold commas of their own)."""
@@ -431,7 +453,7 @@ class Instruction:
             seen = seen or not ch.isspace()
         return count + 1 if seen else 0
 
-    @functools.cached_property
+    @_once
     def called(self) -> tuple[tuple[str, str], ...]:
         """(attribute, computation) of every computation it names: body, condition,
         to_apply, calls (branches: `branches`)."""
@@ -441,47 +463,47 @@ class Instruction:
         """The computations it names under the given attributes (all where none given)."""
         return [c for a, c in self.called if not attributes or a in attributes]
 
-    @functools.cached_property
+    @_once
     def branches(self) -> list[str]:
         return branches(self.line)
 
-    @functools.cached_property
+    @_once
     def op_name(self) -> str | None:
         """Its metadata's op_name (None where it has none)."""
         found = _OP_NAME.search(self.line)
         return found.group(1) if found else None
 
-    @functools.cached_property
+    @_once
     def replica_groups(self) -> list[list[int]] | None:
         return replica_groups(self.line)
 
-    @functools.cached_property
+    @_once
     def permute_pairs(self) -> list[tuple[int, int]] | None:
         return permute_pairs(self.line)
 
-    @functools.cached_property
+    @_once
     def dims_attributes(self) -> dict[str, tuple[int, ...]]:
         """Its `*_dims={...}` attributes, e.g. lhs_contracting_dims."""
         return {k: tuple(int(d) for d in v.split(",") if d)
                 for k, v in _DIMS_ATTR.findall(self.rest)}
 
-    @functools.cached_property
+    @_once
     def custom_call_target(self) -> str | None:
         found = _TARGET.search(self.line)
         return found.group(1) if found else None
 
-    @functools.cached_property
+    @_once
     def fusion_kind(self) -> str | None:
         """A fusion's backend kind (e.g. __triton_gemm, __cudnn$fusion), None where unnamed."""
         found = _FUSION_KIND.search(self.line)
         return found.group(1) if found else None
 
-    @functools.cached_property
+    @_once
     def custom_fusion(self) -> str | None:
         found = _CUSTOM_FUSION.search(self.line)
         return found.group(1) if found else None
 
-    @functools.cached_property
+    @_once
     def backend_config(self) -> dict:
         """Its backend_config JSON object ({} where absent or unreadable)."""
         m = _BACKEND.search(self.line)
