@@ -1,11 +1,15 @@
-"""Reading XLA's optimized HLO text: its statements (instructions and computation headers,
-wrapped lines joined), and how often each computation runs per step (while-loop trip counts,
-async wrappers, conditional branches weighed by the caller or marked upper bounds).
-jaxdist.program.comm builds its collective accounting on it.
+"""Reading XLA's optimized HLO text, the one place that parses it: its statements
+(instructions and computation headers, wrapped lines joined), each instruction as a typed
+record (`Instruction`: op, result arrays with dtypes, operands, replica groups, called
+computations, op_name, backend_config), and how often each computation runs per step
+(while-loop trip counts, async wrappers, conditional branches weighed by the caller or
+marked upper bounds). Also the one dtype table (`DTYPE_BITS`), the one list of collective
+kinds (`COLLECTIVE_KINDS`) and the one ring rule (`ring_steps`, `ring_factor`).
+jaxdist.program.comm, kernels, liveness and jaxdist.pipeline.report read the records.
 
 The text is parsed once (`reading`, kept for the last few programs): a run or a plan asks
-of one program its collectives, kernels, sends, schedule and op names, and each used to
-split and match every line again (a pipeline test spent a fifth of its time here)."""
+of one program its collectives, kernels, sends, schedule and op names, and all of them
+share that parse; a record's attributes are parsed on first use and kept on it."""
 
 from __future__ import annotations
 
