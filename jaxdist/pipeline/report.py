@@ -34,7 +34,7 @@ def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str
     axis = names.index("stage")
     out = []
     for ins in hlo.typed(hlo_text):
-        if ins.op in ("collective-permute", "collective-permute-start"):
+        if ins.collective == "collective-permute":
             _, result = comm.payload("collective-permute", ins)
             out.append((ins.computation, result, _stage_pairs(ins.permute_pairs, sizes, axis)))
     return out

@@ -8,13 +8,13 @@ sum of its arrays). Each gets its buffer bytes per device per step (all-gather: 
 result; reduce-scatter: the operand), counted as often as it runs (inside a while loop such
 as the micro-batch scan, times the loop's known trip count; inside a conditional's branch,
 as often as the caller says the branch runs, else marked an upper bound), its group size,
-and the mesh
-axes it spans: replica groups, or a collective-permute's source-target pairs, mapped from
-device ids to mesh coordinates. Plus an estimate of the bytes each device sends on a ring
-(all-reduce 2(n-1)/n x bytes, all-gather and reduce-scatter (n-1)/n x the full buffer,
-all-to-all (n-1)/n, permute 1x; a permute's bytes are averaged over the devices, only its
-pairs' sources sending), which is what the analytic volume of a layout is compared
-with; `analytic_basis` says what that volume assumes, per layout.
+and the mesh axes it spans: replica groups, or a collective-permute's source-target pairs,
+mapped from device ids to mesh coordinates. Plus an estimate of the bytes each device
+sends on a ring (jaxdist.program.hlo.ring_factor: all-reduce 2(n-1)/n x bytes, all-gather
+and reduce-scatter (n-1)/n x the full buffer, all-to-all (n-1)/n, permute 1x; a permute's
+bytes are averaged over the devices, only its pairs' sources sending), which is what the
+analytic volume of a layout is compared with; `analytic_basis` says what that volume
+assumes, per layout.
 """
 
 from __future__ import annotations

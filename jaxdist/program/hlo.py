@@ -135,13 +135,6 @@ def statements(hlo_text: str):
     return (s.line for s in reading(hlo_text).statements)
 
 
-def instructions(hlo_text: str):
-    """(computation, instruction name, INSTRUCTION match, statement) of every instruction,
-    in text order (a scheduled module's order)."""
-    return ((s.computation, s.name, s.instruction, s.line)
-            for s in reading(hlo_text).statements if s.instruction)
-
-
 def trip_count(line: str) -> int | None:
     """A while loop's known trip count, which XLA records in the loop's backend_config."""
     m = _TRIP.search(line)
