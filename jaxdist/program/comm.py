@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from jaxdist.program.hlo import (COLLECTIVE_KINDS, execution_counts, permute_pairs,
+from jaxdist.program.hlo import (COLLECTIVE_KINDS, Array, execution_counts, permute_pairs,
                                  replica_groups, ring_factor, typed)
 
 # The collectives counted here (a ragged all-to-all's or a broadcast's bytes are data the
@@ -35,7 +35,7 @@ __all__ = ["KINDS", "collectives", "payload", "permute_pairs", "replica_groups",
 
 
 def _total(tree) -> int:
-    return sum(_total(t) for t in tree) if isinstance(tree, tuple) else tree.bytes
+    return tree.bytes if isinstance(tree, Array) else sum(_total(t) for t in tree)
 
 
 def payload(kind: str, ins) -> tuple[int | None, int]:
@@ -52,9 +52,9 @@ def payload(kind: str, ins) -> tuple[int | None, int]:
     tree, op = ins.result, ins.op
     if op == kind:
         return None, _total(tree)
-    if not isinstance(tree, tuple) or not tree:
+    if isinstance(tree, Array) or not tree:
         return None, _total(tree)  # all-reduce-start of one array
-    if kind == "all-reduce" and not isinstance(tree[0], tuple) and \
+    if kind == "all-reduce" and isinstance(tree[0], Array) and \
             len(tree) == ins.operand_count:
         return _total(tree), _total(tree)  # combined all-reduce-start: its results
     return _total(tree[0]), (_total(tree[1]) if len(tree) > 1 else _total(tree[0]))

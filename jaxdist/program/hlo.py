@@ -29,7 +29,8 @@ INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
 
 
 def _statements(hlo_text: str):
-    """One HLO instruction or computation header per item. XLA prints one per line; HLO
+    """(statement, its computation-header match or _UNREAD) per HLO instruction or
+    computation header. XLA prints one per line; HLO
     written by hand (XLA's own tests) wraps long ones: a line that does not open an
     instruction (`name = `), a computation or its closing brace continues the one before,
     as does every line while a bracket is open (e.g. a multi-line backend_config)."""
@@ -37,9 +38,11 @@ def _statements(hlo_text: str):
     depth = 0
     for line in hlo_text.splitlines():
         bare = _QUOTED.sub("", line) if '"' in line else line
-        delta = sum(bare.count(c) for c in "([{") - sum(bare.count(c) for c in ")]}")
-        opened = header(line)
-        opens = opened or _IS_INSTRUCTION.match(line)
+        delta = (bare.count("(") + bare.count("[") + bare.count("{")
+                 - bare.count(")") - bare.count("]") - bare.count("}"))
+        is_instruction = _IS_INSTRUCTION.match(line)
+        opened = None if is_instruction else _COMPUTATION.match(line)
+        opens = opened or is_instruction
         if pending and depth > 0 and not opens:
             pending.append(line.strip())
             depth += delta
@@ -47,15 +50,18 @@ def _statements(hlo_text: str):
         stands_alone = opened or line.lstrip().startswith("}") or not line.strip()
         if opens or stands_alone or not pending:
             if pending:
-                yield " ".join(pending)
+                yield " ".join(pending), _UNREAD
             pending, depth = [], 0
             if stands_alone:
-                yield line
+                yield line, opened
                 continue
         pending.append(line.strip())
         depth += delta
     if pending:
-        yield " ".join(pending)
+        yield " ".join(pending), _UNREAD
+
+
+_UNREAD = object()  # a joined statement: whether it is a header is read from its whole text
 
 
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -105,8 +111,8 @@ def reading(hlo_text: str) -> Reading:
     """The one parse of a program's text; callers must not mutate what it returns."""
     out, typed_out, current, entry = [], [], None, None
     calls: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
-    for line in _statements(hlo_text):
-        opened = header(line)
+    for line, opened in _statements(hlo_text):
+        opened = header(line) if opened is _UNREAD else opened
         if opened:
             current = opened.group(2)
             entry = current if opened.group(1) else entry
@@ -121,8 +127,9 @@ def reading(hlo_text: str) -> Reading:
         # -start; following them too would count the wrapped collective two or three times.
         if current is None or m and m.group("op").endswith(("-done", "-update")):
             continue
-        trip = _TRIP.search(line)
-        for callee in _CALLS.findall(line):
+        callees = _CALLS.findall(line)
+        trip = _TRIP.search(line) if callees and "known_trip_count" in line else None
+        for callee in callees:
             body = re.search(rf"body=%?{re.escape(callee)}(?![\w.\-])", line)
             repeat = int(trip.group(1)) if trip and body else 1
             calls[current].append((callee, repeat, False))
@@ -242,9 +249,9 @@ def ring_factor(kind: str, n: int) -> float:
     return float(steps) if kind == "collective-permute" else steps / n
 
 
-@dataclasses.dataclass(frozen=True)
-class Array:
-    """One array of an HLO shape: its element type (HLO's name, e.g. bf16) and dims."""
+class Array(NamedTuple):
+    """One array of an HLO shape: its element type (HLO's name, e.g. bf16) and dims. A
+    tuple itself: a shape tree tells an array from a tuple shape by isinstance(_, Array)."""
     dtype: str
     dims: tuple[int, ...]
 
@@ -268,7 +275,8 @@ _TREE_TOKEN = re.compile(r"\(|\)|" + _ARRAY.pattern)
 
 
 def shape_tree(shape: str):
-    """An HLO shape as Arrays: an Array for an array, a tuple (of trees) for a tuple."""
+    """An HLO shape as Arrays: an Array for an array, a plain tuple (of trees) for a tuple
+    shape (tell them apart with isinstance(_, Array): an Array is a NamedTuple)."""
     shape = _COMMENT.sub("", shape)  # /*index=5*/ markers in long tuples
     while True:  # layouts, e.g. {1,0:T(8,128)}, hold parentheses of their own
         stripped = _BRACED.sub("", shape)
@@ -378,6 +386,9 @@ def _operand_text(rest: str) -> str:
     return rest
 
 
+_SET_DICT = object.__setattr__
+
+
 class _once:
     """A property computed on first use and kept in the instance's __dict__: a lock-free
     functools.cached_property (two threads asking at once both compute the same value)."""
@@ -410,9 +421,10 @@ class Instruction:
         """The record of one INSTRUCTION match (built without the frozen __init__'s
         per-field setattr: a large program has tens of thousands)."""
         ins = object.__new__(cls)
-        ins.__dict__.update(computation=computation, name=name, op=m.group("op"),
-                            shape=m.group("shape"), rest=m.group("rest"), line=line,
-                            root=line.lstrip().startswith("ROOT"))
+        op, shape, rest = m.group("op", "shape", "rest")
+        _SET_DICT(ins, "__dict__", {"computation": computation, "name": name, "op": op,
+                                    "shape": shape, "rest": rest, "line": line,
+                                    "root": line.lstrip().startswith("ROOT")})
         return ins
 
     @_once
