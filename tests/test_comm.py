@@ -251,3 +251,34 @@ def test_conditional_branches_in_a_loop_are_weighed_or_marked_upper_bounds():
     assert sorted((o["bytes"], o["times"], o["upper_bound"]) for o in weighed) == [
         (4 * 2, 2, False), (4 * 16 * 4, 4, False)]
     assert comm.summarize(weighed)["upper_bound_note"] is None
+
+
+def test_typed_instructions_read_every_attribute_once():
+    """hlo.typed: result arrays with dtypes (tuples nested), operands, replica groups in the
+    listed and iota forms, called computations and op_name, one record per instruction."""
+    text = ("%add (x: f32[], y: f32[]) -> f32[] {\n}\n"
+            "ENTRY %main (p: bf16[4,8]) -> f32[] {\n"
+            "  %p = bf16[4,8]{1,0} parameter(0)\n"
+            "  %q = s4[6]{0} parameter(1)\n"
+            "  %r = ((bf16[4,8]{1,0}, f8e4m3fn[3]{0}), u32[]) all-reduce-start(%p, %q), "
+            "replica_groups={{0,1},{2,3}}, to_apply=%add, "
+            'metadata={op_name="jit(step)/transpose(jvp(block_0))/dot_general"}\n'
+            "  %g = f32[16,8]{1,0} all-gather(%p), replica_groups=[2,4]<=[8], dimensions={0}\n"
+            "  ROOT %f = f32[] fusion(%g), kind=kLoop, calls=%add\n}\n")
+    p, q, r, g, f = hlo.typed(text)
+    assert hlo.typed(text) is hlo.typed(text)
+    assert (p.name, p.op, p.computation, p.results) == (
+        "p", "parameter", "main", (hlo.Array("bf16", (4, 8)),))
+    assert p.results[0].bytes == 64 and q.results[0].bytes == 3 and q.results[0].bits == 24
+    assert r.result == ((hlo.Array("bf16", (4, 8)), hlo.Array("f8e4m3fn", (3,))),
+                        hlo.Array("u32", ()))
+    assert [a.bytes for a in r.results] == [64, 3, 4]
+    assert (r.operands, r.operand_count, r.collective) == (("p", "q"), 2, "all-reduce")
+    assert r.replica_groups == [[0, 1], [2, 3]] and r.calls() == ["add"]
+    assert r.op_name == "jit(step)/transpose(jvp(block_0))/dot_general"
+    assert g.replica_groups == [[0, 1, 2, 3], [4, 5, 6, 7]] and g.op_name is None
+    assert g.dims_attributes == {} and g.collective == "all-gather"
+    assert (f.root, f.calls("calls"), f.calls("to_apply"), f.collective) == (
+        True, ["add"], [], None)
+    assert hlo.ring_factor("all-reduce", 4) == 1.5 and hlo.ring_factor("all-gather", 4) == 0.75
+    assert hlo.ring_factor("collective-permute", 4) == 1.0 and hlo.ring_factor("all-reduce", 1) == 0

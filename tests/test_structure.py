@@ -279,3 +279,21 @@ def test_programs_compile_in_one_place():
                     and node.func.attr == "compile" and "re" != ast.unparse(node.func.value)):
                 found.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
     assert found == []
+
+
+def test_hlo_text_is_parsed_only_in_program_hlo():
+    """The modules that read a compiled program's HLO (collectives, kernels, op names, a
+    pipeline's sends, the time model's ring rule) read jaxdist.program.hlo's typed
+    instructions and import no `re`; liveness keeps regexes only for XLA's buffer-assignment
+    and live-range dumps and the block scope inside an op name, xla_log for XLA's log."""
+    readers = {"jaxdist.program.comm", "jaxdist.program.kernels", "jaxdist.pipeline.report",
+               "jaxdist.predict.time_model", "jaxdist.program.program_reading"}
+    found = []
+    for name, path in source_modules().items():
+        if name not in readers:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "re" for a in node.names) or \
+                    isinstance(node, ast.ImportFrom) and node.module == "re":
+                found.append(f"{name}:{node.lineno}")
+    assert found == [] and readers <= set(source_modules())

@@ -15,11 +15,11 @@ from jaxdist.pipeline.schedule import FWD, WGT
 from jaxdist.pipeline.step import pattern_runs
 
 
-def _stage_pairs(line: str, sizes: list[int], axis: int) -> list[int]:
+def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
     """Source stages of a collective-permute's pairs that change only the stage coordinate,
     one replica of the other axes (the pairs whose source has all other coordinates 0)."""
     out = []
-    for src, dst in comm.permute_pairs(line) or []:
+    for src, dst in pairs or []:
         a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
         others_zero = all(a[i] == 0 for i in range(len(sizes)) if i != axis)
         only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
@@ -33,11 +33,10 @@ def _stage_permutes(hlo_text: str, mesh_shape: dict[str, int]) -> list[tuple[str
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
     axis = names.index("stage")
     out = []
-    for current, _, m, line in hlo.instructions(hlo_text):
-        if m.group("op") in ("collective-permute", "collective-permute-start"):
-            _, result = comm.payload("collective-permute", m.group("op"), m.group("shape"),
-                                      m.group("rest"))
-            out.append((current, result, _stage_pairs(line, sizes, axis)))
+    for ins in hlo.typed(hlo_text):
+        if ins.collective == "collective-permute":
+            _, result = comm.payload("collective-permute", ins)
+            out.append((ins.computation, result, _stage_pairs(ins.permute_pairs, sizes, axis)))
     return out
 
 

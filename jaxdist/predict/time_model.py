@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxdist.hardware import clock_factor, compute_efficiency, constant
 from jaxdist.parts import Part
+from jaxdist.program.hlo import ring_steps
 
 LABEL = "predicted"
 
@@ -81,12 +82,9 @@ def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict:
     return out
 
 
-def ring_hops(kind: str, n: int) -> int:
-    """Latency-bound steps of a ring collective over n devices (or n nodes: the steps
-    that cross nodes), as NCCL counts them."""
-    if n <= 1:
-        return 0
-    return {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
+# Latency-bound steps of a ring collective over n devices (or n nodes: the steps that cross
+# nodes), as NCCL counts them: the ring rule that also gives the bytes each device sends.
+ring_hops = ring_steps
 
 
 def ring_latency(kind: str, n: int, nodes: int, hw: Part) -> float:

@@ -22,149 +22,101 @@ wrappers, conditional branches by the caller's counts), and:
 from __future__ import annotations
 
 import functools
-import json
 import math
-import re
 from collections import defaultdict
 
-from jaxdist.program.hlo import branches, execution_counts, instructions, trip_count
+from jaxdist.program.hlo import Instruction, execution_counts, trip_count, typed
 
-_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|f16|bf16|"
-                    r"f32|f64|c64|c128)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-          "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
-          "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_OPERANDS = re.compile(r"%([\w.\-]+)")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_FUSION_KIND = re.compile(r'"kind":"(__[\w]+)"')
-_CONTRACT = {"lhs": re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")}
-COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                  "collective-permute", "collective-broadcast", "ragged-all-to-all")
 # Instructions that launch nothing: control flow, tuples, views and the -done halves.
 _NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while",
               "conditional", "call", "after-all", "partition-id", "replica-id",
               "opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
 
 
-def arrays(shape: str) -> list[tuple[str, list[int]]]:
-    """(element type, dims) of every array in an HLO shape (a tuple gives several)."""
-    return [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _ARRAY.findall(shape)]
+def _bytes(arrays) -> float:
+    """Bytes of arrays as a kernel moves them (a sub-byte element counts its share)."""
+    return sum(a.bits / 8 for a in arrays)
 
 
-def shape_bytes(shape: str) -> float:
-    return sum(_BYTES[t] * math.prod(dims) for t, dims in arrays(shape))
+def _first(ins: Instruction | None):
+    """The first array of an instruction's result (None: no instruction, no array)."""
+    return ins.results[0] if ins is not None and ins.results else None
 
 
-def _operand_names(rest: str) -> list[str]:
-    """The instruction's operands: the %names before its attributes."""
-    depth, end = 1, len(rest)
-    for i, c in enumerate(rest):
-        depth += c == "("
-        depth -= c == ")"
-        if depth == 0:
-            end = i
-            break
-    return _OPERANDS.findall(rest[:end])
-
-
-def _dims(text: str) -> list[int]:
-    return [int(d) for d in text.split(",") if d]
-
-
-def dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
+def dot_flops(ins: Instruction, lhs: Instruction | None) -> float:
     """2 x output elements x the contracted size, for an HLO `dot`."""
-    m = _CONTRACT["lhs"].search(rest)
-    lhs = arrays(lhs_shape)
-    out = arrays(out_shape)
-    if not m or not lhs or not out:
+    contracting = ins.dims_attributes.get("lhs_contracting_dims")
+    lhs_array, out = _first(lhs), _first(ins)
+    if contracting is None or lhs_array is None or out is None:
         return 0.0
-    contracted = math.prod(lhs[0][1][d] for d in _dims(m.group(1)))
-    return 2.0 * math.prod(out[0][1]) * contracted
+    contracted = math.prod(lhs_array.dims[d] for d in contracting)
+    return 2.0 * out.elements * contracted
 
 
-def ragged_dot_flops(out_shape: str, lhs_shape: str, rest: str) -> float:
+def ragged_dot_flops(ins: Instruction, lhs: Instruction | None) -> float:
     """An HLO `ragged-dot` (a grouped GEMM): ragged over rows (lhs_ragged_dims not
     contracted), each row meets one group's matrix: a dot's count; ragged over the
     contracted dimension (a weight gradient, the result [groups, m, n]), each group
     contracts only its own rows: the dot's count over the groups."""
-    flops = dot_flops(out_shape, lhs_shape, rest)
-    ragged = re.search(r"lhs_ragged_dims=\{([\d,]*)\}", rest)
-    contracting = _CONTRACT["lhs"].search(rest)
-    out = arrays(out_shape)
-    if ragged and contracting and out and \
-            set(_dims(ragged.group(1))) & set(_dims(contracting.group(1))):
-        flops /= out[0][1][0]
+    flops = dot_flops(ins, lhs)
+    ragged = ins.dims_attributes.get("lhs_ragged_dims")
+    contracting = ins.dims_attributes.get("lhs_contracting_dims")
+    out = _first(ins)
+    if ragged is not None and contracting is not None and out is not None and \
+            set(ragged) & set(contracting):
+        flops /= out.dims[0]
     return flops
 
 
-def _backend_config(line: str) -> dict:
-    m = re.search(r"backend_config=(\{.*\})", line)
-    if not m:
-        return {}
-    text = m.group(1)
-    depth = 0
-    for i, c in enumerate(text):  # the JSON object ends where its braces balance
-        depth += c == "{"
-        depth -= c == "}"
-        if depth == 0:
-            try:
-                return json.loads(text[:i + 1])
-            except ValueError:
-                return {}
-    return {}
-
-
-def gemm_call_flops(out_shape: str, lhs_shape: str, line: str) -> float:
+def gemm_call_flops(ins: Instruction, lhs: Instruction | None) -> float:
     """A cuBLAS GEMM custom call: 2 x result elements x contracted size (the result is the
     first array of its tuple; the second is cuBLAS's workspace)."""
-    cfg = _backend_config(line).get("gemm_backend_config", {})
+    cfg = ins.backend_config.get("gemm_backend_config", {})
     dnums = cfg.get("dot_dimension_numbers", {})
-    lhs = arrays(lhs_shape)
-    out = arrays(out_shape)
-    if not lhs or not out:
+    lhs_array, out = _first(lhs), _first(ins)
+    if lhs_array is None or out is None:
         return 0.0
-    contracted = math.prod(lhs[0][1][int(d)] for d in dnums.get("lhs_contracting_dimensions",
-                                                                  []))
-    return 2.0 * math.prod(out[0][1]) * contracted
+    contracted = math.prod(lhs_array.dims[int(d)]
+                           for d in dnums.get("lhs_contracting_dimensions", []))
+    return 2.0 * out.elements * contracted
 
 
-def attention_flops(operand_shapes: list[str], line: str, backward: bool) -> float:
+def attention_flops(ins: Instruction, q: Instruction | None, backward: bool) -> float:
     """cuDNN fused attention: each matmul is 2 B H Lq Lk D; forward runs QK^T and PV,
     backward recomputes QK^T and runs dV, dP, dQ, dK. B H Lq Lk is the score tensor's shape
     (`intermediate_tensor_shape` in the call's config), D = Q's elements / (B H Lq)."""
-    cfg = _backend_config(line).get("cudnn_fmha_backend_config", {})
+    cfg = ins.backend_config.get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in cfg.get("intermediate_tensor_shape", {}).get("dimensions", [])]
-    q = arrays(operand_shapes[0]) if operand_shapes else []
-    if len(scores) != 4 or not q:
+    q_array = _first(q)
+    if len(scores) != 4 or q_array is None:
         return 0.0
     b, h, lq, _ = scores
-    head_dim = math.prod(q[0][1]) / (b * h * lq)
+    head_dim = q_array.elements / (b * h * lq)
     causal = str(cfg.get("mask_type", "")).upper() == "CAUSAL"
     return 2.0 * math.prod(scores) * head_dim * (5 if backward else 2) * \
         (0.5 if causal else 1.0)
 
 
-def kernel_kind(op: str, line: str) -> str | None:
+def kernel_kind(ins: Instruction) -> str | None:
     """What an instruction launches, in the inventory's words; None for no kernel."""
+    op = ins.op
     if op in _NO_KERNEL or op.endswith("-done"):
         return None
-    base = op[:-len("-start")] if op.endswith("-start") else op
-    if base in COLLECTIVE_OPS:
+    if ins.collective:
         return f"collective ({'async' if op.endswith('-start') else 'sync'})"
     if op == "fusion":
-        kind = _FUSION_KIND.search(line)
-        if kind and "gemm" in kind.group(1):
+        kind = ins.fusion_kind
+        if kind and "gemm" in kind:
             return "gemm fusion (Triton)"
-        if kind and kind.group(1).startswith("__cudnn"):
+        if kind and kind.startswith("__cudnn"):
             return "cuDNN fusion"
-        custom = re.search(r'"custom_fusion_config":\{"name":"([\w]+)"', line)
-        if custom:
-            return f"custom fusion ({custom.group(1)})"
+        if ins.custom_fusion:
+            return f"custom fusion ({ins.custom_fusion})"
         if kind:
-            return f"custom fusion ({kind.group(1).strip('_')})"
+            return f"custom fusion ({kind.strip('_')})"
         return "fusion"
     if op == "custom-call":
-        target = (_TARGET.search(line) or [None, "?"])[1]
+        target = ins.custom_call_target or "?"
         if target.startswith("__cublas"):
             return "gemm (cuBLAS)"
         if target.startswith("__cudnn$fmha"):
@@ -180,26 +132,11 @@ def kernel_kind(op: str, line: str) -> str | None:
     return op
 
 
-def _parse(hlo_text: str):
-    """(instructions in text order as (computation, name, op, shape, rest, line), shapes by
-    name, computations that fusions or reducers call)."""
-    shapes: dict[str, str] = {}
-    parsed = []
-    fused: set[str] = set()
-    for current, name, m, line in instructions(hlo_text):
-        shapes[name] = m.group("shape")
-        op = m.group("op")
-        if op == "fusion" or "to_apply=" in line:
-            fused.update(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line))
-        parsed.append((current, name, op, m.group("shape"), m.group("rest"), line))
-    return parsed, shapes, fused
-
-
-def _dtype(shapes: list[str]) -> str:
+def _dtype(first: Instruction | None) -> str:
     """The first operand's element type, as a jaxdist dtype name where one applies."""
-    found = arrays(shapes[0]) if shapes else []
-    return {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(
-        found[0][0] if found else "", found[0][0] if found else "")
+    found = _first(first)
+    t = found.dtype if found is not None else ""
+    return {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(t, t)
 
 
 HOST_MEMORY = ":S(5)"  # XLA:GPU's layout mark of a buffer in host memory (memory space 5)
@@ -214,82 +151,76 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
     calls into other computations {"call", "callee", "repeat" (a while's trip count),
     "branch"}. Fusion bodies and reducers are folded into their kernel. Shared between
     callers (cached): read it, never change it."""
-    parsed, shapes, fused = _parse(hlo_text)
+    program = typed(hlo_text)
+    by_name = {ins.name: ins for ins in program}
+    # Computations that fusions or reducers call: folded into their caller's kernel.
+    fused = {c for ins in program if ins.op == "fusion" or "to_apply=" in ins.line
+             for c in ins.calls("calls", "to_apply")}
     fused_flops: dict[str, float] = defaultdict(float)
-    for comp, _, op, shape, rest, _ in parsed:
-        if op in ("dot", "ragged-dot") and comp in fused:
-            operands = _operand_names(rest)
-            count = ragged_dot_flops if op == "ragged-dot" else dot_flops
-            fused_flops[comp] += count(shape, shapes.get(operands[0], ""), rest) \
-                if operands else 0.0
-    wrapped = {}  # async-start name -> the computation it wraps
+    for ins in program:
+        if ins.op in ("dot", "ragged-dot") and ins.computation in fused and ins.operands:
+            count = ragged_dot_flops if ins.op == "ragged-dot" else dot_flops
+            fused_flops[ins.computation] += count(ins, by_name.get(ins.operands[0]))
     out: dict[str, list[dict]] = defaultdict(list)
-    for comp, name, op, shape, rest, line in parsed:
+    for ins in program:
+        comp, name, op = ins.computation, ins.name, ins.op
         if comp in fused:
             continue
-        operands = _operand_names(rest)
         if op in ("while", "conditional", "call"):
-            trip = trip_count(line) if op == "while" else None
-            for callee in re.findall(r"(?:body|to_apply|calls)=%?([\w.\-]+)", line):
+            trip = trip_count(ins.line) if op == "while" else None
+            for callee in ins.calls("body", "to_apply", "calls"):
                 out[comp].append({"item": "call", "callee": callee, "branch": False,
                                   "repeat": trip or 1})
-            for branch in branches(line):
+            for branch in ins.branches:
                 out[comp].append({"item": "call", "callee": branch, "branch": True,
                                   "repeat": 1})
             continue
         if op == "async-start":
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            wrapped[name] = called.group(1) if called else ""
+            called = ins.calls("calls")
             out[comp].append({"item": "start", "name": name,
-                              "wraps": wrapped[name]})
+                              "wraps": called[0] if called else ""})
             continue
         if op.endswith("-done"):
-            out[comp].append({"item": "done", "name": operands[0] if operands else ""})
+            out[comp].append({"item": "done", "name": ins.operands[0] if ins.operands else ""})
             continue
-        if op == "copy-start" and HOST_MEMORY in shape:  # to or from host memory: a transfer
+        if op == "copy-start" and HOST_MEMORY in ins.shape:  # to or from host memory
             out[comp].append({"item": "start", "name": name,
-                              "host_bytes": float(next(_BYTES[t] * math.prod(d)
-                                                       for t, d in arrays(shape)))})
+                              "host_bytes": _bytes(ins.results[:1])})
             continue
-        kind = kernel_kind(op, line)
+        kind = kernel_kind(ins)
         if kind is None:
             continue
         if kind.startswith("collective"):
             out[comp].append({"item": "start" if op.endswith("-start") else "sync",
                               "name": name})
             continue
-        args = [shapes.get(n, "") for n in operands]
+        args = [by_name.get(n) for n in ins.operands]
+        first = args[0] if args else None
         if op == "fusion":
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            flops = fused_flops.get(called.group(1), 0.0) if called else 0.0
+            called = ins.calls("calls")
+            flops = fused_flops.get(called[0], 0.0) if called else 0.0
         elif op in ("dot", "ragged-dot"):
             count = ragged_dot_flops if op == "ragged-dot" else dot_flops
-            flops = count(shape, args[0] if args else "", rest)
+            flops = count(ins, first)
         elif kind == "gemm (cuBLAS)":
-            flops = gemm_call_flops(shape, args[0] if args else "", line)
+            flops = gemm_call_flops(ins, first)
         elif kind.startswith("attention (cuDNN)"):
-            flops = attention_flops(args, line, kind.endswith("backward"))
+            flops = attention_flops(ins, first, kind.endswith("backward"))
         else:
             flops = 0.0
-        result = arrays(shape)[:1] if kind == "gemm (cuBLAS)" else arrays(shape)
-        nbytes = sum(shape_bytes(a) for a in args) + sum(
-            _BYTES[t] * math.prod(d) for t, d in result)
+        result = ins.results[:1] if kind == "gemm (cuBLAS)" else ins.results
+        nbytes = sum(_bytes(a.results) for a in args if a is not None) + _bytes(result)
         out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
-                          "dtype": _dtype(args), "seq": _seq(line, kind),
-                          "ragged": "ragged_dot" in _op_name(line)})
+                          "dtype": _dtype(first), "seq": _seq(ins, kind),
+                          "ragged": "ragged_dot" in (ins.op_name or "")})
     return dict(out)
 
 
-def _op_name(line: str) -> str:
-    found = re.search(r'op_name="([^"]*)"', line)
-    return found.group(1) if found else ""
-
-
-def _seq(line: str, kind: str) -> int | None:
+def _seq(ins: Instruction, kind: str) -> int | None:
     """The key sequence length of a cuDNN attention call (its rate depends on it)."""
     if not kind.startswith("attention"):
         return None
-    dims = _backend_config(line).get("cudnn_fmha_backend_config", {}).get(
+    dims = ins.backend_config.get("cudnn_fmha_backend_config", {}).get(
         "intermediate_tensor_shape", {}).get("dimensions", [])
     return int(dims[-1]) if len(dims) == 4 else None
 

@@ -28,10 +28,8 @@ from jaxdist.program import hlo
 # models.layers.BLOCK_SCOPE, the i-th block (not imported: it would bring flax into every
 # import of jaxdist.program.compiled)
 BLOCK = re.compile(r"(?<![\w])block_(\d+)(?![\w])")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _VALUE = re.compile(r"^\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=\d+\)")
 _RANGE = re.compile(r"^\s*(\S+):(\d+)-(\d+)\s*$")
-_FUSION_CALL = re.compile(r"calls=%?([\w.\-]+)")
 
 # compiled program -> its reading (read_dump), kept as long as the program is
 _READINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -74,17 +72,15 @@ def op_names(hlo_text: str) -> dict[str, str]:
     metadata; a fusion without one (XLA drops it on some multi-output fusions) takes its
     fused computation's root's, element i from the root tuple's i-th operand."""
     own, roots, calls = {}, {}, {}
-    for comp, name, m, line in hlo.instructions(hlo_text):
-        found = _OP_NAME.search(line)
-        if found:
-            own[name] = found.group(1)
-        if m.group("op") == "fusion":
-            called = _FUSION_CALL.search(line)
+    for ins in hlo.typed(hlo_text):
+        if ins.op_name is not None:
+            own[ins.name] = ins.op_name
+        if ins.op == "fusion":
+            called = ins.calls("calls")
             if called:
-                calls[name] = called.group(1)
-        if line.lstrip().startswith("ROOT"):
-            operands = re.findall(r"%([\w.\-]+)", m.group("rest").split(")")[0])
-            roots[comp] = (name, m.group("op"), operands)
+                calls[ins.name] = called[0]
+        if ins.root:
+            roots[ins.computation] = (ins.name, ins.op, list(ins.operands))
     names = dict(own)
     for fusion, comp in calls.items():
         if comp not in roots:
