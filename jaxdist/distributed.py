@@ -82,13 +82,18 @@ def initialize(topo: Topology, timeout_s: int, settings: dict | None = None) -> 
     if not topo.multi:
         return
     import jax
+    from jax._src import distributed as jax_distributed
 
-    if topo.auto:
-        jax.distributed.initialize(initialization_timeout=timeout_s)
-        return
-    join(topo, timeout_s, settings=settings)
-    jax.distributed.initialize(topo.coordinator, topo.num_processes, topo.process_id,
-                               initialization_timeout=timeout_s)
+    if not topo.auto:
+        join(topo, timeout_s, settings=settings)
+    # Without the preemption service: its C SIGTERM handler would leave a signal unheard
+    # until the first step; jaxdist.stop starts it once setup is done.
+    with jax_distributed._ENABLE_PREEMPTION_SERVICE(False):
+        if topo.auto:
+            jax.distributed.initialize(initialization_timeout=timeout_s)
+        else:
+            jax.distributed.initialize(topo.coordinator, topo.num_processes,
+                                       topo.process_id, initialization_timeout=timeout_s)
 
 
 def join(topo: Topology, timeout_s: float, refusal: str | None = None,

@@ -41,13 +41,14 @@ def run(cfg: RunConfig, platform: Platform, logdir: Path | None, log=print,
 
     Everything before the first step (build, restore, trace, XLA compile) runs where a
     signal ends it at once (jaxdist.stop.run_abandonable: StoppedInSetup, naming the
-    phase), on one process; several processes stop together, after a step."""
+    phase; on several processes, every one of them); after that, several processes stop
+    together, after a step."""
     own = stop is None
     stop = StopRequest().install() if own else stop
     try:
         set_phase("model build", 0)
         setup = (lambda: _setup(cfg, platform, log, notice))
-        ready = run_abandonable(setup, stop) if jax.process_count() == 1 else setup()
+        ready = run_abandonable(setup, stop)
         # SIGINT/SIGTERM stop the run after the current step (jaxdist/stop.py).
         stop.attach(ready[7])  # start_step
         return _train(cfg, platform, logdir, log, *ready, stop)

@@ -8,12 +8,18 @@ One process: Python handlers set a flag.
 
 Several processes must stop on the same step, or one would wait forever in a collective the
 others never enter. JAX's coordination service already solves this (the preemption sync
-manager, `multihost_utils.reached_preemption_sync_point`): `jax.distributed.initialize`
-installs a C SIGTERM handler; within ~1 s of a SIGTERM to any process the service tells every
-process, they exchange the step each has reached, and the call returns True on every process
-at the same step (the fastest one's next). It listens only for SIGTERM, so here a SIGINT is
-turned into a SIGTERM to this process; a Python SIGTERM handler would replace the C one, so
-none is installed. Every process must call it on every step from the same first step.
+manager, `multihost_utils.reached_preemption_sync_point`): its C SIGTERM handler hears a
+SIGTERM to any process, within ~1 s the service tells every process, they exchange the step
+each has reached, and the call returns True on every process at the same step (the fastest
+one's next). It listens only for SIGTERM, so here a SIGINT is turned into a SIGTERM to this
+process. Every process must call it on every step from the same first step.
+
+Before the first step there is no step to agree on, and the C handler would leave a signal
+unheard until then (a build or an XLA compile takes minutes). So jaxdist.distributed starts
+JAX's runtime with the preemption service off, the Python handlers stay through setup, and
+`attach` starts the service once setup is done. A process that a signal stops in setup
+posts it in the coordination service's key-value store; the others, polling it while they
+wait (`run_abandonable`), stop with it.
 
 A second SIGINT while stopping raises `HardStop` (a KeyboardInterrupt): no results are
 written and the run directory is left as it is, unfinished.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 _early: list[str] = []  # signals caught by defer_signals() before a StopRequest existed
@@ -85,9 +92,9 @@ class StopRequest:
         return self
 
     def attach(self, first_step: int) -> "StopRequest":
-        """On several processes, switch to JAX's preemption sync point. jax.distributed's C
-        SIGTERM handler has replaced the Python one by now, and must stay: SIGTERM is no
-        longer restored. A signal that came before is passed on to it."""
+        """On several processes, switch to JAX's preemption sync point: start JAX's
+        preemption service, whose C SIGTERM handler replaces the Python one and must stay
+        (SIGTERM is no longer restored). A signal that came before is passed on to it."""
         self._sync = _preemption_sync()
         if self._sync is None:
             return self
@@ -118,15 +125,65 @@ class StopRequest:
 
 
 def _preemption_sync():
-    """JAX's preemption sync point when this is a multi-process run with the preemption
-    service on, else None."""
+    """JAX's preemption sync point when this is a multi-process run (its service started
+    here, once: jaxdist.distributed starts the runtime without it), else None."""
     from jax._src import distributed as jax_distributed  # where jax keeps the client
 
     state = jax_distributed.global_state
-    if state.client is None or state.preemption_sync_manager is None:
+    if state.client is None:
         return None
+    if state.preemption_sync_manager is None:
+        with jax_distributed._ENABLE_PREEMPTION_SERVICE(True):
+            state.initialize_preemption_sync_manager()
     from jax.experimental import multihost_utils
     return multihost_utils.reached_preemption_sync_point
+
+
+# Where a process stopped in setup posts its signal for the others (the coordination
+# service's key-value store), and where each acknowledges it.
+SETUP_STOP_KEY = "jaxdist/setup_stop"
+
+
+class _Peers:
+    """The other processes of a multi-process run, as seen through JAX's coordination
+    service during setup: None where this process runs alone."""
+
+    def __init__(self, client, process_id: int, num_processes: int):
+        self.client, self.pid, self.n = client, process_id, num_processes
+
+    @classmethod
+    def of_this_run(cls) -> "_Peers | None":
+        from jax._src import distributed as jax_distributed
+
+        state = jax_distributed.global_state
+        if state.client is None or state.num_processes <= 1:
+            return None
+        return cls(state.client, state.process_id, state.num_processes)
+
+    def posted(self) -> str | None:
+        """The signal another process posted, or None."""
+        try:
+            return self.client.key_value_try_get(SETUP_STOP_KEY) or None
+        except Exception:  # noqa: BLE001 - NOT_FOUND is the usual answer
+            return None
+
+    def post(self, signal_name: str, wait_s: float = 3.0) -> None:
+        """Tell the others, and acknowledge; process 0, which hosts the service, waits
+        (at most `wait_s`) until every process has read it before it may exit."""
+        try:
+            try:
+                self.client.key_value_set(SETUP_STOP_KEY, signal_name)
+            except Exception:  # noqa: BLE001 - another process posted first
+                pass
+            self.client.key_value_set(f"{SETUP_STOP_KEY}/seen/{self.pid}", "1")
+            if self.pid == 0:
+                deadline = time.monotonic() + wait_s
+                for other in range(1, self.n):
+                    left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                    self.client.blocking_key_value_get(f"{SETUP_STOP_KEY}/seen/{other}",
+                                                       left_ms)
+        except Exception:  # noqa: BLE001 - a peer already gone: nothing more to tell
+            pass
 
 
 # What a run is doing before its first step (jaxdist.loop sets it): named by a stop then.
@@ -149,16 +206,15 @@ class StoppedInSetup(Exception):
         self.signal, self.phase, self.steps_done = signal_name, phase, steps_done
 
 
-def run_abandonable(work, stop: "StopRequest", poll_s: float = 0.05):
+def run_abandonable(work, stop: "StopRequest", poll_s: float = 0.05, peer_poll_s: float = 0.25):
     """`work()`'s result, computed in a daemon thread while this (the main) thread waits in
     Python, where a signal handler runs at once: XLA's compile and Flax's build hold it in
-    C++ or in a long trace for minutes (a depth-40 gpt-tiny took ~70 s to react to
-    SIGTERM). Once `stop` has a signal, StoppedInSetup is raised here and the thread is
-    left to the process's end. Runs `work()` in this thread where signals are not this
-    process's alone to act on (several processes stop together: jaxdist.loop) or where
-    this is not the main thread."""
+    C++ or in a long trace for minutes. Once `stop` has a signal, or another process of
+    the run posted one (_Peers), StoppedInSetup is raised here and the thread is left to
+    the process's end. Runs `work()` in this thread where this is not the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return work()
+    peers = _Peers.of_this_run()
     box: dict = {}
 
     def target():
@@ -169,10 +225,19 @@ def run_abandonable(work, stop: "StopRequest", poll_s: float = 0.05):
 
     thread = threading.Thread(target=target, name="jaxdist-setup", daemon=True)
     thread.start()
+    asked = time.monotonic()
     while thread.is_alive():
         thread.join(poll_s)
-        if stop.signal is not None and thread.is_alive():
-            raise StoppedInSetup(stop.signal, PHASE["phase"], PHASE["steps_done"])
+        if not thread.is_alive():
+            break
+        name = stop.signal
+        if name is None and peers is not None and time.monotonic() - asked >= peer_poll_s:
+            asked = time.monotonic()
+            name = peers.posted()
+        if name is not None:
+            if peers is not None:
+                peers.post(name)
+            raise StoppedInSetup(name, PHASE["phase"], PHASE["steps_done"])
     if "error" in box:
         raise box["error"]
     return box["result"]

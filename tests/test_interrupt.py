@@ -320,3 +320,52 @@ def test_sigterm_during_a_long_compile_stops_within_10_s(tmp_path):
     assert results["interrupted"]["signal"] == "SIGTERM"
     assert RunRecord.load(record).status == "interrupted"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["results.json"]
+
+
+def test_sigterm_to_one_of_two_processes_during_setup_stops_both_within_10_s(tmp_path):
+    """SIGTERM to process 1 only, while both build and compile a depth-16 gpt-tiny: it
+    stops at once and posts the signal through JAX's coordination service; process 0, which
+    was not signalled, stops with it and writes the interrupted record naming the phase.
+    (JAX's preemption notifier, which used to hold the signal until the first step, starts
+    only once setup is done.)"""
+    from jaxdist.procs import free_port_pair
+
+    port = free_port_pair()
+    logdir = tmp_path / "run"
+    env = {k: v for k, v in child_env(PYTHONUNBUFFERED="1").items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", "--model", "gpt-tiny", "--model-opts",
+         "depth=16", "--mesh", "2", "--batch-size", "2", "--warmup", "0", "--steps", "1",
+         "--no-progress", "--logdir", str(logdir), "--platform", "cpu", "--coordinator",
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--init-timeout", "60"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
+    try:
+        for line in procs[1].stdout:  # logged once the program is built, before compiling
+            if line.startswith("No accelerator in use"):
+                break
+        time.sleep(0.5)
+        sent = time.monotonic()
+        procs[1].send_signal(signal.SIGTERM)
+        done = _finish(procs, timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert [rc for rc, _ in done] == [143, 143], done
+    assert took < 10, took
+    phases = []
+    for _, err in done:
+        line = re.fullmatch(r"run: interrupted by SIGTERM during (state init|tracing the "
+                            r"step|the XLA compile), before step 1 \(0 of 1 steps done\)"
+                            r"(; .*results\.json records it)?\n", err)
+        assert line, err
+        phases.append(line.group(2) is not None)
+    assert phases == [True, False]  # process 0 speaks for both
+    record = RunRecord.load(logdir / "results.json")
+    assert record.status == "interrupted"
+    assert (record.results["steps_done"], record.results["loss"]) == (0, [])
+    assert record.results["interrupted"]["signal"] == "SIGTERM"
