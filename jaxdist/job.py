@@ -37,14 +37,13 @@ class Job:
     notices: tuple[str, ...]      # "notice: ..." lines, in jaxdist.notices' order
 
     @property
-    def hosts(self) -> int | None:
+    def hosts(self) -> int:
         """The hosts the mesh spans: a plan for a part, its nodes (the mesh's devices over
-        the part's node size); a mesh run, its processes (--num-processes, 1 without); the
-        parameter server, this host (it starts its processes here); None for a mesh of -1
-        planned for a part (no size yet)."""
+        the part's node size); a mesh run, its processes (--num-processes, 1 without); a
+        plan from shapes and the parameter server, this host (the parameter server starts
+        its processes here)."""
         if self.kind == PLAN and self.part is not None:
-            size = self.shape.size
-            return None if size is None else math.ceil(size / self.part.gpus_per_node)
+            return math.ceil(self.shape.size / self.part.gpus_per_node)
         if self.kind == MESH:
             return max(self.cfg.dist.num_processes, 1)
         return 1
