@@ -219,10 +219,10 @@ def main_mesh(checked: Job, stop: StopRequest) -> int:
 
 
 def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
-    """experiments.plan (and --dry-run): the layout's plan (jaxdist.plan: from shapes, or with --hardware predicted
-    from the step compiled for that cluster); only the CPU backend is touched (no
-    accelerator memory is claimed), and -1 is not a mesh one can plan for. A signal while
-    it traces or compiles ends it at once, before anything is written."""
+    """experiments.plan (and --dry-run): the layout's plan (jaxdist.plan: from shapes, or
+    with --hardware predicted from the step compiled for that cluster); only the CPU backend
+    is touched (no accelerator memory is claimed), and -1 is not a mesh one can plan for. A
+    signal while it traces or compiles ends it at once, before anything is written."""
     from jaxdist import plan as plans
     from jaxdist.files import write_json
     from jaxdist.stop import run_abandonable, set_phase

@@ -236,17 +236,19 @@ def test_analysis_imports_no_jax_nor_anything_that_does():
 
 
 def _names_a_layout(node: ast.AST) -> bool:
-    """`layout`, `x.layout`, `x["layout"]`, `x.get("layout")`: an expression that holds a
-    layout's name (a PyTorch `strategy` is a namespace of its own)."""
-    if isinstance(node, ast.Name):
-        return "layout" in node.id
-    if isinstance(node, ast.Attribute):
-        return "layout" in node.attr
-    if isinstance(node, ast.Subscript):
-        return isinstance(node.slice, ast.Constant) and node.slice.value == "layout"
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "get" and bool(node.args)
-            and isinstance(node.args[0], ast.Constant) and node.args[0].value == "layout")
+    """An expression that holds a layout's name: one that reads a name, an attribute or a
+    key called *layout* (`layout`, `x.layout`, `x["layout"]`, `x.get("layout")`,
+    `get_layout(...).name`); a PyTorch `strategy` is a namespace of its own."""
+    for n in ast.walk(node):
+        if (isinstance(n, ast.Name) and "layout" in n.id
+                or isinstance(n, ast.Attribute) and "layout" in n.attr
+                or isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
+                and n.slice.value == "layout"
+                or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "get" and n.args and isinstance(n.args[0], ast.Constant)
+                and n.args[0].value == "layout"):
+            return True
+    return False
 
 
 def _literal_names(node: ast.AST) -> set:
@@ -257,10 +259,10 @@ def _literal_names(node: ast.AST) -> set:
 
 
 def layout_name_comparisons(source: str, names: set, where: str = "") -> list[str]:
-    """Where `source` (a module's text; `where` names it) asks a layout's name instead of the registry's facts: `==`, `!=`, `in`,
-    `not in` between an expression holding a layout's name and a literal naming a
-    registered layout, and a literal table keyed by layout names looked up by one
-    (`{...}.get(layout)`, `{...}[layout]`)."""
+    """Where `source` (a module's text; `where` names it) asks a layout's name instead of
+    the registry's facts: `==`, `!=`, `in`, `not in` between an expression holding a
+    layout's name and a literal naming a registered layout, and a literal table keyed by
+    layout names looked up by one (`{...}.get(layout)`, `{...}[layout]`)."""
     found = []
     for node in ast.walk(ast.parse(source, where)):
         if isinstance(node, ast.Compare):
@@ -305,9 +307,10 @@ def test_the_layout_name_check_sees_each_form():
     names = {"ps", "ddp", "tp_pp"}
     bad = ['cfg.train.layout == "ps"', 'results.get("layout") == "ps"',
            'r.layout in ("ps", "ddp")', 'p.get("layout") != "ddp"', 'r["layout"] == "tp_pp"',
-           'layout not in ["ddp"]', '{"tp_pp": "tensor"}.get(layout)', '{"ddp": 1}[r.layout]']
+           'layout not in ["ddp"]', 'get_layout(n).name == "ddp"',
+           '{"tp_pp": "tensor"}.get(layout)', '{"ddp": 1}[r.layout]']
     ok = ['job["strategy"] == "ddp"', 'layout == "fsdp"', '"ps" in results',
-          'r.layout == other', '{"ddp": 1}.get(strategy)']
+          'r.layout == other', '{"ddp": 1}.get(strategy)', 'basis("tp") == "layout tp"']
     found = layout_name_comparisons("\n".join(bad + ok), names)
     assert [f.split(": ", 1)[1] for f in found] == [ast.unparse(ast.parse(e)) for e in bad]
 
