@@ -24,7 +24,7 @@ from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 
 
-def validate(cfg: RunConfig) -> Job:
+def validate(cfg: RunConfig) -> job.Job:
     """Every check of `cfg` for `experiments.run` and `experiments.plan` (a mesh run, a plan
     or the parameter server); the job they resolve."""
     check_values(cfg)
