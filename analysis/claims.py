@@ -143,7 +143,7 @@ class Ratio:
 
 def _ps(get):
     """A parameter-server setting: None for other layouts (their config holds the default)."""
-    return lambda r: get(r) if r.layout == "ps" else None
+    return lambda r: get(r) if r.out_of_process else None
 
 
 # Everything runs compared in a ratio share, as (label, value of a run): like with like, on

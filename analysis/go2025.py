@@ -121,8 +121,9 @@ def findings(h200: list[dict], h100: list[dict]) -> list[dict]:
                 "agrees": agree})
     # 2. TP combined with PP underuses the links.
     fit = [r for r in h200 + h100 if r["fits"] is True]
-    tp_pp = [r["link_busy"] for r in fit if r["layout"] == "tp_pp"]
-    other = [r["link_busy"] for r in fit if r["layout"] not in ("tp_pp", "pp")]
+    # a pipeline's rows have a schedule; TPxPP's also a tensor axis
+    tp_pp = [r["link_busy"] for r in fit if r["schedule"] and "tensor:" in r["mesh"]]
+    other = [r["link_busy"] for r in fit if not r["schedule"]]
     if tp_pp and other:
         a, b = statistics.median(tp_pp), statistics.median(other)
         out.append({"finding": "TP combined with PP underuses the available bandwidth",

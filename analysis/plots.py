@@ -23,7 +23,7 @@ def mixed_settings(runs) -> str:
     ps mode counts only among parameter-server runs (the others have none)."""
     parts = []
     for label, section, key in SETTINGS:
-        rs = [r for r in runs if section != "ps" or r.layout == "ps"]
+        rs = [r for r in runs if section != "ps" or r.out_of_process]
         values = {r.cfg(section, key) for r in rs} - {None}
         if len(values) > 1:   # numbers in order, then words
             ordered = sorted(values, key=lambda v: (isinstance(v, str), v if not isinstance(
@@ -171,7 +171,7 @@ def plot_energy(runs, path: Path) -> bool:
 
 
 def plot_accuracy(runs, path: Path) -> bool:
-    chosen = [r for r in runs if (r.layout == "ps" or r.layout == "ddp") and r.accuracy]
+    chosen = [r for r in runs if r.replicated and r.accuracy]
     if not chosen:
         return False
     fig, panels = _panels(chosen)

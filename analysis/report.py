@@ -128,7 +128,7 @@ def comm_left_out(runs) -> list[str]:
         why = (f"parameter server: gradients and parameters go to the shard servers over "
                f"{ps_transport(r.results)}, not XLA collectives; its bytes per step are in "
                f"the table below"
-               if r.layout == "ps" else r.results.get("comm_reason") or "no `comm` recorded")
+               if r.out_of_process else r.results.get("comm_reason") or "no `comm` recorded")
         by.setdefault(why, set()).add(r.group)
     return [f"Left out of the figure: {md_escape(', '.join(sorted(groups)))} ({md_escape(why)})."
             for why, groups in sorted(by.items())] + ([""] if by else [])
@@ -156,7 +156,7 @@ def runs_table(runs) -> list[str]:
             f"| {md_escape(r.name)} | {md_escape(r.group)} | {md_escape(r.model)} | "
             f"{r.mesh} | {r.batch if r.batch is not None else 'n/a'} | {ms(r.step_p50)} | "
             f"{ms(r.step_p99)} | {num(r.samples_per_s, '{:.1f}')} | "
-            f"{human_bytes(r.state_bytes)}{PS_STATE if r.layout == 'ps' else ''} | "
+            f"{human_bytes(r.state_bytes)}{PS_STATE if r.out_of_process else ''} | "
             f"{human_bytes(r.compiled_bound)} | "
             f"{human_bytes(r.measured_peak)} | {num(r.energy_per_sample, '{:.4g}')} | "
             f"{'n/a' if acc is None else f'{acc:.1%}'} |")
@@ -211,7 +211,7 @@ CAPTIONS = {
 }
 FIGURE_RUNS = {"step_times.png": lambda r: bool(r.step_times),
                "energy.png": lambda r: r.energy_per_sample is not None,
-               "accuracy.png": lambda r: r.layout in ("ps", "ddp") and bool(r.accuracy),
+               "accuracy.png": lambda r: r.replicated and bool(r.accuracy),
                "comm.png": lambda r: (r.results.get("comm") or {}).get("by_kind") is not None}
 ABSENT = {"accuracy.png": "No DDP or parameter-server run evaluated accuracy (use a real "
                           "dataset with `--eval-every N`).",

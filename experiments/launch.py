@@ -96,6 +96,7 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
     from jaxdist.devices import check_simulated_count, check_split
     from jaxdist.errors import UsageError
     from jaxdist.host_memory import check_processes
+    from jaxdist.job import MESH, PLAN, kind_of
 
     cfg = from_namespace(build_parser().parse_args(run_args))  # argparse: one line, exit 2
     try:
@@ -105,8 +106,9 @@ def preflight(processes: int, run_args: list[str]) -> int | None:
         if given:  # the launcher's own, appended to each process's (the last one wins)
             raise UsageError(f"{', '.join(given)}: the launcher gives each process these; "
                              f"leave them out")
-        if cfg.output.dry_run or cfg.train.layout == "ps":  # no jax.distributed job
-            raise UsageError(f"{'--dry-run' if cfg.output.dry_run else '--layout ps'} runs as "
+        kind = kind_of(cfg)  # the layout registry: an unknown --layout is refused here
+        if kind != MESH:  # no jax.distributed job
+            raise UsageError(f"{'--dry-run' if kind == PLAN else '--layout ps'} runs as "
                              f"one process (a plan; the parameter server starts its own "
                              f"workers and shards): python -m experiments.run "
                              f"{' '.join(run_args)}")

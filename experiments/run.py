@@ -12,49 +12,56 @@ if __name__ == "__main__":  # Ctrl-C while JAX is imported: noted, then handled 
 
 import argparse  # noqa: E402
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from jaxdist import distributed
-from jaxdist.config import RunConfig, add_arguments, from_namespace
+from jaxdist import distributed, job
+from jaxdist.config import add_arguments, from_namespace
 from jaxdist.devices import (check_simulated_count, configure_host_devices,
                              configure_xla_flags, select_devices)
 from jaxdist.errors import OneLineParser, UsageError, WriteError
+from jaxdist.job import Job
 from jaxdist.mesh import MeshShape
 from experiments.run_dirs import (check_logdir, make_logdir, record_stamp, resume_folder,
                                   wrote_record)
-from experiments.validation import Validated, check_batch, check_ps_host, validate
+from experiments.validation import check_batch, check_ps_host, validate
 from jaxdist.stop import (EXIT_CODES, HardStop, StopRequest, StoppedInSetup,
                           release_deferred)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="python -m experiments.run",
-        description="Train one model under one layout on a device mesh and measure step "
-                    "latency, throughput, MFU and memory. Without an accelerator the mesh is "
-                    "simulated on host CPU devices.")
+RUN = ("run", "Train one model under one layout on a device mesh and measure step latency, "
+              "throughput, MFU and memory. Without an accelerator the mesh is simulated on "
+              "host CPU devices. --dry-run plans instead, as python -m experiments.plan does.")
+
+
+def build_parser(entry: tuple[str, str] = RUN) -> argparse.ArgumentParser:
+    """The command line of an entry point (`entry`: its name under experiments and what it
+    does); experiments.run and experiments.plan take the same flags."""
+    name, description = entry
+    parser = OneLineParser(prog=f"python -m experiments.{name}", description=description)
     add_arguments(parser)  # --model and --layout list the registries' names
     return parser
 
 
-def print_notices(checked: Validated) -> None:
+def print_notices(checked: Job) -> None:
     """Flags given that do nothing here, one line each (jaxdist/notices.py), once the input
     is known to be valid: bad input stays a single error line."""
     for line in checked.notices:
         print(line, file=sys.stderr)
 
 
-def report_interrupt(results: dict, logdir: Path | None, chosen: bool) -> int:
+def report_interrupt(results: dict, logdir: Path | None, chosen: bool,
+                     out_of_process: bool = False) -> int:
     """The one line an interrupted run prints, saying which command works next (`chosen`:
-    the user named --logdir, which now holds this record); its exit status (130 SIGINT,
-    143 SIGTERM)."""
+    the user named --logdir, which now holds this record; `out_of_process`: the layout's
+    fact, the parameter server); its exit status (130 SIGINT, 143 SIGTERM)."""
     info = results["interrupted"]
     ck = results.get("checkpoint")
     if ck and ck["saved_steps"]:
         resume = (f"checkpoint at step {ck['saved_steps'][-1]} in {ck['directory']}; resume "
                   f"with the same command plus --resume")
     else:
-        why = ("a parameter-server run does not resume" if results.get("layout") == "ps" else
+        why = ("a parameter-server run does not resume" if out_of_process else
                "no checkpoint (give --checkpoint-dir DIR to make a run resumable)")
         # A chosen --logdir keeps the record and takes no other run.
         resume = why + ("; to start again from step 0 run the same command with another "
@@ -66,39 +73,47 @@ def report_interrupt(results: dict, logdir: Path | None, chosen: bool) -> int:
     return EXIT_CODES.get(info["signal"], 143)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = from_namespace(args)
-    stop = None
-    if cfg.output.dry_run or cfg.train.layout != "ps":
-        # From here on SIGINT/SIGTERM ask a mesh run or a plan to stop; they never raise
-        # inside JAX's setup (a KeyboardInterrupt there can crash the process at exit).
-        stop = StopRequest().install()
-    else:
-        release_deferred()
+def main(argv=None, entry: tuple[str, str] = RUN) -> int:
+    """experiments.run's (and, with experiments.plan's `entry`, a plan's): parse, the one
+    validation pass, then what the resolved job's kind runs."""
+    name = entry[0]
+    cfg = from_namespace(build_parser(entry).parse_args(argv))
+    if name == "plan":  # the plan's entry point: --dry-run without the flag
+        cfg = replace(cfg, output=replace(cfg.output, dry_run=True))
+    # From here on SIGINT/SIGTERM ask a mesh run or a plan to stop; they never raise inside
+    # JAX's setup (a KeyboardInterrupt there can crash the process at exit). The parameter
+    # server gives them back once its job is known (its launcher stops on Ctrl-C).
+    stop = StopRequest().install()
     try:
         try:  # the one validation pass (experiments/validation.py), before anything is made
             cfg = resume_folder(cfg)
             checked = validate(cfg)
         except UsageError as e:
-            print(f"run: error: {e}", file=sys.stderr)
+            print(f"{name}: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # Ctrl-C twice while the checks import JAX
-            print("run: interrupted before the first step; nothing was written",
+            print(f"{name}: interrupted before the first step; nothing was written",
                   file=sys.stderr)
             return 130
-        if cfg.output.dry_run:
-            return main_dry_run(cfg, checked, stop)
-        if cfg.train.layout == "ps":
-            return main_ps(cfg, checked)
-        return main_mesh(cfg, checked, stop)
+        if checked.kind == job.PLAN:
+            return main_dry_run(checked, stop, name)
+        if checked.kind == job.PS:
+            stop.restore()
+            signal, stop = stop.signal, None
+            if signal:  # came while the checks ran: nothing was started
+                print(f"run: interrupted by {signal} before the first step; nothing was "
+                      f"written", file=sys.stderr)
+                return EXIT_CODES[signal]
+            release_deferred()
+            return main_ps(checked)
+        return main_mesh(checked, stop)
     finally:
         if stop is not None:
             stop.restore()
 
 
-def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
-    run_dir, shape = None, checked.shape
+def main_mesh(checked: Job, stop: StopRequest) -> int:
+    run_dir, shape, cfg = None, checked.shape, checked.cfg
     try:
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
@@ -189,7 +204,8 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
             return 1 if isinstance(e, WriteError) else 2
         raise
     if results["status"] == "interrupted":
-        return report_interrupt(results, logdir, bool(cfg.output.logdir))
+        return report_interrupt(results, logdir, bool(cfg.output.logdir),
+                                checked.layout.out_of_process)
     if logdir is None:
         return 0
     print()
@@ -202,20 +218,20 @@ def main_mesh(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
     return 0
 
 
-def main_dry_run(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
-    """--dry-run: the layout's plan (jaxdist.plan: from shapes, or with --hardware predicted
-    from the step compiled for that cluster); only the CPU backend is touched (no
-    accelerator memory is claimed), and -1 is not a mesh one can plan for. A signal while
-    it traces or compiles ends it at once, before anything is written."""
+def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
+    """experiments.plan (and --dry-run): the layout's plan (jaxdist.plan: from shapes, or
+    with --hardware predicted from the step compiled for that cluster); only the CPU backend
+    is touched (no accelerator memory is claimed), and -1 is not a mesh one can plan for. A
+    signal while it traces or compiles ends it at once, before anything is written."""
     from jaxdist import plan as plans
     from jaxdist.files import write_json
     from jaxdist.stop import run_abandonable, set_phase
 
-    noticed, shape = False, checked.shape
+    noticed, shape, cfg = False, checked.shape, checked.cfg
     try:
         check_logdir(cfg)  # before a plan's minutes of compiling, not after
         set_phase("the plan")
-        if cfg.output.hardware:  # predicted GPU memory and time, from the compiled step
+        if checked.part is not None:  # predicted GPU memory and time, from the compiled step
             from jaxdist.program.xla_log import explained_xla_warnings
             configure_host_devices(shape, "cpu")
             # What the flags do here is said before the compile (a minute for a big model),
@@ -231,11 +247,11 @@ def main_dry_run(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
             raise StoppedInSetup(stop.signal, "the plan", 0)
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
     except UsageError as e:
-        print(f"run: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
     except StoppedInSetup as e:  # its trace or compile is left running: the caller exits
         STOPPED_IN_SETUP.append(True)
-        print(f"run: interrupted by {e.signal} during {e.phase}; nothing was written",
+        print(f"{name}: interrupted by {e.signal} during {e.phase}; nothing was written",
               file=sys.stderr)
         return EXIT_CODES[e.signal]
     if not noticed:
@@ -246,7 +262,7 @@ def main_dry_run(cfg: RunConfig, checked: Validated, stop: StopRequest) -> int:
         print(f"notice: XLA:GPU rejected a GEMM tiling ({fallback['rejected'][:160]}); "
               f"planned with Triton GEMMs off ({fallback['xla_flags']}: cuBLAS for every "
               f"dot)", file=sys.stderr)
-    if cfg.output.hardware and "not installed" in compiler:
+    if checked.part is not None and "not installed" in compiler:
         from jaxdist.program.compiled import gpu_compiler_missing
         print(f"notice: {gpu_compiler_missing()}; these figures come from XLA:CPU's program "
               f"(about 2x the bytes of XLA:GPU's for a bf16 step)", file=sys.stderr)
@@ -266,14 +282,14 @@ STOPPED_IN_SETUP: list[bool] = []
 DONE_BUT_TEARDOWN: list[bool] = []
 
 
-def main_ps(cfg: RunConfig, checked: Validated) -> int:
+def main_ps(checked: Job) -> int:
     """--layout ps: this process only launches; shard servers and workers (which own the
     devices) are processes of their own, so no JAX backend is started here."""
     from jaxdist.summary import format_summary
     from ps.shard_client import PSError
     from ps.driver import run_ps
 
-    shape = checked.shape
+    shape, cfg = checked.shape, checked.cfg
     try:
         check_ps_host(cfg)
         run_dir = make_logdir(cfg, shape.label)
@@ -300,7 +316,8 @@ def main_ps(cfg: RunConfig, checked: Validated) -> int:
             return 130
         raise
     if results["status"] == "interrupted":
-        return report_interrupt(results, logdir, bool(cfg.output.logdir))
+        return report_interrupt(results, logdir, bool(cfg.output.logdir),
+                                checked.layout.out_of_process)
     print()
     print(format_summary(results))
     from jaxdist.writers import tensorboard_hint
@@ -309,8 +326,8 @@ def main_ps(cfg: RunConfig, checked: Validated) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
+def exit_process(code: int) -> None:
+    """The end of experiments.run's (and experiments.plan's) process."""
     if DONE_BUT_TEARDOWN or STOPPED_IN_SETUP:
         # A run stopped during its build or compile, which still runs in its thread; or
         # a PS launcher with its record written and every child stopped: the interpreter's
@@ -321,3 +338,7 @@ if __name__ == "__main__":
         import os
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    exit_process(main())

@@ -14,6 +14,7 @@ from pathlib import Path
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.files import ensure_writable_dir
+from jaxdist.job import PLAN, PS, kind_of, out_of_process
 from jaxdist.record import pipeline_schedule
 
 
@@ -102,9 +103,10 @@ def check_logdir(cfg: RunConfig) -> None:
 def _outputs(cfg: RunConfig) -> set[str]:
     """The entries this run writes at a fixed name in its folder (event files and profiler
     traces are named by their time; results.json is checked as a run's record)."""
-    if cfg.output.dry_run:  # jaxdist.plan.file_name
+    kind = kind_of(cfg)
+    if kind == PLAN:  # jaxdist.plan.file_name
         return {"plan.json" if cfg.output.hardware else "dry_run.json"}
-    return {"ps"} if cfg.train.layout == "ps" else {"power"}  # ps.driver, jaxdist.telemetry
+    return {"ps"} if kind == PS else {"power"}  # ps.driver, jaxdist.telemetry
 
 
 def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
@@ -116,8 +118,8 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         layout = cfg.train.layout
         # imported here, not at the top: sharding imports jax, which bad input must not wait for
-        from sharding.pipeline import PIPELINE_LAYOUTS
-        if layout in PIPELINE_LAYOUTS:  # a gpipe and a 1f1b run differ by name
+        from sharding.registry import facts
+        if facts(layout).pipelined:  # a gpipe and a 1f1b run differ by name
             layout += "-" + pipeline_schedule({"schedule": cfg.train.pp_schedule,
                                                "virtual": cfg.train.pp_virtual})
         what = f"{layout}-{mesh_label}-{cfg.model.model}"
@@ -143,7 +145,8 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
 def resume_folder(cfg: RunConfig) -> RunConfig:
     """--resume without --checkpoint-dir: the checkpoint folder of the interrupted run in
     --logdir, which its record names; without one, a one-line error that says what works."""
-    if not cfg.checkpoint.resume or cfg.checkpoint.checkpoint_dir or cfg.train.layout == "ps":
+    if not cfg.checkpoint.resume or cfg.checkpoint.checkpoint_dir or \
+            out_of_process(cfg.train.layout):  # the parameter server does not resume
         return cfg
     status, saved = _status(Path(cfg.output.logdir) / "results.json") if cfg.output.logdir \
         else (None, {})

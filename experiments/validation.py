@@ -1,7 +1,8 @@
 """One validation pass over a run's config: every check that needs no device, in one place,
 before a run directory, a process or a backend exists. `validate(cfg)` raises the first
 problem as a one-line UsageError (later checks read what earlier ones parsed, so there is
-one to report) and returns the parsed mesh and the notices (flags that do nothing here,
+one to report) and returns the resolved job (jaxdist/job.py: its kind, the layout's facts,
+the model config, the parsed mesh, the part) with the notices (flags that do nothing here,
 jaxdist/notices.py) for the caller to print once it has a place to write.
 
 Cheapest first: the flags' values need nothing but the config, so a bad value is refused
@@ -16,52 +17,50 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
+from jaxdist import job
 from jaxdist.config import RunConfig, parse_profile_steps, parse_stage_blocks
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape, parse_mesh
 
 
-@dataclass(frozen=True)
-class Validated:
-    shape: MeshShape              # the parsed --mesh (size None for -1: known with devices)
-    notices: tuple[str, ...]      # "notice: ..." lines, in jaxdist.notices' order
-
-
-def validate(cfg: RunConfig) -> Validated:
-    """Every check of `cfg` for `experiments.run` (a mesh run, --dry-run or --layout ps)."""
+def validate(cfg: RunConfig) -> job.Job:
+    """Every check of `cfg` for `experiments.run` and `experiments.plan` (a mesh run, a plan
+    or the parameter server); the job they resolve."""
     check_values(cfg)
+    part = None
     if cfg.output.hardware:  # a named part (jaxdist.parts): no jax
         from jaxdist.hardware import get_hardware
-        get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+        part = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
     shape = parse_mesh(cfg.mesh.mesh)
-    if shape.size is None and (cfg.output.dry_run or cfg.train.layout == "ps"):
-        raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1"
-                         if cfg.output.dry_run else
-                         "--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
-    check_layout_and_model(cfg, shape)
+    if shape.size is None and cfg.output.dry_run:
+        raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
+    kind = job.kind_of(cfg)  # the layout registry (jax): a misspelled --layout stops here
+    if shape.size is None and kind == job.PS:
+        raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+    model_cfg = check_layout_and_model(cfg, shape)
     # After the layout: a pipeline layout's decoders evaluate on no dataset (its own error)
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
         raise UsageError("--eval-every needs a real dataset: add --dataset digits")
-    if cfg.output.dry_run and cfg.output.hardware:  # the step is compiled for that cluster
-        from jaxdist.hardware import check_nodes, get_hardware
-        from jaxdist.program.compiled import xla_options
+    if kind == job.PLAN and part is not None:  # the step is compiled for that cluster
+        from jaxdist.hardware import check_nodes
+        from jaxdist.program.compiled import check_cpu_limit, xla_options
         check_batch(cfg, shape)
-        check_nodes(get_hardware(cfg.output.hardware, cfg.output.gpus_per_node), shape.size)
-        from jaxdist.program.compiled import check_cpu_limit
+        check_nodes(part, shape.size)
         check_cpu_limit(cfg.output.hardware, shape.size, cfg.compiler.compiler)
         xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
-    elif not cfg.output.dry_run and shape.size is not None:  # -1: checked once devices are
+    elif kind != job.PLAN and shape.size is not None:  # -1: checked once devices are
         check_batch(cfg, shape)
-    if cfg.train.layout == "ps":
+    if kind == job.PS:
         check_ps(cfg)
-    elif not cfg.output.dry_run and cfg.compiler.xla_flags.strip():
+    elif kind == job.MESH and cfg.compiler.xla_flags.strip():
         from jaxdist.devices import check_xla_flags
         check_xla_flags(cfg.compiler.xla_flags.strip())
-    check_checkpoint_dir(cfg)
+    check_checkpoint_dir(cfg, kind)
     from jaxdist.notices import disk_notices, notices
-    return Validated(shape, tuple(notices(cfg) + disk_notices(cfg)))
+    from sharding.registry import facts
+    return job.Job(cfg, kind, facts(cfg.train.layout), model_cfg, shape, cfg.train.optimizer,
+                   part, tuple(notices(cfg) + disk_notices(cfg)))
 
 
 def check_values(cfg: RunConfig) -> None:
@@ -110,17 +109,19 @@ def check_seed(seed: int) -> None:
         raise UsageError(f"--seed must be within 0..{SEED_LIMIT - 1}, got {seed}")
 
 
-def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
-    """The layout against the mesh and the model. The layout's name first, before the
-    models (flax) are imported: a misspelled --layout is refused in about a second."""
+def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
+    """The layout against the mesh and the model; the model config. The layout's name
+    first, before the models (flax) are imported: a misspelled --layout is refused in about
+    a second."""
     from sharding import check_layout, get_layout
     get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     from jaxdist.pipeline.checks import check_pipeline
     from jaxdist.run_model import build_model
     from sharding.pipeline import PIPELINE_LAYOUTS
+    from sharding.registry import facts
 
     model_cfg, _ = build_model(cfg)
-    pipelined = cfg.train.layout in PIPELINE_LAYOUTS
+    pipelined = facts(cfg.train.layout).pipelined
     if cfg.train.pp_stage_blocks and not pipelined:
         raise UsageError(f"--pp-stage-blocks splits the blocks over pipeline stages; layout "
                          f"{cfg.train.layout!r} has none (use one of "
@@ -139,6 +140,7 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape) -> None:
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
                        parse_stage_blocks(cfg.train.pp_stage_blocks))
+    return model_cfg
 
 
 def runs_on_cpu(cfg: RunConfig) -> bool:
@@ -152,7 +154,8 @@ def runs_on_cpu(cfg: RunConfig) -> bool:
 def stage_example(layout: str, shape: MeshShape) -> str:
     """A mesh with a stage axis on the same devices for a pipeline layout: the layout's own
     inner axis (tp_pp: tensor, fsdp_pp: fsdp) kept, 2 stages (or all) from the rest."""
-    inner = {"tp_pp": "tensor", "fsdp_pp": "fsdp"}.get(layout)
+    from sharding.registry import facts
+    inner = next((a for a in facts(layout).mesh_axes if a not in ("data", "stage")), None)
     kept = getattr(shape, inner) if inner else 1
     rest = shape.size // kept
     if rest == 1 and kept % 2 == 0:  # every device on the inner axis: give half to stage
@@ -180,10 +183,11 @@ def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
                          f"{unit}, e.g. --batch-size {nearest}")
 
 
-def check_checkpoint_dir(cfg: RunConfig) -> None:
+def check_checkpoint_dir(cfg: RunConfig, kind: str) -> None:
     """--checkpoint-dir: a writable folder, empty unless --resume continues its checkpoints
-    (jaxdist/checkpoint.py). A dry run writes none, and --layout ps refuses the flag."""
-    if cfg.checkpoint.checkpoint_dir and not cfg.output.dry_run and cfg.train.layout != "ps":
+    (jaxdist/checkpoint.py). Only a mesh run writes any: a plan writes none, and the
+    parameter server refuses the flag."""
+    if cfg.checkpoint.checkpoint_dir and kind == job.MESH:
         from jaxdist.checkpoint import check_directory, identity
         check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume, identity(cfg))
 

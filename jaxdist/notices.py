@@ -43,13 +43,18 @@ _NOT_IN_DRY_RUN = ("steps", "warmup", "batch_size", "microbatches", "eval_every"
 
 
 def _ps(cfg: RunConfig) -> bool:
-    return cfg.train.layout == "ps"
+    """The layout runs out of process (the parameter server): the layout registry's fact."""
+    return _facts(cfg).out_of_process
 
 
 def _pipelined(c: RunConfig) -> bool:
-    from sharding.pipeline import PIPELINE_LAYOUTS  # the layout registry's (imports jax)
+    return _facts(c).pipelined
 
-    return c.train.layout in PIPELINE_LAYOUTS
+
+def _facts(cfg: RunConfig):
+    from sharding.registry import facts  # the layout registry's (imports jax)
+
+    return facts(cfg.train.layout)
 
 
 _DRY_RUN_ONLY = "a training run, not --dry-run (which plans memory from shapes only)"
@@ -135,7 +140,7 @@ def disk_notices(cfg: RunConfig) -> list[str]:
     files (this run writes beside them). Read once the input is known to be valid."""
     lines = []
     ck = cfg.checkpoint
-    if ck.resume and ck.checkpoint_dir and not cfg.output.dry_run and cfg.train.layout != "ps":
+    if ck.resume and ck.checkpoint_dir and not cfg.output.dry_run and not _ps(cfg):
         folder = Path(ck.checkpoint_dir)
         if not _checkpoint_steps(folder):
             what = "does not exist yet" if not folder.exists() else "holds no checkpoint"

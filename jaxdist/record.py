@@ -176,6 +176,25 @@ class RecordError(ValueError):
     """A file that is not a run's results.json."""
 
 
+def layout_facts(results: dict) -> dict:
+    """What a run's layout is (`layout_facts`, written from the layout registry by
+    jaxdist.record_builder; docs/results.md). A record without the block, read leniently
+    from itself: a parameter-server run's mesh counts workers, a pipeline's record has a
+    `pipeline` block, a replicated state has no sharded bytes."""
+    got = results.get("layout_facts")
+    if isinstance(got, dict):
+        return {**LAYOUT_FACTS, **got}
+    mesh, sharding = results.get("mesh") or {}, results.get("sharding") or {}
+    workers = isinstance(mesh, dict) and "workers" in mesh
+    return {**LAYOUT_FACTS, "out_of_process": workers,
+            "pipelined": isinstance(results.get("pipeline"), dict),
+            "replicated": workers or sharding.get("sharded_bytes") == 0}
+
+
+LAYOUT_FACTS = {"out_of_process": False, "pipelined": False, "replicated": False,
+                "distributed_optimizer": False}
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One run's results.json, read: every figure a reader wants, named once. Properties read
@@ -232,8 +251,18 @@ class RunRecord:
         return self.results.get("layout", "?")
 
     @property
+    def out_of_process(self) -> bool:
+        """The layout ran in processes of its own (the parameter server): `layout_facts`."""
+        return layout_facts(self.results)["out_of_process"]
+
+    @property
+    def replicated(self) -> bool:
+        """Every device (every worker) held the whole train state: `layout_facts`."""
+        return layout_facts(self.results)["replicated"]
+
+    @property
     def ps_mode(self) -> str | None:
-        if self.layout != "ps":
+        if not self.out_of_process:
             return None
         return self._block("ps").get("mode") or self.cfg("ps", "ps_mode", "sync")
 
@@ -241,7 +270,7 @@ class RunRecord:
     def layout_mode(self) -> str:
         """The layout, parameter-server runs by mode: ps-sync / ps-async / ps-ssp
         (+slr: staleness-scaled learning rate)."""
-        if self.layout != "ps":
+        if not self.out_of_process:
             return self.layout
         mode = self.ps_mode
         slr = self._block("ps").get("staleness_lr", self.cfg("ps", "ps_staleness_lr", False))

@@ -29,9 +29,10 @@ def build(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int, 
 
 
 def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
-    """What the run is: schema_version, framework, layout, mesh, model, config."""
+    """What the run is: schema_version, framework, layout (and its facts), mesh, model,
+    config."""
     return {"schema_version": SCHEMA_VERSION, "framework": framework, "layout": layout,
-            "mesh": mesh,
+            **facts_of(layout), "mesh": mesh,
             "model": {"name": cfg.model.model, "params": params,
                       "flops_per_sample": model_cfg.flops_per_sample(),
                       "tokens_per_sample": model_cfg.tokens_per_sample,
@@ -49,13 +50,23 @@ def stopped_in_setup(layout: str, mesh: dict, cfg, signal: str, phase: str, step
     `"status": "interrupted"`, the phase and the steps done; no figure, since nothing ran
     (record.STOPPED_IN_SETUP is its schema)."""
     return {"schema_version": SCHEMA_VERSION, "framework": "jax", "layout": layout,
-            "mesh": mesh, "model": {"name": cfg.model.model}, "config": cfg.to_dict(),
+            **facts_of(layout), "mesh": mesh, "model": {"name": cfg.model.model},
+            "config": cfg.to_dict(),
             "status": "interrupted", "steps_done": steps_done,
             "interrupted": {"signal": signal, "received_here": True, "phase": phase,
                             "steps_planned": steps_planned, "timed_steps": 0},
             "step_time_s": {"n": 0, "reason": f"stopped by {signal} during {phase}, before "
                                               f"step {steps_done + 1}: no step was run"},
             "loss": []}
+
+
+def facts_of(layout: str) -> dict:
+    """`layout_facts`: what the layout registry says of the layout (what runs out of
+    process, what is pipelined, ...), so that readers of the record, which import no jax,
+    ask the facts and not the name; nothing for a name that is no layout here."""
+    from sharding.registry import recorded_facts
+    got = recorded_facts(layout)
+    return {} if got is None else {"layout_facts": got}
 
 
 def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | None) -> dict:

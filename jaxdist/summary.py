@@ -123,10 +123,13 @@ def format_markdown(results: dict) -> str:
 
 
 def dist_opt_text(p: dict) -> str:
-    """' + distributed optimizer' where a run or plan has it and its layout's name does not
-    say so (zero1 is ddp with it)."""
-    return (" + distributed optimizer" if p.get("distributed_optimizer") and
-            p.get("layout") != "zero1" else "")
+    """' + distributed optimizer' where a run or plan has it and its layout is not defined
+    by it (zero1 is ddp with it: its name says so; the layout registry's fact)."""
+    if not p.get("distributed_optimizer"):
+        return ""
+    from sharding.registry import facts
+    own = facts(p["layout"]).distributed_optimizer is True
+    return "" if own else " + distributed optimizer"
 
 
 def _parts_text(parts: dict | None) -> str:

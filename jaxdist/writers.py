@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from jaxdist.files import write_json
-from jaxdist.record import mesh_spec, pipeline_schedule
+from jaxdist.record import layout_facts, mesh_spec, pipeline_schedule
 from jaxdist.summary import format_markdown
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
@@ -247,7 +247,7 @@ def run_hparams(results: dict) -> dict:
         "framework": results.get("framework"), "backend": env.get("backend"),
         "simulated": env.get("simulated"),
     }
-    if results["layout"] == "ps":
+    if layout_facts(results)["out_of_process"]:
         ps = cfg.get("ps") or {}
         hp.update(ps_mode=ps.get("ps_mode"), ps_shards=ps.get("ps_shards"),
                   ps_staleness=ps.get("staleness") if ps.get("ps_mode") == "ssp" else None)

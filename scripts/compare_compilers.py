@@ -72,12 +72,14 @@ def main(argv=None) -> int:
     from jaxdist.hardware import get_hardware
     from jaxdist.mesh import parse_mesh
     from jaxdist.summary import human_bytes
+    from sharding.registry import facts
 
     hw = get_hardware(args.hardware)
     for layout in args.layouts.split(","):
         mesh, opts, mb = CASES[layout]
         mesh = args.mesh or ("1" if args.with_device else mesh)
-        model = args.model or ("moe-tiny" if layout == "ep" else "gpt-tiny")
+        families = facts(layout).families or ("gpt",)  # the layout registry's
+        model = args.model or ("gpt-tiny" if "gpt" in families else f"{families[0]}-tiny")
         cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
                         model=ModelConfig(model=model, dtype="bfloat16",
                                           model_opts=opts if args.model_opts is None

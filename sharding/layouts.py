@@ -81,7 +81,7 @@ HSDP_TRAFFIC = Analytic("inside an fsdp group of F: all-gather + reduce-scatter,
 
 @register_layout("ddp", "parameters and optimizer state replicated; gradients all-reduced "
                  "(--distributed-optimizer: zero1)", distributed_optimizer=False,
-                 analytic=DDP_TRAFFIC)
+                 analytic=DDP_TRAFFIC, replicated=True)
 def ddp(state, mesh: Mesh):
     return replicated(state)
 
@@ -106,7 +106,8 @@ def hsdp(state, mesh: Mesh):
 
 
 @register_layout("ps", "parameter server: gRPC shard servers hold parameters and optimizer "
-                 "state; inside each worker the state is replicated")
+                 "state; inside each worker the state is replicated", out_of_process=True,
+                 replicated=True)
 def ps(state, mesh: Mesh):
     return replicated(state)
 

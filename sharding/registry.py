@@ -48,6 +48,8 @@ class LayoutFacts:
     sequence_parallel: bool
     tp_comm_chunks: int
     analytic: Analytic | None
+    out_of_process: bool
+    replicated: bool
 
 
 _FACTS: dict[str, LayoutFacts] = {}
@@ -58,7 +60,8 @@ _ORDER = ("data", "fsdp", "tensor", "expert")
 def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
                     requires=(), min_devices=1, distributed_optimizer=None,
                     gathers_weights=False, pipelined=False, sequence_parallel=False,
-                    tp_comm_chunks=1, analytic: Analytic | None = None):
+                    tp_comm_chunks=1, analytic: Analytic | None = None,
+                    out_of_process=False, replicated=False):
     """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
     `families`: the model families it applies to (None: all); `requires`: axes that must be
     larger than 1, without which the layout would silently be plain replication;
@@ -73,14 +76,18 @@ def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), fam
     (Megatron's, over the tensor axis); `tp_comm_chunks`: the slices --tp-comm-chunks 0
     (auto) splits each device's batch into under sequence parallelism, where the micro-batch
     divides (jaxdist.run_model); `analytic`: its parameter and gradient traffic
-    (jaxdist.program.comm sets it beside what the compiled program moves)."""
+    (jaxdist.program.comm sets it beside what the compiled program moves);
+    `out_of_process`: its training runs in processes of its own (the parameter server's
+    shard servers and workers, ps.driver), not as one mesh program in this one;
+    `replicated`: every device (every worker) holds the whole train state, data parallelism
+    at its plainest (the synchronous baseline a parameter server is compared with)."""
     def wrap(fn: SpecFn) -> SpecFn:
         if name in _FACTS:
             raise ValueError(f"layout {name!r} registered twice")
         _FACTS[name] = LayoutFacts(
             name, description, fn, tuple(mesh_axes), tuple(families) if families else None,
             tuple(requires), min_devices, distributed_optimizer, gathers_weights, pipelined,
-            sequence_parallel, tp_comm_chunks, analytic)
+            sequence_parallel, tp_comm_chunks, analytic, out_of_process, replicated)
         return fn
     return wrap
 
@@ -89,6 +96,17 @@ def facts(name: str) -> LayoutFacts:
     if name not in _FACTS:
         raise UsageError(unknown("layout", name, _FACTS))
     return _FACTS[name]
+
+
+def recorded_facts(name: str) -> dict | None:
+    """The facts a run's record keeps beside its layout's name (results.json
+    `layout_facts`, docs/results.md), so that its readers, which import no jax, ask the
+    facts instead of the name; None for a name that is no layout here (a PyTorch strategy
+    of its own)."""
+    f = _FACTS.get(name)
+    return None if f is None else {
+        "out_of_process": f.out_of_process, "pipelined": f.pipelined,
+        "replicated": f.replicated, "distributed_optimizer": f.distributed_optimizer is True}
 
 
 def layouts_where(**fields) -> tuple[str, ...]:

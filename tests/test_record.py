@@ -62,7 +62,8 @@ def test_record_of_a_parameter_server_run(produced):
 
 # The blocks record_builder.build writes first, in this order, for every producer (the PyTorch
 # reference's record: tests/test_torch_ref.py)
-BUILT = ["schema_version", "framework", "layout", "mesh", "model", "config", "status",
+BUILT = ["schema_version", "framework", "layout", "layout_facts", "mesh", "model", "config",
+         "status",
          "steps_done", "interrupted", "env", "compile_s", "step_time_s", "warmup_step_time_s",
          "throughput", "mfu", "memory", "sharding", "loss", "comm", "power", "window"]
 
@@ -77,6 +78,12 @@ def test_mesh_and_ps_records_come_from_the_one_builder(produced):
         assert list(d)[:len(BUILT)] == BUILT and own in list(d)[len(BUILT):]
         assert check(d) == [] and (d["status"], d["interrupted"]) == ("complete", None)
         assert d["steps_done"] == len(d["loss"]) == 4
+        # the layout registry's facts, which the readers ask instead of the name
+        ps = own == "ps"
+        assert d["layout_facts"] == {"out_of_process": ps, "pipelined": False,
+                                     "replicated": ps, "distributed_optimizer": False}
+        r = RunRecord.load(run_dir)
+        assert (r.out_of_process, r.replicated) == (ps, ps)
 
 
 def test_the_schema_doc_has_a_row_for_every_key_the_builder_writes():
@@ -243,3 +250,24 @@ def test_a_diverged_run_writes_standard_json(tmp_path, monkeypatch, capsys):
     assert results["loss"][0] > 0 and None in results["loss"] and check(results) == []
     record = RunRecord.load(tmp_path / "run", require_valid=True)
     assert len(record.loss) == 3 and math.isnan(record.loss[-1])
+
+
+def test_layout_facts_of_a_record_without_them():
+    """A record written before `layout_facts` reads its layout's facts from itself: the
+    parameter server by its workers, a pipeline by its `pipeline` block, a replicated state
+    by no sharded bytes."""
+    from jaxdist.record import layout_facts
+
+    old = {"step_time_s": {"n": 1}}
+    ps = RunRecord(ROOT, {**old, "layout": "ps", "mesh": {"workers": 2, "devices_per_worker": 1}})
+    ddp = RunRecord(ROOT, {**old, "layout": "ddp", "mesh": {"data": 2},
+                           "sharding": {"sharded_bytes": 0}})
+    fsdp = RunRecord(ROOT, {**old, "layout": "fsdp", "mesh": {"data": 2},
+                            "sharding": {"sharded_bytes": 64}})
+    assert [(r.out_of_process, r.replicated) for r in (ps, ddp, fsdp)] == \
+        [(True, True), (False, True), (False, False)]
+    assert (ps.layout_mode, ps.ps_mode, ddp.layout_mode) == ("ps-sync", "sync", "ddp")
+    assert layout_facts({"pipeline": {"schedule": "gpipe"}})["pipelined"] is True
+    assert layout_facts({**old, "layout_facts": {"out_of_process": True}}) == {
+        "out_of_process": True, "pipelined": False, "replicated": False,
+        "distributed_optimizer": False}

@@ -235,33 +235,84 @@ def test_analysis_imports_no_jax_nor_anything_that_does():
     assert bad == []
 
 
-def test_no_module_outside_sharding_branches_on_a_mesh_layouts_name():
-    """Layout facts live in the layout registry (sharding.registry.LayoutFacts: pipelined,
-    sequence_parallel, gathers_weights, tp_comm_chunks, analytic traffic, mesh axes): no
-    comparison of a layout with a mesh layout's name elsewhere. The parameter server ("ps")
-    is the one layout whose runtime is not a mesh program, so checks for it stay; analysis/
-    reads records without jax (so without the registry) and selects rows by the strategy a
-    paper names; jaxdist.summary prints zero1 without "+ distributed optimizer" (its name
-    says so)."""
+def _names_a_layout(node: ast.AST) -> bool:
+    """An expression that holds a layout's name: one that reads a name, an attribute or a
+    key called *layout* (`layout`, `x.layout`, `x["layout"]`, `x.get("layout")`,
+    `get_layout(...).name`); a PyTorch `strategy` is a namespace of its own."""
+    for n in ast.walk(node):
+        if (isinstance(n, ast.Name) and "layout" in n.id
+                or isinstance(n, ast.Attribute) and "layout" in n.attr
+                or isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
+                and n.slice.value == "layout"
+                or isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "get" and n.args and isinstance(n.args[0], ast.Constant)
+                and n.args[0].value == "layout"):
+            return True
+    return False
+
+
+def _literal_names(node: ast.AST) -> set:
+    """The strings of a literal: "ps", ("ps", "ddp"), {"tp_pp": ...} (a table's keys)."""
+    elts = (node.keys if isinstance(node, ast.Dict) else node.elts
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node])
+    return {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def layout_name_comparisons(source: str, names: set, where: str = "") -> list[str]:
+    """Where `source` (a module's text; `where` names it) asks a layout's name instead of
+    the registry's facts: `==`, `!=`, `in`, `not in` between an expression holding a
+    layout's name and a literal naming a registered layout, and a literal table keyed by
+    layout names looked up by one (`{...}.get(layout)`, `{...}[layout]`)."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            hit = any(map(_names_a_layout, sides)) and any(
+                _literal_names(s) & names for s in sides if not _names_a_layout(s))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            hit = (node.func.attr == "get" and isinstance(node.func.value, ast.Dict)
+                   and bool(node.args) and _names_a_layout(node.args[0])
+                   and bool(_literal_names(node.func.value) & names))
+        elif isinstance(node, ast.Subscript):
+            hit = (isinstance(node.value, ast.Dict) and _names_a_layout(node.slice)
+                   and bool(_literal_names(node.value) & names))
+        else:
+            continue
+        if hit:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:90]}")
+    return found
+
+
+def test_no_module_outside_sharding_compares_a_layouts_name():
+    """Layout facts live in the layout registry (sharding.registry.LayoutFacts: out of
+    process, pipelined, replicated, the distributed optimizer, sequence parallel, gathered
+    weights, mesh axes, analytic traffic); a run's record keeps them (`layout_facts`,
+    jaxdist.record.layout_facts) for the readers that import no jax. So no product module
+    (jaxdist, ps, experiments, analysis, scripts) compares a layout's name with a
+    registered one, by `==`, `!=`, `in` or a table looked up by it. The tests name layouts
+    to choose what they expect of one; a PyTorch strategy (experiments.torch_run) is a
+    namespace of its own."""
     from sharding.registry import layout_names
 
-    mesh_layouts = set(layout_names()) - {"ps"}
-    allowed = {"jaxdist.summary"}
-    found = []
-    for name, path in source_modules(("jaxdist", "ps", "experiments")).items():
-        if name in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Compare):
-                continue
-            sides = [node.left, *node.comparators]
-            if not any("layout" in ast.unparse(side) for side in sides):
-                continue
-            names = {c.value for side in sides for c in ast.walk(side)
-                     if isinstance(c, ast.Constant) and isinstance(c.value, str)}
-            if names & mesh_layouts:
-                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    names = set(layout_names())
+    found = [hit for pkg in ("jaxdist", "ps", "experiments", "analysis", "scripts")
+             for path in sorted((ROOT / pkg).rglob("*.py"))
+             for hit in layout_name_comparisons(path.read_text(), names,
+                                                str(path.relative_to(ROOT)))]
     assert found == []
+
+
+def test_the_layout_name_check_sees_each_form():
+    """The check above finds every form it names, and not a PyTorch strategy's."""
+    names = {"ps", "ddp", "tp_pp"}
+    bad = ['cfg.train.layout == "ps"', 'results.get("layout") == "ps"',
+           'r.layout in ("ps", "ddp")', 'p.get("layout") != "ddp"', 'r["layout"] == "tp_pp"',
+           'layout not in ["ddp"]', 'get_layout(n).name == "ddp"',
+           '{"tp_pp": "tensor"}.get(layout)', '{"ddp": 1}[r.layout]']
+    ok = ['job["strategy"] == "ddp"', 'layout == "fsdp"', '"ps" in results',
+          'r.layout == other', '{"ddp": 1}.get(strategy)', 'basis("tp") == "layout tp"']
+    found = layout_name_comparisons("\n".join(bad + ok), names)
+    assert [f.split(": ", 1)[1] for f in found] == [ast.unparse(ast.parse(e)) for e in bad]
 
 
 def test_programs_compile_in_one_place():

@@ -192,11 +192,11 @@ def step_program(cfg, model_cfg, mesh):
     from jaxdist.pipeline.program import build_pipeline_program
     from jaxdist.train_step import build_program, make_optimizer
     from sharding import get_layout
-    from sharding.pipeline import PIPELINE_LAYOUTS
+    from sharding.registry import facts
 
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    if cfg.train.layout in PIPELINE_LAYOUTS:
+    if facts(cfg.train.layout).pipelined:
         return build_pipeline_program(
             model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
             cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
