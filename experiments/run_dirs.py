@@ -14,7 +14,7 @@ from pathlib import Path
 from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.files import ensure_writable_dir
-from jaxdist.record import pipeline_schedule
+from jaxdist.record import pipeline_schedule, read_results
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _status(results_json: Path) -> tuple[str | None, dict]:
     if not results_json.exists():
         return None, {}
     try:
-        results = json.loads(results_json.read_text())
+        results = read_results(results_json)
         saved = results.get("config") or {}
         folder = (results.get("checkpoint") or {}).get("directory")
         if folder:
