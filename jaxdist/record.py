@@ -1,7 +1,7 @@
 """results.json, a run's record, in one place: its schema (documented in docs/results.md), a
-checker, and `RunRecord`, the typed read view every reader uses (the report,
-compare, the suite); the one builder every producer writes with is jaxdist.record_builder.
-Imports no jax: readers start without it."""
+checker, `read_results`, the one parse of the file, and `RunRecord`, the typed read view over
+it that every reader uses (the report, compare, the suite, the tests); the one builder every
+producer writes with is jaxdist.record_builder. Imports no jax: readers start without it."""
 
 from __future__ import annotations
 
