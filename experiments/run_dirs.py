@@ -15,7 +15,7 @@ from jaxdist.config import RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.files import ensure_writable_dir
 from jaxdist.job import PLAN, PS, kind_of, out_of_process
-from jaxdist.record import pipeline_schedule
+from jaxdist.record import pipeline_schedule, read_results
 
 
 @dataclass
@@ -167,7 +167,7 @@ def _status(results_json: Path) -> tuple[str | None, dict]:
     if not results_json.exists():
         return None, {}
     try:
-        results = json.loads(results_json.read_text())
+        results = read_results(results_json)
         saved = results.get("config") or {}
         folder = (results.get("checkpoint") or {}).get("directory")
         if folder:

@@ -1,7 +1,7 @@
 """results.json, a run's record, in one place: its schema (documented in docs/results.md), a
-checker, and `RunRecord`, the typed read view every reader uses (the report,
-compare, the suite); the one builder every producer writes with is jaxdist.record_builder.
-Imports no jax: readers start without it."""
+checker, `read_results`, the one parse of the file, and `RunRecord`, the typed read view over
+it that every reader uses (the report, compare, the suite, the tests); the one builder every
+producer writes with is jaxdist.record_builder. Imports no jax: readers start without it."""
 
 from __future__ import annotations
 
@@ -195,6 +195,32 @@ LAYOUT_FACTS = {"out_of_process": False, "pipelined": False, "replicated": False
                 "distributed_optimizer": False}
 
 
+def results_file(path) -> Path:
+    """`path` itself, or the results.json in it where it is a run directory."""
+    path = Path(path)
+    return path / "results.json" if path.is_dir() else path
+
+
+def read_results(path, standard: bool = False) -> dict:
+    """The object in a results.json (`path`, or the run directory holding one), unchecked:
+    the one parse of a run's record, for readers that take any record as it is (a partial or
+    hand-edited one included); RunRecord.load checks it. RecordError when it is not JSON or
+    not an object; with `standard`, also where it has a token standard JSON lacks (NaN,
+    Infinity), which results.json never holds."""
+
+    def refuse(token):
+        raise ValueError(f"{token} is not standard JSON")
+
+    try:
+        results = json.loads(results_file(path).read_text(),
+                             **({"parse_constant": refuse} if standard else {}))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError(f"not JSON ({e})") from None
+    if not isinstance(results, dict):
+        raise RecordError("not a jaxdist results.json (not an object)")
+    return results
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One run's results.json, read: every figure a reader wants, named once. Properties read
@@ -214,14 +240,8 @@ class RunRecord:
     def load(cls, path, name: str = "", require_valid: bool = False) -> "RunRecord":
         """Read `path` (a results.json, or the run directory holding one). RecordError when
         it is not JSON or not a run's record (with `require_valid`: any schema problem)."""
-        path = Path(path)
-        file = path / "results.json" if path.is_dir() else path
-        try:
-            results = json.loads(file.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise RecordError(f"not JSON ({e})") from None
-        if not isinstance(results, dict):
-            raise RecordError("not a jaxdist results.json (not an object)")
+        file = results_file(path)
+        results = read_results(file)
         problems = check(results) if require_valid else (
             [] if "step_time_s" in results or results.get("status") == "interrupted"
             else ["step_time_s: missing"]) + check_types(results)

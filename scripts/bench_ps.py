@@ -23,7 +23,6 @@ ps-sync / ddp step time printed beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -202,6 +201,8 @@ def ps_roundtrip(nbytes: int, num_shards: int, repeats: int,
 
 def cli_run(args: list[str]) -> dict:
     """results.json of one `experiments.run`."""
+    from jaxdist.record import RunRecord
+
     with tempfile.TemporaryDirectory() as tmp:
         logdir = Path(tmp) / "run"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -210,7 +211,7 @@ def cli_run(args: list[str]) -> dict:
                               capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
-        return json.loads((logdir / "results.json").read_text())
+        return RunRecord.load(logdir).results
 
 
 def step_floor(r: dict, repeats: int) -> tuple[float, dict]:

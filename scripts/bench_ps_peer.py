@@ -20,7 +20,6 @@ Target: attacked / quiet p50 step time <= 1.5, with no data call over gRPC.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 PORTS = re.compile(r"serving on [^ ]+:(\d+), data port (\d+)")
 
@@ -103,6 +103,8 @@ class Peer(threading.Thread):
 
 
 def run(logdir: Path, args, attack: bool) -> dict:
+    from jaxdist.record import RunRecord
+
     cmd = [sys.executable, "-m", "experiments.run", "--layout", "ps", "--mesh", "2x1",
            "--ps-shards", "2", "--ps-mode", "sync", "--model", "mlp-tiny", "--batch-size", "16",
            "--warmup", "5", "--steps", str(args.steps), "--ps-timeout-s", "20",
@@ -124,7 +126,7 @@ def run(logdir: Path, args, attack: bool) -> dict:
     if proc.returncode != 0:
         sys.exit(f"bench_ps_peer: the {'attacked' if attack else 'quiet'} run exited "
                  f"{proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-    r = json.loads((logdir / "results.json").read_text())
+    r = RunRecord.load(logdir).results
     return {"p50_s": r["step_time_s"]["p50"], "fallbacks": r["ps"].get("data_fallbacks", 0),
             "grpc_bytes": r["ps"]["bytes_by_transport"].get("grpc", 0),
             "peer_opens": peer.opens if peer else 0, "peer_held_max": peer.held_max if peer

@@ -15,7 +15,6 @@ can be rebuilt with `python -m experiments.compare <out>`.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from jaxdist.errors import OneLineParser
+from jaxdist.record import RunRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 # Per-model protocol: warm-up and timed steps. gpt-small at batch 256 is ~1e12 FLOPs a step:
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
 def summary(out: Path, models, layouts) -> str:
     def sps(path):
-        return json.loads((path / "results.json").read_text())["throughput"]["samples_per_s"]
+        return RunRecord.load(path).samples_per_s
 
     lines = ["## JAX/PyTorch throughput ratio per repeat (>= 1.0: JAX at least as fast)", "",
              "| model | layout | JAX samples/s | PyTorch samples/s | ratio (median) | "

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from jaxdist import procs  # noqa: E402
 from jaxdist.errors import OneLineParser  # noqa: E402
+from jaxdist.record import read_results  # noqa: E402
 from ps import wire  # noqa: E402
 from ps.security import TOKEN_ENV  # noqa: E402
 from ps.shard_client import ShardClient  # noqa: E402
@@ -133,7 +134,7 @@ def run_row(tmp: Path, mode: str, target: str, sig: signal.Signals) -> Row:
             row.held = rc != 0
         elif tolerated:
             results = logdir / "results.json"
-            r = json.loads(results.read_text()) if results.exists() else {}
+            r = read_results(results) if results.exists() else {}
             dead = [d["worker"] for d in r.get("ps", {}).get("dead_workers", [])]
             finite = bool(r) and all(x is not None and np.isfinite(x) for x in r["loss"])
             row.observed = f"exit {rc}, dead workers {dead}, {len(r.get('loss', []))} losses"

@@ -9,7 +9,6 @@ missed goal is a finding, not a missing figure.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,9 +16,11 @@ MiB = 2 ** 20
 
 
 def load(path: str) -> dict | None:
+    from jaxdist.record import read_results
+
     p = Path(path)
     f = p / "results.json" if p.is_dir() or not p.suffix else p
-    return json.loads(f.read_text()) if f.exists() else None
+    return read_results(f) if f.exists() else None
 
 
 def precision(r: dict) -> str:

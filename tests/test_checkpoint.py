@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxdist.checkpoint import Checkpointer
+from jaxdist.record import RunRecord
 from jaxdist.mesh import MeshShape
 from tests.helpers import ROOT, child_env, cli_main, train
 
@@ -64,7 +65,7 @@ def _complete_steps(directory):
 def test_resume_after_kill_9_continues_exactly(tmp_path, capsys):
     reference = cli_main(capsys, *ARGS, "--logdir", str(tmp_path / "ref"))
     assert reference.returncode == 0, reference.stderr
-    ref_loss = json.loads((tmp_path / "ref" / "results.json").read_text())["loss"]
+    ref_loss = RunRecord.load(tmp_path / "ref").results["loss"]
 
     ck = tmp_path / "ck"
     env = child_env()
@@ -90,7 +91,7 @@ def test_resume_after_kill_9_continues_exactly(tmp_path, capsys):
                        "--logdir", str(tmp_path / "resumed"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from checkpoint {k}" in resumed.stdout
-    results = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    results = RunRecord.load(tmp_path / "resumed").results
     assert results["start_step"] == k
     assert results["loss"] == ref_loss[k:]  # bit for bit: same program, data position, state
 
@@ -197,7 +198,7 @@ def test_resume_into_a_new_folder_that_gets_no_save_leaves_no_folder(tmp_path, c
                    "--logdir", str(tmp_path / "a"))
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
-    record = json.loads((tmp_path / "a" / "results.json").read_text())
+    record = RunRecord.load(tmp_path / "a").results
     assert record["checkpoint"]["saved_steps"] == [] and record["steps_done"] == 2
 
 
@@ -225,4 +226,4 @@ def test_a_full_disk_loses_nothing(tmp_path):
                               f"large; the previous one is kept") and out["results_kept"]
     assert not list(tmp_path.rglob("*.tmp")) and not list(ck.glob("*orbax-checkpoint-tmp*"))
     assert out["resumed"][0] == 0 and not (tmp_path / "b").exists()
-    assert json.loads((tmp_path / "c" / "results.json").read_text())["start_step"] == 2
+    assert RunRecord.load(tmp_path / "c").results["start_step"] == 2

@@ -3,7 +3,6 @@ dataset and layout; `--xla-flags VALUE` takes a value beginning with "--"; a fla
 nothing here is one notice line; a bad batch names the nearest valid sizes; the SLURM
 scripts log into a folder a fresh clone has."""
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -19,6 +18,7 @@ from jaxdist.data import DATASETS
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.notices import notices
+from jaxdist.record import RunRecord
 from models import model_names
 from sharding import layout_names
 from tests.helpers import run_cli
@@ -152,7 +152,7 @@ def test_notices_through_the_cli(tmp_path):
         "notice: --ps-shards applies only to --layout ps; ignored",
         "notice: --checkpoint-every 0: no checkpoint is saved in --checkpoint-dir unless the "
         "run is interrupted; add --checkpoint-every N to save every N steps"]
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert "--xla_backend_optimization_level=0" in results["env"]["xla_flags"].split()
     assert results["checkpoint"]["saved_steps"] == []
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from analysis import baselines
+from jaxdist.record import RunRecord
 from tests.helpers import ROOT, child_env, run_cli
 
 RUN_ARGS = ["--model", "mlp-tiny", "--batch-size", "32", "--warmup", "1", "--steps", "3"]
@@ -44,7 +45,7 @@ def mismatched_copy(src, dst, batch=None, matmul_precision=None):
     """A copy of a PyTorch run that claims another global batch or matmul precision: a
     deliberately mismatched counterpart."""
     shutil.copytree(src, dst)
-    results = json.loads((dst / "results.json").read_text())
+    results = RunRecord.load(dst).results
     if batch is not None:
         results["config"]["train"]["batch_size"] = batch
     if matmul_precision is not None:
@@ -69,15 +70,15 @@ def test_matched_pair_table_with_ratio(pair, tmp_path):
     ratio_cell = rows[2].split("|")[10].strip()
     assert "Runs without a counterpart" not in text
     # Same initial weights and batches: the first losses agree.
-    first = json.loads((jax_dir / "results.json").read_text())["loss"][0]
+    first = RunRecord.load(jax_dir).results["loss"][0]
     assert f"first loss JAX {first:.4f}, PyTorch {first:.4f}" in text
 
     assert (out / "compare.md").read_text() in text
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The ratios, recomputed from the two results.json files (one run per side: the median
     # is the run's own figure).
-    jax_res = json.loads((jax_dir / "results.json").read_text())
-    torch_res = json.loads((torch_dir / "results.json").read_text())
+    jax_res = RunRecord.load(jax_dir).results
+    torch_res = RunRecord.load(torch_dir).results
     expected_sps = jax_res["throughput"]["samples_per_s"] / torch_res["throughput"]["samples_per_s"]
     expected_p50 = jax_res["step_time_s"]["p50"] / torch_res["step_time_s"]["p50"]
     expected_state = (jax_res["memory"]["state_bytes_per_device"] /

@@ -241,8 +241,7 @@ def test_unknown_name():
 
 
 def test_cli_trains_on_cifar_files_and_reports_accuracy(tmp_path):
-    import json
-
+    from jaxdist.record import RunRecord
     from tests.helpers import run_cli
 
     write_cifar(tmp_path / "data", sizes=(16, 16, 16, 16, 16, 16))
@@ -250,7 +249,7 @@ def test_cli_trains_on_cifar_files_and_reports_accuracy(tmp_path):
                    "mlp-tiny", "--mesh", "2", "--batch-size", "8", "--steps", "4",
                    "--warmup", "1", "--eval-every", "5", "--logdir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = RunRecord.load(tmp_path / "run").results
     assert results["accuracy"] and 0.0 <= results["accuracy"][-1]["accuracy"] <= 1.0
 
 

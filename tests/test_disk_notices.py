@@ -7,6 +7,7 @@ import json
 
 from jaxdist.config import CheckpointConfig, OutputConfig, RunConfig
 from jaxdist.notices import disk_notices
+from jaxdist.record import RunRecord
 
 
 def test_resume_with_nothing_to_resume_says_the_run_starts_at_step_0(tmp_path):
@@ -62,5 +63,5 @@ def test_both_notices_through_the_cli(tmp_path, capsys):
         f"notice: --logdir {logdir} already holds other files (notes.txt); this run writes "
         f"its own beside them"]
     assert "starting afresh" not in out  # said once, before the compile
-    assert json.loads((logdir / "results.json").read_text())["start_step"] == 0
+    assert RunRecord.load(logdir).results["start_step"] == 0
     assert (logdir / "notes.txt").read_text() == "mine"

@@ -4,7 +4,6 @@
 predicted figures under `predicted/`. CPU timings here are functional only."""
 
 import dataclasses
-import json
 
 import jax
 import pytest
@@ -32,7 +31,7 @@ def test_cpu_run_says_why_there_is_no_prediction(tmp_path):
     r = run_cli("--layout", "ddp", "--mesh", "2", "--model", "mlp-tiny", "--steps", "2",
                 "--warmup", "1", "--logdir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = RunRecord.load(tmp_path / "run").results
     p = results["prediction"]
     assert p["label"] == "predicted" and p["available"] is False
     assert p["reason"].startswith("device_kind 'cpu' (cpu) is no part of jaxdist.parts")
@@ -46,7 +45,7 @@ def test_hardware_on_a_real_run_carries_prediction_and_ratio(tmp_path):
                 "--warmup", "1", "--batch-size", "4", "--hardware", "h200",
                 "--logdir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = RunRecord.load(tmp_path / "run").results
     assert check(results) == []
     p = RunRecord.load(tmp_path / "run").prediction
     assert (p["label"], p["hardware"], p["source"]) == ("predicted", "h200", "--hardware")

@@ -2,7 +2,6 @@
 writes results.json with status "interrupted" and exits 130 / 143 with one line; on two
 processes both stop on the same step (JAX's preemption sync point)."""
 
-import json
 import os
 import re
 import signal
@@ -75,7 +74,7 @@ def test_one_process_stops_writes_results_and_checkpoint(tmp_path, signum, code)
     assert len(line) == 1 and LINE.match(line[0]), err
     assert "resume with the same command plus --resume" in line[0]
     steps = int(LINE.match(line[0]).group(2))
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["status"] == "interrupted"
     assert results["interrupted"]["signal"] == signal.Signals(signum).name
     assert results["steps_done"] == steps == len(results["loss"])
@@ -121,7 +120,7 @@ def test_sigterm_after_10000_steps_leaves_the_record(tmp_path):
     assert "Traceback" not in text
     line = re.findall(r"^run: interrupted by SIGTERM after (\d+) of 1000000 steps", text, re.M)
     assert len(line) == 1, text[-2000:]
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["status"] == "interrupted" and results["interrupted"]["signal"] == "SIGTERM"
     assert reached <= results["steps_done"] == int(line[0]) == len(results["loss"])
     print(f"{results['steps_done']} steps; SIGTERM to exit {exit_s:.2f} s")
@@ -155,7 +154,7 @@ def test_two_processes_stop_on_the_same_step(tmp_path):
         lines.append(next(LINE.match(ln) for ln in err.splitlines() if LINE.match(ln)))
     assert lines[target].group(1) == name
     assert lines[0].group(2) == lines[1].group(2)  # the same step on both
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["status"] == "interrupted"
     assert results["steps_done"] == int(lines[0].group(2)) == len(results["loss"])
     assert results["interrupted"]["timed_steps"] == results["steps_done"]
@@ -202,7 +201,7 @@ def test_stopped_in_warmup_has_no_step_figures(tmp_path, monkeypatch):
     assert results["throughput"] == {"samples_per_s": None, "tokens_per_s": None}
     assert len(results["warmup_step_time_s"]) == 2
     assert results["power"]["available"] is False
-    on_disk = json.loads((tmp_path / "results.json").read_text())
+    on_disk = RunRecord.load(tmp_path).results
     assert on_disk["status"] == "interrupted" and on_disk["step_time_s"]["mean"] is None
 
 
@@ -217,7 +216,7 @@ def test_stopped_after_timed_steps_keeps_its_record_and_tensorboard_summary(tmp_
     results = _tiny_run(tmp_path, warmup=1, steps=10)
     assert results["status"] == "interrupted" and results["steps_done"] == 4
     assert results["step_time_s"]["n"] == 3 == results["interrupted"]["timed_steps"]
-    assert json.loads((tmp_path / "results.json").read_text())["steps_done"] == 4
+    assert RunRecord.load(tmp_path).results["steps_done"] == 4
     events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
     end = metadata.parse_session_end_info_plugin_data(
         events.SummaryMetadata(metadata.SESSION_END_INFO_TAG).plugin_data.content)
@@ -227,7 +226,7 @@ def test_stopped_after_timed_steps_keeps_its_record_and_tensorboard_summary(tmp_
 
 def test_a_complete_run_says_so(tmp_path):
     results = _tiny_run(tmp_path, warmup=1, steps=2)
-    on_disk = json.loads((tmp_path / "results.json").read_text())
+    on_disk = RunRecord.load(tmp_path).results
     assert on_disk["status"] == "complete" and on_disk["interrupted"] is None
     assert on_disk["steps_done"] == 3 == len(results["loss"])
 
@@ -313,7 +312,7 @@ def test_sigterm_during_a_long_compile_stops_within_10_s(tmp_path):
                          r"XLA compile), before step 1 \(0 of 1 steps done\); "
                          + re.escape(str(record)) + r" records it\n", err)
     assert phase, err
-    results = json.loads(record.read_text())
+    results = RunRecord.load(record).results
     assert check(results) == []
     assert (results["status"], results["steps_done"], results["loss"]) == ("interrupted", 0, [])
     assert results["interrupted"]["phase"] == phase.group(1)

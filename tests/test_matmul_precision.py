@@ -2,7 +2,6 @@
 and compiled step carries the precision; bfloat16 compute is left alone), experiments.run
 records it in results.json, and a bad value is a one-line error."""
 
-import json
 import re
 
 import jax
@@ -10,6 +9,7 @@ import pytest
 
 from jaxdist.data import TrainStream
 from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.record import RunRecord
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
@@ -60,7 +60,7 @@ def test_run_records_the_precision(tmp_path):
                    "--batch-size", "8", "--warmup", "0", "--steps", "1",
                    "--matmul-precision", "highest", "--logdir", str(logdir))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["config"]["model"]["matmul_precision"] == "highest"
 
 

@@ -1,13 +1,13 @@
 """Multi-host on one machine: 2 processes x 4 CPU devices under jax.distributed (gloo) must
 equal 1 process x 8 devices, and a peer that never starts gives a one-line error in time."""
 
-import json
 import subprocess
 import sys
 import time
 
 import pytest
 
+from jaxdist.record import RunRecord
 from tests.helpers import ROOT, child_env, cli_main, run_cli
 
 COMMON = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3"]
@@ -30,8 +30,8 @@ def test_two_processes_equal_one(tmp_path, layout, mesh, hosts):
     two = launch("--processes", "2", "--", "--layout", layout, "--mesh", mesh, *COMMON,
                  "--logdir", str(tmp_path / "two"))
     assert two.returncode == 0, two.stdout + two.stderr
-    a = json.loads((tmp_path / "one" / "results.json").read_text())
-    b = json.loads((tmp_path / "two" / "results.json").read_text())
+    a = RunRecord.load(tmp_path / "one").results
+    b = RunRecord.load(tmp_path / "two").results
     assert b["env"]["num_processes"] == 2 and a["env"]["num_processes"] == 1
     if hosts:
         assert b["env"]["hosts_per_axis"] == hosts

@@ -406,9 +406,7 @@ def test_notices_for_pp_flags():
 def test_cli_run_records_pipeline(tmp_path):
     """A pp run end to end: results.json's pipeline block, the comm block's stage bytes and
     the TensorBoard scalars."""
-    import json
-
-    from jaxdist.record import check
+    from jaxdist.record import RunRecord, check
     from tests.helpers import read_scalars, run_cli
 
     logdir = tmp_path / "pp"
@@ -416,7 +414,7 @@ def test_cli_run_records_pipeline(tmp_path):
                    "--batch-size", "8", "--warmup", "0", "--steps", "2",
                    "--logdir", str(logdir))
     assert proc.returncode == 0, proc.stderr
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert check(results) == []
     pp = results["pipeline"]
     assert (pp["schedule"], pp["stages"], pp["virtual"], pp["microbatches"]) == \
@@ -496,10 +494,8 @@ def test_pipeline_plan_stashes_what_a_named_policy_keeps(remat, widths):
 def test_run_records_uneven_stages(tmp_path):
     """An uneven pp run in this process: results.json's pipeline block records the split;
     both stages hold two block slots (stage 0 one of them padding: equal shards)."""
-    import json
-
     from experiments.run import main
-    from jaxdist.record import check
+    from jaxdist.record import RunRecord, check
 
     logdir = tmp_path / "pp"
     # 8 devices: the count this process's backend started with (tests/conftest.py)
@@ -507,7 +503,7 @@ def test_run_records_uneven_stages(tmp_path):
                  "--pp-stage-blocks", "1,2", "--pp-schedule", "gpipe", "--microbatches", "2",
                  "--batch-size", "8", "--warmup", "0", "--steps", "1", "--no-progress",
                  "--logdir", str(logdir)]) == 0
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert check(results) == []
     pp = results["pipeline"]
     assert (pp["stage_blocks"], pp["chunk_blocks"]) == ([1, 2], [[1], [2]])

@@ -2,13 +2,13 @@
 library) stands in for a GPU, since none exists here; scripts/gpu_check.sh runs the real one."""
 
 import csv
-import json
 import time
 
 import jax
 import pytest
 
 from jaxdist import loop, telemetry
+from jaxdist.record import RunRecord
 from jaxdist.summary import format_summary
 from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
                             OutputConfig, RunConfig, TrainConfig)
@@ -49,7 +49,7 @@ def test_loop_fills_the_power_block(tmp_path, fake_gpu):
     assert (tmp_path / "power" / "window.png").stat().st_size > 0
     scalars = read_scalars(tmp_path)
     assert "power/gpu0/power_w" in scalars
-    on_disk = json.loads((tmp_path / "results.json").read_text())
+    on_disk = RunRecord.load(tmp_path).results
     assert on_disk["power"]["available"] is True
 
 

@@ -14,6 +14,7 @@ import time
 import grpc
 import pytest
 
+from jaxdist.record import RunRecord
 from ps import wire
 from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
@@ -239,13 +240,13 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
     first = [json.loads((tmp_path / "attacked" / "ps" / f"worker{w}.json").read_text())
              for w in range(2)]
     assert all(attack.started_unix < w["window"]["start_unix_s"] for w in first)
-    losses = [json.loads((tmp_path / d / "results.json").read_text())["loss"]
+    losses = [RunRecord.load(tmp_path / d).results["loss"]
               for d in ("quiet", "attacked")]
     assert len(losses[0]) == 12 and losses[0] == losses[1]
     assert sum(w["data_fallbacks"] for w in first) == 0
     # item 7: every push and pull fit one message, so the data ports carried all of it
     for d in ("quiet", "attacked"):
-        r = json.loads((tmp_path / d / "results.json").read_text())
+        r = RunRecord.load(tmp_path / d).results
         ps = r["ps"]
         moved = sum(json.loads((tmp_path / d / "ps" / f"worker{w}.json").read_text())[k]
                     for w in range(2) for k in ("push_bytes", "pull_bytes"))
@@ -343,7 +344,7 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, out[-3000:]
-    assert len(json.loads((logdir / "results.json").read_text())["loss"]) == 12
+    assert len(RunRecord.load(logdir).results["loss"]) == 12
     assert "no token" not in out
 
 
@@ -411,7 +412,7 @@ def test_sigterm_after_50000_steps_of_a_ps_run_leaves_its_record(tmp_path):
     assert on_disk >= reached - CHUNK_STEPS
     lines = [ln for ln in err.splitlines() if ln.startswith("run:")]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    r = json.loads((logdir / "results.json").read_text())
+    r = RunRecord.load(logdir).results
     assert r["status"] == "interrupted" and r["interrupted"]["signal"] == "SIGTERM"
     assert reached <= r["steps_done"] < total and len(r["loss"]) == r["steps_done"]
     assert r["step_time_s"]["n"] == r["steps_done"]
@@ -667,7 +668,7 @@ def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_
         peer.join(10)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert peer.held_max > nofile  # more than a shard could have had descriptors for
-    r = json.loads((tmp_path / "results.json").read_text())
+    r = RunRecord.load(tmp_path).results
     assert len(r["loss"]) == 12
     assert r["ps"]["data_fallbacks"] == 0 and r["ps"]["bytes_by_transport"]["grpc"] == 0
     for k in range(2):

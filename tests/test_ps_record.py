@@ -6,7 +6,6 @@ One real 2-worker async PS run (shard and workers in their own processes on 127.
 one 2-rank PyTorch run, both mlp-tiny with a few steps."""
 
 import copy
-import json
 import re
 import subprocess
 import sys
@@ -33,7 +32,7 @@ def ps_run(tmp_path_factory):
                        "--warmup", str(WARMUP), "--steps", str(STEPS), "--logdir", str(logdir),
                        timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     workers = [read_worker(logdir / "ps" / f"worker{w}.json") for w in range(WORKERS)]
     return proc, logdir, results, workers
 
@@ -121,7 +120,7 @@ def test_torch_summary_says_why_every_figure_is_missing(tmp_path):
                      r"program, so no compiler bound\)\n", proc.stdout)
     assert re.search(r"\n  collectives per device/step +n/a \(not read for PyTorch: its collectives "
                      r"\(gloo/NCCL, eager\) are not analysed", proc.stdout)
-    r = json.loads((tmp_path / "t" / "results.json").read_text())
+    r = RunRecord.load(tmp_path / "t").results
     assert check(r) == [] and r["comm"] is None
     assert r["memory"]["compiled_reason"].startswith("eager PyTorch")
 

@@ -17,7 +17,7 @@ import pytest
 from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
-from jaxdist.record import check
+from jaxdist.record import RunRecord, check
 from jaxdist.procs import pids_alive, pids_mentioning
 from ps.series import read_worker
 from tests.helpers import child_env, cli_main, read_scalars, run_cli, train
@@ -40,7 +40,7 @@ def run_ps(logdir: Path, *args, fault: str = "", timeout=240):
 
 
 def results(logdir: Path) -> dict:
-    return json.loads((logdir / "results.json").read_text())
+    return RunRecord.load(logdir).results
 
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
+from jaxdist.record import RunRecord
 from ps import wire
 from ps.client import PSClient
 from ps.shard_client import PSError, ShardClient
@@ -522,7 +523,7 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     results = collect(cfg, parse_mesh("1x8"), tmp_path, stats, shard_map_for(cfg))
     assert results["power"]["available"] and results["power"]["energy_j"] == mine["energy_j"]
     assert re.search(r"\n  power / energy +avg \d+ W, [0-9.]+ J/step", format_summary(results))
-    assert json.loads((tmp_path / "results.json").read_text())["power"]["available"]
+    assert RunRecord.load(tmp_path).results["power"]["available"]
     assert "power/energy_per_step_j" in read_scalars(tmp_path)
     both = combine({0: mine, 1: mine})
     assert both["available"] is True and len(both["gpus"]) == 2

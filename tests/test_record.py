@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord, check
+from jaxdist.record import COMPILER_BOUND, RecordError, RunRecord, check, read_results
 from tests.helpers import ROOT, run_cli
 
 TINY = ["--model", "mlp-tiny", "--batch-size", "16", "--warmup", "1", "--steps", "3",
@@ -29,8 +29,8 @@ def produced(tmp_path_factory):
 
 def test_record_of_a_mesh_run(produced):
     run_dir = produced[0]
-    d = json.loads((run_dir / "results.json").read_text())
     r = RunRecord.load(run_dir)
+    d = r.results
     assert (r.path, r.name, r.status) == (run_dir, "fsdp", "complete")
     assert (r.framework, r.layout, r.layout_mode, r.group) == ("jax", "fsdp", "fsdp", "fsdp")
     assert (r.model, r.model_name, r.variant) == ("mlp-tiny", "mlp-tiny", "")
@@ -74,7 +74,7 @@ def test_mesh_and_ps_records_come_from_the_one_builder(produced):
     from jaxdist.record import check
 
     for run_dir, own in zip(produced, ("program", "ps")):
-        d = json.loads((run_dir / "results.json").read_text())
+        d = RunRecord.load(run_dir).results
         assert list(d)[:len(BUILT)] == BUILT and own in list(d)[len(BUILT):]
         assert check(d) == [] and (d["status"], d["interrupted"]) == ("complete", None)
         assert d["steps_done"] == len(d["loss"]) == 4
@@ -242,11 +242,7 @@ def test_a_diverged_run_writes_standard_json(tmp_path, monkeypatch, capsys):
                     "--warmup", "0", "--steps", "3", "--lr", "1e30", "--logdir", "run")
     assert proc.returncode == 0, proc.stderr
 
-    def refuse(token):
-        raise ValueError(f"{token} is not JSON")
-
-    results = json.loads((tmp_path / "run" / "results.json").read_text(),
-                         parse_constant=refuse)
+    results = read_results(tmp_path / "run", standard=True)  # NaN or Infinity: RecordError
     assert results["loss"][0] > 0 and None in results["loss"] and check(results) == []
     record = RunRecord.load(tmp_path / "run", require_valid=True)
     assert len(record.loss) == 3 and math.isnan(record.loss[-1])

@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from jaxdist.record import check
+from jaxdist.record import RunRecord, check
 from tests.helpers import child_env, cli_main, read_scalars, run_cli
 
 
@@ -24,7 +24,7 @@ def e2e(tmp_path_factory):
 def test_end_to_end_results_json(e2e):
     proc, logdir = e2e
     assert proc.returncode == 0, proc.stderr
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert check(results) == []
     assert results["layout"] == "fsdp"
     assert results["mesh"] == {"data": 4, "fsdp": 8}
@@ -54,7 +54,7 @@ def test_end_to_end_console(e2e):
 
 def test_end_to_end_tensorboard(e2e):
     _, logdir = e2e
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     scalars = read_scalars(logdir)
     loss = scalars["train/loss"]
     assert [step for step, _ in loss] == list(range(7))  # one per step

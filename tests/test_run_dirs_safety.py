@@ -16,6 +16,7 @@ from jaxdist.config import from_namespace
 from jaxdist.devices import select_devices
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
+from jaxdist.record import RunRecord
 from tests.helpers import cli_main, train
 from tests.test_interrupt import StopAfter
 
@@ -271,7 +272,7 @@ def test_interrupted_run_resumes_in_its_logdir(tmp_path, capsys):
     proc = cli_main(capsys, *args, "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from checkpoint 2" in proc.stdout
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["status"] == "complete"
     assert results["start_step"] == 2 and results["steps_done"] == 4
     assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [2]
@@ -285,7 +286,7 @@ def test_resume_without_checkpoint_dir_continues_the_logdirs_checkpoints(tmp_pat
     proc = cli_main(capsys, *args[:i], *args[i + 2:], "--resume")
     assert proc.returncode == 0, proc.stderr
     assert "resumed from checkpoint 2" in proc.stdout
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert results["status"] == "complete" and results["start_step"] == 2
 
 

@@ -4,12 +4,12 @@ coordinator and with JAX's SLURM auto-detection, each run's losses equal one pro
 all 8 devices. Skipped, saying why, where no SLURM answers (scripts/slurm/one_node_cluster.sh
 starts one; docs/multi-host.md)."""
 
-import json
 import shutil
 import subprocess
 
 import pytest
 
+from jaxdist.record import RunRecord
 from tests.helpers import ROOT, child_env, cli_main
 
 
@@ -39,12 +39,12 @@ def test_sbatch_two_tasks_equal_one_process(coord, tmp_path, capsys):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert job.returncode == 0, job.stderr + out[-3000:]
-    r = json.loads((logdir / "results.json").read_text())
+    r = RunRecord.load(logdir).results
     assert r["status"] == "complete" and r["env"]["num_processes"] == 2
     one = cli_main(capsys, "--layout", "fsdp", "--mesh", "2x4", "--model", "mlp-tiny",
                    "--platform", "cpu", "--batch-size", "16", "--warmup", "1", "--steps",
                    str(STEPS), "--logdir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    alone = json.loads((tmp_path / "one" / "results.json").read_text())
+    alone = RunRecord.load(tmp_path / "one").results
     assert len(r["loss"]) == 1 + STEPS  # the warm-up step, then the timed ones
     assert r["loss"] == pytest.approx(alone["loss"], rel=1e-6)

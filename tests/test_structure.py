@@ -348,3 +348,105 @@ def test_hlo_text_is_parsed_only_in_program_hlo():
                     isinstance(node, ast.ImportFrom) and node.module == "re":
                 found.append(f"{name}:{node.lineno}")
     assert found == [] and readers <= set(source_modules())
+
+
+RECORD_FILE = "results.json"
+
+
+def results_json_parses(source: str) -> list[int]:
+    """Lines of `source` where json.load(s) parses a run's record: its argument names
+    results.json, or a name bound (assigned, `with ... as`, a loop or comprehension target, a
+    parameter) in the same function or at module level to something that does, or a name
+    that says so (`results_json`, `results_file`)."""
+    tree = ast.parse(source)
+    loaders = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and node.module == "json" for a in node.names if a.name in ("load", "loads")}
+
+    def bindings(scope):
+        """(target names, value) of every binding in `scope` (nested scopes included)."""
+        for node in ast.walk(scope):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                yield targets, node.value
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                yield [node.target], node.iter
+            elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+                yield [node.optional_vars], node.context_expr
+
+    def names(nodes):
+        return {n.id for t in nodes for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    def tainted(scope, known: set[str]) -> set[str]:
+        found, grown = set(known), True
+        while grown:
+            grown = False
+            for targets, value in bindings(scope):
+                if value is not None and mentions(value, found) and not names(targets) <= found:
+                    found |= names(targets)
+                    grown = True
+        return found
+
+    def mentions(node, found: set[str]) -> bool:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and RECORD_FILE in n.value:
+                return True
+            name = n.id if isinstance(n, ast.Name) else n.arg if isinstance(n, ast.arg) else ""
+            if name in found or any(s in name.lower() for s in ("results_json", "results_file")):
+                return True
+        return False
+
+    top = ast.Module(body=[s for s in tree.body if not isinstance(
+        s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))], type_ignores=[])
+    module = tainted(top, set())  # module-level bindings reach every function
+    scopes = [top] + [n for n in ast.walk(tree)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    lines = set()
+    for scope in scopes:
+        found = tainted(scope, module)
+        for call in ast.walk(scope):
+            if not isinstance(call, ast.Call):
+                continue
+            f = call.func
+            if not (isinstance(f, ast.Attribute) and f.attr in ("load", "loads")
+                    and isinstance(f.value, ast.Name) and f.value.id == "json"
+                    or isinstance(f, ast.Name) and f.id in loaders):
+                continue
+            if any(mentions(arg, found) for arg in [*call.args, *call.keywords]):
+                lines.add(call.lineno)
+    return sorted(lines)
+
+
+def test_results_json_finder_finds_each_form():
+    source = '''
+import json
+from json import load as parse
+RESULTS = "results.json"
+a = json.loads((logdir / "results.json").read_text())
+def f(run):
+    record = run / RESULTS
+    return json.loads(record.read_text())
+def g(results_json):
+    return json.loads(results_json.read_text())
+def h(d):
+    with open(d / "results.json") as fh:
+        return parse(fh)
+def i(d):
+    return [json.loads(p.read_text()) for p in d.rglob("results.json")]
+def j(d):
+    return json.loads((d / "plan.json").read_text())
+'''
+    assert results_json_parses(source) == [5, 8, 10, 13, 15]
+
+
+def test_results_json_is_parsed_only_in_record():
+    """A run's record is read through jaxdist.record (RunRecord.load, or read_results for a
+    reader that takes any record as it is): no other module, script or test parses a
+    results.json with json.load(s)."""
+    found = []
+    for top in (*PACKAGES, "scripts", "tests"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == ROOT / "jaxdist" / "record.py":
+                continue
+            found += [f"{path.relative_to(ROOT)}:{line}"
+                      for line in results_json_parses(path.read_text())]
+    assert found == []

@@ -87,7 +87,7 @@ def test_suite_runs_records_failure_and_goes_on(suite_run):
     assert state["quick"] is True and state["counts"] == {"ok": 2, "failed": 1}
     for name in (NAMES[0], NAMES[2]):
         assert runs[name]["status"] == "ok" and runs[name]["seconds"] > 0
-        results = json.loads((out / name / "results.json").read_text())
+        results = RunRecord.load(out / name).results
         assert results["model"]["name"] == "mlp-tiny"
         assert results["step_time_s"]["n"] == 4           # the quick override applied
         assert results["env"]["simulated"] is True

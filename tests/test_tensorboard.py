@@ -23,6 +23,7 @@ from jaxdist import loop
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape, parse_mesh
+from jaxdist.record import RunRecord
 from jaxdist.writers import GIB, METRIC_PREFIX, run_hparams
 
 try:
@@ -151,7 +152,7 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
     assert sorted(rows) == sorted(LAYOUTS)
     assert len(groups["sessionGroups"]) == len(RUNS)  # no two runs merged into one row
     for layout, group in rows.items():
-        results = json.loads((logdir / layout / "results.json").read_text())
+        results = RunRecord.load(logdir / layout).results
         assert group["name"] == layout  # the row is named by the run's folder
         assert group["hparams"]["status"] == "complete"
         assert group["hparams"]["steps"] == str(WARMUP + STEPS)
@@ -195,7 +196,7 @@ def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_sho
             if g["hparams"]["layout"] == "pp"}
     assert sorted(rows) == sorted(SCHEDULES)
     for schedule, group in rows.items():
-        results = json.loads((logdir / f"pp-{schedule}" / "results.json").read_text())
+        results = RunRecord.load(logdir / f"pp-{schedule}").results
         assert group["hparams"]["mesh"] == "data:4,stage:2"  # pastes back into --mesh
         assert parse_mesh(group["hparams"]["mesh"]).axis_sizes == results["mesh"]
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
@@ -268,7 +269,7 @@ def test_rows_are_named_by_run_folder_and_say_whether_the_run_finished(server):
     assert {name: (hp["status"], hp["steps"]) for name, hp in rows.items()} == {
         **{run: ("complete", str(WARMUP + STEPS)) for run in RUNS if run != INTERRUPTED},
         INTERRUPTED: ("interrupted", "3 of 11")}
-    record = json.loads((logdir / INTERRUPTED / "results.json").read_text())
+    record = RunRecord.load(logdir / INTERRUPTED).results
     assert record["status"] == "interrupted"
 
 
@@ -320,4 +321,4 @@ def test_a_run_stopped_in_warmup_still_has_a_row_that_says_interrupted(tmp_path)
     tags = events.Tags()["scalars"]
     assert METRIC_PREFIX + "state_gib_per_device" in tags
     assert METRIC_PREFIX + "step_time_p50_s" not in tags  # blank, never a zero
-    assert json.loads((tmp_path / "results.json").read_text())["status"] == "interrupted"
+    assert RunRecord.load(tmp_path).results["status"] == "interrupted"

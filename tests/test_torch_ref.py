@@ -2,7 +2,6 @@
 (experiments/torch_run.py): equal parameter counts, equal losses from the same weights and
 batches, and a 2-process DDP / FSDP2 run on CPU that writes a schema-valid results.json."""
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.record import check
+from jaxdist.record import RunRecord, check
 from models import get_model
 from tests.helpers import ROOT, child_env, run_refusing_script
 
@@ -97,7 +96,7 @@ def runs(tmp_path_factory):
 def test_torch_run_writes_schema_valid_results(runs, strategy):
     proc, logdir = runs[strategy]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((logdir / "results.json").read_text())
+    results = RunRecord.load(logdir).results
     assert check(results) == []
     assert results["framework"] == "pytorch"
     assert results["layout"] == strategy
@@ -136,8 +135,8 @@ def test_torch_run_writes_schema_valid_results(runs, strategy):
 
 
 def test_ddp_and_fsdp_agree_and_fsdp_halves_state(runs):
-    ddp = json.loads((runs["ddp"][1] / "results.json").read_text())
-    fsdp = json.loads((runs["fsdp"][1] / "results.json").read_text())
+    ddp = RunRecord.load(runs["ddp"][1]).results
+    fsdp = RunRecord.load(runs["fsdp"][1]).results
     assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-5)
     # Same weights, same data: the first loss is the JAX model's (see test_compare too).
     assert fsdp["memory"]["state_bytes_per_device"] < 0.6 * ddp["memory"]["state_bytes_per_device"]
@@ -176,7 +175,7 @@ def test_a_rank_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     assert (logdir / "rank0" / "power" / "gpu_power_0.csv").stat().st_size > 0
     results = torch_run.assemble_results(cfg, model_cfg, job, [report])
     torch_run.write_outputs(cfg, logdir, results)
-    power = json.loads((logdir / "results.json").read_text())["power"]
+    power = RunRecord.load(logdir).results["power"]
     assert power["available"] and power["energy_j"] == mine["energy_j"]
     assert power["window"]["per_rank"][0]["rank"] == 0 and power["gpus"][0]["rank"] == 0
     assert re.search(r"\n  power / energy +avg \d+ W, [0-9.]+ J/step", format_summary(results))
