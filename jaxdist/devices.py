@@ -115,6 +115,10 @@ def configure_host_devices(shape: MeshShape, platform: str, num_processes: int =
         return  # the user chose a count explicitly; a mismatch is reported by select_devices
     if shape.size is not None:
         check_split(shape, num_processes)
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return  # chosen already by an in-process caller; select_devices checks the count
         jax.config.update("jax_num_cpu_devices", shape.size // num_processes)
 
 
