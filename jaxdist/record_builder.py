@@ -66,9 +66,10 @@ def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | 
 
 
 def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: int | None,
-                 measured_peak_reason: str | None) -> dict:
+                 measured_peak_reason: str | None, **own) -> dict:
     """State bytes on every device (and on the fullest), XLA's allocation bound, and the
-    allocator's peak where the backend has one (else why not)."""
+    allocator's peak where the backend has one (else why not); then the producer's own."""
     return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device, "compiled": compiled,
-            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
+            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason,
+            **own}
