@@ -1,4 +1,4 @@
-"""The one builder of results.json, used by every producer (jaxdist.loop for mesh runs,
+"""The one builder of results.json, used by every producer (jaxdist.run_record for mesh runs,
 ps.collect for parameter-server runs, experiments.torch_run for the PyTorch reference): the
 schema's blocks (jaxdist.record.SCHEMA, docs/results.md) in one order, then the producer's
 own. The schema, the checker and the reader are jaxdist.record."""
