@@ -64,6 +64,7 @@ def train(cfg: RunConfig, platform: Platform, logdir: Path | None, ready: run_se
                                            writer) if ready.dataset is not None else None)
             saving = (hooks.Checkpointing(ready.ckpt, ready.stream, window)
                       if ready.ckpt else None)
+            # Outermost first (loop_hooks says why): the window hugs the step.
             around = [h for h in (evaluation, saving, stopper, progress,
                                   hooks.StepLog(writer, timer), profiler, window) if h]
             state, losses = run_steps(lambda s, b: timer.run(ready.compiled, s, b)[0],
