@@ -37,7 +37,8 @@ class Step:
 
     @cached_property
     def loss(self) -> float:
-        """The loss as a float, fetched from the device when first asked."""
+        """The loss as a float, fetched from the device when a hook first asks (the log),
+        so the window and the profiler close around the step itself."""
         return metrics.scalar(self.device_loss)
 
     @property
@@ -55,7 +56,8 @@ class Hook:
         """After a step."""
 
     def finish(self, steps_done: int) -> None:
-        """After the last step run (`steps_done` counts every step, warm-up too)."""
+        """After the last step run; `steps_done` counts the run's steps, warm-up and those
+        before a resume too."""
 
 
 class StopProtocol(Hook):
