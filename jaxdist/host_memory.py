@@ -78,7 +78,7 @@ def check_model_size(cfg, model_cfg, dry_run: bool, cpu_run: bool,
     24 GB, with no message): its leaves' shapes for a plan, and for a run on CPU devices
     (`cpu_run`) its parameters' bytes too, from the depth-1 and depth-2 traces
     (jaxdist.state_shapes.stack_size). Other models are as large as their full build, and
-    are checked after it (jaxdist.loop.check_host_memory)."""
+    are checked after it (jaxdist.run_setup.check_host_memory)."""
     from jaxdist.state_shapes import stack_size
 
     size = stack_size(model_cfg, cfg.model.dtype)

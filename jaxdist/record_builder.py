@@ -1,4 +1,4 @@
-"""The one builder of results.json, used by every producer (jaxdist.loop for mesh runs,
+"""The one builder of results.json, used by every producer (jaxdist.run_record for mesh runs,
 ps.collect for parameter-server runs, experiments.torch_run for the PyTorch reference): the
 schema's blocks (jaxdist.record.SCHEMA, docs/results.md) in one order, then the producer's
 own. The schema, the checker and the reader are jaxdist.record."""
@@ -77,9 +77,10 @@ def throughput_block(batch: int, tokens_per_sample: int | None, mean_s: float | 
 
 
 def memory_block(by_device: list[dict], compiled: dict | None, measured_peak: int | None,
-                 measured_peak_reason: str | None) -> dict:
+                 measured_peak_reason: str | None, **own) -> dict:
     """State bytes on every device (and on the fullest), XLA's allocation bound, and the
-    allocator's peak where the backend has one (else why not)."""
+    allocator's peak where the backend has one (else why not); then the producer's own."""
     return {"state_bytes_per_device": max(d["bytes"] for d in by_device),
             "state_bytes_by_device": by_device, "compiled": compiled,
-            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason}
+            "measured_peak_bytes": measured_peak, "measured_peak_reason": measured_peak_reason,
+            **own}

@@ -20,6 +20,7 @@ class StepTimer:
         self.timed_s: list[float] = []
         self.window_start: float | None = None  # wall clock when the first timed step began
         self.window_end: float | None = None    # wall clock when the last timed step ended
+        self.last_s: float | None = None        # the latest step's seconds
 
     @property
     def in_warmup(self) -> bool:
@@ -34,6 +35,7 @@ class StepTimer:
         out = jax.block_until_ready(fn(*args))
         elapsed = time.perf_counter() - start
         (self.warmup_s if warm else self.timed_s).append(elapsed)
+        self.last_s = elapsed
         if not warm:
             self.window_end = time.time()
         return out, elapsed

@@ -1,8 +1,9 @@
 """Overhead of power telemetry: step time with the sampling thread on vs off, in one run.
 
-The same compiled step runs in blocks that alternate telemetry on (fake NVML backend,
-sampling every --sample-ms, window open around the block) and off; the order flips every
-pair so drift hits both sides. The fake runs the real backend code over a scripted driver,
+The same compiled step runs through the loop's core (jaxdist.loop.run_steps) in blocks that
+alternate telemetry on (fake NVML backend, sampling every --sample-ms, the loop's telemetry
+window hook open around the block) and off; the order flips every pair so drift hits both
+sides. The fake runs the real backend code over a scripted driver,
 so this measures the Python side of sampling (thread wake-ups, the GIL, the reads' Python
 work); real driver calls go through ctypes with the GIL released. Target: ratio <= 1.01.
 
@@ -11,6 +12,7 @@ Usage: python scripts/bench_telemetry.py [--model mlp-10m] [--devices 1] [--bloc
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import sys
@@ -38,9 +40,12 @@ def main() -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     import numpy as np
 
+    from jaxdist import loop
+    from jaxdist.loop_hooks import Window
     from jaxdist.mesh import build_mesh, parse_mesh
     from jaxdist.telemetry import PowerConfig, create_monitor
     from jaxdist.telemetry.fake import FakeGPU, fake_backend
+    from jaxdist.timing import StepTimer
     from jaxdist.train_step import build_program, make_optimizer, put_batch
     from models import get_model
     from sharding import get_layout
@@ -55,14 +60,15 @@ def main() -> int:
     state = program.init()
     step = program.step.lower(state, batches[0]).compile()
 
-    def run_steps(n: int) -> list[float]:
+    feed = itertools.cycle(batches).__next__
+
+    def run_steps(n: int, around=()) -> list[float]:
+        """Each step's seconds, timed as the loop times them (jaxdist.timing.StepTimer)."""
         nonlocal state
-        out = []
-        for i in range(n):
-            t = time.perf_counter()
-            state, _ = jax.block_until_ready(step(state, batches[i % len(batches)]))
-            out.append(time.perf_counter() - t)
-        return out
+        timer = StepTimer(0)
+        state, _ = loop.run_steps(lambda s, b: timer.run(step, s, b)[0], state, feed,
+                                  range(n), around)
+        return timer.timed_s
 
     run_steps(5)  # warm caches and allocator
     cfg = PowerConfig(power_sample_ms=args.sample_ms)
@@ -74,12 +80,11 @@ def main() -> int:
 
     def on_block():
         started = time.perf_counter()
-        mon = create_monitor(cfg, fake_backend(gpus), rapl_root="/nonexistent")
-        with mon:
-            mon.open_window()
-            times["on"].extend(run_steps(args.steps))
-            mon.close_window()
-        r = mon.result(args.steps, args.steps * args.batch_size, None)
+        window = Window(create_monitor(cfg, fake_backend(gpus), rapl_root="/nonexistent"),
+                        0, args.steps - 1)
+        with window.monitor:
+            times["on"].extend(run_steps(args.steps, [window]))
+        r = window.power(args.steps, args.batch_size, (1, 1), None)
         sampled.append((r["gpus"][0]["samples"], r["window"]["duration_s"], r["errors_total"]))
         thread_cpu.append((r["sampler_cpu_s"], time.perf_counter() - started))
 

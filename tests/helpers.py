@@ -14,6 +14,7 @@ import numpy as np
 
 from analysis.runs import read_scalars  # noqa: F401 - the tests read events as analysis does
 from jaxdist.data import TrainStream
+from jaxdist.loop import run_steps
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
@@ -25,18 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="adamw",
           batch_size: int = 16, seed: int = 0, dtype="float32", microbatches: int = 1,
           distributed_optimizer: bool = False, **model_opts):
-    """(losses, final state, program) of `steps` steps on the first shape.size devices."""
+    """(losses, final state, program) of `steps` steps on the first shape.size devices, run
+    by the loop's core (jaxdist.loop.run_steps) with no hooks."""
     devices = jax.devices()[: shape.size]
     mesh = build_mesh(shape, devices)
     cfg = get_model(model, {k: str(v) for k, v in model_opts.items()})
     program = build_program(cfg, dtype, make_optimizer(optimizer, 1e-2),
                             get_layout(layout, distributed_optimizer), mesh, seed, microbatches)
-    state = program.init()
-    losses = []
     stream = TrainStream(cfg, None, batch_size, seed)
-    for _ in range(steps):
-        state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
-        losses.append(float(loss))
+    state, losses = run_steps(program.step, program.init(),
+                              lambda: put_batch(stream.next(), program.batch_sharding),
+                              range(steps))
     return np.array(losses), state, program
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxdist.program import comm, hlo
 from jaxdist.data import TrainStream
-from jaxdist.loop import comm_block
+from jaxdist.run_record import comm_block
 from jaxdist.mesh import MeshShape
 from jaxdist.train_step import put_batch
 from models import get_model

@@ -12,7 +12,7 @@ import pytest
 from jaxdist import metrics, parts
 from jaxdist.program import hlo
 from jaxdist.config import RunConfig
-from jaxdist.loop import mfu_block
+from jaxdist.run_record import mfu_block
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from models import get_model

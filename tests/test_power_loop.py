@@ -7,7 +7,7 @@ import time
 import jax
 import pytest
 
-from jaxdist import loop, telemetry
+from jaxdist import loop, loop_hooks, telemetry
 from jaxdist.record import RunRecord
 from jaxdist.summary import format_summary
 from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
@@ -72,12 +72,12 @@ def test_profile_steps_write_a_trace(tmp_path):
 def test_energy_window_leaves_out_evaluation_and_checkpoint_saves(tmp_path, fake_gpu,
                                                                   monkeypatch):
     # Evaluation made slow (0.3 s) so that counting it would be plain in the figures.
-    real_evaluate = loop.evaluate
+    real_evaluate = loop_hooks.evaluate
 
     def slow_evaluate(*args):
         time.sleep(0.3)
         return real_evaluate(*args)
-    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(loop_hooks, "evaluate", slow_evaluate)
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     data=DataConfig(dataset="digits", eval_every=4),
                     checkpoint=CheckpointConfig(checkpoint_dir=str(tmp_path / "ck"),

@@ -69,7 +69,7 @@ BUILT = ["schema_version", "framework", "layout", "layout_facts", "mesh", "model
 
 
 def test_mesh_and_ps_records_come_from_the_one_builder(produced):
-    """jaxdist.loop and ps.collect build their records with jaxdist.record_builder.build: the same
+    """jaxdist.run_record and ps.collect build their records with record_builder.build: the same
     blocks in the same order, schema-valid, the producer's own blocks after them."""
     from jaxdist.record import check
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.data import TrainStream
 from jaxdist.errors import UsageError
-from jaxdist.loop import comm_block
+from jaxdist.run_record import comm_block
 from jaxdist.mesh import MeshShape
 from jaxdist.train_step import put_batch
 from models import get_model

@@ -44,7 +44,7 @@ def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, vir
     check_moe_data(model_cfg, data)
     check_remat(model_cfg)
     if eval_every:
-        # Evaluation is test-split accuracy on an image dataset (jaxdist/loop.py evaluate);
+        # Evaluation is test-split accuracy on an image dataset (jaxdist/loop_hooks.py evaluate);
         # the pipeline layouts run decoders, which read tokens (models/build.py), so there
         # is nothing a pipelined forward could be evaluated on.
         raise UsageError("--eval-every measures test-split accuracy on an image dataset "
