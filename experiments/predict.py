@@ -399,7 +399,8 @@ def main(argv=None) -> int:
     import jax
     jax.config.update("jax_platforms", "cpu")
     cases = [c for c in CASES if c.small or not args.quick]
-    jax.config.update("jax_num_cpu_devices", max(gpus(c) for c in cases))
+    from jaxdist.program.compiled import plan_cpu_devices
+    jax.config.update("jax_num_cpu_devices", plan_cpu_devices(max(gpus(c) for c in cases)))
     rows = validate(cases)
     print(format_rows(rows))
     if args.json:

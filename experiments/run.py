@@ -233,7 +233,9 @@ def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
         set_phase("the plan")
         if checked.part is not None:  # predicted GPU memory and time, from the compiled step
             from jaxdist.program.xla_log import explained_xla_warnings
-            configure_host_devices(shape, "cpu")
+            from jaxdist.program.compiled import plan_cpu_devices
+            configure_host_devices(MeshShape(plan_cpu_devices(shape.size,
+                                                              cfg.compiler.compiler)), "cpu")
             # What the flags do here is said before the compile (a minute for a big model),
             # not only after a plan that succeeded
             print_notices(checked)

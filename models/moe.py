@@ -53,7 +53,9 @@ def _to_experts(x_EBCD):
     mesh = jax.sharding.get_abstract_mesh()
     if "expert" not in mesh.axis_names or mesh.shape["expert"] == 1:
         return x_EBCD
-    batch = tuple(a for a in mesh.axis_names if a not in ("tensor", "expert"))
+    # inside a pipeline's shard_map (stage and data manual) only the free axes are pinned
+    batch = tuple(a for a in mesh.axis_names if a not in ("tensor", "expert")
+                  and a not in mesh.manual_axes)
     return jax.lax.with_sharding_constraint(x_EBCD, P("expert", batch or None))
 
 

@@ -1,4 +1,4 @@
-"""Pipeline layouts: pp, tp_pp and fsdp_pp, as spec tables over the pipeline train state.
+"""Pipeline layouts: pp, tp_pp, fsdp_pp and ep_pp, as spec tables over the pipeline train state.
 
 The pipeline state (jaxdist/pipeline/state.py) holds `params = {"stages": ..., "shared": ...}`:
 every block parameter stacked to [S, V, K, *shape] (stage, virtual chunk, block within the
@@ -11,6 +11,10 @@ jaxdist/pipeline/step.py for why). Inside a stage:
   over `tensor`), the tp layout's rules; Go et al. 2025's TPxPP.
 - fsdp_pp: each stage's parameters (and the shared ones) sharded over `fsdp`; batch over
   `data` and `fsdp`.
+- ep_pp: expert parallelism inside each stage (the ep layout's rules: whole experts over
+  `expert`); batch over `data` and `expert`. Not with a `tensor` axis as well: with two
+  partitioner axes inside the per-stage switch, XLA 0.10.2's SPMD partitioner aborts on a
+  check (spmd_partitioner_util.cc, ExpandDeviceGroupsWithIota, partitioning a gather).
 
 Optimizer state (Adam's mu and nu) has the same path suffix and shape as its parameter and
 gets the same spec.
@@ -49,6 +53,9 @@ def _inner(path, shape, mesh: Mesh, inner: str, bad: list) -> list:
     if inner == "tp":
         spec = leaf_rule_spec(path, tuple(shape), dict(mesh.shape), "tp", bad)
         return list(spec) + [None] * (len(shape) - len(spec))
+    if inner == "ep":
+        spec = leaf_rule_spec(path, tuple(shape), dict(mesh.shape), "ep", bad)
+        return list(spec) + [None] * (len(shape) - len(spec))
     if inner == "fsdp":
         n = mesh.shape.get("fsdp", 1)
         dim = shard_dim(tuple(shape), n)
@@ -68,7 +75,7 @@ def pipeline_specs(state, mesh: Mesh, inner: str):
         return P(*_inner(path, leaf.shape, mesh, inner, bad))
     specs = jax.tree_util.tree_map_with_path(spec, state)
     if bad:
-        raise_indivisible(bad, dict(mesh.shape), "tp_pp")
+        raise_indivisible(bad, dict(mesh.shape), f"{inner}_pp")
     return specs
 
 
@@ -97,4 +104,15 @@ def fsdp_pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "fsdp")
 
 
-PIPELINE_LAYOUTS = layouts_where(pipelined=True)  # pp, tp_pp, fsdp_pp
+@register_layout("ep_pp", "pipeline over the stage axis with expert parallelism inside each "
+                 "stage: whole experts per device of the expert axis, tokens dispatched to "
+                 "them (all-to-all); batch over expert (Go et al.'s and Megatron's EP x PP; "
+                 "no tensor axis: XLA's SPMD partitioner fails a check with two free axes "
+                 "inside a stage)",
+                 mesh_axes=("data", "stage", "expert"), families=("moe",),
+                 requires=("stage", "expert"), distributed_optimizer=False, pipelined=True)
+def ep_pp(state, mesh: Mesh):
+    return pipeline_specs(state, mesh, "ep")
+
+
+PIPELINE_LAYOUTS = layouts_where(pipelined=True)  # pp, tp_pp, fsdp_pp, ep_pp

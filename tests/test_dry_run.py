@@ -9,6 +9,7 @@ import pytest
 
 from jaxdist import state_shapes
 from jaxdist.plan import shapes as dryrun
+from jaxdist.program import compiled
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
@@ -133,3 +134,27 @@ def test_billion_block_model_is_refused_at_once(tmp_path):
         for line in lines), proc.stderr
     assert "its plan" in lines[0] and "its build (the parameters" in lines[1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
+                    reason=str(compiled.gpu_compiler_missing()))
+def test_a_4096_device_plan_leaves_no_thread_per_device(tmp_path):
+    """A --hardware plan compiled by XLA:GPU for 4,096 devices: the process holds a few
+    threads once its plan is written, not one per device (XLA's CPU client keeps one per
+    simulated device; given the mesh's 16,384, a 16,384-GPU plan wrote its plan and did not
+    exit in 20 minutes), and it exits on its own. Counted in a child: the CPU device count
+    is the process's own."""
+    code = ("import os, sys, threading\nfrom experiments.run import main\n"
+            "rc = main(['--dry-run', '--hardware', 'h100-sxm', '--model', 'mlp-tiny',\n"
+            "           '--layout', 'ddp', '--mesh', '4096', '--batch-size', '4096',\n"
+            "           '--logdir', sys.argv[1]])\n"
+            "print(rc, threading.active_count(), len(os.listdir('/proc/self/task')))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "plan")], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rc, python_threads, tasks = map(int, proc.stdout.splitlines()[-1].split())
+    assert rc == 0 and (tmp_path / "plan" / "plan.json").exists()
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["compiled"]["compiler"].startswith("XLA:GPU") and plan["hardware"]["nodes"] == 512
+    assert python_threads == 1
+    assert tasks < 64, f"{tasks} threads after a 4,096-device plan"

@@ -31,8 +31,8 @@ def mlp_specs(layout):
 
 
 def test_registered_layouts():
-    assert layout_names() == ["ddp", "ep", "fsdp", "fsdp_pp", "fsdp_tp", "hsdp", "pp", "ps",
-                              "tp", "tp_pp", "zero1"]
+    assert layout_names() == ["ddp", "ep", "ep_pp", "fsdp", "fsdp_pp", "fsdp_tp", "hsdp", "pp",
+                              "ps", "tp", "tp_pp", "zero1"]
 
 
 def test_shard_dim_rule():
@@ -153,7 +153,7 @@ def test_layout_facts_are_the_registrys():
     (sharding.registry.LayoutFacts); the names come back in registration order."""
     from sharding.registry import facts, layouts_where
 
-    assert layouts_where(pipelined=True) == ("pp", "tp_pp", "fsdp_pp")
+    assert layouts_where(pipelined=True) == ("pp", "tp_pp", "fsdp_pp", "ep_pp")
     assert layouts_where(sequence_parallel=True) == ("tp", "fsdp_tp", "tp_pp")
     assert layouts_where(gathers_weights=True) == ("fsdp", "hsdp", "fsdp_tp")
     assert [n for n in layout_names() if facts(n).tp_comm_chunks != 1] == ["fsdp_tp", "tp"]

@@ -44,6 +44,7 @@ def _mesh(n: int, layout: str) -> dict[str, int]:
         "pp": {"data": half, "stage": 2} if half else {"stage": n},
         "tp_pp": {"stage": half, "tensor": 2} if half else {"stage": n},
         "fsdp_pp": {"fsdp": half, "stage": 2} if half else {"stage": n},
+        "ep_pp": {"stage": half, "expert": 2} if half else {"stage": n},
     }
     return by_layout[layout]
 
@@ -66,7 +67,7 @@ def _intended(path, leaf, part: str, layout: str, sizes: dict, distributed: bool
     elif layout == "hsdp":
         used = {"fsdp"}
     elif layout not in ("ddp", "ps"):
-        rule = {"tp_pp": "tp"}.get(layout, layout)
+        rule = {"tp_pp": "tp", "ep_pp": "ep"}.get(layout, layout)
         for name in (logical_axes(path) or ()) if rule in RULES else ():
             target = RULES[rule].get(name)
             used |= set((target,) if isinstance(target, str) else (target or ()))
@@ -80,8 +81,8 @@ def _intended(path, leaf, part: str, layout: str, sizes: dict, distributed: bool
 
 
 def _state(layout: str, sizes: dict, distributed: bool):
-    model = get_model("moe-tiny" if layout == "ep" else "gpt-tiny",
-                      MOE if layout == "ep" else DECODER)
+    moe = layout in ("ep", "ep_pp")
+    model = get_model("moe-tiny" if moe else "gpt-tiny", MOE if moe else DECODER)
     lay = get_layout(layout, distributed)
     master = lay.master_weights("bfloat16")
     if facts(layout).pipelined:
@@ -97,7 +98,7 @@ CASES = [(layout, n, dist) for layout in layout_names() for n in (3, 5, 6, 12)
 @pytest.mark.parametrize("layout, n, distributed", CASES)
 def test_state_per_device_is_what_the_layout_says(layout, n, distributed):
     sizes = _mesh(n, layout)
-    family = "moe" if layout == "ep" else "gpt"
+    family = "moe" if layout in ("ep", "ep_pp") else "gpt"
     try:
         check_layout(layout, sizes, family, distributed)
         state, lay = _state(layout, sizes, distributed)

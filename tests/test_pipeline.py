@@ -258,8 +258,8 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
      "fsdp:2,stage:2)"),
     (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1"],
      "--eval-every measures test-split accuracy on an image dataset (digits, cifar10, "
-     "mnist), which the decoders of the pipeline layouts (pp, tp_pp, fsdp_pp) cannot read; "
-     "drop --eval-every"),
+     "mnist), which the decoders of the pipeline layouts (pp, tp_pp, fsdp_pp, ep_pp) cannot "
+     "read; drop --eval-every"),
     (["--mesh", "stage:2", "--microbatches", "2", "--eval-every", "1", "--dataset",
       "digits"], "dataset 'digits' is images; model family 'gpt' cannot read it"),
     # --pp-stage-blocks: one count per stage, summing to the depth, none zero, integers,
@@ -281,7 +281,17 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
      "every stage at least 2 blocks"),
     (["--layout", "fsdp", "--mesh", "2", "--pp-stage-blocks", "1,1"],
      "--pp-stage-blocks splits the blocks over pipeline stages; layout 'fsdp' has none "
-     "(use one of pp, tp_pp, fsdp_pp)"),
+     "(use one of pp, tp_pp, fsdp_pp, ep_pp)"),
+    # ep_pp: whole experts per device of the expert axis, which must divide them; no tensor
+    (["--layout", "ep_pp", "--model", "moe-tiny", "--mesh", "stage:2,expert:3",
+      "--microbatches", "2", "--batch-size", "12"],
+     "layout 'ep_pp' splits the experts dimension (stages/moe/down: 4) over expert=3, which "
+     "does not divide it"),
+    (["--layout", "ep_pp", "--model", "moe-tiny", "--mesh", "stage:2,tensor:2,expert:2",
+      "--microbatches", "2"], "layout 'ep_pp' uses mesh axes data, stage, expert; the mesh "
+     "has tensor=2"),
+    (["--layout", "ep_pp", "--model", "gpt-tiny", "--mesh", "stage:2,expert:2",
+      "--microbatches", "2"], "layout 'ep_pp' applies to moe models"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main

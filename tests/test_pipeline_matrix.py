@@ -112,7 +112,9 @@ def test_pipeline_matrix_equals_single_device(model, layout, schedule, V, S, M):
 # shard would average its own rows only: refused, tests/test_pipeline.py).
 @pytest.mark.parametrize("layout,mesh,schedule,V", [
     ("pp", "stage:2", "1f1b", 1), ("tp_pp", "stage:2,tensor:2", "gpipe", 1),
-    ("fsdp_pp", "fsdp:2,stage:2", "interleaved", 2)])
+    ("fsdp_pp", "fsdp:2,stage:2", "interleaved", 2),
+    ("ep_pp", "stage:2,expert:2", "1f1b", 1),
+    ("ep_pp", "stage:2,expert:2", "interleaved", 2)])
 def test_moe_pipeline_equals_single_device_microbatched(layout, mesh, schedule, V):
     _check_case("moe-tiny", layout, mesh, schedule, V, 2, 2,
                 _reference("moe-tiny", 2 * V, microbatches=2))
@@ -165,6 +167,14 @@ def _check_case(model, layout, mesh, schedule, V, S, M, reference, stage_blocks=
         shared = sum(x.nbytes for x in jax.tree.leaves(state["params"]["shared"]))
         assert stage_param_bytes(state, program.batch_sharding.mesh) == [
             stacked // S + shared] * S
+    # ep_pp: each device holds its 1/expert of every stage's experts, whole
+    if layout == "ep_pp":
+        experts = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(
+            state["params"]["stages"])[0] if jax.tree_util.keystr(path).endswith(
+                ("['moe']['gate']", "['moe']['up']", "['moe']['down']"))]
+        assert len(experts) == 3 and all(
+            x.sharding.shard_shape(x.shape)[3] == cfg.experts // shape.axis_sizes["expert"]
+            for _, x in experts)
     # The activations and gradients each stage sends, read from the compiled HLO: one
     # micro-batch's activation per message, forward and backward, M x (S*V - 1) boundaries.
     act = local_activation_bytes(program, BATCH)

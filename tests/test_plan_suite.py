@@ -59,7 +59,12 @@ def test_go2025_plan_rows_are_go_et_al_grid():
         assert {k: s[k] for k in ("remat", "overlap") if k in s} == changes
     assert rows["gpt3-175b-tp_pp_4x8-both-gpipe"]["pp_schedule"] == "gpipe"
     assert rows["mixtral-8x22b-ep4_tp2_dp4-base"]["mesh"] == "data:4,tensor:2,expert:4"
-    assert len(rows) == 88
+    assert rows["mixtral-8x7b-ep8_pp4-base-1f1b"]["mesh"] == "stage:4,expert:8"
+    assert {n for n in rows if "ep8_pp4" in n} == {
+        f"mixtral-8x{e}b-ep8_pp4-{v}-{p}" for e in (7, 22)
+        for v in ("base", "recompute", "overlap", "both") for p in ("1f1b", "gpipe")}
+    assert rows["mixtral-8x22b-ep8_pp4-both-gpipe"]["microbatches"] == 16
+    assert len(rows) == 104
     h100 = {r.name: r.settings for r in go_rows(hardware="h100-sxm")}
     assert {s["mesh"] for s in h100.values() if s["layout"] == "tp_pp"} == {
         "stage:32,tensor:2", "stage:16,tensor:4", "stage:8,tensor:8",

@@ -266,3 +266,47 @@ def test_uneven_stages_time_each_chunk_at_its_own_blocks():
         even["pipeline"]["critical_stage_work_s"])
     assert p["ticks_s"] < even["pipeline"]["ticks_s"]
     assert p["bubble"] > p["analytic_bubble"] == even["pipeline"]["bubble"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_stash_per_block_is_the_programs(sequence_parallel):
+    """The pipeline memory plan's stash per micro-batch and block under --remat full is
+    what the chunk's forward outputs as its stash (its compiled program, on simulated CPU
+    devices): the block's input, a sequence shard of it on each tensor device under sequence
+    parallelism (a quarter at tensor 4), whole without."""
+    import jax
+    import numpy as np
+
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
+    from jaxdist.program import compiled
+    from jaxdist.run_model import build_model
+
+    argv = ["--dry-run", "--model", "llama-tiny", "--model-opts", "kv_heads=4", "--layout",
+            "tp_pp", "--mesh",
+            "stage:2,tensor:4", "--batch-size", "4", "--microbatches", "2", "--dtype",
+            "bfloat16", "--remat", "full"] + (["--sequence-parallel"] if sequence_parallel
+                                              else [])
+    cfg = from_namespace(build_parser().parse_args(argv))
+    model_cfg, _ = build_model(cfg)
+    sizes = {"stage": 2, "data": 1, "tensor": 4}
+    target = compiled.simulated_cpu(8)
+
+    def stash_bytes(blocks):  # one device's bytes of the stash output (the third)
+        low, _ = pp.op_lowered(cfg, model_cfg, sizes, blocks, pp.FWD, False, 2, target)
+        program = low.compile()
+        leaves = jax.tree.leaves(low.out_info[2])
+        shards = jax.tree.leaves(program.output_shardings[2])
+        return sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, s in zip(leaves, shards))
+
+    per_block = stash_bytes(2) - stash_bytes(1)
+    whole = 2 * model_cfg.seq_len * model_cfg.width * 2  # 2 rows x L x D, bf16
+    assert per_block == (whole // 4 if sequence_parallel else whole)
+    plan = plan_pipeline(cfg, parse_mesh("stage:2,tensor:4"))
+    s0 = plan["stages"][0]
+    slots = plan["pipeline"]["residual_slots_by_stage"][0]
+    K = plan["pipeline"]["blocks_per_chunk"]
+    in_flight = s0["activation_stash"] - slots * K * per_block
+    assert in_flight % whole == 0 and in_flight > 0   # received activations, whole

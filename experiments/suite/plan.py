@@ -269,8 +269,10 @@ def check_topologies(configs: list[tuple], hw) -> None:
 
 def devices_needed(rows: list[PlanRow]) -> int:
     from jaxdist.mesh import parse_mesh
+    from jaxdist.program.compiled import plan_cpu_devices
 
-    return max(math.prod(parse_mesh(r.settings["mesh"]).axis_sizes.values()) for r in rows)
+    return max(plan_cpu_devices(math.prod(parse_mesh(r.settings["mesh"]).axis_sizes.values()),
+                                str(r.settings.get("compiler", "auto"))) for r in rows)
 
 
 def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:

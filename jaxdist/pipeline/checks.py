@@ -49,4 +49,4 @@ def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, vir
         # is nothing a pipelined forward could be evaluated on.
         raise UsageError("--eval-every measures test-split accuracy on an image dataset "
                          "(digits, cifar10, mnist), which the decoders of the pipeline "
-                         "layouts (pp, tp_pp, fsdp_pp) cannot read; drop --eval-every")
+                         "layouts (pp, tp_pp, fsdp_pp, ep_pp) cannot read; drop --eval-every")

@@ -17,7 +17,8 @@ with --remat none every block's activations, at Korthikanti et al. 2022's count 
 of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel size,
 a: heads; 34/t for the first two terms with sequence parallel; the last term is the stored
 attention scores, which cuDNN's flash attention does not keep), scaled to the compute dtype;
-with --remat full each block's input; with --remat dots its input and its matmuls' outputs
+with --remat full each block's input (a sequence shard of it on each tensor device under
+sequence parallelism: b*L*D/t, as the chunk's forward stashes it); with --remat dots its input and its matmuls' outputs
 (q, k, v, the scores unless flash, attention output, projection, MLP up and down:
 L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named values it
 keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
@@ -136,13 +137,16 @@ def plan_pipeline(cfg, shape) -> dict:
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
     # selective_op: every other matmul's output and the attention's
     selective = rows * model_cfg.seq_len * 6 * model_cfg.width / tensor * itemsize
+    sequence_parallel = getattr(model_cfg, "sequence_parallel", False)
+    # a block's input as the chunk's forward stashes it: a sequence shard on each tensor
+    # device under sequence parallelism (the program's stash output), else whole
+    block_input = act / tensor if sequence_parallel else act
     if remat in REMAT_NAMES:
-        stashed = K * (act + named_saved_bytes(model_cfg, REMAT_NAMES[remat][0], rows, tensor,
-                                               itemsize, getattr(model_cfg,
-                                                                 "sequence_parallel", False)))
+        stashed = K * (block_input + named_saved_bytes(model_cfg, REMAT_NAMES[remat][0], rows,
+                                                       tensor, itemsize, sequence_parallel))
     else:
-        stashed = K * {"none": block, "full": act, "dots": act + dots,
-                       "selective_op": act + selective}[remat]
+        stashed = K * {"none": block, "full": block_input, "dots": block_input + dots,
+                       "selective_op": block_input + selective}[remat]
     working = block
     stages = []
     for s in range(S):

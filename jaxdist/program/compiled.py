@@ -140,6 +140,18 @@ def for_part(hw, num_devices: int, choice: str = "auto") -> Target:
     return gpu_topology(hw, num_devices)
 
 
+def plan_cpu_devices(num_devices: int, choice: str = "auto") -> int:
+    """The simulated CPU devices a `--hardware` plan of `num_devices` needs, decided before
+    JAX's backend starts (jaxdist.devices.configure_host_devices): the mesh's count where
+    the plan compiles with XLA:CPU (--compiler cpu, or auto without the GPU compiler), else
+    one. An XLA:GPU plan compiles for a device-less topology and runs nothing on the host's
+    devices, and XLA's CPU client holds a thread per device it is given: 16,384 of them
+    kept a 16,384-GPU plan's process from exiting after its plan was written."""
+    if choice == "cpu" or (choice == "auto" and gpu_compiler_missing()):
+        return num_devices
+    return 1
+
+
 def mesh_hosts(shape, target: Target):
     """The host of every position of `shape`'s mesh (an array over its axes) as a compile
     for `target` builds it: the process of each device where its devices span several (a
