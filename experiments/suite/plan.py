@@ -242,12 +242,13 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         plan = plans.plan(cfg, shape, cache=cache)
         if stop.is_set():
             break
-        plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
+        body = {**plan.to_json(),
+                "row": {"name": row.name, "entry": row.row, "settings": row.settings}}
         (out / row.name).mkdir(exist_ok=True)
-        write_json(out / row.name / "plan.json", plan)
+        write_json(out / row.name / "plan.json", body)
         timings.append({"row": row.name, "wall_s": time.perf_counter() - t0,
-                        "compiler": plan["compiled"].get("compiler")})
-        log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
+                        "compiler": plan.compiled.get("compiler")})
+        log(f"predicted {row.name}: {plan.time['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
     return timings
 
