@@ -5,7 +5,7 @@ plan.json per row under OUT/NAME/, then the ranking (analysis.plan_rank): rankin
 ranking.md and ranking.png, all labelled PREDICTED.
 
 Compiles are shared across rows whose program is the same (`cache`, see
-jaxdist.plan.predicted), and the wall time of the whole plan is measured and recorded.
+jaxdist.predict.prediction), and the wall time of the whole plan is measured and recorded.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ class PipelineShapesPlan(PlanBase):
                                     for f in dataclasses.fields(self) if f.name != "seq_len"}}
 
     def text(self) -> str:
-        p = self
         from jaxdist.plan.base import headline
         from jaxdist.summary import human_bytes
 
+        p = self
         pp = p.pipeline
         blocks = pp.get("stage_blocks") or []
         split = (f"{pp['blocks_per_chunk']} blocks per chunk" if len(set(blocks)) < 2 else
@@ -52,9 +52,9 @@ class PipelineShapesPlan(PlanBase):
                          f"{human_bytes(s['activation_working']):>13}"
                          f"{human_bytes(s['total']):>12}")
         lines.append("  per device; activations estimated (stash: the schedule's micro-batches "
-                     "in flight x what a chunk's backward reads under --remat, working set: one "
-                     "block's, by Korthikanti et al. 2022); --hardware PART sets each stage against "
-                     "the part's memory")
+                     "in flight x what a chunk's backward reads under --remat, working set: "
+                     "one block's, by Korthikanti et al. 2022); --hardware PART sets each "
+                     "stage against the part's memory")
         padded = [s for s in p.stages if s.get("padded_slots")]
         if padded:
             lines.append("  padding (in total): " + ", ".join(

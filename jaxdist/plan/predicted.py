@@ -82,8 +82,10 @@ def verdict_line(p: PredictedPlan) -> str:
     mem, pred = p.memory, p.prediction
     if pred.memory_from == "stages":
         source = f"stage {max(mem['stages'], key=lambda s: s['total'])['stage']}, the fullest"
+    elif pred.memory_from == "compiled":  # XLA:GPU's figure, or the hand estimate
+        source = mem["source"]
     else:
-        source = mem.get("source", "hand estimate")
+        source = "hand estimate"
     figure = (f"{human_bytes(mem['total_bytes'])} per device ({source}) against "
               f"{human_bytes(mem['hbm_bytes'])} of HBM")
     if pred.fits:
