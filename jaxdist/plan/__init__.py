@@ -17,7 +17,7 @@ plan.
 
 from __future__ import annotations
 
-from jaxdist.plan.base import PlanBase, headline  # noqa: F401  (the kinds' shared header)
+from jaxdist.plan.base import PlanBase
 
 
 def plan(cfg, shape, cache: dict | None = None) -> PlanBase:
