@@ -19,7 +19,7 @@ import jax
 
 from jaxdist.errors import UsageError
 from jaxdist.hardware import check_nodes, get_hardware
-from jaxdist.parts import PREDICTABLE, part_for_device_kind  # noqa: F401  (tests import it)
+from jaxdist.parts import PREDICTABLE, part_for_device_kind
 from jaxdist.predict import time_model
 from jaxdist.predict.prediction import predict
 from jaxdist.program import compiled as compiled_mod
