@@ -218,27 +218,30 @@ def validate(cases) -> list[dict]:
             reason = next((ln for ln in first if "Error" in ln), first[0] if first else "")
             rows.append(failed_row(case, records, f"{type(e).__name__}: {reason[:200]}"))
             continue
-        tps = plan["throughput"]["tokens_per_s_per_gpu"]
+        pred = plan.prediction
+        tps = pred.throughput["tokens_per_s_per_gpu"]
         # The plan's memory verdict, as it decided it: XLA:GPU's buffer assignment where it
         # agrees with the hand estimate term by term, else the hand estimate (jaxdist.predict.
-        # model.gpu_memory_verdict); both are kept, with which one decided.
-        memory = plan["memory"]
+        # verdict.gpu_memory_verdict); both are kept, with which one decided.
+        memory = pred.memory
         mem = memory["total_bytes"] / GIB
-        xla_mem = memory["compiler"]["peak_bytes"] / GIB if "compiler" in memory else None
+        compiled_memory = pred.memory_from == "compiled"
+        xla_mem = memory["compiler"]["peak_bytes"] / GIB if compiled_memory else None
         rid = case.throughput_id or case.memory_id
         row = {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
                "out-of-sample", "same_as": case.same_as,
                "framework": records[rid]["framework"], "hardware": case.hardware,
                "gpus": gpus(case), "layout": case.layout, "mesh": case.mesh,
                "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
-               "memory_source": memory.get("source", "hand estimate"),
-               "hand_memory_gib": memory.get("hand_estimate_bytes",
-                                             memory["total_bytes"]) / GIB,
-               "xla_gpu_memory_gib": xla_mem, "fits": memory["fits"],
+               "memory_source": memory["source"] if compiled_memory else "hand estimate",
+               "hand_memory_gib": (memory["hand_estimate_bytes"] if compiled_memory else
+                                   memory["total_bytes"]) / GIB,
+               "xla_gpu_memory_gib": xla_mem, "fits": pred.fits,
                "hbm_gib": memory["hbm_bytes"] / GIB,
-               "compiler": plan["compiled"].get("compiler"),
-               "time_model": plan["time"].get("model", "roofline (FLOPs / calibrated peak)"),
-               "bottleneck": plan["time"]["bottleneck"]}
+               "compiler": pred.compiler,
+               "time_model": pred.time["model"] if pred.timing == "kernels" else
+               "roofline (FLOPs / calibrated peak)",
+               "bottleneck": pred.time["bottleneck"]}
         tput = case.throughput_id and published_tokens_per_s_per_gpu(
             case, records[case.throughput_id])
         for what, pub, value in (("tokens_per_s_per_gpu", tput, tps),

@@ -33,6 +33,8 @@ def write_json(path: Path, data, strict: bool = False) -> None:
     (results.json): standard JSON, a number that is not finite (a diverged run's loss)
     written as null; Python's NaN token stopped jq and every JSON.parse at the first one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
+    if hasattr(data, "to_json"):  # a typed record (a plan) written as its JSON
+        data = data.to_json()
     text = json.dumps(_finite(data) if strict else data, indent=2, sort_keys=False,
                       allow_nan=not strict)
     try:

@@ -217,8 +217,8 @@ def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,
     }
     if peak is None:
         row = peak_row(device_kind)
-        out["reason"] = (f"no peak FLOP/s for device kind {device_kind!r} in the table "
-                         f"(jaxdist.parts)" if row is None else
+        out["reason"] = (f"no peak FLOP/s for device kind {device_kind!r}: not a known GPU "
+                         f"part" if row is None else
                          f"the {row.part} row has no {dtype} peak at matmul precision "
                          f"{matmul_precision!r}")
         return out

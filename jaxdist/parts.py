@@ -340,6 +340,16 @@ PREDICTABLE: tuple[str, ...] = tuple(p.name for p in PARTS if p.predictable)
 
 # --------------------------------------------------------------------- views
 
+def part_for_device_kind(device_kind: str | None) -> str | None:
+    """The predicted part whose device_kind string the device reports, exactly (case and
+    surrounding spaces aside); None when none does."""
+    kind = (device_kind or "").strip().lower()
+    for name in PREDICTABLE:
+        if NAMED[name].device_kind.lower() == kind:
+            return name
+    return None
+
+
 def peak_row(device_kind: str) -> Peak | None:
     """The datasheet peak row of the part whose pattern matches `device_kind` first."""
     kind = device_kind.upper()

@@ -75,7 +75,7 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
     ]
     shard = results.get("sharding")
     if shard:
-        rows.append(("state sharded / replicated",
+        rows.append(("state sharded / replicated (totals, all devices)",
                      f"{human_bytes(shard['sharded_bytes'])} / {replicated_text(shard)}"))
     pp = results.get("pipeline")
     if pp:

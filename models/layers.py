@@ -231,7 +231,7 @@ _meet.defvjp(lambda a, b: (jax.lax.optimization_barrier((a, b)), None),
 
 
 # Per thread: plans trace the hand estimate (barriers off) in a worker thread while the main
-# thread lowers the step (jaxdist.plan.predicted); a process-wide switch let the step be traced
+# thread lowers the step (jaxdist.predict.prediction); a process-wide switch let the step be traced
 # without its barriers (Llama2-13B fsdp on 64 A100: 81.6 GiB planned instead of 72.7).
 _ORDERING = threading.local()
 

@@ -56,7 +56,7 @@ def plan_by_full_trace(model: str, layout: str, mesh: str) -> tuple[dict, float]
     start = time.process_time()
     with mock.patch.object(state_shapes, "_stacked_model_state", lambda *_: None):
         plan = dryrun.plan(cfg, parse_mesh(mesh))
-    return json.loads(json.dumps(plan)), time.process_time() - start
+    return json.loads(json.dumps(plan.to_json())), time.process_time() - start
 
 
 def main() -> int:

@@ -141,12 +141,13 @@ def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
     cfg = RunConfig(mesh=MeshConfig(mesh="data:4,tensor:2"),
                     model=ModelConfig(model="gpt-tiny", dtype="bfloat16"),
                     train=TrainConfig(layout="tp", distributed_optimizer=True))
-    plan = shapes.plan(cfg, parse_mesh("data:4,tensor:2"))
+    typed = shapes.plan(cfg, parse_mesh("data:4,tensor:2"))
+    plan = typed.to_json()
     per = plan["state_bytes_per_device"]
     assert plan["distributed_optimizer"] is True
     assert per["master"] == 2 * per["params"] // 4
     assert per["opt"] - 2 * per["master"] in (4, 8)  # the step counter
-    assert "layout tp + distributed optimizer on" in shapes.format_plan(plan)
+    assert "layout tp + distributed optimizer on" in shapes.format_plan(typed)
 
 
 @pytest.mark.parametrize("args, says", [

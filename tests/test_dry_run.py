@@ -58,7 +58,7 @@ PLANS = {
 @pytest.mark.parametrize("model,layout,mesh", list(PLANS))
 def test_full_size_plans_are_exact(model, layout, mesh):
     cfg = RunConfig(model=ModelConfig(model=model), train=TrainConfig(layout=layout))
-    plan = dryrun.plan(cfg, parse_mesh(mesh))
+    plan = dryrun.plan(cfg, parse_mesh(mesh)).to_json()
     params, per_device = PLANS[model, layout, mesh]
     assert plan["model"]["params"] == params
     assert plan["state_bytes_per_device"] == per_device

@@ -357,7 +357,7 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
 @pytest.mark.parametrize("layout,mesh", [("fsdp_tp", "data:2,tensor:2"),
                                          ("tp_pp", "stage:2,tensor:2")])
 def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
-    """A suite plan's cache (jaxdist.plan.predicted): the --overlap variant of a row reuses the
+    """A suite plan's cache (jaxdist.predict.prediction): the --overlap variant of a row reuses the
     base row's lowerings (its flags are compile options only), is compiled again with its
     flags, and predicts exactly what the same settings predict with no cache."""
     from jaxdist.config import CompilerConfig, OutputConfig
@@ -378,10 +378,10 @@ def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
     predict_plan(cfg(False), shape, cache=cache)
     lowered, compiles = lowerings(cache), xla_compile.compiles_run() - before
     assert lowered > 0 and compiles > 0
-    with_cache = predict_plan(cfg(True), shape, cache=cache)
+    with_cache = predict_plan(cfg(True), shape, cache=cache).to_json()
     assert lowerings(cache) == lowered
     assert xla_compile.compiles_run() - before == 2 * compiles
-    alone = predict_plan(cfg(True), shape)
+    alone = predict_plan(cfg(True), shape).to_json()
     for part in ("time", "memory", "throughput"):
         assert with_cache[part] == alone[part], part
     assert with_cache["compiled"]["flops_per_device"] == alone["compiled"]["flops_per_device"]
@@ -506,7 +506,7 @@ def test_offloading_remat_holds_host_buffers_and_the_plan_counts_them_apart():
             mesh=MeshConfig(mesh="1x8"),
             model=ModelConfig(model="llama-tiny", model_opts="depth=1", dtype="bfloat16"),
             train=TrainConfig(layout="fsdp", batch_size=8, remat=remat),
-            output=OutputConfig(dry_run=True, hardware="h100-sxm")), parse_mesh("1x8"))
+            output=OutputConfig(dry_run=True, hardware="h100-sxm")), parse_mesh("1x8")).to_json()
 
     kept, moved, full = plan("minimal"), plan("minimal_offloaded"), plan("full")
     assert kept["compiled"]["memory"]["host_temp_bytes"] == 0

@@ -115,7 +115,7 @@ def test_a_run_records_the_plan_of_the_same_job():
     cfg = RunConfig(mesh=MeshConfig(mesh="2x2"), model=ModelConfig(model="gpt-tiny"),
                     train=TrainConfig(layout="fsdp", batch_size=8),
                     output=OutputConfig(dry_run=True, hardware="h100-sxm"))
-    plan = plans.plan(cfg, parse_mesh("2x2"))
+    plan = plans.plan(cfg, parse_mesh("2x2")).to_json()
     assert p["predicted"]["step_s"] == plan["time"]["step_s"]
     assert p["predicted"]["memory_bytes_per_device"] == plan["memory"]["total_bytes"]
     assert (p["predicted"]["fits"], p["predicted"]["verdict"]) == (plan["memory"]["fits"],

@@ -337,7 +337,7 @@ def _plan(*argv):
     from jaxdist.plan.pipeline_shapes import plan_pipeline
 
     cfg = from_namespace(build_parser().parse_args(["--dry-run", *argv]))
-    return plan_pipeline(cfg, parse_mesh(cfg.mesh.mesh))
+    return plan_pipeline(cfg, parse_mesh(cfg.mesh.mesh)).to_json()
 
 
 def test_dry_run_go2025_grid_gpt3_tp_pp():

@@ -12,6 +12,7 @@ from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
 from jaxdist.predict import memory, program
+from jaxdist.predict import verdict as verdict_of
 from jaxdist.predict import time_model
 from jaxdist.run_model import build_model
 from tests.helpers import run_cli
@@ -213,18 +214,18 @@ def _estimate(state, total):
 
 
 def test_memory_verdict_uses_the_estimate_not_the_cpu_compiler():
-    ok = time_model.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
+    ok = verdict_of.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
     assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
     assert ok["cpu_compiler_temp_bytes"] == 900 * 10**9  # carried, labelled, not used
     assert ok["temp_bytes"] == 30 * 10**9
-    over = time_model.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
+    over = verdict_of.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
     assert over["fits"] is False and over["over_by_bytes"] == 9 * 10**9
     assert "saved activations" in over["fits_reason"]
     # without remat the estimate is an upper bound: over HBM is "unknown", not an OOM
-    loose = time_model.memory_verdict({**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True},
-                                 0, H200)
+    loose = verdict_of.memory_verdict(
+        {**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True}, 0, H200)
     assert loose["fits"] is None and "upper bound" in loose["fits_reason"]
-    oom = time_model.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
+    oom = verdict_of.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
     assert oom["fits"] is False and oom["fits_reason"].startswith("the train state alone")
 
 
@@ -308,7 +309,7 @@ def test_micro_batches_halve_activations_and_carry_an_accumulator():
     cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="dots"))
     model_cfg = build_model(cfg)[0]
-    state = shapes.plan(cfg, parse_mesh("2x4"))
+    state = shapes.plan(cfg, parse_mesh("2x4")).to_json()
     args = ({"data": 2, "fsdp": 4}, state["state_bytes_per_device"],
             state["state_bytes_global"]["params"], False, True)
     one = memory.predict_memory(model_cfg, "float32", 16, 1, *args)
@@ -335,7 +336,7 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
     model_cfg = build_model(cfg)[0]
     shape = parse_mesh("1x1")
     compiled = program.figures(cfg, model_cfg, shape)["memory"]["temp_bytes"]
-    state = shapes.plan(cfg, shape)
+    state = shapes.plan(cfg, shape).to_json()
     est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
                                 state["state_bytes_per_device"],
                                 state["state_bytes_global"]["params"], False, True)
@@ -585,15 +586,16 @@ def test_plans_that_do_not_fit_say_what_would():
     plan = {"memory": {"fits": None, "fits_reason": "the state fits; the estimate ..."},
             "settings": {"dtype": "float32", "remat": "none", "microbatches": 1,
                          "attention": "default", "decoder": True}}
-    hints = next_steps(plan)
+    hints = next_steps(plan["memory"], plan["settings"], pipelined=False)
     assert hints[0].startswith("--dtype bfloat16") and "--remat full" in hints[1]
     assert "attention=cudnn" in hints[2] and hints[3].startswith("--microbatches 2")
     pipeline = {**plan, "pipeline": {}, "settings": {**plan["settings"], "dtype": "bfloat16",
                                                      "remat": "full", "microbatches": 8}}
-    assert next_steps(pipeline)[-1].startswith("more micro-batches (--microbatches 16")
+    assert next_steps(pipeline["memory"], pipeline["settings"],
+                      pipelined=True)[-1].startswith("more micro-batches (--microbatches 16")
     state = {"memory": {"fits": False, "fits_reason": "the train state alone exceeds HBM"}}
-    assert "shards the state further" in next_steps(state)[0]
-    assert next_steps({"memory": {"fits": True}}) == []
+    assert "shards the state further" in next_steps(state["memory"], {}, pipelined=False)[0]
+    assert next_steps({"fits": True}, {}, pipelined=False) == []
 
 
 def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
@@ -609,16 +611,24 @@ def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
                     train=TrainConfig(layout="ddp", batch_size=8),
                     compiler=CompilerConfig(compiler="cpu"),
                     output=OutputConfig(dry_run=True, hardware="l4"))
-    plan = predict_plan(cfg, parse_mesh("8"))
+    typed = predict_plan(cfg, parse_mesh("8"))
+    plan = typed.to_json()
     assert plan["memory"]["fits"] is False and plan["verdict"] == "OOM"
     thr = plan["throughput"]
     assert thr["if_it_fit"] is True and thr["label"] == "predicted, if it fit"
     assert thr["tokens_per_s_per_gpu"] == pytest.approx(8 * 64 / plan["time"]["step_s"] / 8)
-    lines = format_prediction(plan).splitlines()
+    lines = format_prediction(typed).splitlines()
     assert lines[-1].startswith("  predicted: does not fit (the train state alone exceeds HBM")
     assert "shards the state further (fsdp, fsdp_tp)" in lines[-1]
     assert lines[-2].startswith("  if it fit: ") and "it does not" in lines[-2]
     assert not [line for line in lines if line.startswith("  predicted ") and "MFU" in line]
+    # verdict first: the deciding figure against HBM, then what to change, before any time
+    assert lines[1].startswith("  verdict: OOM: 43.61 GiB per device (hand estimate) against "
+                               "22.35 GiB of HBM")
+    assert lines[2].startswith("  to fit: the state alone is over HBM")
+    first_time = next(i for i, line in enumerate(lines) if "time per step" in line)
+    assert lines[first_time].startswith("    ") and lines[first_time - 1].startswith(
+        "  if it fit (it does not")
 
 
 def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time():
@@ -663,7 +673,8 @@ def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
                                       "seq_len=1024", dtype="bfloat16"),
                     train=TrainConfig(layout="ddp", batch_size=1024),
                     output=OutputConfig(dry_run=True, hardware="a100-sxm-80gb"))
-    plan = predict_plan(cfg, parse_mesh("32"))
+    typed = predict_plan(cfg, parse_mesh("32"))
+    plan = typed.to_json()
     fallback = plan["compiled"]["fallback"]
     assert fallback["rejected"].startswith(f"INTERNAL: {compiled.TILING_REJECTED}")
     assert "bf16[32768,2304]" in fallback["rejected"] and "metadata" not in fallback["rejected"]
@@ -675,7 +686,8 @@ def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
         plan["compiled"]["flops_per_device"])
     assert plan["verdict"] == "fits" and plan["time"]["step_s"] > 0
     assert "Triton GEMMs off (--xla_gpu_enable_triton_gemm=false)" in \
-        format_prediction(plan).splitlines()[1]
+        next(line for line in format_prediction(typed).splitlines()
+             if line.startswith("  compiler: "))
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
@@ -712,7 +724,7 @@ def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_te
                "upper_bound": upper_bound}
         gpu = {"argument_bytes": state + gib, "output_bytes": state, "alias_bytes": state,
                "temp_bytes": xla_rest - gib}
-        return time_model.gpu_memory_verdict(est, gpu, hw)
+        return verdict_of.gpu_memory_verdict(est, gpu, hw)
 
     agree = verdict(50 * gib, 55 * gib)
     assert agree["source"] == "XLA:GPU buffer assignment" and agree["fits"] is True

@@ -175,7 +175,7 @@ def test_tiny_pipeline_prediction_end_to_end():
 
     cache, compiles = {}, compiles_run()
     cfg = tiny_cfg()
-    plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2"), cache=cache)
+    plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2"), cache=cache).to_json()
     t, p = plan["time"], plan["pipeline"]
     assert plan["label"] == t["label"] == "predicted"
     assert (p["stages"], p["microbatches"], p["blocks_per_chunk"]) == (2, 4, 2)
@@ -197,7 +197,8 @@ def test_tiny_pipeline_prediction_end_to_end():
     vocab_matmul = 2 * 2 * model_cfg.seq_len * model_cfg.width * model_cfg.vocab / 2
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.
-    gpipe = predict_plan(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2"), cache=cache)
+    gpipe = predict_plan(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2"),
+                         cache=cache).to_json()
     assert compiles_run() - compiles == 7
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
     assert gpipe["pipeline"]["ticks"] == build_schedule("gpipe", 2, 4).ticks
@@ -216,9 +217,9 @@ def test_remat_variant_compiles_only_the_programs_recomputation_changes():
     full = dataclasses.replace(tiny_cfg(), train=dataclasses.replace(tiny_cfg().train,
                                                                      remat="full"))
     before = compiles_run()
-    shared = predict_plan(full, mesh, cache=cache)
+    shared = predict_plan(full, mesh, cache=cache).to_json()
     assert compiles_run() - before == 6
-    alone = predict_plan(full, mesh)
+    alone = predict_plan(full, mesh).to_json()
     assert shared["time"] == alone["time"]
     assert shared["compiled"]["ops"] == alone["compiled"]["ops"]
 
@@ -250,12 +251,12 @@ def test_uneven_stages_time_each_chunk_at_its_own_blocks():
     from jaxdist.plan.predicted import predict_plan
 
     mesh, cache = parse_mesh("stage:2,tensor:2"), {}
-    even = predict_plan(tiny_cfg(depth=4), mesh, cache=cache)
+    even = predict_plan(tiny_cfg(depth=4), mesh, cache=cache).to_json()
     base = tiny_cfg(depth=3)
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train,
                                                               pp_stage_blocks="1,2"))
     before = compiles_run()
-    plan = predict_plan(cfg, mesh, cache=cache)
+    plan = predict_plan(cfg, mesh, cache=cache).to_json()
     assert compiles_run() == before
     p = plan["pipeline"]
     assert (p["stage_blocks"], p["chunk_blocks"], p["blocks_per_chunk"]) == \

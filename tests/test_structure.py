@@ -204,6 +204,18 @@ def test_runtime_imports_no_entry_point():
     assert bad == []
 
 
+def test_prediction_imports_no_plan():
+    """One prediction pipeline: plans (jaxdist.plan) and runs (jaxdist.predict.inrun) use
+    jaxdist.predict; nothing in jaxdist.predict imports a plan."""
+    modules = source_modules()
+    known = set(modules)
+    bad = [f"{m}:{line} imports {target}"
+           for m, path in modules.items() if m.startswith("jaxdist.predict")
+           for target, _, line in imports_of(path, known)
+           if target == "jaxdist.plan" or target.startswith("jaxdist.plan.")]
+    assert bad == [] and "jaxdist.predict.prediction" in modules
+
+
 ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors", "jaxdist.tbx"}
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "chex", "torch")
 

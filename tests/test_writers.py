@@ -69,16 +69,19 @@ def test_missing_figures_read_na_never_zero():
     assert row(r, "loss first -> last") == "n/a"
 
 
+SHARDED = "state sharded / replicated (totals, all devices)"
+
+
 def test_replicated_scalars_are_not_contradicted_by_a_zero_leaf_count():
-    assert row(results(), "state sharded / replicated") == \
+    assert row(results(), SHARDED) == \
         "81.00 KiB / 4 B (scalars only: step counters)"
     r = results(sharding={"sharded_bytes": 82944, "replicated_bytes": 124,
                           "replicated_leaves": 3})
-    assert row(r, "state sharded / replicated") == \
+    assert row(r, SHARDED) == \
         "81.00 KiB / 124 B (3 non-scalar leaves, plus any scalar counters)"
     r = results(sharding={"sharded_bytes": 82944, "replicated_bytes": 0,
                           "replicated_leaves": 0})
-    assert row(r, "state sharded / replicated") == "81.00 KiB / nothing replicated"
+    assert row(r, SHARDED) == "81.00 KiB / nothing replicated"
 
 
 def test_compiler_figure_is_labelled_an_upper_bound():

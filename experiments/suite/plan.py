@@ -5,7 +5,7 @@ plan.json per row under OUT/NAME/, then the ranking (analysis.plan_rank): rankin
 ranking.md and ranking.png, all labelled PREDICTED.
 
 Compiles are shared across rows whose program is the same (`cache`, see
-jaxdist.plan.predicted), and the wall time of the whole plan is measured and recorded.
+jaxdist.predict.prediction), and the wall time of the whole plan is measured and recorded.
 """
 
 from __future__ import annotations
@@ -242,12 +242,13 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         plan = plans.plan(cfg, shape, cache=cache)
         if stop.is_set():
             break
-        plan["row"] = {"name": row.name, "entry": row.row, "settings": row.settings}
+        body = {**plan.to_json(),
+                "row": {"name": row.name, "entry": row.row, "settings": row.settings}}
         (out / row.name).mkdir(exist_ok=True)
-        write_json(out / row.name / "plan.json", plan)
+        write_json(out / row.name / "plan.json", body)
         timings.append({"row": row.name, "wall_s": time.perf_counter() - t0,
-                        "compiler": plan["compiled"].get("compiler")})
-        log(f"predicted {row.name}: {plan['time']['step_s']:.3f} s/step "
+                        "compiler": plan.compiled.get("compiler")})
+        log(f"predicted {row.name}: {plan.time['step_s']:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)")
     return timings
 

@@ -10,7 +10,7 @@ over its V chunks as evenly as possible (the first chunks one more), and K is th
 largest chunk's: a shorter chunk's last slots are padding (zero parameters, zero
 gradients) that its forward and backward skip under a `lax.cond` (`skippable`), so a
 stage computes its own blocks only. The padding is held (a sharded array has equal shards
-on every stage): the plan counts it (jaxdist/plan/pipeline_shapes.py).
+on every stage): the plan counts it (jaxdist/predict/stage_memory.py).
 """
 
 from __future__ import annotations

@@ -1,220 +1,76 @@
-"""`--dry-run` of a pipeline layout: per-device parameter, optimizer and activation bytes of
-every stage, from shapes alone, and whether they fit a device (an H200: 141 GB).
-
-Parameters and optimizer state: the pipeline train state (blocks stacked [S, V, K, ...], the
-embeddings and head on every stage) assembled from the decoder's depth-1 shapes
-(jaxdist.state_shapes), placed by the layout's specs on an abstract mesh. With
---pp-stage-blocks each stage's `params`, `opt`, `master` and `gradients` are its own blocks'
-(and the shared leaves'); the slots a stage holds beyond its own blocks (K is the largest
-chunk's: a sharded array has equal shards on every stage) are `padding_state` and
-`padding_gradients`, counted in its `total`. The activation stash is the program's: every
-stage's slots sized for K blocks.
-
-Activations (an estimate, not a compiled figure): stage s stashes, for each micro-batch
-between its forward and its backward (`res_slots_s`, counted from the schedule's table: M
-for GPipe, at most 2S-1 for 1F1B), what the chunk's backward reads (jaxdist/pipeline/ops.py):
-with --remat none every block's activations, at Korthikanti et al. 2022's count per block
-of L*b*D*(10 + 24/t + 5*a*L/(D*t)) bytes for 2-byte activations (t: tensor-parallel size,
-a: heads; 34/t for the first two terms with sequence parallel; the last term is the stored
-attention scores, which cuDNN's flash attention does not keep), scaled to the compute dtype;
-with --remat full each block's input (a sequence shard of it on each tensor device under
-sequence parallelism: b*L*D/t, as the chunk's forward stashes it); with --remat dots its input and its matmuls' outputs
-(q, k, v, the scores unless flash, attention output, projection, MLP up and down:
-L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named values it
-keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
-jaxdist.pipeline.checks). b = batch / (M x batch shards). Received activations and gradients in
-flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
-activations (the block being differentiated, recomputed under --remat).
-"""
+"""A pipeline layout's plan from shapes alone (`--dry-run`): every stage's bytes per device
+(jaxdist.predict.stage_memory: state exact, activations from the schedule's stash,
+estimated); `--hardware PART` sets them against the part's HBM (jaxdist.plan.predicted)."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
-import jax
-import numpy as np
-from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
-
-from jaxdist import metrics
-from jaxdist.config import parse_stage_blocks
-from jaxdist.run_model import build_model
-from jaxdist.pipeline.checks import check_pipeline
-from jaxdist.pipeline.parts import chunk_blocks
-from jaxdist.pipeline.schedule import build_schedule
-from jaxdist.state_shapes import pipeline_planning_state
-from jaxdist.train_step import DTYPES, make_optimizer
-from models.layers import REMAT_NAMES
-from sharding import get_layout
-from sharding.axes import batch_axes
-from sharding.pipeline import is_stacked
+from jaxdist.plan.base import PlanBase
+from jaxdist.predict.stage_memory import stage_memory
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineShapesPlan(PlanBase):
+    """dry_run.json of a pipeline layout: the schedule and every stage's bytes."""
+    layout: str
+    mesh: dict
+    distributed_optimizer: bool
+    model: dict                   # {name, params}
+    pipeline: dict                # the schedule's summary, blocks per chunk, rows
+    state_bytes_per_device: dict  # exact, by state part
+    stages: list                  # per stage: its bytes by kind, and total
+    seq_len: int | None = None    # the header's; not in dry_run.json
 
-def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
-                           flash: bool = False, sequence_parallel: bool = False) -> float:
-    """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
-    Models), Eq. 2 with tensor parallelism, Eq. 4 with sequence parallelism (the 10 bytes
-    per element outside the tensor-parallel regions split over t too): bytes one block
-    keeps for its backward. Flash attention keeps no L x L scores (the 5aL/(Dt) term)."""
-    L, D, a = model_cfg.seq_len, model_cfg.width, model_cfg.heads
-    linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
-    scores = 0.0 if flash else 5 * a * L / (D * tensor)
-    return L * rows * D * (linear + scores) * itemsize / 2
+    file_name = "dry_run.json"
 
+    def to_json(self) -> dict:
+        return {"dry_run": True, **{f.name: getattr(self, f.name)
+                                    for f in dataclasses.fields(self) if f.name != "seq_len"}}
 
-def named_saved_bytes(model_cfg, names, rows: int, tensor: int, itemsize: int,
-                      sequence_parallel: bool = False) -> float:
-    """Bytes of one block's values kept by name (models.layers REMAT_NAMES) per micro-batch:
-    each name's width per token, split over `tensor` where tensor parallelism splits it.
-    `mlpwo` counts nothing: no backward reads the MLP's output (JAX keeps only what one
-    reads)."""
-    D, hd = model_cfg.width, model_cfg.width // model_cfg.heads
-    kv = getattr(model_cfg, "kv_heads", model_cfg.heads) * hd
-    gated = hasattr(model_cfg, "mlp_hidden")  # SwiGLU: gate and up (mlpwi_0, mlpwi_1)
-    F = model_cfg.mlp_hidden if gated else model_cfg.mlp_ratio * D
-    width = {"query_proj": D, "key_proj": kv, "value_proj": kv, "context": D,
-             "mlpwi": 0 if gated else F, "mlpwi_0": F if gated else 0,
-             "mlpwi_1": F if gated else 0}
-    per_token = sum(width.get(n, 0) for n in names) / tensor
-    if "out_proj" in names:  # whole on every tensor device, a sequence shard under SP
-        per_token += D / tensor if sequence_parallel else D
-    return rows * model_cfg.seq_len * per_token * itemsize
+    def text(self) -> str:
+        from jaxdist.plan.base import headline
+        from jaxdist.summary import human_bytes
 
-
-def stacked_bytes_per_device(state, specs, sizes: dict[str, int]) -> dict[str, int]:
-    """Per state part, one device's bytes of the stacked block leaves ([S, V, K, ...]
-    parameters and their optimizer state and master copies), padded slots included."""
-    out = {}
-    for part in state:
-        leaves = jax.tree_util.tree_flatten_with_path(state[part])[0]
-        part_specs = jax.tree.leaves(specs[part], is_leaf=lambda x: isinstance(x, P))
-        out[part] = sum(metrics.shard_bytes(leaf, spec, sizes)
-                        for (path, leaf), spec in zip(leaves, part_specs)
-                        if is_stacked(path))
-    return out
-
-
-def model_params(state, counts) -> int:
-    """The model's parameters: the stacked leaves' less their padded slots."""
-    S, V = len(counts), len(counts[0])
-    K = max(max(row) for row in counts)
-    blocks = sum(sum(row) for row in counts)
-    stacked = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]["stages"]))
-    return metrics.param_count(state) - stacked + stacked // (S * V * K) * blocks
-
-
-def plan_pipeline(cfg, shape) -> dict:
-    model_cfg, _ = build_model(cfg)
-    sizes = shape.axis_sizes
-    S, M = shape.stage, cfg.train.microbatches
-    schedule = cfg.train.pp_schedule
-    V = cfg.train.pp_virtual if schedule == "interleaved" else 1
-    stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
-    check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks)
-    counts = chunk_blocks(model_cfg, S, V, stage_blocks)
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                    layout.master_weights(cfg.model.dtype), stage_blocks)
-    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
-                        axis_types=(AxisType.Auto,) * len(sizes))
-    specs = layout(state, mesh)
-    per_device = metrics.planned_bytes_per_device(state, specs, sizes)
-    stacked = stacked_bytes_per_device(state, specs, sizes)
-    sched = build_schedule(schedule, S, M, V, counts)
-    batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
-    rows = cfg.train.batch_size // (M * batch_shards)
-    itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
-    act = rows * model_cfg.seq_len * model_cfg.width * itemsize
-    K = max(max(row) for row in counts)  # the program's slots per chunk
-    tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
-    flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
-             cfg.model.dtype == "bfloat16")
-    block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
-                                   getattr(model_cfg, "sequence_parallel", False))
-    remat = getattr(model_cfg, "remat", "none")
-    dots = rows * model_cfg.seq_len * (10 * model_cfg.width / tensor + (
-        0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
-    # selective_op: every other matmul's output and the attention's
-    selective = rows * model_cfg.seq_len * 6 * model_cfg.width / tensor * itemsize
-    sequence_parallel = getattr(model_cfg, "sequence_parallel", False)
-    # a block's input as the chunk's forward stashes it: a sequence shard on each tensor
-    # device under sequence parallelism (the program's stash output), else whole
-    block_input = act / tensor if sequence_parallel else act
-    if remat in REMAT_NAMES:
-        stashed = K * (block_input + named_saved_bytes(model_cfg, REMAT_NAMES[remat][0], rows,
-                                                       tensor, itemsize, sequence_parallel))
-    else:
-        stashed = K * {"none": block, "full": block_input, "dots": block_input + dots,
-                       "selective_op": block_input + selective}[remat]
-    working = block
-    stages = []
-    for s in range(S):
-        stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * act +
-                 sched.res_slots_by_stage[s] * stashed)
-        own, pad = sum(counts[s]), V * K - sum(counts[s])  # slots: own blocks, padding
-        mine = {part: per_device.get(part, 0) - stacked.get(part, 0) +
-                stacked.get(part, 0) * own // (V * K) for part in ("params", "opt", "master")}
-        padding = {part: stacked.get(part, 0) * pad // (V * K)
-                   for part in ("params", "opt", "master")}
-        master = mine["master"]  # float32 master shards (distributed optimizer)
-        # the step accumulates the stage's gradients over its micro-batches: one more
-        # copy of its parameters, as they are sharded; with float32 master shards they
-        # are accumulated and reduced in float32: twice the bf16 weights
-        twice = 2 if per_device.get("master", 0) else 1
-        grads = mine["params"] * twice
-        pad_state = sum(padding.values())
-        pad_grads = padding["params"] * twice
-        total = (mine["params"] + grads + mine["opt"] + master + pad_state + pad_grads +
-                 stash + working)
-        stages.append({"stage": s, "blocks": own, "params": mine["params"], "opt": mine["opt"],
-                       "master": master,
-                       "gradients": grads, "padded_slots": pad, "padding_state": pad_state,
-                       "padding_gradients": pad_grads,
-                       "activation_stash": stash, "activation_working": int(working),
-                       "total": int(total)})
-    return {
-        "dry_run": True, "layout": cfg.train.layout, "mesh": dict(sizes),
-        "distributed_optimizer": layout.distributed_optimizer,
-        "model": {"name": cfg.model.model, "params": model_params(state, counts)},
-        "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
-                     cfg.train.batch_size, "microbatch_rows_per_device": rows},
-        "state_bytes_per_device": per_device,
-        "stages": stages,
-    }
+        p = self
+        pp = p.pipeline
+        blocks = pp.get("stage_blocks") or []
+        split = (f"{pp['blocks_per_chunk']} blocks per chunk" if len(set(blocks)) < 2 else
+                 f"stage blocks {','.join(map(str, blocks))} (padded to "
+                 f"{pp['blocks_per_chunk']} per chunk)")
+        lines = [f"{headline(p)}; {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+                 f"M={pp['microbatches']}, {split}, "
+                 f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
+                 f"{pp['bubble']:.1%}; nothing allocated",
+                 f"  {'stage':<6}{'params':>12}{'gradients':>12}{'optimizer':>12}"
+                 f"{'act stash':>12}{'act working':>13}{'total':>12}"]
+        for s in p.stages:
+            lines.append(f"  {s['stage']:<6}{human_bytes(s['params']):>12}"
+                         f"{human_bytes(s['gradients']):>12}"
+                         f"{human_bytes(s['opt'] + s.get('master', 0)):>12}"
+                         f"{human_bytes(s['activation_stash']):>12}"
+                         f"{human_bytes(s['activation_working']):>13}"
+                         f"{human_bytes(s['total']):>12}")
+        lines.append("  per device; activations estimated (stash: the schedule's micro-batches "
+                     "in flight x what a chunk's backward reads under --remat, working set: "
+                     "one block's, by Korthikanti et al. 2022); --hardware PART sets each "
+                     "stage against the part's memory")
+        padded = [s for s in p.stages if s.get("padded_slots")]
+        if padded:
+            lines.append("  padding (in total): " + ", ".join(
+                f"stage {s['stage']} {s['padded_slots']} slot(s) "
+                f"{human_bytes(s['padding_state'] + s['padding_gradients'])}" for s in padded) +
+                " of parameters, gradients and optimizer state the program holds beyond the "
+                "stage's own blocks (equal shards on every stage)")
+        return "\n".join(lines)
 
 
-def format_pipeline_plan(p: dict) -> str:
-    from jaxdist.plan import headline
-    from jaxdist.summary import human_bytes
+def plan_pipeline(cfg, shape) -> PipelineShapesPlan:
+    from jaxdist.run_model import build_model
 
-    pp = p["pipeline"]
-    blocks = pp.get("stage_blocks") or []
-    split = (f"{pp['blocks_per_chunk']} blocks per chunk" if len(set(blocks)) < 2 else
-             f"stage blocks {','.join(map(str, blocks))} (padded to "
-             f"{pp['blocks_per_chunk']} per chunk)")
-    lines = [f"{headline(p)}; {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
-             f"M={pp['microbatches']}, {split}, "
-             f"{pp['microbatch_rows_per_device']} rows per micro-batch and device; bubble "
-             f"{pp['bubble']:.1%}; nothing allocated",
-             f"  {'stage':<6}{'params':>12}{'gradients':>12}{'optimizer':>12}"
-             f"{'act stash':>12}{'act working':>13}{'total':>12}"]
-    for s in p["stages"]:
-        lines.append(f"  {s['stage']:<6}{human_bytes(s['params']):>12}"
-                     f"{human_bytes(s['gradients']):>12}"
-                     f"{human_bytes(s['opt'] + s.get('master', 0)):>12}"
-                     f"{human_bytes(s['activation_stash']):>12}"
-                     f"{human_bytes(s['activation_working']):>13}"
-                     f"{human_bytes(s['total']):>12}")
-    lines.append("  per device; activations estimated (stash: the schedule's micro-batches "
-                 "in flight x what a chunk's backward reads under --remat, working set: one "
-                 "block's, by Korthikanti et al. 2022); --hardware PART sets each stage against "
-                 "the part's memory")
-    padded = [s for s in p["stages"] if s.get("padded_slots")]
-    if padded:
-        lines.append("  padding (in total): " + ", ".join(
-            f"stage {s['stage']} {s['padded_slots']} slot(s) "
-            f"{human_bytes(s['padding_state'] + s['padding_gradients'])}" for s in padded) +
-            " of parameters, gradients and optimizer state the program holds beyond the "
-            "stage's own blocks (equal shards on every stage)")
-    return "\n".join(lines)
+    return PipelineShapesPlan(**stage_memory(cfg, shape),
+                              seq_len=build_model(cfg)[0].seq_len)
+
+
+def format_pipeline_plan(p: PipelineShapesPlan) -> str:
+    return p.text()

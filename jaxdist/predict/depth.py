@@ -1,36 +1,69 @@
-"""Figures across depth: a decoder is a stack of identical blocks, so every figure read from
-its program (FLOPs, bytes, collectives, temporaries, the kernel model's seconds) is linear in
-the number of blocks. Compiled at 1 and 2 blocks, a K-block figure is base + (K - 1) (two -
-one), where base is the 1-block figure of the piece itself (e.g. the last chunk, with the
-head)."""
+"""Figures across depth, the one extrapolation: a decoder is a stack of identical blocks, so
+every figure read from its program (FLOPs, bytes, collectives, temporaries, kernels, the
+kernel model's seconds) is linear in the number of blocks. Compiled at 1 and 2 blocks, a
+K-block figure is base + (K - 1) (two - one), where base is the 1-block figure of the piece
+itself (a whole step: its depth-1 program; a pipeline chunk: e.g. the last one, with the
+head). What is not linear is bounded here (exposed communication, `linear_times`) or read
+from XLA's live ranges (temporaries of an ordered backward: jaxdist.predict.program)."""
 
 from __future__ import annotations
 
 
-def linear(base: dict, one: dict, two: dict, blocks: int) -> dict:
-    """base + (blocks - 1) x (two - one), figure by figure and collective by collective."""
+def line(base: float, one: float, two: float, k: int) -> float:
+    """One figure k blocks past the base: base + k (two - one)."""
+    return base + k * (two - one)
+
+
+def linear(base: dict, one: dict, two: dict, blocks: int, by_nodes: bool = False) -> dict:
+    """base + (blocks - 1) x (two - one), figure by figure and collective by collective;
+    `by_nodes`: collectives kept apart by the nodes their groups span, where the reading
+    knew the hosts (a whole step's program), else summed over them (a pipeline's pieces)."""
     k = blocks - 1
-    rows: dict = {}
-    for sign, figs in ((1, base), (k, two), (-k, one)):
+
+    def key(r):
+        spans = (r.get("nodes"), r.get("members_per_node")) if by_nodes else ()
+        return (r["kind"], tuple(r["axes"]), r["group_size"], *spans)
+
+    sums: dict = {}
+    for i, figs in enumerate((base, one, two)):
         for r in figs["comm"]:
-            key = (r["kind"], tuple(r["axes"]), r["group_size"])
-            row = rows.setdefault(key, {"kind": r["kind"], "axes": list(r["axes"]),
-                                        "group_size": r["group_size"], "count": 0,
-                                        "bytes": 0, "ring_bytes": 0.0, "upper_bound": False,
-                                        "async": False})
-            for f in ("count", "bytes", "ring_bytes"):
-                row[f] += sign * r[f]
-            for f in ("upper_bound", "async"):
-                row[f] |= bool(r.get(f))
-    return {"flops": base["flops"] + k * (two["flops"] - one["flops"]),
-            "bytes_accessed": base["bytes_accessed"] + k * (two["bytes_accessed"] -
-                                                            one["bytes_accessed"]),
-            "memory": {"temp_bytes": base["memory"]["temp_bytes"] + k * (
-                two["memory"]["temp_bytes"] - one["memory"]["temp_bytes"])},
-            "comm": [r for r in rows.values() if r["count"] > 0 or r["ring_bytes"] > 0],
+            row = sums.setdefault(key(r), {"first": r, "flags": set(),
+                                           **{f: [0, 0, 0] for f in COMM_FIGURES}})
+            for f in COMM_FIGURES:
+                row[f][i] += r[f]
+            row["flags"] |= {f for f in ("upper_bound", "async") if r.get(f)}
+    rows = []
+    for row in sums.values():
+        r = row["first"]
+        spans = {f: r[f] for f in ("nodes", "members_per_node") if by_nodes and
+                 r.get("nodes") is not None}
+        out = {"kind": r["kind"], "axes": list(r["axes"]), "group_size": r["group_size"],
+               **spans, **{f: line(*row[f], k) for f in COMM_FIGURES},
+               **{f: f in row["flags"] for f in ("upper_bound", "async")}}
+        if out["count"] > 0 or out["ring_bytes"] > 0:
+            rows.append(out)
+    return {"flops": line(base["flops"], one["flops"], two["flops"], k),
+            "bytes_accessed": line(base["bytes_accessed"], one["bytes_accessed"],
+                                   two["bytes_accessed"], k),
+            "memory": {"temp_bytes": line(*(f["memory"].get("temp_bytes", 0)
+                                            for f in (base, one, two)), k)},
+            "comm": rows,
             **({"kernel_time": linear_times(base["kernel_time"], one["kernel_time"],
                                             two["kernel_time"], k)}
                if "kernel_time" in base else {})}
+
+
+COMM_FIGURES = ("count", "bytes", "ring_bytes")
+
+
+def kernels(base: dict, one: dict, two: dict, k: int) -> dict:
+    """The kernel inventory (launches, FLOPs, bytes per kind), base + k (two - one)."""
+    zero = {"launches": 0, "flops": 0.0, "bytes": 0.0}
+    out = {}
+    for kind in set(base) | set(one) | set(two):
+        a, b, c = (figs.get(kind, zero) for figs in (base, one, two))
+        out[kind] = {f: line(a[f], b[f], c[f], k) for f in ("launches", "flops", "bytes")}
+    return dict(sorted(out.items()))
 
 
 def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:

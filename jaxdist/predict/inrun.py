@@ -5,9 +5,10 @@ Which part: `--hardware PART` when given, else the part whose `device_kind` the 
 report (jaxdist.parts: "NVIDIA H200" -> h200, ...). None of them (e.g. a CPU run without
 --hardware): the block says why there is no prediction.
 
-From what: the plan of the same job on that part, exactly what `--dry-run --hardware PART`
-prints (jaxdist.plan): its step time, throughput and memory verdict, so a run's measured /
-predicted ratio checks the predictor plans use. The ratios are measured / predicted.
+From what: the prediction of the same job on that part (jaxdist.predict.prediction.predict),
+the one `--dry-run --hardware PART` prints: its step time, throughput and memory verdict, so
+a run's measured / predicted ratio checks the predictor plans use. The ratios are measured /
+predicted.
 """
 
 from __future__ import annotations
@@ -16,22 +17,12 @@ import dataclasses
 
 import jax
 
-from jaxdist import plan as plans
-from jaxdist.program import compiled as compiled_mod
 from jaxdist.errors import UsageError
 from jaxdist.hardware import check_nodes, get_hardware
-from jaxdist.parts import NAMED, PREDICTABLE
+from jaxdist.parts import PREDICTABLE, part_for_device_kind
 from jaxdist.predict import time_model
-
-
-def part_for_device_kind(device_kind: str | None) -> str | None:
-    """The predicted part (jaxdist.parts) whose device_kind string the device reports, exactly
-    (case and surrounding spaces aside); None when none does."""
-    kind = (device_kind or "").strip().lower()
-    for name in PREDICTABLE:
-        if NAMED[name].device_kind.lower() == kind:
-            return name
-    return None
+from jaxdist.predict.prediction import predict
+from jaxdist.program import compiled as compiled_mod
 
 
 def absent(reason: str) -> dict:
@@ -73,11 +64,11 @@ def prediction_block(cfg, platform, results: dict) -> dict:
         return absent("without the GPU compiler the plan compiles on this process's "
                       "simulated devices, and this run has several processes (use "
                       "experiments.run --dry-run --hardware on one host)")
-    # The plan of the same job on the part: one prediction path for runs and plans
+    # The same job on the part, through the one prediction plans print
     job = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dry_run=True,
                                                               hardware=name))
-    plan = plans.plan(job, platform.shape)
-    step, memory, thr = plan["time"], plan["memory"], plan["throughput"]
+    pred = predict(job, platform.shape)
+    step, memory, thr = pred.time, pred.memory, pred.throughput
     measured_step = (results.get("step_time_s") or {}).get("mean")
     measured_tps = (results.get("throughput") or {}).get("tokens_per_s")
     measured_tps_gpu = measured_tps / n if measured_tps else None
@@ -85,14 +76,14 @@ def prediction_block(cfg, platform, results: dict) -> dict:
     simulated = platform.simulated or platform.backend == "cpu"
     return {
         "label": time_model.LABEL, "available": True, "hardware": hw.name, "source": source,
-        "compiler": plan["compiled"]["compiler"],
+        "compiler": pred.compiler,
         "basis": f"the plan of this job on {hw.name} (experiments.run --dry-run --hardware "
-                 f"{name}): its step compiled by {plan['compiled']['compiler']}, through "
+                 f"{name}): its step compiled by {pred.compiler}, through "
                  f"jaxdist.predict",
-        "predicted": {"step_s": step["step_s"],
+        "predicted": {"step_s": pred.step_s,
                       "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],
                       "memory_bytes_per_device": memory["total_bytes"],
-                      "fits": memory["fits"], "verdict": plan["verdict"],
+                      "fits": pred.fits, "verdict": pred.verdict,
                       "bottleneck": step["bottleneck"],
                       "compute_s": step["compute_s"], "hbm_s": step["hbm_s"],
                       "intra_node_s": step["intra_node_s"],
@@ -101,7 +92,7 @@ def prediction_block(cfg, platform, results: dict) -> dict:
         "measured": {"step_s": measured_step, "tokens_per_s_per_gpu": measured_tps_gpu,
                      "peak_bytes_per_device": peak},
         "measured_over_predicted": {
-            "step_s": _ratio(measured_step, step["step_s"]),
+            "step_s": _ratio(measured_step, pred.step_s),
             "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr["tokens_per_s_per_gpu"]),
             "memory": _ratio(peak, memory["total_bytes"])},
         "note": (f"measured on {platform.backend} "

@@ -26,7 +26,7 @@ import hashlib
 from jaxdist.program import compiled as compiled_mod, liveness, program_reading
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
-from jaxdist.predict.depth import linear_times
+from jaxdist.predict.depth import kernels, line, linear
 from jaxdist.predict.time_model import aggregate
 from jaxdist.train_step import compiled_step_flops
 
@@ -98,42 +98,13 @@ def is_stack(model_cfg) -> bool:
 
 
 def extrapolate(one: dict, two: dict, depth: int, ordered: bool = False) -> dict:
-    """Figures at `depth` from the depth-1 and depth-2 figures, linearly."""
-    def line(a, b):
-        return a + (depth - 1) * (b - a)
-
-    def key(row):  # the nodes its groups span, where the reading knew the hosts
-        return (row["kind"], tuple(row["axes"]), row["group_size"], row.get("nodes"),
-                row.get("members_per_node"))
-
-    rows = {}
-    for row in one["comm"]:
-        rows[key(row)] = (row, None)
-    for row in two["comm"]:
-        rows[key(row)] = (rows.get(key(row), (None,))[0], row)
-    comm_rows = []
-    for (kind, axes, n, nodes, per_node), (a, b) in rows.items():
-        zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
-        a, b = a or zero, b or zero
-        comm_rows.append({"kind": kind, "axes": list(axes), "group_size": n,
-                          **({"nodes": nodes, "members_per_node": per_node}
-                             if nodes is not None else {}),
-                          **{f: line(a[f], b[f]) for f in ("count", "bytes", "ring_bytes")},
-                          **{f: bool(a.get(f) or b.get(f)) for f in ("upper_bound", "async")}})
-    kernels = {}
-    for kind in set(one.get("kernels", {})) | set(two.get("kernels", {})):
-        a = one.get("kernels", {}).get(kind, {"launches": 0, "flops": 0.0, "bytes": 0.0})
-        b = two.get("kernels", {}).get(kind, {"launches": 0, "flops": 0.0, "bytes": 0.0})
-        kernels[kind] = {f: line(a[f], b[f]) for f in ("launches", "flops", "bytes")}
-    return {"flops": line(one["flops"], two["flops"]),
-            "bytes_accessed": line(one["bytes_accessed"], two["bytes_accessed"]),
-            "comm": comm_rows,
-            **extrapolated_memory(one, two, depth, ordered),
-            "kernels": dict(sorted(kernels.items())),
-            "compile_s": one.get("compile_s", 0) + two.get("compile_s", 0),
-            **({"kernel_time": linear_times(one["kernel_time"], one["kernel_time"],
-                                            two["kernel_time"], depth - 1)}
-               if "kernel_time" in one else {})}
+    """Figures at `depth` from the depth-1 and depth-2 figures (jaxdist.predict.depth); the
+    compiler's memory as `extrapolated_memory` says."""
+    figs = linear(one, one, two, depth, by_nodes=True)
+    return {**figs, **extrapolated_memory(one, two, depth, ordered),
+            "kernels": kernels(one.get("kernels", {}), one.get("kernels", {}),
+                               two.get("kernels", {}), depth - 1),
+            "compile_s": one.get("compile_s", 0) + two.get("compile_s", 0)}
 
 
 def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False) -> dict:
@@ -146,11 +117,9 @@ def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False)
     llama3-70b fsdp_tp+SP, 383 GiB at 80 by the line, 49 by the live ranges and by the slope
     of whole compiles at depth 8 and 16). Else linear, like the rest: without the order XLA
     gathers weights ahead and defers weight gradients, and what it keeps piles up with depth."""
-    def line(a, b):
-        return a + (depth - 1) * (b - a)
-
     fields = {k for k in one["memory"] if k.endswith("_bytes") and k != "peak_bytes"}
-    memory = {k: line(one["memory"][k], two["memory"][k]) for k in fields}
+    memory = {k: line(one["memory"][k], one["memory"][k], two["memory"][k], depth - 1)
+              for k in fields}
     reading = (two.get("liveness") or {}) if ordered else {}
     if not reading.get("profile") or "temp_bytes" not in memory:
         method = "linear in depth through depth 1 and 2"

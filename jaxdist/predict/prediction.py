@@ -1,0 +1,260 @@
+"""The one prediction pipeline: program figures -> time model -> memory verdict ->
+`Prediction`. `predict(cfg, shape)` is what a `--hardware` plan shows (jaxdist.plan.predicted)
+and what a run records beside its measurement (jaxdist.predict.inrun): the same function, so a
+run's measured / predicted ratio checks the predictor plans use.
+
+The step is compiled for the real mesh on the part of `cfg.output.hardware`: by XLA:GPU for
+the part's topology without a device where the GPU compiler is installed, else by XLA:CPU on
+simulated CPU devices (`jaxdist.program.compiled.for_part`).
+
+- One program (every layout but a pipeline): figures from `jaxdist.predict.program` (a deep
+  decoder compiled at depth 1 and 2, extrapolated: `jaxdist.predict.depth`); time kernel by
+  kernel (`jaxdist.predict.kernels_time`) where XLA:GPU compiled it and the part has published
+  rates, else the roofline (`jaxdist.predict.time_model`); memory from XLA:GPU's buffer
+  assignment beside the hand estimate (`jaxdist.predict.memory`), or the hand estimate alone.
+- A pipeline: the step tick by tick from the executed schedule table
+  (`jaxdist.predict.pipeline`); memory per stage (`jaxdist.predict.stage_memory`).
+- Either way the verdict is `jaxdist.predict.verdict`'s, and a step that does not fit keeps
+  its throughput labelled "if it fit".
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+from jaxdist.errors import UsageError
+from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
+from jaxdist.mesh import MeshShape
+from jaxdist.predict import kernels_time, memory, program, time_model, verdict
+from jaxdist.predict.state import state_bytes
+from jaxdist.program import compiled
+from jaxdist.run_model import build_model
+from sharding.registry import facts
+
+LABEL = time_model.LABEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One step of one job on one part, predicted. The blocks are plan.json's (its schema:
+    docs/results.md); `timing` and `memory_from` say which model made the time and which
+    figure decided the memory verdict."""
+    hardware: dict             # the part's figures and its node count
+    links: dict                # per mesh axis: the links its collectives cross
+    constants: dict            # the time model's constants, each with its justification
+    compiled: dict             # what the compiled program says
+    memory: dict               # the memory verdict (jaxdist.predict.verdict)
+    time: dict                 # the step and its breakdown
+    throughput: dict           # tokens/s per GPU and MFU ("if it fit" where it does not)
+    model: dict                # {name, params}
+    distributed_optimizer: bool
+    state_bytes_per_device: dict  # exact, by state part
+    pipeline: dict | None = None  # the schedule and its ticks, for a pipeline layout
+    timing: str = "roofline"   # "kernels" (XLA:GPU program), "roofline" or "ticks" (pipeline)
+    memory_from: str = "hand"  # "compiled" (XLA:GPU's buffer assignment), "hand" or "stages"
+
+    @property
+    def step_s(self) -> float:
+        return self.time["step_s"]
+
+    @property
+    def fits(self) -> bool | None:
+        return self.memory["fits"]
+
+    @property
+    def verdict(self) -> str:
+        """fits, OOM or unknown."""
+        return verdict.word(self.fits)
+
+    @property
+    def compiler(self) -> str:
+        return self.compiled["compiler"]
+
+
+def predict(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = None) -> Prediction:
+    """The prediction of `cfg`'s step on the mesh `shape` on the part `cfg.output.hardware`;
+    `cache` (a dict, optional) keeps compiles for later calls whose program is the same (a
+    suite's rows: e.g. variants that change only --overlap).
+
+    Every shape XLA can compile gets a prediction: where XLA:GPU's Triton GEMM emitter finds
+    no tiling for a dot, the step is compiled again with Triton GEMMs off (cuBLAS for every
+    dot), and `compiled.fallback` says so. Any other compile failure, or one the fallback does
+    not cure, is a CompileError: XLA's message in one line."""
+    from jax.errors import JaxRuntimeError
+
+    try:
+        return _predict(cfg, shape, blocks, cache)
+    except JaxRuntimeError as e:
+        rejected = compiled.xla_message(e)
+        if compiled.TILING_REJECTED not in str(e) or \
+                compiled.CUBLAS_GEMMS in cfg.compiler.xla_flags:
+            raise compiled.CompileError(f"XLA could not compile the step: {rejected}") from None
+    flags = f"{cfg.compiler.xla_flags} {compiled.CUBLAS_GEMMS}".strip()
+    retry = dataclasses.replace(cfg, compiler=dataclasses.replace(cfg.compiler,
+                                                                  xla_flags=flags))
+    try:
+        pred = _predict(retry, shape, blocks, cache)
+    except JaxRuntimeError as e:
+        raise compiled.CompileError(
+            f"XLA could not compile the step, with Triton GEMMs off either "
+            f"({compiled.CUBLAS_GEMMS}): {compiled.xla_message(e)}") from None
+    pred.compiled["fallback"] = {
+        "xla_flags": compiled.CUBLAS_GEMMS, "rejected": rejected,
+        "why": "XLA:GPU's Triton GEMM emitter found no tiling for a dot of this step; "
+               "compiled again with Triton GEMMs off, every dot a cuBLAS call (timed at "
+               "the part's cuBLAS rate like any GEMM)"}
+    return pred
+
+
+def _predict(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> Prediction:
+    hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+    check_nodes(hw, shape.size)
+    if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
+        raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak figure: give a dtype it "
+                         f"has (--dtype bfloat16)")
+    model_cfg, _ = build_model(cfg)
+    target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
+    mesh = dict(shape.axis_sizes)
+    if facts(cfg.train.layout).pipelined:
+        parts = _pipeline(cfg, model_cfg, shape, hw, target, cache)
+    else:
+        parts = _one_program(cfg, model_cfg, shape, hw, target, blocks, cache)
+    fits = parts["memory"]["fits"]
+    tokens, batch = model_cfg.tokens_per_sample, cfg.train.batch_size
+    thr = time_model.throughput(parts["time"], tokens * batch if tokens else None,
+                                model_cfg.flops_per_sample() * batch, shape.size)
+    return Prediction(
+        hardware={**hw.prediction_fields(), "nodes": -(-shape.size // hw.gpus_per_node)},
+        links=time_model.axis_links(mesh, hw, compiled.mesh_hosts(shape, target)),
+        constants={k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
+        throughput=verdict.if_it_fit(thr, fits), **parts)
+
+
+def memo(cache: dict | None, key: tuple, make):
+    """make()'s value, kept in `cache` (a suite plan's) under `key` for later rows whose
+    settings are the same (a variant that changes only --overlap): a copy each time."""
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return copy.deepcopy(cache[key])
+
+
+def _one_program(cfg, model_cfg, shape: MeshShape, hw, target, blocks: str,
+                 cache: dict | None) -> dict:
+    settings = (repr(cfg.model), repr(cfg.train), tuple(shape.axis_sizes.items()))
+    state = memo(cache, ("state bytes", *settings), lambda: state_bytes(cfg, shape))
+    mesh = dict(shape.axis_sizes)
+    # The hand estimate traces the loss (Python) while XLA compiles (threads without the
+    # GIL): the two overlap on two cores.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        hand = pool.submit(memo, cache, ("hand memory", *settings),
+                           lambda: hand_memory(cfg, model_cfg, state, mesh))
+        figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
+        peak = hand.result()
+    temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
+    if quadratic is not None:
+        temp -= max(0.0, quadratic["temp_bytes"])
+        bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
+    timed = target.gpu and kernels_time.has_rates(hw)
+    if timed:  # XLA:GPU's program, kernel by kernel
+        step = time_model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
+                                      cfg.model.dtype, cfg.model.matmul_precision)
+    else:
+        step = time_model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
+                                    mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
+                                    cfg.train.microbatches, cfg.model.matmul_precision)
+    if target.gpu:
+        mem = verdict.gpu_memory_verdict(peak, figures["memory"], hw)
+    else:
+        mem = verdict.memory_verdict(peak, int(max(0.0, temp)), hw)
+    return {
+        "model": state.model, "distributed_optimizer": state.distributed_optimizer,
+        "state_bytes_per_device": state.state_bytes_per_device,
+        "compiled": {"compiler": target.label, "gpu": target.gpu,
+                     "xla_flags": cfg.compiler.xla_flags, "method": figures["method"],
+                     "flops_per_device": figures["flops"],
+                     "kernels": figures.get("kernels", {}),
+                     "compile_s": figures.get("compile_s"),
+                     "bytes_accessed_per_device": figures["bytes_accessed"],
+                     "memory": figures["memory"],
+                     "flash_attention": None if quadratic is None else {
+                         "removed_score_temp_bytes": max(0.0, quadratic["temp_bytes"]),
+                         "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
+                         "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
+                                "keeps no L x L scores; XLA:CPU keeps them"}},
+        "memory": mem, "time": exposed_by_link(step, timed),
+        "timing": "kernels" if timed else "roofline",
+        "memory_from": "compiled" if target.gpu else "hand"}
+
+
+def _pipeline(cfg, model_cfg, shape: MeshShape, hw, target, cache: dict | None) -> dict:
+    """pp, tp_pp, fsdp_pp: the step tick by tick from the executed schedule table
+    (jaxdist.predict.pipeline); memory from the stages' (exact state per stage, activations
+    estimated), against the part's HBM."""
+    from jaxdist.predict.pipeline import pipeline_step
+    from jaxdist.predict.stage_memory import stage_memory
+
+    stages = memo(cache, ("stage memory", repr(cfg.model), repr(cfg.train),
+                          tuple(shape.axis_sizes.items())),
+                  lambda: stage_memory(cfg, shape))
+    pred = pipeline_step(cfg, model_cfg, dict(shape.axis_sizes), hw, cache, target)
+    return {
+        "model": stages["model"], "distributed_optimizer": stages["distributed_optimizer"],
+        "state_bytes_per_device": stages["state_bytes_per_device"],
+        "compiled": {"compiler": target.label, "gpu": target.gpu,
+                     "xla_flags": cfg.compiler.xla_flags, "method": pred["method"],
+                     "flops_per_device": pred["flops_per_device"],
+                     "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
+        "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
+                     **pred["time"]["pipeline"]},
+        "memory": verdict.pipeline_verdict(stages, hw, pred.get("working_temp_bytes")),
+        "time": pred["time"], "timing": "ticks", "memory_from": "stages"}
+
+
+def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
+                     cache: dict | None, hw=None):
+    """(step figures, attention-score part or None), compiled once per distinct program.
+    The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
+    XLA:GPU's program holds the cuDNN calls themselves."""
+    key = ("step", target.label, repr(model_cfg), cfg.train.layout,
+           tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
+           cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks,
+           hw.name if hw else None, cfg.compiler.overlap, cfg.compiler.xla_flags)
+    if cache is not None and key in cache:
+        return cache[key]
+    figures = program.step_figures(cfg, model_cfg, shape, blocks, target,
+                                   hw if target.gpu and kernels_time.has_rates(hw) else None,
+                                   cache)
+    quadratic = None
+    if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
+        quadratic = program.attention_scores(cfg, model_cfg, shape, target,
+                                             figures.get("depth_1"), figures.get("depth_2"))
+    if cache is not None:
+        cache[key] = (figures, quadratic)
+    return figures, quadratic
+
+
+def exposed_by_link(step: dict, kernel_timed: bool) -> dict:
+    """The step's device time and its exposed communication split by link (intra-node,
+    inter-node): the kernel model knows both from the program's schedule; the roofline
+    exposes all of it without overlap, and with overlap the exposed part is shared in
+    proportion to each link's time (the ranking's stacked bars)."""
+    if kernel_timed:
+        return {**step, "device_s": step["device_s_exact"]}
+    comm_total = step["intra_node_s"] + step["inter_node_s"]
+    share = step["comm_exposed_s"] / comm_total if comm_total else 0.0
+    return {**step, "device_s": max(step["compute_s"], step["hbm_s"]),
+            "exposed_intra_node_s": step["intra_node_s"] * share,
+            "exposed_inter_node_s": step["inter_node_s"] * share}
+
+
+def hand_memory(cfg, model_cfg, state, mesh: dict[str, int]) -> dict:
+    """jaxdist.predict.memory's peak estimate (exact state from `state`, a StateBytes)."""
+    return memory.predict_memory(
+        model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
+        state.state_bytes_per_device, state.state_bytes_global["params"],
+        program.flash_attention_applies(model_cfg, cfg.model.dtype),
+        program.is_stack(model_cfg))
