@@ -108,6 +108,11 @@ class TrainConfig:
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "
                                    "all-reduces become reduce-scatter + all-gather")
+    context_load_balance: bool = _opt(True, "with a context axis (--mesh data:2,context:2): "
+                                      "each context shard holds sequence chunks c and "
+                                      "2CP-1-c of 2CP (the zig-zag of MaxText and "
+                                      "Megatron), so every shard does the same causal "
+                                      "attention work; off: CP contiguous parts")
     tp_comm_chunks: int = _opt(0, "with --sequence-parallel (tp, fsdp_tp): run the blocks "
                                "on N independent slices of each device's micro-batch, so "
                                "that one slice's tensor-axis all-gathers and reduce-"
