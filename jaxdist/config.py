@@ -27,7 +27,8 @@ def _opt(default, help, **extra):
 @dataclass(frozen=True)
 class MeshConfig:
     mesh: str = _opt("4x8", "device mesh: DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2), "
-                     "axis:size pairs (data:1,fsdp:4,tensor:8; pipelines: data:2,stage:4), "
+                     "axis:size pairs (data:1,fsdp:4,tensor:8; pipelines: data:2,stage:4; "
+                     "context parallelism: data:2,context:2), "
                      "N (data N) or -1 (every device on data)")
     platform: str = _opt("auto", "auto: use GPUs if present, else simulate the mesh on host "
                          "CPU devices; cpu: always simulate", choices=("auto", "cpu"))

@@ -66,6 +66,11 @@ def context_parallel(cfg, model_cfg):
         raise UsageError(f"context={shards} splits each sequence over the context axis; "
                          f"model {cfg.model.model!r} has no sequence dimension (use a gpt, "
                          f"llama or moe model, or drop context from --mesh)")
+    if cfg.train.distributed_optimizer and cfg.train.layout not in ("ddp", "zero1"):
+        raise UsageError(f"--distributed-optimizer with context={shards} runs on ddp (zero1) "
+                         f"only; layout {cfg.train.layout!r} reduce-scatters its gradients "
+                         f"in a shard_map over the data axes that XLA cannot partition with "
+                         f"the context axis left to it (drop the flag, or use --layout zero1)")
     why = check_sequence(model_cfg.seq_len, shards, cfg.train.context_load_balance)
     if why:
         raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")

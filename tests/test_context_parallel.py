@@ -1,6 +1,7 @@
 """Context parallelism (a `context` mesh axis, models/context.py): the same losses as one
-device for gpt and llama under cp with the data axes, cp x fsdp and cp x tp with sequence
-parallelism, with and without load balancing; the zig-zag order; bad input refused."""
+device for gpt and llama under cp with the data axes, cp x zero1, cp x fsdp and cp x tp with
+sequence parallelism, with and without load balancing, and moe under cp x ep; the zig-zag
+order; the XLA:GPU program's key/value exchange; bad input refused."""
 
 import dataclasses
 import os
@@ -42,13 +43,17 @@ def reference(model: str):
 
 CASES = {  # name: (layout, mesh, sequence parallel)
     "cp": ("ddp", "data:2,context:2", False),
+    "cp_zero1": ("zero1", "data:2,context:2", False),
     "cp_fsdp": ("fsdp", "data:1,fsdp:2,context:2", False),
     "cp_tp_sp": ("tp", "data:2,context:2,tensor:2", True),
+    "cp_ep": ("ep", "data:2,context:2,expert:2", False),
 }
+RUNS = [(m, c, True) for m in ("gpt-tiny", "llama-tiny") for c in ("cp", "cp_fsdp", "cp_tp_sp")]
+RUNS += [(m, "cp_tp_sp", False) for m in ("gpt-tiny", "llama-tiny")]
+RUNS += [("llama-tiny", "cp_zero1", True), ("moe-tiny", "cp_ep", True)]
 
 
-@pytest.mark.parametrize("case,balanced", [(c, True) for c in CASES] + [("cp_tp_sp", False)])
-@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("model,case,balanced", RUNS)
 def test_context_parallel_equals_single_device(model, case, balanced):
     layout, mesh, sp = CASES[case]
     opts = {"sequence_parallel": True} if sp else {}
@@ -89,6 +94,11 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2", "--layout", "ps"),
      "layout 'ps' uses mesh axes data, fsdp; the mesh has context=2 (layouts for this mesh: "
      "ddp, fsdp, zero1)"),
+    (("--model", "gpt-tiny", "--mesh", "data:2,context:2,tensor:2", "--layout", "tp",
+      "--distributed-optimizer"),
+     "--distributed-optimizer with context=2 runs on ddp (zero1) only; layout 'tp' "
+     "reduce-scatters its gradients in a shard_map over the data axes that XLA cannot "
+     "partition with the context axis left to it (drop the flag, or use --layout zero1)"),
 ])
 def test_bad_context_parallel_input_is_refused(args, line, tmp_path, monkeypatch, capsys):
     """One line naming the problem and what works, exit 2, nothing written."""
@@ -136,3 +146,17 @@ def test_xla_gpu_moves_keys_and_values_on_context_only():
     on_data = {k for k in moved if "data" in k[1].split("+")}
     assert on_data == {("all-reduce", "data+context")}
     assert not any(kind == "all-to-all" for kind, _ in moved)
+
+
+def test_context_axis_is_named_in_the_mesh_and_the_record():
+    """`context` sits between fsdp and tensor, is named in the spec a record gives back (the
+    report's and HParams' mesh column) and in run folder names, and splits no batch rows."""
+    from jaxdist.record import mesh_spec
+    from sharding.axes import batch_axes
+
+    shape = parse_mesh("data:2,context:2,tensor:2")
+    assert shape.axis_sizes == {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}
+    assert shape.spec == mesh_spec(shape.axis_sizes) == "data:2,context:2,tensor:2"
+    assert parse_mesh(shape.spec) == shape
+    assert shape.label == "data2-context2-tensor2"
+    assert batch_axes(shape.axis_sizes) == ("data", "fsdp")
