@@ -66,11 +66,14 @@ def context_parallel(cfg, model_cfg):
         raise UsageError(f"context={shards} splits each sequence over the context axis; "
                          f"model {cfg.model.model!r} has no sequence dimension (use a gpt, "
                          f"llama or moe model, or drop context from --mesh)")
-    if cfg.train.distributed_optimizer and cfg.train.layout not in ("ddp", "zero1"):
-        raise UsageError(f"--distributed-optimizer with context={shards} runs on ddp (zero1) "
-                         f"only; layout {cfg.train.layout!r} reduce-scatters its gradients "
-                         f"in a shard_map over the data axes that XLA cannot partition with "
-                         f"the context axis left to it (drop the flag, or use --layout zero1)")
+    sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
+    split = [f"{a}={sizes[a]}" for a in ("tensor", "expert") if sizes.get(a, 1) > 1]
+    if cfg.train.distributed_optimizer and split:
+        # parameters split over tensor/expert: the gradients are reduce-scattered in a
+        # shard_map over the data axes, which XLA's partitioner aborts on with context free
+        raise UsageError(f"--distributed-optimizer with context={shards} runs where the "
+                         f"parameters are replicated (--layout zero1); this mesh splits them "
+                         f"over {', '.join(split)} (drop the flag, or the context axis)")
     why = check_sequence(model_cfg.seq_len, shards, cfg.train.context_load_balance)
     if why:
         raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")

@@ -96,9 +96,9 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
      "ddp, fsdp, zero1)"),
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2,tensor:2", "--layout", "tp",
       "--distributed-optimizer"),
-     "--distributed-optimizer with context=2 runs on ddp (zero1) only; layout 'tp' "
-     "reduce-scatters its gradients in a shard_map over the data axes that XLA cannot "
-     "partition with the context axis left to it (drop the flag, or use --layout zero1)"),
+     "--distributed-optimizer with context=2 runs where the parameters are replicated "
+     "(--layout zero1); this mesh splits them over tensor=2 (drop the flag, or the context "
+     "axis)"),
 ])
 def test_bad_context_parallel_input_is_refused(args, line, tmp_path, monkeypatch, capsys):
     """One line naming the problem and what works, exit 2, nothing written."""
