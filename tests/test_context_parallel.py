@@ -61,6 +61,29 @@ def test_context_parallel_equals_single_device(model, case, balanced):
     np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
 
 
+@pytest.mark.parametrize("model,layout,mesh,schedule", [
+    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b"),
+    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1")])
+def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule):
+    """Inside each stage's shard_map (stage and data manual, context left to the
+    partitioner): 2 stages x 2 micro-batches, load balanced."""
+    from jaxdist.pipeline.program import build_pipeline_program
+    from tests import test_pipeline_matrix as pm
+
+    S, M = 2, 2
+    cfg = pm._cfg(model, S)
+    shape = parse_mesh(mesh)
+    program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout),
+                                     build_mesh(shape, jax.devices()[:shape.size]), 0, M,
+                                     schedule, 1)
+    stream, losses = TrainStream(cfg, None, pm.BATCH, 0), []
+    state = pm._initial(program, cfg, S, 1)
+    for _ in range(pm.STEPS):
+        state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, pm._reference(model, S), rtol=1e-5)
+
+
 def test_zig_zag_gives_every_shard_equal_causal_work():
     """Shard c holds chunks c and 2CP-1-c: the keys its queries read under the causal mask
     (the sum of their positions + 1) are equal on every shard; contiguous parts are not."""
@@ -94,6 +117,9 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2", "--layout", "ps"),
      "layout 'ps' uses mesh axes data, fsdp; the mesh has context=2 (layouts for this mesh: "
      "ddp, fsdp, zero1)"),
+    (("--model", "gpt-tiny", "--mesh", "stage:2,context:2,tensor:2", "--layout", "tp_pp"),
+     "layout 'tp_pp' uses mesh axes data, stage, tensor; the mesh has context=2 (layouts "
+     "for this mesh: none)"),
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2,tensor:2", "--layout", "tp",
       "--distributed-optimizer"),
      "--distributed-optimizer with context=2 runs where the parameters are replicated "
