@@ -186,3 +186,26 @@ def test_context_axis_is_named_in_the_mesh_and_the_record():
     assert parse_mesh(shape.spec) == shape
     assert shape.label == "data2-context2-tensor2"
     assert batch_axes(shape.axis_sizes) == ("data", "fsdp")
+
+
+def test_memory_estimate_splits_activations_over_context():
+    """The plan's hand estimate: a context axis of 2 in place of half the batch shards
+    holds the same activations per device (each device keeps half of twice the rows'
+    sequences), the state and gradients as the layout stores them."""
+    from jaxdist.config import ModelConfig, RunConfig, TrainConfig
+    from jaxdist.plan import shapes
+    from jaxdist.predict import memory
+    from jaxdist.run_model import build_model
+
+    def estimate(mesh):
+        cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
+                        train=TrainConfig(layout="ddp", batch_size=16, remat="dots"))
+        state = shapes.plan(cfg, parse_mesh(mesh))
+        return memory.predict_memory(build_model(cfg)[0], "float32", 16, 1,
+                                     dict(parse_mesh(mesh).axis_sizes),
+                                     state["state_bytes_per_device"],
+                                     state["state_bytes_global"]["params"], False, True)
+    batch, split = estimate("4"), estimate("data:2,context:2")
+    assert split["residual_bytes"] == pytest.approx(batch["residual_bytes"], rel=1e-3)
+    assert split["residual_bytes"] == pytest.approx(
+        estimate("2")["residual_bytes"] / 2, rel=1e-3)
