@@ -167,10 +167,12 @@ def stage_example(layout: str, shape: MeshShape) -> str:
 
 
 def check_batch(cfg: RunConfig, shape: MeshShape) -> None:
-    """The batch is split over every device but the tensor axis, then into micro-batches.
+    """The batch is split over every device but the tensor, stage and context axes, then
+    into micro-batches.
     Also run once devices are known, for a mesh of -1."""
     b, m = cfg.train.batch_size, cfg.train.microbatches
-    num_devices, mesh_label = shape.size // shape.tensor // shape.stage, shape.label
+    num_devices = shape.size // shape.tensor // shape.stage // shape.context
+    mesh_label = shape.label
     if m < 1:
         raise UsageError(f"--microbatches must be a positive integer, got {m}")
     unit = num_devices * m

@@ -27,7 +27,8 @@ def _opt(default, help, **extra):
 @dataclass(frozen=True)
 class MeshConfig:
     mesh: str = _opt("4x8", "device mesh: DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2), "
-                     "axis:size pairs (data:1,fsdp:4,tensor:8; pipelines: data:2,stage:4), "
+                     "axis:size pairs (data:1,fsdp:4,tensor:8; pipelines: data:2,stage:4; "
+                     "context parallelism: data:2,context:2), "
                      "N (data N) or -1 (every device on data)")
     platform: str = _opt("auto", "auto: use GPUs if present, else simulate the mesh on host "
                          "CPU devices; cpu: always simulate", choices=("auto", "cpu"))
@@ -108,6 +109,11 @@ class TrainConfig:
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "
                                    "all-reduces become reduce-scatter + all-gather")
+    context_load_balance: bool = _opt(True, "with a context axis (--mesh data:2,context:2): "
+                                      "each context shard holds sequence chunks c and "
+                                      "2CP-1-c of 2CP (the zig-zag of MaxText and "
+                                      "Megatron), so every shard does the same causal "
+                                      "attention work; off: CP contiguous parts")
     tp_comm_chunks: int = _opt(0, "with --sequence-parallel (tp, fsdp_tp): run the blocks "
                                "on N independent slices of each device's micro-batch, so "
                                "that one slice's tensor-axis all-gathers and reduce-"

@@ -2,7 +2,8 @@
 device mesh built from them.
 
 Axes, outer to inner: `stage` (pipeline, named form only: `data:2,stage:4,tensor:4`) when
-given, `data`, `fsdp`, then `tensor` and `expert` when given. `stage` is outermost, as in
+given, `data`, `fsdp`, `context` (context parallelism: the sequence split, named form only:
+`data:2,context:2`) when given, then `tensor` and `expert` when given. `stage` is outermost, as in
 Megatron-LM: consecutive stages are the farthest apart.
 
 Across hosts (processes of a run; nodes of `--gpus-per-node` GPUs in a plan) the device array
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 from jaxdist.errors import UsageError
 from jaxdist.record import mesh_spec
 
-AXES = ("data", "fsdp", "tensor", "expert", "stage")
+AXES = ("data", "fsdp", "tensor", "expert", "stage", "context")
 _FORMS = ("DATAxFSDP[xTENSOR[xEXPERT[xSTAGE]]] (4x8, 2x2x2; stage is fifth: 2x1x4x1x4), "
-          "axis:size pairs (data:1,fsdp:4,tensor:8; data:2,stage:4,tensor:4), N, or -1")
+          "axis:size pairs (data:1,fsdp:4,tensor:8; data:2,stage:4,tensor:4; "
+          "data:2,context:2), N, or -1")
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,16 @@ class MeshShape:
     tensor: int = 1
     expert: int = 1
     stage: int = 1  # pipeline stages; last so that the positional forms keep their meaning
+    context: int = 1  # context parallelism (the sequence split); named form only
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """The mesh's axes: stage first when larger than 1, data and fsdp always, tensor and
-        expert when larger than 1."""
+        """The mesh's axes: stage first when larger than 1, data and fsdp always, context,
+        tensor and expert when larger than 1."""
         sizes = {"stage": self.stage} if self.stage > 1 else {}
         sizes.update({"data": self.data, "fsdp": self.fsdp})
+        if self.context > 1:
+            sizes["context"] = self.context
         if self.tensor > 1 or self.expert > 1:
             sizes["tensor"] = self.tensor
         if self.expert > 1:
@@ -62,7 +67,7 @@ class MeshShape:
     @property
     def label(self) -> str:
         """For folder names (no `:` or `,`); what a user reads is `spec`."""
-        if self.stage > 1:  # the positional form has no place for stage: name every axis
+        if self.stage > 1 or self.context > 1:  # no place in the positional form: named
             return "-".join(f"{a}{n}" for a, n in self.axis_sizes.items()
                             if n > 1 or a == "data")
         return "x".join(str(v) for v in self.axis_sizes.values())
@@ -88,9 +93,11 @@ def parse_mesh(text: str) -> MeshShape:
             sizes[name] = _size(value, text)
         return MeshShape(**sizes) if "data" in sizes else MeshShape(1, **sizes)
     parts = spec.lower().split("x")
-    if len(parts) > len(AXES):
-        raise UsageError(f"mesh {text!r} has {len(parts)} axes; at most {len(AXES)} are "
-                         f"supported ({', '.join(AXES)}); forms: {_FORMS}")
+    positional = AXES[:5]  # context is named only
+    if len(parts) > len(positional):
+        raise UsageError(f"mesh {text!r} has {len(parts)} axes; the short form takes at most "
+                         f"{len(positional)} ({', '.join(positional)}; context by name: "
+                         f"data:2,context:2); forms: {_FORMS}")
     return MeshShape(*[_size(p, text) for p in parts])
 
 

@@ -147,10 +147,12 @@ def _check(obj: dict, spec: dict, prefix: str) -> list[str]:
 
 def mesh_spec(mesh: dict) -> str:
     """A recorded mesh as `--mesh` takes it back: `4x8`, `2x2x2`, `8` (data only); with a
-    stage axis (it has no short position before the fifth) named: `data:2,stage:4,tensor:2`
+    stage axis (it has no short position before the fifth) or a context axis named:
+    `data:2,stage:4,tensor:2`
     (data and every axis over 1). ps meshes (workers x devices) as sizes joined."""
-    if mesh.get("stage", 1) > 1:
-        return ",".join(f"{a}:{mesh[a]}" for a in ("data", "fsdp", "stage", "tensor", "expert")
+    if mesh.get("stage", 1) > 1 or mesh.get("context", 1) > 1:
+        return ",".join(f"{a}:{mesh[a]}" for a in ("data", "fsdp", "stage", "context", "tensor",
+                                                    "expert")
                         if a in mesh and (mesh[a] > 1 or a == "data"))
     if list(mesh) == ["data", "fsdp"] and mesh["fsdp"] == 1:  # `--mesh 8`, as typed
         return str(mesh["data"])

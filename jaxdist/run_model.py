@@ -42,6 +42,7 @@ def build_model(cfg):
     from sharding.registry import gathers_block_weights
     if hasattr(model_cfg, "ordered_blocks") and gathers_block_weights(cfg.train.layout):
         model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
+    model_cfg = context_parallel(cfg, model_cfg)
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
         from sharding.logical import RULES
@@ -49,6 +50,35 @@ def build_model(cfg):
             model_cfg, sequence_parallel=True, tp_comm_chunks=tp_comm_chunks(cfg),
             weight_rules=cfg.train.layout if cfg.train.layout in RULES else None)
     return adapt_model(model_cfg, dataset), dataset
+
+
+def context_parallel(cfg, model_cfg):
+    """The model config with --context-load-balance, where the mesh has a context axis
+    (models/context.py): a model with a sequence, its length divisible by the shards."""
+    from jaxdist.mesh import parse_mesh
+    from models.context import check_sequence
+
+    shards = parse_mesh(cfg.mesh.mesh).context
+    if shards == 1:
+        return model_cfg
+    if getattr(model_cfg, "input_kind", None) != "tokens" or not hasattr(
+            model_cfg, "context_load_balance"):
+        raise UsageError(f"context={shards} splits each sequence over the context axis; "
+                         f"model {cfg.model.model!r} has no sequence dimension (use a gpt, "
+                         f"llama or moe model, or drop context from --mesh)")
+    sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
+    split = [f"{a}={sizes[a]}" for a in ("tensor", "expert") if sizes.get(a, 1) > 1]
+    if cfg.train.distributed_optimizer and split:
+        # parameters split over tensor/expert: the gradients are reduce-scattered in a
+        # shard_map over the data axes, which XLA's partitioner aborts on with context free
+        raise UsageError(f"--distributed-optimizer with context={shards} runs where the "
+                         f"parameters are replicated (--layout zero1); this mesh splits them "
+                         f"over {', '.join(split)} (drop the flag, or the context axis)")
+    why = check_sequence(model_cfg.seq_len, shards, cfg.train.context_load_balance)
+    if why:
+        raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")
+    return dataclasses.replace(model_cfg,
+                               context_load_balance=cfg.train.context_load_balance)
 
 
 def tp_comm_chunks(cfg) -> int:

@@ -268,9 +268,11 @@ def _explicit_reduce(gradients, mesh: Mesh, grad_specs, grad_shapes, float32: bo
     gradient's matmul and its transpose, so the transpose cannot be folded and every device
     runs it inside the update (mlp-10m: 8 transposes of up to 2048x2048; 281-295 ms -> 165-181
     ms per step with this, losses equal to 2e-7). Models with batch statistics keep the
-    partitioner's global-batch semantics, so they do not come here."""
-    axes = tuple(mesh.axis_names)
-    n = mesh.size
+    partitioner's global-batch semantics, so they do not come here. A `context` axis stays
+    with the partitioner (each device's sequence shard: models/context.py), which sums the
+    gradients over it."""
+    axes = tuple(a for a in mesh.axis_names if a != "context")
+    n = math.prod(mesh.shape[a] for a in axes)
 
     def local(params, model_state, batch):
         (loss, ms), grads = gradients(params, model_state, batch)
@@ -281,7 +283,8 @@ def _explicit_reduce(gradients, mesh: Mesh, grad_specs, grad_shapes, float32: bo
         return (jax.lax.pmean(loss, axes), ms), grads
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), batch_spec(mesh)),
-                         out_specs=((P(), P()), grad_specs), check_vma=False)
+                         out_specs=((P(), P()), grad_specs), axis_names=set(axes),
+                         check_vma=False)
 
 
 class MeshJit:

@@ -13,6 +13,14 @@ dim whole; each device then calls cuDNN on its own rows and heads, with no parti
 involved. Where kv heads do not divide over `tensor` they are repeated first, just enough
 that they do (each query head keeps its own kv head; a contiguous block of query heads per
 device meets the block of kv heads it uses).
+
+Under context parallelism (a `context` axis, models/context.py) each device holds its own
+part of the sequence: the attention runs in a shard_map over the free axes, q, k and v split
+over `context` on the sequence, and each device all-gathers the keys and values of its
+context group (the all-gather-KV form of Llama 3 and MaxText; the backward reduce-scatters
+their gradients), then attends its own queries to every key under the exact causal mask of
+the tokens' positions (in the load-balanced order where it is on). Every collective of the
+exchange is on `context` only.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
+
+from models import context
 
 
 def _free_axes(mesh) -> tuple[str, ...]:
@@ -43,14 +53,16 @@ def kv_repeats(heads: int, kv_heads: int, tensor: int) -> int:
 
 
 def qkv_spec(mesh, batch: int, heads: int) -> P:
-    """[B, L, N, H] over the free axes: batch over those but tensor and stage (where they
-    divide it), heads over tensor (where it divides them), L and H whole."""
+    """[B, L, N, H] over the free axes: batch over those but tensor, stage and context
+    (where they divide it), heads over tensor (where it divides them), L over context (where
+    it is free), H whole."""
     free = _free_axes(mesh)
-    batch_axes = tuple(a for a in free if a not in ("tensor", "stage"))
+    batch_axes = tuple(a for a in free if a not in ("tensor", "stage", context.AXIS))
     if batch % math.prod(mesh.shape[a] for a in batch_axes):
         batch_axes = ()
     tensor = "tensor" if "tensor" in free and heads % mesh.shape["tensor"] == 0 else None
-    return P(batch_axes or None, None, tensor, None)
+    length = context.AXIS if context.AXIS in free else None
+    return P(batch_axes or None, length, tensor, None)
 
 
 def _cudnn(q_BLNH, k_BLKH, v_BLKH):
@@ -58,25 +70,48 @@ def _cudnn(q_BLNH, k_BLKH, v_BLKH):
                                         implementation="cudnn")
 
 
-def sharded_alike(attend, q_BLNH, k_BLKH, v_BLKH):
-    """attend(q, k, v) in a shard_map over the free mesh axes, q, k and v entering it with
-    one spec (`qkv_spec`), kv heads repeated where `tensor` would not divide them."""
+def sharded_alike(attend, q_BLNH, k_BLKH, v_BLKH, *extra):
+    """attend(q, k, v, *extra) in a shard_map over the free mesh axes, q, k and v entering
+    it with one spec (`qkv_spec`), kv heads repeated where `tensor` would not divide them;
+    `extra`: the queries' positions [L], split over `context` as their sequence."""
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else _free_axes(mesh)
     if not free:
-        return attend(q_BLNH, k_BLKH, v_BLKH)  # one device, or all axes manual already
+        return attend(q_BLNH, k_BLKH, v_BLKH, *extra)  # one device, or all axes manual
     heads, kv_heads = q_BLNH.shape[2], k_BLKH.shape[2]
     r = kv_repeats(heads, kv_heads, mesh.shape["tensor"] if "tensor" in free else 1)
     if r > 1:
         k_BLKH, v_BLKH = (jnp.repeat(x, r, axis=2) for x in (k_BLKH, v_BLKH))
     spec = qkv_spec(mesh, q_BLNH.shape[0], heads)
-    return jax.shard_map(attend, in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names=set(free), check_vma=False)(q_BLNH, k_BLKH, v_BLKH)
+    extra_specs = tuple(P(spec[1]) for _ in extra)
+    return jax.shard_map(attend, in_specs=(spec, spec, spec, *extra_specs), out_specs=spec,
+                         axis_names=set(free), check_vma=False)(q_BLNH, k_BLKH, v_BLKH,
+                                                                *extra)
 
 
-def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None):
+def _context_parallel(implementation):
+    """attend(q, k, v, positions) on one context shard: its keys and values gathered over
+    `context`, its queries attending to them under the causal mask of their positions."""
+    def attend(q_BlNH, k_BlKH, v_BlKH, positions_l):
+        k_BLKH, v_BLKH = context.gather(k_BlKH), context.gather(v_BlKH)
+        positions_L = jax.lax.all_gather(positions_l, context.AXIS, tiled=True)
+        return jax.nn.dot_product_attention(
+            q_BlNH, k_BLKH, v_BLKH, mask=context.causal_mask(positions_l, positions_L),
+            implementation=implementation)
+    return attend
+
+
+def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None, positions_L=None):
     """softmax(q k^T / sqrt(H), causal) v, with fewer kv heads than query heads (GQA)
-    taken directly; cuDNN's kernel with q, k and v sharded alike (see the module doc)."""
+    taken directly; cuDNN's kernel with q, k and v sharded alike; under context parallelism
+    the keys and values gathered over `context`, the mask that of `positions_L` (the
+    tokens' positions in the order held: models/context.positions; see the module doc)."""
+    if context.active():
+        if positions_L is None:
+            positions_L = context.positions(q_BLNH.shape[1], balanced=False)
+        y_BLNH = sharded_alike(_context_parallel(implementation), q_BLNH, k_BLKH, v_BLKH,
+                               positions_L)
+        return y_BLNH if implementation == "cudnn" else checkpoint_name(y_BLNH, "context")
     if implementation == "cudnn":
         # its outputs are kept by the remat policies that keep `context` as the kernel's
         # own (models.layers), so no name here: a named copy would count twice

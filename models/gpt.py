@@ -19,14 +19,16 @@ from jaxdist.errors import UsageError
 from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNormBlock,
                            block_runner, constrain, embed, layer_norm, linear, lookup,
                            ordered_backward, tagged)
+from models import context
 from models.attention import causal_attention
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None):
-        self.heads, self.implementation = heads, implementation
+    def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None,
+                 balanced: bool = True):
+        self.heads, self.implementation, self.balanced = heads, implementation, balanced
         # Separate q, k, v projections (not one fused qkv): splitting each one's output over
         # the `tensor` axis then gives every device whole heads (Megatron column parallel).
         self.q = linear(width, width, dtype=dtype, rngs=rngs)
@@ -43,7 +45,8 @@ class CausalSelfAttention(nnx.Module):
         q_BLNH, k_BLNH, v_BLNH = (
             tagged(constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads), *BLNH), tag)
             for proj, tag in zip((self.q, self.k, self.v), QKV))
-        y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation)
+        y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation,
+                                  context.positions(L, self.balanced))
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
     def __call__(self, x_BLD):
@@ -66,12 +69,13 @@ class MLPBlock(nnx.Module):
 
 def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
               sequence_parallel: bool = False, attention: str = "default",
-              weight_rules: str | None = None) -> PreNormBlock:
+              weight_rules: str | None = None, balanced: bool = True) -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
     attn = CausalSelfAttention(width, heads, **kw,
-                               implementation=None if attention == "default" else attention)
+                               implementation=None if attention == "default" else attention,
+                               balanced=balanced)
     ln2 = layer_norm(width, **kw)
     mlp = MLPBlock(width, hidden, **kw)
     if sequence_parallel:
@@ -86,7 +90,7 @@ class GPT(nnx.Module):
         self.blocks = nnx.List(
             gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
                       sequence_parallel=cfg.sequence_parallel, attention=cfg.attention,
-                      weight_rules=cfg.weight_rules)
+                      weight_rules=cfg.weight_rules, balanced=cfg.context_load_balance)
             for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
@@ -94,11 +98,14 @@ class GPT(nnx.Module):
         self.tp_comm_chunks = cfg.tp_comm_chunks
         self.ordered = cfg.blocks_ordered
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
+        self.balanced = cfg.context_load_balance
 
     def __call__(self, tokens_BL):
+        """Logits of `tokens_BL`, taken in the context shards' order (models/context.py)."""
         L = tokens_BL.shape[1]
         x_BLD = constrain(lookup(self.tok, tokens_BL)
-                          + lookup(self.pos, jnp.arange(L), None)[None], *BLD)
+                          + lookup(self.pos, context.positions(L, self.balanced), None)[None],
+                          *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
                                     self.tp_comm_chunks, self.ordered), *BLD)
@@ -132,6 +139,10 @@ class GPTConfig:
     # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
     # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
     attention: str = "default"
+    # context parallelism's 2-chunk zig-zag (models/context.py; --context-load-balance, set
+    # by jaxdist.run_model): the order of the sequence over the context shards
+    context_load_balance: bool = dataclasses.field(default=True,
+                                                   metadata={"set_by_the_layout": True})
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
 
@@ -164,10 +175,10 @@ class GPTConfig:
         return {"tokens": ((start_B1 + stride_B1 * steps_L) % self.vocab).astype(np.int32)}
 
     def loss(self, model, batch):
-        tokens_BL1 = batch["tokens"]
-        logits_BLV = model(tokens_BL1[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits_BLV, tokens_BL1[:, 1:]).mean()
+        # in the context shards' order (models/context.py): a mean over every token
+        inputs_BL, targets_BL = context.permute(batch["tokens"], self.context_load_balance)
+        logits_BLV = model(inputs_BL)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
     def flops_per_sample(self) -> float:
         """Model (not hardware) training FLOPs, the PaLM / Megatron-LM count torchtitan

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.errors import UsageError
+from models import context
 from models.attention import causal_attention
 from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
@@ -22,11 +23,13 @@ from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 
-def rope(x_BLNH, theta: float):
-    """Rotate pairs of channels by position-dependent angles (Su et al. 2021)."""
+def rope(x_BLNH, theta: float, positions_L=None):
+    """Rotate pairs of channels by position-dependent angles (Su et al. 2021); the tokens'
+    positions `positions_L` (default 0..L-1; models/context.positions)."""
     L, H = x_BLNH.shape[1], x_BLNH.shape[3]
+    positions_L = jnp.arange(L) if positions_L is None else positions_L
     freq_F = 1.0 / theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angle_LF = jnp.arange(L, dtype=jnp.float32)[:, None] * freq_F[None]
+    angle_LF = positions_L.astype(jnp.float32)[:, None] * freq_F[None]
     cos, sin = jnp.cos(angle_LF)[None, :, None], jnp.sin(angle_LF)[None, :, None]
     x1, x2 = x_BLNH[..., 0::2].astype(jnp.float32), x_BLNH[..., 1::2].astype(jnp.float32)
     out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -38,6 +41,7 @@ class Attention(nnx.Module):
         head_dim = cfg.width // cfg.heads
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
         self.implementation = None if cfg.attention == "default" else cfg.attention
+        self.balanced = cfg.context_load_balance
         kw = dict(bias=False, dtype=dtype, rngs=rngs)
         self.q = linear(cfg.width, cfg.heads * head_dim, **kw)
         self.k = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
@@ -53,15 +57,16 @@ class Attention(nnx.Module):
         """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
         B, L, D = x_BLD.shape
         hd = D // self.heads
+        pos_L = context.positions(L, self.balanced)
         # -1 heads: under sequence parallelism this runs on one device's heads only
         # named as the attention reads them (MaxText's query_proj, ...: after RoPE)
         q_BLNH = tagged(rope(constrain(self.q(x_BLD).reshape(B, L, -1, hd), *BLNH),
-                             self.theta), "query_proj")
+                             self.theta, pos_L), "query_proj")
         k_BLKH = tagged(rope(constrain(self.k(x_BLD).reshape(B, L, -1, hd), *BLKH),
-                             self.theta), "key_proj")
+                             self.theta, pos_L), "key_proj")
         v_BLKH = tagged(constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH), "value_proj")
         # fewer key/value heads than query heads (GQA) are taken directly
-        y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation)
+        y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation, pos_L)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
 

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLV, block_runner, check_choice, constrain, lookup,
                            rms_norm, run_blocks, tagged)
+from models import context
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 from sharding.axes import batch_axes
@@ -276,9 +277,10 @@ class MoEConfig(LlamaConfig):
         return MoEDecoder(self, dtype=dtype, rngs=rngs)
 
     def loss(self, model, batch):
-        tokens_BL1 = batch["tokens"]
-        logits_BLV, aux = model(tokens_BL1[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BL1[:, 1:])
+        # in the context shards' order (models/context.py): a mean over every token
+        inputs_BL, targets_BL = context.permute(batch["tokens"], self.context_load_balance)
+        logits_BLV, aux = model(inputs_BL)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
         return ce.mean() + self.aux_weight * aux
 
     def flops_per_sample(self) -> float:

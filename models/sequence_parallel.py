@@ -32,6 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from models import context
 from models.layers import PreNormBlock, counted, run_blocks, tagged
 
 
@@ -43,26 +44,34 @@ def active() -> bool:
 
 
 def _batch_axes() -> tuple[str, ...]:
-    """The axes the batch is split over here (jaxdist's batch_spec: all but tensor and
-    stage), less those an enclosing shard_map made manual (the pipeline's data)."""
+    """The axes the batch is split over here (jaxdist's batch_spec: all but tensor, stage
+    and context), less those an enclosing shard_map made manual (the pipeline's data)."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(a for a in mesh.axis_names
-                 if a not in ("tensor", "stage") and a not in set(mesh.manual_axes))
+                 if a not in ("tensor", "stage", context.AXIS)
+                 and a not in set(mesh.manual_axes))
+
+
+def _context() -> tuple[str, ...]:
+    """(`context`,) where context parallelism splits the sequence here: the sequence
+    shards are then the tensor shards of each context shard's part (context outer)."""
+    return (context.AXIS,) if context.active() and not context.manual() else ()
 
 
 def _map(fn, in_specs, out_specs):
-    """fn in a shard_map over tensor and the batch axes (so the batch stays split; with
-    tensor alone manual the partitioner gathers it), the rest left to the partitioner."""
+    """fn in a shard_map over tensor, the batch axes and context (so the batch and the
+    sequence stay split; with tensor alone manual the partitioner gathers them), the rest
+    left to the partitioner."""
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-                         axis_names={"tensor", *_batch_axes()})
+                         axis_names={"tensor", *_batch_axes(), *_context()})
 
 
 def _sequence():
-    return P(_batch_axes() or None, "tensor", None)
+    return P(_batch_axes() or None, (*_context(), "tensor"), None)
 
 
 def _whole():
-    return P(_batch_axes() or None)
+    return P(_batch_axes() or None, _context() or None)
 
 
 def _local_slice(x_BLD):

@@ -1,11 +1,13 @@
 """Which mesh axes the batch is split on: every axis but `tensor` (a tensor-parallel group
-works on the same rows) and `stage` (every pipeline stage sees the same micro-batches). The
+works on the same rows), `stage` (every pipeline stage sees the same micro-batches) and
+`context` (a context-parallel group works on the same rows, each on its part of the
+sequence: models/context.py; gradients are reduced over it as over a batch axis). The
 batch's placement, the data-parallel gradient reduction and the distributed optimizer all
 read it from here."""
 
 from __future__ import annotations
 
-NOT_BATCH = ("tensor", "stage")
+NOT_BATCH = ("tensor", "stage", "context")
 
 
 def batch_axes(axis_names) -> tuple[str, ...]:

@@ -106,15 +106,15 @@ def hsdp(state, mesh: Mesh):
 
 
 @register_layout("ps", "parameter server: gRPC shard servers hold parameters and optimizer "
-                 "state; inside each worker the state is replicated", out_of_process=True,
-                 replicated=True)
+                 "state; inside each worker the state is replicated", mesh_axes=("data", "fsdp"),
+                 out_of_process=True, replicated=True)
 def ps(state, mesh: Mesh):
     return replicated(state)
 
 
 @register_layout("tp", "Megatron tensor parallel: attention heads, MLP hidden and vocabulary "
                  "split over the tensor axis; batch over data and fsdp",
-                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
+                 mesh_axes=("data", "fsdp", "context", "tensor"), families=("gpt", "moe"),
                  requires=("tensor",), distributed_optimizer=False, sequence_parallel=True,
                  tp_comm_chunks=2)
 def tp(state, mesh: Mesh):
@@ -123,7 +123,7 @@ def tp(state, mesh: Mesh):
 
 @register_layout("fsdp_tp", "2-D: tp over the tensor axis plus every parameter's embedding "
                  "dimension sharded over data and fsdp",
-                 mesh_axes=("data", "fsdp", "tensor"), families=("gpt", "moe"),
+                 mesh_axes=("data", "fsdp", "context", "tensor"), families=("gpt", "moe"),
                  requires=("tensor",), gathers_weights=True, sequence_parallel=True,
                  tp_comm_chunks=2)
 def fsdp_tp(state, mesh: Mesh):
@@ -133,7 +133,7 @@ def fsdp_tp(state, mesh: Mesh):
 @register_layout("ep", "expert parallel: whole experts per device of the expert axis, tokens "
                  "dispatched to them (all-to-all); heads, expert hidden and vocabulary over "
                  "tensor (EP x TP); batch over the other axes",
-                 mesh_axes=("data", "fsdp", "tensor", "expert"), families=("moe",),
+                 mesh_axes=("data", "fsdp", "context", "tensor", "expert"), families=("moe",),
                  requires=("expert",), distributed_optimizer=False)
 def ep(state, mesh: Mesh):
     return rule_specs(state, mesh, "ep")

@@ -53,38 +53,41 @@ RULES = {
 
 
 # Activations under the tensor layouts (tp, fsdp_tp, ep x tp, tp_pp: the mesh has a tensor
-# axis): the batch over the data axes (every axis but tensor and stage, as the batch itself),
-# heads, MLP hidden and vocabulary over tensor, the embedding dimension whole, and the
-# sequence over tensor only in sequence-parallel regions. Pinned so, a weight whose embed
+# axis) and under context parallelism (a context axis): the batch over the data axes (every
+# axis but tensor, stage and context, as the batch itself), the sequence over context
+# (models/context.py: each device holds its own tokens; attention gathers the keys and
+# values), and over tensor too in sequence-parallel regions, heads, MLP hidden and
+# vocabulary over tensor, the embedding dimension whole. Pinned so, a weight whose embed
 # dimension is sharded over data/fsdp (fsdp_tp) is all-gathered for its matmul and its
 # gradient reduce-scattered there (torchtitan's FSDP2 x TP); without them XLA's partitioner
 # may reshard the activations over data instead (an all-to-all of activations across nodes).
 ACTIVATION_RULES = {
     "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": None,
-    "activation_norm_length": "tensor",  # Megatron sequence parallel (norms, residual)
+    "activation_length": "context",
+    "activation_norm_length": ("context", "tensor"),  # Megatron sequence parallel
     "activation_embed": None,
     "activation_heads": "tensor",
     "activation_kv_heads": "tensor",
     "activation_mlp": "tensor",
     "activation_vocab": "tensor",
 }
-# The mesh axis whose presence (size > 1, not manual) makes the activation rules apply; the
+# The mesh axes whose presence (size > 1, not manual) makes the activation rules apply; the
 # data-parallel layouts leave activations to the batch's own sharding.
-ACTIVATION_RULES_AXIS = "tensor"
+ACTIVATION_RULES_AXES = ("tensor", "context")
 
 
 def activation_spec(shape, names) -> P | None:
     """The PartitionSpec pinning an activation of `shape` whose dimensions have the logical
     `names` (ACTIVATION_RULES), on the ambient mesh; None where no rule applies (no mesh, no
-    free tensor axis, e.g. inside sequence parallel's shard_map). Mesh axes that are absent,
+    free tensor or context axis, e.g. inside sequence parallel's shard_map). Mesh axes that
+    are absent,
     of size 1 or manual drop out; a dimension the remaining axes do not divide is left to
     the partitioner."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or len(shape) != len(names):
         return None
     manual = set(mesh.manual_axes)
-    if (mesh.shape.get(ACTIVATION_RULES_AXIS, 1) == 1 or ACTIVATION_RULES_AXIS in manual):
+    if all(mesh.shape.get(a, 1) == 1 or a in manual for a in ACTIVATION_RULES_AXES):
         return None
     out = []
     for name, size in zip(names, shape):

@@ -81,7 +81,8 @@ def pipeline_specs(state, mesh: Mesh, inner: str):
 
 @register_layout("pp", "pipeline parallel: contiguous groups of blocks per device of the stage "
                  "axis (--pp-schedule, --microbatches), activations sent stage to stage; "
-                 "batch over data", mesh_axes=("data", "stage"), families=("gpt", "moe"),
+                 "batch over data", mesh_axes=("data", "stage", "context"),
+                 families=("gpt", "moe"),
                  requires=("stage",), distributed_optimizer=False, pipelined=True)
 def pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "none")
@@ -98,7 +99,7 @@ def tp_pp(state, mesh: Mesh):
 
 @register_layout("fsdp_pp", "pipeline over the stage axis with each stage's parameters and "
                  "optimizer state sharded over fsdp; batch over data and fsdp",
-                 mesh_axes=("data", "fsdp", "stage"), families=("gpt", "moe"),
+                 mesh_axes=("data", "fsdp", "stage", "context"), families=("gpt", "moe"),
                  requires=("stage",), pipelined=True)
 def fsdp_pp(state, mesh: Mesh):
     return pipeline_specs(state, mesh, "fsdp")

@@ -57,12 +57,14 @@ _FACTS: dict[str, LayoutFacts] = {}
 _ORDER = ("data", "fsdp", "tensor", "expert")
 
 
-def register_layout(name: str, description: str, mesh_axes=("data", "fsdp"), families=None,
+def register_layout(name: str, description: str, mesh_axes=("data", "fsdp", "context"),
+                    families=None,
                     requires=(), min_devices=1, distributed_optimizer=None,
                     gathers_weights=False, pipelined=False, sequence_parallel=False,
                     tp_comm_chunks=1, analytic: Analytic | None = None,
                     out_of_process=False, replicated=False):
-    """`mesh_axes`: the axes the layout gives meaning to (others must have size 1);
+    """`mesh_axes`: the axes the layout gives meaning to (others must have size 1; `context`
+    where the layout runs context parallelism: the sequence split over it, weights not);
     `families`: the model families it applies to (None: all); `requires`: axes that must be
     larger than 1, without which the layout would silently be plain replication;
     `min_devices`: the devices it needs to shard anything (fsdp and zero1 shard over every

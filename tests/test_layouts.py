@@ -162,4 +162,4 @@ def test_layout_facts_are_the_registrys():
     # the hsdp formula on F = 4, D = 2, by hand: 2(F-1)/F x P + 2(D-1)/D x P / F
     assert facts("hsdp").analytic.ring_bytes({"data": 2, "fsdp": 4}, 4096, 4096) == \
         2 * 3 / 4 * 4096 + 2 * 1 / 2 * 4096 / 4
-    assert facts("tp").mesh_axes == ("data", "fsdp", "tensor")
+    assert facts("tp").mesh_axes == ("data", "fsdp", "context", "tensor")

@@ -150,8 +150,8 @@ class ChunkOps:
         """The last chunk's head: (loss, gradient into `h`, the head's weight gradients as
         a `shared` tree with only its own leaves)."""
         own = {k: shared[k] for k in ("ln_f", "head") if k in shared}
-        loss, vjp = jax.vjp(lambda sh, h_: self.parts.head_loss({**shared, **sh}, h_,
-                                                               tokens[:, 1:]), own, h)
+        loss, vjp = jax.vjp(lambda sh, h_: self.parts.head_loss(
+            {**shared, **sh}, h_, self.parts.targets(tokens)), own, h)
         d_own, dh = vjp(jnp.float32(self.scale))
         return loss, dh.astype(h.dtype), d_own
 

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from jaxdist.train_step import DTYPES
+from models import context
 from models.layers import REMAT_POLICIES, counted_matmuls
 from models.sequence_parallel import sequence_shards, whole_sequence
 
@@ -42,6 +43,7 @@ class Parts:
     remat: str = "none"       # --remat: per-block recompute inside a chunk's backward
     sequence_parallel: bool = False  # the blocks' output whole again (the stage message)
     counts: tuple = ()        # blocks of chunk (s, v): counts[s][v] (`chunk_blocks`)
+    balanced: bool = True     # context parallelism's zig-zag order (models/context.py)
 
     @property
     def min_blocks(self) -> int:
@@ -51,12 +53,21 @@ class Parts:
             self.blocks_per_chunk
 
     def embed(self, shared, tokens_BL):
+        """The inputs' embeddings, `tokens_BL` in the context shards' order (`inputs`)."""
         tok = nnx.merge(self.shared_graphdefs["tok"], shared["tok"])
         x_BLD = tok(tokens_BL)
         if "pos" in shared:  # gpt: learned positions; llama/moe: RoPE inside attention
             pos = nnx.merge(self.shared_graphdefs["pos"], shared["pos"])
-            x_BLD = x_BLD + pos(jnp.arange(tokens_BL.shape[1]))[None]
+            x_BLD = x_BLD + pos(context.positions(tokens_BL.shape[1], self.balanced))[None]
         return x_BLD
+
+    def inputs(self, tokens_BL1):
+        """The model's inputs, in the context shards' order (models/context.py)."""
+        return context.permute(tokens_BL1, self.balanced)[0]
+
+    def targets(self, tokens_BL1):
+        """The loss's targets, in the same order as `inputs`."""
+        return context.permute(tokens_BL1, self.balanced)[1]
 
     def block_params(self, chunk) -> list:
         """A chunk's stacked parameters (leaves [K, *shape]) as K per-block trees. The
@@ -99,7 +110,7 @@ class Parts:
         reading `x` (every stage runs one program; the lookup is cheap, selected by
         `where`). The head is not here: the last chunk's forward runs it and its backward
         at once (jaxdist/pipeline/ops.py), so no stage stashes the logits."""
-        h_BLD = jnp.where(is_first, self.embed(shared, tokens_BL1[:, :-1]), x_BLD)
+        h_BLD = jnp.where(is_first, self.embed(shared, self.inputs(tokens_BL1)), x_BLD)
         h_BLD, aux = self.blocks(blocks, h_BLD, count)
         if self.aux_weight is None:
             return h_BLD, jnp.zeros((), jnp.float32)
@@ -226,7 +237,8 @@ def split_pipeline_model(model_cfg, dtype_name: str, seed: int, stages: int, vir
     parts = Parts(block_gd, shared_gds, depth, K,
                   getattr(model_cfg, "aux_weight", None) if model_cfg.family == "moe"
                   else None, getattr(model_cfg, "remat", "none"),
-                  getattr(model_cfg, "sequence_parallel", False), counts)
+                  getattr(model_cfg, "sequence_parallel", False), counts,
+                  getattr(model_cfg, "context_load_balance", True))
     return parts, {"stages": stacked, "shared": shared}
 
 

@@ -14,8 +14,8 @@ remat (what the backward of a rematerialised block recomputes and holds), plus t
 parameters gathered in float32 when the layout shards them (the block in use and the next
 one, which XLA's scheduler prefetches). Counting the gradients in full beside every
 residual over-counts by at most the gradients: they fill as the residuals are freed.
-Activations are split over the batch's devices only (every mesh axis but tensor and
-stage): under tensor parallelism the parts a tensor group shards are counted whole, an
+Activations are split over the batch's devices and the context axis (every mesh axis but
+tensor and stage): under tensor parallelism the parts a tensor group shards are counted whole, an
 upper bound for those layouts (`upper_bound` says so).
 
 Without remat (policy "none") the residual set is an upper bound, not validated: the jaxpr
@@ -198,7 +198,9 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
     """The peak estimate of one run: `state_per_device` is dryrun.plan's
     state_bytes_per_device (params, model_state, opt, total)."""
     model_cfg = cpu_compilable(model_cfg)  # traced here: cuDNN attention as XLA's
-    shards = batch_shards(mesh)
+    # context parallelism splits every activation's sequence (models/context.py) as the
+    # batch axes split its rows
+    shards = batch_shards(mesh) * mesh.get("context", 1)
     residuals = residual_figures(model_cfg, dtype_name, batch_size // max(1, microbatches),
                                  shards, flash, stack)
     sharded = state_per_device["params"] < params_global_bytes
