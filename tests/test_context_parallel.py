@@ -200,7 +200,7 @@ def test_memory_estimate_splits_activations_over_context():
     def estimate(mesh):
         cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
                         train=TrainConfig(layout="ddp", batch_size=16, remat="dots"))
-        state = shapes.plan(cfg, parse_mesh(mesh))
+        state = shapes.plan(cfg, parse_mesh(mesh)).to_json()
         return memory.predict_memory(build_model(cfg)[0], "float32", 16, 1,
                                      dict(parse_mesh(mesh).axis_sizes),
                                      state["state_bytes_per_device"],
