@@ -42,6 +42,8 @@ def build_model(cfg):
     from sharding.registry import gathers_block_weights
     if hasattr(model_cfg, "ordered_blocks") and gathers_block_weights(cfg.train.layout):
         model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
+    if cfg.model.dtype == "float8":
+        model_cfg = dataclasses.replace(model_cfg, fp8=check_fp8(cfg, model_cfg))
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
         from sharding.logical import RULES
@@ -49,6 +51,26 @@ def build_model(cfg):
             model_cfg, sequence_parallel=True, tp_comm_chunks=tp_comm_chunks(cfg),
             weight_rules=cfg.train.layout if cfg.train.layout in RULES else None)
     return adapt_model(model_cfg, dataset), dataset
+
+
+def check_fp8(cfg, model_cfg) -> str:
+    """--dtype float8's scaling (models/fp8.py), where the model and layout have an FP8
+    path: the decoders' block matmuls, on the jax.sharding layouts."""
+    if not hasattr(model_cfg, "fp8"):
+        raise UsageError(f"--dtype float8 runs the decoders' matmuls in FP8 (gpt, llama and "
+                         f"moe models); {cfg.model.model!r} has no FP8 path: use --dtype "
+                         f"bfloat16")
+    if cfg.train.layout == "ps":
+        raise UsageError("--dtype float8 runs on the jax.sharding layouts, not --layout ps "
+                         "(its workers compute in float32 or bfloat16); use --dtype bfloat16 "
+                         "or another layout")
+    from sharding.registry import facts
+    stateful = cfg.model.fp8_scaling == "delayed"
+    if stateful and (facts(cfg.train.layout).pipelined or cfg.train.sequence_parallel):
+        raise UsageError(f"--fp8-scaling delayed keeps amax histories in the train state, "
+                         f"which the pipeline layouts and --sequence-parallel do not carry; "
+                         f"use --fp8-scaling current with layout {cfg.train.layout!r}")
+    return cfg.model.fp8_scaling
 
 
 def tp_comm_chunks(cfg) -> int:

@@ -20,6 +20,7 @@ from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNor
                            block_runner, constrain, embed, layer_norm, linear, lookup,
                            ordered_backward, tagged)
 from models.attention import causal_attention
+from models.fp8 import fp8_matmuls
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -83,11 +84,12 @@ class GPT(nnx.Module):
     def __init__(self, cfg: "GPTConfig", *, dtype, rngs):
         self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
         self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List(
-            gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
-                      sequence_parallel=cfg.sequence_parallel, attention=cfg.attention,
-                      weight_rules=cfg.weight_rules)
-            for _ in range(cfg.depth))
+        with fp8_matmuls(cfg.fp8 or None):  # the blocks' matmuls; the LM head stays bf16
+            self.blocks = nnx.List(
+                gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype,
+                          rngs=rngs, sequence_parallel=cfg.sequence_parallel,
+                          attention=cfg.attention, weight_rules=cfg.weight_rules)
+                for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
@@ -132,6 +134,10 @@ class GPTConfig:
     # jax.nn.dot_product_attention's implementation: "default" lets XLA choose; "cudnn" is
     # cuDNN's fused flash attention on NVIDIA GPUs (bf16/fp16; models/attention.py)
     attention: str = "default"
+    # the blocks' matmuls in FP8 with this scaling (models/fp8.py: delayed, current), the LM
+    # head in the compute dtype as Transformer Engine keeps it; "": none. Set by
+    # jaxdist.run_model from --dtype float8 and --fp8-scaling, so not a --model-opts option
+    fp8: str = dataclasses.field(default="", metadata={"set_by_the_layout": True})
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
 
