@@ -1,0 +1,169 @@
+"""--dtype float8 (models/fp8.py): the decoders' block matmuls in FP8 on simulated devices:
+the step's dots are FP8, training tracks bfloat16, delayed scaling's histories record the
+amaxes and resume exactly, and what has no FP8 path is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxdist.checkpoint import Checkpointer
+from jaxdist.data import TrainStream
+from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.train_step import build_program, make_optimizer, put_batch
+from models import fp8, get_model
+from sharding import get_layout
+from tests.helpers import cli_main
+
+SHAPE = MeshShape(2, 2)
+DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)")
+
+
+def program_for(model: str, dtype: str, scaling: str = "delayed", layout: str = "fsdp"):
+    cfg = get_model(model)
+    if dtype == "float8":
+        cfg = dataclasses.replace(cfg, fp8=scaling)  # as jaxdist.run_model sets it
+    mesh = build_mesh(SHAPE, jax.devices()[: SHAPE.size])
+    return cfg, build_program(cfg, dtype, make_optimizer("adamw", 1e-2), get_layout(layout),
+                              mesh, 0)
+
+
+def run(cfg, program, steps, state=None, start=0):
+    stream = TrainStream(cfg, None, 16, 0)
+    stream.position = start
+    state = program.init() if state is None else state
+    losses = []
+    for _ in range(steps):
+        state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
+        losses.append(float(loss))
+    return np.array(losses), state
+
+
+def dot_types(program, cfg) -> list[tuple[str, str]]:
+    batch = put_batch(TrainStream(cfg, None, 16, 0).batch(0), program.batch_sharding)
+    text = program.step.lower(program.init(), batch).as_text()
+    return [(m.group(1), m.group(2)) for m in DOT.finditer(text)]
+
+
+def element(t: str) -> str:
+    return t.rstrip(">").rsplit("x", 1)[-1]
+
+
+def e4m3_relative_error(x) -> float:
+    """RMS relative error of x quantized to e4m3 with its amax scale (current scaling)."""
+    x = jnp.asarray(x, jnp.float32)
+    s = fp8.scale_of(fp8.amax(x), fp8.E4M3)
+    back = fp8.quantize(x, s, fp8.E4M3).astype(jnp.float32) * s
+    return float(jnp.sqrt(jnp.mean((back - x) ** 2) / jnp.mean(x ** 2)))
+
+
+@pytest.mark.parametrize("model, linears", [("gpt-tiny", 6), ("llama-tiny", 7)])
+def test_every_block_matmul_is_fp8_and_training_tracks_bfloat16(model, linears):
+    cfg8, p8 = program_for(model, "float8", "current")
+    types = dot_types(p8, cfg8)
+    fwd = [t for t in types if element(t[0]) == element(t[1]) == "f8E4M3FN"]
+    bwd = [t for t in types if "f8E5M2" in (element(t[0]), element(t[1]))]
+    # forward: every block's projections (2 blocks); backward: each one's two gradients, the
+    # output gradient in e5m2 against an e4m3 operand; the LM head and attention stay bf16
+    assert len(fwd) == 2 * linears and len(bwd) == 2 * 2 * linears
+    assert all({element(a), element(b)} == {"f8E5M2", "f8E4M3FN"} for a, b in bwd)
+    rest = [t for t in types if t not in fwd and t not in bwd]
+    assert rest and not any("f8" in a + b for a, b in rest)
+
+    cfg16, p16 = program_for(model, "bfloat16")
+    steps = 8
+    loss8, _ = run(cfg8, p8, steps)
+    loss16, _ = run(cfg16, p16, steps)
+    assert not np.array_equal(loss8, loss16)  # FP8 is not bf16 under another name
+    # the tolerance: e4m3's own error on this model's first activations (the embeddings a
+    # block's first projections read), a relative error the loss may carry
+    model_ = cfg16.build(nnx.Rngs(0), jnp.bfloat16)
+    x = model_.tok.embedding[...][TrainStream(cfg16, None, 16, 0).batch(0)["tokens"]]
+    tol = e4m3_relative_error(x)
+    assert 0.01 < tol < 0.1  # 3 mantissa bits: about 2^-4.5 RMS
+    np.testing.assert_allclose(loss8, loss16, rtol=tol)
+    assert loss8[-1] < loss8[0] - 0.3  # and it learns
+
+
+def test_delayed_histories_record_each_amax():
+    scales = fp8.Fp8Scales("delayed", history=4)
+    x = jnp.arange(1.0, 7.0, dtype=jnp.bfloat16).reshape(2, 3) / 8
+    w = jnp.linspace(-2.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+    g = jnp.full((2, 4), 0.25, jnp.bfloat16)
+
+    graphdef, state = nnx.split(scales)
+
+    def loss_fn(w, model_state, batch):
+        m = nnx.merge(graphdef, model_state, copy=True)
+        y = m.dot_general(batch, w, (((1,), (0,)), ((), ())))
+        return jnp.sum(y.astype(jnp.float32) * g), nnx.state(m)
+
+    step = jax.jit(fp8.value_and_grad(loss_fn))
+    (_, state), dw = step(w, state, x)
+    (_, state), _ = step(w * 2, state, x * 4)
+    m = nnx.merge(graphdef, state)
+    np.testing.assert_array_equal(m.x_history[...], [0.75 * 4, 0.75, 0, 0])
+    np.testing.assert_array_equal(m.w_history[...], [4.0, 2.0, 0, 0])
+    # the output gradient's amax, from the backward: 0.25 both steps
+    np.testing.assert_array_equal(m.g_history[...], [0.25, 0.25, 0, 0])
+    # step 1 ran with scale 1 (empty histories): x/8 and w in e4m3 are exact here, so the
+    # weight gradient is x^T g to e5m2's rounding of g (0.25: exact)
+    np.testing.assert_allclose(dw, np.asarray(x, np.float32).T @ np.asarray(g, np.float32),
+                               rtol=2 ** -4)
+
+
+def test_delayed_scaling_resumes_exactly(tmp_path):
+    cfg, program = program_for("llama-tiny", "float8", "delayed")
+    _, state3 = run(cfg, program, 2)
+    ms = jax.tree.leaves(state3["model_state"])
+    # 2 steps: 2 amaxes in every history, newest first, the rest empty
+    assert len(ms) == 2 * 7 * 3 and all(
+        np.all(np.asarray(h)[:2] > 0) and not np.asarray(h)[2:].any() for h in ms)
+    meta = {"model": "llama-tiny", "model_opts": "", "dataset": "synthetic",
+            "optimizer": "adamw", "dtype": "float8"}
+    ck = Checkpointer(str(tmp_path), 1, meta)
+    ck.maybe_save(2, state3, data_position=2)
+    ck.finish()
+    restored, _ = Checkpointer(str(tmp_path), 0, meta).restore(
+        2, program.abstract_state, program.state_shardings)
+    for a, b in zip(jax.tree.leaves(state3), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    on, state_on = run(cfg, program, 2, state3, start=2)
+    resumed, state_resumed = run(cfg, program, 2, restored, start=2)
+    np.testing.assert_array_equal(on, resumed)
+    for a, b in zip(jax.tree.leaves(state_on["model_state"]),
+                    jax.tree.leaves(state_resumed["model_state"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--model", "mlp-tiny"), "'mlp-tiny' has no FP8 path"),
+    (("--model", "resnet18", "--mesh", "1x1"), "'resnet18' has no FP8 path"),
+    (("--layout", "ps", "--mesh", "2x1"), "not --layout ps"),
+    (("--layout", "tp_pp", "--mesh", "data:1,stage:2,tensor:2", "--microbatches", "2"),
+     "use --fp8-scaling current"),
+])
+def test_no_fp8_path_is_one_line(tmp_path, capsys, args, says):
+    out = cli_main(capsys, "--model", "gpt-tiny", "--mesh", "2x2", "--dtype", "float8",
+                   *args, "--logdir", str(tmp_path / "r"))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_records_dtype_and_scaling(tmp_path, capsys):
+    out = cli_main(capsys, "--model", "gpt-tiny", "--mesh", "2x4", "--dtype", "float8",
+                   "--fp8-scaling", "current", "--steps", "2", "--warmup", "1",
+                   "--logdir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    model = results["config"]["model"]
+    assert (model["dtype"], model["fp8_scaling"]) == ("float8", "current")
