@@ -64,6 +64,7 @@ class Case:
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
     tp_comm_chunks: int = 0          # --tp-comm-chunks; 1: torchtitan's TP without async TP
     model: str = "llama3-70b"        # the registered model model_opts resize
+    dtype: str = "bfloat16"          # float8: FP8 GEMMs, delayed scaling (TE's, flax's default)
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -132,6 +133,16 @@ CASES = (
     # remat SAVE_DOT_ONLY (dots)
     *(Case(f"dgxc-paxml-5b-{n}", f"dgxc-paxml-gpt5b-bf16-{n}", None, "h100-sxm", GPT_5B,
            f"1x{n}", 4 * n, "dots", model="gpt") for n in (16, 32, 64, 128)),
+    # The same two recipes in FP8 (their FP8 tables): MaxText's FP8 keeps the attention's
+    # projections only (save_dot_except_mlp)
+    *(Case(f"dgxc-maxtext-70b-fp8-{n}", f"dgxc-maxtext-llama2-70b-fp8-{n}", None, "h100-sxm",
+           LLAMA2_70B, mesh, 2 * n, "save_dot_except_mlp", layout, dtype="float8")
+      for n, mesh, layout in ((64, "1x64", "fsdp"), (128, "1x128", "fsdp"),
+                              (256, "1x256", "fsdp"), (512, "data:4,fsdp:128", "hsdp"),
+                              (1024, "data:8,fsdp:128", "hsdp"),
+                              (2048, "data:16,fsdp:128", "hsdp"))),
+    *(Case(f"dgxc-paxml-5b-fp8-{n}", f"dgxc-paxml-gpt5b-fp8-{n}", None, "h100-sxm", GPT_5B,
+           f"1x{n}", 4 * n, "dots", model="gpt", dtype="float8") for n in (16, 32, 64, 128)),
     # Google Cloud's gpu-recipes: MaxText Llama2-7B on 32 A3 Mega VMs (GPUDirect-TCPXO)
     Case("gcp-a3mega-7b-256", "gcp-a3mega-maxtext-llama2-7b-256", None, "h100-sxm-a3-mega",
          LLAMA2_7B, "data:32,fsdp:8", 1024, "minimal_flash", "hsdp"),
@@ -193,7 +204,7 @@ def case_config(case: Case):
                                 RunConfig, TrainConfig)
     return RunConfig(mesh=MeshConfig(mesh=case.mesh),
                      model=ModelConfig(model=case.model, model_opts=case.model_opts,
-                                       dtype="bfloat16"),
+                                       dtype=case.dtype),
                      train=TrainConfig(layout=case.layout, batch_size=case.batch,
                                        remat=case.remat,
                                        sequence_parallel=case.sequence_parallel,

@@ -167,3 +167,49 @@ def test_run_records_dtype_and_scaling(tmp_path, capsys):
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     model = results["config"]["model"]
     assert (model["dtype"], model["fp8_scaling"]) == ("float8", "current")
+
+
+def test_fp8_gemms_run_at_the_parts_fp8_peak_and_mfu_at_bf16s():
+    from jaxdist.hardware import get_hardware
+    from jaxdist.predict.kernels_time import Rates
+    h100 = get_hardware("h100-sxm")
+    rates = Rates(h100)
+    # the same fraction of the FP8 peak (1979 TFLOP/s dense) as bf16's of its own (989.5)
+    assert rates.gemm("float8", "default") == pytest.approx(
+        rates.gemm("bfloat16", "default") * 1979e12 / 989.5e12)
+    assert h100.peak_flops("float8") == h100.peak_flops("bfloat16") == 989.5e12
+    assert get_hardware("a100-sxm-80gb").peak_flops("float8") is None
+
+
+def test_fp8_plan_on_a_part_without_fp8_is_one_line(tmp_path, capsys):
+    out = cli_main(capsys, "--model", "gpt-tiny", "--mesh", "8", "--dtype", "float8",
+                   "--dry-run", "--hardware", "a100-sxm-80gb", "--logdir", str(tmp_path / "p"))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a100-sxm-80gb has no FP8 rate" in lines[0], out.stderr
+    assert "h100-sxm" in lines[0] and not (tmp_path / "p").exists()
+
+
+def test_xla_gpu_program_for_8_h100_has_an_fp8_gemm_for_every_block_matmul():
+    from collections import Counter
+
+    from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
+    from jaxdist.hardware import get_hardware
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.program import compiled, kernels
+    from jaxdist.run_model import build_model
+    if compiled.gpu_compiler_missing() is not None:
+        pytest.skip(str(compiled.gpu_compiler_missing()))
+    cfg = RunConfig(mesh=MeshConfig(mesh="8"),
+                    model=ModelConfig(model="gpt-tiny", dtype="float8"),
+                    train=TrainConfig(layout="fsdp", batch_size=16))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
+    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    gemms = Counter(item["dtype"] for items in kernels.schedule(comp.as_text()).values()
+                    for item in items if item["item"] == "kernel" and "gemm" in item["kind"])
+    # q, k, v, out, up, down in 2 blocks: each one forward GEMM and two backward (input and
+    # weight gradients), all FP8; the LM head's and the attention's stay bf16
+    assert gemms["float8"] == 3 * 2 * 6
+    assert gemms["bfloat16"] > 0
