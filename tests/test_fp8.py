@@ -213,3 +213,12 @@ def test_xla_gpu_program_for_8_h100_has_an_fp8_gemm_for_every_block_matmul():
     # weight gradients), all FP8; the LM head's and the attention's stay bf16
     assert gemms["float8"] == 3 * 2 * 6
     assert gemms["bfloat16"] > 0
+
+
+def test_moe_experts_gemms_are_fp8():
+    cfg, program = program_for("moe-tiny", "float8", "delayed")
+    types = dot_types(program, cfg)
+    fwd = [t for t in types if element(t[0]) == element(t[1]) == "f8E4M3FN"]
+    bwd = [t for t in types if "f8E5M2" in (element(t[0]), element(t[1]))]
+    # 2 blocks x (q, k, v, out and the experts' gate, up, down): forward, then 2 gradients
+    assert (len(fwd), len(bwd)) == (2 * 7, 2 * 2 * 7)
