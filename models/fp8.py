@@ -53,7 +53,9 @@ def _max(dtype):
 def scale_of(amax, dtype):
     """The dequantization scale for a tensor of largest magnitude `amax`."""
     amax = amax.astype(jnp.float32)
-    ok = (amax > 0) & jnp.isfinite(amax)
+    # amax < inf, not isfinite: XLA:GPU fuses the compare into the quantizing kernel, and
+    # ran is-finite as a kernel of its own (NaN fails both comparisons)
+    ok = (amax > 0) & (amax < jnp.inf)
     return jnp.where(ok, amax / _max(dtype), 1.0)
 
 
@@ -67,8 +69,9 @@ def quantize(x, scale, dtype):
 
 
 def roll_in(history, value):
-    """`history` with `value` as its newest entry, the oldest dropped."""
-    return jnp.roll(history, 1).at[0].set(value)
+    """`history` with `value` as its newest entry, the oldest dropped (one concatenate: a
+    roll and a set were two kernels per history on XLA:GPU)."""
+    return jnp.concatenate([jnp.reshape(value, (1,)).astype(history.dtype), history[:-1]])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
