@@ -68,6 +68,8 @@ class Case:
     fp8_scaling: str = "delayed"     # current: the pipeline layouts' (they carry no FP8 state)
     microbatches: int = 1            # the pipeline layouts' M (GBS / (DP x MBS))
     pp_virtual: int = 1              # > 1: Megatron's interleaved schedule over V chunks
+    distributed_optimizer: bool = False  # Megatron's (NeMo's default)
+    pp_runtime: str = "jaxdist"      # megatron: the schedule as Megatron-LM runs it (NeMo's)
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -147,12 +149,12 @@ CASES = (
     *(Case(f"dgxc-paxml-5b-fp8-{n}", f"dgxc-paxml-gpt5b-fp8-{n}", None, "h100-sxm", GPT_5B,
            f"1x{n}", 4 * n, "dots", model="gpt", dtype="float8") for n in (16, 32, 64, 128)),
     # NeMo 24.07's FP8 pre-training table (Megatron-Core, Transformer Engine): TP x PP with
-    # Megatron's interleaved schedule, sequence parallel under TP, no recomputation; TE's
-    # delayed scaling, planned with current scaling (the same FP8 GEMMs; jaxdist's pipelines
-    # carry no scaling state)
+    # Megatron's interleaved schedule as Megatron runs it, sequence parallel under TP, the
+    # distributed optimizer, no recomputation; TE's delayed scaling, planned with current
+    # scaling (the same FP8 GEMMs; jaxdist's pipelines carry no scaling state)
     *(Case(f"nemo-{name}", f"nemo2407-{name}-fp8", None, "h100-sxm", opts, mesh, gbs, "none",
            "tp_pp", model=model, dtype="float8", fp8_scaling="current", sequence_parallel=True,
-           microbatches=m, pp_virtual=v)
+           microbatches=m, pp_virtual=v, distributed_optimizer=True, pp_runtime="megatron")
       for name, model, opts, mesh, gbs, m, v in (
           ("gpt3-175b-128", "gpt3-175b", _ATTN, "data:4,stage:8,tensor:4", 256, 64, 6),
           ("gpt3-175b-512", "gpt3-175b", _ATTN, "data:16,stage:8,tensor:4", 2048, 64, 6),
@@ -233,9 +235,11 @@ def case_config(case: Case):
                                        pp_schedule="interleaved" if case.pp_virtual > 1
                                        else "1f1b",
                                        sequence_parallel=case.sequence_parallel,
-                                       tp_comm_chunks=case.tp_comm_chunks),
+                                       tp_comm_chunks=case.tp_comm_chunks,
+                                       distributed_optimizer=case.distributed_optimizer),
                      compiler=CompilerConfig(overlap=True),
-                     output=OutputConfig(dry_run=True, hardware=case.hardware))
+                     output=OutputConfig(dry_run=True, hardware=case.hardware,
+                                         pp_runtime=case.pp_runtime))
 
 
 def validate(cases) -> list[dict]:
