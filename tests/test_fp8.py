@@ -222,3 +222,17 @@ def test_moe_experts_gemms_are_fp8():
     bwd = [t for t in types if "f8E5M2" in (element(t[0]), element(t[1]))]
     # 2 blocks x (q, k, v, out and the experts' gate, up, down): forward, then 2 gradients
     assert (len(fwd), len(bwd)) == (2 * 7, 2 * 2 * 7)
+
+
+def test_memory_estimate_keeps_fp8_copies_and_counts_the_scaling_state():
+    from jaxdist.predict.memory import saved_residuals
+    from jaxdist.train_step import abstract_train_state
+    cfg = dataclasses.replace(get_model("llama-tiny"), fp8="delayed")
+    dtypes = {r["dtype"] for r in saved_residuals(cfg, "float8", 4)}
+    # what the backward keeps of each block matmul: its e4m3 operands (Transformer Engine's
+    # FP8 copies), one byte an element, beside the bf16 values of everything else
+    assert "float8_e4m3fn" in dtypes and "bfloat16" in dtypes
+    state = abstract_train_state(cfg, "float8", make_optimizer("adamw", 1e-3))
+    histories = jax.tree.leaves(state["model_state"])
+    # 2 blocks x 7 matmuls x (input, weight, output gradient) x 1024 float32 amaxes
+    assert sum(h.size * h.dtype.itemsize for h in histories) == 2 * 7 * 3 * 1024 * 4
