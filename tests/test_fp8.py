@@ -159,14 +159,24 @@ def test_no_fp8_path_is_one_line(tmp_path, capsys, args, says):
     assert not (tmp_path / "r").exists()
 
 
-def test_run_records_dtype_and_scaling(tmp_path, capsys):
-    out = cli_main(capsys, "--model", "gpt-tiny", "--mesh", "2x4", "--dtype", "float8",
-                   "--fp8-scaling", "current", "--steps", "2", "--warmup", "1",
+def test_run_records_dtype_and_scaling_and_resumes_only_its_scaling(tmp_path, capsys):
+    from jaxdist.writers import run_hparams
+    args = ("--model", "gpt-tiny", "--mesh", "2x4", "--dtype", "float8", "--steps", "2",
+            "--warmup", "1", "--checkpoint-dir", str(tmp_path / "ck"))
+    out = cli_main(capsys, *args, "--fp8-scaling", "current", "--checkpoint-every", "1",
                    "--logdir", str(tmp_path / "r"))
     assert out.returncode == 0, out.stderr
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     model = results["config"]["model"]
     assert (model["dtype"], model["fp8_scaling"]) == ("float8", "current")
+    assert results["mfu"]["peak_basis"] == "bfloat16"
+    hp = run_hparams(results)
+    assert (hp["dtype"], hp["fp8_scaling"]) == ("float8", "current")
+    # delayed scaling's state is not current scaling's: its checkpoint is another run's
+    other = cli_main(capsys, *args, "--fp8-scaling", "delayed", "--resume",
+                     "--logdir", str(tmp_path / "d"))
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+    assert "'float8 (current scaling)' vs 'float8 (delayed scaling)'" in other.stderr
 
 
 def test_fp8_gemms_run_at_the_parts_fp8_peak_and_mfu_at_bf16s():
