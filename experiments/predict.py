@@ -64,6 +64,12 @@ class Case:
     sequence_parallel: bool = False  # torchtitan's TP: SequenceParallel on the norms
     tp_comm_chunks: int = 0          # --tp-comm-chunks; 1: torchtitan's TP without async TP
     model: str = "llama3-70b"        # the registered model model_opts resize
+    dtype: str = "bfloat16"          # float8: FP8 GEMMs, delayed scaling (TE's, flax's default)
+    fp8_scaling: str = "delayed"     # current: the pipeline layouts' (they carry no FP8 state)
+    microbatches: int = 1            # the pipeline layouts' M (GBS / (DP x MBS))
+    pp_virtual: int = 1              # > 1: Megatron's interleaved schedule over V chunks
+    distributed_optimizer: bool = False  # Megatron's (NeMo's default)
+    pp_runtime: str = "jaxdist"      # megatron: the schedule as Megatron-LM runs it (NeMo's)
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -132,14 +138,43 @@ CASES = (
     # remat SAVE_DOT_ONLY (dots)
     *(Case(f"dgxc-paxml-5b-{n}", f"dgxc-paxml-gpt5b-bf16-{n}", None, "h100-sxm", GPT_5B,
            f"1x{n}", 4 * n, "dots", model="gpt") for n in (16, 32, 64, 128)),
+    # The same two recipes in FP8 (their FP8 tables): MaxText's FP8 keeps the attention's
+    # projections only (save_dot_except_mlp)
+    *(Case(f"dgxc-maxtext-70b-fp8-{n}", f"dgxc-maxtext-llama2-70b-fp8-{n}", None, "h100-sxm",
+           LLAMA2_70B, mesh, 2 * n, "save_dot_except_mlp", layout, dtype="float8")
+      for n, mesh, layout in ((64, "1x64", "fsdp"), (128, "1x128", "fsdp"),
+                              (256, "1x256", "fsdp"), (512, "data:4,fsdp:128", "hsdp"),
+                              (1024, "data:8,fsdp:128", "hsdp"),
+                              (2048, "data:16,fsdp:128", "hsdp"))),
+    *(Case(f"dgxc-paxml-5b-fp8-{n}", f"dgxc-paxml-gpt5b-fp8-{n}", None, "h100-sxm", GPT_5B,
+           f"1x{n}", 4 * n, "dots", model="gpt", dtype="float8") for n in (16, 32, 64, 128)),
+    # NeMo 24.07's FP8 pre-training table (Megatron-Core, Transformer Engine): TP x PP with
+    # Megatron's interleaved schedule as Megatron runs it, sequence parallel under TP, the
+    # distributed optimizer, no recomputation; TE's delayed scaling, planned with current
+    # scaling (the same FP8 GEMMs; jaxdist's pipelines carry no scaling state)
+    *(Case(f"nemo-{name}", f"nemo2407-{name}-fp8", None, "h100-sxm", opts, mesh, gbs, "none",
+           "tp_pp", model=model, dtype="float8", fp8_scaling="current", sequence_parallel=True,
+           microbatches=m, pp_virtual=v, distributed_optimizer=True, pp_runtime="megatron")
+      for name, model, opts, mesh, gbs, m, v in (
+          ("gpt3-175b-128", "gpt3-175b", _ATTN, "data:4,stage:8,tensor:4", 256, 64, 6),
+          ("gpt3-175b-512", "gpt3-175b", _ATTN, "data:16,stage:8,tensor:4", 2048, 64, 6),
+          ("llama2-70b-64", "llama3-70b", LLAMA2_70B, "data:4,stage:4,tensor:4", 128, 32,
+           20))),
+    # torchtitan's Float8 (tensorwise: current scaling) beside its bf16 rows above
+    Case("tt25-8b-fsdp8-tp8-fp8", "tt25-asynctp-8b-float8-tensorwise-vanilla", None, TT_H100,
+         LLAMA31_8B, "data:8,tensor:8", 96, "selective_op", "fsdp_tp",
+         sequence_parallel=True, tp_comm_chunks=1, dtype="float8", fp8_scaling="current"),
+    Case("tt25-70b-fsdp32-tp8-fp8", "tt25-asynctp-70b-float8-tensorwise-vanilla", None,
+         TT_H100, LLAMA3_70B, "data:32,tensor:8", 512, "full", "fsdp_tp",
+         sequence_parallel=True, tp_comm_chunks=1, dtype="float8", fp8_scaling="current"),
     # Google Cloud's gpu-recipes: MaxText Llama2-7B on 32 A3 Mega VMs (GPUDirect-TCPXO)
     Case("gcp-a3mega-7b-256", "gcp-a3mega-maxtext-llama2-7b-256", None, "h100-sxm-a3-mega",
          LLAMA2_7B, "data:32,fsdp:8", 1024, "minimal_flash", "hsdp"),
 )
-# Published runs not expressible (not cases): Float8 or context-parallel rows (torchtitan
-# Tables 2, 4-6, the H200 Trainy runs), torchtitan's selective *layer* AC (every other block
-# recomputed; jaxdist's remat is one policy for every block), pipeline rows (all Float8 +
-# AsyncTP), FSDP1 blog rows (no per-run config).
+# Published runs not expressible (not cases): context-parallel rows (torchtitan Tables 2,
+# 4-6, the H200 Trainy runs), rowwise Float8 (per-row scales), torchtitan's selective *layer*
+# AC (every other block recomputed; jaxdist's remat is one policy for every block), AsyncTP,
+# FSDP1 blog rows (no per-run config).
 
 
 def published() -> dict:
@@ -193,13 +228,18 @@ def case_config(case: Case):
                                 RunConfig, TrainConfig)
     return RunConfig(mesh=MeshConfig(mesh=case.mesh),
                      model=ModelConfig(model=case.model, model_opts=case.model_opts,
-                                       dtype="bfloat16"),
+                                       dtype=case.dtype, fp8_scaling=case.fp8_scaling),
                      train=TrainConfig(layout=case.layout, batch_size=case.batch,
-                                       remat=case.remat,
+                                       remat=case.remat, microbatches=case.microbatches,
+                                       pp_virtual=case.pp_virtual,
+                                       pp_schedule="interleaved" if case.pp_virtual > 1
+                                       else "1f1b",
                                        sequence_parallel=case.sequence_parallel,
-                                       tp_comm_chunks=case.tp_comm_chunks),
+                                       tp_comm_chunks=case.tp_comm_chunks,
+                                       distributed_optimizer=case.distributed_optimizer),
                      compiler=CompilerConfig(overlap=True),
-                     output=OutputConfig(dry_run=True, hardware=case.hardware))
+                     output=OutputConfig(dry_run=True, hardware=case.hardware,
+                                         pp_runtime=case.pp_runtime))
 
 
 def validate(cases) -> list[dict]:

@@ -47,6 +47,7 @@ def validate(cfg: RunConfig) -> job.Job:
         from jaxdist.program.compiled import check_cpu_limit, xla_options
         check_batch(cfg, shape)
         check_nodes(part, shape.size)
+        check_fp8_rate(cfg)
         check_cpu_limit(cfg.output.hardware, shape.size, cfg.compiler.compiler)
         xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
     elif kind != job.PLAN and shape.size is not None:  # -1: checked once devices are
@@ -61,6 +62,20 @@ def validate(cfg: RunConfig) -> job.Job:
     from sharding.registry import facts
     return job.Job(cfg, kind, facts(cfg.train.layout), model_cfg, shape, cfg.train.optimizer,
                    part, tuple(notices(cfg) + disk_notices(cfg)))
+
+
+def check_fp8_rate(cfg: RunConfig) -> None:
+    """A --dtype float8 plan times its FP8 GEMMs at the part's FP8 peak: a part with none
+    (no FP8 tensor cores, or none tabled in jaxdist.parts) cannot be planned in FP8."""
+    from jaxdist.hardware import get_hardware
+    from jaxdist.parts import NAMED, PREDICTABLE
+    if cfg.model.dtype != "float8":
+        return
+    if get_hardware(cfg.output.hardware, cfg.output.gpus_per_node).fp8_peak_flops() is None:
+        fp8 = [n for n in PREDICTABLE if NAMED[n].fp8_peak_flops()]
+        raise UsageError(f"--dtype float8: {cfg.output.hardware} has no FP8 rate (no FP8 "
+                         f"tensor cores); plan it in --dtype bfloat16, "
+                         f"or FP8 on {', '.join(fp8)}")
 
 
 def check_values(cfg: RunConfig) -> None:

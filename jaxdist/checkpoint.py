@@ -38,7 +38,9 @@ MARKER = "jaxdist-checkpoints.json"  # {"identity": {...}}: the run line this fo
 def identity(cfg) -> dict:
     return {"model": cfg.model.model, "model_opts": cfg.model.model_opts,
             "dataset": cfg.data.dataset, "optimizer": cfg.train.optimizer,
-            "dtype": cfg.model.dtype}
+            # FP8: its scaling too (delayed scaling's histories are part of the state)
+            "dtype": (f"float8 ({cfg.model.fp8_scaling} scaling)"
+                      if cfg.model.dtype == "float8" else cfg.model.dtype)}
 
 
 def mismatch(saved: dict, mine: dict) -> list[str]:

@@ -62,8 +62,15 @@ class ModelConfig:
     model_opts: str = _opt("", "overrides of the model's size, e.g. depth=4,width=128")
     dtype: str = _opt("float32", "compute dtype (parameters stay float32; with "
                       "--distributed-optimizer, bfloat16 working weights beside a sharded "
-                      "float32 master copy, as Megatron)",
-                      choices=("float32", "bfloat16"))
+                      "float32 master copy, as Megatron). float8: the decoders' block "
+                      "matmuls in FP8 (e4m3 operands, e5m2 gradients, Transformer Engine's "
+                      "hybrid format), bfloat16 elsewhere, the LM head included",
+                      choices=("float32", "bfloat16", "float8"))
+    fp8_scaling: str = _opt("delayed", "with --dtype float8: how each FP8 tensor's scale is "
+                            "chosen. delayed: from the largest amax of its last 1024 steps "
+                            "(Transformer Engine's default; the histories are train state); "
+                            "current: from its own amax each step (FP8-CS)",
+                            choices=("delayed", "current"))
     matmul_precision: str = _opt(
         "default", "precision of float32 matmuls and convolutions (no effect with --dtype "
         "bfloat16). default: each backend's default: TF32 on Ampere and newer GPUs, float32 "

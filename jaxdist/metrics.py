@@ -215,6 +215,8 @@ def mfu(device_kind: str, dtype: str, num_devices: int, step_s: float | None,
         "compiled_flops_per_step": compiled_step,
         "reason": None,
     }
+    if dtype == "float8":  # FP8 GEMMs, MFU against the bf16 peak as NeMo and MaxText report
+        out["peak_basis"] = "bfloat16"
     if peak is None:
         row = peak_row(device_kind)
         out["reason"] = (f"no peak FLOP/s for device kind {device_kind!r}: not a known GPU "

@@ -91,6 +91,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("data_dir",), lambda c: c.data.dataset in ("cifar10", "mnist"),
          "--dataset cifar10 or mnist"),
     Rule(("matmul_precision",), lambda c: c.model.dtype == "float32", "--dtype float32"),
+    Rule(("fp8_scaling",), lambda c: c.model.dtype == "float8", "--dtype float8"),
     # --checkpoint-every 0 is also the default, so "given" is the directory without a plan.
     Rule(("checkpoint_every",),
          lambda c: c.checkpoint.checkpoint_every > 0 or c.checkpoint.resume, "",

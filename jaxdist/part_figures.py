@@ -18,6 +18,8 @@ from dataclasses import dataclass
 #         PrecisionConfig::HIGH`), and jax-ml/jax#18934: "Precision('bfloat16_3x') ... will
 #         get tensorfloat32 on A100". So "high" is not bf16_3x on these GPUs.
 #   fp32: plain FP32 (CUDA cores)  - float32 under precision "highest"
+#   fp8:  FP8 tensor cores (e4m3 / e5m2) - the FP8 GEMMs of --dtype float8; None on parts
+#         without them (before Ada and Hopper), where --dtype float8 has no rate to plan at
 # A part without TF32 (before Ampere) runs float32 matmuls at the FP32 rate at any precision.
 # None: the datasheet gives no figure (or none checked here): mfu is then null, not a guess.
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Peak:
     tf32: float | None
     fp32: float | None
     tensor_float32: bool = True  # False before Ampere: float32 matmuls never use TF32
+    fp8: float | None = None
 
 
 MATMUL_PRECISIONS = ("default", "high", "highest")

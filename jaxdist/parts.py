@@ -80,6 +80,9 @@ class Part:
     def peak_flops(self, dtype: str, matmul_precision: str = "default") -> float | None:
         return peak_flops(self.device_kind, dtype, matmul_precision)
 
+    def fp8_peak_flops(self) -> float | None:
+        return fp8_peak_flops(self.device_kind)
+
     def prediction_fields(self) -> dict:
         """The part as a plan records it (plan.json "hardware")."""
         return {k: getattr(self, k) for k in PREDICTION_FIELDS}
@@ -97,8 +100,10 @@ PREDICTION_FIELDS = ("name", "device_kind", "hbm_bytes", "hbm_bandwidth",
 # --------------------------------------------------------------------- shared figures
 
 _A100 = dict(bf16=624e12 / 2, tf32=312e12 / 2, fp32=19.5e12)
-_H100_SXM = dict(bf16=1979e12 / 2, tf32=989e12 / 2, fp32=67e12)
-_NVL = dict(bf16=1671e12 / 2, tf32=835e12 / 2, fp32=60e12)
+# FP8: H100 SXM and H200 SXM datasheets 3,958* TF, H100 NVL and H200 NVL 3,341* TF (* with
+# sparsity); the A100 has no FP8 tensor cores
+_H100_SXM = dict(bf16=1979e12 / 2, tf32=989e12 / 2, fp32=67e12, fp8=3958e12 / 2)
+_NVL = dict(bf16=1671e12 / 2, tf32=835e12 / 2, fp32=60e12, fp8=3341e12 / 2)
 
 _NVLINK4 = "NVLink 4 (Hopper): 900 GB/s bidirectional per GPU (H100/H200 datasheets) -> 450 GB/s one way"
 _CX7 = ("DGX H100/H200 and HGX reference nodes: 8x ConnectX-7 400 Gb/s InfiniBand, one per "
@@ -199,7 +204,8 @@ PARTS: tuple[Part, ...] = (
          intra_node_link="pcie",
          # NVIDIA H100 datasheet, H100 PCIe column: FP32 51 TF, TF32 756* TF, BF16 1,513* TF.
          patterns=(r"H100.*PCIE",),
-         peak=Peak("H100 PCIe", bf16=1513e12 / 2, tf32=756e12 / 2, fp32=51e12),
+         peak=Peak("H100 PCIe", bf16=1513e12 / 2, tf32=756e12 / 2, fp32=51e12,
+                   fp8=3026e12 / 2),  # H100 PCIe datasheet: FP8 3,026* TF
          target=GpuTarget(
              gpu_device_info((9, 0), 114, 128, 2039040000000, 52428800, 1.755, 84942979072,
                              233472, 232448),
@@ -309,20 +315,23 @@ PARTS: tuple[Part, ...] = (
                                                 "reports"})),
     Part("a10", patterns=(r"\bA10\b",),
          peak=Peak("A10", bf16=250e12 / 2, tf32=125e12 / 2, fp32=31.2e12)),
-    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 | 366* TF, BF16 362.05 | 733* TF.
+    # NVIDIA L40S datasheet: FP32 91.6 TF, TF32 183 | 366* TF, BF16 362.05 | 733* TF, FP8
+    # 733 | 1,466* TF.
     Part("l40s", patterns=(r"L40S",), peak=Peak("L40S", bf16=362.05e12, tf32=183e12,
-                                                fp32=91.6e12)),
+                                                fp32=91.6e12, fp8=733e12)),
     Part("l4", "NVIDIA L4", 24 * GB, 300 * GB, 32 * GB, 100 / 8 * GB / 8, 8, 72,
          ("NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, TDP 72 W, PCIe Gen4 x16",
           "PCIe Gen4 x16: 64 GB/s bidirectional -> 32 GB/s one way",
           "AWS g6.48xlarge: 8 L4, 100 Gb/s network per instance -> 12.5 GB/s / 8 GPUs"),
          efficiency="ampere", intra_node_link="pcie",
-         # NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120* TF, BF16 242* TF.
+         # NVIDIA L4 datasheet: FP32 30.3 TF, TF32 120* TF, BF16 242* TF, FP8 485* TF.
          patterns=(r"\bL4\b",), peak=Peak("L4", bf16=242e12 / 2, tf32=120e12 / 2,
-                                         fp32=30.3e12)),
+                                         fp32=30.3e12, fp8=485e12 / 2)),
     # torchtitan's table (pytorch/torchtitan, torchtitan/tools/utils.py), from NVIDIA's
-    # Blackwell datasheet: BF16 2.25 PF dense. TF32/FP32 not checked here: null.
-    Part("b200", patterns=(r"B200",), peak=Peak("B200", bf16=2.25e15, tf32=None, fp32=None)),
+    # Blackwell datasheet: BF16 2.25 PF dense; FP8 4.5 PF dense (NVIDIA HGX B200: 72 PF
+    # FP8 with sparsity over 8 GPUs). TF32/FP32 not checked here: null.
+    Part("b200", patterns=(r"B200",), peak=Peak("B200", bf16=2.25e15, tf32=None, fp32=None,
+                                                fp8=4.5e15)),
     # NVIDIA V100 datasheet: FP32 15.7 TF (SXM2), 14 TF (PCIe); no BF16 or TF32 tensor cores.
     Part("v100-pcie", patterns=(r"V100.*PCIE",),
          peak=Peak("V100 PCIe", bf16=None, tf32=None, fp32=14e12, tensor_float32=False)),
@@ -372,11 +381,20 @@ def peak_flops(device_kind: str, dtype: str, matmul_precision: str = "default") 
         return None
     if dtype == "bfloat16":  # precision settings only change 32-bit matmuls
         return row.bf16
+    if dtype == "float8":  # MFU of an FP8 run is against the bf16 peak, as NeMo and MaxText
+        # report it (fp8_peak_flops: its FP8 GEMMs' own); None where the part has no FP8
+        return row.bf16 if row.fp8 else None
     if dtype == "float32":
         if matmul_precision == "highest" or not row.tensor_float32:
             return row.fp32
         return row.tf32
-    raise ValueError(f"dtype {dtype!r}: choose from bfloat16, float32")
+    raise ValueError(f"dtype {dtype!r}: choose from bfloat16, float32, float8")
+
+
+def fp8_peak_flops(device_kind: str) -> float | None:
+    """Dense FP8 tensor-core peak FLOP/s of one device, or None (no FP8, or not tabled)."""
+    row = peak_row(device_kind)
+    return None if row is None else row.fp8
 
 
 def rate(part: str, kind: str, dtype: str) -> Rate:

@@ -43,6 +43,8 @@ def build_model(cfg):
     if hasattr(model_cfg, "ordered_blocks") and gathers_block_weights(cfg.train.layout):
         model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
     model_cfg = context_parallel(cfg, model_cfg)
+    if cfg.model.dtype == "float8":
+        model_cfg = dataclasses.replace(model_cfg, fp8=check_fp8(cfg, model_cfg))
     if cfg.train.sequence_parallel:
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
         from sharding.logical import RULES
@@ -79,6 +81,24 @@ def context_parallel(cfg, model_cfg):
         raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")
     return dataclasses.replace(model_cfg,
                                context_load_balance=cfg.train.context_load_balance)
+def check_fp8(cfg, model_cfg) -> str:
+    """--dtype float8's scaling (models/fp8.py), where the model and layout have an FP8
+    path: the decoders' block matmuls, on the jax.sharding layouts."""
+    if not hasattr(model_cfg, "fp8"):
+        raise UsageError(f"--dtype float8 runs the decoders' matmuls in FP8 (gpt, llama and "
+                         f"moe models); {cfg.model.model!r} has no FP8 path: use --dtype "
+                         f"bfloat16")
+    from sharding.registry import facts
+    if facts(cfg.train.layout).out_of_process:
+        raise UsageError("--dtype float8 runs on the jax.sharding layouts, not --layout ps "
+                         "(its workers compute in float32 or bfloat16); use --dtype bfloat16 "
+                         "or another layout")
+    stateful = cfg.model.fp8_scaling == "delayed"
+    if stateful and (facts(cfg.train.layout).pipelined or cfg.train.sequence_parallel):
+        raise UsageError(f"--fp8-scaling delayed keeps amax histories in the train state, "
+                         f"which the pipeline layouts and --sequence-parallel do not carry; "
+                         f"use --fp8-scaling current with layout {cfg.train.layout!r}")
+    return cfg.model.fp8_scaling
 
 
 def tp_comm_chunks(cfg) -> int:

@@ -165,6 +165,8 @@ def _mfu_line(mfu: dict) -> str:
     if value is None and hfu is None:
         return f"n/a ({mfu.get('reason') or 'not computed'})"
     line = f"mfu {_num(value, '{:.1%}')}, hfu {_num(hfu, '{:.1%}')}"
+    if mfu.get("peak_basis"):
+        line += f" against the {mfu['peak_basis']} peak"
     return line + (f" ({mfu['reason']})" if mfu.get("reason") else "")
 
 

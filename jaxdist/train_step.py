@@ -21,13 +21,15 @@ from jaxdist import metrics
 from jaxdist.program import hlo, program_reading
 from jaxdist.program.xla_compile import compile_timed
 from jaxdist.errors import UsageError
+from models import fp8
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
                             scattered_gradients, train_state)
 from sharding import batch_spec, padding
 from sharding.axes import batch_axes
 from sharding.optimizer import axes_of
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# float8: bfloat16 but for the decoders' block matmuls (models/fp8.py)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float8": jnp.bfloat16}
 
 
 def jax_matmul_precision(dtype_name: str, name: str) -> str | None:
@@ -126,7 +128,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         return loss, padding.fit_tree(nnx.split(model, nnx.Param, ...)[2],
                                       abstract_state["model_state"])
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = fp8.value_and_grad(loss_fn)  # jax.value_and_grad, and FP8 gradient amaxes
 
     def micro_step(params, carry, mb):
         """One iteration of the micro-batch loop: add one slice's loss and gradients."""

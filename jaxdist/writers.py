@@ -77,7 +77,8 @@ METRICS = (
 HPARAMS = {
     "layout": str, "mesh": str, "schedule": str, "status": str, "steps": str,
     "devices": int, "device_kind": str,
-    "model": str, "params": int, "batch": int, "dtype": str, "matmul_precision": str,
+    "model": str, "params": int, "batch": int, "dtype": str, "fp8_scaling": str,
+    "matmul_precision": str,
     "optimizer": str, "lr": float, "microbatches": int, "remat": str, "overlap": bool,
     "dataset": str, "seed": int, "framework": str, "backend": str, "simulated": bool,
     "ps_mode": str, "ps_shards": int, "ps_staleness": int,
@@ -238,6 +239,7 @@ def run_hparams(results: dict) -> dict:
         "devices": env.get("num_devices"), "device_kind": env.get("device_kind"),
         "model": results["model"]["name"], "params": results["model"].get("params"),
         "batch": train.get("batch_size"), "dtype": model.get("dtype"),
+        "fp8_scaling": (model.get("fp8_scaling") if model.get("dtype") == "float8" else None),
         # Runs from before --matmul-precision existed ran at XLA's default.
         "matmul_precision": model.get("matmul_precision", "default"),
         "optimizer": train.get("optimizer"), "lr": train.get("lr"),

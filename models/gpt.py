@@ -21,6 +21,7 @@ from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNor
                            ordered_backward, tagged)
 from models import context
 from models.attention import causal_attention
+from models.fp8 import fp8_matmuls
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -87,11 +88,13 @@ class GPT(nnx.Module):
     def __init__(self, cfg: "GPTConfig", *, dtype, rngs):
         self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
         self.pos = embed(cfg.seq_len, cfg.width, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List(
-            gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype, rngs=rngs,
-                      sequence_parallel=cfg.sequence_parallel, attention=cfg.attention,
-                      weight_rules=cfg.weight_rules, balanced=cfg.context_load_balance)
-            for _ in range(cfg.depth))
+        with fp8_matmuls(cfg.fp8 or None):  # the blocks' matmuls; the LM head stays bf16
+            self.blocks = nnx.List(
+                gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype,
+                          rngs=rngs, sequence_parallel=cfg.sequence_parallel,
+                          attention=cfg.attention, weight_rules=cfg.weight_rules,
+                          balanced=cfg.context_load_balance)
+                for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
@@ -143,6 +146,10 @@ class GPTConfig:
     # by jaxdist.run_model): the order of the sequence over the context shards
     context_load_balance: bool = dataclasses.field(default=True,
                                                    metadata={"set_by_the_layout": True})
+    # the blocks' matmuls in FP8 with this scaling (models/fp8.py: delayed, current), the LM
+    # head in the compute dtype as Transformer Engine keeps it; "": none. Set by
+    # jaxdist.run_model from --dtype float8 and --fp8-scaling, so not a --model-opts option
+    fp8: str = dataclasses.field(default="", metadata={"set_by_the_layout": True})
     family: str = "gpt"
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.errors import UsageError, choices
+from models import fp8
 from sharding.logical import activation_spec
 
 KAIMING_FAN_OUT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -72,14 +73,28 @@ class Linear(nnx.Linear):
     """nnx.Linear whose output carries its place among the matmuls of the block being traced
     (`matmul_1`, `matmul_2`, ... in call order, `counted_matmuls`), for the remat policy
     that keeps every other one (REMAT_POLICIES["selective_op"]), and its `tag` (a name of
-    REMAT_NAMES' policies: `out_proj`, `mlpwi`, ...) where it has one."""
+    REMAT_NAMES' policies: `out_proj`, `mlpwi`, ...) where it has one. Built inside
+    models.fp8.fp8_matmuls, its matmul runs in FP8 (`fp8`, its scaling)."""
 
     def __init__(self, *args, tag: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tag = tag
+        self.fp8 = fp8.scales()
+
+    def matmul(self, x, kernel, dims):
+        """x . kernel over `dims`, both already in the compute dtype: in FP8 or as nnx.Linear."""
+        if self.fp8 is not None:
+            return self.fp8.dot_general(x, kernel, dims)
+        return self.dot_general(x, kernel, dims, precision=self.precision)
 
     def __call__(self, x):
-        return tagged(counted(super().__call__(x)), self.tag)
+        if self.fp8 is None:
+            return tagged(counted(super().__call__(x)), self.tag)
+        x, kernel, bias = self.promote_dtype(
+            (x, self.kernel[...], self.bias[...] if self.bias is not None else None),
+            dtype=self.dtype)
+        y = self.matmul(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return tagged(counted(y if bias is None else y + bias), self.tag)
 
 
 def linear(a, b, *, bias=True, init=LECUN_NORMAL, tag=None, dtype, rngs):

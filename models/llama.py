@@ -16,6 +16,7 @@ from flax import nnx
 from jaxdist.errors import UsageError
 from models import context
 from models.attention import causal_attention
+from models.fp8 import fp8_matmuls
 from models.gpt import GPTConfig
 from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
                            constrain, embed, linear, lookup, rms_norm, tagged)
@@ -102,7 +103,9 @@ class Llama(nnx.Module):
     def __init__(self, cfg: "LlamaConfig", *, dtype, rngs, make_block=llama_block):
         # make_block(cfg, dtype=, rngs=) builds one block: models/moe.py passes its own.
         self.tok = embed(cfg.vocab, cfg.width, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List(make_block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth))
+        with fp8_matmuls(cfg.fp8 or None):  # the blocks' matmuls; the LM head stays bf16
+            self.blocks = nnx.List(make_block(cfg, dtype=dtype, rngs=rngs)
+                                   for _ in range(cfg.depth))
         self.ln_f = rms_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat

@@ -42,6 +42,7 @@ from jaxdist.errors import UsageError
 from models.layers import (BLD, BLV, block_runner, check_choice, constrain, lookup,
                            rms_norm, run_blocks, tagged)
 from models import context
+from models import fp8
 from models.llama import Attention, Llama, LlamaConfig
 from models.registry import register
 from sharding.axes import batch_axes
@@ -170,6 +171,9 @@ class MoE(nnx.Module):
         self.down = nnx.Param(init(rngs.params(), (E, H, D), jnp.float32))
         self.top_k, self.capacity_factor, self.dtype = cfg.top_k, cfg.capacity_factor, dtype
         self.impl = cfg.moe_impl
+        # the experts' GEMMs in FP8 where built inside models.fp8.fp8_matmuls (sorted and
+        # dense; ragged's grouped GEMMs and the router stay as they are)
+        self.fp8_gate, self.fp8_up, self.fp8_down = fp8.scales(), fp8.scales(), fp8.scales()
 
     def __call__(self, x_BLD):
         B, L, D = x_BLD.shape
@@ -198,12 +202,15 @@ class MoE(nnx.Module):
 
     def _experts(self, in_EBCD):
         """The SwiGLU experts as batched GEMMs over [experts, batch x capacity] buffers."""
-        cast = lambda t: t.astype(self.dtype)  # noqa: E731
-        h_EBCH = (nnx.silu(tagged(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.gate[...])),
-                                  "mlpwi_0"))
-                  * tagged(jnp.einsum("ebcd,edh->ebch", in_EBCD, cast(self.up[...])), "mlpwi_1"))
-        return _to_experts(tagged(jnp.einsum("ebch,ehd->ebcd", h_EBCH, cast(self.down[...])),
-                                  "mlpwo"))
+        def gemm(x_EBCI, name):  # [E, B, C, in] x [E, in, out] per expert
+            w_EIO = getattr(self, name)[...].astype(self.dtype)
+            scales = getattr(self, "fp8_" + name)
+            if scales is None:
+                return jnp.einsum("ebci,eio->ebco", x_EBCI, w_EIO)
+            return scales.dot_general(x_EBCI, w_EIO, (((3,), (1,)), ((0,), (0,))))
+        h_EBCH = (nnx.silu(tagged(gemm(in_EBCD, "gate"), "mlpwi_0"))
+                  * tagged(gemm(in_EBCD, "up"), "mlpwi_1"))
+        return _to_experts(tagged(gemm(h_EBCH, "down"), "mlpwo"))
 
     def _dense(self, x_BLD, idx_BLk, gates_BLk, capacity):
         """GShard's dispatch and combine einsums over one-hot [B, L, E, C] tensors."""

@@ -188,8 +188,7 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
             y, kernel, bias = row.promote_dtype(
                 (m.column(gathered), row.kernel[...],
                  row.bias[...] if row.bias is not None else None), dtype=row.dtype)
-            part = counted(row.dot_general(y, kernel, (((2,), (0,)), ((), ())),
-                                           precision=row.precision))
+            part = counted(row.matmul(y, kernel, (((2,), (0,)), ((), ()))))
             if scattered is not None:
                 part, _ = jax.lax.optimization_barrier((part, scattered))
             # the row projection's name (out_proj, mlpwo) on its sequence shard

@@ -35,6 +35,10 @@ LOGICAL = {
     ("moe", "up"): ("experts", "embed", "mlp"),
     ("moe", "gate"): ("experts", "embed", "mlp"),
     ("moe", "down"): ("experts", "mlp", "embed"),
+    # FP8 delayed scaling (models/fp8.py): a per-tensor amax history of each matmul's input,
+    # weight and output gradient, whole on every device (its amaxes are the whole tensor's)
+    **{(scales, history): (None,) for scales in ("fp8", "fp8_gate", "fp8_up", "fp8_down")
+       for history in ("x_history", "w_history", "g_history")},
 }
 
 RULES = {

@@ -58,6 +58,6 @@ def test_keys_name_every_field_with_its_section_type_and_choices():
                          for s in dataclasses.fields(RunConfig))
     assert (k["batch_size"].section, k["batch_size"].kind, k["batch_size"].default) == \
         ("train", "int", 64)
-    assert k["dtype"].choices == ("float32", "bfloat16")
+    assert k["dtype"].choices == ("float32", "bfloat16", "float8")
     assert k["resume"].kind == "bool" and k["resume"].flag == "--resume"
     assert k["power_window"].section == "power" and k["layout"].choices is None

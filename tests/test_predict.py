@@ -496,7 +496,8 @@ def test_validation_cases_are_independent_and_calibrate_once_per_generation():
     from experiments.predict import CALIBRATION, CASES
 
     def config(c):
-        return (c.hardware, c.model_opts, c.mesh, c.batch, c.remat, c.layout)
+        return (c.hardware, c.model_opts, c.mesh, c.batch, c.remat, c.layout, c.dtype,
+                c.microbatches, c.pp_virtual)
 
     by_name = {c.name: c for c in CASES}
     assert len({config(c) for c in CASES}) == len([c for c in CASES if not c.same_as]) >= 12

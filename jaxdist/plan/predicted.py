@@ -69,6 +69,7 @@ def predict_plan(cfg, shape: MeshShape, blocks: str = "auto",
 def plan_settings(cfg, model_cfg) -> dict:
     """The settings a plan's hints read (next_steps)."""
     return {"dtype": cfg.model.dtype, "remat": cfg.train.remat,
+            "fp8_scaling": cfg.model.fp8_scaling if cfg.model.dtype == "float8" else None,
             "microbatches": cfg.train.microbatches,
             "attention": getattr(model_cfg, "attention", None),
             "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
@@ -244,8 +245,10 @@ def format_prediction(p: PredictedPlan) -> str:
                                              p.prediction.links.items())]
           if p.prediction.links else []),
     ]
-    speed = (f"{thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {thr['mfu']:.1%}"
-             if thr["tokens_per_s_per_gpu"] is not None else f"MFU {thr['mfu']:.1%}")
+    # an FP8 plan's MFU is against the bf16 peak, as NeMo and MaxText report it
+    basis = " (against the bf16 peak)" if p.settings.get("dtype") == "float8" else ""
+    speed = (f"{thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {thr['mfu']:.1%}{basis}"
+             if thr["tokens_per_s_per_gpu"] is not None else f"MFU {thr['mfu']:.1%}{basis}")
     if thr.get("if_it_fit"):  # the verdict is the result; the time only a what-if
         lines.append("  if it fit (it does not: the step would take, on a part with room):")
         lines += time_lines(p, "    ")

@@ -67,12 +67,15 @@ class Rates:
                          ("attention_bwd", "bfloat16"))}
 
     def gemm(self, dtype: str, precision: str) -> float:
-        """bf16 (and f16) at the measured rate; float32 at the same fraction of its own peak
-        (TF32 or FP32 by --matmul-precision)."""
+        """bf16 (and f16) at the measured rate; float32 (TF32 or FP32 by --matmul-precision)
+        and FP8 at the same fraction of their own peak."""
         if dtype in ("bfloat16", "float16"):
             return self.gemm_bf16
-        peak32 = self.hw.peak_flops("float32", precision)
         peak16 = self.hw.peak_flops("bfloat16")
+        if dtype == "float8":  # no FP8 peak: the bf16 rate (plans refuse such a part)
+            peak8 = self.hw.fp8_peak_flops()
+            return self.gemm_bf16 * peak8 / peak16 if peak8 and peak16 else self.gemm_bf16
+        peak32 = self.hw.peak_flops("float32", precision)
         return self.gemm_bf16 * peak32 / peak16 if peak32 and peak16 else self.gemm_bf16
 
     def attention_rate(self, backward: bool, seq: int | None) -> float:

@@ -189,5 +189,5 @@ def flash_attention_applies(model_cfg, dtype: str) -> bool:
     """cuDNN flash attention: decoders asking for it (`attention=cudnn`) in bf16 on Ampere
     and newer (every predicted part in jaxdist.parts), even sequence length for the fit. Not
     `attention=default`: JAX 0.10 runs that as XLA attention on a GPU too."""
-    return is_stack(model_cfg) and dtype == "bfloat16" and model_cfg.seq_len % 2 == 0 and \
+    return is_stack(model_cfg) and dtype in ("bfloat16", "float8") and model_cfg.seq_len % 2 == 0 and \
         getattr(model_cfg, "attention", "default") == "cudnn"

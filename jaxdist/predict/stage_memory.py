@@ -132,7 +132,7 @@ def stage_memory(cfg, shape) -> dict:
     K = max(max(row) for row in counts)  # the program's slots per chunk
     tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
-             cfg.model.dtype == "bfloat16")
+             cfg.model.dtype in ("bfloat16", "float8"))
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
                                    getattr(model_cfg, "sequence_parallel", False))
     remat = getattr(model_cfg, "remat", "none")

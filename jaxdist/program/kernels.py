@@ -135,7 +135,14 @@ def kernel_kind(ins: Instruction) -> str | None:
 def _dtype(first: Instruction | None) -> str:
     """The first operand's element type, as a jaxdist dtype name where one applies."""
     found = _first(first)
-    t = found.dtype if found is not None else ""
+    return dtype_name(found.dtype if found is not None else "")
+
+
+def dtype_name(t: str) -> str:
+    """An HLO element type as a jaxdist dtype name where one applies (every FP8 type:
+    float8, the tensor cores' FP8 rate)."""
+    if t.startswith("f8"):
+        return "float8"
     return {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(t, t)
 
 
@@ -157,10 +164,12 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
     fused = {c for ins in program if ins.op == "fusion" or "to_apply=" in ins.line
              for c in ins.calls("calls", "to_apply")}
     fused_flops: dict[str, float] = defaultdict(float)
+    fused_dtype: dict[str, str] = {}  # a GEMM fusion's dot operands' type (FP8 inside it)
     for ins in program:
         if ins.op in ("dot", "ragged-dot") and ins.computation in fused and ins.operands:
             count = ragged_dot_flops if ins.op == "ragged-dot" else dot_flops
             fused_flops[ins.computation] += count(ins, by_name.get(ins.operands[0]))
+            fused_dtype.setdefault(ins.computation, _dtype(by_name.get(ins.operands[0])))
     out: dict[str, list[dict]] = defaultdict(list)
     for ins in program:
         comp, name, op = ins.computation, ins.name, ins.op
@@ -196,9 +205,11 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
             continue
         args = [by_name.get(n) for n in ins.operands]
         first = args[0] if args else None
+        dtype = _dtype(first)
         if op == "fusion":
             called = ins.calls("calls")
             flops = fused_flops.get(called[0], 0.0) if called else 0.0
+            dtype = fused_dtype.get(called[0], dtype) if called else dtype
         elif op in ("dot", "ragged-dot"):
             count = ragged_dot_flops if op == "ragged-dot" else dot_flops
             flops = count(ins, first)
@@ -211,7 +222,7 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         result = ins.results[:1] if kind == "gemm (cuBLAS)" else ins.results
         nbytes = sum(_bytes(a.results) for a in args if a is not None) + _bytes(result)
         out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
-                          "dtype": _dtype(first), "seq": _seq(ins, kind),
+                          "dtype": dtype, "seq": _seq(ins, kind),
                           "ragged": "ragged_dot" in (ins.op_name or "")})
     return dict(out)
 

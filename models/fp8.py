@@ -1,0 +1,197 @@
+"""FP8 matmuls as Transformer Engine runs them: operands quantized to float8_e4m3fn in the
+forward, the output gradient to float8_e5m2 in the backward (TE's HYBRID format), each with
+a per-tensor float32 scale; everything else stays in the compute dtype (bfloat16).
+
+A scale s maps a tensor x to q = clip(x / s) in FP8 and back to q * s, with
+s = amax / FP8_MAX (1 where amax is 0 or not finite), TE's recipe with margin 0:
+
+- `current` scaling (torchtitan's and Megatron-Bridge's FP8-CS): amax of the tensor itself,
+  each call. No state.
+- `delayed` scaling (TE's DelayedScaling, its default): amax the largest of the last
+  AMAX_HISTORY calls' amaxes, recorded before this call's own is added. The histories are
+  model variables (`Fp8History`, `Fp8GradHistory`) of the train state's `model_state`:
+  placed by the layout, checkpointed and resumed with it. The forward operands' histories
+  are updated in the forward; the output gradient's only exists in the backward, so the
+  backward hands its amax out as the cotangent of its history (slot 0, zeros elsewhere;
+  where a layer runs k times in one step the slot holds the sum of the k amaxes, an upper
+  bound of their largest) and `value_and_grad` rolls it into the history.
+
+The dot itself is `lax.dot_general` on the FP8 operands with bfloat16 output, then scaled:
+XLA:GPU makes one cuBLASLt FP8 GEMM of it on Hopper and newer, XLA:CPU runs it as written.
+The quantized operands are what the backward keeps (TE's FP8 activation copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen.fp8_ops import dot_general_transpose_lhs, dot_general_transpose_rhs
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+SCALINGS = ("delayed", "current")
+AMAX_HISTORY = 1024  # TE's DelayedScaling amax_history_len (and flax's, MaxText's)
+
+
+class Fp8History(nnx.Variable):
+    """A forward operand's amax history (delayed scaling), newest first."""
+
+
+class Fp8GradHistory(nnx.Variable):
+    """An output gradient's amax history (delayed scaling), newest first; its new value
+    comes out of the backward (value_and_grad)."""
+
+
+def _max(dtype):
+    return jnp.finfo(dtype).max.astype(jnp.float32)
+
+
+def scale_of(amax, dtype):
+    """The dequantization scale for a tensor of largest magnitude `amax`."""
+    amax = amax.astype(jnp.float32)
+    # amax < inf, not isfinite: XLA:GPU fuses the compare into the quantizing kernel, and
+    # ran is-finite as a kernel of its own (NaN fails both comparisons)
+    ok = (amax > 0) & (amax < jnp.inf)
+    return jnp.where(ok, amax / _max(dtype), 1.0)
+
+
+def amax(x):
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def quantize(x, scale, dtype):
+    m = _max(dtype).astype(x.dtype)
+    return jnp.clip(x / scale.astype(x.dtype), -m, m).astype(dtype)
+
+
+def roll_in(history, value):
+    """`history` with `value` as its newest entry, the oldest dropped (one concatenate: a
+    roll and a set were two kernels per history on XLA:GPU)."""
+    return jnp.concatenate([jnp.reshape(value, (1,)).astype(history.dtype), history[:-1]])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_dot(x, w, sx, sw, g_history, dims, out_dtype):
+    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
+    return y * (sx * sw).astype(out_dtype)
+
+
+def _fp8_dot_fwd(x, w, sx, sw, g_history, dims, out_dtype):
+    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
+    return y * (sx * sw).astype(out_dtype), (qx, qw, sx, sw, g_history)
+
+
+def _fp8_dot_bwd(dims, out_dtype, res, g):
+    qx, qw, sx, sw, g_history = res
+    g_amax = amax(g)
+    # delayed: the history's largest (before this step's); current: a history of None
+    sg = scale_of(g_amax if g_history is None else jnp.max(g_history), E5M2)
+    qg = quantize(g, sg, E5M2)
+    dx = dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
+                                   preferred_element_type=out_dtype)
+    dw = dot_general_transpose_rhs(qg, qx, qw, dimension_numbers=dims, precision=None,
+                                   preferred_element_type=out_dtype)
+    dx = dx * (sg * sw).astype(out_dtype)
+    dw = dw * (sg * sx).astype(out_dtype)
+    g_cot = None if g_history is None else jnp.zeros_like(g_history).at[0].set(g_amax)
+    return dx, dw, jnp.zeros_like(sx), jnp.zeros_like(sw), g_cot
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+class Fp8Scales(nnx.Module):
+    """The scaling of one matmul's operands: `dot_general(x, w, dims)` in FP8 (e4m3 forward,
+    e5m2 output gradient), output in x's dtype. Delayed scaling holds three amax histories
+    (input, weight, output gradient); current scaling none."""
+
+    def __init__(self, scaling: str, history: int = AMAX_HISTORY):
+        if scaling not in SCALINGS:
+            raise ValueError(f"fp8 scaling {scaling!r}: one of {SCALINGS}")
+        self.scaling = scaling
+        if scaling == "delayed":
+            self.x_history = Fp8History(jnp.zeros((history,), jnp.float32))
+            self.w_history = Fp8History(jnp.zeros((history,), jnp.float32))
+            self.g_history = Fp8GradHistory(jnp.zeros((history,), jnp.float32))
+
+    def dot_general(self, x, w, dims):
+        w = w.astype(x.dtype)
+        if self.scaling == "current":
+            sx, sw, gh = scale_of(amax(x), E4M3), scale_of(amax(w), E4M3), None
+        else:
+            xh, wh = self.x_history[...], self.w_history[...]
+            sx, sw = scale_of(jnp.max(xh), E4M3), scale_of(jnp.max(wh), E4M3)
+            self.x_history[...] = roll_in(xh, jax.lax.stop_gradient(amax(x)))
+            self.w_history[...] = roll_in(wh, jax.lax.stop_gradient(amax(w)))
+            gh = self.g_history[...]
+        return _fp8_dot(x, w, jax.lax.stop_gradient(sx), jax.lax.stop_gradient(sw), gh,
+                        dims, x.dtype)
+
+
+# ---- where the decoders' matmuls are built in FP8 ---------------------------------------
+
+_BUILDING = threading.local()
+
+
+@contextlib.contextmanager
+def fp8_matmuls(scaling: str | None):
+    """Linears (models.layers.linear) and MoE experts built inside run in FP8 with
+    `scaling` (None: as they are)."""
+    outer = getattr(_BUILDING, "scaling", None)
+    _BUILDING.scaling = scaling
+    try:
+        yield
+    finally:
+        _BUILDING.scaling = outer
+
+
+def building() -> str | None:
+    """The FP8 scaling of matmuls being built now, or None."""
+    return getattr(_BUILDING, "scaling", None)
+
+
+def scales() -> Fp8Scales | None:
+    """A new Fp8Scales for a matmul being built, or None outside fp8_matmuls."""
+    scaling = building()
+    return None if scaling is None else Fp8Scales(scaling)
+
+
+# ---- the train step's gradient: delayed scaling's gradient histories -------------------
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def value_and_grad(loss_fn):
+    """jax.value_and_grad(loss_fn, has_aux=True) for loss_fn(params, model_state, batch) ->
+    (loss, model_state): with Fp8GradHistory variables in model_state, also differentiated
+    by them, and the returned model_state's histories rolled with the backward's amaxes
+    (their cotangents' slot 0)."""
+    plain = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def run(params, model_state, batch):
+        leaves, treedef = jax.tree.flatten(model_state, is_leaf=_is_var)
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Fp8GradHistory)]
+        if not at:
+            return plain(params, model_state, batch)
+
+        def with_histories(params, histories, batch):
+            new = list(leaves)
+            for i, h in zip(at, histories):
+                new[i] = leaves[i].replace(h)
+            return loss_fn(params, jax.tree.unflatten(treedef, new), batch)
+
+        (loss, out_state), (grads, cots) = jax.value_and_grad(
+            with_histories, argnums=(0, 1), has_aux=True)(
+                params, [leaves[i][...] for i in at], batch)
+        out_leaves = jax.tree.flatten(out_state, is_leaf=_is_var)[0]
+        for i, c in zip(at, cots):
+            out_leaves[i] = out_leaves[i].replace(roll_in(leaves[i][...], c[0]))
+        return (loss, jax.tree.unflatten(treedef, out_leaves)), grads
+    return run
