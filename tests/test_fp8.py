@@ -5,7 +5,6 @@ amaxes and resume exactly, and what has no FP8 path is refused."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 import jax
@@ -20,6 +19,7 @@ from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import fp8, get_model
 from sharding import get_layout
+from jaxdist.record import RunRecord
 from tests.helpers import cli_main
 
 SHAPE = MeshShape(2, 2)
@@ -166,7 +166,7 @@ def test_run_records_dtype_and_scaling_and_resumes_only_its_scaling(tmp_path, ca
     out = cli_main(capsys, *args, "--fp8-scaling", "current", "--checkpoint-every", "1",
                    "--logdir", str(tmp_path / "r"))
     assert out.returncode == 0, out.stderr
-    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    results = RunRecord.load(tmp_path / "r").results
     model = results["config"]["model"]
     assert (model["dtype"], model["fp8_scaling"]) == ("float8", "current")
     assert results["mfu"]["peak_basis"] == "bfloat16"
