@@ -165,5 +165,5 @@ def test_bad_input_is_one_line_exit_2(args, says, capsys, tmp_path):
     assert done.returncode == 2
     assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
     if "shards its own" in says:
-        assert "(choose from ddp, ep, pp, tp, tp_pp, zero1, or drop the flag)" in done.stderr
+        assert "(choose from ddp, ep, ep_pp, pp, tp, tp_pp, zero1, or drop the flag)" in done.stderr
     assert not (tmp_path / "run").exists()

@@ -283,9 +283,9 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
      "--pp-stage-blocks splits the blocks over pipeline stages; layout 'fsdp' has none "
      "(use one of pp, tp_pp, fsdp_pp, ep_pp)"),
     # ep_pp: whole experts per device of the expert axis, which must divide them; no tensor
-    (["--layout", "ep_pp", "--model", "moe-tiny", "--mesh", "stage:2,expert:3",
-      "--microbatches", "2", "--batch-size", "12"],
-     "layout 'ep_pp' splits the experts dimension (stages/moe/down: 4) over expert=3, which "
+    (["--layout", "ep_pp", "--model", "moe-tiny", "--model-opts", "experts=6", "--mesh",
+      "stage:2,expert:4", "--microbatches", "2", "--batch-size", "8"],
+     "layout 'ep_pp' splits the experts dimension (stages/moe/down: 6) over expert=4, which "
      "does not divide it"),
     (["--layout", "ep_pp", "--model", "moe-tiny", "--mesh", "stage:2,tensor:2,expert:2",
       "--microbatches", "2"], "layout 'ep_pp' uses mesh axes data, stage, expert; the mesh "

@@ -305,7 +305,7 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
     per_block = stash_bytes(2) - stash_bytes(1)
     whole = 2 * model_cfg.seq_len * model_cfg.width * 2  # 2 rows x L x D, bf16
     assert per_block == (whole // 4 if sequence_parallel else whole)
-    plan = plan_pipeline(cfg, parse_mesh("stage:2,tensor:4"))
+    plan = plan_pipeline(cfg, parse_mesh("stage:2,tensor:4")).to_json()
     s0 = plan["stages"][0]
     slots = plan["pipeline"]["residual_slots_by_stage"][0]
     K = plan["pipeline"]["blocks_per_chunk"]

@@ -67,7 +67,7 @@ def test_end_to_end_tensorboard(e2e):
 
 
 BAD = [
-    (["--layout", "zero9"], "unknown layout 'zero9' (did you mean 'zero1'?); choose from ddp, ep, fsdp, fsdp_pp, fsdp_tp, hsdp, pp, ps, tp, tp_pp, zero1"),
+    (["--layout", "zero9"], "unknown layout 'zero9' (did you mean 'zero1'?); choose from ddp, ep, ep_pp, fsdp, fsdp_pp, fsdp_tp, hsdp, pp, ps, tp, tp_pp, zero1"),
     (["--model", "gpt-huge"], "unknown model 'gpt-huge'; choose from"),
     (["--mesh", "4x"], "axis size ''"),
     (["--mesh", "0x8"], "axis size '0'"),
