@@ -102,7 +102,7 @@ BAD = [
     (["--layout", "ep", "--model", "gpt-tiny"], "layout 'ep' applies to moe models, not 'gpt' "
                                                 "(layouts for 'gpt' on this mesh: ddp, fsdp, "
                                                 "hsdp, ps, zero1)"),
-    (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp; the "
+    (["--layout", "fsdp", "--mesh", "2x2x2"], "layout 'fsdp' uses mesh axes data, fsdp, context; the "
                                               "mesh has tensor=2 (layouts for this mesh: "),
     (["--microbatches", "3"], "not divisible by 8 batch shards x 3 micro-batches"),
     # stage is the fifth short position; the error shows a mesh with one, on these devices
