@@ -27,6 +27,8 @@ embeddings and the last chunk's the head; their gradients are summed over stages
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,60 @@ def pattern_runs(sched: Schedule) -> list[int]:
     return [int((index == k).sum()) for k in range(len(patterns))]
 
 
+# Per direction, the stage-pair sets whose sends the tick loop issues beside the next
+# operation (the most frequent non-empty ones: a 1F1B or interleaved steady state's).
+OVERLAP_SETS = 2
+
+
+@dataclass(frozen=True)
+class OverlappedSends:
+    """How a tick loop of F then BACK (gpipe, 1f1b, interleaved) moves its messages: each
+    rides beside the next operation of the stage loop, as Megatron's
+    --overlap-p2p-communication does. Tick t's F outputs go out during tick t's BACK slot
+    (the receiver's F reads them at t+1); tick t's input gradients during tick t+1's F slot
+    (the receiver's BACK reads them at t+1, after F). `sets[k]`: the pair sets sent beside
+    slot k's operation (slot 0: backward pairs, slot 1: forward pairs), one branch each of
+    slot k's switch, each branch holding the slot's operation switch and that one ppermute,
+    so XLA:GPU schedules the permute's start before the operation and its done after it.
+    `choice[t, k]`: the branch of tick t's slot k (len(sets[k]): a set not among them, or
+    nothing to send, whose sends `exposed[k]` / `exposed_choice[t, k]` run after the
+    operation, in a switch of their own)."""
+    sets: tuple[tuple[tuple, ...], tuple[tuple, ...]]
+    choice: np.ndarray
+    exposed: tuple[tuple[tuple, ...], tuple[tuple, ...]]
+    exposed_choice: np.ndarray
+
+
+def _slot_pairs(sched: Schedule, t: int, k: int) -> tuple:
+    """Slot 0 of tick t carries tick t-1's backward sends, slot 1 tick t's forward sends."""
+    if k == 0:
+        return tuple(sched.sends(t - 1)[1]) if t > 0 else ()
+    return tuple(sched.sends(t)[0])
+
+
+def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSends | None:
+    """The tick loop's sends beside operations (OverlappedSends), or None where the table
+    is not F then BACK (zb-h1: its sends follow the tick's last slot, exposed)."""
+    if tuple(sched.kinds) != (FWD, BACK):
+        return None
+    T = sched.ticks
+    if sched.sends(T - 1)[1]:
+        raise ValueError("the last tick sends an input gradient no tick receives")
+    sets, exposed = [], []
+    choice, exposed_choice = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.int32)
+    for k in range(2):
+        every = [_slot_pairs(sched, t, k) for t in range(T)]
+        counts = {p: every.count(p) for p in every if p}
+        chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
+        rest = ((),) + tuple(sorted({p for p in every if p and p not in chosen}))
+        for t, p in enumerate(every):
+            choice[t, k] = chosen.index(p) if p in chosen else len(chosen)
+            exposed_choice[t, k] = rest.index(p) if p not in chosen else 0
+        sets.append(chosen)
+        exposed.append(rest)
+    return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
+
+
 def _store(buffer, slot, value):
     """buffer[slot] = value where slot >= 0 (in place); unchanged otherwise."""
     i = jnp.maximum(slot, 0)
@@ -89,7 +145,8 @@ def _read(buffer, slot):
 
 
 def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
-                       data_axis: str | None = None, grad_reduce=None):
+                       data_axis: str | None = None, grad_reduce=None,
+                       overlap_sends: bool = True):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
     stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`:
     (stage grads [V, K, ...], shared grads) -> their mean over `data_axis` as the step wants
@@ -107,6 +164,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     else jnp.zeros_like(dx))
         return send
     senders = [sender(*p) for p in patterns]
+    overlapped = overlapped_sends(sched) if overlap_sends else None
 
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
@@ -126,13 +184,11 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
 
-        def slot(carry, u):
-            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out, fwd_in,
-             bwd_in) = carry
+        def operate(state, u, kinds):
+            """Slot u's operation on this stage (idle or one of `kinds`, the op table's
+            kinds that can run at this slot), with its stash and gradient-slot writes."""
+            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
             row = {k: a[u, s] for k, a in table.items()}
-            # What the neighbours sent at the tick before lands in its slot (-1: nothing).
-            acts = _store(acts, row["recv_act"], fwd_in)
-            grads = _store(grads, row["recv_grad"], bwd_in)
             v, mb = row["v"], row["mb"]
             is_first = (s == 0) & (v == 0)
             is_last = (s == S - 1) & (v == V - 1)
@@ -191,20 +247,73 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 return kept, g_l, g_s, ls, y_out, dx_out, *nothing()
 
             branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
+            # the op table numbers the schedule's kinds from 1; a slot of one kind switches
+            # over (idle, that kind) only
+            index = row["op"] if len(kinds) == len(sched.kinds) else \
+                jnp.where(row["op"] == 0, 0, 1)
             (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
-             dh) = jax.lax.switch(row["op"], [idle] + [branch[k] for k in sched.kinds],
+             dh) = jax.lax.switch(index, [idle] + [branch[k] for k in kinds],
                                   (kept, g_local, g_shared, loss_sum, y_out, dx_out))
             # F's stash into its slot; the last chunk's F also fills its gradient slot.
             stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
                           for b, r in zip(stash, stored))
             grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
+            return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
+
+        def slot(carry, u):
+            state, (fwd_in, bwd_in) = carry[:9], carry[9:]
+            acts, grads = state[:2]
+            row = {k: a[u, s] for k, a in table.items()}
+            # What the neighbours sent at the tick before lands in its slot (-1: nothing).
+            acts = _store(acts, row["recv_act"], fwd_in)
+            grads = _store(grads, row["recv_grad"], bwd_in)
+            state = operate((acts, grads, *state[2:]), u, sched.kinds)
+            y_out, dx_out = state[7:9]
             # The tick's messages after its last slot: every stage takes the same branch
             # (the pattern is the slot's, not the stage's), which holds exactly the pairs
             # that send at this tick, so no byte moves that the schedule does not send.
             fwd_in, bwd_in = (jax.lax.switch(pattern[u], senders, y_out, dx_out)
                               if len(senders) > 1 else senders[0](y_out, dx_out))
-            return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out,
-                    fwd_in, bwd_in), None
+            return (*state, fwd_in, bwd_in), None
+
+        def beside(k, sets, exposed, choice, exposed_choice):
+            """Slot k's operation with a message on its way: one branch per overlapped
+            pair set (the ppermute and the operation side by side in one computation, so
+            XLA:GPU overlaps them), one for the rest; then the rest's sends, exposed."""
+            def with_send(pairs):
+                def run(state, u, message):
+                    return (operate(state, u, (sched.kinds[k],)),
+                            jax.lax.ppermute(message, "stage", list(pairs)))
+                return run
+
+            def alone(state, u, message):
+                return operate(state, u, (sched.kinds[k],)), jnp.zeros_like(message)
+
+            def exposed_send(pairs):
+                return lambda m: (jax.lax.ppermute(m, "stage", list(pairs)) if pairs
+                                  else jnp.zeros_like(m))
+
+            def run(state, t, message):
+                state, got = jax.lax.switch(choice[t, k],
+                                            [with_send(p) for p in sets[k]] + [alone],
+                                            state, t * 2 + k, message)
+                if len(exposed[k]) > 1:
+                    got = got + jax.lax.switch(exposed_choice[t, k],
+                                               [exposed_send(p) for p in exposed[k]],
+                                               message)
+                return state, got
+            return run
+
+        def tick(carry, t):
+            """Tick t of F then BACK: tick t-1's input gradients travel beside F, F's
+            outputs beside BACK (OverlappedSends)."""
+            state, (fwd_in, dx_prev) = carry[:9], carry[9:]
+            acts = _store(state[0], table["recv_act"][t * 2, s], fwd_in)
+            state, bwd_in = run_f((acts, *state[1:]), t, dx_prev)
+            grads = _store(state[1], table["recv_grad"][t * 2, s], bwd_in)
+            state = (state[0], grads, *state[2:])
+            state, fwd_in = run_back(state, t, state[7])
+            return (*state, fwd_in, state[8]), None
 
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
         stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
@@ -217,7 +326,14 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                  jnp.zeros((sched.grad_slots, *act_shape), act_dtype), stash0, kept0,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
-        carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
+        if overlapped is None:
+            carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
+        else:
+            choice = jnp.asarray(overlapped.choice)
+            exposed_choice = jnp.asarray(overlapped.exposed_choice)
+            run_f, run_back = (beside(k, overlapped.sets, overlapped.exposed, choice,
+                                      exposed_choice) for k in (0, 1))
+            carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")
