@@ -104,7 +104,7 @@ class OverlappedSends:
     exposed_choice: np.ndarray
 
 
-def _slot_pairs(sched: Schedule, t: int, k: int) -> tuple:
+def slot_pairs(sched: Schedule, t: int, k: int) -> tuple:
     """Slot 0 of tick t carries tick t-1's backward sends, slot 1 tick t's forward sends."""
     if k == 0:
         return tuple(sched.sends(t - 1)[1]) if t > 0 else ()
@@ -122,7 +122,7 @@ def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSen
     sets, exposed = [], []
     choice, exposed_choice = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.int32)
     for k in range(2):
-        every = [_slot_pairs(sched, t, k) for t in range(T)]
+        every = [slot_pairs(sched, t, k) for t in range(T)]
         counts = {p: every.count(p) for p in every if p}
         chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
         rest = ((),) + tuple(sorted({p for p in every if p and p not in chosen}))
@@ -184,9 +184,10 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
 
-        def operate(state, u, kinds):
+        def operate(state, u, kinds, defer=False):
             """Slot u's operation on this stage (idle or one of `kinds`, the op table's
-            kinds that can run at this slot), with its stash and gradient-slot writes."""
+            kinds that can run at this slot), with its stash and gradient-slot writes
+            (`defer`: those writes returned, for `keep` after the caller's switch)."""
             (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
             row = {k: a[u, s] for k, a in table.items()}
             v, mb = row["v"], row["mb"]
@@ -195,11 +196,9 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
-            # The stash and the gradient slots are written here, outside the switch, and
+            # The stash and the gradient slots are written outside the switch (`keep`), and
             # only read inside it: a buffer that one branch updated in place and another
             # passed through was copied whole at every slot (XLA's copy insertion).
-            is_f = row["op"] == 1 + sched.kinds.index(FWD)
-
             def backward_inputs():
                 return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
                         _read(grads, row["grad"]))
@@ -254,11 +253,18 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
              dh) = jax.lax.switch(index, [idle] + [branch[k] for k in kinds],
                                   (kept, g_local, g_shared, loss_sum, y_out, dx_out))
-            # F's stash into its slot; the last chunk's F also fills its gradient slot.
+            state = (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
+            return (state, (stored, dh)) if defer else keep(state, u, (stored, dh))
+
+        def keep(state, u, written):
+            """F's stash into its slot; the last chunk's F also fills its gradient slot."""
+            (acts, grads, stash, *rest), (stored, dh) = state, written
+            row = {k: table[k][u, s] for k in ("op", "res", "grad")}
+            is_f = row["op"] == 1 + sched.kinds.index(FWD)
             stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
                           for b, r in zip(stash, stored))
             grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
-            return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
+            return (acts, grads, stash, *rest)
 
         def slot(carry, u):
             state, (fwd_in, bwd_in) = carry[:9], carry[9:]
@@ -281,22 +287,26 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             pair set (the ppermute and the operation side by side in one computation, so
             XLA:GPU overlaps them), one for the rest; then the rest's sends, exposed."""
             def with_send(pairs):
-                def run(state, u, message):
-                    return (operate(state, u, (sched.kinds[k],)),
-                            jax.lax.ppermute(message, "stage", list(pairs)))
+                def run(state, u, message):  # the send first, in program order too
+                    got = jax.lax.ppermute(message, "stage", list(pairs))
+                    return (*operate(state, u, (sched.kinds[k],), defer=True), got)
                 return run
 
             def alone(state, u, message):
-                return operate(state, u, (sched.kinds[k],)), jnp.zeros_like(message)
+                return (*operate(state, u, (sched.kinds[k],), defer=True),
+                        jnp.zeros_like(message))
 
             def exposed_send(pairs):
                 return lambda m: (jax.lax.ppermute(m, "stage", list(pairs)) if pairs
                                   else jnp.zeros_like(m))
 
             def run(state, t, message):
-                state, got = jax.lax.switch(choice[t, k],
-                                            [with_send(p) for p in sets[k]] + [alone],
-                                            state, t * 2 + k, message)
+                # the stash written after the switch: the branch holds only the send and
+                # the operation
+                state, written, got = jax.lax.switch(
+                    choice[t, k], [with_send(p) for p in sets[k]] + [alone], state, t * 2 + k,
+                    message)
+                state = keep(state, t * 2 + k, written)
                 if len(exposed[k]) > 1:
                     got = got + jax.lax.switch(exposed_choice[t, k],
                                                [exposed_send(p) for p in exposed[k]],
