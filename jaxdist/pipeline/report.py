@@ -126,9 +126,9 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     return runs
 
 
-def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int], k: int
+def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
              ) -> dict[str, float]:
-    """The runs of one copy of slot k's operation switch (idle, `kind`) over `ticks`, and of
+    """The runs of one copy of a slot's operation switch (idle, `kind`) over `ticks`, and of
     the two-way conditionals directly in its kind's branch (F's head; the padded slots), as
     switch_runs names them, per device on average."""
     S = sched.stages
@@ -169,7 +169,7 @@ def _overlapped_runs(conds, pair_sets: dict[str, tuple], sched, overlapped
                 for j, b in enumerate(branches):
                     ticks = [t for t in range(T) if overlapped.choice[t, k] == j]
                     runs[b] = len(ticks)
-                    runs.update(_op_runs(conds, inner[b], sched, kind, ticks, k))
+                    runs.update(_op_runs(conds, inner[b], sched, kind, ticks))
             if len(rest) > 1 and len(branches) == len(rest) and [
                     pair_sets.get(b) for b in branches] == [None] + [tuple(sorted(p))
                                                                for p in rest[1:]]:

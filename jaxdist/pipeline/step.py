@@ -6,14 +6,17 @@ the table (jaxdist/pipeline/schedule.py) tick by tick; a tick is a fixed sequenc
 operation slots (F then BACK; zb-h1: F, B, W), and at each slot each stage looks up its own
 operation by its stage index and runs it under a `lax.switch` (idle, or one of the
 schedule's kinds), so an idle slot computes nothing (unlike MaxText's circular pipeline,
-which computes and discards it). After a tick's last slot its messages go out in one
-`ppermute` per direction whose source-target pairs are exactly the stages that send then,
-so the compiled step moves no byte the schedule does not (the `comm` block counts them).
+which computes and discards it). Messages go out in one `ppermute` per direction whose
+source-target pairs are exactly the stages that send, so the compiled step moves no byte
+the schedule does not (the `comm` block counts them): under F then BACK beside the next
+operation (OverlappedSends: tick t's activations during its BACK, its input gradients
+during tick t+1's F), under zb-h1 after the tick's last slot.
 In 1F1B's steady state every stage runs an F and a BACK in the same tick, so no tick holds
 one stage's forward against its neighbour's backward: ticks cost F + BACK everywhere.
 
-One `lax.scan` runs every slot of every tick (the program holds one slot's switch and one
-switch of send patterns), so compile time does not grow with S or M.
+One `lax.scan` runs every tick (F then BACK: a switch per slot, copied once per pair set
+sent beside it; zb-h1: one scan step per slot, its switch and one switch of send
+patterns), so compile time does not grow with S or M.
 
 Memory: F stashes what its backward needs (the vjp's residuals: jaxdist/pipeline/ops.py)
 in one of `res_slots` slots (the schedule's count: M for GPipe, at most 2S-1 for 1F1B), and
@@ -145,8 +148,7 @@ def _read(buffer, slot):
 
 
 def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
-                       data_axis: str | None = None, grad_reduce=None,
-                       overlap_sends: bool = True):
+                       data_axis: str | None = None, grad_reduce=None):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
     stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`:
     (stage grads [V, K, ...], shared grads) -> their mean over `data_axis` as the step wants
@@ -164,7 +166,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     else jnp.zeros_like(dx))
         return send
     senders = [sender(*p) for p in patterns]
-    overlapped = overlapped_sends(sched) if overlap_sends else None
+    overlapped = overlapped_sends(sched)
 
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
