@@ -28,8 +28,11 @@ class Platform:
         return self.devices[0].device_kind
 
 
-# XLA GPU flags for compute/communication overlap (the "overlap" runs of Go et al.).
+# XLA GPU flags for compute/communication overlap (the "overlap" runs of Go et al.). Two
+# collectives may be in flight at once: a pipeline's stage send beside an operation that
+# holds tensor-parallel collectives (XLA's default of one schedules the send after it).
 OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
+                 "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
                  "--xla_gpu_enable_highest_priority_async_stream=true")
 
 

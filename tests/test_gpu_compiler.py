@@ -541,3 +541,33 @@ def test_uneven_pipeline_step_compiles_and_skips_padded_slots():
     even = gpu_step("tp_pp")[2]["flops"]
     # a block is less than a quarter of the even step's dots (4 blocks, head, embeddings)
     assert 0 < reading["flops"] - even < even / 4
+
+
+def test_pipeline_sends_ride_beside_the_next_operation_under_overlap():
+    """tp_pp 1F1B (data:1,stage:2,tensor:2) compiled by XLA:GPU with --overlap: in the tick
+    loop every stage send (a collective-permute on `stage`) is async, its start scheduled
+    before the operation switch it rides with (F or BACK, holding tensor all-reduces) and
+    its done after it, in the same computation (jaxdist/pipeline/step.py OverlappedSends).
+    With XLA's default of one collective in flight the scheduler puts the send after the
+    operation instead (measured on this compiler); OVERLAP_OPTIONS allows two."""
+    from jaxdist.config import CompilerConfig
+    from jaxdist.program import hlo
+
+    cfg = dataclasses.replace(config("tp_pp", batch=8), mesh=MeshConfig(
+        mesh="data:1,stage:2,tensor:2"), compiler=CompilerConfig(overlap=True))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_opts="depth=2"))
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(H200, shape.size)
+    model_cfg, _ = build_model(cfg)
+    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    order: dict = {}
+    for ins in hlo.typed(comp.as_text()):
+        if ins.op in ("collective-permute-start", "collective-permute-done", "conditional"):
+            order.setdefault(ins.computation, []).append(ins)
+    beside = {c: [i.op for i in seq] for c, seq in order.items()
+              if any(i.op == "collective-permute-start" for i in seq)}
+    assert len(beside) == 2  # F's slot (input gradients), BACK's (activations)
+    for seq in beside.values():
+        assert seq == ["collective-permute-start", "conditional", "collective-permute-done"]
+    starts = [i for seq in order.values() for i in seq if i.op == "collective-permute-start"]
+    assert all('"is_sync":false' in i.line for i in starts)

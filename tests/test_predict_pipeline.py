@@ -73,6 +73,38 @@ def test_ticks_last_their_busiest_stage(name, S, M):
         sends * (4e9 / (400e9 * LINK) + INTRA_LAT))
 
 
+@pytest.mark.parametrize("name,S,M,V", [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2)])
+def test_sends_beside_an_operation_are_hidden_up_to_its_length(name, S, M, V):
+    # Under --overlap the tick loop sends tick t's activations beside its BACK and tick
+    # t-1's input gradients beside its F (jaxdist/pipeline/step.py OverlappedSends): a send
+    # of a set the loop overlaps costs only what outlasts the slot's longest op; the
+    # others stay exposed. F 1 s, BACK 5 s.
+    from jaxdist.pipeline.step import overlapped_sends, slot_pairs
+
+    sched = build_schedule(name, S, M, V)
+    mesh = {"stage": S, "data": 1, "fsdp": 1}
+    beside = overlapped_sends(sched)
+    for nbytes in (4e9, 400e9):  # a send shorter than F, one longer than BACK
+        send = nbytes / (50e9 * LINK) + INTER_LAT
+        alone = ticks.tick_model(sched, unit_ops(1.0, 2.0, 3.0), op(0.5), nbytes, HW, mesh)
+        t = ticks.tick_model(sched, unit_ops(1.0, 2.0, 3.0), op(0.5), nbytes, HW, mesh,
+                             overlap=True)
+        exposed = 0.0
+        for i in range(sched.ticks):
+            for k, length in ((0, 1.0), (1, 5.0)):
+                if not slot_pairs(sched, i, k):
+                    continue
+                busy = any(o.kind == sched.kinds[k] for ops in sched.ops[i] for o in ops)
+                overlapped = beside.choice[i, k] < len(beside.sets[k])
+                exposed += max(0.0, send - length * busy) if overlapped else send
+        assert t["pipeline"]["send_exposed_s"] == pytest.approx(exposed)
+        assert t["pipeline"]["send_inter_node_s"] == alone["pipeline"]["send_inter_node_s"]
+        assert t["step_s"] == pytest.approx(t["pipeline"]["ticks_s"] + exposed + 0.5)
+        assert alone["step_s"] - t["step_s"] == pytest.approx(
+            alone["pipeline"]["send_inter_node_s"] - exposed)
+        assert 0 < exposed < alone["pipeline"]["send_inter_node_s"]
+
+
 @pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("gpipe", 4, 8), ("1f1b", 4, 4),
                                       ("1f1b", 4, 16), ("1f1b", 3, 6)])
 def test_equal_op_times_give_the_schedule_bubble(name, S, M):

@@ -12,7 +12,7 @@ import numpy as np
 from jaxdist import metrics
 from jaxdist.program import comm, hlo, program_reading
 from jaxdist.pipeline.schedule import FWD, WGT
-from jaxdist.pipeline.step import pattern_runs
+from jaxdist.pipeline.step import overlapped_sends, pattern_runs
 
 
 def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
@@ -25,6 +25,25 @@ def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
         only_stage = all(a[i] == b[i] for i in range(len(sizes)) if i != axis)
         if src != dst and others_zero and only_stage:
             out.append(int(a[axis]))
+    return out
+
+
+def _stage_pair_sets(hlo_text: str, mesh_shape: dict[str, int]) -> dict[str, tuple]:
+    """{computation: the stage pairs (source, target) of its stage collective-permute}, one
+    replica of the other axes."""
+    names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
+    axis = names.index("stage")
+    out = {}
+    for ins in hlo.typed(hlo_text):
+        if ins.collective == "collective-permute":
+            pairs = []
+            for src, dst in ins.permute_pairs or []:
+                a, b = np.unravel_index(src, sizes), np.unravel_index(dst, sizes)
+                if src != dst and all(a[i] == 0 == b[i] - a[i] for i in range(len(sizes))
+                                      if i != axis):
+                    pairs.append((int(a[axis]), int(b[axis])))
+            if pairs:
+                out[ins.computation] = tuple(sorted(pairs))
     return out
 
 
@@ -55,8 +74,14 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
       jaxdist/pipeline/parts.py), one per padded slot j (the slots some chunk lacks,
       `skippable`), true on the chunks whose count exceeds j: in F in slot order before
       the head, in a backward (BACK, B) in reverse slot order.
-    Any other conditional stays unnamed, so its collectives are marked upper bounds."""
+    Any other conditional stays unnamed, so its collectives are marked upper bounds.
+    A loop of F then BACK whose sends ride beside the next operation (OverlappedSends,
+    jaxdist/pipeline/step.py) is read by `_overlapped_runs`."""
     conds = hlo.conditionals(hlo_text)
+    overlapped = overlapped_sends(sched)
+    if overlapped is not None and "stage" in mesh_shape:
+        return _overlapped_runs(conds, _stage_pair_sets(hlo_text, mesh_shape), sched,
+                                overlapped)
     S = sched.stages
     if permutes is None:  # _stage_permutes' list, when the caller has it
         permutes = _stage_permutes(hlo_text, mesh_shape) if "stage" in mesh_shape else []
@@ -98,6 +123,58 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
         for j, b in zip(order, slots):
             on = per_stage(sum(op.kind == k and counts[s][op.v] > j for op, s in placed))
             runs[b[0]], runs[b[1]] = per_kind[k] - on, on
+    return runs
+
+
+def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
+             ) -> dict[str, float]:
+    """The runs of one copy of a slot's operation switch (idle, `kind`) over `ticks`, and of
+    the two-way conditionals directly in its kind's branch (F's head; the padded slots), as
+    switch_runs names them, per device on average."""
+    S = sched.stages
+    placed = [(op, s) for t in ticks for s, ops in enumerate(sched.ops[t]) for op in ops
+              if op.kind == kind]
+    runs = {switch[0]: (len(ticks) * S - len(placed)) / S, switch[1]: len(placed) / S}
+    two_way = [b for host, b in conds if host == switch[1] and len(b) == 2]
+    head = two_way[-1:] if kind == FWD else []
+    if head:
+        last = sum(s == S - 1 and op.v == sched.virtual - 1 for op, s in placed) / S
+        runs[head[0][0]], runs[head[0][1]] = len(placed) / S - last, last
+    counts = sched.blocks
+    low = min(min(row) for row in counts) if counts else 0
+    padded = list(range(low, max(max(row) for row in counts))) if counts else []
+    slots = two_way[:len(two_way) - len(head)]
+    if len(slots) == len(padded):
+        for j, b in zip(padded if kind == FWD else padded[::-1], slots):
+            on = sum(counts[s][op.v] > j for op, s in placed) / S
+            runs[b[0]], runs[b[1]] = len(placed) / S - on, on
+    return runs
+
+
+def _overlapped_runs(conds, pair_sets: dict[str, tuple], sched, overlapped
+                     ) -> dict[str, float]:
+    """switch_runs of a tick loop of F then BACK with OverlappedSends: per slot k, the
+    switch over the pair sets sent beside the operation (branch j: its ppermute and a copy
+    of the operation switch; the last: the operation alone), each copy's branches weighed
+    by the ticks that take it, and the switch of the rest's exposed sends."""
+    runs: dict[str, float] = {}
+    T = sched.ticks
+    for k, kind in enumerate(sched.kinds):
+        sets, rest = overlapped.sets[k], overlapped.exposed[k]
+        inner = {host: b for host, b in conds if len(b) == 2}
+        for _, branches in conds:
+            if len(branches) == len(sets) + 1 and [pair_sets.get(b) for b in branches] == [
+                    tuple(sorted(p)) for p in sets] + [None] and all(b in inner
+                                                                   for b in branches):
+                for j, b in enumerate(branches):
+                    ticks = [t for t in range(T) if overlapped.choice[t, k] == j]
+                    runs[b] = len(ticks)
+                    runs.update(_op_runs(conds, inner[b], sched, kind, ticks))
+            if len(rest) > 1 and len(branches) == len(rest) and [
+                    pair_sets.get(b) for b in branches] == [None] + [tuple(sorted(p))
+                                                               for p in rest[1:]]:
+                for j, b in enumerate(branches):
+                    runs[b] = int((overlapped.exposed_choice[:, k] == j).sum())
     return runs
 
 

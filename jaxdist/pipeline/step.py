@@ -6,14 +6,17 @@ the table (jaxdist/pipeline/schedule.py) tick by tick; a tick is a fixed sequenc
 operation slots (F then BACK; zb-h1: F, B, W), and at each slot each stage looks up its own
 operation by its stage index and runs it under a `lax.switch` (idle, or one of the
 schedule's kinds), so an idle slot computes nothing (unlike MaxText's circular pipeline,
-which computes and discards it). After a tick's last slot its messages go out in one
-`ppermute` per direction whose source-target pairs are exactly the stages that send then,
-so the compiled step moves no byte the schedule does not (the `comm` block counts them).
+which computes and discards it). Messages go out in one `ppermute` per direction whose
+source-target pairs are exactly the stages that send, so the compiled step moves no byte
+the schedule does not (the `comm` block counts them): under F then BACK beside the next
+operation (OverlappedSends: tick t's activations during its BACK, its input gradients
+during tick t+1's F), under zb-h1 after the tick's last slot.
 In 1F1B's steady state every stage runs an F and a BACK in the same tick, so no tick holds
 one stage's forward against its neighbour's backward: ticks cost F + BACK everywhere.
 
-One `lax.scan` runs every slot of every tick (the program holds one slot's switch and one
-switch of send patterns), so compile time does not grow with S or M.
+One `lax.scan` runs every tick (F then BACK: a switch per slot, copied once per pair set
+sent beside it; zb-h1: one scan step per slot, its switch and one switch of send
+patterns), so compile time does not grow with S or M.
 
 Memory: F stashes what its backward needs (the vjp's residuals: jaxdist/pipeline/ops.py)
 in one of `res_slots` slots (the schedule's count: M for GPipe, at most 2S-1 for 1F1B), and
@@ -26,6 +29,8 @@ embeddings and the last chunk's the head; their gradients are summed over stages
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +83,60 @@ def pattern_runs(sched: Schedule) -> list[int]:
     return [int((index == k).sum()) for k in range(len(patterns))]
 
 
+# Per direction, the stage-pair sets whose sends the tick loop issues beside the next
+# operation (the most frequent non-empty ones: a 1F1B or interleaved steady state's).
+OVERLAP_SETS = 2
+
+
+@dataclass(frozen=True)
+class OverlappedSends:
+    """How a tick loop of F then BACK (gpipe, 1f1b, interleaved) moves its messages: each
+    rides beside the next operation of the stage loop, as Megatron's
+    --overlap-p2p-communication does. Tick t's F outputs go out during tick t's BACK slot
+    (the receiver's F reads them at t+1); tick t's input gradients during tick t+1's F slot
+    (the receiver's BACK reads them at t+1, after F). `sets[k]`: the pair sets sent beside
+    slot k's operation (slot 0: backward pairs, slot 1: forward pairs), one branch each of
+    slot k's switch, each branch holding the slot's operation switch and that one ppermute,
+    so XLA:GPU schedules the permute's start before the operation and its done after it.
+    `choice[t, k]`: the branch of tick t's slot k (len(sets[k]): a set not among them, or
+    nothing to send, whose sends `exposed[k]` / `exposed_choice[t, k]` run after the
+    operation, in a switch of their own)."""
+    sets: tuple[tuple[tuple, ...], tuple[tuple, ...]]
+    choice: np.ndarray
+    exposed: tuple[tuple[tuple, ...], tuple[tuple, ...]]
+    exposed_choice: np.ndarray
+
+
+def slot_pairs(sched: Schedule, t: int, k: int) -> tuple:
+    """Slot 0 of tick t carries tick t-1's backward sends, slot 1 tick t's forward sends."""
+    if k == 0:
+        return tuple(sched.sends(t - 1)[1]) if t > 0 else ()
+    return tuple(sched.sends(t)[0])
+
+
+def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSends | None:
+    """The tick loop's sends beside operations (OverlappedSends), or None where the table
+    is not F then BACK (zb-h1: its sends follow the tick's last slot, exposed)."""
+    if tuple(sched.kinds) != (FWD, BACK):
+        return None
+    T = sched.ticks
+    if sched.sends(T - 1)[1]:
+        raise ValueError("the last tick sends an input gradient no tick receives")
+    sets, exposed = [], []
+    choice, exposed_choice = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.int32)
+    for k in range(2):
+        every = [slot_pairs(sched, t, k) for t in range(T)]
+        counts = {p: every.count(p) for p in every if p}
+        chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
+        rest = ((),) + tuple(sorted({p for p in every if p and p not in chosen}))
+        for t, p in enumerate(every):
+            choice[t, k] = chosen.index(p) if p in chosen else len(chosen)
+            exposed_choice[t, k] = rest.index(p) if p not in chosen else 0
+        sets.append(chosen)
+        exposed.append(rest)
+    return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
+
+
 def _store(buffer, slot, value):
     """buffer[slot] = value where slot >= 0 (in place); unchanged otherwise."""
     i = jnp.maximum(slot, 0)
@@ -107,6 +166,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     else jnp.zeros_like(dx))
         return send
     senders = [sender(*p) for p in patterns]
+    overlapped = overlapped_sends(sched)
 
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
@@ -126,24 +186,21 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
         zeros_act = jnp.zeros(act_shape, act_dtype)
 
-        def slot(carry, u):
-            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out, fwd_in,
-             bwd_in) = carry
+        def operate(state, u, kinds, defer=False):
+            """Slot u's operation on this stage (idle or one of `kinds`, the op table's
+            kinds that can run at this slot), with its stash and gradient-slot writes
+            (`defer`: those writes returned, for `keep` after the caller's switch)."""
+            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
             row = {k: a[u, s] for k, a in table.items()}
-            # What the neighbours sent at the tick before lands in its slot (-1: nothing).
-            acts = _store(acts, row["recv_act"], fwd_in)
-            grads = _store(grads, row["recv_grad"], bwd_in)
             v, mb = row["v"], row["mb"]
             is_first = (s == 0) & (v == 0)
             is_last = (s == S - 1) & (v == V - 1)
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
-            # The stash and the gradient slots are written here, outside the switch, and
+            # The stash and the gradient slots are written outside the switch (`keep`), and
             # only read inside it: a buffer that one branch updated in place and another
             # passed through was copied whole at every slot (XLA's copy insertion).
-            is_f = row["op"] == 1 + sched.kinds.index(FWD)
-
             def backward_inputs():
                 return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
                         _read(grads, row["grad"]))
@@ -191,20 +248,84 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 return kept, g_l, g_s, ls, y_out, dx_out, *nothing()
 
             branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
+            # the op table numbers the schedule's kinds from 1; a slot of one kind switches
+            # over (idle, that kind) only
+            index = row["op"] if len(kinds) == len(sched.kinds) else \
+                jnp.where(row["op"] == 0, 0, 1)
             (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
-             dh) = jax.lax.switch(row["op"], [idle] + [branch[k] for k in sched.kinds],
+             dh) = jax.lax.switch(index, [idle] + [branch[k] for k in kinds],
                                   (kept, g_local, g_shared, loss_sum, y_out, dx_out))
-            # F's stash into its slot; the last chunk's F also fills its gradient slot.
+            state = (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
+            return (state, (stored, dh)) if defer else keep(state, u, (stored, dh))
+
+        def keep(state, u, written):
+            """F's stash into its slot; the last chunk's F also fills its gradient slot."""
+            (acts, grads, stash, *rest), (stored, dh) = state, written
+            row = {k: table[k][u, s] for k in ("op", "res", "grad")}
+            is_f = row["op"] == 1 + sched.kinds.index(FWD)
             stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
                           for b, r in zip(stash, stored))
             grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
+            return (acts, grads, stash, *rest)
+
+        def slot(carry, u):
+            state, (fwd_in, bwd_in) = carry[:9], carry[9:]
+            acts, grads = state[:2]
+            row = {k: a[u, s] for k, a in table.items()}
+            # What the neighbours sent at the tick before lands in its slot (-1: nothing).
+            acts = _store(acts, row["recv_act"], fwd_in)
+            grads = _store(grads, row["recv_grad"], bwd_in)
+            state = operate((acts, grads, *state[2:]), u, sched.kinds)
+            y_out, dx_out = state[7:9]
             # The tick's messages after its last slot: every stage takes the same branch
             # (the pattern is the slot's, not the stage's), which holds exactly the pairs
             # that send at this tick, so no byte moves that the schedule does not send.
             fwd_in, bwd_in = (jax.lax.switch(pattern[u], senders, y_out, dx_out)
                               if len(senders) > 1 else senders[0](y_out, dx_out))
-            return (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out,
-                    fwd_in, bwd_in), None
+            return (*state, fwd_in, bwd_in), None
+
+        def beside(k, sets, exposed, choice, exposed_choice):
+            """Slot k's operation with a message on its way: one branch per overlapped
+            pair set (the ppermute and the operation side by side in one computation, so
+            XLA:GPU overlaps them), one for the rest; then the rest's sends, exposed."""
+            def with_send(pairs):
+                def run(state, u, message):  # the send first, in program order too
+                    got = jax.lax.ppermute(message, "stage", list(pairs))
+                    return (*operate(state, u, (sched.kinds[k],), defer=True), got)
+                return run
+
+            def alone(state, u, message):
+                return (*operate(state, u, (sched.kinds[k],), defer=True),
+                        jnp.zeros_like(message))
+
+            def exposed_send(pairs):
+                return lambda m: (jax.lax.ppermute(m, "stage", list(pairs)) if pairs
+                                  else jnp.zeros_like(m))
+
+            def run(state, t, message):
+                # the stash written after the switch: the branch holds only the send and
+                # the operation
+                state, written, got = jax.lax.switch(
+                    choice[t, k], [with_send(p) for p in sets[k]] + [alone], state, t * 2 + k,
+                    message)
+                state = keep(state, t * 2 + k, written)
+                if len(exposed[k]) > 1:
+                    got = got + jax.lax.switch(exposed_choice[t, k],
+                                               [exposed_send(p) for p in exposed[k]],
+                                               message)
+                return state, got
+            return run
+
+        def tick(carry, t):
+            """Tick t of F then BACK: tick t-1's input gradients travel beside F, F's
+            outputs beside BACK (OverlappedSends)."""
+            state, (fwd_in, dx_prev) = carry[:9], carry[9:]
+            acts = _store(state[0], table["recv_act"][t * 2, s], fwd_in)
+            state, bwd_in = run_f((acts, *state[1:]), t, dx_prev)
+            grads = _store(state[1], table["recv_grad"][t * 2, s], bwd_in)
+            state = (state[0], grads, *state[2:])
+            state, fwd_in = run_back(state, t, state[7])
+            return (*state, fwd_in, state[8]), None
 
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
         stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
@@ -217,7 +338,14 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                  jnp.zeros((sched.grad_slots, *act_shape), act_dtype), stash0, kept0,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
-        carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
+        if overlapped is None:
+            carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
+        else:
+            choice = jnp.asarray(overlapped.choice)
+            exposed_choice = jnp.asarray(overlapped.exposed_choice)
+            run_f, run_back = (beside(k, overlapped.sets, overlapped.exposed, choice,
+                                      exposed_choice) for k in (0, 1))
+            carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")

@@ -320,9 +320,10 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
     time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
-                      cfg.output.pp_runtime)
+                      cfg.output.pp_runtime, cfg.compiler.overlap)
     time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
-                       "to its length; stage sends exposed" if cfg.compiler.overlap
+                       "to its length; a stage send beside the op it rides with up to that "
+                       "op's length (F then BACK loops), else exposed" if cfg.compiler.overlap
                        else "none")
     time["peak_flops_per_device"] = hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision)
     time["collectives"] = tail_row["collectives"]

@@ -11,6 +11,7 @@ import numpy as np
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, Schedule
+from jaxdist.pipeline.step import slot_pairs, overlapped_sends
 from jaxdist.predict.time_model import LABEL, kernel_step, ring_latency, step_time
 
 
@@ -100,23 +101,26 @@ def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part
 
 
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Part,
-               mesh: dict[str, int], runtime: str = "jaxdist") -> dict:
+               mesh: dict[str, int], runtime: str = "jaxdist", overlap: bool = False) -> dict:
     """The step from the schedule table. `ops[op_key(...)]`: op_row of a chunk's forward
     (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the
     head (and the chunk's blocks where the schedule has them: a stage of fewer blocks runs
     shorter ops, a tick lasts its busiest stage's); `tail`: op_row of the gradient reduction and optimizer; `act_bytes`: one message
     per device. `runtime`: jaxdist (its tick loop: a tick lasts its busiest stage's ops, then
     its sends) or megatron (a what-if: the same table, each stage driven by its own inputs,
-    `dataflow_seconds`)."""
+    `dataflow_seconds`). `overlap`: the step compiled with XLA's latency-hiding scheduler
+    (--overlap), which puts a send beside the operation the loop issues it with."""
     S = sched.stages
     busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
                            "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
                           0.0) for _ in range(S)]
     ticks_s = 0.0
     sends = {"intra-node": 0.0, "inter-node": 0.0}
+    exposed = {"intra-node": 0.0, "inter-node": 0.0}  # the sends' time the ticks do not hide
     messages = 0
+    beside = overlapped_sends(sched) if overlap else None
     for t in range(sched.ticks):
-        longest = 0.0
+        longest, longest_op = 0.0, dict.fromkeys(sched.kinds, 0.0)
         for s, ops_s in enumerate(sched.ops[t]):
             stage_s = 0.0  # a stage runs its ops of the tick one after the other
             for op in ops_s:
@@ -124,19 +128,28 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
                 for k in busy[s]:
                     busy[s][k] += row[k]
                 stage_s += row["seconds"]
+                longest_op[op.kind] = max(longest_op[op.kind], row["seconds"])
             longest = max(longest, stage_s)
         ticks_s += longest
-        for pairs in sched.sends(t):  # one ppermute per direction, one after the other
+        # jaxdist's tick loop (jaxdist/pipeline/step.py): one ppermute per direction. Under
+        # OverlappedSends slot k's pairs go out beside its operation (the ppermute's start
+        # before it, its done after: XLA:GPU's schedule), so only what outlasts the slot's
+        # longest operation is exposed; the other sets, and zb-h1's, follow the tick's ops.
+        for k, pairs in enumerate((slot_pairs(sched, t, 0), slot_pairs(sched, t, 1))
+                                  if overlapped_sends(sched) else sched.sends(t)):
             if not pairs:
                 continue
             times = [(send_time(act_bytes, inter, hw), inter) for inter in
                      (send_crosses_nodes(mesh, a, b, hw.gpus_per_node) for a, b in pairs)]
             seconds, inter = max(times)
-            sends["inter-node" if inter else "intra-node"] += seconds
+            link = "inter-node" if inter else "intra-node"
+            sends[link] += seconds
+            hidden = (longest_op[sched.kinds[k]]
+                      if beside and beside.choice[t, k] < len(beside.sets[k]) else 0.0)
+            exposed[link] += max(0.0, seconds - hidden)
             messages += len(pairs)
-    lockstep_s, dataflow_s = ticks_s + sends["intra-node"] + sends["inter-node"], \
+    lockstep_s, dataflow_s = ticks_s + exposed["intra-node"] + exposed["inter-node"], \
         dataflow_seconds(sched, ops, act_bytes, hw, mesh)
-    exposed = sends  # jaxdist: every tick's sends follow its ops
     if runtime == "megatron":  # a send delays only the op waiting for it (in dataflow_s)
         ticks_s, exposed = dataflow_s, {"intra-node": 0.0, "inter-node": 0.0}
     critical = max(range(S), key=lambda s: busy[s]["seconds"])
@@ -168,12 +181,14 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
                          "schedule_bubble": sched.bubble(),
                          "send_intra_node_s": sends["intra-node"],
                          "send_inter_node_s": sends["inter-node"], "messages": messages,
+                         "send_exposed_s": exposed["intra-node"] + exposed["inter-node"],
                          "message_bytes": act_bytes, "tail_s": tail["seconds"],
                          "runtime": runtime, "lockstep_s": lockstep_s,
                          "dataflow_s": dataflow_s,
                          "lockstep": "jaxdist: each tick lasts as long as its busiest "
-                                     "stage's ops (F then BACK), then its sends (the tick "
-                                     "loop ends every tick in ppermutes)",
+                                     "stage's ops (F then BACK); a send rides beside the "
+                                     "next op where the loop issues it there, else follows "
+                                     "the tick's ops",
                          "dataflow": "megatron (what-if, not what jaxdist runs): each "
                                      "stage runs its next op as soon as it is free and the "
                                      "op's input has arrived"}}

@@ -241,6 +241,7 @@ def abstract_batch(model_cfg, batch_size: int) -> dict:
 # --overlap for a device-less XLA:GPU compile: the flags a run sets in XLA_FLAGS
 # (jaxdist.devices.OVERLAP_FLAGS), given per compile since that process's XLA is already up.
 OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                   "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
                    "xla_gpu_enable_highest_priority_async_stream": True}
 
 
