@@ -64,7 +64,11 @@ def test_go2025_plan_rows_are_go_et_al_grid():
         f"mixtral-8x{e}b-ep8_pp4-{v}-{p}" for e in (7, 22)
         for v in ("base", "recompute", "overlap", "both") for p in ("1f1b", "gpipe")}
     assert rows["mixtral-8x22b-ep8_pp4-both-gpipe"]["microbatches"] == 16
-    assert len(rows) == 104
+    assert {n for n in rows if "cp2" in n} == {
+        f"llama3-70b-fsdp_tp_cp2_dp2-{v}" for v in ("base", "recompute", "overlap", "both")}
+    assert rows["llama3-70b-fsdp_tp_cp2_dp2-base"]["mesh"] == "data:2,context:2,tensor:8"
+    assert rows["llama3-70b-fsdp_tp_cp2_dp2-base"]["microbatches"] == 64
+    assert len(rows) == 108
     h100 = {r.name: r.settings for r in go_rows(hardware="h100-sxm")}
     assert {s["mesh"] for s in h100.values() if s["layout"] == "tp_pp"} == {
         "stage:32,tensor:2", "stage:16,tensor:4", "stage:8,tensor:8",
