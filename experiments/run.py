@@ -117,7 +117,8 @@ def main_mesh(checked: Job, stop: StopRequest) -> int:
     try:
         topo = distributed.resolve(cfg.dist.coordinator, cfg.dist.num_processes,
                                    cfg.dist.process_id)
-        configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap)
+        configure_xla_flags(cfg.compiler.xla_flags, cfg.compiler.overlap,
+                            checked.layout.pipelined)
         check_simulated_count(shape, topo.num_processes)
         configure_host_devices(shape, cfg.mesh.platform, topo.num_processes)
         # Process 0 writes the outputs; the others only compute. A --logdir it refuses is

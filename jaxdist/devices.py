@@ -28,12 +28,14 @@ class Platform:
         return self.devices[0].device_kind
 
 
-# XLA GPU flags for compute/communication overlap (the "overlap" runs of Go et al.). Two
-# collectives may be in flight at once: a pipeline's stage send beside an operation that
-# holds tensor-parallel collectives (XLA's default of one schedules the send after it).
+# XLA GPU flags for compute/communication overlap (the "overlap" runs of Go et al.): the
+# latency-hiding scheduler and the high-priority collective stream, as MaxText's and
+# JAX-Toolbox's GPU recipes set them. A pipeline adds one: two collectives in flight at once,
+# so a stage send rides beside an operation that holds tensor-parallel collectives (XLA's
+# default of one schedules the send after it).
 OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
-                 "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
                  "--xla_gpu_enable_highest_priority_async_stream=true")
+PIPELINE_OVERLAP_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
 
 
 _NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
@@ -56,11 +58,13 @@ def decide_platform() -> str | None:
     return "cpu"
 
 
-def configure_xla_flags(extra: str, overlap: bool) -> str:
-    """Append the user's flags (and the overlap set) to XLA_FLAGS before any backend starts
-    (checked by check_xla_flags in the validation pass, experiments/validation.py). Returns
-    the flags added."""
-    added = " ".join(f for f in (extra.strip(), OVERLAP_FLAGS if overlap else "") if f)
+def configure_xla_flags(extra: str, overlap: bool, pipelined: bool = False) -> str:
+    """Append the user's flags (and the overlap set, a pipeline's included) to XLA_FLAGS
+    before any backend starts (checked by check_xla_flags in the validation pass,
+    experiments/validation.py). Returns the flags added."""
+    overlap_flags = (f"{OVERLAP_FLAGS} {PIPELINE_OVERLAP_FLAGS}" if pipelined else
+                     OVERLAP_FLAGS) if overlap else ""
+    added = " ".join(f for f in (extra.strip(), overlap_flags) if f)
     if added:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {added}".strip()
     return added

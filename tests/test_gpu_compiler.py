@@ -549,7 +549,8 @@ def test_pipeline_sends_ride_beside_the_next_operation_under_overlap():
     before the operation switch it rides with (F or BACK, holding tensor all-reduces) and
     its done after it, in the same computation (jaxdist/pipeline/step.py OverlappedSends).
     With XLA's default of one collective in flight the scheduler puts the send after the
-    operation instead (measured on this compiler); OVERLAP_OPTIONS allows two."""
+    operation instead (measured on this compiler); a pipeline's --overlap allows two
+    (PIPELINE_OVERLAP_OPTIONS)."""
     from jaxdist.config import CompilerConfig
     from jaxdist.program import hlo
 

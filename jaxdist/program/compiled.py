@@ -239,10 +239,11 @@ def abstract_batch(model_cfg, batch_size: int) -> dict:
 
 
 # --overlap for a device-less XLA:GPU compile: the flags a run sets in XLA_FLAGS
-# (jaxdist.devices.OVERLAP_FLAGS), given per compile since that process's XLA is already up.
+# (jaxdist.devices.OVERLAP_FLAGS, and PIPELINE_OVERLAP_FLAGS for a pipeline), given per
+# compile since that process's XLA is already up.
 OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
-                   "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
                    "xla_gpu_enable_highest_priority_async_stream": True}
+PIPELINE_OVERLAP_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
 _KERNEL_CACHE: list[dict] = []
@@ -309,8 +310,13 @@ def compile_options(cfg, target: Target) -> dict | None:
     user = xla_options(cfg.compiler.xla_flags) if cfg.output.dry_run else {}
     if not target.device_less:
         return user or None
-    return {**kernel_cache_options(), **(OVERLAP_OPTIONS if cfg.compiler.overlap else {}),
-            **user}
+    from sharding.registry import facts
+
+    overlap = {}
+    if cfg.compiler.overlap:
+        overlap = {**OVERLAP_OPTIONS, **(PIPELINE_OVERLAP_OPTIONS if
+                                         facts(cfg.train.layout).pipelined else {})}
+    return {**kernel_cache_options(), **overlap, **user}
 
 
 # XLA:GPU's Triton GEMM emitter can find no output tiling for some shapes on some parts (sm_80:
