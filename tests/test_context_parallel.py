@@ -84,6 +84,19 @@ def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, 
     np.testing.assert_allclose(losses, pm._reference(model, S), rtol=1e-5)
 
 
+@pytest.mark.parametrize("schedule,V", [("1f1b", 1), ("interleaved", 2)])
+def test_context_parallel_inside_tp_pp_equals_single_device(schedule, V):
+    """tp_pp with sequence parallelism on stage:2,context:2,tensor:2: each stage body holds
+    its own sequence shard (context manual beside stage and data, tensor left to the
+    partitioner), load balanced; equal to one device, each stage's sends those of its own
+    sequence shard (read from the compiled HLO)."""
+    from tests import test_pipeline_matrix as pm
+
+    S = 2
+    pm._check_case("llama-tiny", "tp_pp", "stage:2,context:2,tensor:2", schedule, V, S,
+                   2 * S, pm._reference("llama-tiny", S * V), sequence_parallel=True)
+
+
 def test_zig_zag_gives_every_shard_equal_causal_work():
     """Shard c holds chunks c and 2CP-1-c: the keys its queries read under the causal mask
     (the sum of their positions + 1) are equal on every shard; contiguous parts are not."""
@@ -117,9 +130,11 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2", "--layout", "ps"),
      "layout 'ps' uses mesh axes data, fsdp; the mesh has context=2 (layouts for this mesh: "
      "ddp, fsdp, zero1)"),
-    (("--model", "gpt-tiny", "--mesh", "stage:2,context:2,tensor:2", "--layout", "tp_pp"),
-     "layout 'tp_pp' uses mesh axes data, stage, tensor; the mesh has context=2 (layouts "
-     "for this mesh: none)"),
+    (("--model", "moe-tiny", "--mesh", "stage:2,context:2", "--layout", "pp",
+      "--microbatches", "2"),
+     "moe under the pipeline layouts needs context=1 (got context=2): its balance loss "
+     "would be averaged per sequence shard; run moe's context parallelism under --layout "
+     "ep"),
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2,tensor:2", "--layout", "tp",
       "--distributed-optimizer"),
      "--distributed-optimizer with context=2 runs where the parameters are replicated "

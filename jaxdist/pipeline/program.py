@@ -16,6 +16,7 @@ from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
 from jaxdist.update import apply_gradients, scatter_partial_sums, train_state
+from models import context
 from sharding import batch_spec, padding
 from sharding.padding import fit
 
@@ -86,7 +87,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
                          "--mesh data:2,stage:4")
-    check_moe_data(model_cfg, mesh.shape.get("data", 1))
+    check_moe_data(model_cfg, mesh.shape.get("data", 1), mesh.shape.get(context.AXIS, 1))
     V = virtual if schedule == "interleaved" else 1
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     logical_init, logical, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
@@ -125,16 +126,24 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         # axis (tensor or fsdp) inside the branches of the per-stage switch (with two it
         # fails a check in spmd_partitioner_util.cc on XLA:CPU, jax 0.10).
         data = mesh.shape["data"]
-        act_shape = (B // M // data, L1 - 1, model_cfg.width)
-        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data",
-                                 grad_reduce=grad_stack)
+        # `context` is manual too: each stage body holds its own part of the sequence
+        # (models/context.py), attention gathers keys and values over it, and its weight
+        # gradients are averaged over it like over `data` (with tensor and context both left
+        # to the partitioner, XLA 0.10.2 fails the same check inside the switch).
+        cp = mesh.shape.get(context.AXIS, 1)
+        act_shape = (B // M // data, (L1 - 1) // cp, model_cfg.width)
+        reduce_axes = ("data", context.AXIS) if cp > 1 else "data"
+        stack = grad_stack if grad_stack is None or cp == 1 else (
+            lambda *g: grad_stack(*jax.lax.pmean(g, context.AXIS)))
+        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis=reduce_axes,
+                                 grad_reduce=stack)
         params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
             run, mesh=mesh, in_specs=(stage_specs, shared_specs, P(None, "data")),
             out_specs=(P(), *(grad_out or (stage_specs, shared_specs))),
-            axis_names={"stage", "data"},
+            axis_names={"stage", "data", *([context.AXIS] if cp > 1 else [])},
             check_vma=False)(params["stages"], params["shared"], tokens_M)
         if grad_reduce is not None:
             g_stages, g_shared = grad_reduce(g_stages, g_shared)
