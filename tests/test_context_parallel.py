@@ -224,3 +224,31 @@ def test_memory_estimate_splits_activations_over_context():
     assert split["residual_bytes"] == pytest.approx(batch["residual_bytes"], rel=1e-3)
     assert split["residual_bytes"] == pytest.approx(
         estimate("2")["residual_bytes"] / 2, rel=1e-3)
+
+
+def test_pipeline_plan_splits_the_stash_over_context():
+    """The pipeline plan's hand estimate (shapes only): a context axis of 2 in place of half
+    the data shards holds the same activations per stage device (twice the rows, each half
+    its sequence; the scores' queries halved, their keys whole), and one micro-batch's
+    stage message is L / 2 long."""
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
+    from jaxdist.predict.pipeline import message_bytes
+    from jaxdist.run_model import build_model
+
+    def plan(mesh):
+        cfg = from_namespace(build_parser().parse_args([
+            "--dry-run", "--model", "llama3-70b", "--model-opts", "depth=8", "--layout",
+            "tp_pp", "--mesh", mesh, "--microbatches", "4", "--batch-size", "16",
+            "--dtype", "bfloat16", "--sequence-parallel"]))
+        sizes = dict(parse_mesh(mesh).axis_sizes)
+        return plan_pipeline(cfg, parse_mesh(mesh)).to_json()["stages"], message_bytes(
+            cfg, build_model(cfg)[0], sizes)
+    (whole, msg_whole), (split, msg_split) = (
+        plan("data:4,stage:2,tensor:8"), plan("data:2,stage:2,context:2,tensor:8"))
+    for a, b in zip(whole, split):
+        assert b["activation_stash"] == a["activation_stash"] > 0
+        assert b["activation_working"] == a["activation_working"] > 0
+    assert msg_split == msg_whole == 16 // (4 * 4) * 8192 * 8192 * 2
+

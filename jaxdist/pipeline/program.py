@@ -45,6 +45,21 @@ def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtu
     return init_fn, abstract, holder["parts"]
 
 
+def stage_axes(mesh_shape) -> tuple[str, ...]:
+    """The axes the stage shard_map makes manual: `stage`, `data` and, where it splits the
+    sequence, `context` (each stage body then holds its own sequence shard:
+    models/context.py). With `tensor` and `context` both left to the partitioner, XLA 0.10.2
+    aborts on a check in spmd_partitioner_util.cc (partition_group_list) inside the stage
+    switch."""
+    return ("stage", "data", *((context.AXIS,) if mesh_shape.get(context.AXIS, 1) > 1 else ()))
+
+
+def mean_axes(mesh_shape) -> tuple[str, ...]:
+    """The manual axes a stage's loss and weight gradients are averaged over: `data`, and
+    `context` where it splits the sequence (each shard's mean over its own tokens)."""
+    return tuple(a for a in stage_axes(mesh_shape) if a != "stage")
+
+
 def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
                    distributed: bool):
     """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
@@ -52,15 +67,20 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
     it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
     stored as `param_shapes` (padded, sharding/padding.py), and one fully manual shard_map
     reduce-scatters them to the optimizer's shards, stored as `update_shapes`
-    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
-    Else (None, None, None): pmean inside, as before."""
+    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first);
+    the partial sums are first averaged over `context` inside (the optimizer's shards are
+    over `data` only). Else (None, None, None): pmean inside, as before."""
     if not distributed:
         return None, None, None
     is_p = lambda x: isinstance(x, P)  # noqa: E731
     out = (jax.tree.map(lambda _: P("stage", "data"), param_specs["stages"], is_leaf=is_p),
            jax.tree.map(lambda _: P("data"), param_specs["shared"], is_leaf=is_p))
 
+    over_context = mean_axes(dict(mesh.shape))[1:]
+
     def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
+        if over_context:
+            g_local, g_shared = jax.lax.pmean((g_local, g_shared), over_context)
         return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
 
     def stored(stacked, shapes, data_dim):
@@ -126,24 +146,20 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         # axis (tensor or fsdp) inside the branches of the per-stage switch (with two it
         # fails a check in spmd_partitioner_util.cc on XLA:CPU, jax 0.10).
         data = mesh.shape["data"]
-        # `context` is manual too: each stage body holds its own part of the sequence
-        # (models/context.py), attention gathers keys and values over it, and its weight
-        # gradients are averaged over it like over `data` (with tensor and context both left
-        # to the partitioner, XLA 0.10.2 fails the same check inside the switch).
+        # `context` is manual too (`stage_axes`): each stage body holds its own part of
+        # the sequence, attention gathers keys and values over it, and the loss and weight
+        # gradients are averaged over it with `data`.
         cp = mesh.shape.get(context.AXIS, 1)
         act_shape = (B // M // data, (L1 - 1) // cp, model_cfg.width)
-        reduce_axes = ("data", context.AXIS) if cp > 1 else "data"
-        stack = grad_stack if grad_stack is None or cp == 1 else (
-            lambda *g: grad_stack(*jax.lax.pmean(g, context.AXIS)))
-        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis=reduce_axes,
-                                 grad_reduce=stack)
+        run = pipeline_gradients(parts, sched, act_shape, dtype,
+                                 data_axis=mean_axes(dict(mesh.shape)), grad_reduce=grad_stack)
         params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
             run, mesh=mesh, in_specs=(stage_specs, shared_specs, P(None, "data")),
             out_specs=(P(), *(grad_out or (stage_specs, shared_specs))),
-            axis_names={"stage", "data", *([context.AXIS] if cp > 1 else [])},
+            axis_names=set(stage_axes(dict(mesh.shape))),
             check_vma=False)(params["stages"], params["shared"], tokens_M)
         if grad_reduce is not None:
             g_stages, g_shared = grad_reduce(g_stages, g_shared)
