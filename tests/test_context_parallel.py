@@ -61,19 +61,22 @@ def test_context_parallel_equals_single_device(model, case, balanced):
     np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,layout,mesh,schedule", [
-    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b"),
-    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1")])
-def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule):
-    """Inside each stage's shard_map (stage and data manual, context left to the
-    partitioner): 2 stages x 2 micro-batches, load balanced."""
+@pytest.mark.parametrize("model,layout,mesh,schedule,distributed", [
+    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b", True),
+    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1", False)])
+def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule,
+                                                                 distributed):
+    """Inside each stage's shard_map (stage, data and context manual): 2 stages x 2
+    micro-batches, load balanced; under the distributed optimizer the gradients are
+    reduce-scattered over data x context, which AdamW's state is split over (a quarter of
+    it on each device here)."""
     from jaxdist.pipeline.program import build_pipeline_program
     from tests import test_pipeline_matrix as pm
 
     S, M = 2, 2
     cfg = pm._cfg(model, S)
     shape = parse_mesh(mesh)
-    program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout),
+    program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout, distributed),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
                                      schedule, 1)
     stream, losses = TrainStream(cfg, None, pm.BATCH, 0), []
@@ -82,6 +85,10 @@ def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, 
         state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
         losses.append(float(loss))
     np.testing.assert_allclose(losses, pm._reference(model, S), rtol=1e-5)
+    if distributed:  # every stacked leaf of AdamW's mu: 1/S of it on a stage, 1/4 of that
+        mu = state["opt"][0].mu["stages"]
+        assert all(x.addressable_shards[0].data.size * S * 4 == x.size
+                   for x in jax.tree.leaves(mu))
 
 
 @pytest.mark.parametrize("schedule,V", [("1f1b", 1), ("interleaved", 2)])

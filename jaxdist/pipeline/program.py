@@ -67,20 +67,18 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
     it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
     stored as `param_shapes` (padded, sharding/padding.py), and one fully manual shard_map
     reduce-scatters them to the optimizer's shards, stored as `update_shapes`
-    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first);
-    the partial sums are first averaged over `context` inside (the optimizer's shards are
-    over `data` only). Else (None, None, None): pmean inside, as before."""
+    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
+    Under context parallelism they are stacked and reduced over data x context
+    (`mean_axes`), which the optimizer's shards span (sharding/optimizer.py). Else (None,
+    None, None): pmean inside, as before."""
     if not distributed:
         return None, None, None
     is_p = lambda x: isinstance(x, P)  # noqa: E731
-    out = (jax.tree.map(lambda _: P("stage", "data"), param_specs["stages"], is_leaf=is_p),
-           jax.tree.map(lambda _: P("data"), param_specs["shared"], is_leaf=is_p))
-
-    over_context = mean_axes(dict(mesh.shape))[1:]
+    axes = mean_axes(dict(mesh.shape))
+    out = (jax.tree.map(lambda _: P("stage", axes), param_specs["stages"], is_leaf=is_p),
+           jax.tree.map(lambda _: P(axes), param_specs["shared"], is_leaf=is_p))
 
     def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
-        if over_context:
-            g_local, g_shared = jax.lax.pmean((g_local, g_shared), over_context)
         return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
 
     def stored(stacked, shapes, data_dim):
@@ -90,10 +88,10 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
 
     def reduce(g_stages, g_shared):
         stages = scatter_partial_sums(stored(g_stages, param_shapes["stages"], 1), mesh,
-                                      ("data",), param_specs["stages"],
+                                      axes, param_specs["stages"],
                                       update_specs["stages"], update_shapes["stages"], 1)
         shared = scatter_partial_sums(stored(g_shared, param_shapes["shared"], 0), mesh,
-                                      ("data",), param_specs["shared"],
+                                      axes, param_specs["shared"],
                                       update_specs["shared"], update_shapes["shared"], 0)
         return stages, shared
     return out, stack, reduce
