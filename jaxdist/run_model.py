@@ -59,6 +59,7 @@ def context_parallel(cfg, model_cfg):
     (models/context.py): a model with a sequence, its length divisible by the shards."""
     from jaxdist.mesh import parse_mesh
     from models.context import check_sequence
+    from sharding.registry import facts
 
     shards = parse_mesh(cfg.mesh.mesh).context
     if shards == 1:
@@ -70,9 +71,10 @@ def context_parallel(cfg, model_cfg):
                          f"llama or moe model, or drop context from --mesh)")
     sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
     split = [f"{a}={sizes[a]}" for a in ("tensor", "expert") if sizes.get(a, 1) > 1]
-    if cfg.train.distributed_optimizer and split:
+    if cfg.train.distributed_optimizer and split and not facts(cfg.train.layout).pipelined:
         # parameters split over tensor/expert: the gradients are reduce-scattered in a
         # shard_map over the data axes, which XLA's partitioner aborts on with context free
+        # (a pipeline reduces them with context manual: jaxdist/pipeline/program.py)
         raise UsageError(f"--distributed-optimizer with context={shards} runs where the "
                          f"parameters are replicated (--layout zero1); this mesh splits them "
                          f"over {', '.join(split)} (drop the flag, or the context axis)")

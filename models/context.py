@@ -72,12 +72,19 @@ def positions(length: int, balanced: bool):
 
 def permute(tokens_BL1, balanced: bool):
     """(inputs, targets) of a batch of sequences of L + 1 tokens, each [B, L], taken in the
-    order the context shards hold them (the natural order without load balancing)."""
+    order the context shards hold them (the natural order without load balancing); where an
+    enclosing shard_map made `context` manual (a pipeline stage), this shard's own L / CP
+    of them, each [B, L / CP]."""
     inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
     order = sequence_order(inputs_BL.shape[1], size(), balanced)
-    if order is None:
+    if order is not None:
+        inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
+    if not (active() and manual()):
         return inputs_BL, targets_BL
-    return inputs_BL[:, order], targets_BL[:, order]
+    part = inputs_BL.shape[1] // size()
+    start = jax.lax.axis_index(AXIS) * part
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, part, axis=1)
+                 for x in (inputs_BL, targets_BL))
 
 
 def gather(x_BlKH):

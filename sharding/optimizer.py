@@ -8,7 +8,8 @@ those data axes that its parameter is replicated on. The step reduce-scatters gr
 that placement, updates the shard and all-gathers the new parameters (jaxdist/update.py).
 
 Data axes: the batch's mesh axes (every axis but `tensor` and `stage`: data, fsdp and, under
-ep, expert, whose non-expert gradients are averaged over it too) of size > 1. A leaf is split
+ep, expert, whose non-expert gradients are averaged over it too) of size > 1, and under the
+pipelines `context` (as Megatron's distributed optimizer shards over data x context). A leaf is split
 on its largest dimension not yet sharded that the data axes' product divides, else on its
 largest sharded one whose shard they divide, else on the dimension not yet sharded that pads
 least, stored padded (sharding/padding.py: Megatron pads its flat buffer so that any
@@ -32,16 +33,20 @@ from sharding.padding import axes_of, choose_dim
 SHARDED_PARTS = ("opt", "master")
 
 
-def data_axes(mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes the batch is split on, of size > 1, outer to inner."""
-    return tuple(a for a in batch_axes(mesh_shape) if mesh_shape[a] > 1)
+def data_axes(mesh_shape: dict[str, int], context: bool = False) -> tuple[str, ...]:
+    """The mesh axes the batch is split on, of size > 1, outer to inner; with `context`,
+    the `context` axis among them (the pipelines average gradients over data x context,
+    and Megatron's distributed optimizer shards over that group)."""
+    axes = set(batch_axes(mesh_shape)) | ({"context"} if context else set())
+    return tuple(a for a in mesh_shape if a in axes and mesh_shape[a] > 1)
 
 
-def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int]) -> P:
+def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int],
+                   context: bool = False) -> P:
     """`spec` split further over the data axes the leaf is replicated on (see module doc)."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for e in entries for a in axes_of(e)}
-    free = tuple(a for a in data_axes(mesh_shape) if a not in used)
+    free = tuple(a for a in data_axes(mesh_shape, context) if a not in used)
     n = math.prod(mesh_shape[a] for a in free)
     if n == 1:
         return spec
@@ -65,34 +70,38 @@ def leaf_over_data(shape: tuple[int, ...], spec: P, mesh_shape: dict[str, int]) 
     return P(*entries)
 
 
-def over_data(tree, specs, mesh_shape: dict[str, int]):
-    """Specs of `tree` (abstract leaves) split further over the data axes."""
-    return jax.tree.map(lambda leaf, spec: leaf_over_data(tuple(leaf.shape), spec, mesh_shape),
+def over_data(tree, specs, mesh_shape: dict[str, int], context: bool = False):
+    """Specs of `tree` (abstract leaves) split further over the data axes (and `context`)."""
+    return jax.tree.map(lambda leaf, spec: leaf_over_data(tuple(leaf.shape), spec, mesh_shape,
+                                                          context),
                         tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 @dataclass(frozen=True)
 class Layout:
     """A registered layout as data: its spec function and whether the distributed optimizer
-    is composed on top. Called as the spec function is: (abstract state, mesh) -> specs."""
+    is composed on top. Called as the spec function is: (abstract state, mesh) -> specs.
+    `over_context`: its optimizer shards span `context` too (the pipelines, whose stage
+    bodies average gradients over data x context)."""
     name: str
     fn: Callable[[Any, Any], Any]
     distributed_optimizer: bool = False
+    over_context: bool = False
 
     def __call__(self, state, mesh):
         specs = self.fn(state, mesh)
         if not self.distributed_optimizer:
             return specs
         shape = dict(mesh.shape)
-        return {part: over_data(state[part], s, shape) if part in SHARDED_PARTS else s
-                for part, s in specs.items()}
+        return {part: over_data(state[part], s, shape, self.over_context)
+                if part in SHARDED_PARTS else s for part, s in specs.items()}
 
     def update_specs(self, params, param_specs, mesh):
         """Where gradients are reduced to and the update runs: the master's placement under
         the distributed optimizer, else the parameters' own."""
         if not self.distributed_optimizer:
             return param_specs
-        return over_data(params, param_specs, dict(mesh.shape))
+        return over_data(params, param_specs, dict(mesh.shape), self.over_context)
 
     def master_weights(self, dtype_name: str) -> bool:
         """bfloat16 working weights beside a sharded float32 master copy (Megatron's

@@ -90,7 +90,7 @@ def pp(state, mesh: Mesh):
 
 @register_layout("tp_pp", "pipeline over the stage axis with Megatron tensor parallelism "
                  "inside each stage (Go et al.'s TPxPP); batch over data",
-                 mesh_axes=("data", "stage", "tensor"), families=("gpt", "moe"),
+                 mesh_axes=("data", "stage", "tensor", "context"), families=("gpt", "moe"),
                  requires=("stage",), distributed_optimizer=False, pipelined=True,
                  sequence_parallel=True)
 def tp_pp(state, mesh: Mesh):

@@ -244,7 +244,7 @@ def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
     # the name of what it is: ddp with the distributed optimizer is zero1
     same = [n for n in layout_names() if _FACTS[n].spec_fn is fn
             and bool(_FACTS[n].distributed_optimizer) == dist]
-    return Layout(same[0] if len(same) == 1 else name, fn, dist)
+    return Layout(same[0] if len(same) == 1 else name, fn, dist, f.pipelined)
 
 
 def batch_spec(mesh: Mesh) -> P:

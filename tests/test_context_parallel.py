@@ -61,19 +61,22 @@ def test_context_parallel_equals_single_device(model, case, balanced):
     np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,layout,mesh,schedule", [
-    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b"),
-    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1")])
-def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule):
-    """Inside each stage's shard_map (stage and data manual, context left to the
-    partitioner): 2 stages x 2 micro-batches, load balanced."""
+@pytest.mark.parametrize("model,layout,mesh,schedule,distributed", [
+    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b", True),
+    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1", False)])
+def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule,
+                                                                 distributed):
+    """Inside each stage's shard_map (stage, data and context manual): 2 stages x 2
+    micro-batches, load balanced; under the distributed optimizer the gradients are
+    reduce-scattered over data x context, which AdamW's state is split over (a quarter of
+    it on each device here)."""
     from jaxdist.pipeline.program import build_pipeline_program
     from tests import test_pipeline_matrix as pm
 
     S, M = 2, 2
     cfg = pm._cfg(model, S)
     shape = parse_mesh(mesh)
-    program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout),
+    program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout, distributed),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
                                      schedule, 1)
     stream, losses = TrainStream(cfg, None, pm.BATCH, 0), []
@@ -82,6 +85,23 @@ def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, 
         state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))
         losses.append(float(loss))
     np.testing.assert_allclose(losses, pm._reference(model, S), rtol=1e-5)
+    if distributed:  # every stacked leaf of AdamW's mu: 1/S of it on a stage, 1/4 of that
+        mu = state["opt"][0].mu["stages"]
+        assert all(x.addressable_shards[0].data.size * S * 4 == x.size
+                   for x in jax.tree.leaves(mu))
+
+
+@pytest.mark.parametrize("schedule,V", [("1f1b", 1), ("interleaved", 2)])
+def test_context_parallel_inside_tp_pp_equals_single_device(schedule, V):
+    """tp_pp with sequence parallelism on stage:2,context:2,tensor:2: each stage body holds
+    its own sequence shard (context manual beside stage and data, tensor left to the
+    partitioner), load balanced; equal to one device, each stage's sends those of its own
+    sequence shard (read from the compiled HLO)."""
+    from tests import test_pipeline_matrix as pm
+
+    S = 2
+    pm._check_case("llama-tiny", "tp_pp", "stage:2,context:2,tensor:2", schedule, V, S,
+                   2 * S, pm._reference("llama-tiny", S * V), sequence_parallel=True)
 
 
 def test_zig_zag_gives_every_shard_equal_causal_work():
@@ -117,9 +137,11 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2", "--layout", "ps"),
      "layout 'ps' uses mesh axes data, fsdp; the mesh has context=2 (layouts for this mesh: "
      "ddp, fsdp, zero1)"),
-    (("--model", "gpt-tiny", "--mesh", "stage:2,context:2,tensor:2", "--layout", "tp_pp"),
-     "layout 'tp_pp' uses mesh axes data, stage, tensor; the mesh has context=2 (layouts "
-     "for this mesh: none)"),
+    (("--model", "moe-tiny", "--mesh", "stage:2,context:2", "--layout", "pp",
+      "--microbatches", "2"),
+     "moe under the pipeline layouts needs context=1 (got context=2): its balance loss "
+     "would be averaged per sequence shard; run moe's context parallelism under --layout "
+     "ep"),
     (("--model", "gpt-tiny", "--mesh", "data:2,context:2,tensor:2", "--layout", "tp",
       "--distributed-optimizer"),
      "--distributed-optimizer with context=2 runs where the parameters are replicated "
@@ -209,3 +231,31 @@ def test_memory_estimate_splits_activations_over_context():
     assert split["residual_bytes"] == pytest.approx(batch["residual_bytes"], rel=1e-3)
     assert split["residual_bytes"] == pytest.approx(
         estimate("2")["residual_bytes"] / 2, rel=1e-3)
+
+
+def test_pipeline_plan_splits_the_stash_over_context():
+    """The pipeline plan's hand estimate (shapes only): a context axis of 2 in place of half
+    the data shards holds the same activations per stage device (twice the rows, each half
+    its sequence; the scores' queries halved, their keys whole), and one micro-batch's
+    stage message is L / 2 long."""
+    from experiments.run import build_parser
+    from jaxdist.config import from_namespace
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
+    from jaxdist.predict.pipeline import message_bytes
+    from jaxdist.run_model import build_model
+
+    def plan(mesh):
+        cfg = from_namespace(build_parser().parse_args([
+            "--dry-run", "--model", "llama3-70b", "--model-opts", "depth=8", "--layout",
+            "tp_pp", "--mesh", mesh, "--microbatches", "4", "--batch-size", "16",
+            "--dtype", "bfloat16", "--sequence-parallel"]))
+        sizes = dict(parse_mesh(mesh).axis_sizes)
+        return plan_pipeline(cfg, parse_mesh(mesh)).to_json()["stages"], message_bytes(
+            cfg, build_model(cfg)[0], sizes)
+    (whole, msg_whole), (split, msg_split) = (
+        plan("data:4,stage:2,tensor:8"), plan("data:2,stage:2,context:2,tensor:8"))
+    for a, b in zip(whole, split):
+        assert b["activation_stash"] == a["activation_stash"] > 0
+        assert b["activation_working"] == a["activation_working"] > 0
+    assert msg_split == msg_whole == 16 // (4 * 4) * 8192 * 8192 * 2
+

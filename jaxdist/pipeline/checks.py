@@ -8,15 +8,22 @@ from jaxdist.pipeline.schedule import check_schedule
 from models.layers import REMAT_NAMES
 
 
-def check_moe_data(model_cfg, data: int) -> None:
+def check_moe_data(model_cfg, data: int, context: int = 1) -> None:
     """MoE's balance loss is a mean over each micro-batch's tokens (not a per-row mean like
     the cross-entropy): with `data` manual in the pipeline's shard_map each data shard would
-    average only its own rows, a different loss from one device's. On `fsdp` (left to the
-    partitioner) the mean is over the whole micro-batch, as on one device."""
-    if getattr(model_cfg, "family", None) == "moe" and data > 1:
+    average only its own rows, a different loss from one device's; `context`, manual there
+    too, would average each shard's own tokens. On `fsdp` (left to the partitioner) the mean
+    is over the whole micro-batch, as on one device."""
+    if getattr(model_cfg, "family", None) != "moe":
+        return
+    if data > 1:
         raise UsageError(f"moe under the pipeline layouts needs data=1 (got data={data}): "
                          f"its balance loss would be averaged per data shard; put the batch "
                          f"on fsdp instead (fsdp_pp, e.g. --mesh fsdp:{data},stage:2)")
+    if context > 1:
+        raise UsageError(f"moe under the pipeline layouts needs context=1 (got "
+                         f"context={context}): its balance loss would be averaged per "
+                         f"sequence shard; run moe's context parallelism under --layout ep")
 
 
 def check_remat(model_cfg) -> None:
@@ -37,11 +44,11 @@ def check_remat(model_cfg) -> None:
 
 def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, virtual: int,
                    eval_every: int = 0, data: int = 1,
-                   stage_blocks: tuple[int, ...] = ()) -> None:
+                   stage_blocks: tuple[int, ...] = (), context: int = 1) -> None:
     V = virtual if schedule == "interleaved" else 1
     check_schedule(schedule, stages, microbatches, V)
     chunk_blocks(model_cfg, stages, V, stage_blocks)
-    check_moe_data(model_cfg, data)
+    check_moe_data(model_cfg, data, context)
     check_remat(model_cfg)
     if eval_every:
         # Evaluation is test-split accuracy on an image dataset (jaxdist/loop_hooks.py evaluate);

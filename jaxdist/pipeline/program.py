@@ -16,6 +16,7 @@ from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
 from jaxdist.update import apply_gradients, scatter_partial_sums, train_state
+from models import context
 from sharding import batch_spec, padding
 from sharding.padding import fit
 
@@ -44,6 +45,21 @@ def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtu
     return init_fn, abstract, holder["parts"]
 
 
+def stage_axes(mesh_shape) -> tuple[str, ...]:
+    """The axes the stage shard_map makes manual: `stage`, `data` and, where it splits the
+    sequence, `context` (each stage body then holds its own sequence shard:
+    models/context.py). With `tensor` and `context` both left to the partitioner, XLA 0.10.2
+    aborts on a check in spmd_partitioner_util.cc (partition_group_list) inside the stage
+    switch."""
+    return ("stage", "data", *((context.AXIS,) if mesh_shape.get(context.AXIS, 1) > 1 else ()))
+
+
+def mean_axes(mesh_shape) -> tuple[str, ...]:
+    """The manual axes a stage's loss and weight gradients are averaged over: `data`, and
+    `context` where it splits the sequence (each shard's mean over its own tokens)."""
+    return tuple(a for a in stage_axes(mesh_shape) if a != "stage")
+
+
 def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
                    distributed: bool):
     """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
@@ -52,12 +68,15 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
     stored as `param_shapes` (padded, sharding/padding.py), and one fully manual shard_map
     reduce-scatters them to the optimizer's shards, stored as `update_shapes`
     (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
-    Else (None, None, None): pmean inside, as before."""
+    Under context parallelism they are stacked and reduced over data x context
+    (`mean_axes`), which the optimizer's shards span (sharding/optimizer.py). Else (None,
+    None, None): pmean inside, as before."""
     if not distributed:
         return None, None, None
     is_p = lambda x: isinstance(x, P)  # noqa: E731
-    out = (jax.tree.map(lambda _: P("stage", "data"), param_specs["stages"], is_leaf=is_p),
-           jax.tree.map(lambda _: P("data"), param_specs["shared"], is_leaf=is_p))
+    axes = mean_axes(dict(mesh.shape))
+    out = (jax.tree.map(lambda _: P("stage", axes), param_specs["stages"], is_leaf=is_p),
+           jax.tree.map(lambda _: P(axes), param_specs["shared"], is_leaf=is_p))
 
     def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
         return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
@@ -69,10 +88,10 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
 
     def reduce(g_stages, g_shared):
         stages = scatter_partial_sums(stored(g_stages, param_shapes["stages"], 1), mesh,
-                                      ("data",), param_specs["stages"],
+                                      axes, param_specs["stages"],
                                       update_specs["stages"], update_shapes["stages"], 1)
         shared = scatter_partial_sums(stored(g_shared, param_shapes["shared"], 0), mesh,
-                                      ("data",), param_specs["shared"],
+                                      axes, param_specs["shared"],
                                       update_specs["shared"], update_shapes["shared"], 0)
         return stages, shared
     return out, stack, reduce
@@ -86,7 +105,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
                          "--mesh data:2,stage:4")
-    check_moe_data(model_cfg, mesh.shape.get("data", 1))
+    check_moe_data(model_cfg, mesh.shape.get("data", 1), mesh.shape.get(context.AXIS, 1))
     V = virtual if schedule == "interleaved" else 1
     precision = jax_matmul_precision(dtype_name, matmul_precision)
     logical_init, logical, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
@@ -125,16 +144,20 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         # axis (tensor or fsdp) inside the branches of the per-stage switch (with two it
         # fails a check in spmd_partitioner_util.cc on XLA:CPU, jax 0.10).
         data = mesh.shape["data"]
-        act_shape = (B // M // data, L1 - 1, model_cfg.width)
-        run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data",
-                                 grad_reduce=grad_stack)
+        # `context` is manual too (`stage_axes`): each stage body holds its own part of
+        # the sequence, attention gathers keys and values over it, and the loss and weight
+        # gradients are averaged over it with `data`.
+        cp = mesh.shape.get(context.AXIS, 1)
+        act_shape = (B // M // data, (L1 - 1) // cp, model_cfg.width)
+        run = pipeline_gradients(parts, sched, act_shape, dtype,
+                                 data_axis=mean_axes(dict(mesh.shape)), grad_reduce=grad_stack)
         params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
         loss, g_stages, g_shared = jax.shard_map(
             run, mesh=mesh, in_specs=(stage_specs, shared_specs, P(None, "data")),
             out_specs=(P(), *(grad_out or (stage_specs, shared_specs))),
-            axis_names={"stage", "data"},
+            axis_names=set(stage_axes(dict(mesh.shape))),
             check_vma=False)(params["stages"], params["shared"], tokens_M)
         if grad_reduce is not None:
             g_stages, g_shared = grad_reduce(g_stages, g_shared)

@@ -200,12 +200,12 @@ def stage_sends(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict:
 
 def local_activation_bytes(program, batch_size: int) -> int:
     """One micro-batch's activation at a stage boundary, as one device holds it: rows split
-    over the batch axes (data, fsdp), the full width (the residual stream is replicated
-    over `tensor`)."""
+    over the batch axes (data, fsdp), the sequence over `context`, the full width (the
+    residual stream is replicated over `tensor`)."""
     mesh = program.batch_sharding.mesh
     spec = program.batch_sharding.spec[0]
     axes = (spec,) if isinstance(spec, str) else (spec or ())
-    shards = math.prod(mesh.shape[a] for a in axes)
+    shards = math.prod(mesh.shape[a] for a in axes) * mesh.shape.get("context", 1)
     cfg_shape = program.extra["act_row_shape"]  # (L, D)
     itemsize = program.extra["act_itemsize"]
     return batch_size // program.microbatches // shards * math.prod(cfg_shape) * itemsize

@@ -2,8 +2,8 @@
 schedule table the step executes (jaxdist/pipeline/schedule.py).
 
 What is compiled (simulated CPU devices, abstract shapes): the pipeline program's own pieces,
-built from the same `Parts` and the same shard_map (over `stage` and `data`, tensor and fsdp
-left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (the mesh with
+built from the same `Parts` and the same shard_map (over `stage`, `data` and `context`,
+tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (the mesh with
 `stage` cut to 1):
 - a chunk's operations (jaxdist/pipeline/ops.py) for one micro-batch: its forward F
   (stashing the vjp's residuals; the last chunk's with the head and the head's backward),
@@ -117,7 +117,7 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     (jaxdist/pipeline/ops.py): its forward (FWD, the stash as outputs), the forward then
     the whole backward (FULL) or the forward then B (F_B)."""
     from jaxdist.pipeline.ops import ChunkOps
-    from jaxdist.pipeline.program import pipeline_state
+    from jaxdist.pipeline.program import pipeline_state, stage_axes
 
     mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
@@ -132,6 +132,9 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     dtype = DTYPES[cfg.model.dtype]
     data = mesh.shape["data"]
     L, D = model_cfg.seq_len, model_cfg.width
+    manual = stage_axes(dict(mesh.shape))
+    # `context` manual as in the step: activations are each device's sequence shard
+    act_spec = P("data", *manual[2:])
     act = jax.ShapeDtypeStruct((rows * data, L, D), dtype)
     tokens = jax.ShapeDtypeStruct((rows * data, L + 1), jnp.int32)
     ops = ChunkOps(parts, cfg.train.microbatches)
@@ -153,15 +156,15 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
     out = P() if kind != FULL else (stage_specs, shared_specs, P(), P())
     mapped = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
-                                                      P("data"), P("data")),
-                           out_specs=out, axis_names={"stage", "data"}, check_vma=False)
+                                                      act_spec, act_spec),
+                           out_specs=out, axis_names=set(manual), check_vma=False)
 
     def fn(stages, shared, *rest):  # the logical view of the stored parameters, as the step
         return mapped(padding.fit_tree(stages, logical["params"]["stages"]),
                       padding.fit_tree(shared, logical["params"]["shared"]), *rest)
-    batch = NamedSharding(mesh, P("data"))
+    batch, acts = NamedSharding(mesh, P("data")), NamedSharding(mesh, act_spec)
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
-                                               batch, batch)),
+                                               acts, acts)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
     return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
                         act, act), dict(mesh.shape)
@@ -173,7 +176,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     stages (shared) and averaged over data, then the optimizer update (of the padded
     slots too, as the program holds them)."""
     from jaxdist.state_shapes import pipeline_planning_state
-    from jaxdist.pipeline.program import data_reduction
+    from jaxdist.pipeline.program import data_reduction, mean_axes, stage_axes
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
@@ -199,7 +202,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     def reduce(g_stages, g_shared):
         g_shared = jax.lax.psum(g_shared, "stage")
         if stack is None:
-            return jax.lax.pmean((g_stages, g_shared), "data")
+            return jax.lax.pmean((g_stages, g_shared), mean_axes(sizes))
         g_local, g_shared = stack(jax.tree.map(lambda g: g[0], g_stages), g_shared)
         return jax.tree.map(lambda g: g[None], g_local), g_shared
 
@@ -209,8 +212,9 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     def tail(state, grads):
         g_stages, g_shared = jax.shard_map(
             reduce, mesh=mesh, in_specs=(stage_specs, shared_specs),
-            out_specs=grad_out or (stage_specs, shared_specs), axis_names={"stage", "data"},
-            check_vma=False)(grads["stages"], grads["shared"])
+            out_specs=grad_out or (stage_specs, shared_specs),
+            axis_names=set(stage_axes(sizes)), check_vma=False)(grads["stages"],
+                                                                 grads["shared"])
         if scatter is not None:
             g_stages, g_shared = scatter(g_stages, g_shared)
         return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update,
@@ -242,8 +246,9 @@ def microbatch_rows(cfg, sizes: dict) -> int:
 
 def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
-    at the boundary, rows over the batch axes, the full width (jaxdist.pipeline.report)."""
-    shards = math.prod(sizes[a] for a in batch_axes(sizes))
+    at the boundary, rows over the batch axes, the sequence over `context`, the full width
+    (jaxdist.pipeline.report)."""
+    shards = math.prod(sizes[a] for a in batch_axes(sizes)) * sizes.get("context", 1)
     rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
     return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 

@@ -23,8 +23,9 @@ sequence parallelism: b*L*D/t, as the chunk's forward stashes it); with --remat 
 (q, k, v, the scores unless flash, attention output, projection, MLP up and down:
 L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named values it
 keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
-jaxdist.pipeline.checks). b = batch / (M x batch shards). Received activations and gradients in
-flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
+jaxdist.pipeline.checks). b = batch / (M x batch shards). Under context parallelism every
+L above is a device's L / CP tokens (the scores' keys stay L). Received activations and
+gradients in flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
 activations (the block being differentiated, recomputed under --remat).
 """
 
@@ -52,19 +53,22 @@ from sharding.pipeline import is_stacked
 
 
 def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
-                           flash: bool = False, sequence_parallel: bool = False) -> float:
+                           flash: bool = False, sequence_parallel: bool = False,
+                           context: int = 1) -> float:
     """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
     Models), Eq. 2 with tensor parallelism, Eq. 4 with sequence parallelism (the 10 bytes
     per element outside the tensor-parallel regions split over t too): bytes one block
-    keeps for its backward. Flash attention keeps no L x L scores (the 5aL/(Dt) term)."""
+    keeps for its backward. Flash attention keeps no L x L scores (the 5aL/(Dt) term).
+    Under context parallelism a device holds L / `context` tokens, whose queries' scores
+    span all L keys."""
     L, D, a = model_cfg.seq_len, model_cfg.width, model_cfg.heads
     linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
     scores = 0.0 if flash else 5 * a * L / (D * tensor)
-    return L * rows * D * (linear + scores) * itemsize / 2
+    return L // context * rows * D * (linear + scores) * itemsize / 2
 
 
 def named_saved_bytes(model_cfg, names, rows: int, tensor: int, itemsize: int,
-                      sequence_parallel: bool = False) -> float:
+                      sequence_parallel: bool = False, context: int = 1) -> float:
     """Bytes of one block's values kept by name (models.layers REMAT_NAMES) per micro-batch:
     each name's width per token, split over `tensor` where tensor parallelism splits it.
     `mlpwo` counts nothing: no backward reads the MLP's output (JAX keeps only what one
@@ -79,7 +83,7 @@ def named_saved_bytes(model_cfg, names, rows: int, tensor: int, itemsize: int,
     per_token = sum(width.get(n, 0) for n in names) / tensor
     if "out_proj" in names:  # whole on every tensor device, a sequence shard under SP
         per_token += D / tensor if sequence_parallel else D
-    return rows * model_cfg.seq_len * per_token * itemsize
+    return rows * model_cfg.seq_len // context * per_token * itemsize
 
 
 def stacked_bytes_per_device(state, specs, sizes: dict[str, int]) -> dict[str, int]:
@@ -128,25 +132,27 @@ def stage_memory(cfg, shape) -> dict:
     batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (M * batch_shards)
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
-    act = rows * model_cfg.seq_len * model_cfg.width * itemsize
+    cp = sizes.get("context", 1)  # each device holds L / cp of every sequence
+    act = rows * model_cfg.seq_len // cp * model_cfg.width * itemsize
     K = max(max(row) for row in counts)  # the program's slots per chunk
     tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
              cfg.model.dtype in ("bfloat16", "float8"))
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
-                                   getattr(model_cfg, "sequence_parallel", False))
+                                   getattr(model_cfg, "sequence_parallel", False), cp)
     remat = getattr(model_cfg, "remat", "none")
-    dots = rows * model_cfg.seq_len * (10 * model_cfg.width / tensor + (
+    dots = rows * model_cfg.seq_len // cp * (10 * model_cfg.width / tensor + (
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
     # selective_op: every other matmul's output and the attention's
-    selective = rows * model_cfg.seq_len * 6 * model_cfg.width / tensor * itemsize
+    selective = rows * model_cfg.seq_len // cp * 6 * model_cfg.width / tensor * itemsize
     sequence_parallel = getattr(model_cfg, "sequence_parallel", False)
     # a block's input as the chunk's forward stashes it: a sequence shard on each tensor
     # device under sequence parallelism (the program's stash output), else whole
     block_input = act / tensor if sequence_parallel else act
     if remat in REMAT_NAMES:
         stashed = K * (block_input + named_saved_bytes(model_cfg, REMAT_NAMES[remat][0], rows,
-                                                       tensor, itemsize, sequence_parallel))
+                                                       tensor, itemsize, sequence_parallel,
+                                                       cp))
     else:
         stashed = K * {"none": block, "full": block_input, "dots": block_input + dots,
                        "selective_op": block_input + selective}[remat]
