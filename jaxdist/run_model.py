@@ -79,8 +79,14 @@ def context_parallel(cfg, model_cfg):
     why = check_sequence(model_cfg.seq_len, shards, cfg.train.context_load_balance)
     if why:
         raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")
+    if cfg.train.context_attention == "ring" and model_cfg.attention == "cudnn":
+        # cuDNN's log-sum-exp has no gradient in JAX, which the ring's merge needs
+        raise UsageError("--context-attention ring attends each block with XLA's dot "
+                         "attention (cuDNN's log-sum-exp has no gradient); use "
+                         "attention=default with it, or --context-attention allgather")
     return dataclasses.replace(model_cfg,
-                               context_load_balance=cfg.train.context_load_balance)
+                               context_load_balance=cfg.train.context_load_balance,
+                               context_attention=cfg.train.context_attention)
 def check_fp8(cfg, model_cfg) -> str:
     """--dtype float8's scaling (models/fp8.py), where the model and layout have an FP8
     path: the decoders' block matmuls, on the jax.sharding layouts."""

@@ -21,6 +21,17 @@ context group (the all-gather-KV form of Llama 3 and MaxText; the backward reduc
 their gradients), then attends its own queries to every key under the exact causal mask of
 the tokens' positions (in the load-balanced order where it is on). Every collective of the
 exchange is on `context` only.
+
+The ring form (`--context-attention ring`; torchtitan's and Megatron's P2P ring) exchanges
+the same keys and values one block at a time: in CP steps each device attends its queries
+to the block it holds (its own first) under the exact causal mask of the block's positions,
+while `jax.lax.ppermute` passes that block (keys, values, positions) to the next device of
+the ring, and it merges the blocks' partial outputs by their log-sum-exp (online softmax,
+float32 accumulators). JAX's autodiff of it is the ring backward: each block's key and value
+gradients travel the ring back to their owner (the transposed permutes). The blocks run as
+XLA's dot attention: cuDNN's fused call returns its log-sum-exp only as a residual whose
+cotangent its backward drops (jax._src.cudnn.fused_attention_stablehlo), so a merge by it
+would have wrong gradients, and its mask is causal or none, not a block's positions.
 """
 
 from __future__ import annotations
@@ -101,16 +112,53 @@ def _context_parallel(implementation):
     return attend
 
 
-def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None, positions_L=None):
+def _ring(q_BlNH, k_BlKH, v_BlKH, positions_l):
+    """attend(q, k, v, positions) on one context shard, the ring form: CP steps, each
+    attending the queries to the key/value block held (its own at step 0) while the block
+    moves to the next shard; the partial outputs merged by log-sum-exp in float32."""
+    shards = context.size()
+    B, l, N, H = q_BlNH.shape
+    K = k_BlKH.shape[2]
+    q_BlKGH = q_BlNH.reshape(B, l, K, N // K, H)
+    ring = [(i, (i + 1) % shards) for i in range(shards)]
+    # running max (no gradient: the result does not depend on it), sum and output
+    m_BKGl = jnp.full((B, K, N // K, l), -jnp.inf, jnp.float32)
+    sum_BKGl = jnp.zeros((B, K, N // K, l), jnp.float32)
+    acc_BKGlH = jnp.zeros((B, K, N // K, l, H), jnp.float32)
+    block = (k_BlKH, v_BlKH, positions_l)
+    for step in range(shards):
+        k_BmKH, v_BmKH, positions_m = block
+        if step + 1 < shards:  # the next block moves while this one is attended
+            block = tuple(jax.lax.ppermute(x, context.AXIS, ring) for x in block)
+        s_BKGlm = jnp.einsum("blkgh,bmkh->bkglm", q_BlKGH, k_BmKH,
+                             preferred_element_type=jnp.float32) / math.sqrt(H)
+        s_BKGlm = jnp.where(context.causal_mask(positions_l, positions_m)[:, :, None],
+                            s_BKGlm, -jnp.inf)
+        m_new = jax.lax.stop_gradient(jnp.maximum(m_BKGl, s_BKGlm.max(-1)))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key read yet
+        p_BKGlm = jnp.exp(s_BKGlm - shift[..., None])
+        alpha = jnp.exp(m_BKGl - shift)
+        sum_BKGl = alpha * sum_BKGl + p_BKGlm.sum(-1)
+        acc_BKGlH = alpha[..., None] * acc_BKGlH + jnp.einsum(
+            "bkglm,bmkh->bkglh", p_BKGlm.astype(v_BmKH.dtype), v_BmKH,
+            preferred_element_type=jnp.float32)
+        m_BKGl = m_new
+    y_BKGlH = acc_BKGlH / sum_BKGl[..., None]  # every query reads its own key: sum > 0
+    return jnp.einsum("bkglh->blkgh", y_BKGlH).reshape(B, l, N, H).astype(q_BlNH.dtype)
+
+
+def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None, positions_L=None,
+                     context_form: str = "allgather"):
     """softmax(q k^T / sqrt(H), causal) v, with fewer kv heads than query heads (GQA)
     taken directly; cuDNN's kernel with q, k and v sharded alike; under context parallelism
-    the keys and values gathered over `context`, the mask that of `positions_L` (the
-    tokens' positions in the order held: models/context.positions; see the module doc)."""
+    the keys and values gathered over `context` (`context_form` "allgather") or passed
+    round it ("ring"), the mask that of `positions_L` (the tokens' positions in the order
+    held: models/context.positions; see the module doc)."""
     if context.active():
         if positions_L is None:
             positions_L = context.positions(q_BLNH.shape[1], balanced=False)
-        y_BLNH = sharded_alike(_context_parallel(implementation), q_BLNH, k_BLKH, v_BLKH,
-                               positions_L)
+        attend = _ring if context_form == "ring" else _context_parallel(implementation)
+        y_BLNH = sharded_alike(attend, q_BLNH, k_BLKH, v_BLKH, positions_L)
         return y_BLNH if implementation == "cudnn" else checkpoint_name(y_BLNH, "context")
     if implementation == "cudnn":
         # its outputs are kept by the remat policies that keep `context` as the kernel's
