@@ -28,7 +28,8 @@ to the block it holds (its own first) under the exact causal mask of the block's
 while `jax.lax.ppermute` passes that block (keys, values, positions) to the next device of
 the ring, and it merges the blocks' partial outputs by their log-sum-exp (online softmax,
 float32 accumulators). JAX's autodiff of it is the ring backward: each block's key and value
-gradients travel the ring back to their owner (the transposed permutes). The blocks run as
+gradients travel the ring back to their owner (the transposed permutes); each step is
+recomputed there from its inputs, so no block's scores are kept. The blocks run as
 XLA's dot attention: cuDNN's fused call returns its log-sum-exp only as a residual whose
 cotangent its backward drops (jax._src.cudnn.fused_attention_stablehlo), so a merge by it
 would have wrong gradients, and its mask is causal or none, not a block's positions.
@@ -112,37 +113,46 @@ def _context_parallel(implementation):
     return attend
 
 
+def _ring_block(q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, m_BKGl, sum_BKGl,
+                acc_BKGlH):
+    """One ring step: the queries attend to one key/value block under the causal mask of
+    the positions; the running max, sum and output (float32) updated by log-sum-exp."""
+    s_BKGlm = jnp.einsum("blkgh,bmkh->bkglm", q_BlKGH, k_BmKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(q_BlKGH.shape[-1])
+    s_BKGlm = jnp.where(context.causal_mask(positions_l, positions_m)[:, :, None],
+                        s_BKGlm, -jnp.inf)
+    # the max only keeps exp in range: the result does not depend on it, so no gradient
+    m_new = jax.lax.stop_gradient(jnp.maximum(m_BKGl, s_BKGlm.max(-1)))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key read yet
+    p_BKGlm = jnp.exp(s_BKGlm - shift[..., None])
+    alpha = jnp.exp(m_BKGl - shift)
+    acc_BKGlH = alpha[..., None] * acc_BKGlH + jnp.einsum(
+        "bkglm,bmkh->bkglh", p_BKGlm.astype(v_BmKH.dtype), v_BmKH,
+        preferred_element_type=jnp.float32)
+    return m_new, alpha * sum_BKGl + p_BKGlm.sum(-1), acc_BKGlH
+
+
 def _ring(q_BlNH, k_BlKH, v_BlKH, positions_l):
     """attend(q, k, v, positions) on one context shard, the ring form: CP steps, each
     attending the queries to the key/value block held (its own at step 0) while the block
-    moves to the next shard; the partial outputs merged by log-sum-exp in float32."""
+    moves to the next shard. Each step is rematerialized in the backward (it keeps its
+    inputs, not its (S/CP)^2 scores), as a flash kernel would."""
     shards = context.size()
     B, l, N, H = q_BlNH.shape
     K = k_BlKH.shape[2]
     q_BlKGH = q_BlNH.reshape(B, l, K, N // K, H)
     ring = [(i, (i + 1) % shards) for i in range(shards)]
-    # running max (no gradient: the result does not depend on it), sum and output
-    m_BKGl = jnp.full((B, K, N // K, l), -jnp.inf, jnp.float32)
-    sum_BKGl = jnp.zeros((B, K, N // K, l), jnp.float32)
-    acc_BKGlH = jnp.zeros((B, K, N // K, l, H), jnp.float32)
+    state = (jnp.full((B, K, N // K, l), -jnp.inf, jnp.float32),
+             jnp.zeros((B, K, N // K, l), jnp.float32),
+             jnp.zeros((B, K, N // K, l, H), jnp.float32))
     block = (k_BlKH, v_BlKH, positions_l)
     for step in range(shards):
         k_BmKH, v_BmKH, positions_m = block
         if step + 1 < shards:  # the next block moves while this one is attended
             block = tuple(jax.lax.ppermute(x, context.AXIS, ring) for x in block)
-        s_BKGlm = jnp.einsum("blkgh,bmkh->bkglm", q_BlKGH, k_BmKH,
-                             preferred_element_type=jnp.float32) / math.sqrt(H)
-        s_BKGlm = jnp.where(context.causal_mask(positions_l, positions_m)[:, :, None],
-                            s_BKGlm, -jnp.inf)
-        m_new = jax.lax.stop_gradient(jnp.maximum(m_BKGl, s_BKGlm.max(-1)))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key read yet
-        p_BKGlm = jnp.exp(s_BKGlm - shift[..., None])
-        alpha = jnp.exp(m_BKGl - shift)
-        sum_BKGl = alpha * sum_BKGl + p_BKGlm.sum(-1)
-        acc_BKGlH = alpha[..., None] * acc_BKGlH + jnp.einsum(
-            "bkglm,bmkh->bkglh", p_BKGlm.astype(v_BmKH.dtype), v_BmKH,
-            preferred_element_type=jnp.float32)
-        m_BKGl = m_new
+        state = jax.checkpoint(_ring_block)(q_BlKGH, k_BmKH, v_BmKH, positions_l,
+                                            positions_m, *state)
+    _, sum_BKGl, acc_BKGlH = state
     y_BKGlH = acc_BKGlH / sum_BKGl[..., None]  # every query reads its own key: sum > 0
     return jnp.einsum("bkglh->blkgh", y_BKGlH).reshape(B, l, N, H).astype(q_BlNH.dtype)
 
