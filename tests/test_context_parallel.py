@@ -138,6 +138,11 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
      "--distributed-optimizer with context=2 runs where the parameters are replicated "
      "(--layout zero1); this mesh splits them over tensor=2 (drop the flag, or the context "
      "axis)"),
+    (("--model", "gpt-tiny", "--mesh", "data:2,stage:2,context:2", "--layout", "pp",
+      "--context-attention", "ring"),
+     "--context-attention ring passes key/value blocks between every stage's devices at "
+     "once, which a pipeline's per-stage branches cannot; use --context-attention allgather "
+     "with layout 'pp'"),
     (("--model", "llama-tiny", "--mesh", "data:1,context:2", "--context-attention", "ring",
       "--model-opts", "attention=cudnn"),
      "--context-attention ring attends each block with XLA's dot attention (cuDNN's "
