@@ -132,42 +132,86 @@ def _ring_block(q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, m_BKGl, sum_B
     return m_new, alpha * sum_BKGl + p_BKGlm.sum(-1), acc_BKGlH
 
 
-def _ring(q_BlNH, k_BlKH, v_BlKH, positions_l):
+def _later_block(balanced: bool, earlier, q_BlKGH, k_BmKH, v_BmKH, positions_l,
+                 positions_m, *state):
+    """A ring step after the first, only the part of the block the causal mask leaves
+    (`earlier`: the block comes from a shard before this one). Zig-zag (shard c holds chunks
+    c and 2CP-1-c): from an earlier shard every query reads the block's first chunk and
+    none its second; from a later one only the second query chunk reads, the whole block.
+    Contiguous parts: an earlier shard's block is read whole, a later one's not at all."""
+    def whole(args):
+        return _ring_block(*args)
+
+    def nothing(args):
+        return args[5:]
+
+    if not balanced:
+        return jax.lax.cond(earlier, whole, nothing,
+                            (q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, *state))
+    h = q_BlKGH.shape[1] // 2
+
+    def first_key_chunk(args):
+        q, k, v, pl, pm, *st = args
+        return _ring_block(q, k[:, :h], v[:, :h], pl, pm[:h], *st)
+
+    def second_query_chunk(args):
+        q, k, v, pl, pm, m, total, acc = args
+        part = _ring_block(q[:, h:], k, v, pl[h:], pm, m[..., h:], total[..., h:],
+                           acc[..., h:, :])
+        return tuple(jnp.concatenate([x[..., :h], y], -1) for x, y in
+                     zip((m, total), part[:2])) + (
+            jnp.concatenate([acc[..., :h, :], part[2]], -2),)
+
+    return jax.lax.cond(earlier, first_key_chunk, second_query_chunk,
+                        (q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, *state))
+
+
+def _ring(balanced: bool):
     """attend(q, k, v, positions) on one context shard, the ring form: CP steps, each
-    attending the queries to the key/value block held (its own at step 0) while the block
-    moves to the next shard. Each step is rematerialized in the backward (it keeps its
-    inputs, not its (S/CP)^2 scores), as a flash kernel would."""
-    shards = context.size()
-    B, l, N, H = q_BlNH.shape
-    K = k_BlKH.shape[2]
-    q_BlKGH = q_BlNH.reshape(B, l, K, N // K, H)
-    ring = [(i, (i + 1) % shards) for i in range(shards)]
-    state = (jnp.full((B, K, N // K, l), -jnp.inf, jnp.float32),
-             jnp.zeros((B, K, N // K, l), jnp.float32),
-             jnp.zeros((B, K, N // K, l, H), jnp.float32))
-    block = (k_BlKH, v_BlKH, positions_l)
-    for step in range(shards):
-        k_BmKH, v_BmKH, positions_m = block
-        if step + 1 < shards:  # the next block moves while this one is attended
-            block = tuple(jax.lax.ppermute(x, context.AXIS, ring) for x in block)
-        state = jax.checkpoint(_ring_block)(q_BlKGH, k_BmKH, v_BmKH, positions_l,
-                                            positions_m, *state)
-    _, sum_BKGl, acc_BKGlH = state
-    y_BKGlH = acc_BKGlH / sum_BKGl[..., None]  # every query reads its own key: sum > 0
-    return jnp.einsum("bkglh->blkgh", y_BKGlH).reshape(B, l, N, H).astype(q_BlNH.dtype)
+    attending the queries to the key/value block held (its own at step 0; later ones only
+    where the causal mask leaves anything, `_later_block`) while the block moves to the
+    next shard. Each step is rematerialized in the backward (it keeps its inputs, not its
+    scores), as a flash kernel would."""
+    def attend(q_BlNH, k_BlKH, v_BlKH, positions_l):
+        shards = context.size()
+        B, l, N, H = q_BlNH.shape
+        K = k_BlKH.shape[2]
+        q_BlKGH = q_BlNH.reshape(B, l, K, N // K, H)
+        ring = [(i, (i + 1) % shards) for i in range(shards)]
+        me = jax.lax.axis_index(context.AXIS)
+        state = (jnp.full((B, K, N // K, l), -jnp.inf, jnp.float32),
+                 jnp.zeros((B, K, N // K, l), jnp.float32),
+                 jnp.zeros((B, K, N // K, l, H), jnp.float32))
+        block = (k_BlKH, v_BlKH, positions_l)
+        for step in range(shards):
+            k_BmKH, v_BmKH, positions_m = block
+            if step + 1 < shards:  # the next block moves while this one is attended
+                block = tuple(jax.lax.ppermute(x, context.AXIS, ring) for x in block)
+            if step == 0:
+                state = jax.checkpoint(_ring_block)(q_BlKGH, k_BmKH, v_BmKH, positions_l,
+                                                    positions_m, *state)
+            else:  # the block of shard me - step
+                state = jax.checkpoint(_later_block, static_argnums=0)(
+                    balanced, (me - step) % shards < me, q_BlKGH, k_BmKH, v_BmKH,
+                    positions_l, positions_m, *state)
+        _, sum_BKGl, acc_BKGlH = state
+        y_BKGlH = acc_BKGlH / sum_BKGl[..., None]  # every query reads its own key: sum > 0
+        return jnp.einsum("bkglh->blkgh", y_BKGlH).reshape(B, l, N, H).astype(q_BlNH.dtype)
+    return attend
 
 
 def causal_attention(q_BLNH, k_BLKH, v_BLKH, implementation=None, positions_L=None,
-                     context_form: str = "allgather"):
+                     context_form: str = "allgather", balanced: bool = False):
     """softmax(q k^T / sqrt(H), causal) v, with fewer kv heads than query heads (GQA)
     taken directly; cuDNN's kernel with q, k and v sharded alike; under context parallelism
     the keys and values gathered over `context` (`context_form` "allgather") or passed
     round it ("ring"), the mask that of `positions_L` (the tokens' positions in the order
-    held: models/context.positions; see the module doc)."""
+    held: models/context.positions, zig-zag where `balanced`; see the module doc)."""
     if context.active():
         if positions_L is None:
             positions_L = context.positions(q_BLNH.shape[1], balanced=False)
-        attend = _ring if context_form == "ring" else _context_parallel(implementation)
+        attend = _ring(balanced) if context_form == "ring" else \
+            _context_parallel(implementation)
         y_BLNH = sharded_alike(attend, q_BLNH, k_BLKH, v_BLKH, positions_L)
         return y_BLNH if implementation == "cudnn" else checkpoint_name(y_BLNH, "context")
     if implementation == "cudnn":

@@ -48,7 +48,8 @@ class CausalSelfAttention(nnx.Module):
             tagged(constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads), *BLNH), tag)
             for proj, tag in zip((self.q, self.k, self.v), QKV))
         y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation,
-                                  context.positions(L, self.balanced), self.context_form)
+                                  context.positions(L, self.balanced), self.context_form,
+                                  self.balanced)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
     def __call__(self, x_BLD):

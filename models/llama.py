@@ -69,7 +69,7 @@ class Attention(nnx.Module):
         v_BLKH = tagged(constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH), "value_proj")
         # fewer key/value heads than query heads (GQA) are taken directly
         y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation, pos_L,
-                                  self.context_form)
+                                  self.context_form, self.balanced)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
 
