@@ -25,6 +25,8 @@ exchange is on `context` only.
 The ring form (`--context-attention ring`; torchtitan's and Megatron's P2P ring) exchanges
 the same keys and values one block at a time: in CP steps each device attends its queries
 to the block it holds (its own first) under the exact causal mask of the block's positions,
+computing only the part of a later step's block that the mask leaves (half a block under
+the zig-zag, Megatron's load-balanced ring; a whole block or none in contiguous order),
 while `jax.lax.ppermute` passes that block (keys, values, positions) to the next device of
 the ring, and it merges the blocks' partial outputs by their log-sum-exp (online softmax,
 float32 accumulators). JAX's autodiff of it is the ring backward: each block's key and value
@@ -132,38 +134,47 @@ def _ring_block(q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, m_BKGl, sum_B
     return m_new, alpha * sum_BKGl + p_BKGlm.sum(-1), acc_BKGlH
 
 
+def _merge(a, b):
+    """Two partial (max, sum, output) of the same queries over disjoint keys -> one."""
+    (m1, s1, acc1), (m2, s2, acc2) = a, b
+    m = jnp.maximum(m1, m2)  # both without gradient
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    a1, a2 = jnp.exp(m1 - shift), jnp.exp(m2 - shift)
+    return m, a1 * s1 + a2 * s2, a1[..., None] * acc1 + a2[..., None] * acc2
+
+
 def _later_block(balanced: bool, earlier, q_BlKGH, k_BmKH, v_BmKH, positions_l,
                  positions_m, *state):
-    """A ring step after the first, only the part of the block the causal mask leaves
-    (`earlier`: the block comes from a shard before this one). Zig-zag (shard c holds chunks
-    c and 2CP-1-c): from an earlier shard every query reads the block's first chunk and
-    none its second; from a later one only the second query chunk reads, the whole block.
-    Contiguous parts: an earlier shard's block is read whole, a later one's not at all."""
-    def whole(args):
-        return _ring_block(*args)
-
-    def nothing(args):
-        return args[5:]
+    """A ring step after the first (`earlier`: the block comes from a shard before this
+    one). Zig-zag (shard c holds chunks c and 2CP-1-c, of h tokens): from an earlier shard
+    every query reads the block's first chunk and none its second; from a later one only
+    the second query chunk reads, the whole block. Both are two h x h pieces, picked by
+    selecting their queries and keys (no branch): half a block. Contiguous parts: an
+    earlier shard's block is read whole, a later one's not at all (computed, then
+    dropped: the last shard, which reads every block, sets the step's time anyway)."""
+    def where(x, y):
+        return jax.tree.map(lambda a, b: jnp.where(earlier, a, b), x, y)
 
     if not balanced:
-        return jax.lax.cond(earlier, whole, nothing,
-                            (q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, *state))
+        return where(_ring_block(q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m,
+                                 *state), tuple(state))
     h = q_BlKGH.shape[1] // 2
-
-    def first_key_chunk(args):
-        q, k, v, pl, pm, *st = args
-        return _ring_block(q, k[:, :h], v[:, :h], pl, pm[:h], *st)
-
-    def second_query_chunk(args):
-        q, k, v, pl, pm, m, total, acc = args
-        part = _ring_block(q[:, h:], k, v, pl[h:], pm, m[..., h:], total[..., h:],
-                           acc[..., h:, :])
-        return tuple(jnp.concatenate([x[..., :h], y], -1) for x, y in
-                     zip((m, total), part[:2])) + (
-            jnp.concatenate([acc[..., :h, :], part[2]], -2),)
-
-    return jax.lax.cond(earlier, first_key_chunk, second_query_chunk,
-                        (q_BlKGH, k_BmKH, v_BmKH, positions_l, positions_m, *state))
+    B, _, K, G, H = q_BlKGH.shape
+    q0, q1 = q_BlKGH[:, :h], q_BlKGH[:, h:]
+    k0, k1, v0, v1 = k_BmKH[:, :h], k_BmKH[:, h:], v_BmKH[:, :h], v_BmKH[:, h:]
+    pl0, pl1, pm0, pm1 = positions_l[:h], positions_l[h:], positions_m[:h], positions_m[h:]
+    empty = (jnp.full((B, K, G, h), -jnp.inf, jnp.float32),
+             jnp.zeros((B, K, G, h), jnp.float32), jnp.zeros((B, K, G, h, H), jnp.float32))
+    # piece a: (first query chunk | second) x first key chunk; piece b: second query
+    # chunk x (first key chunk | second)
+    a = _ring_block(jnp.where(earlier, q0, q1), k0, v0, jnp.where(earlier, pl0, pl1),
+                    pm0, *empty)
+    b = _ring_block(q1, jnp.where(earlier, k0, k1), jnp.where(earlier, v0, v1), pl1,
+                    jnp.where(earlier, pm0, pm1), *empty)
+    first, second = where(a, empty), where(b, _merge(a, b))
+    rows = tuple(jnp.concatenate([x, y], axis=-1) for x, y in zip(first[:2], second[:2]))
+    block = (*rows, jnp.concatenate([first[2], second[2]], axis=-2))
+    return _merge(tuple(state), block)
 
 
 def _ring(balanced: bool):
