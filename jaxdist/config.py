@@ -121,6 +121,13 @@ class TrainConfig:
                                       "2CP-1-c of 2CP (the zig-zag of MaxText and "
                                       "Megatron), so every shard does the same causal "
                                       "attention work; off: CP contiguous parts")
+    context_attention: str = _opt("allgather", "with a context axis: how attention reads "
+                                  "the other shards' keys and values: allgather (all of "
+                                  "them gathered, then one attention) or ring (one block "
+                                  "per step passed round the context ring, its exchange "
+                                  "beside the previous block's attention; XLA's dot "
+                                  "attention, not attention=cudnn)",
+                                  choices=("allgather", "ring"))
     tp_comm_chunks: int = _opt(0, "with --sequence-parallel (tp, fsdp_tp): run the blocks "
                                "on N independent slices of each device's micro-batch, so "
                                "that one slice's tensor-axis all-gathers and reduce-"

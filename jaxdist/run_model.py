@@ -81,8 +81,22 @@ def context_parallel(cfg, model_cfg):
     why = check_sequence(model_cfg.seq_len, shards, cfg.train.context_load_balance)
     if why:
         raise UsageError(f"--mesh {cfg.mesh.mesh}: {why}")
+    from sharding.registry import facts
+    if cfg.train.context_attention == "ring" and facts(cfg.train.layout).pipelined:
+        # a permute's pairs span every stage; a stage's lax.switch branch is entered by that
+        # stage alone (jaxdist/pipeline/step.py), so the other stages never join it
+        raise UsageError(f"--context-attention ring passes key/value blocks between every "
+                         f"stage's devices at once, which a pipeline's per-stage branches "
+                         f"cannot; use --context-attention allgather with layout "
+                         f"{cfg.train.layout!r}")
+    if cfg.train.context_attention == "ring" and model_cfg.attention == "cudnn":
+        # cuDNN's log-sum-exp has no gradient in JAX, which the ring's merge needs
+        raise UsageError("--context-attention ring attends each block with XLA's dot "
+                         "attention (cuDNN's log-sum-exp has no gradient); use "
+                         "attention=default with it, or --context-attention allgather")
     return dataclasses.replace(model_cfg,
-                               context_load_balance=cfg.train.context_load_balance)
+                               context_load_balance=cfg.train.context_load_balance,
+                               context_attention=cfg.train.context_attention)
 def check_fp8(cfg, model_cfg) -> str:
     """--dtype float8's scaling (models/fp8.py), where the model and layout have an FP8
     path: the decoders' block matmuls, on the jax.sharding layouts."""

@@ -28,8 +28,9 @@ from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 class CausalSelfAttention(nnx.Module):
     def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None,
-                 balanced: bool = True):
+                 balanced: bool = True, context_form: str = "allgather"):
         self.heads, self.implementation, self.balanced = heads, implementation, balanced
+        self.context_form = context_form
         # Separate q, k, v projections (not one fused qkv): splitting each one's output over
         # the `tensor` axis then gives every device whole heads (Megatron column parallel).
         self.q = linear(width, width, dtype=dtype, rngs=rngs)
@@ -47,7 +48,8 @@ class CausalSelfAttention(nnx.Module):
             tagged(constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads), *BLNH), tag)
             for proj, tag in zip((self.q, self.k, self.v), QKV))
         y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation,
-                                  context.positions(L, self.balanced))
+                                  context.positions(L, self.balanced), self.context_form,
+                                  self.balanced)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
     def __call__(self, x_BLD):
@@ -70,13 +72,14 @@ class MLPBlock(nnx.Module):
 
 def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
               sequence_parallel: bool = False, attention: str = "default",
-              weight_rules: str | None = None, balanced: bool = True) -> PreNormBlock:
+              weight_rules: str | None = None, balanced: bool = True,
+              context_form: str = "allgather") -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
     attn = CausalSelfAttention(width, heads, **kw,
                                implementation=None if attention == "default" else attention,
-                               balanced=balanced)
+                               balanced=balanced, context_form=context_form)
     ln2 = layer_norm(width, **kw)
     mlp = MLPBlock(width, hidden, **kw)
     if sequence_parallel:
@@ -93,7 +96,8 @@ class GPT(nnx.Module):
                 gpt_block(cfg.width, cfg.heads, cfg.mlp_ratio * cfg.width, dtype=dtype,
                           rngs=rngs, sequence_parallel=cfg.sequence_parallel,
                           attention=cfg.attention, weight_rules=cfg.weight_rules,
-                          balanced=cfg.context_load_balance)
+                          balanced=cfg.context_load_balance,
+                          context_form=cfg.context_attention)
                 for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
@@ -146,6 +150,10 @@ class GPTConfig:
     # by jaxdist.run_model): the order of the sequence over the context shards
     context_load_balance: bool = dataclasses.field(default=True,
                                                    metadata={"set_by_the_layout": True})
+    # how attention reads the other context shards' keys and values (models/attention.py;
+    # --context-attention, set by jaxdist.run_model): allgather or ring
+    context_attention: str = dataclasses.field(default="allgather",
+                                               metadata={"set_by_the_layout": True})
     # the blocks' matmuls in FP8 with this scaling (models/fp8.py: delayed, current), the LM
     # head in the compute dtype as Transformer Engine keeps it; "": none. Set by
     # jaxdist.run_model from --dtype float8 and --fp8-scaling, so not a --model-opts option

@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
         self.implementation = None if cfg.attention == "default" else cfg.attention
         self.balanced = cfg.context_load_balance
+        self.context_form = cfg.context_attention
         kw = dict(bias=False, dtype=dtype, rngs=rngs)
         self.q = linear(cfg.width, cfg.heads * head_dim, **kw)
         self.k = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
@@ -67,7 +68,8 @@ class Attention(nnx.Module):
                              self.theta, pos_L), "key_proj")
         v_BLKH = tagged(constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH), "value_proj")
         # fewer key/value heads than query heads (GQA) are taken directly
-        y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation, pos_L)
+        y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation, pos_L,
+                                  self.context_form, self.balanced)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
 
 

@@ -22,10 +22,11 @@ STEPS = 2
 _reference: dict = {}
 
 
-def _train(model: str, layout: str, shape: MeshShape, balanced: bool = True, **opts):
+def _train(model: str, layout: str, shape: MeshShape, balanced: bool = True,
+           form: str = "allgather", **opts):
     mesh = build_mesh(shape, jax.devices()[:shape.size])
     cfg = dataclasses.replace(get_model(model, {k: str(v) for k, v in opts.items()}),
-                              context_load_balance=balanced)
+                              context_load_balance=balanced, context_attention=form)
     program = build_program(cfg, "float32", make_optimizer("adamw", 1e-2), get_layout(layout),
                             mesh, 0, 1)
     state, stream, losses = program.init(), TrainStream(cfg, None, 16, 0), []
@@ -58,6 +59,18 @@ def test_context_parallel_equals_single_device(model, case, balanced):
     layout, mesh, sp = CASES[case]
     opts = {"sequence_parallel": True} if sp else {}
     losses = _train(model, layout, parse_mesh(mesh), balanced, **opts)
+    np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("model,mesh,balanced", [
+    ("llama-tiny", "data:2,context:2", True), ("llama-tiny", "data:2,context:2", False),
+    ("gpt-tiny", "data:2,context:2", True), ("gpt-tiny", "data:2,context:2", False),
+    ("llama-tiny", "data:1,context:4", True)])
+def test_ring_attention_equals_single_device(model, mesh, balanced):
+    """--context-attention ring: the key/value blocks passed round the context ring, the
+    partial outputs merged by log-sum-exp, the gradients back round it by autodiff; two
+    steps of adamw equal one device's, so the loss and every gradient do."""
+    losses = _train(model, "ddp", parse_mesh(mesh), balanced, "ring")
     np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
 
 
@@ -147,6 +160,16 @@ def test_zig_zag_gives_every_shard_equal_causal_work():
      "--distributed-optimizer with context=2 runs where the parameters are replicated "
      "(--layout zero1); this mesh splits them over tensor=2 (drop the flag, or the context "
      "axis)"),
+    (("--model", "gpt-tiny", "--mesh", "data:2,stage:2,context:2", "--layout", "pp",
+      "--context-attention", "ring"),
+     "--context-attention ring passes key/value blocks between every stage's devices at "
+     "once, which a pipeline's per-stage branches cannot; use --context-attention allgather "
+     "with layout 'pp'"),
+    (("--model", "llama-tiny", "--mesh", "data:1,context:2", "--context-attention", "ring",
+      "--model-opts", "attention=cudnn"),
+     "--context-attention ring attends each block with XLA's dot attention (cuDNN's "
+     "log-sum-exp has no gradient); use attention=default with it, or --context-attention "
+     "allgather"),
 ])
 def test_bad_context_parallel_input_is_refused(args, line, tmp_path, monkeypatch, capsys):
     """One line naming the problem and what works, exit 2, nothing written."""
@@ -259,3 +282,40 @@ def test_pipeline_plan_splits_the_stash_over_context():
         assert b["activation_working"] == a["activation_working"] > 0
     assert msg_split == msg_whole == 16 // (4 * 4) * 8192 * 8192 * 2
 
+
+def test_xla_gpu_ring_passes_keys_and_values_round_context():
+    """llama-tiny (one block) under zero1 on data:4,context:2 with --context-attention
+    ring, compiled by XLA:GPU for 8 H100 (no GPU present): the key/value exchange is
+    async collective-permutes on `context` alone, of exactly one block each (forward: the
+    block's k and v and the positions, int32; backward: its k and v gradients back round
+    the ring), and no other collective runs inside the block."""
+    import re
+
+    from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
+    from jaxdist.hardware import get_hardware
+    from jaxdist.program import compiled, program_reading
+    from jaxdist.run_model import build_model
+
+    if compiled.gpu_compiler_missing() is not None:
+        pytest.skip(str(compiled.gpu_compiler_missing()))
+    mesh, batch = "data:4,context:2", 16
+    cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
+                    model=ModelConfig(model="llama-tiny", dtype="bfloat16",
+                                      model_opts="depth=1"),
+                    train=TrainConfig(layout="zero1", batch_size=batch,
+                                      context_attention="ring"))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(mesh)
+    target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
+    _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
+    permutes = [op for op in reading["collectives"] if op["kind"] == "collective-permute"]
+    assert {"+".join(op["axes"]) for op in permutes} == {"context"}
+    rows, block = batch // shape.data, model_cfg.seq_len // shape.context
+    kv = 2 * rows * block * model_cfg.kv_heads * (model_cfg.width // model_cfg.heads) * 2
+    assert sum(op["bytes"] for op in permutes) == 2 * model_cfg.depth * kv + 4 * block
+    text = comp.as_text()
+    starts = [line for line in text.splitlines() if "collective-permute-start(" in line]
+    assert len(starts) == len(permutes) and all('"is_sync":false' in s for s in starts)
+    in_blocks = re.findall(r'= .* ([a-z-]+)-start\(.*op_name="[^"]*\(block_\d', text)
+    assert in_blocks == ["collective-permute"] * len(permutes)
