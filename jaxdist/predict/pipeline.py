@@ -174,6 +174,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     slots too, as the program holds them)."""
     from jaxdist.state_shapes import pipeline_planning_state
     from jaxdist.pipeline.program import data_reduction
+    from jaxdist.pipeline.step import DataMean
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
@@ -192,16 +193,17 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     params = state["params"]
     # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
     # the step does (jaxdist/pipeline/program.py)
-    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, params,
-                                               update_shapes, mesh,
-                                               layout.distributed_optimizer)
+    grad_out, in_map, scatter = data_reduction(specs["params"], update_specs, params,
+                                                update_shapes, mesh,
+                                                layout.distributed_optimizer)
+    in_map = in_map or DataMean("data")
 
-    def reduce(g_stages, g_shared):
+    def reduce(g_stages, g_shared):  # chunk by chunk, as the tick loop issues it
         g_shared = jax.lax.psum(g_shared, "stage")
-        if stack is None:
-            return jax.lax.pmean((g_stages, g_shared), "data")
-        g_local, g_shared = stack(jax.tree.map(lambda g: g[0], g_stages), g_shared)
-        return jax.tree.map(lambda g: g[None], g_local), g_shared
+        g_local = jax.tree.map(lambda g: g[0], g_stages)
+        reduced = [in_map.chunk(v, jax.tree.map(lambda g: g[v], g_local)) for v in range(V)]
+        return (jax.tree.map(lambda g: g[None], in_map.stages(reduced, g_local)),
+                in_map.shared(g_shared))
 
     stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
     shared_specs = jax.tree.map(lambda _: P(), params["shared"])
