@@ -223,6 +223,49 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     return MeshJit(jitted, mesh).lower(state, params), sizes
 
 
+def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+                         stage_blocks: tuple[int, ...] = ()) -> float:
+    """One virtual chunk's part of the gradient bytes each device reduces over `data`
+    (its stage's blocks over V, beside the shared gradients), as stored and split by the
+    layout: the share of the tail's data-axis reduction the tick loop issues for a chunk
+    as soon as its gradients are final (jaxdist/pipeline/step.py)."""
+    from jaxdist.state_shapes import pipeline_planning_state
+
+    devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
+        tuple(sizes.values()))
+    mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
+                                      layout.master_weights(cfg.model.dtype), stage_blocks)
+    specs = layout(logical, mesh)["params"]
+    stored = padding.storage(logical, layout(logical, mesh), sizes)["params"]
+
+    def per_device(part):
+        def leaf(shape, spec):
+            split = math.prod(sizes[a] for e in spec for a in padding.axes_of(e)
+                              if a != "data")  # the bytes each device reduces
+            return math.prod(shape.shape) / split
+        return sum(jax.tree.leaves(jax.tree.map(leaf, stored[part], specs[part],
+                                                is_leaf=lambda x: isinstance(x, P))))
+    stages, shared = per_device("stages"), per_device("shared")
+    return stages / V / (stages + shared)
+
+
+def early_reductions(sched, tail_row: dict, share: float, distributed: bool = True) -> list:
+    """(tick, seconds, link) of each chunk reduction the tick loop issues before its last
+    tick (Schedule.gradients_final), in issue order: `share` of the tail's data-axis
+    gradient reduction (reduce-scatter under the distributed optimizer, else all-reduce)."""
+    kind = "reduce-scatter" if distributed else "all-reduce"
+    grads = [c for c in tail_row["collectives"] if c["kind"] == kind and c["axes"] == ["data"]]
+    if not grads:
+        return []
+    seconds = sum(c["seconds"] for c in grads)
+    link = max(grads, key=lambda c: c["seconds"])["link"]
+    return sorted((r, share * seconds, link) for r in sched.gradients_final()
+                  if r < sched.ticks)
+
+
 # ---- the whole prediction ----------------------------------------------------------------
 
 def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
@@ -321,8 +364,13 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
+    # what XLA:GPU's schedule was read to keep in flight beside the ticks (tested): the
+    # distributed optimizer's reduce-scatters under --overlap
+    early = (early_reductions(sched, tail_row, chunk_gradient_share(
+        cfg, model_cfg, sizes, S, V, target, stage_blocks), True)
+        if V > 1 and cfg.train.distributed_optimizer and cfg.compiler.overlap else [])
     time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
-                      cfg.output.pp_runtime, cfg.compiler.overlap)
+                      cfg.output.pp_runtime, cfg.compiler.overlap, early)
     time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
                        "to its length; a stage send beside the op it rides with up to that "
                        "op's length (F then BACK loops), else exposed" if cfg.compiler.overlap
