@@ -207,7 +207,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         data = mesh.shape["data"]
         act_shape = (B // M // data, L1 - 1, model_cfg.width)
         run = pipeline_gradients(parts, sched, act_shape, dtype, data_axis="data",
-                                 grad_reduce=in_map)
+                                 grad_reduce=in_map, early=data > 1)
         params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])

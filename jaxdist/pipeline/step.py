@@ -142,6 +142,15 @@ def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSen
     return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
 
 
+def loop_stretches(sched: Schedule) -> list[tuple[int, int]]:
+    """(first tick, end) of each scan of a tick loop that reduces chunks over data as soon
+    as they are final: the ticks cut where some chunk's gradients become final on every
+    stage before the last tick (`Schedule.gradients_final`)."""
+    bounds = [0, *sorted({r for r in sched.gradients_final() if r < sched.ticks}),
+              sched.ticks]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class DataMean:
     """The gradients' mean over the data axis, issued per virtual chunk as soon as the tick
     loop has finished it (`chunk`: a chunk's [K, ...] gradients, inside the map), then
@@ -174,12 +183,13 @@ def _read(buffer, slot):
 
 
 def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
-                       data_axis: str | None = None, grad_reduce=None):
+                       data_axis: str | None = None, grad_reduce=None, early: bool = True):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
     stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`: the
     gradients' mean over `data_axis` as the step wants them, chunk by chunk as the loop
     finishes them (`DataMean`, its default; the distributed optimizer's reduce-scatter:
-    jaxdist/pipeline/program.py)."""
+    jaxdist/pipeline/program.py; `early` False: all after the loop, one scan, where the
+    data axis has one device)."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
     tables = _tables(sched)
     patterns, pattern_of_slot = send_patterns(sched)
@@ -377,22 +387,21 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         # on every stage are reduced over data, beside the ticks still to run.
         reducer = None if data_axis is None else (grad_reduce or DataMean(data_axis))
         final = sched.gradients_final()
-        cuts = sorted({r for r in final if r < sched.ticks}) if reducer else []
+        stretches = loop_stretches(sched) if reducer and early else [(0, sched.ticks)]
         # Each reduction reads its input through an optimization barrier with the one
         # before's result (whose barrier output is the one used): XLA's collective
         # combiners merge independent collectives into one, placed after the last of
         # them, which would be after the loop.
-        reduced, start, order = {}, 0, []
+        reduced, order = {}, []
 
         def after_previous(g):
             if not order:
                 return g
             reduced[order[-1]], g = jax.lax.optimization_barrier((reduced[order[-1]], g))
             return g
-        for end in cuts + [sched.ticks]:
+        for start, end in stretches:
             carry, _ = jax.lax.scan(body, carry, jnp.arange(start * per_tick,
                                                             end * per_tick))
-            start = end
             for v in range(V) if end < sched.ticks else ():
                 if v not in reduced and final[v] <= end:
                     reduced[v] = reducer.chunk(v, after_previous(
