@@ -15,7 +15,10 @@ left to the partitioner) as jaxdist/pipeline/step.py, on one stage's devices (th
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
   cost the same;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
-  over `stage`), then the optimizer update, at full depth.
+  over `stage`), then the optimizer update, at full depth. The chunks' reductions the tick
+  loop issues before its last tick (interleaved, distributed optimizer, --overlap:
+  `early_reductions`) are timed beside the ticks (jaxdist.predict.ticks
+  `hidden_reductions`).
 Each op's time is `jaxdist.predict.time_model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
 jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
