@@ -114,13 +114,18 @@ def test_bfloat16_working_weights_beside_a_sharded_float32_master(single):
 
 
 def test_tp_pp_same_losses_as_one_device():
-    opts = {"width": 32, "heads": 4, "seq_len": 8, "vocab": 64, "depth": 2}
+    """Interleaved V = 2: chunk 1's gradients are reduce-scattered inside the tick loop
+    (between its two scans), chunk 0's after it (jaxdist/pipeline/program.py
+    ScatterOverData); the losses are one device's."""
+    opts = {"width": 32, "heads": 4, "seq_len": 8, "vocab": 64, "depth": 4}
     reference = train("gpt-tiny", "ddp", MeshShape(1), steps=3, **opts)[0]
     cfg = get_model("gpt-tiny", {k: str(v) for k, v in opts.items()})
     shape = parse_mesh("data:2,stage:2,tensor:2")
     program = build_pipeline_program(cfg, "float32", TX, get_layout("tp_pp", True),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, 2,
-                                     "1f1b")
+                                     "interleaved", virtual=2)
+    final = program.schedule.gradients_final()
+    assert final[0] == program.schedule.ticks > final[1]  # chunk 1 reduced in the loop
     state, stream, losses = program.init(), TrainStream(cfg, None, 16, 0), []
     for _ in range(3):
         state, loss = program.step(state, put_batch(stream.next(), program.batch_sharding))

@@ -543,32 +543,53 @@ def test_uneven_pipeline_step_compiles_and_skips_padded_slots():
     assert 0 < reading["flops"] - even < even / 4
 
 
-def test_pipeline_sends_ride_beside_the_next_operation_under_overlap():
-    """tp_pp 1F1B (data:1,stage:2,tensor:2) compiled by XLA:GPU with --overlap: in the tick
-    loop every stage send (a collective-permute on `stage`) is async, its start scheduled
-    before the operation switch it rides with (F or BACK, holding tensor all-reduces) and
-    its done after it, in the same computation (jaxdist/pipeline/step.py OverlappedSends).
-    With XLA's default of one collective in flight the scheduler puts the send after the
-    operation instead (measured on this compiler); a pipeline's --overlap allows two
-    (PIPELINE_OVERLAP_OPTIONS)."""
+def test_pipeline_sends_and_the_gradient_reduction_overlap_the_ticks():
+    """tp_pp interleaved V = 2 (data:2,stage:2,tensor:2), distributed optimizer, compiled
+    by XLA:GPU with --overlap.
+    Sends: in each tick loop every stage send (a collective-permute on `stage`) is async,
+    its start scheduled before the operation switch it rides with (F or BACK, holding
+    tensor all-reduces) and its done after it, in the same computation
+    (jaxdist/pipeline/step.py OverlappedSends). With XLA's default of one collective in
+    flight the scheduler puts the send after the operation instead (measured on this
+    compiler); a pipeline's --overlap allows two (PIPELINE_OVERLAP_OPTIONS).
+    Gradient reduction: chunk 1's gradients are final 2 ticks before the end
+    (Schedule.gradients_final), so the loop is two scans and chunk 1's float32 data-axis
+    reduce-scatter starts before the second, which holds the step's final backward, and is
+    done after it; chunk 0's and the shared gradients' follow the loop."""
     from jaxdist.config import CompilerConfig
+    from jaxdist.pipeline.step import overlapped_sends
     from jaxdist.program import hlo
 
     cfg = dataclasses.replace(config("tp_pp", batch=8), mesh=MeshConfig(
-        mesh="data:1,stage:2,tensor:2"), compiler=CompilerConfig(overlap=True))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model_opts="depth=2"))
+        mesh="data:2,stage:2,tensor:2"), compiler=CompilerConfig(overlap=True))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, microbatches=2, pp_schedule="interleaved", pp_virtual=2,
+        distributed_optimizer=True))
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
     model_cfg, _ = build_model(cfg)
-    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    program, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
     order: dict = {}
     for ins in hlo.typed(comp.as_text()):
-        if ins.op in ("collective-permute-start", "collective-permute-done", "conditional"):
+        if ins.op in ("collective-permute-start", "collective-permute-done", "conditional",
+                      "while", "reduce-scatter-start", "reduce-scatter-done"):
             order.setdefault(ins.computation, []).append(ins)
     beside = {c: [i.op for i in seq] for c, seq in order.items()
               if any(i.op == "collective-permute-start" for i in seq)}
-    assert len(beside) == 2  # F's slot (input gradients), BACK's (activations)
+    entry = next(seq for seq in order.values() if any(i.op == "while" for i in seq))
+    loops = [k for k, i in enumerate(entry) if i.op == "while"]
+    final = program.schedule.gradients_final()
+    assert len(loops) == len({r for r in final if r < program.schedule.ticks}) + 1 == 2
+    sets = overlapped_sends(program.schedule).sets  # F's slot (input gradients), BACK's
+    assert len(beside) == len(loops) * (len(sets[0]) + len(sets[1]))  # a branch per set
     for seq in beside.values():
         assert seq == ["collective-permute-start", "conditional", "collective-permute-done"]
     starts = [i for seq in order.values() for i in seq if i.op == "collective-permute-start"]
     assert all('"is_sync":false' in i.line for i in starts)
+    # a float32 reduce-scatter in flight across the last loop (the final backward)
+    early = [k for k, i in enumerate(entry) if i.op == "reduce-scatter-start" and
+             k < loops[-1] and "f32[" in i.line]
+    assert early
+    done = [k for k, i in enumerate(entry) if i.op == "reduce-scatter-done"
+            and f"(%{entry[early[0]].name})" in i.line]
+    assert done and done[0] > loops[-1]

@@ -45,6 +45,28 @@ def unit_ops(f=1.0, b=1.0, w=1.0, comm=0.0):
             for last in (False, True)}
 
 
+def test_chunk_reductions_issued_in_the_loop_leave_the_tail_up_to_the_ticks_left():
+    """Interleaved S = 2, V = 2, M = 4: chunk 1's reduction starts when its gradients are
+    final (Schedule.gradients_final) and what of it ends before the last tick leaves the
+    tail's exposed network time; longer than the ticks left, the rest stays exposed."""
+    sched = build_schedule("interleaved", 2, 4, 2)
+    mesh = {"stage": 2, "data": 1, "fsdp": 1}
+    tail = {**op(0.1), "inter_node_s": 50.0, "exposed_inter_node_s": 50.0, "seconds": 50.1}
+    base = ticks.tick_model(sched, unit_ops(), tail, 0.0, HW, mesh)
+    r = sched.gradients_final()[1]
+    assert 0 < r < sched.ticks
+    left = sched.cost({FWD: 1, BACK: 2}) - sum(  # seconds of the ticks from tick r on
+        max(sum({FWD: 1, BACK: 2}[o.kind] for o in ops) for ops in row)
+        for row in sched.ops[:r])
+    assert left > 0
+    for seconds, hidden in ((left / 2, left / 2), (2 * left, left)):
+        t = ticks.tick_model(sched, unit_ops(), tail, 0.0, HW, mesh,
+                             early=[(r, seconds, "inter-node")])
+        assert t["pipeline"]["tail_beside_ticks_s"] == pytest.approx(hidden)
+        assert t["step_s"] == pytest.approx(base["step_s"] - hidden)
+        assert t["exposed_inter_node_s"] == pytest.approx(base["exposed_inter_node_s"] - hidden)
+
+
 @pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 2, 4)])
 def test_ticks_last_their_busiest_stage(name, S, M):
     # The tick model and the table agree: each tick lasts its busiest stage's ops, one after

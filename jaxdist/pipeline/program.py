@@ -3,6 +3,7 @@ shardings), so the loop, metrics and writers treat it like any other layout."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -15,9 +16,11 @@ from jaxdist.pipeline.parts import split_pipeline_model
 from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
-from jaxdist.update import apply_gradients, scatter_partial_sums, train_state
+from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
+                            scatter_partial_sums, train_state)
 from models import context
 from sharding import batch_spec, padding
+from sharding.optimizer import axes_of
 from sharding.padding import fit
 
 
@@ -60,41 +63,119 @@ def mean_axes(mesh_shape) -> tuple[str, ...]:
     return tuple(a for a in stage_axes(mesh_shape) if a != "stage")
 
 
+class ScatterOverData:
+    """The distributed optimizer's gradient reduction inside the tick loop's map (manual
+    over `stage` and `data`; `pipeline_gradients`' `grad_reduce`): each virtual chunk's
+    gradients, as soon as the loop has finished them, are reduce-scattered over `data` to
+    the optimizer's shards in a map manual over the remaining axes too (a psum_scatter
+    with `tensor` left to the partitioner would gather over tensor first), float32,
+    padded to the stored shapes (sharding/padding.py). The map returns each device's
+    shard stacked over stage and data; `relabel` (after it, no communication) places them
+    as the optimizer's shards. Under context parallelism `data` stands for data x context
+    (`mean_axes`), which the stage body is manual over and the optimizer's shards span. A leaf whose optimizer shard splits its stage or chunk
+    dimension is reduced whole after the loop. The shared gradients leave as partial sums
+    stacked over data and are reduce-scattered after the map (`shared_after`)."""
+
+    def __init__(self, param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh):
+        is_p = lambda x: isinstance(x, P)  # noqa: E731
+        self.mesh, self.param_specs, self.update_specs = mesh, param_specs, update_specs
+        self.param_shapes, self.update_shapes = param_shapes, update_shapes
+        self.axes = mean_axes(dict(mesh.shape))  # data, and context where it splits
+        self.n = math.prod(mesh.shape[a] for a in self.axes)
+        self.inner = tuple(a for a in mesh.axis_names if a not in ("stage", *self.axes))
+        self.tree = jax.tree.structure(param_specs["stages"], is_leaf=is_p)
+        flat = lambda t: jax.tree.leaves(t, is_leaf=is_p)  # noqa: E731
+        self.leaves = list(zip(flat(param_specs["stages"]), flat(update_specs["stages"]),
+                               flat(param_shapes["stages"]), flat(update_shapes["stages"])))
+        # per chunk where the optimizer's data split is below the chunk dimension
+        self.early = [next((i for i, e in enumerate(_entries(u, len(ps.shape)))
+                            if set(self.axes) & set(axes_of(e))), len(ps.shape)) >= 2
+                      for _, u, ps, _ in self.leaves]
+        self.out_specs = (
+            jax.tree.map(lambda _: P("stage", self.axes), param_specs["stages"], is_leaf=is_p),
+            jax.tree.map(lambda _: P(self.axes), param_specs["shared"], is_leaf=is_p))
+
+    def _reduce(self, g, leaf: int, first: int):
+        """Leaf `leaf`'s gradient `g` (dimensions `first`.. of the stored leaf; the map's
+        view) -> this device's optimizer shard of it (tensor-split dimensions whole)."""
+        pspec, uspec, pshape, ushape = self.leaves[leaf]
+        nd = len(pshape.shape)
+        pe, ue = _entries(pspec, nd)[first:], _entries(uspec, nd)[first:]
+        g = fit(g.astype(jnp.float32), pshape.shape[first:])
+        outer = ("stage", *self.axes)
+
+        def local(x):  # fully manual: this device's part, reduce-scattered over data
+            target = tuple(full if e is None else size for size, full, e in
+                           zip(x.shape, ushape.shape[first:], pe))
+            return mean_to_shard(fit(x, target), P(*ue), self.axes, self.n)
+        if not self.inner:
+            return local(g)
+        keep = lambda e: _only(e, lambda a: a not in outer)  # noqa: E731
+        return jax.shard_map(local, in_specs=P(*map(keep, pe)), out_specs=P(*map(keep, ue)),
+                             axis_names=set(self.inner), check_vma=False)(g)
+
+    def chunk(self, v: int, g):
+        leaves = jax.tree.leaves(g)
+        return [self._reduce(x, i, 2) if self.early[i] else None
+                for i, x in enumerate(leaves)]
+
+    def stages(self, reduced: list, g_local):
+        whole = jax.tree.leaves(g_local)
+        out = [jnp.stack([r[i] for r in reduced]) if self.early[i] else
+               self._reduce(whole[i], i, 1) for i in range(len(whole))]
+        return jax.tree.unflatten(self.tree, [g[None] for g in out])  # [1 (data), V, ...]
+
+    def shared(self, g):
+        return jax.tree.map(lambda x: x.astype(jnp.float32)[None], g)
+
+    def relabel(self, g_stages):
+        """[S, data, V, ...] of shards, as the map returned them -> the optimizer's
+        shards (`update_specs`): each device's own block, no communication."""
+        leaves = jax.tree.leaves(g_stages)
+
+        def spec_in(i):
+            _, uspec, pshape, _ = self.leaves[i]
+            ue = _entries(uspec, len(pshape.shape))
+            return P("stage", self.axes,
+                     *(_only(e, lambda a: a not in self.axes) for e in ue[1:]))
+        specs_in = [spec_in(i) for i in range(len(leaves))]
+        specs_out = [u for _, u, _, _ in self.leaves]
+        out = jax.shard_map(lambda gs: [g.squeeze(1) for g in gs], mesh=self.mesh,
+                            in_specs=(specs_in,), out_specs=specs_out,
+                            check_vma=False)(leaves)
+        return jax.tree.unflatten(self.tree, out)
+
+    def shared_after(self, g_shared):
+        stacked = jax.tree.map(lambda g, s: fit(g, (g.shape[0], *s.shape)), g_shared,
+                               self.param_shapes["shared"])
+        return scatter_partial_sums(stacked, self.mesh, self.axes, self.param_specs["shared"],
+                                    self.update_specs["shared"], self.update_shapes["shared"],
+                                    0)
+
+
+def _entries(spec: P, ndim: int) -> list:
+    return list(spec) + [None] * (ndim - len(spec))
+
+
+def _only(entry, keep):
+    """A spec entry with the axes `keep` rejects left out (None when none is left)."""
+    axes = tuple(a for a in axes_of(entry) if keep(a))
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
                    distributed: bool):
-    """Under the distributed optimizer: (out_specs of the stage and shared gradients, what
-    each data shard returns from the shard_map over stage and data, and the reduction after
-    it). Each data shard's partial sums leave stacked on a dimension over `data` (float32),
-    stored as `param_shapes` (padded, sharding/padding.py), and one fully manual shard_map
-    reduce-scatters them to the optimizer's shards, stored as `update_shapes`
-    (jaxdist/update.py; a psum_scatter inside this map would gather over tensor first).
-    Under context parallelism they are stacked and reduced over data x context
-    (`mean_axes`), which the optimizer's shards span (sharding/optimizer.py). Else (None,
-    None, None): pmean inside, as before."""
+    """Under the distributed optimizer: (out_specs of the stage and shared gradients, the
+    reduction inside the map (ScatterOverData, `pipeline_gradients`' grad_reduce) and the
+    step after the map: (map's stage, shared gradients) -> the optimizer's shards). Else
+    (None, None, None): the mean over data inside (`DataMean`)."""
     if not distributed:
         return None, None, None
-    is_p = lambda x: isinstance(x, P)  # noqa: E731
-    axes = mean_axes(dict(mesh.shape))
-    out = (jax.tree.map(lambda _: P("stage", axes), param_specs["stages"], is_leaf=is_p),
-           jax.tree.map(lambda _: P(axes), param_specs["shared"], is_leaf=is_p))
+    red = ScatterOverData(param_specs, update_specs, param_shapes, update_shapes, mesh)
 
-    def stack(g_local, g_shared):  # [V, K, ...] -> [1 (data), V, K, ...]; stage added after
-        return jax.tree.map(lambda g: g.astype(jnp.float32)[None], (g_local, g_shared))
-
-    def stored(stacked, shapes, data_dim):
-        return jax.tree.map(
-            lambda g, s: fit(g, (*s.shape[:data_dim], g.shape[data_dim], *s.shape[data_dim:])),
-            stacked, shapes)
-
-    def reduce(g_stages, g_shared):
-        stages = scatter_partial_sums(stored(g_stages, param_shapes["stages"], 1), mesh,
-                                      axes, param_specs["stages"],
-                                      update_specs["stages"], update_shapes["stages"], 1)
-        shared = scatter_partial_sums(stored(g_shared, param_shapes["shared"], 0), mesh,
-                                      axes, param_specs["shared"],
-                                      update_specs["shared"], update_shapes["shared"], 0)
-        return stages, shared
-    return out, stack, reduce
+    def after(g_stages, g_shared):
+        return red.relabel(g_stages), red.shared_after(g_shared)
+    return red.out_specs, red, after
 
 
 def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
@@ -125,7 +206,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     update_shapes = padding.storage(logical["params"], update_specs, dict(mesh.shape))
     update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
         lambda s: NamedSharding(mesh, s), update_specs, is_leaf=lambda x: isinstance(x, P))
-    grad_out, grad_stack, grad_reduce = data_reduction(
+    grad_out, in_map, after_map = data_reduction(
         specs["params"], update_specs, abstract["params"], update_shapes, mesh,
         layout.distributed_optimizer)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
@@ -150,7 +231,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         cp = mesh.shape.get(context.AXIS, 1)
         act_shape = (B // M // data, (L1 - 1) // cp, model_cfg.width)
         run = pipeline_gradients(parts, sched, act_shape, dtype,
-                                 data_axis=mean_axes(dict(mesh.shape)), grad_reduce=grad_stack)
+                                 data_axis=mean_axes(dict(mesh.shape)), grad_reduce=in_map,
+                                 early=data * cp > 1)
         params = padding.fit_tree(state["params"], logical["params"])  # the logical view
         stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
         shared_specs = jax.tree.map(lambda _: P(), params["shared"])
@@ -159,8 +241,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
             out_specs=(P(), *(grad_out or (stage_specs, shared_specs))),
             axis_names=set(stage_axes(dict(mesh.shape))),
             check_vma=False)(params["stages"], params["shared"], tokens_M)
-        if grad_reduce is not None:
-            g_stages, g_shared = grad_reduce(g_stages, g_shared)
+        if after_map is not None:
+            g_stages, g_shared = after_map(g_stages, g_shared)
         grads = {"stages": g_stages, "shared": g_shared}
         return apply_gradients(tx, state, grads, update_shardings, update_shapes,
                                abstract["params"]), loss
@@ -169,9 +251,14 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
         raise UsageError("--eval-every measures accuracy on an image dataset, which the "
                          "pipeline layouts' decoders cannot read")
 
+    # Under the distributed optimizer the chunks' reduce-scatters run beside the ticks
+    # still to run (jaxdist/update.py overlap_options: no combiner merging them after the
+    # loop, room in the scheduler for them beside a tick's own collectives).
+    options = (overlap_options(mesh.shape["data"], jnp.dtype(dtype).itemsize if "master" in abstract
+                               else 4) if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
-                           out_shardings=(shardings, replicated), donate_argnums=0), mesh,
-                   precision)
+                           out_shardings=(shardings, replicated), donate_argnums=0,
+                           compiler_options=options), mesh, precision)
     init = jax.jit(init_fn, out_shardings=shardings)
     extra = {"act_row_shape": (model_cfg.seq_len, model_cfg.width),
              "act_itemsize": jnp.dtype(dtype).itemsize}

@@ -12,7 +12,7 @@ import numpy as np
 from jaxdist import metrics
 from jaxdist.program import comm, hlo, program_reading
 from jaxdist.pipeline.schedule import FWD, WGT
-from jaxdist.pipeline.step import overlapped_sends, pattern_runs
+from jaxdist.pipeline.step import loop_stretches, overlapped_sends, pattern_runs
 
 
 def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
@@ -156,25 +156,34 @@ def _overlapped_runs(conds, pair_sets: dict[str, tuple], sched, overlapped
     """switch_runs of a tick loop of F then BACK with OverlappedSends: per slot k, the
     switch over the pair sets sent beside the operation (branch j: its ppermute and a copy
     of the operation switch; the last: the operation alone), each copy's branches weighed
-    by the ticks that take it, and the switch of the rest's exposed sends."""
+    by the ticks that take it, and the switch of the rest's exposed sends. A loop cut into
+    scans (`loop_stretches`: chunks reduced as soon as final) holds a copy of each switch
+    per scan, in the text in scan order; each copy is weighed by its scan's ticks."""
     runs: dict[str, float] = {}
     T = sched.ticks
     for k, kind in enumerate(sched.kinds):
         sets, rest = overlapped.sets[k], overlapped.exposed[k]
         inner = {host: b for host, b in conds if len(b) == 2}
-        for _, branches in conds:
-            if len(branches) == len(sets) + 1 and [pair_sets.get(b) for b in branches] == [
-                    tuple(sorted(p)) for p in sets] + [None] and all(b in inner
-                                                                   for b in branches):
+        beside = [branches for _, branches in conds
+                  if len(branches) == len(sets) + 1 and [pair_sets.get(b) for b in branches]
+                  == [tuple(sorted(p)) for p in sets] + [None]
+                  and all(b in inner for b in branches)]
+        exposed = [branches for _, branches in conds
+                   if len(rest) > 1 and len(branches) == len(rest) and
+                   [pair_sets.get(b) for b in branches] == [None] + [tuple(sorted(p))
+                                                               for p in rest[1:]]]
+        stretches = loop_stretches(sched)
+        for found in (beside, exposed):
+            spans = (stretches if len(found) == len(stretches) and len(found) > 1
+                     else [(0, T)] * len(found))
+            for branches, (start, end) in zip(found, spans):
                 for j, b in enumerate(branches):
-                    ticks = [t for t in range(T) if overlapped.choice[t, k] == j]
+                    if found is exposed:
+                        runs[b] = int((overlapped.exposed_choice[start:end, k] == j).sum())
+                        continue
+                    ticks = [t for t in range(start, end) if overlapped.choice[t, k] == j]
                     runs[b] = len(ticks)
                     runs.update(_op_runs(conds, inner[b], sched, kind, ticks))
-            if len(rest) > 1 and len(branches) == len(rest) and [
-                    pair_sets.get(b) for b in branches] == [None] + [tuple(sorted(p))
-                                                               for p in rest[1:]]:
-                for j, b in enumerate(branches):
-                    runs[b] = int((overlapped.exposed_choice[:, k] == j).sum())
     return runs
 
 

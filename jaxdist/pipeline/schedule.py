@@ -152,6 +152,20 @@ class Schedule:
                     bwd.append((s, (s - 1) % S))
         return fwd, bwd
 
+    def gradients_final(self) -> tuple[int, ...]:
+        """Per virtual chunk v: the first tick after which no stage computes a weight
+        gradient of its chunk v (BACK or W), so chunk v's gradients are final on every
+        stage and its data-axis reduction can start (jaxdist/pipeline/step.py). Under
+        interleaved schedules chunk v > 0 is final before the last tick; chunk 0, and the
+        single chunk of V = 1, at the end (`ticks`)."""
+        last = [0] * self.virtual
+        for t, row in enumerate(self.ops):
+            for ops in row:
+                for op in ops:
+                    if op.kind in (BACK, WGT):
+                        last[op.v] = max(last[op.v], t + 1)
+        return tuple(last)
+
     def summary(self) -> dict:
         return {"schedule": self.name, "stages": self.stages, "virtual": self.virtual,
                 "microbatches": self.microbatches, "ticks": self.ticks,

@@ -14,9 +14,14 @@ during tick t+1's F), under zb-h1 after the tick's last slot.
 In 1F1B's steady state every stage runs an F and a BACK in the same tick, so no tick holds
 one stage's forward against its neighbour's backward: ticks cost F + BACK everywhere.
 
-One `lax.scan` runs every tick (F then BACK: a switch per slot, copied once per pair set
+One `lax.scan` runs the ticks (F then BACK: a switch per slot, copied once per pair set
 sent beside it; zb-h1: one scan step per slot, its switch and one switch of send
-patterns), so compile time does not grow with S or M.
+patterns), so compile time does not grow with S or M. Where a virtual chunk's gradients
+are final on every stage before the last tick (interleaved: chunk v > 0,
+`Schedule.gradients_final`), the loop is cut there into one scan per such tick and the
+chunk's data-axis reduction is issued between them (`DataMean`; the distributed
+optimizer's reduce-scatter: jaxdist/pipeline/program.py), so XLA:GPU's scheduler keeps it
+in flight beside the remaining ticks; chunk 0 (all of V = 1) is reduced after the last.
 
 Memory: F stashes what its backward needs (the vjp's residuals: jaxdist/pipeline/ops.py)
 in one of `res_slots` slots (the schedule's count: M for GPipe, at most 2S-1 for 1F1B), and
@@ -137,6 +142,36 @@ def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSen
     return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
 
 
+def loop_stretches(sched: Schedule) -> list[tuple[int, int]]:
+    """(first tick, end) of each scan of a tick loop that reduces chunks over data as soon
+    as they are final: the ticks cut where some chunk's gradients become final on every
+    stage before the last tick (`Schedule.gradients_final`)."""
+    bounds = [0, *sorted({r for r in sched.gradients_final() if r < sched.ticks}),
+              sched.ticks]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class DataMean:
+    """The gradients' mean over the data axis, issued per virtual chunk as soon as the tick
+    loop has finished it (`chunk`: a chunk's [K, ...] gradients, inside the map), then
+    `stages` (the reduced chunks in order, and the loop's whole [V, K, ...] buffer) -> the
+    stage gradients the map returns (less their stage dimension), `shared` -> the shared
+    ones. This one all-reduces (pmean); the distributed optimizer's reduce-scatters
+    (jaxdist/pipeline/program.py)."""
+
+    def __init__(self, axis: str):
+        self.axis = axis
+
+    def chunk(self, v: int, g):
+        return jax.lax.pmean(g, self.axis)
+
+    def stages(self, reduced: list, g_local):
+        return jax.tree.map(lambda *g: jnp.stack(g), *reduced)
+
+    def shared(self, g):
+        return jax.lax.pmean(g, self.axis)
+
+
 def _store(buffer, slot, value):
     """buffer[slot] = value where slot >= 0 (in place); unchanged otherwise."""
     i = jnp.maximum(slot, 0)
@@ -148,11 +183,13 @@ def _read(buffer, slot):
 
 
 def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
-                       data_axis: str | None = None, grad_reduce=None):
+                       data_axis: str | None = None, grad_reduce=None, early: bool = True):
     """(stage params [1, V, K, ...], shared params, tokens [M, b, L+1]) -> (mean loss,
-    stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`:
-    (stage grads [V, K, ...], shared grads) -> their mean over `data_axis` as the step wants
-    them (the distributed optimizer: reduce-scattered); default pmean."""
+    stage grads, shared grads), to run inside shard_map over `stage`. `grad_reduce`: the
+    gradients' mean over `data_axis` as the step wants them, chunk by chunk as the loop
+    finishes them (`DataMean`, its default; the distributed optimizer's reduce-scatter:
+    jaxdist/pipeline/program.py; `early` False: all after the loop, one scan, where the
+    data axis has one device)."""
     S, V, M = sched.stages, sched.virtual, sched.microbatches
     tables = _tables(sched)
     patterns, pattern_of_slot = send_patterns(sched)
@@ -339,20 +376,48 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
         if overlapped is None:
-            carry, _ = jax.lax.scan(slot, carry, jnp.arange(len(pattern_of_slot)))
+            body, per_tick = slot, len(sched.kinds)
         else:
             choice = jnp.asarray(overlapped.choice)
             exposed_choice = jnp.asarray(overlapped.exposed_choice)
             run_f, run_back = (beside(k, overlapped.sets, overlapped.exposed, choice,
                                       exposed_choice) for k in (0, 1))
-            carry, _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+            body, per_tick = tick, 1
+        # One scan per stretch of ticks; after each, the chunks whose gradients are final
+        # on every stage are reduced over data, beside the ticks still to run.
+        reducer = None if data_axis is None else (grad_reduce or DataMean(data_axis))
+        final = sched.gradients_final()
+        stretches = loop_stretches(sched) if reducer and early else [(0, sched.ticks)]
+        # Each reduction reads its input through an optimization barrier with the one
+        # before's result (whose barrier output is the one used): XLA's collective
+        # combiners merge independent collectives into one, placed after the last of
+        # them, which would be after the loop.
+        reduced, order = {}, []
+
+        def after_previous(g):
+            if not order:
+                return g
+            reduced[order[-1]], g = jax.lax.optimization_barrier((reduced[order[-1]], g))
+            return g
+        for start, end in stretches:
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(start * per_tick,
+                                                            end * per_tick))
+            for v in range(V) if end < sched.ticks else ():
+                if v not in reduced and final[v] <= end:
+                    reduced[v] = reducer.chunk(v, after_previous(
+                        jax.tree.map(lambda g: g[v], carry[4])))
+                    order.append(v)
         g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
         g_shared = jax.lax.psum(g_shared, "stage")
-        if data_axis is not None:  # each data shard's mean over its rows -> global mean
+        if reducer is not None:  # each data shard's mean over its rows -> global mean
             loss = jax.lax.pmean(loss, data_axis)
-            g_local, g_shared = (grad_reduce or (lambda *g: jax.lax.pmean(g, data_axis)))(
-                g_local, g_shared)
+            g_local, g_shared = after_previous((g_local, g_shared))
+            for v in range(V):
+                if v not in reduced:
+                    reduced[v] = reducer.chunk(v, jax.tree.map(lambda g: g[v], g_local))
+            g_local = reducer.stages([reduced[v] for v in range(V)], g_local)
+            g_shared = reducer.shared(g_shared)
         return loss, jax.tree.map(lambda g: g[None], g_local), g_shared
 
     return run

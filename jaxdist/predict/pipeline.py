@@ -15,7 +15,10 @@ tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one sta
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
   cost the same;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
-  over `stage`), then the optimizer update, at full depth.
+  over `stage`), then the optimizer update, at full depth. The chunks' reductions the tick
+  loop issues before its last tick (interleaved, distributed optimizer, --overlap:
+  `early_reductions`) are timed beside the ticks (jaxdist.predict.ticks
+  `hidden_reductions`).
 Each op's time is `jaxdist.predict.time_model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
 jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
@@ -177,6 +180,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     slots too, as the program holds them)."""
     from jaxdist.state_shapes import pipeline_planning_state
     from jaxdist.pipeline.program import data_reduction, mean_axes, stage_axes
+    from jaxdist.pipeline.step import DataMean
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
@@ -195,16 +199,17 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     params = state["params"]
     # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
     # the step does (jaxdist/pipeline/program.py)
-    grad_out, stack, scatter = data_reduction(specs["params"], update_specs, params,
-                                               update_shapes, mesh,
-                                               layout.distributed_optimizer)
+    grad_out, in_map, scatter = data_reduction(specs["params"], update_specs, params,
+                                                update_shapes, mesh,
+                                                layout.distributed_optimizer)
+    in_map = in_map or DataMean(mean_axes(sizes))
 
-    def reduce(g_stages, g_shared):
+    def reduce(g_stages, g_shared):  # chunk by chunk, as the tick loop issues it
         g_shared = jax.lax.psum(g_shared, "stage")
-        if stack is None:
-            return jax.lax.pmean((g_stages, g_shared), mean_axes(sizes))
-        g_local, g_shared = stack(jax.tree.map(lambda g: g[0], g_stages), g_shared)
-        return jax.tree.map(lambda g: g[None], g_local), g_shared
+        g_local = jax.tree.map(lambda g: g[0], g_stages)
+        reduced = [in_map.chunk(v, jax.tree.map(lambda g: g[v], g_local)) for v in range(V)]
+        return (jax.tree.map(lambda g: g[None], in_map.stages(reduced, g_local)),
+                in_map.shared(g_shared))
 
     stage_specs = jax.tree.map(lambda _: P("stage"), params["stages"])
     shared_specs = jax.tree.map(lambda _: P(), params["shared"])
@@ -223,6 +228,49 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)
     return MeshJit(jitted, mesh).lower(state, params), sizes
+
+
+def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+                         stage_blocks: tuple[int, ...] = ()) -> float:
+    """One virtual chunk's part of the gradient bytes each device reduces over `data`
+    (its stage's blocks over V, beside the shared gradients), as stored and split by the
+    layout: the share of the tail's data-axis reduction the tick loop issues for a chunk
+    as soon as its gradients are final (jaxdist/pipeline/step.py)."""
+    from jaxdist.state_shapes import pipeline_planning_state
+
+    devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
+        tuple(sizes.values()))
+    mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
+                                      layout.master_weights(cfg.model.dtype), stage_blocks)
+    specs = layout(logical, mesh)["params"]
+    stored = padding.storage(logical, layout(logical, mesh), sizes)["params"]
+
+    def per_device(part):
+        def leaf(shape, spec):
+            split = math.prod(sizes[a] for e in spec for a in padding.axes_of(e)
+                              if a != "data")  # the bytes each device reduces
+            return math.prod(shape.shape) / split
+        return sum(jax.tree.leaves(jax.tree.map(leaf, stored[part], specs[part],
+                                                is_leaf=lambda x: isinstance(x, P))))
+    stages, shared = per_device("stages"), per_device("shared")
+    return stages / V / (stages + shared)
+
+
+def early_reductions(sched, tail_row: dict, share: float, distributed: bool = True) -> list:
+    """(tick, seconds, link) of each chunk reduction the tick loop issues before its last
+    tick (Schedule.gradients_final), in issue order: `share` of the tail's data-axis
+    gradient reduction (reduce-scatter under the distributed optimizer, else all-reduce)."""
+    kind = "reduce-scatter" if distributed else "all-reduce"
+    grads = [c for c in tail_row["collectives"] if c["kind"] == kind and c["axes"] == ["data"]]
+    if not grads:
+        return []
+    seconds = sum(c["seconds"] for c in grads)
+    link = max(grads, key=lambda c: c["seconds"])["link"]
+    return sorted((r, share * seconds, link) for r in sched.gradients_final()
+                  if r < sched.ticks)
 
 
 # ---- the whole prediction ----------------------------------------------------------------
@@ -324,8 +372,13 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
+    # what XLA:GPU's schedule was read to keep in flight beside the ticks (tested): the
+    # distributed optimizer's reduce-scatters under --overlap
+    early = (early_reductions(sched, tail_row, chunk_gradient_share(
+        cfg, model_cfg, sizes, S, V, target, stage_blocks), True)
+        if V > 1 and cfg.train.distributed_optimizer and cfg.compiler.overlap else [])
     time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
-                      cfg.output.pp_runtime, cfg.compiler.overlap)
+                      cfg.output.pp_runtime, cfg.compiler.overlap, early)
     time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
                        "to its length; a stage send beside the op it rides with up to that "
                        "op's length (F then BACK loops), else exposed" if cfg.compiler.overlap

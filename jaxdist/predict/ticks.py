@@ -100,8 +100,25 @@ def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part
     return max(free)
 
 
+def hidden_reductions(tick_ends: list[float], early, exposed: dict) -> dict:
+    """Seconds of the tail's exposed gradient reduction, by link, that run beside the
+    ticks: each early chunk reduction (`early`: (tick, seconds, link) in issue order,
+    jaxdist.predict.pipeline.early_reductions) starts when tick `tick` - 1 ends, or when
+    the one before it is done (the loop chains them; one at a time on the link), and
+    what of it ends before the last tick does is hidden; at most the tail's exposed
+    time on that link (`exposed`)."""
+    hidden = {"intra-node": 0.0, "inter-node": 0.0}
+    free, end_s = 0.0, tick_ends[-1] if tick_ends else 0.0
+    for tick, seconds, link in early:
+        start = max(tick_ends[tick - 1] if tick > 0 else 0.0, free)
+        free = start + seconds
+        hidden[link] += max(0.0, min(free, end_s) - start)
+    return {k: min(v, exposed[k]) for k, v in hidden.items()}
+
+
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Part,
-               mesh: dict[str, int], runtime: str = "jaxdist", overlap: bool = False) -> dict:
+               mesh: dict[str, int], runtime: str = "jaxdist", overlap: bool = False,
+               early=()) -> dict:
     """The step from the schedule table. `ops[op_key(...)]`: op_row of a chunk's forward
     (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the
     head (and the chunk's blocks where the schedule has them: a stage of fewer blocks runs
@@ -109,7 +126,9 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     per device. `runtime`: jaxdist (its tick loop: a tick lasts its busiest stage's ops, then
     its sends) or megatron (a what-if: the same table, each stage driven by its own inputs,
     `dataflow_seconds`). `overlap`: the step compiled with XLA's latency-hiding scheduler
-    (--overlap), which puts a send beside the operation the loop issues it with."""
+    (--overlap), which puts a send beside the operation the loop issues it with. `early`:
+    the chunk reductions the loop issues before its last tick (`hidden_reductions`),
+    whose time beside the ticks leaves the tail."""
     S = sched.stages
     busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
                            "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
@@ -118,6 +137,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     sends = {"intra-node": 0.0, "inter-node": 0.0}
     exposed = {"intra-node": 0.0, "inter-node": 0.0}  # the sends' time the ticks do not hide
     messages = 0
+    tick_ends = []  # when each tick's operations end (the ticks' own time, sends apart)
     beside = overlapped_sends(sched) if overlap else None
     for t in range(sched.ticks):
         longest, longest_op = 0.0, dict.fromkeys(sched.kinds, 0.0)
@@ -131,6 +151,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
                 longest_op[op.kind] = max(longest_op[op.kind], row["seconds"])
             longest = max(longest, stage_s)
         ticks_s += longest
+        tick_ends.append(ticks_s)
         # jaxdist's tick loop (jaxdist/pipeline/step.py): one ppermute per direction. Under
         # OverlappedSends slot k's pairs go out beside its operation (the ppermute's start
         # before it, its done after: XLA:GPU's schedule), so only what outlasts the slot's
@@ -152,6 +173,12 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
         dataflow_seconds(sched, ops, act_bytes, hw, mesh)
     if runtime == "megatron":  # a send delays only the op waiting for it (in dataflow_s)
         ticks_s, exposed = dataflow_s, {"intra-node": 0.0, "inter-node": 0.0}
+    tail_exposed = {"intra-node": tail["exposed_intra_node_s"],
+                    "inter-node": tail["exposed_inter_node_s"]}
+    hidden = hidden_reductions(tick_ends, early, tail_exposed)
+    tail = {**tail, "seconds": tail["seconds"] - sum(hidden.values()),
+            "exposed_intra_node_s": tail_exposed["intra-node"] - hidden["intra-node"],
+            "exposed_inter_node_s": tail_exposed["inter-node"] - hidden["inter-node"]}
     critical = max(range(S), key=lambda s: busy[s]["seconds"])
     work = busy[critical]
     bubble = ticks_s - work["seconds"]
@@ -183,6 +210,8 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
                          "send_inter_node_s": sends["inter-node"], "messages": messages,
                          "send_exposed_s": exposed["intra-node"] + exposed["inter-node"],
                          "message_bytes": act_bytes, "tail_s": tail["seconds"],
+                         "tail_beside_ticks_s": sum(hidden.values()),
+                         "early_reductions": len(early),
                          "runtime": runtime, "lockstep_s": lockstep_s,
                          "dataflow_s": dataflow_s,
                          "lockstep": "jaxdist: each tick lasts as long as its busiest "

@@ -28,6 +28,12 @@ def compiles_run() -> int:
 def compile_with(lowered, options: dict | None):
     """`lowered.compile(options)`, and for a device-less XLA:GPU compile its buffer live
     ranges read from a dump into a folder made and removed here (jaxdist.program.liveness)."""
+    # The program's own options (jit compiler_options, e.g. jaxdist/update.py
+    # overlap_options) win over a plan's defaults, as they win over XLA_FLAGS in a run; JAX
+    # itself lets the options given here win.
+    if options:
+        options = {**options, **dict(getattr(getattr(lowered, "_lowering", None),
+                                             "_compiler_options_kvs", ()))}
     if not dumps_liveness(options):
         return lowered.compile(options) if options else lowered.compile()
     folder = tempfile.mkdtemp(prefix="jaxdist-xla-buffers-")
