@@ -260,17 +260,17 @@ def test_pipeline_plan_splits_the_stash_over_context():
     """The pipeline plan's hand estimate (shapes only): a context axis of 2 in place of half
     the data shards holds the same activations per stage device (twice the rows, each half
     its sequence; the scores' queries halved, their keys whole), and one micro-batch's
-    stage message is L / 2 long."""
+    stage message is L / 2 long, also where a data shard's micro-batch is one row."""
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
     from jaxdist.plan.pipeline_shapes import plan_pipeline
     from jaxdist.predict.pipeline import message_bytes
     from jaxdist.run_model import build_model
 
-    def plan(mesh):
+    def plan(mesh, microbatches=4):
         cfg = from_namespace(build_parser().parse_args([
             "--dry-run", "--model", "llama3-70b", "--model-opts", "depth=8", "--layout",
-            "tp_pp", "--mesh", mesh, "--microbatches", "4", "--batch-size", "16",
+            "tp_pp", "--mesh", mesh, "--microbatches", str(microbatches), "--batch-size", "16",
             "--dtype", "bfloat16", "--sequence-parallel"]))
         sizes = dict(parse_mesh(mesh).axis_sizes)
         return plan_pipeline(cfg, parse_mesh(mesh)).to_json()["stages"], message_bytes(
@@ -281,6 +281,8 @@ def test_pipeline_plan_splits_the_stash_over_context():
         assert b["activation_stash"] == a["activation_stash"] > 0
         assert b["activation_working"] == a["activation_working"] > 0
     assert msg_split == msg_whole == 16 // (4 * 4) * 8192 * 8192 * 2
+    _, msg_one_row = plan("data:2,stage:2,context:2,tensor:8", microbatches=8)
+    assert msg_one_row == 1 * 8192 // 2 * 8192 * 2
 
 
 def test_xla_gpu_ring_passes_keys_and_values_round_context():

@@ -214,10 +214,12 @@ def local_activation_bytes(program, batch_size: int) -> int:
     mesh = program.batch_sharding.mesh
     spec = program.batch_sharding.spec[0]
     axes = (spec,) if isinstance(spec, str) else (spec or ())
-    shards = math.prod(mesh.shape[a] for a in axes) * mesh.shape.get("context", 1)
-    cfg_shape = program.extra["act_row_shape"]  # (L, D)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    L, D = program.extra["act_row_shape"]
     itemsize = program.extra["act_itemsize"]
-    return batch_size // program.microbatches // shards * math.prod(cfg_shape) * itemsize
+    # the sequence, not the rows, over `context`: a micro-batch of one row still has L / CP
+    return (batch_size // program.microbatches // shards * (L // mesh.shape.get("context", 1))
+            * D * itemsize)
 
 
 def stage_param_bytes(state, mesh) -> list[int]:

@@ -296,9 +296,11 @@ def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
     at the boundary, rows over the batch axes, the sequence over `context`, the full width
     (jaxdist.pipeline.report)."""
-    shards = math.prod(sizes[a] for a in batch_axes(sizes)) * sizes.get("context", 1)
+    shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
-    return rows * model_cfg.seq_len * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    # the sequence, not the rows, over `context`: a micro-batch of one row still has L / CP
+    tokens = model_cfg.seq_len // sizes.get("context", 1)
+    return rows * tokens * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 
 
 def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = None,
