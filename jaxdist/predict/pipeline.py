@@ -173,14 +173,11 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                         act, act), dict(mesh.shape)
 
 
-def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
-                 stage_blocks: tuple[int, ...] = ()) -> tuple:
-    """The step after the ticks, on the whole mesh at full depth: gradients summed over
-    stages (shared) and averaged over data, then the optimizer update (of the padded
-    slots too, as the program holds them)."""
+def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+                      stage_blocks: tuple[int, ...]) -> tuple:
+    """(mesh, optimizer, layout, logical state) on the whole mesh, as the step holds the
+    state: what the tail's program and a chunk's share of its reduction are read from."""
     from jaxdist.state_shapes import pipeline_planning_state
-    from jaxdist.pipeline.program import data_reduction, mean_axes, stage_axes
-    from jaxdist.pipeline.step import DataMean
 
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
@@ -189,6 +186,19 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
     logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
                                       layout.master_weights(cfg.model.dtype), stage_blocks)
+    return mesh, tx, layout, logical
+
+
+def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+                 stage_blocks: tuple[int, ...] = ()) -> tuple:
+    """The step after the ticks, on the whole mesh at full depth: gradients summed over
+    stages (shared) and averaged over data, then the optimizer update (of the padded
+    slots too, as the program holds them)."""
+    from jaxdist.pipeline.program import data_reduction, mean_axes, stage_axes
+    from jaxdist.pipeline.step import DataMean
+
+    mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
+                                                  stage_blocks)
     specs = layout(logical, mesh)
     state = padding.storage(logical, specs, sizes)  # as stored: padded (sharding/padding.py)
     update_specs = layout.update_specs(logical["params"], specs["params"], mesh)
@@ -236,22 +246,18 @@ def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     (its stage's blocks over V, beside the shared gradients), as stored and split by the
     layout: the share of the tail's data-axis reduction the tick loop issues for a chunk
     as soon as its gradients are final (jaxdist/pipeline/step.py)."""
-    from jaxdist.state_shapes import pipeline_planning_state
+    from jaxdist.pipeline.program import mean_axes
 
-    devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
-        tuple(sizes.values()))
-    mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
-    logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                      layout.master_weights(cfg.model.dtype), stage_blocks)
+    mesh, _, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
+                                                 stage_blocks)
     specs = layout(logical, mesh)["params"]
     stored = padding.storage(logical, layout(logical, mesh), sizes)["params"]
+    reduced = mean_axes(sizes)  # data, and context where it splits the sequence
 
     def per_device(part):
         def leaf(shape, spec):
             split = math.prod(sizes[a] for e in spec for a in padding.axes_of(e)
-                              if a != "data")  # the bytes each device reduces
+                              if a not in reduced)  # the bytes each device reduces
             return math.prod(shape.shape) / split
         return sum(jax.tree.leaves(jax.tree.map(leaf, stored[part], specs[part],
                                                 is_leaf=lambda x: isinstance(x, P))))
