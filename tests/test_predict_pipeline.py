@@ -67,6 +67,24 @@ def test_chunk_reductions_issued_in_the_loop_leave_the_tail_up_to_the_ticks_left
         assert t["exposed_inter_node_s"] == pytest.approx(base["exposed_inter_node_s"] - hidden)
 
 
+def test_chunk_reductions_are_read_on_the_axes_the_step_reduces_over():
+    """Under context parallelism the tail's gradient reduce-scatter runs over data x
+    context (mean_axes): the chunk reductions the loop issues early are that collective's
+    share, not absent because it is not on `data` alone."""
+    from jaxdist.pipeline.program import mean_axes
+    from jaxdist.predict.pipeline import early_reductions
+
+    sched = build_schedule("interleaved", 2, 4, 2)
+    rs = {"kind": "reduce-scatter", "axes": ["data", "context"], "seconds": 0.4,
+          "link": "inter-node"}
+    tail = {"collectives": [rs, {**rs, "kind": "all-gather"}]}
+    axes = mean_axes({"stage": 2, "data": 2, "context": 2, "tensor": 2})
+    assert axes == ("data", "context")
+    r = sched.gradients_final()[1]
+    assert early_reductions(sched, tail, 0.25, axes) == [(r, 0.1, "inter-node")]
+    assert early_reductions(sched, tail, 0.25, ("data",)) == []
+
+
 @pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("1f1b", 4, 8), ("zb-h1", 2, 4)])
 def test_ticks_last_their_busiest_stage(name, S, M):
     # The tick model and the table agree: each tick lasts its busiest stage's ops, one after

@@ -265,12 +265,15 @@ def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     return stages / V / (stages + shared)
 
 
-def early_reductions(sched, tail_row: dict, share: float, distributed: bool = True) -> list:
+def early_reductions(sched, tail_row: dict, share: float, axes: tuple[str, ...],
+                     distributed: bool = True) -> list:
     """(tick, seconds, link) of each chunk reduction the tick loop issues before its last
-    tick (Schedule.gradients_final), in issue order: `share` of the tail's data-axis
-    gradient reduction (reduce-scatter under the distributed optimizer, else all-reduce)."""
+    tick (Schedule.gradients_final), in issue order: `share` of the tail's gradient
+    reduction over `axes` (data, and context where it splits the sequence: mean_axes;
+    reduce-scatter under the distributed optimizer, else all-reduce)."""
     kind = "reduce-scatter" if distributed else "all-reduce"
-    grads = [c for c in tail_row["collectives"] if c["kind"] == kind and c["axes"] == ["data"]]
+    grads = [c for c in tail_row["collectives"]
+             if c["kind"] == kind and set(c["axes"]) == set(axes)]
     if not grads:
         return []
     seconds = sum(c["seconds"] for c in grads)
@@ -382,8 +385,10 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     tail_row = op_row(tail, *args)
     # what XLA:GPU's schedule was read to keep in flight beside the ticks (tested): the
     # distributed optimizer's reduce-scatters under --overlap
+    from jaxdist.pipeline.program import mean_axes
+
     early = (early_reductions(sched, tail_row, chunk_gradient_share(
-        cfg, model_cfg, sizes, S, V, target, stage_blocks), True)
+        cfg, model_cfg, sizes, S, V, target, stage_blocks), mean_axes(sizes), True)
         if V > 1 and cfg.train.distributed_optimizer and cfg.compiler.overlap else [])
     time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
                       cfg.output.pp_runtime, cfg.compiler.overlap, early)
