@@ -117,6 +117,16 @@ def whole_sequence(x_BLD, sequence_parallel: bool):
     return from_sequence_shards(x_BLD) if sequence_parallel and active() else x_BLD
 
 
+def pin_sequence_shards(x, sequence_parallel: bool, leading: int = 0):
+    """x ([*leading dims, B, L, D]: an activation between blocks, e.g. a pipeline stage's
+    message or its buffer of them) laid out as the sequence shards the blocks hold, so it
+    is kept and sent as 1/T of the sequence on each tensor device, as Megatron's pipeline
+    sends under sequence parallelism; x itself where there are none."""
+    if not (sequence_parallel and active()):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*([None] * leading), *_sequence()))
+
+
 def run_stack(blocks, run_block, x_BLD, sequence_parallel: bool, chunks: int = 1,
               ordered: bool = False):
     """The decoder's blocks, on sequence shards under sequence parallelism (entered before the

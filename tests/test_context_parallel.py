@@ -260,7 +260,8 @@ def test_pipeline_plan_splits_the_stash_over_context():
     """The pipeline plan's hand estimate (shapes only): a context axis of 2 in place of half
     the data shards holds the same activations per stage device (twice the rows, each half
     its sequence; the scores' queries halved, their keys whole), and one micro-batch's
-    stage message is L / 2 long, also where a data shard's micro-batch is one row."""
+    stage message is L / (2 x 8) long (under sequence parallelism a sequence shard over
+    tensor too), also where a data shard's micro-batch is one row."""
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
     from jaxdist.plan.pipeline_shapes import plan_pipeline
@@ -280,9 +281,9 @@ def test_pipeline_plan_splits_the_stash_over_context():
     for a, b in zip(whole, split):
         assert b["activation_stash"] == a["activation_stash"] > 0
         assert b["activation_working"] == a["activation_working"] > 0
-    assert msg_split == msg_whole == 16 // (4 * 4) * 8192 * 8192 * 2
+    assert msg_split == msg_whole == 16 // (4 * 4) * 8192 // 8 * 8192 * 2
     _, msg_one_row = plan("data:2,stage:2,context:2,tensor:8", microbatches=8)
-    assert msg_one_row == 1 * 8192 // 2 * 8192 * 2
+    assert msg_one_row == 1 * 8192 // (2 * 8) * 8192 * 2
 
 
 def test_xla_gpu_ring_passes_keys_and_values_round_context():

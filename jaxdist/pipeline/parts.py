@@ -41,7 +41,7 @@ class Parts:
     blocks_per_chunk: int
     aux_weight: float | None  # MoE: weight of the balance loss; None for dense decoders
     remat: str = "none"       # --remat: per-block recompute inside a chunk's backward
-    sequence_parallel: bool = False  # the blocks' output whole again (the stage message)
+    sequence_parallel: bool = False  # stage messages as sequence shards over tensor
     counts: tuple = ()        # blocks of chunk (s, v): counts[s][v] (`chunk_blocks`)
     balanced: bool = True     # context parallelism's zig-zag order (models/context.py)
 
@@ -85,7 +85,6 @@ class Parts:
                 return nnx.merge(self.block_graphdef, params)(x)
         if self.remat != "none":  # what a block keeps: models.layers.REMAT_POLICIES
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
-        x_BLD = sequence_shards(x_BLD, self.sequence_parallel)
         for j in range(self.blocks_per_chunk):
             if j < self.min_blocks:
                 out = run_block(blocks[j], x_BLD)
@@ -96,9 +95,10 @@ class Parts:
             else:
                 x_BLD, a = out
                 aux = aux + a
-        return whole_sequence(x_BLD, self.sequence_parallel), aux
+        return x_BLD, aux
 
     def head_loss(self, shared, x_BLD, targets_BL):
+        x_BLD = whole_sequence(x_BLD, self.sequence_parallel)
         ln_f = nnx.merge(self.shared_graphdefs["ln_f"], shared["ln_f"])
         head = nnx.merge(self.shared_graphdefs["head"], shared["head"])
         logits_BLV = head(ln_f(x_BLD)).astype(jnp.float32)
@@ -109,8 +109,11 @@ class Parts:
         balance loss, 0 for dense decoders). The first chunk embeds the tokens instead of
         reading `x` (every stage runs one program; the lookup is cheap, selected by
         `where`). The head is not here: the last chunk's forward runs it and its backward
-        at once (jaxdist/pipeline/ops.py), so no stage stashes the logits."""
-        h_BLD = jnp.where(is_first, self.embed(shared, self.inputs(tokens_BL1)), x_BLD)
+        at once (jaxdist/pipeline/ops.py), so no stage stashes the logits. Under sequence
+        parallelism `x` and the output are the blocks' sequence shards (the stage message
+        is 1/T of the sequence per tensor device); the head gathers the whole."""
+        h_BLD = jnp.where(is_first, sequence_shards(self.embed(shared, self.inputs(tokens_BL1)),
+                                                    self.sequence_parallel), x_BLD)
         h_BLD, aux = self.blocks(blocks, h_BLD, count)
         if self.aux_weight is None:
             return h_BLD, jnp.zeros((), jnp.float32)

@@ -48,6 +48,14 @@ def pipeline_state(model_cfg, dtype_name: str, tx, seed: int, stages: int, virtu
     return init_fn, abstract, holder["parts"]
 
 
+def message_sequence_shards(model_cfg, mesh_shape) -> int:
+    """The shards a stage message's sequence is split into on each device group: `context`
+    (the stage body holds its own part), times `tensor` under sequence parallelism (the
+    blocks' sequence shards, sent as they are: models/sequence_parallel.py)."""
+    sp = getattr(model_cfg, "sequence_parallel", False)
+    return mesh_shape.get(context.AXIS, 1) * (mesh_shape.get("tensor", 1) if sp else 1)
+
+
 def stage_axes(mesh_shape) -> tuple[str, ...]:
     """The axes the stage shard_map makes manual: `stage`, `data` and, where it splits the
     sequence, `context` (each stage body then holds its own sequence shard:
@@ -261,7 +269,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
                            compiler_options=options), mesh, precision)
     init = jax.jit(init_fn, out_shardings=shardings)
     extra = {"act_row_shape": (model_cfg.seq_len, model_cfg.width),
-             "act_itemsize": jnp.dtype(dtype).itemsize}
+             "act_itemsize": jnp.dtype(dtype).itemsize,
+             "act_sequence_shards": message_sequence_shards(model_cfg, dict(mesh.shape))}
     return PipelineProgram(None, abstract, specs, shardings, batch_sharding, init, step,
                            correct_fn, microbatches, None, logical, schedule=sched,
                            parts=parts, extra=extra)

@@ -209,17 +209,18 @@ def stage_sends(hlo_text: str, mesh_shape: dict[str, int], sched) -> dict:
 
 def local_activation_bytes(program, batch_size: int) -> int:
     """One micro-batch's activation at a stage boundary, as one device holds it: rows split
-    over the batch axes (data, fsdp), the sequence over `context`, the full width (the
-    residual stream is replicated over `tensor`)."""
+    over the batch axes (data, fsdp), the sequence over `context` and, under sequence
+    parallelism, `tensor` (else the residual stream is whole on every tensor device), the
+    full width."""
     mesh = program.batch_sharding.mesh
     spec = program.batch_sharding.spec[0]
     axes = (spec,) if isinstance(spec, str) else (spec or ())
     shards = math.prod(mesh.shape[a] for a in axes)
     L, D = program.extra["act_row_shape"]
     itemsize = program.extra["act_itemsize"]
-    # the sequence, not the rows, over `context`: a micro-batch of one row still has L / CP
-    return (batch_size // program.microbatches // shards * (L // mesh.shape.get("context", 1))
-            * D * itemsize)
+    # the sequence, not the rows, is split: a micro-batch of one row still has L / CP
+    return (batch_size // program.microbatches // shards *
+            (L // program.extra["act_sequence_shards"]) * D * itemsize)
 
 
 def stage_param_bytes(state, mesh) -> list[int]:

@@ -44,6 +44,7 @@ import numpy as np
 from jaxdist.pipeline.ops import ChunkOps
 from jaxdist.pipeline.parts import Parts
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, Schedule
+from models.sequence_parallel import pin_sequence_shards
 
 
 def _tables(sched: Schedule) -> dict[str, np.ndarray]:
@@ -221,7 +222,12 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)
             return g_l, jax.tree.map(jnp.add, g_s, d_shared)
 
-        zeros_act = jnp.zeros(act_shape, act_dtype)
+        def pinned(x, leading=0):
+            """A message (`leading` 1: a buffer of them) as the blocks' sequence shards under
+            sequence parallelism: kept and sent as 1/T of the sequence per tensor device."""
+            return pin_sequence_shards(x, parts.sequence_parallel, leading)
+
+        zeros_act = pinned(jnp.zeros(act_shape, act_dtype))
 
         def operate(state, u, kinds, defer=False):
             """Slot u's operation on this stage (idle or one of `kinds`, the op table's
@@ -265,18 +271,19 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     return ls + loss, g_s, dh
                 ls, g_s, dh = jax.lax.cond(is_last, head, lambda a: a,
                                            (ls + aux, g_s, zeros_act))
-                return kept, g_l, g_s, ls, y, dx_out, list(stored), dh
+                return kept, g_l, g_s, ls, pinned(y), dx_out, list(stored), pinned(dh)
 
             def back(acc):  # BACK: weight and input gradients from the stash
                 kept, g_l, g_s, ls, y_out, dx_out = acc
                 d_chunk, d_shared, dx = ops.backward(*backward_inputs())
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
-                return kept, g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
+                return kept, g_l, g_s, ls, y_out, pinned(dx.astype(act_dtype)), *nothing()
 
             def bwd(acc):  # B (zb-h1): the input gradient; W reads what it keeps
                 kept, g_l, g_s, ls, y_out, dx_out = acc
                 dx, kept = ops.input_grad(*backward_inputs())
-                return tuple(kept), g_l, g_s, ls, y_out, dx.astype(act_dtype), *nothing()
+                return (tuple(kept), g_l, g_s, ls, y_out, pinned(dx.astype(act_dtype)),
+                        *nothing())
 
             def wgt(acc):  # W: the weight gradients from the stash and B's kept values
                 kept, g_l, g_s, ls, y_out, dx_out = acc
@@ -302,7 +309,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             is_f = row["op"] == 1 + sched.kinds.index(FWD)
             stash = tuple(_store(b, jnp.where(is_f, row["res"], -1), r)
                           for b, r in zip(stash, stored))
-            grads = _store(grads, jnp.where(is_f, row["grad"], -1), dh)
+            grads = pinned(_store(grads, jnp.where(is_f, row["grad"], -1), dh), 1)
             return (acts, grads, stash, *rest)
 
         def slot(carry, u):
@@ -310,8 +317,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             acts, grads = state[:2]
             row = {k: a[u, s] for k, a in table.items()}
             # What the neighbours sent at the tick before lands in its slot (-1: nothing).
-            acts = _store(acts, row["recv_act"], fwd_in)
-            grads = _store(grads, row["recv_grad"], bwd_in)
+            acts = pinned(_store(acts, row["recv_act"], fwd_in), 1)
+            grads = pinned(_store(grads, row["recv_grad"], bwd_in), 1)
             state = operate((acts, grads, *state[2:]), u, sched.kinds)
             y_out, dx_out = state[7:9]
             # The tick's messages after its last slot: every stage takes the same branch
@@ -319,7 +326,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             # that send at this tick, so no byte moves that the schedule does not send.
             fwd_in, bwd_in = (jax.lax.switch(pattern[u], senders, y_out, dx_out)
                               if len(senders) > 1 else senders[0](y_out, dx_out))
-            return (*state, fwd_in, bwd_in), None
+            return (*state, pinned(fwd_in), pinned(bwd_in)), None
 
         def beside(k, sets, exposed, choice, exposed_choice):
             """Slot k's operation with a message on its way: one branch per overlapped
@@ -357,12 +364,12 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             """Tick t of F then BACK: tick t-1's input gradients travel beside F, F's
             outputs beside BACK (OverlappedSends)."""
             state, (fwd_in, dx_prev) = carry[:9], carry[9:]
-            acts = _store(state[0], table["recv_act"][t * 2, s], fwd_in)
+            acts = pinned(_store(state[0], table["recv_act"][t * 2, s], fwd_in), 1)
             state, bwd_in = run_f((acts, *state[1:]), t, dx_prev)
-            grads = _store(state[1], table["recv_grad"][t * 2, s], bwd_in)
+            grads = pinned(_store(state[1], table["recv_grad"][t * 2, s], pinned(bwd_in)), 1)
             state = (state[0], grads, *state[2:])
             state, fwd_in = run_back(state, t, state[7])
-            return (*state, fwd_in, state[8]), None
+            return (*state, pinned(fwd_in), state[8]), None
 
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
         stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
@@ -371,8 +378,8 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         if sched.split_backward:  # W runs in B's tick: one set of kept values
             kept0 = tuple(jnp.zeros(k.shape, k.dtype) for k in ops.kept_shapes(
                 list(stashed), chunk_of(0), shared, zeros_act, zeros_act))
-        carry = (jnp.zeros((sched.act_slots, *act_shape), act_dtype),
-                 jnp.zeros((sched.grad_slots, *act_shape), act_dtype), stash0, kept0,
+        carry = (pinned(jnp.zeros((sched.act_slots, *act_shape), act_dtype), 1),
+                 pinned(jnp.zeros((sched.grad_slots, *act_shape), act_dtype), 1), stash0, kept0,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
         if overlapped is None:

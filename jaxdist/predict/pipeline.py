@@ -303,12 +303,13 @@ def microbatch_rows(cfg, sizes: dict) -> int:
 
 def message_bytes(cfg, model_cfg, sizes: dict) -> float:
     """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
-    at the boundary, rows over the batch axes, the sequence over `context`, the full width
-    (jaxdist.pipeline.report)."""
+    at the boundary, rows over the batch axes, the sequence over `context` (and `tensor`
+    under sequence parallelism), the full width (jaxdist.pipeline.report)."""
+    from jaxdist.pipeline.program import message_sequence_shards
     shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
-    # the sequence, not the rows, over `context`: a micro-batch of one row still has L / CP
-    tokens = model_cfg.seq_len // sizes.get("context", 1)
+    # the sequence, not the rows, is split: a micro-batch of one row still has L / CP
+    tokens = model_cfg.seq_len // message_sequence_shards(model_cfg, sizes)
     return rows * tokens * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
 
 

@@ -25,8 +25,9 @@ L*b*(10*D + a*L)); with one of MaxText's named policies its input and the named 
 keeps that a backward reads (`named_saved_bytes`; the offloading ones are refused:
 jaxdist.pipeline.checks). b = batch / (M x batch shards). Under context parallelism every
 L above is a device's L / CP tokens (the scores' keys stay L). Received activations and
-gradients in flight (a slot each) are counted at b x L x D; the working set of a backward is one block's
-activations (the block being differentiated, recomputed under --remat).
+gradients in flight (a slot each) are counted at b x L x D (L / T under sequence
+parallelism: the stage message is a sequence shard); the working set of a backward is one
+block's activations (the block being differentiated, recomputed under --remat).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from jaxdist.config import parse_stage_blocks
 from jaxdist.run_model import build_model
 from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import chunk_blocks
+from jaxdist.pipeline.program import message_sequence_shards
 from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.state_shapes import pipeline_planning_state
 from jaxdist.train_step import DTYPES, make_optimizer
@@ -134,6 +136,10 @@ def stage_memory(cfg, shape) -> dict:
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
     cp = sizes.get("context", 1)  # each device holds L / cp of every sequence
     act = rows * model_cfg.seq_len // cp * model_cfg.width * itemsize
+    # a received activation or gradient: the stage message, a sequence shard over tensor
+    # under sequence parallelism too (jaxdist/pipeline/program.py)
+    message = rows * model_cfg.seq_len // message_sequence_shards(model_cfg, sizes) * \
+        model_cfg.width * itemsize
     K = max(max(row) for row in counts)  # the program's slots per chunk
     tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
@@ -159,7 +165,7 @@ def stage_memory(cfg, shape) -> dict:
     working = block
     stages = []
     for s in range(S):
-        stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * act +
+        stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * message +
                  sched.res_slots_by_stage[s] * stashed)
         own, pad = sum(counts[s]), V * K - sum(counts[s])  # slots: own blocks, padding
         mine = {part: per_device.get(part, 0) - stacked.get(part, 0) +
