@@ -129,7 +129,13 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
     first, before the models (flax) are imported: a misspelled --layout is refused in about
     a second."""
     from sharding import check_layout, get_layout
-    get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
+    if cfg.train.grad_reduce_dtype != "float32" and not layout.master_weights(cfg.model.dtype):
+        raise UsageError(f"--grad-reduce-dtype {cfg.train.grad_reduce_dtype} reduces the "
+                         f"gradients of bfloat16 working weights: it needs "
+                         f"--distributed-optimizer and --dtype bfloat16 or float8 (without "
+                         f"them the parameters are float32 and so are their gradients)")
     from jaxdist.pipeline.checks import check_pipeline
     from jaxdist.run_model import build_model
     from sharding.pipeline import PIPELINE_LAYOUTS

@@ -140,6 +140,14 @@ class TrainConfig:
                                        "axes the batch is split on, gradients reduce-"
                                        "scattered, parameters all-gathered after the update "
                                        "(zero1 is ddp with it)")
+    grad_reduce_dtype: str = _opt("float32", "with --distributed-optimizer and --dtype "
+                                  "bfloat16 or float8: the dtype the gradients are "
+                                  "reduce-scattered over the data axes in: float32 (cast "
+                                  "up first; Megatron-LM's default under --bf16) or "
+                                  "bfloat16 (half the bytes, cast up on the optimizer's "
+                                  "shard; Megatron-LM's --grad-reduce-in-bf16, Megatron-"
+                                  "Bridge's performance recipes)",
+                                  choices=("float32", "bfloat16"))
 
 
 @dataclass(frozen=True)

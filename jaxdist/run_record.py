@@ -42,7 +42,8 @@ def build(cfg, platform, ready, measured: Measured, monitor) -> dict:
     steps = step_time_block(m.timer, m.profile_steps, ready.start_step + len(m.losses) - 1)
     mean_s = steps["mean"] if steps["n"] else None
     batch = cfg.train.batch_size
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     pipeline = (pipeline_block(program, compiled, m.state, batch,
                                model_cfg.flops_per_sample() * batch, len(platform.devices))
                 if isinstance(program, PipelineProgram) else None)

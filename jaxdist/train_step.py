@@ -23,7 +23,7 @@ from jaxdist.program.xla_compile import compile_timed
 from jaxdist.errors import UsageError
 from models import fp8
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
-                            scattered_gradients, train_state)
+                            reduction_bytes, scattered_gradients, train_state)
 from sharding import batch_spec, padding
 from sharding.axes import batch_axes
 from sharding.optimizer import axes_of
@@ -151,6 +151,8 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
         return (loss / microbatches, model_state), jax.tree.map(lambda g: g / microbatches, grads)
 
     gradients = accumulate if microbatches > 1 else grad_fn
+    # bfloat16 working weights' gradients cast up before their reduction (Layout.reduce_dtype)
+    reduce_float32 = layout.reduce_dtype(dtype_name) == "float32"
     stateless = not jax.tree.leaves(abstract_state["model_state"])
     explicit = _replicated_params(specs) and stateless
     # Under the distributed optimizer with parameters on no batch axis (ddp, tp): the data
@@ -158,18 +160,18 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     # the partitioner meets the weight gradient's bf16 dot (XLA:GPU would reduce bf16 there).
     if explicit:
         gradients = _explicit_reduce(gradients, mesh, update_specs, update_shapes,
-                                     "master" in abstract_state)
+                                     reduce_float32)
     elif (stateless and layout.distributed_optimizer
           and not _params_on(specs, batch_axes(mesh.axis_names))):
         gradients = scattered_gradients(gradients, mesh, batch_axes(mesh.axis_names), specs["params"],
-                                        update_specs, update_shapes, "master" in abstract_state)
+                                        update_specs, update_shapes, reduce_float32)
 
     def step_fn(state, batch):
         (loss, model_state), grads = gradients(state["params"], state["model_state"], batch)
         # Gradients take the update's placement: reduce-scattered under fsdp and under the
         # distributed optimizer (zero1), all-reduced under ddp and tp.
         new = apply_gradients(tx, state, grads, update_shardings, update_shapes,
-                              abstract_state["params"])
+                              abstract_state["params"], reduce_float32)
         return {**new, "model_state": model_state}, loss
 
     def correct_fn(state, batch):
@@ -183,7 +185,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     # Under the distributed optimizer the gradient reduce-scatter overlaps the backward
     # (jaxdist/update.py overlap_options), in what runs and in what is predicted alike.
     options = (overlap_options(math.prod(mesh.shape[a] for a in batch_axes(mesh.axis_names)),
-                               jnp.dtype(dtype).itemsize if "master" in abstract_state else 4)
+                               *reduction_bytes(layout, dtype_name, dtype))
                if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0,

@@ -7,16 +7,19 @@ weights beside a float32 master copy that the optimizer updates (sharded over th
 with the optimizer state, sharding/optimizer.py). Without `master` the float32 parameters
 are their own master.
 
-The update: gradients (float32; cast up from bfloat16 working weights, so they are reduced in
-float32 as Megatron's `accumulate_allreduce_grads_in_fp32`) are constrained to the update
-placement, which under the distributed optimizer is the data-sharded one, so the partitioner
-reduce-scatters them there; the optimizer updates the shard; the new parameters leave the
-step in the layout's placement (replicated over data), which all-gathers them.
+The update: gradients are constrained to the update placement, which under the distributed
+optimizer is the data-sharded one, so the partitioner reduce-scatters them there; the
+optimizer updates the shard; the new parameters leave the step in the layout's placement
+(replicated over data), which all-gathers them. Gradients of bfloat16 working weights are
+reduced in float32 (cast up first, Megatron-LM's default under --bf16) or, with
+--grad-reduce-dtype bfloat16, as they are and cast up on the shard (sharding/optimizer.py
+`Layout.reduce_dtype`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -36,18 +39,22 @@ def train_state(params, model_state, tx, master_dtype=None) -> dict:
 
 
 def apply_gradients(tx, state: dict, grads, update_shardings, update_shapes=None,
-                    param_shapes=None) -> dict:
+                    param_shapes=None, reduce_float32: bool = True) -> dict:
     """The state after one optimizer step on `grads` (model_state as it was: the caller
     replaces it), the update run in `update_shardings` on leaves stored as `update_shapes`
     (padded where the update's split does not divide them; None: as they come), the new
-    parameters stored as `param_shapes`."""
+    parameters stored as `param_shapes`. Under master weights `reduce_float32` False: the
+    gradients reach their shards in the working dtype and are cast up there."""
     master = "master" in state
     weights = state["master"] if master else state["params"]
     if update_shapes is not None:
         grads = fit_tree(grads, update_shapes)
         weights = fit_tree(weights, update_shapes)
-    if master:  # float32 before the reduction: the barrier keeps XLA from reducing bf16;
-        # one barrier per leaf, so no leaf's update waits for every other leaf's gradient
+    if master and not reduce_float32:  # reduced as they are, then cast up on the shard
+        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+    if master:  # float32 (before the reduction where reduce_float32: the barrier keeps XLA
+        # from reducing bf16); one barrier per leaf, so no leaf's update waits for every
+        # other leaf's gradient
         grads = jax.tree.map(lambda g, w: jax.lax.optimization_barrier(g.astype(w.dtype)),
                              grads, weights)
     grads = jax.lax.with_sharding_constraint(grads, update_shardings)
@@ -71,22 +78,32 @@ def apply_gradients(tx, state: dict, grads, update_shardings, update_shapes=None
 BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK = 40_000_000, 1_000_000
 
 
-def overlap_options(data_size: int, weight_bytes: int = 4) -> dict:
-    """XLA:GPU options (jit compiler_options) under which the distributed optimizer's float32
+def overlap_options(data_size: int, weight_bytes: int = 4, grad_bytes: int = 4) -> dict:
+    """XLA:GPU options (jit compiler_options) under which the distributed optimizer's
     gradient reduce-scatter overlaps the backward, as Megatron's --overlap-grad-reduce, and
     the parameter all-gather follows each bucket's update: XLA's heuristic combiner off (on
     a whole model of a few blocks it merges every gradient into one reduce-scatter after the
     backward), the reduce-scatter and all-gather combiners capped at one Megatron bucket
-    (thresholds are on the result: the bucket's float32 bytes / data size scattered, its
-    `weight_bytes` per parameter gathered) and up to 8 collectives in flight in the
+    (thresholds are on the result: the bucket's `grad_bytes` per parameter / data size
+    scattered, its `weight_bytes` per parameter gathered) and up to 8 collectives in flight in the
     latency-hiding scheduler (default 1, where sequence parallel's per-block collectives
     leave no room). With the per-leaf barrier in apply_gradients each bucket's update and
     all-gather follow it inside the backward. Measured in docs/layouts.md."""
     bucket = max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * data_size)
     return {"xla_gpu_experimental_enable_heuristic_collective_combining": False,
-            "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * bucket // max(data_size, 1),
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": grad_bytes * bucket //
+            max(data_size, 1),
             "xla_gpu_all_gather_combine_threshold_bytes": weight_bytes * bucket,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 8}
+
+
+def reduction_bytes(layout, dtype_name: str, working) -> tuple[int, int]:
+    """(bytes per parameter all-gathered, reduce-scattered) under the distributed optimizer:
+    the working weights' dtype (`working`, --dtype's compute dtype) and the reduction's
+    (Layout.reduce_dtype), float32 where the parameters are their own master."""
+    if not layout.master_weights(dtype_name):
+        return 4, 4
+    return jnp.dtype(working).itemsize, jnp.dtype(layout.reduce_dtype(dtype_name)).itemsize
 
 
 def weight_part(state) -> str:

@@ -82,11 +82,14 @@ class Layout:
     """A registered layout as data: its spec function and whether the distributed optimizer
     is composed on top. Called as the spec function is: (abstract state, mesh) -> specs.
     `over_context`: its optimizer shards span `context` too (the pipelines, whose stage
-    bodies average gradients over data x context)."""
+    bodies average gradients over data x context). `grad_reduce_dtype`: the dtype the
+    gradients of bfloat16 working weights are reduced over the data axes in
+    (`reduce_dtype`)."""
     name: str
     fn: Callable[[Any, Any], Any]
     distributed_optimizer: bool = False
     over_context: bool = False
+    grad_reduce_dtype: str = "float32"
 
     def __call__(self, state, mesh):
         specs = self.fn(state, mesh)
@@ -108,3 +111,12 @@ class Layout:
         distributed optimizer with --dtype bfloat16); otherwise the parameters are float32
         and are their own master."""
         return self.distributed_optimizer and dtype_name != "float32"
+
+    def reduce_dtype(self, dtype_name: str) -> str | None:
+        """The dtype of the gradients' data-axis reduction under master weights: float32
+        (cast up first; Megatron-LM's default under --bf16) or bfloat16 (the working
+        weights' gradients as they are, cast up on the optimizer's shard: Megatron-LM's
+        --grad-reduce-in-bf16, Megatron-Bridge's performance recipes). The micro-batches'
+        gradients are summed in the working dtype either way. None without master weights:
+        the gradients are of float32 parameters and are reduced as they are."""
+        return self.grad_reduce_dtype if self.master_weights(dtype_name) else None

@@ -234,9 +234,11 @@ def describe_layouts() -> str:
     return "; ".join(f"{name}: {_FACTS[name].description}" for name in layout_names())
 
 
-def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
+def get_layout(name: str, distributed_optimizer: bool = False,
+               grad_reduce_dtype: str = "float32") -> Layout:
     """The layout as data: its spec function, with the distributed optimizer composed on
-    top where asked for (or where the layout is defined by it: zero1)."""
+    top where asked for (or where the layout is defined by it: zero1), and the dtype its
+    gradients are reduced in under master weights (Layout.reduce_dtype)."""
     f = facts(name)
     if distributed_optimizer:
         check_distributed_optimizer(name, {})
@@ -244,7 +246,8 @@ def get_layout(name: str, distributed_optimizer: bool = False) -> Layout:
     # the name of what it is: ddp with the distributed optimizer is zero1
     same = [n for n in layout_names() if _FACTS[n].spec_fn is fn
             and bool(_FACTS[n].distributed_optimizer) == dist]
-    return Layout(same[0] if len(same) == 1 else name, fn, dist, f.pipelined)
+    return Layout(same[0] if len(same) == 1 else name, fn, dist, f.pipelined,
+                  grad_reduce_dtype)
 
 
 def batch_spec(mesh: Mesh) -> P:

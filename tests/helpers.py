@@ -25,14 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="adamw",
           batch_size: int = 16, seed: int = 0, dtype="float32", microbatches: int = 1,
-          distributed_optimizer: bool = False, **model_opts):
+          distributed_optimizer: bool = False, grad_reduce_dtype: str = "float32",
+          **model_opts):
     """(losses, final state, program) of `steps` steps on the first shape.size devices, run
     by the loop's core (jaxdist.loop.run_steps) with no hooks."""
     devices = jax.devices()[: shape.size]
     mesh = build_mesh(shape, devices)
     cfg = get_model(model, {k: str(v) for k, v in model_opts.items()})
     program = build_program(cfg, dtype, make_optimizer(optimizer, 1e-2),
-                            get_layout(layout, distributed_optimizer), mesh, seed, microbatches)
+                            get_layout(layout, distributed_optimizer, grad_reduce_dtype), mesh,
+                            seed, microbatches)
     stream = TrainStream(cfg, None, batch_size, seed)
     state, losses = run_steps(program.step, program.init(),
                               lambda: put_batch(stream.next(), program.batch_sharding),

@@ -138,6 +138,27 @@ def test_tp_pp_same_losses_as_one_device():
     assert q == [P("stage", None, None, "data", "tensor")]  # [S, V, K, embed, heads]
 
 
+@pytest.mark.parametrize("reduce_dtype, element", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_pipeline_reduces_gradients_in_the_reduce_dtype(reduce_dtype, element):
+    """tp_pp interleaved with bf16 working weights: every data-axis reduce-scatter of the
+    step (ScatterOverData, in the tick loop and after it) takes its operand in the
+    --grad-reduce-dtype, read from the lowered program (XLA:CPU would promote bf16
+    collectives to float32 when compiling)."""
+    import re
+
+    cfg = get_model("gpt-tiny", {"depth": "4"})
+    shape = parse_mesh("data:2,stage:2,tensor:2")
+    program = build_pipeline_program(cfg, "bfloat16", TX,
+                                     get_layout("tp_pp", True, reduce_dtype),
+                                     build_mesh(shape, jax.devices()[:shape.size]), 0, 2,
+                                     "interleaved", virtual=2)
+    batch = put_batch(TrainStream(cfg, None, 16, 0).next(), program.batch_sharding)
+    text = program.step.lower(program.abstract_state, batch).as_text()
+    operands = re.findall(r'"stablehlo\.reduce_scatter".*?\}\) : \(tensor<[\dx]*x(\w+)>\)',
+                          text, re.S)
+    assert len(operands) >= 2 and set(operands) == {element}
+
+
 def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
     """--dry-run: gpt-tiny under tp on data:4,tensor:2 with bf16: per device, params (bf16,
     over tensor) + master (f32, over tensor x data) + opt (2 x f32, likewise)."""
@@ -163,6 +184,9 @@ def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
     (("--layout", "tp", "--mesh", "data:1,tensor:2"),
      "all of size 1 on this mesh: it would shard nothing; give data 2 or more, e.g. "
      "--mesh data:2,tensor:2"),
+    (("--layout", "tp", "--mesh", "data:2,tensor:2", "--grad-reduce-dtype", "bfloat16"),
+     "--grad-reduce-dtype bfloat16 reduces the gradients of bfloat16 working weights: it "
+     "needs --distributed-optimizer and --dtype bfloat16 or float8"),
 ])
 def test_bad_input_is_one_line_exit_2(args, says, capsys, tmp_path):
     done = cli_main(capsys, *args, "--model", "gpt-tiny", "--distributed-optimizer",

@@ -176,12 +176,18 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel, ch
     assert sum(op["bytes"] for op in on_data if op["kind"] == "all-reduce") == 4  # the loss
 
 
-def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on_data():
+@pytest.mark.parametrize("reduce_dtype, itemsize, name", [("float32", 4, "f32"),
+                                                          ("bfloat16", 2, "bf16")])
+def test_distributed_optimizer_moves_gradient_shards_and_bf16_weights_on_data(
+        reduce_dtype, itemsize, name):
     """tp on data:4,tensor:8 with --distributed-optimizer and bf16 (Megatron's): on `data`
-    one float32 reduce-scatter of the gradients each device's tensor shard has and one bf16
-    all-gather of its working weights, nothing else but the loss."""
+    one reduce-scatter of the gradients each device's tensor shard has, in float32 or with
+    --grad-reduce-dtype bfloat16 in bf16 (XLA:CPU promotes a bf16 reduction to float32, so
+    only XLA:GPU's program shows it), and one bf16 all-gather of its working weights,
+    nothing else but the loss."""
     cfg = dataclasses.replace(config("tp"), train=TrainConfig(
-        layout="tp", batch_size=64, distributed_optimizer=True))
+        layout="tp", batch_size=64, distributed_optimizer=True,
+        grad_reduce_dtype=reduce_dtype))
     model_cfg, _ = build_model(cfg)
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
@@ -191,7 +197,8 @@ def test_distributed_optimizer_moves_float32_gradient_shards_and_bf16_weights_on
                                                dict(shape.axis_sizes))
     p_tp = planned["params"] // 2  # bf16 working weights: elements per device under tp
     rows = {k: v for k, v in by_kind_axes(reading).items() if k[1] == "data"}
-    assert rows.pop(("reduce-scatter", "data")) == {"bytes": 4 * p_tp, "dtypes": {"f32"}}
+    assert rows.pop(("reduce-scatter", "data")) == {"bytes": itemsize * p_tp,
+                                                     "dtypes": {name}}
     assert rows.pop(("all-gather", "data")) == {"bytes": 2 * p_tp, "dtypes": {"bf16"}}
     assert rows == {("all-reduce", "data"): {"bytes": 4, "dtypes": {"f32"}}}  # the loss
     assert reading["memory"]["alias_bytes"] == planned["total"]

@@ -17,7 +17,7 @@ from jaxdist.pipeline.schedule import Schedule, build_schedule
 from jaxdist.pipeline.step import pipeline_gradients
 from jaxdist.train_step import DTYPES, MeshJit, Program, jax_matmul_precision
 from jaxdist.update import (apply_gradients, mean_to_shard, overlap_options,
-                            scatter_partial_sums, train_state)
+                            reduction_bytes, scatter_partial_sums, train_state)
 from models import context
 from sharding import batch_spec, padding
 from sharding.optimizer import axes_of
@@ -76,17 +76,19 @@ class ScatterOverData:
     over `stage` and `data`; `pipeline_gradients`' `grad_reduce`): each virtual chunk's
     gradients, as soon as the loop has finished them, are reduce-scattered over `data` to
     the optimizer's shards in a map manual over the remaining axes too (a psum_scatter
-    with `tensor` left to the partitioner would gather over tensor first), float32,
-    padded to the stored shapes (sharding/padding.py). The map returns each device's
+    with `tensor` left to the partitioner would gather over tensor first), in
+    `reduce_dtype` (Layout.reduce_dtype), padded to the stored shapes (sharding/padding.py). The map returns each device's
     shard stacked over stage and data; `relabel` (after it, no communication) places them
     as the optimizer's shards. Under context parallelism `data` stands for data x context
     (`mean_axes`), which the stage body is manual over and the optimizer's shards span. A leaf whose optimizer shard splits its stage or chunk
     dimension is reduced whole after the loop. The shared gradients leave as partial sums
     stacked over data and are reduce-scattered after the map (`shared_after`)."""
 
-    def __init__(self, param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh):
+    def __init__(self, param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
+                 reduce_dtype=jnp.float32):
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         self.mesh, self.param_specs, self.update_specs = mesh, param_specs, update_specs
+        self.reduce_dtype = reduce_dtype
         self.param_shapes, self.update_shapes = param_shapes, update_shapes
         self.axes = mean_axes(dict(mesh.shape))  # data, and context where it splits
         self.n = math.prod(mesh.shape[a] for a in self.axes)
@@ -109,7 +111,7 @@ class ScatterOverData:
         pspec, uspec, pshape, ushape = self.leaves[leaf]
         nd = len(pshape.shape)
         pe, ue = _entries(pspec, nd)[first:], _entries(uspec, nd)[first:]
-        g = fit(g.astype(jnp.float32), pshape.shape[first:])
+        g = fit(g.astype(self.reduce_dtype), pshape.shape[first:])
         outer = ("stage", *self.axes)
 
         def local(x):  # fully manual: this device's part, reduce-scattered over data
@@ -134,7 +136,7 @@ class ScatterOverData:
         return jax.tree.unflatten(self.tree, [g[None] for g in out])  # [1 (data), V, ...]
 
     def shared(self, g):
-        return jax.tree.map(lambda x: x.astype(jnp.float32)[None], g)
+        return jax.tree.map(lambda x: x.astype(self.reduce_dtype)[None], g)
 
     def relabel(self, g_stages):
         """[S, data, V, ...] of shards, as the map returned them -> the optimizer's
@@ -172,14 +174,15 @@ def _only(entry, keep):
 
 
 def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh: Mesh,
-                   distributed: bool):
+                   distributed: bool, reduce_dtype=jnp.float32):
     """Under the distributed optimizer: (out_specs of the stage and shared gradients, the
     reduction inside the map (ScatterOverData, `pipeline_gradients`' grad_reduce) and the
     step after the map: (map's stage, shared gradients) -> the optimizer's shards). Else
     (None, None, None): the mean over data inside (`DataMean`)."""
     if not distributed:
         return None, None, None
-    red = ScatterOverData(param_specs, update_specs, param_shapes, update_shapes, mesh)
+    red = ScatterOverData(param_specs, update_specs, param_shapes, update_shapes, mesh,
+                          reduce_dtype)
 
     def after(g_stages, g_shared):
         return red.relabel(g_stages), red.shared_after(g_shared)
@@ -214,9 +217,10 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     update_shapes = padding.storage(logical["params"], update_specs, dict(mesh.shape))
     update_shardings = jax.tree.map(  # the data-sharded shards under the distributed optimizer
         lambda s: NamedSharding(mesh, s), update_specs, is_leaf=lambda x: isinstance(x, P))
+    reduce_dtype = layout.reduce_dtype(dtype_name)  # None: float32 parameters
     grad_out, in_map, after_map = data_reduction(
         specs["params"], update_specs, abstract["params"], update_shapes, mesh,
-        layout.distributed_optimizer)
+        layout.distributed_optimizer, reduce_dtype or jnp.float32)
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
     M = microbatches
@@ -253,7 +257,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
             g_stages, g_shared = after_map(g_stages, g_shared)
         grads = {"stages": g_stages, "shared": g_shared}
         return apply_gradients(tx, state, grads, update_shardings, update_shapes,
-                               abstract["params"]), loss
+                               abstract["params"], reduce_dtype in (None, "float32")), loss
 
     def correct_fn(state, batch):
         raise UsageError("--eval-every measures accuracy on an image dataset, which the "
@@ -262,8 +266,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     # Under the distributed optimizer the chunks' reduce-scatters run beside the ticks
     # still to run (jaxdist/update.py overlap_options: no combiner merging them after the
     # loop, room in the scheduler for them beside a tick's own collectives).
-    options = (overlap_options(mesh.shape["data"], jnp.dtype(dtype).itemsize if "master" in abstract
-                               else 4) if layout.distributed_optimizer else None)
+    options = (overlap_options(mesh.shape["data"], *reduction_bytes(layout, dtype_name, dtype))
+               if layout.distributed_optimizer else None)
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0,
                            compiler_options=options), mesh, precision)

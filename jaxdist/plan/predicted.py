@@ -117,7 +117,10 @@ def memory_line(p: PredictedPlan) -> str:
                 + host_line(mem, c.get("host_temp_bytes", 0)))
     if kind == "stages":
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
-                 f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}")
+                 f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}" +
+                 (f" + a chunk's gradients cast up for their float32 reduction "
+                  f"{human_bytes(mem['gradient_cast_bytes'])}"
+                  if mem.get("gradient_cast_bytes") else ""))
         cpu = ""
     else:
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + saved activations "

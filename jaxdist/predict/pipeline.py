@@ -125,7 +125,8 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     _, logical, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1,
                                        layout.master_weights(cfg.model.dtype))
     specs = layout(logical, mesh)
@@ -183,7 +184,8 @@ def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
         tuple(sizes.values()))
     mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
                                       layout.master_weights(cfg.model.dtype), stage_blocks)
     return mesh, tx, layout, logical
@@ -209,9 +211,11 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     params = state["params"]
     # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
     # the step does (jaxdist/pipeline/program.py)
+    reduce_dtype = layout.reduce_dtype(cfg.model.dtype)  # None: float32 parameters
     grad_out, in_map, scatter = data_reduction(specs["params"], update_specs, params,
                                                 update_shapes, mesh,
-                                                layout.distributed_optimizer)
+                                                layout.distributed_optimizer,
+                                                reduce_dtype or jnp.float32)
     in_map = in_map or DataMean(mean_axes(sizes))
 
     def reduce(g_stages, g_shared):  # chunk by chunk, as the tick loop issues it
@@ -233,7 +237,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
         if scatter is not None:
             g_stages, g_shared = scatter(g_stages, g_shared)
         return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update,
-                               update_shapes, params)
+                               update_shapes, params, reduce_dtype in (None, "float32"))
 
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=shardings, donate_argnums=0)

@@ -110,6 +110,16 @@ def model_params(state, counts) -> int:
     return metrics.param_count(state) - stacked + stacked // (S * V * K) * blocks
 
 
+def stage_total(s: dict) -> int:
+    """A stage's peak bytes per device: its state and gradient accumulator with, during the
+    tick loop, its activations and a chunk's float32 gradient copy where chunks are reduced
+    there, or after it (the stash is free then) the last chunks' copy."""
+    held = (s["params"] + s["gradients"] + s["opt"] + s["master"] + s["padding_state"] +
+            s["padding_gradients"])
+    loop = s["activation_stash"] + s["activation_working"] + s["gradient_cast_loop"]
+    return int(held + max(loop, s["gradient_cast_tail"]))
+
+
 def stage_memory(cfg, shape) -> dict:
     """{layout, mesh, distributed_optimizer, model, pipeline, state_bytes_per_device, stages}:
     the schedule's facts and every stage's bytes per device."""
@@ -122,7 +132,8 @@ def stage_memory(cfg, shape) -> dict:
     check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
                                     layout.master_weights(cfg.model.dtype), stage_blocks)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
@@ -163,6 +174,12 @@ def stage_memory(cfg, shape) -> dict:
         stashed = K * {"none": block, "full": block_input, "dots": block_input + dots,
                        "selective_op": block_input + selective}[remat]
     working = block
+    # Under master weights with float32 reductions each chunk's gradients are cast up as
+    # it is reduced: chunks v > 0 of an interleaved schedule inside the tick loop, beside
+    # the stash (where the data axes split: jaxdist/pipeline/step.py), chunk 0 after it
+    reduce = layout.reduce_dtype(cfg.model.dtype)
+    up = np.dtype(reduce).itemsize / itemsize if reduce == "float32" else 0
+    early = V > 1 and math.prod(sizes.get(a, 1) for a in ("data", "context")) > 1
     stages = []
     for s in range(S):
         stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * message +
@@ -173,21 +190,18 @@ def stage_memory(cfg, shape) -> dict:
         padding = {part: stacked.get(part, 0) * pad // (V * K)
                    for part in ("params", "opt", "master")}
         master = mine["master"]  # float32 master shards (distributed optimizer)
-        # the step accumulates the stage's gradients over its micro-batches: one more
-        # copy of its parameters, as they are sharded; with float32 master shards they
-        # are accumulated and reduced in float32: twice the bf16 weights
-        twice = 2 if per_device.get("master", 0) else 1
-        grads = mine["params"] * twice
-        pad_state = sum(padding.values())
-        pad_grads = padding["params"] * twice
-        total = (mine["params"] + grads + mine["opt"] + master + pad_state + pad_grads +
-                 stash + working)
-        stages.append({"stage": s, "blocks": own, "params": mine["params"], "opt": mine["opt"],
-                       "master": master,
-                       "gradients": grads, "padded_slots": pad, "padding_state": pad_state,
-                       "padding_gradients": pad_grads,
-                       "activation_stash": stash, "activation_working": int(working),
-                       "total": int(total)})
+        # the tick loop accumulates the stage's gradients over its micro-batches in the
+        # parameters' dtype (its carry): one more copy of its parameters, as they are
+        # sharded; cast up to float32 for the reduction one chunk at a time (`cast`)
+        grads, pad_grads = mine["params"], padding["params"]
+        cast = (grads + pad_grads) / V * up
+        stage = {"stage": s, "blocks": own, "params": mine["params"], "opt": mine["opt"],
+                 "master": master, "gradients": grads, "padded_slots": pad,
+                 "padding_state": sum(padding.values()), "padding_gradients": pad_grads,
+                 "activation_stash": stash, "activation_working": int(working),
+                 "gradient_cast_loop": int(cast) if early else 0,
+                 "gradient_cast_tail": int(cast)}
+        stages.append({**stage, "total": stage_total(stage)})
     return {
         "layout": cfg.train.layout, "mesh": dict(sizes),
         "distributed_optimizer": layout.distributed_optimizer,

@@ -36,7 +36,8 @@ class StateBytes:
 
 def state_bytes(cfg, shape: MeshShape) -> StateBytes:
     model_cfg, _ = build_model(cfg)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     state = planning_state(model_cfg, cfg.model.dtype,
                            make_optimizer(cfg.train.optimizer, cfg.train.lr),
                            layout.master_weights(cfg.model.dtype))

@@ -160,12 +160,13 @@ def pipeline_verdict(stage_memory: dict, hw: Part,
     state, activations stashed per the schedule table) against the part's HBM. The working
     set of one chunk's backward: XLA:GPU's temporaries of that op (`compiled_working`,
     extrapolated to the chunk's blocks) where compiled for a GPU, else the hand estimate."""
+    from jaxdist.predict.stage_memory import stage_total
+
     stages = stage_memory["stages"]
     if compiled_working is not None:
         stages = [{**s, "activation_working_hand": s["activation_working"],
-                   "activation_working": int(compiled_working),
-                   "total": s["total"] - s["activation_working"] + int(compiled_working)}
-                  for s in stages]
+                   "activation_working": int(compiled_working)} for s in stages]
+        stages = [{**s, "total": stage_total(s)} for s in stages]
     worst = max(stages, key=lambda s: s["total"])
     # padded slots (--pp-stage-blocks): state and gradients the stage holds
     state_bytes = (worst["params"] + worst["opt"] + worst.get("master", 0) +
@@ -175,9 +176,12 @@ def pipeline_verdict(stage_memory: dict, hw: Part,
     working = ("one chunk's backward from XLA:GPU's buffer assignment of that op"
                if compiled_working is not None else
                "one chunk's backward by Korthikanti et al. 2022")
-    return {"label": LABEL, "state_bytes": state_bytes,
-            "gradient_bytes": worst["gradients"] + worst.get("padding_gradients", 0),
-            "temp_bytes": worst["activation_stash"] + worst["activation_working"],
+    gradient_bytes = worst["gradients"] + worst.get("padding_gradients", 0)
+    temp_bytes = worst["activation_stash"] + worst["activation_working"]
+    return {"label": LABEL, "state_bytes": state_bytes, "gradient_bytes": gradient_bytes,
+            "temp_bytes": temp_bytes,
+            # a chunk's gradients cast up for their float32 reduction, beyond the activations
+            "gradient_cast_bytes": need - state_bytes - gradient_bytes - temp_bytes,
             "temp_note": f"activations per stage: stash counted from the schedule table, "
                          f"working set of {working} (jaxdist.predict.stage_memory)",
             "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,

@@ -207,7 +207,8 @@ def step_program(cfg, model_cfg, mesh):
     from sharding.registry import facts
 
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer)
+    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
+                        cfg.train.grad_reduce_dtype)
     if facts(cfg.train.layout).pipelined:
         return build_pipeline_program(
             model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
