@@ -166,7 +166,11 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     def fn(stages, shared, *rest):  # the logical view of the stored parameters, as the step
         return mapped(padding.fit_tree(stages, logical["params"]["stages"]),
                       padding.fit_tree(shared, logical["params"]["shared"]), *rest)
-    batch, acts = NamedSharding(mesh, P("data")), NamedSharding(mesh, act_spec)
+    # the stage messages as the step holds them: sequence shards over tensor too under
+    # sequence parallelism (models/sequence_parallel.py pin_sequence_shards)
+    sp = getattr(model_cfg, "sequence_parallel", False) and mesh.shape.get("tensor", 1) > 1
+    batch = NamedSharding(mesh, P("data"))
+    acts = NamedSharding(mesh, P("data", (*manual[2:], "tensor")) if sp else act_spec)
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
                                                acts, acts)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
