@@ -133,9 +133,8 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
                         cfg.train.grad_reduce_dtype)
     if cfg.train.grad_reduce_dtype != "float32" and not layout.master_weights(cfg.model.dtype):
         raise UsageError(f"--grad-reduce-dtype {cfg.train.grad_reduce_dtype} reduces the "
-                         f"gradients of bfloat16 working weights: it needs "
-                         f"--distributed-optimizer and --dtype bfloat16 or float8 (without "
-                         f"them the parameters are float32 and so are their gradients)")
+                         f"gradients of bfloat16 working weights beside a float32 master: it "
+                         f"needs --distributed-optimizer and --dtype bfloat16 or float8")
     from jaxdist.pipeline.checks import check_pipeline
     from jaxdist.run_model import build_model
     from sharding.pipeline import PIPELINE_LAYOUTS

@@ -185,8 +185,8 @@ def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
      "all of size 1 on this mesh: it would shard nothing; give data 2 or more, e.g. "
      "--mesh data:2,tensor:2"),
     (("--layout", "tp", "--mesh", "data:2,tensor:2", "--grad-reduce-dtype", "bfloat16"),
-     "--grad-reduce-dtype bfloat16 reduces the gradients of bfloat16 working weights: it "
-     "needs --distributed-optimizer and --dtype bfloat16 or float8"),
+     "--grad-reduce-dtype bfloat16 reduces the gradients of bfloat16 working weights beside "
+     "a float32 master: it needs --distributed-optimizer and --dtype bfloat16 or float8"),
 ])
 def test_bad_input_is_one_line_exit_2(args, says, capsys, tmp_path):
     done = cli_main(capsys, *args, "--model", "gpt-tiny", "--distributed-optimizer",
