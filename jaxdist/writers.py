@@ -78,7 +78,7 @@ HPARAMS = {
     "layout": str, "mesh": str, "schedule": str, "status": str, "steps": str,
     "devices": int, "device_kind": str,
     "model": str, "params": int, "batch": int, "dtype": str, "fp8_scaling": str,
-    "matmul_precision": str,
+    "matmul_precision": str, "grad_reduce_dtype": str,
     "optimizer": str, "lr": float, "microbatches": int, "remat": str, "overlap": bool,
     "dataset": str, "seed": int, "framework": str, "backend": str, "simulated": bool,
     "ps_mode": str, "ps_shards": int, "ps_staleness": int,
@@ -242,6 +242,10 @@ def run_hparams(results: dict) -> dict:
         "fp8_scaling": (model.get("fp8_scaling") if model.get("dtype") == "float8" else None),
         # Runs from before --matmul-precision existed ran at XLA's default.
         "matmul_precision": model.get("matmul_precision", "default"),
+        # where the distributed optimizer reduces bf16 working weights' gradients
+        "grad_reduce_dtype": (train.get("grad_reduce_dtype", "float32")
+                              if results.get("distributed_optimizer")
+                              and model.get("dtype") != "float32" else None),
         "optimizer": train.get("optimizer"), "lr": train.get("lr"),
         "microbatches": train.get("microbatches"), "remat": train.get("remat"),
         "overlap": (cfg.get("compiler") or {}).get("overlap"),
