@@ -162,13 +162,20 @@ _QUANTIZED = threading.local()
 
 
 def _scales_in(module):
-    """(key, owner, Fp8Scales) of every FP8 matmul in `module`: the key its scales' path."""
+    """(key, owner, Fp8Scales, the weight's path) of every FP8 matmul in `module`: the key
+    its scales' path."""
     for path, node in nnx.iter_graph(module):
         if isinstance(node, Fp8Scales):
             owner = module
             for name in path[:-1]:
                 owner = owner[name] if isinstance(name, int) else getattr(owner, name)
-            yield "/".join(map(str, path)), owner, node
+            yield "/".join(map(str, path)), owner, node, (*path[:-1], node.weight)
+
+
+def weight_paths(module) -> dict:
+    """{key: the path of its weight in `module`'s parameters} of `quantize_weights`' keys
+    (a copy is placed as its weight is)."""
+    return {key: path for key, _, _, path in _scales_in(module)}
 
 
 def quantize_weights(module) -> dict:
@@ -176,9 +183,18 @@ def quantize_weights(module) -> dict:
     forward quantizes it under current scaling (cast to the compute dtype, scale from its
     own amax), keyed by the path of its Fp8Scales. No gradient flows through it: the
     matmuls that read it (`quantized_weights`) send theirs to the weight. Delayed scaling's
-    weight scale comes from a history each call rolls, so it has no such copy."""
+    weight scale comes from a history each call rolls, so it has no such copy. A module
+    whose forward runs its matmuls on shards of their weights, each scaled by its own
+    amax (sequence parallelism's blocks), quantizes its copies itself, as its forward
+    would: its `fp8_weights()`, whose scales may then hold one per shard."""
+    own = getattr(module, "fp8_weights", None)
+    return own() if own is not None else quantize_each(module)
+
+
+def quantize_each(module) -> dict:
+    """`quantize_weights` of each weight whole, by its matmul's own scales."""
     out = {}
-    for key, owner, scales in _scales_in(module):
+    for key, owner, scales, _ in _scales_in(module):
         if scales.scaling != "current" or scales.weight is None:
             raise ValueError(f"{key}: only current scaling's weights, with their owner's "
                              f"weight named, are quantized once (got {scales.scaling!r}, "
@@ -189,12 +205,21 @@ def quantize_weights(module) -> dict:
     return out
 
 
+def copies(module) -> dict:
+    """{key: (qw, sw)} of `module`'s FP8 matmuls whose copies the enclosing
+    `quantized_weights` gives ({} outside one): what a module that rebuilds its matmuls
+    (split and merged into a shard_map) hands on to them."""
+    table = getattr(_QUANTIZED, "table", {})
+    return {key: table[id(scales)] for key, _, scales, _ in _scales_in(module)
+            if id(scales) in table}
+
+
 @contextlib.contextmanager
 def quantized_weights(module, weights: dict):
     """Inside, the FP8 matmuls of `module` read their weights from `weights`
     (`quantize_weights` of the same parameters, traced once for many calls) instead of
     quantizing them at each call."""
-    table = {id(scales): weights[key] for key, _, scales in _scales_in(module)} \
+    table = {id(scales): weights[key] for key, _, scales, _ in _scales_in(module)} \
         if weights else {}
     outer = getattr(_QUANTIZED, "table", {})
     _QUANTIZED.table = {**outer, **table}

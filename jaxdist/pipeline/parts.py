@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
 from jaxdist.train_step import DTYPES
@@ -85,6 +86,25 @@ class Parts:
         def one(params):
             return fp8.quantize_weights(nnx.merge(self.block_graphdef, params))
         return jax.vmap(jax.vmap(one))(stacked)
+
+    def fp8_placement(self, stages, stage_specs) -> tuple[dict, dict]:
+        """(shapes, specs) of `fp8_weights` of the stage parameters `stages` (leaves [S, V,
+        K, ...], abstract or not) placed by `stage_specs`: each FP8 copy as its weight,
+        its scale over the leading [S, V, K] as the weight's, and where sequence
+        parallelism scales each tensor device's shard apart (models/sequence_parallel.py)
+        their [tensor] scales over `tensor`; ({}, {}) without FP8. Read under the step's
+        mesh (jax.set_mesh), where the blocks see its tensor axis."""
+        shapes = jax.eval_shape(jax.vmap(self.fp8_weights), stages)
+        block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), stages)
+        paths = fp8.weight_paths(nnx.merge(self.block_graphdef, block))
+
+        def spec_of(key):
+            spec = stage_specs
+            for name in paths[key]:
+                spec = spec[name]
+            per_shard = ("tensor",) * (shapes[key][1].ndim - 3)
+            return spec, P(*tuple(spec)[:3], *per_shard)
+        return shapes, {key: spec_of(key) for key in shapes}
 
     def chunk_fp8(self, quantized) -> list:
         """A chunk's FP8 weights (leaves [K, ...]) as K per-block dicts (`block_params`)."""
