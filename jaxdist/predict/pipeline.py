@@ -14,8 +14,11 @@ tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one sta
   chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
   cost the same;
+  Under FP8 the chunk ops take the blocks' FP8 weight copies as inputs, as the step's ops
+  read the copies it makes once before its ticks;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
-  over `stage`), then the optimizer update, at full depth. The chunks' reductions the tick
+  over `stage`), then the optimizer update, at full depth, and under FP8 the quantization
+  of every stage's weights (the step's once-a-step pass, timed here). The chunks' reductions the tick
   loop issues before its last tick (interleaved, distributed optimizer, --overlap:
   `early_reductions`) are timed beside the ticks (jaxdist.predict.ticks
   `hidden_reductions`).
