@@ -179,7 +179,8 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
 
     def local(hs, state, quantized):
         m = nnx.merge(graphdef, state)
-        with fp8.quantized_weights(m, {k: (qw, sw[0]) for k, (qw, sw) in quantized.items()}):
+        own = {k: (qw, sw[0]) for k, (qw, sw) in quantized.items()}  # this device's scale
+        with fp8.quantized_weights(m, own):
             return run(m, hs)
 
     def run(m, hs):
@@ -225,7 +226,7 @@ def _fp8_specs(module, state, keys) -> dict:
 
 def quantize_sublayer(module) -> dict:
     """`module`'s (a sublayer's) FP8 weights quantized as `sublayer` runs them: on each
-    tensor device its shard, scaled by the shard's own amax (a scale per device: [tensor])."""
+    tensor device its shard, scaled by the shard's own amax (scales [tensor])."""
     graphdef, state = nnx.split(module)
     keys = fp8.weight_paths(module)
 

@@ -251,14 +251,14 @@ def test_memory_estimate_keeps_fp8_copies_and_counts_the_scaling_state():
 @pytest.mark.parametrize("layout, mesh, tensor", [("pp", "stage:2", 1),
                                                   ("tp_pp", "stage:2,tensor:2", 2)])
 def test_pipeline_quantizes_each_weight_once_per_step(monkeypatch, layout, mesh, tensor):
-    """A pipeline step quantizes its chunks' FP8 weights once, before the tick loop (Transformer
-    Engine's FP8 weight cache): in the compiled step every weight-shaped e4m3 convert runs
-    once per step, one per FP8 matmul of the stage (each device's shard), none inside the
-    loop, and the loop carries one FP8 copy of each weight, no stash slot of one. Under
-    sequence parallelism (tp_pp) each tensor device quantizes its own shards by their own
-    amax, as its forward did: the losses are bit-for-bit those of quantizing every weight
-    at every micro-batch's forward (the same tensors), which the step runs when the chunks
-    are given no FP8 weights (kept to tp_pp's case, whose copies are the subtler)."""
+    """A pipeline step quantizes its chunks' FP8 weights once, before the tick loop
+    (Transformer Engine's FP8 weight cache): in the compiled step every weight-shaped e4m3
+    convert runs once per step, one per FP8 matmul of the stage (each device's shard), none
+    inside the loop, and the loop carries one FP8 copy of each weight, no stash slot of
+    one. Under sequence parallelism (tp_pp) each tensor device quantizes its own shards by
+    their own amax, as its forward did: the losses are bit-for-bit those of quantizing every
+    weight at every micro-batch's forward (the same tensors), which the step runs when the
+    chunks are given no FP8 weights (kept to tp_pp's case, whose copies are the subtler)."""
     from jaxdist.mesh import parse_mesh
     from jaxdist.pipeline.parts import Parts
     from jaxdist.pipeline.program import build_pipeline_program
@@ -304,7 +304,8 @@ def test_pipeline_quantizes_each_weight_once_per_step(monkeypatch, layout, mesh,
                  for ins in hlo.typed(text) if ins.op == "convert"
                  and ins.result.dtype == "f8e4m3fn" and ins.result.dims[-2:] in weights]
     assert sorted(q for q, _ in quantized) == weights and {n for _, n in quantized} == {1}
-    carried = [a for ins in hlo.typed(text) if ins.op == "while" for a in hlo.arrays(ins.shape)
+    carried = [a for ins in hlo.typed(text) if ins.op == "while"
+               for a in hlo.arrays(ins.shape)
                if a.dtype == "f8e4m3fn" and a.dims[-2:] in weights]
     assert sorted(a.dims for a in carried) == sorted((1, 1, *w) for w in weights)
     if tensor == 1:

@@ -132,9 +132,8 @@ class ChunkOps:
         weights). `count`: the chunk's blocks where chunks differ
         (jaxdist/pipeline/parts.py); its skipped slots' flags are in the stash."""
         blocks, quantized = self._blocks(chunk)
-        (y, aux), vjp = jax.vjp(lambda b, sh, x_: self.parts.chunk(b, sh, x_, tokens,
-                                                                   is_first, count, quantized),
-                                blocks, shared, x)
+        (y, aux), vjp = jax.vjp(lambda b, sh, x_: self.parts.chunk(
+            b, sh, x_, tokens, is_first, count, quantized), blocks, shared, x)
         leaves, tree = jax.tree.flatten(vjp)
         inputs = self._inputs(blocks, shared, x, quantized)
         forwarded = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None)

@@ -108,7 +108,8 @@ class Parts:
 
     def chunk_fp8(self, quantized) -> list:
         """A chunk's FP8 weights (leaves [K, ...]) as K per-block dicts (`block_params`)."""
-        return [jax.tree.map(lambda a: a[j], quantized) for j in range(self.blocks_per_chunk)]
+        return [jax.tree.map(lambda a: a[j], quantized)
+                for j in range(self.blocks_per_chunk)]
 
     def blocks(self, blocks: list, x_BLD, count=None, quantized=None):
         """A chunk's K blocks (`block_params`), of which the first `count` run (a traced

@@ -13,15 +13,14 @@ tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one sta
   own K where --pp-stage-blocks makes chunks differ), and the last
   chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
-  cost the same;
-  Under FP8 the chunk ops take the blocks' FP8 weight copies as inputs, as the step's ops
-  read the copies it makes once before its ticks;
+  cost the same. Under FP8 the chunk ops take the blocks' FP8 weight copies as inputs, as
+  the step's ops read the copies it makes once before its ticks;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
   over `stage`), then the optimizer update, at full depth, and under FP8 the quantization
-  of every stage's weights (the step's once-a-step pass, timed here). The chunks' reductions the tick
-  loop issues before its last tick (interleaved, distributed optimizer, --overlap:
-  `early_reductions`) are timed beside the ticks (jaxdist.predict.ticks
-  `hidden_reductions`).
+  of every stage's weights (the step's once-a-step pass, timed here). The chunks'
+  reductions the tick loop issues before its last tick (interleaved, distributed
+  optimizer, --overlap: `early_reductions`) are timed beside the ticks
+  (jaxdist.predict.ticks `hidden_reductions`).
 Each op's time is `jaxdist.predict.time_model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
 jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
@@ -205,7 +204,8 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     stages (shared) and averaged over data, then the optimizer update (of the padded
     slots too, as the program holds them), and with FP8 the weights quantized for the
     next step's ticks (which the ops read as inputs: `op_lowered`)."""
-    from jaxdist.pipeline.program import data_reduction, mean_axes, pipeline_state, stage_axes
+    from jaxdist.pipeline.program import (data_reduction, mean_axes, pipeline_state,
+                                          stage_axes)
     from jaxdist.pipeline.step import DataMean
 
     mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
