@@ -19,6 +19,13 @@ s = amax / FP8_MAX (1 where amax is 0 or not finite), TE's recipe with margin 0:
 The dot itself is `lax.dot_general` on the FP8 operands with bfloat16 output, then scaled:
 XLA:GPU makes one cuBLASLt FP8 GEMM of it on Hopper and newer, XLA:CPU runs it as written.
 The quantized operands are what the backward keeps (TE's FP8 activation copies).
+
+A step that runs the same weights on many micro-batches quantizes each weight once (TE's
+FP8 weight cache, its `is_first_microbatch`): `quantize_weights` gives every FP8 matmul's
+weight of a module quantized as its forward would (current scaling: the scale is the
+weight's own amax, so the copy is the very tensor each call would make), and inside
+`quantized_weights` the matmuls read that copy instead of quantizing. The weight's gradient
+still goes to the weight itself (straight through the quantization, as without the copy).
 """
 
 from __future__ import annotations
@@ -74,15 +81,17 @@ def roll_in(history, value):
     return jnp.concatenate([jnp.reshape(value, (1,)).astype(history.dtype), history[:-1]])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fp8_dot(x, w, sx, sw, g_history, dims, out_dtype):
-    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fp8_dot(x, w, qw, sx, sw, g_history, dims, out_dtype):
+    """x . w in FP8, `qw` being w quantized with scale `sw`: the forward reads qw, w only
+    takes the weight gradient (w itself is not read, so not kept)."""
+    qx = quantize(x, sx, E4M3)
     y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
     return y * (sx * sw).astype(out_dtype)
 
 
-def _fp8_dot_fwd(x, w, sx, sw, g_history, dims, out_dtype):
-    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+def _fp8_dot_fwd(x, w, qw, sx, sw, g_history, dims, out_dtype):
+    qx = quantize(x, sx, E4M3)
     y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
     return y * (sx * sw).astype(out_dtype), (qx, qw, sx, sw, g_history)
 
@@ -100,7 +109,7 @@ def _fp8_dot_bwd(dims, out_dtype, res, g):
     dx = dx * (sg * sw).astype(out_dtype)
     dw = dw * (sg * sx).astype(out_dtype)
     g_cot = None if g_history is None else jnp.zeros_like(g_history).at[0].set(g_amax)
-    return dx, dw, jnp.zeros_like(sx), jnp.zeros_like(sw), g_cot
+    return dx, dw, None, jnp.zeros_like(sx), jnp.zeros_like(sw), g_cot
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -109,12 +118,16 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 class Fp8Scales(nnx.Module):
     """The scaling of one matmul's operands: `dot_general(x, w, dims)` in FP8 (e4m3 forward,
     e5m2 output gradient), output in x's dtype. Delayed scaling holds three amax histories
-    (input, weight, output gradient); current scaling none."""
+    (input, weight, output gradient); current scaling none. `weight`: the attribute of the
+    module that owns these scales holding the weight they scale, `dtype` the compute dtype
+    it is cast to first (what `quantize_weights` reads)."""
 
-    def __init__(self, scaling: str, history: int = AMAX_HISTORY):
+    def __init__(self, scaling: str, history: int = AMAX_HISTORY, weight: str | None = None,
+                 dtype=None):
         if scaling not in SCALINGS:
             raise ValueError(f"fp8 scaling {scaling!r}: one of {SCALINGS}")
         self.scaling = scaling
+        self.weight, self.dtype = weight, dtype
         if scaling == "delayed":
             self.x_history = Fp8History(jnp.zeros((history,), jnp.float32))
             self.w_history = Fp8History(jnp.zeros((history,), jnp.float32))
@@ -122,6 +135,14 @@ class Fp8Scales(nnx.Module):
 
     def dot_general(self, x, w, dims):
         w = w.astype(x.dtype)
+        copy = getattr(_QUANTIZED, "table", {}).get(id(self))
+        if copy is not None:  # quantized once for the step (quantized_weights)
+            qw, sw = copy
+            if qw.shape != w.shape or x.dtype != self.dtype:
+                raise ValueError(f"the FP8 copy of a {w.shape} {x.dtype} weight is "
+                                 f"{qw.shape} from {self.dtype}")
+            sx = jax.lax.stop_gradient(scale_of(amax(x), E4M3))
+            return _fp8_dot(x, w, qw, sx, sw, None, dims, x.dtype)
         if self.scaling == "current":
             sx, sw, gh = scale_of(amax(x), E4M3), scale_of(amax(w), E4M3), None
         else:
@@ -130,8 +151,82 @@ class Fp8Scales(nnx.Module):
             self.x_history[...] = roll_in(xh, jax.lax.stop_gradient(amax(x)))
             self.w_history[...] = roll_in(wh, jax.lax.stop_gradient(amax(w)))
             gh = self.g_history[...]
-        return _fp8_dot(x, w, jax.lax.stop_gradient(sx), jax.lax.stop_gradient(sw), gh,
-                        dims, x.dtype)
+        sx, sw = jax.lax.stop_gradient(sx), jax.lax.stop_gradient(sw)
+        qw = quantize(jax.lax.stop_gradient(w), sw, E4M3)
+        return _fp8_dot(x, w, qw, sx, sw, gh, dims, x.dtype)
+
+
+# ---- each weight quantized once for many calls (TE's FP8 weight cache) -----------------
+
+_QUANTIZED = threading.local()
+
+
+def _scales_in(module):
+    """(key, owner, Fp8Scales, the weight's path) of every FP8 matmul in `module`: the key
+    its scales' path."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, Fp8Scales):
+            owner = module
+            for name in path[:-1]:
+                owner = owner[name] if isinstance(name, int) else getattr(owner, name)
+            yield "/".join(map(str, path)), owner, node, (*path[:-1], node.weight)
+
+
+def weight_paths(module) -> dict:
+    """{key: the path of its weight in `module`'s parameters} of `quantize_weights`' keys
+    (a copy is placed as its weight is)."""
+    return {key: path for key, _, _, path in _scales_in(module)}
+
+
+def quantize_weights(module) -> dict:
+    """{key: (qw, sw)}: every FP8 matmul's weight of `module` quantized to e4m3 as its
+    forward quantizes it under current scaling (cast to the compute dtype, scale from its
+    own amax), keyed by the path of its Fp8Scales. No gradient flows through it: the
+    matmuls that read it (`quantized_weights`) send theirs to the weight. Delayed scaling's
+    weight scale comes from a history each call rolls, so it has no such copy. A module
+    whose forward runs its matmuls on shards of their weights, each scaled by its own
+    amax (sequence parallelism's blocks), quantizes its copies itself, as its forward
+    would: its `fp8_weights()`, whose scales may then hold one per shard."""
+    own = getattr(module, "fp8_weights", None)
+    return own() if own is not None else quantize_each(module)
+
+
+def quantize_each(module) -> dict:
+    """`quantize_weights` of each weight whole, by its matmul's own scales."""
+    out = {}
+    for key, owner, scales, _ in _scales_in(module):
+        if scales.scaling != "current" or scales.weight is None:
+            raise ValueError(f"{key}: only current scaling's weights, with their owner's "
+                             f"weight named, are quantized once (got {scales.scaling!r}, "
+                             f"weight {scales.weight!r})")
+        w = jax.lax.stop_gradient(getattr(owner, scales.weight)[...].astype(scales.dtype))
+        sw = scale_of(amax(w), E4M3)
+        out[key] = (quantize(w, sw, E4M3), sw)
+    return out
+
+
+def copies(module) -> dict:
+    """{key: (qw, sw)} of `module`'s FP8 matmuls whose copies the enclosing
+    `quantized_weights` gives ({} outside one): what a module that rebuilds its matmuls
+    (split and merged into a shard_map) hands on to them."""
+    table = getattr(_QUANTIZED, "table", {})
+    return {key: table[id(scales)] for key, _, scales, _ in _scales_in(module)
+            if id(scales) in table}
+
+
+@contextlib.contextmanager
+def quantized_weights(module, weights: dict):
+    """Inside, the FP8 matmuls of `module` read their weights from `weights`
+    (`quantize_weights` of the same parameters, traced once for many calls) instead of
+    quantizing them at each call."""
+    table = {id(scales): weights[key] for key, _, scales, _ in _scales_in(module)} \
+        if weights else {}
+    outer = getattr(_QUANTIZED, "table", {})
+    _QUANTIZED.table = {**outer, **table}
+    try:
+        yield
+    finally:
+        _QUANTIZED.table = outer
 
 
 # ---- where the decoders' matmuls are built in FP8 ---------------------------------------
@@ -156,10 +251,11 @@ def building() -> str | None:
     return getattr(_BUILDING, "scaling", None)
 
 
-def scales() -> Fp8Scales | None:
-    """A new Fp8Scales for a matmul being built, or None outside fp8_matmuls."""
+def scales(weight: str, dtype) -> Fp8Scales | None:
+    """A new Fp8Scales for a matmul being built whose owner holds its weight as `weight`,
+    cast to `dtype` to compute; None outside fp8_matmuls."""
     scaling = building()
-    return None if scaling is None else Fp8Scales(scaling)
+    return None if scaling is None else Fp8Scales(scaling, weight=weight, dtype=dtype)
 
 
 # ---- the train step's gradient: delayed scaling's gradient histories -------------------

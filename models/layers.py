@@ -79,7 +79,7 @@ class Linear(nnx.Linear):
     def __init__(self, *args, tag: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tag = tag
-        self.fp8 = fp8.scales()
+        self.fp8 = fp8.scales("kernel", self.dtype)
 
     def matmul(self, x, kernel, dims):
         """x . kernel over `dims`, both already in the compute dtype: in FP8 or as nnx.Linear."""

@@ -173,7 +173,8 @@ class MoE(nnx.Module):
         self.impl = cfg.moe_impl
         # the experts' GEMMs in FP8 where built inside models.fp8.fp8_matmuls (sorted and
         # dense; ragged's grouped GEMMs and the router stay as they are)
-        self.fp8_gate, self.fp8_up, self.fp8_down = fp8.scales(), fp8.scales(), fp8.scales()
+        self.fp8_gate, self.fp8_up, self.fp8_down = (fp8.scales(w, dtype)
+                                                     for w in ("gate", "up", "down"))
 
     def __call__(self, x_BLD):
         B, L, D = x_BLD.shape

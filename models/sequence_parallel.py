@@ -32,7 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from models import context
+from models import context, fp8
 from models.layers import PreNormBlock, counted, run_blocks, tagged
 
 
@@ -183,8 +183,17 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
             state = jax.tree.map(jax.lax.with_sharding_constraint, state, specs,
                                  is_leaf=lambda x: isinstance(x, P))
 
-    def local(hs, state):
+    # FP8 weights quantized before (the pipeline's once a step: models/fp8.py), each
+    # tensor device's shard with its own scale (`quantize_sublayer`), handed in beside them
+    quantized = fp8.copies(module)
+
+    def local(hs, state, quantized):
         m = nnx.merge(graphdef, state)
+        own = {k: (qw, sw[0]) for k, (qw, sw) in quantized.items()}  # this device's scale
+        with fp8.quantized_weights(m, own):
+            return run(m, hs)
+
+    def run(m, hs):
         row = getattr(m, m.row)
         outs, gathered, scattered = [], None, None
         for h in hs:
@@ -208,7 +217,33 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
         return tuple(outs)
 
     specs = (_sequence(),) * len(hs_BlD)
-    return _map(local, (specs, _param_specs(state)), specs)(tuple(hs_BlD), state)
+    return _map(local, (specs, _param_specs(state), _fp8_specs(module, state, quantized)),
+                specs)(tuple(hs_BlD), state, quantized)
+
+
+def _fp8_specs(module, state, keys) -> dict:
+    """The specs of `keys`' FP8 weight copies (models.fp8.quantize_weights) of a sublayer:
+    each copy split as its weight (`_param_specs`), its scales one per tensor device."""
+    specs, paths = _param_specs(state), fp8.weight_paths(module)
+
+    def spec_of(path):
+        spec = specs
+        for name in path:
+            spec = spec[name]
+        return getattr(spec, "value", spec)
+    return {k: (spec_of(paths[k]), P("tensor")) for k in keys}
+
+
+def quantize_sublayer(module) -> dict:
+    """`module`'s (a sublayer's) FP8 weights quantized as `sublayer` runs them: on each
+    tensor device its shard, scaled by the shard's own amax (scales [tensor])."""
+    graphdef, state = nnx.split(module)
+    keys = fp8.weight_paths(module)
+
+    def local(state):
+        q = fp8.quantize_each(nnx.merge(graphdef, state))
+        return {k: (qw, sw[None]) for k, (qw, sw) in q.items()}
+    return _map(local, (_param_specs(state),), _fp8_specs(module, state, keys))(state)
 
 
 class SequenceParallelBlock(PreNormBlock):
@@ -221,6 +256,14 @@ class SequenceParallelBlock(PreNormBlock):
     def __init__(self, ln1, attn, ln2, mlp, weight_rules: str | None = None):
         super().__init__(ln1, attn, ln2, mlp)
         self.weight_rules = weight_rules
+
+    def fp8_weights(self) -> dict:
+        """The block's FP8 weight copies (models.fp8.quantize_weights) as its forward runs
+        its matmuls: under sequence parallelism each sublayer's per tensor device."""
+        if not active():
+            return fp8.quantize_each(self)
+        return {f"{name}/{k}": q for name in ("attn", "mlp")
+                for k, q in quantize_sublayer(getattr(self, name)).items()}
 
     def __call__(self, x_BLD):
         if not active():

@@ -246,3 +246,72 @@ def test_memory_estimate_keeps_fp8_copies_and_counts_the_scaling_state():
     histories = jax.tree.leaves(state["model_state"])
     # 2 blocks x 7 matmuls x (input, weight, output gradient) x 1024 float32 amaxes
     assert sum(h.size * h.dtype.itemsize for h in histories) == 2 * 7 * 3 * 1024 * 4
+
+
+@pytest.mark.parametrize("layout, mesh, tensor", [("pp", "stage:2", 1),
+                                                  ("tp_pp", "stage:2,tensor:2", 2)])
+def test_pipeline_quantizes_each_weight_once_per_step(monkeypatch, layout, mesh, tensor):
+    """A pipeline step quantizes its chunks' FP8 weights once, before the tick loop
+    (Transformer Engine's FP8 weight cache): in the compiled step every weight-shaped e4m3
+    convert runs once per step, one per FP8 matmul of the stage (each device's shard), none
+    inside the loop, and the loop carries one FP8 copy of each weight, no stash slot of
+    one. Under sequence parallelism (tp_pp) each tensor device quantizes its own shards by
+    their own amax, as its forward did: the losses are bit-for-bit those of quantizing every
+    weight at every micro-batch's forward (the same tensors), which the step runs when the
+    chunks are given no FP8 weights (kept to tp_pp's case, whose copies are the subtler)."""
+    from jaxdist.mesh import parse_mesh
+    from jaxdist.pipeline.parts import Parts
+    from jaxdist.pipeline.program import build_pipeline_program
+    from jaxdist.program import hlo
+
+    opts = {"width": "32", "heads": "4", "seq_len": "8", "vocab": "64", "depth": "2"}
+    cfg = dataclasses.replace(get_model("gpt-tiny", opts), fp8="current",
+                              sequence_parallel=tensor > 1)
+    shape = parse_mesh(mesh)
+    stream = TrainStream(cfg, None, 16, 0)
+    initial = {}
+
+    def compiled():
+        program = build_pipeline_program(cfg, "float8", make_optimizer("adamw", 1e-2),
+                                         get_layout(layout),
+                                         build_mesh(shape, jax.devices()[:shape.size]), 0, 4,
+                                         "1f1b", 1)
+        state = program.abstract_state
+        if tensor > 1:  # run: one initial state on the host for both programs (donated)
+            initial.setdefault("state", jax.device_get(program.init()))
+            state = jax.device_put(initial["state"], program.state_shardings)
+        batch = put_batch(stream.batch(0), program.batch_sharding)
+        return program, state, program.step.lower(state, batch).compile()
+
+    def losses(program, state, step):
+        out = []
+        for i in range(2):
+            state, loss = step(state, put_batch(stream.batch(i), program.batch_sharding))
+            out.append(float(loss))
+        return np.array(out)
+
+    program, state, step = compiled()
+    text = step.as_text()
+    # the block's FP8 matmuls' weights: q, k, v, out, up, down ([S, V, K, in, out] leaves),
+    # each device's shard (tensor-parallel: heads and MLP columns over tensor)
+    stages = jax.tree.leaves(program.abstract_state["params"]["stages"])
+    sharded = jax.tree.leaves(program.state_shardings["params"]["stages"])
+    weights = sorted(sh.shard_shape(x.shape)[-2:] for x, sh in zip(stages, sharded)
+                     if x.ndim == 5)
+    assert len(weights) == 6
+    runs = hlo.executions(text)
+    quantized = [(ins.result.dims[-2:], runs.get(ins.computation, 0))
+                 for ins in hlo.typed(text) if ins.op == "convert"
+                 and ins.result.dtype == "f8e4m3fn" and ins.result.dims[-2:] in weights]
+    assert sorted(q for q, _ in quantized) == weights and {n for _, n in quantized} == {1}
+    carried = [a for ins in hlo.typed(text) if ins.op == "while"
+               for a in hlo.arrays(ins.shape)
+               if a.dtype == "f8e4m3fn" and a.dims[-2:] in weights]
+    assert sorted(a.dims for a in carried) == sorted((1, 1, *w) for w in weights)
+    if tensor == 1:
+        return
+
+    once = losses(program, state, step)
+    monkeypatch.setattr(Parts, "fp8_weights", lambda self, stacked: {})
+    every = losses(*compiled())
+    np.testing.assert_array_equal(once, every)

@@ -540,7 +540,7 @@ def test_skipped_slot_stashes_no_weights():
         chunk = jax.tree.map(lambda a: a[0, 0], params["stages"])
         x = jax.ShapeDtypeStruct((2, cfg.seq_len, cfg.width), jnp.float32)
         tokens = jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)
-        stash = ChunkOps(parts, 2).stash_shapes(chunk, params["shared"], x, tokens)
+        stash = ChunkOps(parts, 2).stash_shapes((chunk, {}), params["shared"], x, tokens)
         return sum(math.prod(r.shape) * r.dtype.itemsize for r in stash), len(stash)
 
     (even, n_even), (uneven, n_uneven) = stash_bytes(4, ()), stash_bytes(3, (1, 2))

@@ -2,8 +2,12 @@
 them and the predictor (jaxdist/predict/pipeline.py) compiles them:
 
 - F (`forward`): the chunk's blocks under `jax.vjp`. What the backward needs (the vjp's
-  residuals, less the inputs the backward reads again: the weights and the stored input
-  activation) goes to the stash, so the backward runs no second forward. --remat full / dots
+  residuals, less the inputs the backward reads again: the weights, their FP8 copies and
+  the stored input activation) goes to the stash, so the backward runs no second forward.
+  A chunk is its stacked parameters and the FP8 copies of its FP8 matmuls' weights, which
+  the step quantizes once before its tick loop (Parts.fp8_weights; {} without FP8): every
+  micro-batch's forward and backward read those, and the weight gradients go to the
+  parameters. --remat full / dots
   make each block a `jax.checkpoint` (jaxdist/pipeline/parts.py), so the stash holds the
   block inputs (and matmul outputs) and the backward recomputes the rest, as under the
   other layouts. The last chunk's F also runs the head and the head's backward at once
@@ -124,14 +128,14 @@ class ChunkOps:
     # ---- F
     def forward(self, chunk, shared, x, tokens, is_first, count=None):
         """(output activation, balance-loss term, the stash: the vjp's residuals that are
-        not the chunk's own inputs). `count`: the chunk's blocks where chunks differ
+        not the chunk's own inputs). `chunk`: (stacked parameters [K, ...], their FP8
+        weights). `count`: the chunk's blocks where chunks differ
         (jaxdist/pipeline/parts.py); its skipped slots' flags are in the stash."""
-        blocks = self.parts.block_params(chunk)
-        (y, aux), vjp = jax.vjp(lambda b, sh, x_: self.parts.chunk(b, sh, x_, tokens,
-                                                                   is_first, count),
-                                blocks, shared, x)
+        blocks, quantized = self._blocks(chunk)
+        (y, aux), vjp = jax.vjp(lambda b, sh, x_: self.parts.chunk(
+            b, sh, x_, tokens, is_first, count, quantized), blocks, shared, x)
         leaves, tree = jax.tree.flatten(vjp)
-        inputs = jax.tree.leaves((blocks, shared)) + [x]
+        inputs = self._inputs(blocks, shared, x, quantized)
         forwarded = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None)
                           for leaf in leaves)
         self._pullback.setdefault("tree", tree)
@@ -155,17 +159,29 @@ class ChunkOps:
         d_own, dh = vjp(jnp.float32(self.scale))
         return loss, dh.astype(h.dtype), d_own
 
+    def _blocks(self, chunk) -> tuple[list, list]:
+        """The chunk's K per-block parameters and K per-block FP8 weight dicts."""
+        params, quantized = chunk
+        return self.parts.block_params(params), self.parts.chunk_fp8(quantized)
+
+    @staticmethod
+    def _inputs(blocks, shared, x, quantized) -> list:
+        """What the vjp may keep that the chunk's backward is given again: the vjp's
+        arguments and the FP8 weights it closes over."""
+        return jax.tree.leaves((blocks, shared)) + [x] + jax.tree.leaves(quantized)
+
     # ---- BACK
-    def _restore(self, stash, blocks, shared, x):
+    def _restore(self, stash, chunk, shared, x):
         """The vjp rebuilt from the stash and the inputs it forwarded."""
-        inputs = jax.tree.leaves((blocks, shared)) + [x]
+        blocks, quantized = self._blocks(chunk)
+        inputs = self._inputs(blocks, shared, x, quantized)
         it = iter(stash)
         leaves = [next(it) if i is None else inputs[i] for i in self._pullback["forwarded"]]
         return jax.tree.unflatten(self._pullback["tree"], leaves)
 
     def backward(self, stash, chunk, shared, x, dy):
         """(chunk gradients [K, ...], shared gradients, input gradient) from the stash."""
-        vjp = self._restore(stash, self.parts.block_params(chunk), shared, x)
+        vjp = self._restore(stash, chunk, shared, x)
         d_blocks, d_shared, dx = vjp((dy, jnp.float32(self.scale)))
         return jax.tree.map(lambda *g: jnp.stack(g), *d_blocks), d_shared, dx
 

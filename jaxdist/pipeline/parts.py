@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import UsageError
 from jaxdist.train_step import DTYPES
-from models import context
+from models import context, fp8
 from models.layers import REMAT_POLICIES, counted_matmuls
 from models.sequence_parallel import sequence_shards, whole_sequence
 
@@ -75,21 +76,63 @@ class Parts:
         own inputs, which the stash does not hold again (jaxdist/pipeline/ops.py)."""
         return [jax.tree.map(lambda a: a[j], chunk) for j in range(self.blocks_per_chunk)]
 
-    def blocks(self, blocks: list, x_BLD, count=None):
+    def fp8_weights(self, stacked):
+        """The blocks' FP8 matmul weights quantized (models.fp8.quantize_weights) for
+        stacked parameters [V, K, ...] (`stacked`), leaves [V, K, ...]; {} without FP8
+        matmuls. The step computes them once, before its tick loop, and every chunk
+        forward reads them (`blocks`), so no micro-batch quantizes a weight again and the
+        stash keeps no FP8 copy of one: they are the chunk's inputs
+        (jaxdist/pipeline/ops.py)."""
+        def one(params):
+            return fp8.quantize_weights(nnx.merge(self.block_graphdef, params))
+        return jax.vmap(jax.vmap(one))(stacked)
+
+    def fp8_placement(self, stages, stage_specs) -> tuple[dict, dict]:
+        """(shapes, specs) of `fp8_weights` of the stage parameters `stages` (leaves [S, V,
+        K, ...], abstract or not) placed by `stage_specs`: each FP8 copy as its weight,
+        its scale over the leading [S, V, K] as the weight's, and where sequence
+        parallelism scales each tensor device's shard apart (models/sequence_parallel.py)
+        their [tensor] scales over `tensor`; ({}, {}) without FP8. Read under the step's
+        mesh (jax.set_mesh), where the blocks see its tensor axis."""
+        shapes = jax.eval_shape(jax.vmap(self.fp8_weights), stages)
+        block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), stages)
+        paths = fp8.weight_paths(nnx.merge(self.block_graphdef, block))
+
+        def spec_of(key):
+            spec = stage_specs
+            for name in paths[key]:
+                spec = spec[name]
+            per_shard = ("tensor",) * (shapes[key][1].ndim - 3)
+            return spec, P(*tuple(spec)[:3], *per_shard)
+        return shapes, {key: spec_of(key) for key in shapes}
+
+    def chunk_fp8(self, quantized) -> list:
+        """A chunk's FP8 weights (leaves [K, ...]) as K per-block dicts (`block_params`)."""
+        return [jax.tree.map(lambda a: a[j], quantized)
+                for j in range(self.blocks_per_chunk)]
+
+    def blocks(self, blocks: list, x_BLD, count=None, quantized=None):
         """A chunk's K blocks (`block_params`), of which the first `count` run (a traced
-        integer; only read where chunks differ); returns (x, summed aux loss)."""
+        integer; only read where chunks differ), their FP8 matmuls reading `quantized` (K
+        per-block `chunk_fp8` dicts; None: each quantizes its weight); returns (x, summed
+        aux loss)."""
         aux = jnp.zeros((), jnp.float32)
 
-        def run_block(params, x):
+        def run_block(w, x):
+            params, q = w
             with counted_matmuls():  # a block's matmuls by their place (selective_op)
-                return nnx.merge(self.block_graphdef, params)(x)
+                block = nnx.merge(self.block_graphdef, params)
+                with fp8.quantized_weights(block, q):
+                    return block(x)
         if self.remat != "none":  # what a block keeps: models.layers.REMAT_POLICIES
             run_block = jax.checkpoint(run_block, policy=REMAT_POLICIES[self.remat])
+        quantized = quantized or [{}] * self.blocks_per_chunk
         for j in range(self.blocks_per_chunk):
+            w = (blocks[j], quantized[j])
             if j < self.min_blocks:
-                out = run_block(blocks[j], x_BLD)
+                out = run_block(w, x_BLD)
             else:  # a padded slot on the chunks with fewer blocks: skipped there
-                out = skippable(run_block)(blocks[j], x_BLD, j < count)
+                out = skippable(run_block)(w, x_BLD, j < count)
             if self.aux_weight is None:
                 x_BLD = out
             else:
@@ -104,17 +147,19 @@ class Parts:
         logits_BLV = head(ln_f(x_BLD)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
 
-    def chunk(self, blocks: list, shared, x_BLD, tokens_BL1, is_first, count=None):
+    def chunk(self, blocks: list, shared, x_BLD, tokens_BL1, is_first, count=None,
+              quantized=None):
         """One chunk's blocks for one micro-batch: (output activation, its weighted MoE
         balance loss, 0 for dense decoders). The first chunk embeds the tokens instead of
         reading `x` (every stage runs one program; the lookup is cheap, selected by
         `where`). The head is not here: the last chunk's forward runs it and its backward
         at once (jaxdist/pipeline/ops.py), so no stage stashes the logits. Under sequence
         parallelism `x` and the output are the blocks' sequence shards (the stage message
-        is 1/T of the sequence per tensor device); the head gathers the whole."""
+        is 1/T of the sequence per tensor device); the head gathers the whole. `quantized`:
+        the blocks' FP8 weights (`blocks`)."""
         h_BLD = jnp.where(is_first, sequence_shards(self.embed(shared, self.inputs(tokens_BL1)),
                                                     self.sequence_parallel), x_BLD)
-        h_BLD, aux = self.blocks(blocks, h_BLD, count)
+        h_BLD, aux = self.blocks(blocks, h_BLD, count, quantized)
         if self.aux_weight is None:
             return h_BLD, jnp.zeros((), jnp.float32)
         return h_BLD, self.aux_weight * aux / self.depth

@@ -209,14 +209,17 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
         local = jax.tree.map(lambda a: a[0], stage_params)  # [V, K, ...]
+        # the FP8 matmuls' weights quantized once per step, before the ticks: every
+        # micro-batch's F and backward read these, and the stash holds none of them
+        quantized = parts.fp8_weights(local)
         table = {k: jnp.asarray(a) for k, a in tables.items()}
         counts = jnp.asarray(np.array(parts.counts or [[parts.blocks_per_chunk] * V] * S,
                                       np.int32))  # [S, V]: each chunk's own blocks
         pattern = jnp.asarray(pattern_of_slot)
 
-        def chunk_of(v):
-            return jax.tree.map(lambda a: a[v], local) if V > 1 else \
-                jax.tree.map(lambda a: a[0], local)
+        def chunk_of(v):  # (parameters, FP8 weights) of chunk v (jaxdist/pipeline/ops.py)
+            return jax.tree.map(lambda a: a[v], (local, quantized)) if V > 1 else \
+                jax.tree.map(lambda a: a[0], (local, quantized))
 
         def accumulate(g_l, g_s, v, d_chunk, d_shared):
             g_l = jax.tree.map(lambda g, d: g.at[v if V > 1 else 0].add(d), g_l, d_chunk)

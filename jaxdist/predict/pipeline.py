@@ -13,12 +13,14 @@ tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one sta
   own K where --pp-stage-blocks makes chunks differ), and the last
   chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
-  cost the same;
+  cost the same. Under FP8 the chunk ops take the blocks' FP8 weight copies as inputs, as
+  the step's ops read the copies it makes once before its ticks;
 - the tail on the whole mesh: the gradients averaged over `data` (and the shared ones summed
-  over `stage`), then the optimizer update, at full depth. The chunks' reductions the tick
-  loop issues before its last tick (interleaved, distributed optimizer, --overlap:
-  `early_reductions`) are timed beside the ticks (jaxdist.predict.ticks
-  `hidden_reductions`).
+  over `stage`), then the optimizer update, at full depth, and under FP8 the quantization
+  of every stage's weights (the step's once-a-step pass, timed here). The chunks'
+  reductions the tick loop issues before its last tick (interleaved, distributed
+  optimizer, --overlap: `early_reductions`) are timed beside the ticks
+  (jaxdist.predict.ticks `hidden_reductions`).
 Each op's time is `jaxdist.predict.time_model.step_time` of its figures (compute or HBM, its own
 collectives by link, the overlap policy), and the step is timed from the table by
 jaxdist.predict.ticks as jaxdist's tick loop runs it (each tick as long as its busiest
@@ -142,9 +144,13 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     act = jax.ShapeDtypeStruct((rows * data, L, D), dtype)
     tokens = jax.ShapeDtypeStruct((rows * data, L + 1), jnp.int32)
     ops = ChunkOps(parts, cfg.train.microbatches)
+    # the FP8 weights are the step's, quantized once before the ticks (the tail's): inputs
+    with jax.set_mesh(mesh):
+        quantized, q_specs = parts.fp8_placement(logical["params"]["stages"],
+                                                 specs["params"]["stages"])
 
-    def run(stage_params, shared, tokens_BL1, x, dy):
-        chunk = jax.tree.map(lambda a: a[0, 0], stage_params)
+    def run(stage_params, shared, tokens_BL1, x, dy, q):
+        chunk = jax.tree.map(lambda a: a[0, 0], (stage_params, q))
         y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
         head = ops.head(shared, y, tokens_BL1) if last else None
         if last:
@@ -159,8 +165,9 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
     out = P() if kind != FULL else (stage_specs, shared_specs, P(), P())
+    q_stage = jax.tree.map(lambda _: P("stage"), quantized)
     mapped = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
-                                                      act_spec, act_spec),
+                                                      act_spec, act_spec, q_stage),
                            out_specs=out, axis_names=set(manual), check_vma=False)
 
     def fn(stages, shared, *rest):  # the logical view of the stored parameters, as the step
@@ -171,11 +178,13 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     sp = getattr(model_cfg, "sequence_parallel", False) and mesh.shape.get("tensor", 1) > 1
     batch = NamedSharding(mesh, P("data"))
     acts = NamedSharding(mesh, P("data", (*manual[2:], "tensor")) if sp else act_spec)
+    q_sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), q_specs,
+                             is_leaf=lambda x: isinstance(x, P))
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
-                                               acts, acts)),
+                                               acts, acts, q_sharded)),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
     return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
-                        act, act), dict(mesh.shape)
+                        act, act, quantized), dict(mesh.shape)
 
 
 def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
@@ -199,8 +208,10 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
                  stage_blocks: tuple[int, ...] = ()) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update (of the padded
-    slots too, as the program holds them)."""
-    from jaxdist.pipeline.program import data_reduction, mean_axes, stage_axes
+    slots too, as the program holds them), and with FP8 the weights quantized for the
+    next step's ticks (which the ops read as inputs: `op_lowered`)."""
+    from jaxdist.pipeline.program import (data_reduction, mean_axes, pipeline_state,
+                                          stage_axes)
     from jaxdist.pipeline.step import DataMean
 
     mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
@@ -240,11 +251,22 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
                                                                  grads["shared"])
         if scatter is not None:
             g_stages, g_shared = scatter(g_stages, g_shared)
-        return apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update,
-                               update_shapes, params, reduce_dtype in (None, "float32"))
+        new = apply_gradients(tx, state, {"stages": g_stages, "shared": g_shared}, update,
+                              update_shapes, params, reduce_dtype in (None, "float32"))
+        # the FP8 weights the next step's ticks read, quantized once (the step does it
+        # before its ticks: the same pass, once a step)
+        return new, jax.vmap(parts.fp8_weights)(
+            padding.fit_tree(new["params"]["stages"], logical["params"]["stages"]))
 
+    parts = pipeline_state(dataclasses.replace(model_cfg, depth=1), cfg.model.dtype, tx,
+                           cfg.train.seed, 1, 1)[2]
+    with jax.set_mesh(mesh):
+        q_specs = parts.fp8_placement(logical["params"]["stages"],
+                                      specs["params"]["stages"])[1]
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
-                     out_shardings=shardings, donate_argnums=0)
+                     out_shardings=(shardings, jax.tree.map(
+                         lambda s: NamedSharding(mesh, s), q_specs,
+                         is_leaf=lambda x: isinstance(x, P))), donate_argnums=0)
     return MeshJit(jitted, mesh).lower(state, params), sizes
 
 
