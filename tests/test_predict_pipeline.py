@@ -341,6 +341,54 @@ def test_uneven_stages_time_each_chunk_at_its_own_blocks():
     assert p["bubble"] > p["analytic_bubble"] == even["pipeline"]["bubble"]
 
 
+def test_fp8_plan_holds_weight_copies_and_one_byte_gemm_inputs():
+    """--dtype float8 under tp_pp + sequence parallelism (shapes only), against the same
+    plan in bfloat16: each stage also holds one byte per parameter of its blocks (the FP8
+    weight copies, as the weights are split), and a block's stash keeps its GEMMs' inputs
+    at one byte: 27 of Korthikanti's 34 bytes per element over t."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from experiments.run import build_parser
+    from jaxdist import metrics
+    from jaxdist.config import from_namespace
+    from jaxdist.plan.pipeline_shapes import plan_pipeline
+    from jaxdist.predict.stage_memory import block_activation_bytes
+    from jaxdist.run_model import build_model
+    from jaxdist.state_shapes import pipeline_planning_state
+    from jaxdist.train_step import make_optimizer
+    from sharding import get_layout
+    from sharding.pipeline import is_stacked
+
+    mesh = "data:2,stage:2,tensor:4"
+
+    def plan(dtype):
+        cfg = from_namespace(build_parser().parse_args([
+            "--dry-run", "--model", "llama3-70b", "--model-opts", "depth=4", "--layout",
+            "tp_pp", "--mesh", mesh, "--microbatches", "4", "--batch-size", "8", "--dtype",
+            dtype, "--fp8-scaling", "current", "--sequence-parallel",
+            "--distributed-optimizer"]))
+        return cfg, plan_pipeline(cfg, parse_mesh(mesh)).to_json()
+    (cfg, f8), (_, bf) = plan("float8"), plan("bfloat16")
+    model_cfg = build_model(cfg)[0]
+    sizes = dict(parse_mesh(mesh).axis_sizes)
+    layout = get_layout("tp_pp", True)
+    state = pipeline_planning_state(model_cfg, "float8", make_optimizer("adamw", 1e-3), 2, 1,
+                                    True)
+    specs = layout(state, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+    flat = jax.tree_util.tree_flatten_with_path(state["params"])[0]
+    leaf_specs = jax.tree.leaves(specs["params"], is_leaf=lambda x: isinstance(x, P))
+    elements = sum(metrics.shard_bytes(leaf, spec, sizes) // leaf.dtype.itemsize
+                   for (path, leaf), spec in zip(flat, leaf_specs) if is_stacked(path))
+    rows, K = f8["pipeline"]["microbatch_rows_per_device"], f8["pipeline"]["blocks_per_chunk"]
+    block = block_activation_bytes(model_cfg, rows, 4, 2, True, True)
+    for s8, sb, slots in zip(f8["stages"], bf["stages"],
+                             f8["pipeline"]["residual_slots_by_stage"]):
+        assert (s8["fp8_weights"], sb["fp8_weights"]) == (elements, 0)
+        assert sb["activation_stash"] - s8["activation_stash"] == pytest.approx(
+            slots * K * block * 7 / 34)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_stash_per_block_is_the_programs(sequence_parallel):
     """The pipeline memory plan's stash per micro-batch and block under --remat full is

@@ -118,6 +118,8 @@ def memory_line(p: PredictedPlan) -> str:
     if kind == "stages":
         parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
                  f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}" +
+                 (f" + FP8 weight copies {human_bytes(mem['fp8_weight_bytes'])}"
+                  if mem.get("fp8_weight_bytes") else "") +
                  (f" + a chunk's gradients cast up for their float32 reduction "
                   f"{human_bytes(mem['gradient_cast_bytes'])}"
                   if mem.get("gradient_cast_bytes") else ""))

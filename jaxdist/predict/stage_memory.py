@@ -27,7 +27,10 @@ jaxdist.pipeline.checks). b = batch / (M x batch shards). Under context parallel
 L above is a device's L / CP tokens (the scores' keys stay L). Received activations and
 gradients in flight (a slot each) are counted at b x L x D (L / T under sequence
 parallelism: the stage message is a sequence shard); the working set of a backward is one
-block's activations (the block being differentiated, recomputed under --remat).
+block's activations (the block being differentiated, recomputed under --remat; a plan
+compiled for a GPU takes XLA:GPU's temporaries of that op: jaxdist.predict.verdict). Under
+--dtype float8 each stage also holds its blocks' FP8 weight
+copies, quantized once a step: one byte per parameter of its slots, as they are split.
 """
 
 from __future__ import annotations
@@ -56,15 +59,20 @@ from sharding.pipeline import is_stacked
 
 def block_activation_bytes(model_cfg, rows: int, tensor: int, itemsize: int,
                            flash: bool = False, sequence_parallel: bool = False,
-                           context: int = 1) -> float:
+                           context: int = 1, fp8: bool = False) -> float:
     """Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer
     Models), Eq. 2 with tensor parallelism, Eq. 4 with sequence parallelism (the 10 bytes
     per element outside the tensor-parallel regions split over t too): bytes one block
     keeps for its backward. Flash attention keeps no L x L scores (the 5aL/(Dt) term).
     Under context parallelism a device holds L / `context` tokens, whose queries' scores
-    span all L keys."""
+    span all L keys. With FP8 matmuls (`fp8`) the GEMMs' inputs are kept as their FP8
+    copies, one byte where the count has two (models/fp8.py; Transformer Engine's too):
+    the QKV and MLP-up inputs, 4 of the 10, and the output projection's and MLP-down's,
+    10 of the 24."""
     L, D, a = model_cfg.seq_len, model_cfg.width, model_cfg.heads
     linear = 34 / tensor if sequence_parallel else 10 + 24 / tensor
+    if fp8:
+        linear -= (2 + 5) / tensor if sequence_parallel else 2 + 5 / tensor
     scores = 0.0 if flash else 5 * a * L / (D * tensor)
     return L // context * rows * D * (linear + scores) * itemsize / 2
 
@@ -115,7 +123,7 @@ def stage_total(s: dict) -> int:
     tick loop, its activations and a chunk's float32 gradient copy where chunks are reduced
     there, or after it (the stash is free then) the last chunks' copy."""
     held = (s["params"] + s["gradients"] + s["opt"] + s["master"] + s["padding_state"] +
-            s["padding_gradients"])
+            s["padding_gradients"] + s.get("fp8_weights", 0))
     loop = s["activation_stash"] + s["activation_working"] + s["gradient_cast_loop"]
     return int(held + max(loop, s["gradient_cast_tail"]))
 
@@ -156,7 +164,8 @@ def stage_memory(cfg, shape) -> dict:
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
              cfg.model.dtype in ("bfloat16", "float8"))
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
-                                   getattr(model_cfg, "sequence_parallel", False), cp)
+                                   getattr(model_cfg, "sequence_parallel", False), cp,
+                                   cfg.model.dtype == "float8")
     remat = getattr(model_cfg, "remat", "none")
     dots = rows * model_cfg.seq_len // cp * (10 * model_cfg.width / tensor + (
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
@@ -180,6 +189,8 @@ def stage_memory(cfg, shape) -> dict:
     reduce = layout.reduce_dtype(cfg.model.dtype)
     up = np.dtype(reduce).itemsize / itemsize if reduce == "float32" else 0
     early = V > 1 and math.prod(sizes.get(a, 1) for a in ("data", "context")) > 1
+    fp8 = cfg.model.dtype == "float8"
+    param_itemsize = np.dtype(jax.tree.leaves(state["params"]["stages"])[0].dtype).itemsize
     stages = []
     for s in range(S):
         stash = ((sched.act_slots_by_stage[s] + sched.grad_slots) * message +
@@ -199,6 +210,9 @@ def stage_memory(cfg, shape) -> dict:
                  "master": master, "gradients": grads, "padded_slots": pad,
                  "padding_state": sum(padding.values()), "padding_gradients": pad_grads,
                  "activation_stash": stash, "activation_working": int(working),
+                 # the FP8 copies of its blocks' weights, quantized once a step (one byte
+                 # per parameter, as the weights are split: models/fp8.py)
+                 "fp8_weights": int(stacked.get("params", 0) / param_itemsize) if fp8 else 0,
                  "gradient_cast_loop": int(cast) if early else 0,
                  "gradient_cast_tail": int(cast)}
         stages.append({**stage, "total": stage_total(stage)})

@@ -178,10 +178,11 @@ def pipeline_verdict(stage_memory: dict, hw: Part,
                "one chunk's backward by Korthikanti et al. 2022")
     gradient_bytes = worst["gradients"] + worst.get("padding_gradients", 0)
     temp_bytes = worst["activation_stash"] + worst["activation_working"]
+    fp8_bytes = worst.get("fp8_weights", 0)
     return {"label": LABEL, "state_bytes": state_bytes, "gradient_bytes": gradient_bytes,
-            "temp_bytes": temp_bytes,
+            "temp_bytes": temp_bytes, "fp8_weight_bytes": fp8_bytes,
             # a chunk's gradients cast up for their float32 reduction, beyond the activations
-            "gradient_cast_bytes": need - state_bytes - gradient_bytes - temp_bytes,
+            "gradient_cast_bytes": need - state_bytes - gradient_bytes - temp_bytes - fp8_bytes,
             "temp_note": f"activations per stage: stash counted from the schedule table, "
                          f"working set of {working} (jaxdist.predict.stage_memory)",
             "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,
