@@ -143,7 +143,8 @@ def test_pipeline_reduces_gradients_in_the_reduce_dtype(reduce_dtype, element):
     """tp_pp interleaved with bf16 working weights: every data-axis reduce-scatter of the
     step (ScatterOverData, in the tick loop and after it) takes its operand in the
     --grad-reduce-dtype, read from the lowered program (XLA:CPU would promote bf16
-    collectives to float32 when compiling)."""
+    collectives to float32 when compiling); and the bf16 step compiles and runs on XLA:CPU
+    (which aborted on the shared gradients' bf16 sum over stage)."""
     import re
 
     cfg = get_model("gpt-tiny", {"depth": "4"})
@@ -157,6 +158,15 @@ def test_pipeline_reduces_gradients_in_the_reduce_dtype(reduce_dtype, element):
     operands = re.findall(r'"stablehlo\.reduce_scatter".*?\}\) : \(tensor<[\dx]*x(\w+)>\)',
                           text, re.S)
     assert len(operands) >= 2 and set(operands) == {element}
+    if reduce_dtype == "bfloat16":  # the smallest such step: pp, one block per stage
+        shape = parse_mesh("data:2,stage:2")
+        small = build_pipeline_program(get_model("gpt-tiny", {"depth": "2"}), "bfloat16", TX,
+                                       get_layout("pp", True, reduce_dtype),
+                                       build_mesh(shape, jax.devices()[:shape.size]), 0, 2,
+                                       "1f1b")
+        _, loss = small.step(small.init(), put_batch(
+            TrainStream(cfg, None, 8, 0).next(), small.batch_sharding))
+        assert np.isfinite(float(loss))
 
 
 def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():

@@ -173,6 +173,14 @@ class DataMean:
         return jax.lax.pmean(g, self.axis)
 
 
+def stage_sum(g_shared):
+    """The embeddings' and head's gradients summed over the stages that use them (inside the
+    map), in float32 (XLA:CPU aborts promoting a bf16 sum over stage once the distributed
+    optimizer's reductions follow it: "Invalid binary instruction opcode copy")."""
+    return jax.tree.map(lambda g: jax.lax.psum(g.astype(jnp.float32), "stage").astype(g.dtype),
+                        g_shared)
+
+
 def _store(buffer, slot, value):
     """buffer[slot] = value where slot >= 0 (in place); unchanged otherwise."""
     i = jnp.maximum(slot, 0)
@@ -419,7 +427,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                     order.append(v)
         g_local, g_shared, loss_sum = carry[4:7]
         loss = jax.lax.psum(loss_sum, "stage") / M
-        g_shared = jax.lax.psum(g_shared, "stage")
+        g_shared = stage_sum(g_shared)
         if reducer is not None:  # each data shard's mean over its rows -> global mean
             loss = jax.lax.pmean(loss, data_axis)
             g_local, g_shared = after_previous((g_local, g_shared))

@@ -212,7 +212,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     next step's ticks (which the ops read as inputs: `op_lowered`)."""
     from jaxdist.pipeline.program import (data_reduction, mean_axes, pipeline_state,
                                           stage_axes)
-    from jaxdist.pipeline.step import DataMean
+    from jaxdist.pipeline.step import DataMean, stage_sum
 
     mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
                                                   stage_blocks)
@@ -234,7 +234,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     in_map = in_map or DataMean(mean_axes(sizes))
 
     def reduce(g_stages, g_shared):  # chunk by chunk, as the tick loop issues it
-        g_shared = jax.lax.psum(g_shared, "stage")
+        g_shared = stage_sum(g_shared)
         g_local = jax.tree.map(lambda g: g[0], g_stages)
         reduced = [in_map.chunk(v, jax.tree.map(lambda g: g[v], g_local)) for v in range(V)]
         return (jax.tree.map(lambda g: g[None], in_map.stages(reduced, g_local)),
