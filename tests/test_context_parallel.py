@@ -74,20 +74,22 @@ def test_ring_attention_equals_single_device(model, mesh, balanced):
     np.testing.assert_allclose(losses, reference(model), rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,layout,mesh,schedule,distributed", [
-    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b", True),
-    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1", False)])
+@pytest.mark.parametrize("model,layout,mesh,schedule,distributed,balanced", [
+    ("gpt-tiny", "pp", "data:2,stage:2,context:2", "1f1b", True, True),
+    ("llama-tiny", "fsdp_pp", "fsdp:2,stage:2,context:2", "zb-h1", False, False)])
 def test_context_parallel_inside_a_pipeline_equals_single_device(model, layout, mesh, schedule,
-                                                                 distributed):
+                                                                 distributed, balanced):
     """Inside each stage's shard_map (stage, data and context manual): 2 stages x 2
-    micro-batches, load balanced; under the distributed optimizer the gradients are
-    reduce-scattered over data x context, which AdamW's state is split over (a quarter of
-    it on each device here)."""
+    micro-batches, load balanced or in contiguous parts; under the distributed optimizer
+    the gradients are reduce-scattered over data x context, which AdamW's state is split
+    over (a quarter of it on each device here)."""
+    import dataclasses
+
     from jaxdist.pipeline.program import build_pipeline_program
     from tests import test_pipeline_matrix as pm
 
     S, M = 2, 2
-    cfg = pm._cfg(model, S)
+    cfg = dataclasses.replace(pm._cfg(model, S), context_load_balance=balanced)
     shape = parse_mesh(mesh)
     program = build_pipeline_program(cfg, "float32", pm._TX, get_layout(layout, distributed),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
