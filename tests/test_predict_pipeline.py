@@ -220,6 +220,19 @@ def test_linear_in_blocks():
     assert pp.linear(figs(1, 0, 0), figs(1, 0, 0), figs(2, 0, 3), 3)["comm"][0]["count"] == 6
 
 
+def test_chunks_past_two_blocks_grow_by_the_third_blocks_figures():
+    """A chunk of k >= 3 blocks: the base, the second block as two - one, every further one
+    as three - two (the first block's neighbours change what a schedule hides); up to 2
+    blocks, or without a 3-block compile, the plain line."""
+    one, two, three, last = figs(100, 7, 2), figs(160, 9, 4), figs(230, 12, 7), figs(150, 8, 2)
+    at5 = pp.chunk_figures(one, one, two, three, 5)
+    assert (at5["flops"], at5["memory"]["temp_bytes"]) == (160 + 3 * 70, 9 + 3 * 3)
+    assert at5["comm"][0]["count"] == 4 + 3 * 3  # the plain line from 1 and 2: 2 + 4 x 2
+    assert pp.chunk_figures(last, one, two, three, 5)["flops"] == 150 + 60 + 3 * 70
+    assert pp.chunk_figures(one, one, two, three, 2) == pp.linear(one, one, two, 2)
+    assert pp.chunk_figures(one, one, two, None, 5) == pp.linear(one, one, two, 5)
+
+
 def test_attention_scores_per_op():
     # P(k) = A + S/k per block: A = 40, S = 60 at L -> per block 100 at L, 70 at L/2.
     one, two = {"bytes_accessed": 10.0, "memory": {"temp_bytes": 1}}, \

@@ -9,7 +9,8 @@ tensor and fsdp left to the partitioner) as jaxdist/pipeline/step.py, on one sta
   (stashing the vjp's residuals; the last chunk's with the head and the head's backward),
   F then BACK (the whole backward from the stash) and, for zb-h1, F then B; BACK, B and W
   are differences of these (BACK = (F+BACK) - F, B = (F+B) - F, W = (F+BACK) - (F+B)).
-  Each at a chunk of 1 and of 2 blocks, extrapolated linearly to K blocks (each chunk at its
+  Each at a chunk of 1, 2 and (for chunks of 3 or more blocks) 3 blocks, extrapolated
+  linearly to K blocks from the third block's figures (`chunk_figures`; each chunk at its
   own K where --pp-stage-blocks makes chunks differ), and the last
   chunk's at 1 block: its head is K-independent, so its K-block figures are the 1-block ones
   plus (K-1) blocks. Every stage embeds (a `where`, not a cond), so first and middle chunks
@@ -312,6 +313,19 @@ def early_reductions(sched, tail_row: dict, share: float, axes: tuple[str, ...],
                   if r < sched.ticks)
 
 
+def chunk_figures(base: dict, one: dict, two: dict, three: dict | None, k: int) -> dict:
+    """A chunk of k blocks from its base (a 1-block chunk's figures) and the 1-, 2- and
+    3-block compiles: base, its second block as two - one, and every block past the second
+    as three - two. Counts (FLOPs, bytes, collectives) are linear either way; what XLA's
+    schedule hides is not: a block's collectives beside the first block's neighbours (the
+    embedding, the stage's input) overlap differently from those between two blocks, so
+    two - one is no block's own (a 70B GPT TP8 chunk's forward, sequence parallel: 0.05 ms
+    exposed a block from 1 to 2 blocks, 0.41 and 0.38 ms from 2 to 3 and 3 to 4)."""
+    if three is None or k < 3:
+        return linear(base, one, two, k)
+    return linear(linear(base, one, two, 2), two, three, k - 1)
+
+
 # ---- the whole prediction ----------------------------------------------------------------
 
 def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
@@ -367,11 +381,14 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}
     kinds = (FWD, FULL, F_B) if sched.split_backward else (FWD, FULL)
+    # a chunk of 3 or more blocks: its blocks past the second at the slope of the third
+    # (`chunk_figures`)
+    depths = ((1, False), (2, False), (1, True)) + (((3, False),) if K >= 3 else ())
     for kind in kinds:
-        for blocks, last in ((1, False), (2, False), (1, True)):
+        for blocks, last in depths:
             pieces[("op", *common, blocks, kind, last)] = functools.partial(
                 op_lowered, cfg, model_cfg, sizes, blocks, kind, last, rows, target)
-            if flash and not last:  # the scores' part, at L/2 with twice the rows
+            if flash and not last and blocks < 3:  # the scores' part, at L/2, twice the rows
                 pieces[("op", *half_common, blocks, kind, False)] = functools.partial(
                     op_lowered, cfg, half, sizes, blocks, kind, False, 2 * rows, target)
     tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V, stage_blocks)
@@ -388,11 +405,12 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     figs, removed = {}, {}
     for kind in kinds:
         one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
+        three = op(3, kind, False) if K >= 3 else None
         for k in sizes_k:  # a chunk of k blocks (all chunks alike: k = K)
             scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), k)
                       if flash else None)
             for last, base in ((False, one), (True, last1)):
-                fig = linear(base, one, two, k)
+                fig = chunk_figures(base, one, two, three, k)
                 if scores is not None:
                     fig["bytes_accessed"] -= scores["bytes_accessed"]
                     fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
@@ -453,7 +471,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
             "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
             "method": f"chunk forward, forward+backward (zb-h1: and forward+B) compiled at "
-                      f"1 and 2 blocks on one stage's devices, extrapolated to "
+                      f"1, 2{' and 3' if K >= 3 else ''} blocks on one stage's devices, "
+                      f"extrapolated to "
                       f"{'/'.join(map(str, sizes_k))} (each chunk's own blocks), the "
                       f"backward's figures their differences; tail (gradient reduction, "
                       f"optimizer) compiled at full depth; ticks from the {sched.name} "
