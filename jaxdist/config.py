@@ -128,12 +128,19 @@ class TrainConfig:
                                   "beside the previous block's attention; XLA's dot "
                                   "attention, not attention=cudnn)",
                                   choices=("allgather", "ring"))
-    tp_comm_chunks: int = _opt(0, "with --sequence-parallel (tp, fsdp_tp): run the blocks "
-                               "on N independent slices of each device's micro-batch, so "
-                               "that one slice's tensor-axis all-gathers and reduce-"
-                               "scatters overlap another's matmuls (DeepSpeed Domino's "
-                               "batch split); 0: 2 where that micro-batch is even, else 1; "
-                               "1: off")
+    tp_comm_chunks: int = _opt(0, "with --sequence-parallel: split the tensor-axis all-"
+                               "gathers and reduce-scatters into N pieces, so that one "
+                               "piece's collectives overlap another's matmuls (where, "
+                               "--tp-comm-split); 0: under tp and fsdp_tp 2 where each "
+                               "device's micro-batch is even, else 1; 1: off")
+    tp_comm_split: str = _opt("auto", "what --tp-comm-chunks splits: batch (the blocks run "
+                              "on N independent slices of each device's micro-batch, "
+                              "DeepSpeed Domino's split; tp and fsdp_tp), sequence (each "
+                              "sublayer's sequence shard in N pieces, gathered, projected "
+                              "and scattered piece by piece, Megatron's pipelined "
+                              "--tp-comm-overlap; every layout with --sequence-parallel, "
+                              "pipelines included); auto: sequence under the pipeline "
+                              "layouts, else batch", choices=("auto", "batch", "sequence"))
     distributed_optimizer: bool = _opt(False, "Megatron's distributed optimizer (ZeRO-1 over "
                                        "the data axes; ddp, tp, ep, pp, tp_pp): optimizer "
                                        "state and float32 master weights sharded over the "

@@ -79,7 +79,7 @@ RULES: tuple[Rule, ...] = (
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",
          "--pp-schedule interleaved"),
-    Rule(("tp_comm_chunks",), lambda c: c.train.sequence_parallel, "--sequence-parallel"),
+    Rule(("tp_comm_chunks", "tp_comm_split"), lambda c: c.train.sequence_parallel, "--sequence-parallel"),
     Rule(_PS, _ps, "--layout ps"),
     Rule(("staleness",), lambda c: c.ps.ps_mode == "ssp", "--ps-mode ssp"),
     Rule(("ps_drop_dead_workers",), lambda c: c.ps.ps_mode == "sync",

@@ -38,8 +38,9 @@ def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int)
                       "tokens_per_sample": model_cfg.tokens_per_sample,
                       # image models: their input side in pixels (readers match on it)
                       "image_size": getattr(model_cfg, "image_size", None),
-                      # slices of each device's batch the sequence-parallel blocks ran on
-                      "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None)},
+                      # the pieces the sequence-parallel collectives ran in, and of what
+                      "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
+                      "tp_comm_split": getattr(model_cfg, "tp_comm_split", None)},
             "config": cfg.to_dict()}
 
 

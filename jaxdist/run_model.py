@@ -49,7 +49,8 @@ def build_model(cfg):
         check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
         from sharding.logical import RULES
         model_cfg = dataclasses.replace(
-            model_cfg, sequence_parallel=True, tp_comm_chunks=tp_comm_chunks(cfg),
+            model_cfg, sequence_parallel=True,
+            **dict(zip(("tp_comm_chunks", "tp_comm_split"), tp_comm_chunks(cfg, model_cfg))),
             weight_rules=cfg.train.layout if cfg.train.layout in RULES else None)
     return adapt_model(model_cfg, dataset), dataset
 
@@ -117,36 +118,43 @@ def check_fp8(cfg, model_cfg) -> str:
     return cfg.model.fp8_scaling
 
 
-def tp_comm_chunks(cfg) -> int:
-    """--tp-comm-chunks resolved: the slices of each device's micro-batch that the
-    sequence-parallel blocks run on (models/sequence_parallel.run_stack). Auto (0): under tp
-    and fsdp_tp 2 where the micro-batch is even, else 1 (XLA:GPU plans of fsdp_tp: faster
-    and smaller with the same weight gathers, docs/layouts.md). The pipeline layouts run
-    their stages' blocks as one chain (jaxdist/pipeline/parts.py): 1 there. The auto figure
-    is the layout registry's."""
+def tp_comm_chunks(cfg, model_cfg) -> tuple[int, str]:
+    """(--tp-comm-chunks, --tp-comm-split) resolved: how the sequence-parallel blocks split
+    their tensor-axis collectives (models/sequence_parallel.py). Chunks auto (0): under tp
+    and fsdp_tp 2 where each device's micro-batch is even, else 1 (XLA:GPU plans of
+    fsdp_tp: faster and smaller with the same weight gathers, docs/layouts.md); the auto
+    figure is the layout registry's. Split auto: batch, but sequence under the pipeline
+    layouts, which run each stage's blocks as one chain (batch slices are refused there)."""
     from jaxdist.mesh import parse_mesh
     from sharding.axes import batch_axes
     from sharding.registry import facts
 
-    asked, sizes = cfg.train.tp_comm_chunks, parse_mesh(cfg.mesh.mesh).axis_sizes
+    asked, split = cfg.train.tp_comm_chunks, cfg.train.tp_comm_split
+    sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
     if asked < 0:
         raise UsageError(f"--tp-comm-chunks {asked}: give 0 (auto), 1 (off) or more")
-    if sizes.get("stage", 1) > 1:
-        if asked > 1:
-            raise UsageError(f"--tp-comm-chunks {asked}: the pipeline layouts run each "
-                             f"stage's blocks as one chain; use tp or fsdp_tp, or leave it out")
-        return 1
     shards = math.prod(sizes[a] for a in batch_axes(sizes))
     local = cfg.train.batch_size // max(1, shards * cfg.train.microbatches)
-    if asked == 0:
-        auto = facts(cfg.train.layout).tp_comm_chunks
-        return auto if local % auto == 0 else 1
-    if local % asked:
+    pipelined = sizes.get("stage", 1) > 1
+    if split == "batch" and pipelined:
+        raise UsageError("--tp-comm-split batch: the pipeline layouts run each stage's "
+                         "blocks as one chain; use --tp-comm-split sequence")
+    chunks = asked or (1 if pipelined else facts(cfg.train.layout).tp_comm_chunks)
+    if split == "auto":
+        split = "sequence" if pipelined else "batch"
+    if split == "batch" and local % chunks:
+        if not asked:
+            return 1, "batch"
         raise UsageError(f"--tp-comm-chunks {asked} does not divide each device's micro-batch "
                          f"of {local} (--batch-size {cfg.train.batch_size} over {shards} "
                          f"batch shards, --microbatches {cfg.train.microbatches}); use a "
-                         f"divisor of {local}, or 0 for auto")
-    return asked
+                         f"divisor of {local}, --tp-comm-split sequence, or 0 for auto")
+    tokens = model_cfg.seq_len // (sizes.get("context", 1) * sizes.get("tensor", 1))
+    if split == "sequence" and tokens % chunks:
+        raise UsageError(f"--tp-comm-chunks {chunks} does not divide each device's sequence "
+                         f"shard of {tokens} tokens (seq_len {model_cfg.seq_len} over "
+                         f"context x tensor); use a divisor of {tokens}")
+    return chunks, split
 
 
 def check_sequence_parallel(layout: str, mesh: str, model_cfg, model: str) -> None:

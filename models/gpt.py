@@ -30,6 +30,7 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None,
                  balanced: bool = True, context_form: str = "allgather"):
         self.heads, self.implementation, self.balanced = heads, implementation, balanced
+        self.head_dim = width // heads
         self.context_form = context_form
         # Separate q, k, v projections (not one fused qkv): splitting each one's output over
         # the `tensor` axis then gives every device whole heads (Megatron column parallel).
@@ -42,11 +43,20 @@ class CausalSelfAttention(nnx.Module):
 
     def column(self, x_BLD):
         """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
-        B, L, D = x_BLD.shape
+        return self.attend(*self.project(x_BLD))
+
+    def project(self, x_BLD):
+        """The token-wise part of `column`: q, k and v, [B, L, heads x head_dim] each."""
+        return self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
+
+    def attend(self, q_BLF, k_BLF, v_BLF):
+        """The rest of `column`: attention over the whole (local) sequence."""
+        B, L, F = q_BLF.shape
+        hd = self.head_dim
         # -1 heads: under sequence parallelism this runs on one device's heads only
         q_BLNH, k_BLNH, v_BLNH = (
-            tagged(constrain(proj(x_BLD).reshape(B, L, -1, D // self.heads), *BLNH), tag)
-            for proj, tag in zip((self.q, self.k, self.v), QKV))
+            tagged(constrain(p.reshape(B, L, -1, hd), *BLNH), tag)
+            for p, tag in zip((q_BLF, k_BLF, v_BLF), QKV))
         y_BLNH = causal_attention(q_BLNH, k_BLNH, v_BLNH, self.implementation,
                                   context.positions(L, self.balanced), self.context_form,
                                   self.balanced)
@@ -62,6 +72,7 @@ class MLPBlock(nnx.Module):
         self.down = linear(hidden, width, tag="mlpwo", dtype=dtype, rngs=rngs)
 
     row = "down"
+    per_token = True  # `column` acts on each token apart (models/sequence_parallel.py)
 
     def column(self, x_BLD):
         return constrain(nnx.gelu(self.up(x_BLD)), *BLF)
@@ -73,7 +84,7 @@ class MLPBlock(nnx.Module):
 def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
               sequence_parallel: bool = False, attention: str = "default",
               weight_rules: str | None = None, balanced: bool = True,
-              context_form: str = "allgather") -> PreNormBlock:
+              context_form: str = "allgather", pieces: int = 1) -> PreNormBlock:
     kw = dict(dtype=dtype, rngs=rngs)
     # Built in this order (ln1, attn, ln2, mlp) so parameter initialisation draws the same keys.
     ln1 = layer_norm(width, **kw)
@@ -83,7 +94,7 @@ def gpt_block(width: int, heads: int, hidden: int, *, dtype, rngs,
     ln2 = layer_norm(width, **kw)
     mlp = MLPBlock(width, hidden, **kw)
     if sequence_parallel:
-        return SequenceParallelBlock(ln1, attn, ln2, mlp, weight_rules)
+        return SequenceParallelBlock(ln1, attn, ln2, mlp, weight_rules, pieces)
     return PreNormBlock(ln1, attn, ln2, mlp)
 
 
@@ -97,12 +108,13 @@ class GPT(nnx.Module):
                           rngs=rngs, sequence_parallel=cfg.sequence_parallel,
                           attention=cfg.attention, weight_rules=cfg.weight_rules,
                           balanced=cfg.context_load_balance,
-                          context_form=cfg.context_attention)
+                          context_form=cfg.context_attention,
+                          pieces=cfg.sequence_pieces)
                 for _ in range(cfg.depth))
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
-        self.tp_comm_chunks = cfg.tp_comm_chunks
+        self.tp_comm_chunks = cfg.batch_slices
         self.ordered = cfg.blocks_ordered
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
         self.balanced = cfg.context_load_balance
@@ -119,6 +131,9 @@ class GPT(nnx.Module):
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
+TP_COMM_SPLITS = ("batch", "sequence")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab: int = 8192
@@ -130,9 +145,12 @@ class GPTConfig:
     remat: str = "none"
     # Megatron sequence parallelism inside each block (--sequence-parallel; layers.py)
     sequence_parallel: bool = False
-    # independent slices of each device's batch the blocks run on under sequence parallelism,
-    # so that one slice's collectives overlap another's matmuls (sequence_parallel.run_stack)
+    # under sequence parallelism, the pieces the tensor-axis collectives are split into so
+    # that one piece's collectives overlap another's matmuls: independent slices of each
+    # device's batch the blocks run on (tp_comm_split "batch": sequence_parallel.run_stack),
+    # or pieces of each sublayer's sequence shard ("sequence": sequence_parallel.sublayer)
     tp_comm_chunks: int = 1
+    tp_comm_split: str = "batch"
     # the layout's logical rules (sharding/logical.RULES) under sequence parallelism: its
     # sublayers cast each parameter to the compute dtype where the layout stores it, so
     # fsdp_tp gathers bf16 weight shards (sequence_parallel.sublayer); set by jaxdist.run_model
@@ -162,6 +180,16 @@ class GPTConfig:
     input_kind: ClassVar[str] = "tokens"  # no image dataset fits (jaxdist.run_model.adapt_model)
 
     @property
+    def batch_slices(self) -> int:
+        """The batch slices run_stack runs the blocks on (1: one chain)."""
+        return self.tp_comm_chunks if self.tp_comm_split == "batch" else 1
+
+    @property
+    def sequence_pieces(self) -> int:
+        """The pieces each sequence-parallel sublayer splits its sequence shard into."""
+        return self.tp_comm_chunks if self.tp_comm_split == "sequence" else 1
+
+    @property
     def blocks_ordered(self) -> bool:
         """Whether the decoder runs its blocks ordered (models/layers.run_blocks)."""
         return self.ordered_blocks or ordered_backward(self.remat)
@@ -173,6 +201,9 @@ class GPTConfig:
             raise UsageError(f"attention={self.attention!r}: choose from default, xla, cudnn")
         if self.tp_comm_chunks < 1:
             raise UsageError(f"tp_comm_chunks={self.tp_comm_chunks}: give 1 or more")
+        if self.tp_comm_split not in TP_COMM_SPLITS:
+            raise UsageError(f"tp_comm_split={self.tp_comm_split!r}: choose from "
+                             f"{', '.join(TP_COMM_SPLITS)}")
         if self.width % self.heads:
             raise UsageError(f"gpt width={self.width} is not divisible by heads={self.heads}")
 

@@ -39,7 +39,7 @@ def rope(x_BLNH, theta: float, positions_L=None):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
-        head_dim = cfg.width // cfg.heads
+        head_dim = self.head_dim = cfg.width // cfg.heads
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
         self.implementation = None if cfg.attention == "default" else cfg.attention
         self.balanced = cfg.context_load_balance
@@ -57,16 +57,24 @@ class Attention(nnx.Module):
 
     def column(self, x_BLD):
         """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
-        B, L, D = x_BLD.shape
-        hd = D // self.heads
+        return self.attend(*self.project(x_BLD))
+
+    def project(self, x_BLD):
+        """The token-wise part of `column`: q, k and v before RoPE, [B, L, heads x hd]."""
+        return self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
+
+    def attend(self, q_BLF, k_BLF, v_BLF):
+        """The rest of `column`: RoPE and attention over the whole (local) sequence."""
+        B, L, _ = q_BLF.shape
+        hd = self.head_dim
         pos_L = context.positions(L, self.balanced)
         # -1 heads: under sequence parallelism this runs on one device's heads only
         # named as the attention reads them (MaxText's query_proj, ...: after RoPE)
-        q_BLNH = tagged(rope(constrain(self.q(x_BLD).reshape(B, L, -1, hd), *BLNH),
+        q_BLNH = tagged(rope(constrain(q_BLF.reshape(B, L, -1, hd), *BLNH),
                              self.theta, pos_L), "query_proj")
-        k_BLKH = tagged(rope(constrain(self.k(x_BLD).reshape(B, L, -1, hd), *BLKH),
+        k_BLKH = tagged(rope(constrain(k_BLF.reshape(B, L, -1, hd), *BLKH),
                              self.theta, pos_L), "key_proj")
-        v_BLKH = tagged(constrain(self.v(x_BLD).reshape(B, L, -1, hd), *BLKH), "value_proj")
+        v_BLKH = tagged(constrain(v_BLF.reshape(B, L, -1, hd), *BLKH), "value_proj")
         # fewer key/value heads than query heads (GQA) are taken directly
         y_BLNH = causal_attention(q_BLNH, k_BLKH, v_BLKH, self.implementation, pos_L,
                                   self.context_form, self.balanced)
@@ -81,6 +89,7 @@ class SwiGLU(nnx.Module):
         self.down = linear(hidden, width, tag="mlpwo", **kw)
 
     row = "down"
+    per_token = True  # `column` acts on each token apart (models/sequence_parallel.py)
 
     def column(self, x_BLD):
         return constrain(nnx.silu(self.gate(x_BLD)) * self.up(x_BLD), *BLF)
@@ -97,7 +106,8 @@ def llama_block(cfg: "LlamaConfig", *, dtype, rngs) -> PreNormBlock:
     ln2 = rms_norm(cfg.width, **kw)
     mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
     if cfg.sequence_parallel:
-        return SequenceParallelBlock(ln1, attn, ln2, mlp, cfg.weight_rules)
+        return SequenceParallelBlock(ln1, attn, ln2, mlp, cfg.weight_rules,
+                                     cfg.sequence_pieces)
     return PreNormBlock(ln1, attn, ln2, mlp)
 
 
@@ -112,7 +122,7 @@ class Llama(nnx.Module):
         self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
-        self.tp_comm_chunks = cfg.tp_comm_chunks
+        self.tp_comm_chunks = cfg.batch_slices
         self.ordered = cfg.blocks_ordered
 
     def __call__(self, tokens_BL):

@@ -157,12 +157,14 @@ def _param_specs(state):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
+def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None, pieces: int = 1):
     """module (attention or MLP: `column`, then its row-parallel projection `row`) on each
     all-gathered norm output h of `hs` (the batch's slices, run_stack), its output
     reduce-scattered back to sequence shards: inside one shard_map over tensor (and the batch
     axes), on each device's own heads or MLP columns, so the backward's partial input
-    gradients go straight into the transposed all-gather (a reduce-scatter). All slices in
+    gradients go straight into the transposed all-gather (a reduce-scatter). With pieces > 1
+    each sequence shard is split into that many pieces, gathered, projected and scattered
+    piece by piece (`_run_pieces`). All slices in
     one shard_map: their weight gradients are summed inside it and leave it as one sum over
     the batch axes (a shard_map per slice would reduce each slice's apart). The parameters
     enter it in the compute dtype: cast inside, XLA gathered fsdp_tp's weight shards over
@@ -194,6 +196,8 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
             return run(m, hs)
 
     def run(m, hs):
+        if pieces > 1:
+            return tuple(_run_pieces(m, h, pieces) for h in hs)
         row = getattr(m, m.row)
         outs, gathered, scattered = [], None, None
         for h in hs:
@@ -219,6 +223,59 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None):
     specs = (_sequence(),) * len(hs_BlD)
     return _map(local, (specs, _param_specs(state), _fp8_specs(module, state, quantized)),
                 specs)(tuple(hs_BlD), state, quantized)
+
+
+def _run_pieces(m, h_BlD, pieces: int):
+    """One slice through a sublayer with its sequence shard in `pieces` pieces (Megatron's
+    pipelined --tp-comm-overlap split along the tokens): piece c of every tensor device's
+    shard is all-gathered while piece c - 1 is projected, and the row projection's output of
+    piece c is reduce-scattered while piece c + 1's is computed, so each collective but the
+    first all-gather and the last reduce-scatter has a matmul beside it. Reduce-scattering
+    piece c returns each device its own piece c, so the output is its sequence shard as
+    without pieces. A token-wise `column` (an MLP: `per_token`) runs piece by piece;
+    attention projects its q, k and v piece by piece, then attends over the whole sequence
+    reassembled in order (a local transpose), and its output is split into the same pieces
+    for the row projection. Each token's arithmetic is unchanged; the matmuls are narrower."""
+    T = jax.sharding.get_abstract_mesh().shape["tensor"]
+    row = getattr(m, m.row)
+
+    def after(x, earlier):
+        """x, made to wait for `earlier` (the previous piece's): XLA would otherwise merge
+        the pieces' matmuls of one weight into one (its dot merger, slices of one dot) or
+        their collectives into one (its combiners), and nothing would be left to overlap."""
+        return x if earlier is None else jax.lax.optimization_barrier((x, earlier))[0]
+
+    gathered = []
+    for p in jnp.split(h_BlD, pieces, axis=1):
+        gathered.append(_all_gather(after(p, gathered[-1] if gathered else None)))
+    ys = []
+    if getattr(m, "per_token", False):
+        for g in gathered:
+            ys.append(m.column(after(g, ys[-1] if ys else None)))
+    else:  # gathered piece c: [B, T x l, ...], device t's piece c at t; in order: [B, T, C, l]
+        projected = []
+        for g in gathered:
+            projected.append(m.project(after(g, projected[-1] if projected else None)))
+
+        def whole(ps):
+            B, n = ps[0].shape[:2]
+            stacked = jnp.stack([p.reshape(B, T, n // T, *p.shape[2:]) for p in ps], axis=2)
+            return stacked.reshape(B, n * pieces, *ps[0].shape[2:])
+        y = m.attend(*(whole(list(ps)) for ps in zip(*projected)))
+        (B, L), rest = y.shape[:2], y.shape[2:]
+        y = y.reshape(B, T, pieces, L // (T * pieces), *rest)
+        ys = [y[:, :, c].reshape(B, L // pieces, *rest) for c in range(pieces)]
+    outs, part = [], None
+    for y in ys:
+        y, kernel, bias = row.promote_dtype(
+            (after(y, part), row.kernel[...], row.bias[...] if row.bias is not None else None),
+            dtype=row.dtype)
+        part = counted(row.matmul(y, kernel, (((2,), (0,)), ((), ()))))
+        outs.append(tagged(checkpoint_name(jax.lax.psum_scatter(
+            after(part, outs[-1] if outs else None), "tensor", scatter_dimension=1,
+            tiled=True), "reduce_scatter"), row.tag))
+    out = jnp.concatenate(outs, axis=1)
+    return out if bias is None else out + bias
 
 
 def _fp8_specs(module, state, keys) -> dict:
@@ -253,9 +310,11 @@ class SequenceParallelBlock(PreNormBlock):
     a tensor axis it is PreNormBlock. `weight_rules`: the layout's logical rules, where its
     sublayers' parameters are stored (sublayer)."""
 
-    def __init__(self, ln1, attn, ln2, mlp, weight_rules: str | None = None):
+    def __init__(self, ln1, attn, ln2, mlp, weight_rules: str | None = None,
+                 pieces: int = 1):
         super().__init__(ln1, attn, ln2, mlp)
         self.weight_rules = weight_rules
+        self.pieces = pieces  # each sublayer's sequence shard in pieces (`sublayer`)
 
     def fp8_weights(self) -> dict:
         """The block's FP8 weight copies (models.fp8.quantize_weights) as its forward runs
@@ -269,9 +328,9 @@ class SequenceParallelBlock(PreNormBlock):
         if not active():
             return super().__call__(x_BLD)
         xs = x_BLD if isinstance(x_BLD, tuple) else (x_BLD,)
-        rules = self.weight_rules
+        rules, n = self.weight_rules, self.pieces
         xs = tuple(x + h for x, h in zip(xs, sublayer(self.attn, [self.ln1(x) for x in xs],
-                                                       rules)))
+                                                       rules, n)))
         xs = tuple(x + h for x, h in zip(xs, sublayer(self.mlp, [self.ln2(x) for x in xs],
-                                                       rules)))
+                                                       rules, n)))
         return xs if isinstance(x_BLD, tuple) else xs[0]

@@ -30,12 +30,16 @@ def test_sequence_parallel_equals_single_device(model, layout):
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,schedule", [("gpt-tiny", "1f1b"), ("llama-tiny", "zb-h1")])
-def test_tp_pp_sequence_parallel_equals_single_device(model, schedule):
+@pytest.mark.parametrize("model,schedule,pieces", [("gpt-tiny", "1f1b", 1),
+                                                   ("llama-tiny", "zb-h1", 1),
+                                                   ("llama-tiny", "1f1b", 4)])
+def test_tp_pp_sequence_parallel_equals_single_device(model, schedule, pieces):
     """Inside each stage's shard_map (stage and data manual), with its stage sends and
-    collectives checked as in the pipeline matrix."""
+    collectives checked as in the pipeline matrix; with each sublayer's sequence shard in
+    pieces (--tp-comm-split sequence) too."""
     _check_case(model, "tp_pp", MESHES["tp_pp"].format(S=2), schedule, 1, 2, 4,
-                _reference(model, 2), sequence_parallel=True)
+                _reference(model, 2), sequence_parallel=True, tp_comm_chunks=pieces,
+                tp_comm_split="sequence")
 
 
 def _compiled(layout, shape, depth, sp, chunks=1):
@@ -110,6 +114,17 @@ def test_tp_comm_chunks_equal_single_device(model, layout):
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
+@pytest.mark.parametrize("model,layout", [("gpt-tiny", "tp"), ("llama-tiny", "fsdp_tp")])
+def test_sequence_pieces_equal_single_device(model, layout):
+    """--tp-comm-split sequence: each sublayer's 16-token sequence shard in 4 pieces, each
+    gathered, projected and scattered on its own (attention reassembles the whole sequence
+    between its projections), the same losses as one device."""
+    reference = train(model, "ddp", MeshShape(1), steps=3)[0]
+    losses = train(model, layout, MESH, steps=3, sequence_parallel=True, tp_comm_chunks=4,
+                   tp_comm_split="sequence")[0]
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
 def test_tp_comm_chunks_split_each_collective_in_two_and_move_nothing_more():
     """Two slices: each block's 4 all-gathers and 4 reduce-scatters on tensor become 8 + 8 of
     half an activation (the same ring bytes), and what moves on the batch axes (gradients,
@@ -154,9 +169,11 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
     from jaxdist.errors import UsageError
     from jaxdist.run_model import tp_comm_chunks
 
-    def chunks(*argv):
-        return tp_comm_chunks(from_namespace(build_parser().parse_args(
-            ["--model", "gpt-tiny", "--sequence-parallel", *argv])))
+    def chunks(*argv, split=False):
+        cfg = from_namespace(build_parser().parse_args(
+            ["--model", "gpt-tiny", "--sequence-parallel", *argv]))
+        got = tp_comm_chunks(cfg, get_model("gpt-tiny"))
+        return got if split else got[0]
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "8") == 2
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "6") == 1
     assert chunks("--layout", "tp", "--mesh", "data:4,tensor:2", "--batch-size", "16",
@@ -169,6 +186,14 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
                   "--tp-comm-chunks", "4") == 4
     assert chunks("--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--batch-size",
                   "16") == 1
+    # pipelines split each sublayer's sequence shard (gpt-tiny: 16 tokens a tensor device)
+    assert chunks("--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--batch-size", "16",
+                  "--tp-comm-chunks", "4", split=True) == (4, "sequence")
+    assert chunks("--layout", "tp", "--mesh", "data:4,tensor:2", "--batch-size", "16",
+                  "--microbatches", "4", "--tp-comm-chunks", "2", "--tp-comm-split",
+                  "sequence", split=True) == (2, "sequence")
+    with pytest.raises(UsageError, match="each device's sequence shard of 16 tokens"):
+        chunks("--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--tp-comm-chunks", "3")
     with pytest.raises(UsageError, match="does not divide each device's micro-batch of 4"):
         chunks("--layout", "tp", "--mesh", "data:4,tensor:2", "--batch-size", "16",
                "--tp-comm-chunks", "3")
@@ -177,10 +202,11 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
 @pytest.mark.parametrize("argv,message", [
     (["--layout", "tp", "--mesh", "data:4,tensor:2", "--tp-comm-chunks", "3"],
      "--tp-comm-chunks 3 does not divide each device's micro-batch of 16 (--batch-size 64 "
-     "over 4 batch shards, --microbatches 1); use a divisor of 16, or 0 for auto"),
-    (["--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--tp-comm-chunks", "2"],
-     "--tp-comm-chunks 2: the pipeline layouts run each stage's blocks as one chain; use tp "
-     "or fsdp_tp, or leave it out"),
+     "over 4 batch shards, --microbatches 1); use a divisor of 16, --tp-comm-split "
+     "sequence, or 0 for auto"),
+    (["--layout", "tp_pp", "--mesh", "stage:2,tensor:2", "--tp-comm-split", "batch"],
+     "--tp-comm-split batch: the pipeline layouts run each stage's blocks as one chain; use "
+     "--tp-comm-split sequence"),
     (["--layout", "fsdp", "--mesh", "2x2"],
      "--sequence-parallel splits activations over the tensor axis of a tensor-parallel "
      "layout; layout 'fsdp' has none (use tp, fsdp_tp, tp_pp)"),

@@ -73,6 +73,7 @@ def plan_settings(cfg, model_cfg) -> dict:
             "microbatches": cfg.train.microbatches,
             "attention": getattr(model_cfg, "attention", None),
             "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
+            "tp_comm_split": getattr(model_cfg, "tp_comm_split", None),
             "decoder": program.is_stack(model_cfg)}
 
 
