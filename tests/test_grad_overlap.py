@@ -51,17 +51,18 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     assert early >= len(scatters) // 2, order
 
 
-def _tensor_collectives_hidden(chunks: int) -> tuple[int, int]:
+def _tensor_collectives_hidden(chunks: int, split: str = "batch") -> tuple[int, int]:
     """(tensor-axis all-gathers and reduce-scatters with a matmul scheduled between their
     start and done, all of them) in the XLA:GPU program of one block of the Megatron-style
     GPT (width 5120, 40 heads, 4,096 tokens, cuDNN attention), tp on
     data:32,tensor:4, bf16, --distributed-optimizer --sequence-parallel with `chunks`
-    slices. Full-size shapes: with tiny ones XLA's scheduler sees nothing worth hiding."""
+    slices or pieces (`split`). Full-size shapes: with tiny ones XLA's scheduler sees nothing worth hiding."""
     cfg = RunConfig(mesh=MeshConfig(mesh="data:32,tensor:4"),
                     model=ModelConfig(model="gpt-tiny", dtype="bfloat16", model_opts=(
                         "seq_len=4096,width=5120,depth=1,heads=40,attention=cudnn")),
                     train=TrainConfig(layout="tp", batch_size=128, sequence_parallel=True,
-                                      distributed_optimizer=True, tp_comm_chunks=chunks))
+                                      distributed_optimizer=True, tp_comm_chunks=chunks,
+                                      tp_comm_split=split))
     model_cfg, _ = build_model(cfg)
     assert model_cfg.tp_comm_chunks == chunks
     shape = parse_mesh(cfg.mesh.mesh)
@@ -91,3 +92,12 @@ def test_tp_comm_chunks_put_matmuls_under_the_sequence_parallel_collectives():
     hidden2, total2 = _tensor_collectives_hidden(2)
     assert (total1, total2) == (8 + 2, 16 + 2)
     assert hidden1 <= total1 // 3 and hidden2 >= total2 // 2, (hidden1, hidden2)  # 3, 11
+
+
+def test_sequence_pieces_put_matmuls_under_the_sequence_parallel_collectives():
+    """--tp-comm-split sequence, 2 pieces (models/sequence_parallel._run_pieces): each
+    sublayer's collectives in two, and a piece's matmul in flight under most of them, where
+    XLA's dot merger fused the pieces' matmuls back into one without the barriers."""
+    hidden, total = _tensor_collectives_hidden(2, "sequence")
+    assert total == 16 + 2
+    assert hidden >= total // 2, hidden
