@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNormBlock,
-                           block_runner, constrain, embed, layer_norm, linear, lookup,
+                           ProjectedAttention, block_runner, constrain, embed, layer_norm, linear, lookup,
                            ordered_backward, tagged)
 from models import context
 from models.attention import causal_attention
@@ -26,7 +26,7 @@ from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
 
-class CausalSelfAttention(nnx.Module):
+class CausalSelfAttention(ProjectedAttention):
     def __init__(self, width: int, heads: int, *, dtype, rngs, implementation=None,
                  balanced: bool = True, context_form: str = "allgather"):
         self.heads, self.implementation, self.balanced = heads, implementation, balanced
@@ -39,19 +39,9 @@ class CausalSelfAttention(nnx.Module):
         self.v = linear(width, width, dtype=dtype, rngs=rngs)
         self.out = linear(width, width, tag="out_proj", dtype=dtype, rngs=rngs)
 
-    row = "out"  # the row-parallel projection (models/sequence_parallel.py)
-
-    def column(self, x_BLD):
-        """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
-        return self.attend(*self.project(x_BLD))
-
-    def project(self, x_BLD):
-        """The token-wise part of `column`: q, k and v, [B, L, heads x head_dim] each."""
-        return self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
-
     def attend(self, q_BLF, k_BLF, v_BLF):
-        """The rest of `column`: attention over the whole (local) sequence."""
-        B, L, F = q_BLF.shape
+        """Attention over the whole (local) sequence (ProjectedAttention.column)."""
+        B, L, _ = q_BLF.shape
         hd = self.head_dim
         # -1 heads: under sequence parallelism this runs on one device's heads only
         q_BLNH, k_BLNH, v_BLNH = (
@@ -61,9 +51,6 @@ class CausalSelfAttention(nnx.Module):
                                   context.positions(L, self.balanced), self.context_form,
                                   self.balanced)
         return constrain(y_BLNH.reshape(B, L, -1), *BLH)
-
-    def __call__(self, x_BLD):
-        return self.out(self.column(x_BLD))
 
 
 class MLPBlock(nnx.Module):

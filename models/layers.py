@@ -315,6 +315,25 @@ def block_runner(block_cls, remat: str):
     return nnx.remat(run, policy=REMAT_POLICIES[remat])
 
 
+class ProjectedAttention(nnx.Module):
+    """Attention as sequence parallelism runs it (models/sequence_parallel.py): `project`
+    (q, k and v, each token apart), then the subclass's `attend` (over the whole sequence);
+    `column`, both, is everything before the row-parallel projection `out`."""
+
+    row = "out"  # the row-parallel projection
+
+    def __call__(self, x_BLD):
+        return self.out(self.column(x_BLD))
+
+    def column(self, x_BLD):
+        """The heads' outputs, [B, L, heads x head_dim]."""
+        return self.attend(*self.project(x_BLD))
+
+    def project(self, x_BLD):
+        """q, k and v, [B, L, heads x head_dim] each (before RoPE where there is one)."""
+        return self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
+
+
 class PreNormBlock(nnx.Module):
     """A pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). The attribute
     names (ln1, attn, ln2, mlp) are the ones sharding/logical.py matches."""

@@ -18,8 +18,8 @@ from models import context
 from models.attention import causal_attention
 from models.fp8 import fp8_matmuls
 from models.gpt import GPTConfig
-from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, block_runner,
-                           constrain, embed, linear, lookup, rms_norm, tagged)
+from models.layers import (BLD, BLF, BLH, BLKH, BLNH, BLV, PreNormBlock, ProjectedAttention,
+                           block_runner, constrain, embed, linear, lookup, rms_norm, tagged)
 from models.registry import register
 from models.sequence_parallel import SequenceParallelBlock, run_stack
 
@@ -37,7 +37,7 @@ def rope(x_BLNH, theta: float, positions_L=None):
     return out.reshape(x_BLNH.shape).astype(x_BLNH.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(ProjectedAttention):
     def __init__(self, cfg: "LlamaConfig", *, dtype, rngs):
         head_dim = self.head_dim = cfg.width // cfg.heads
         self.heads, self.kv_heads, self.theta = cfg.heads, cfg.kv_heads, cfg.rope_theta
@@ -50,21 +50,8 @@ class Attention(nnx.Module):
         self.v = linear(cfg.width, cfg.kv_heads * head_dim, **kw)
         self.out = linear(cfg.heads * head_dim, cfg.width, tag="out_proj", **kw)
 
-    row = "out"  # the row-parallel projection (models/sequence_parallel.py)
-
-    def __call__(self, x_BLD):
-        return self.out(self.column(x_BLD))
-
-    def column(self, x_BLD):
-        """Everything before `out`: the heads' outputs, [B, L, heads x head_dim]."""
-        return self.attend(*self.project(x_BLD))
-
-    def project(self, x_BLD):
-        """The token-wise part of `column`: q, k and v before RoPE, [B, L, heads x hd]."""
-        return self.q(x_BLD), self.k(x_BLD), self.v(x_BLD)
-
     def attend(self, q_BLF, k_BLF, v_BLF):
-        """The rest of `column`: RoPE and attention over the whole (local) sequence."""
+        """RoPE and attention over the whole (local) sequence (ProjectedAttention.column)."""
         B, L, _ = q_BLF.shape
         hd = self.head_dim
         pos_L = context.positions(L, self.balanced)
