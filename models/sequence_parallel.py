@@ -208,21 +208,26 @@ def sublayer(module, hs_BlD: tuple, weight_rules: str | None = None, pieces: int
             if gathered is not None:
                 h, _ = jax.lax.optimization_barrier((h, gathered))
             gathered = _all_gather(h)
-            y, kernel, bias = row.promote_dtype(
-                (m.column(gathered), row.kernel[...],
-                 row.bias[...] if row.bias is not None else None), dtype=row.dtype)
-            part = counted(row.matmul(y, kernel, (((2,), (0,)), ((), ()))))
-            if scattered is not None:
-                part, _ = jax.lax.optimization_barrier((part, scattered))
-            # the row projection's name (out_proj, mlpwo) on its sequence shard
-            scattered = tagged(checkpoint_name(jax.lax.psum_scatter(
-                part, "tensor", scatter_dimension=1, tiled=True), "reduce_scatter"), row.tag)
+            _, scattered, bias = _row_projection(row, m.column(gathered), scattered)
             outs.append(scattered if bias is None else scattered + bias)
         return tuple(outs)
 
     specs = (_sequence(),) * len(hs_BlD)
     return _map(local, (specs, _param_specs(state), _fp8_specs(module, state, quantized)),
                 specs)(tuple(hs_BlD), state, quantized)
+
+
+def _row_projection(row, y, previous=None):
+    """(partial sums, their reduce-scatter into sequence shards, bias) of the row-parallel
+    projection `row` of y; the reduce-scatter after `previous` (the slice's or piece's
+    before), if any."""
+    y, kernel, bias = row.promote_dtype(
+        (y, row.kernel[...], row.bias[...] if row.bias is not None else None), dtype=row.dtype)
+    part = counted(row.matmul(y, kernel, (((2,), (0,)), ((), ()))))
+    summed = part if previous is None else jax.lax.optimization_barrier((part, previous))[0]
+    # the row projection's name (out_proj, mlpwo) on its sequence shard
+    return part, tagged(checkpoint_name(jax.lax.psum_scatter(
+        summed, "tensor", scatter_dimension=1, tiled=True), "reduce_scatter"), row.tag), bias
 
 
 def _run_pieces(m, h_BlD, pieces: int):
@@ -267,13 +272,9 @@ def _run_pieces(m, h_BlD, pieces: int):
         ys = [y[:, :, c].reshape(B, L // pieces, *rest) for c in range(pieces)]
     outs, part = [], None
     for y in ys:
-        y, kernel, bias = row.promote_dtype(
-            (after(y, part), row.kernel[...], row.bias[...] if row.bias is not None else None),
-            dtype=row.dtype)
-        part = counted(row.matmul(y, kernel, (((2,), (0,)), ((), ()))))
-        outs.append(tagged(checkpoint_name(jax.lax.psum_scatter(
-            after(part, outs[-1] if outs else None), "tensor", scatter_dimension=1,
-            tiled=True), "reduce_scatter"), row.tag))
+        part, scattered, bias = _row_projection(row, after(y, part),
+                                                outs[-1] if outs else None)
+        outs.append(scattered)
     out = jnp.concatenate(outs, axis=1)
     return out if bias is None else out + bias
 
