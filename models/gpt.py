@@ -17,8 +17,8 @@ from flax import nnx
 
 from jaxdist.errors import UsageError
 from models.layers import (BLD, BLF, BLH, BLNH, BLV, QKV, REMAT_POLICIES, PreNormBlock,
-                           ProjectedAttention, block_runner, constrain, embed, layer_norm, linear, lookup,
-                           ordered_backward, tagged)
+                           ProjectedAttention, block_runner, constrain, embed, layer_norm,
+                           linear, lookup, ordered_backward, tagged)
 from models import context
 from models.attention import causal_attention
 from models.fp8 import fp8_matmuls
@@ -101,7 +101,7 @@ class GPT(nnx.Module):
         self.ln_f = layer_norm(cfg.width, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
-        self.tp_comm_chunks = cfg.batch_slices
+        self.batch_slices = cfg.batch_slices
         self.ordered = cfg.blocks_ordered
         self.head = linear(cfg.width, cfg.vocab, dtype=dtype, rngs=rngs)
         self.balanced = cfg.context_load_balance
@@ -114,7 +114,7 @@ class GPT(nnx.Module):
                           *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks, self.ordered), *BLD)
+                                    self.batch_slices, self.ordered), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 

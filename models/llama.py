@@ -109,14 +109,14 @@ class Llama(nnx.Module):
         self.head = linear(cfg.width, cfg.vocab, bias=False, dtype=dtype, rngs=rngs)
         self.remat = cfg.remat
         self.sequence_parallel = cfg.sequence_parallel
-        self.tp_comm_chunks = cfg.batch_slices
+        self.batch_slices = cfg.batch_slices
         self.ordered = cfg.blocks_ordered
 
     def __call__(self, tokens_BL):
         x_BLD = constrain(lookup(self.tok, tokens_BL), *BLD)
         run_block = block_runner(type(self.blocks[0]), self.remat)
         x_BLD = constrain(run_stack(self.blocks, run_block, x_BLD, self.sequence_parallel,
-                                    self.tp_comm_chunks, self.ordered), *BLD)
+                                    self.batch_slices, self.ordered), *BLD)
         return constrain(self.head(self.ln_f(x_BLD)), *BLV).astype(jnp.float32)
 
 
