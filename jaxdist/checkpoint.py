@@ -241,10 +241,15 @@ class Checkpointer:
         whose write failed (Orbax's unfinished folder names it), the OS's reason, the step
         a --resume restores. The unfinished folder is removed (it never counts as a
         checkpoint: Orbax renames a save's folder only when it is complete)."""
+        import contextlib
         import shutil
 
         from jaxdist.errors import WriteError
 
+        # Orbax's other writers of the failed save (TensorStore's, the metadata's) may still
+        # be running: stopped first, else one recreates the folder removed below
+        with contextlib.suppress(Exception):
+            self.manager.close()
         unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
         failed = min((int(p.name.split(".")[0]) for p in unfinished
                       if p.name.split(".")[0].isdigit()), default=step)
