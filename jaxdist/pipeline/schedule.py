@@ -44,7 +44,11 @@ from dataclasses import dataclass, field
 from jaxdist.errors import UsageError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+COMBINABLE = ("1f1b", "interleaved")  # F then BACK in a tick: --pp-combined-1f1b
 IDLE, FWD, BWD, WGT, BACK = 0, 1, 2, 3, 4
+# Not a table's operation: a combined tick's F and BACK (of another micro-batch) as one
+# computation, as the predictor compiles and times it (jaxdist/predict/pipeline.py)
+PAIR = 5
 
 
 # The cost of each operation in F-units (the papers' tables): a backward is 2F, B = W = F.
@@ -78,6 +82,9 @@ class Schedule:
     # blocks of chunk (s, v) as blocks[s][v] (jaxdist/pipeline/parts.py chunk_blocks), set
     # by whoever splits the model; () where not known (every chunk's figures alike)
     blocks: tuple = ()
+    # combined 1F1B: a tick's F and BACK run as one computation (jaxdist/pipeline/step.py),
+    # so the last chunk's backward waits a tick for its forward (`build_schedule`)
+    combined: bool = False
 
     @property
     def split_backward(self) -> bool:
@@ -175,6 +182,7 @@ class Schedule:
                 "live_activation_slots": self.act_slots, "gradient_slots": self.grad_slots,
                 "residual_slots": self.res_slots,
                 "residual_slots_by_stage": self.res_slots_by_stage,
+                "combined_f_back": self.combined,
                 **({"stage_blocks": [sum(row) for row in self.blocks],
                     "chunk_blocks": [list(row) for row in self.blocks]}
                    if self.blocks else {})}
@@ -200,13 +208,19 @@ def _orders(name: str, S: int, V: int, M: int) -> list[tuple[list, list]]:
 
 
 def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
-                   blocks: tuple = ()) -> Schedule:
+                   blocks: tuple = (), combined: bool = False) -> Schedule:
     """`blocks`: each chunk's blocks, blocks[s][v] (jaxdist/pipeline/parts.py chunk_blocks),
-    which weigh the operations' costs; () counts every chunk alike."""
+    which weigh the operations' costs; () counts every chunk alike. `combined`: a tick's
+    F and BACK run as one computation, so no tick's BACK may depend on its own F: the last
+    chunk's backward (whose gradient its forward makes, with the head) runs a tick after
+    that forward, not in the same tick (one more micro-batch stashed there, the backward
+    wave one tick later), and every tick's F and BACK on a stage are of different
+    micro-batches (Megatron-Core's combined 1F1B)."""
     S, M = stages, microbatches
     V = virtual if name == "interleaved" else 1
-    check_schedule(name, S, M, V)
-    sched = Schedule(name, S, V, M, blocks=tuple(tuple(row) for row in blocks))
+    check_schedule(name, S, M, V, combined)
+    sched = Schedule(name, S, V, M, blocks=tuple(tuple(row) for row in blocks),
+                     combined=combined)
     split = sched.split_backward
     back = BWD if split else BACK  # the op that makes (and sends) the input gradient
     orders = _orders(name, S, V, M)
@@ -264,7 +278,7 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
                                                pos[s][0] == len(forwards)):
                 mb, v = backwards[pos[s][1]]
                 c = v * S + s
-                if done.get((FWD, c, mb), t + 1) <= t and (
+                if done.get((FWD, c, mb), t + 1) <= t - int(combined and c == last) and (
                         c == last or done.get((back, c + 1, mb), t) < t):
                     pos[s][1] += 1
                     done[(back, c, mb)] = t
@@ -289,9 +303,14 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
     return sched
 
 
-def check_schedule(name: str, stages: int, microbatches: int, virtual: int) -> None:
+def check_schedule(name: str, stages: int, microbatches: int, virtual: int,
+                   combined: bool = False) -> None:
     if name not in SCHEDULES:
         raise UsageError(f"unknown --pp-schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if combined and name not in COMBINABLE:
+        raise UsageError(f"--pp-combined-1f1b runs each tick's forward and backward as one "
+                         f"computation, which --pp-schedule {name} has no steady state of; "
+                         f"use --pp-schedule {' or '.join(COMBINABLE)}")
     if microbatches < 1:
         raise UsageError(f"--microbatches must be a positive integer, got {microbatches}")
     if virtual < 1:
