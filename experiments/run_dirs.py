@@ -121,7 +121,9 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
         from sharding.registry import facts
         if facts(layout).pipelined:  # a gpipe and a 1f1b run differ by name
             layout += "-" + pipeline_schedule({"schedule": cfg.train.pp_schedule,
-                                               "virtual": cfg.train.pp_virtual})
+                                               "virtual": cfg.train.pp_virtual,
+                                               "combined_f_back":
+                                                   cfg.train.pp_combined_1f1b})
         what = f"{layout}-{mesh_label}-{cfg.model.model}"
         path = Path("runs") / f"{stamp}-{what}"
         suffix = 1

@@ -159,7 +159,8 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
     if pipelined:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
-                       parse_stage_blocks(cfg.train.pp_stage_blocks), shape.context)
+                       parse_stage_blocks(cfg.train.pp_stage_blocks), shape.context,
+                       cfg.train.pp_combined_1f1b)
     return model_cfg
 
 

@@ -112,6 +112,13 @@ class TrainConfig:
                                 "(NxR: N repeated R times), e.g. 7,8x14,7 for 126 blocks "
                                 "over 16 stages; split over a stage's --pp-virtual chunks "
                                 "as evenly as possible (default: depth / stages each)")
+    pp_combined_1f1b: bool = _opt(False, "run each pipeline tick's forward and backward "
+                                  "(of different micro-batches) as one computation, so "
+                                  "XLA:GPU overlaps one's tensor-parallel collectives with "
+                                  "the other's matmuls (Megatron-Core's combined 1F1B); "
+                                  "the last stage's backward then waits a tick for its "
+                                  "forward: one more tick and micro-batch stashed; with "
+                                  "--pp-schedule 1f1b or interleaved")
     sequence_parallel: bool = _opt(False, "Megatron sequence parallelism (tp, fsdp_tp, tp_pp "
                                    "on gpt and llama models): norms and residual stream "
                                    "split over tensor along the sequence, each block's "

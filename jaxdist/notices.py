@@ -77,6 +77,8 @@ RULES: tuple[Rule, ...] = (
          "--hardware on the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_schedule", "pp_virtual"), lambda c: _pipelined(c),
          "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
+    Rule(("pp_combined_1f1b",), lambda c: _pipelined(c),
+         "the pipeline layouts (pp, tp_pp, fsdp_pp)"),
     Rule(("pp_virtual",), lambda c: c.train.pp_schedule == "interleaved",
          "--pp-schedule interleaved"),
     Rule(("tp_comm_chunks", "tp_comm_split"), lambda c: c.train.sequence_parallel, "--sequence-parallel"),

@@ -160,9 +160,11 @@ def mesh_spec(mesh: dict) -> str:
 
 
 def pipeline_schedule(pp: dict) -> str:
-    """A pipeline block's schedule as runs are named by it: `1f1b`, `interleaved-v2`."""
+    """A pipeline block's schedule as runs are named by it: `1f1b`, `interleaved-v2`,
+    `1f1b-combined`."""
     v = pp.get("virtual", 1)
-    return pp["schedule"] + (f"-v{v}" if v > 1 else "")
+    return pp["schedule"] + (f"-v{v}" if v > 1 else "") + \
+        ("-combined" if pp.get("combined_f_back") else "")
 
 
 # ---------------------------------------------------------------------------- reading

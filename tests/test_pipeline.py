@@ -111,6 +111,37 @@ def test_zb_h1_table(S, M):
     assert sum(len(f) + len(b) for f, b in sent) == 2 * M * (S - 1)
 
 
+@pytest.mark.parametrize("name,S,M,V", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+                                         ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3)])
+def test_combined_table_pairs_each_forward_with_another_micro_batches_backward(name, S, M, V):
+    """--pp-combined-1f1b: a tick's F and BACK are one computation, so no stage's BACK may
+    read what its own tick's F makes. Only the last chunk's backward moves: a tick after its
+    forward (the same tick without combining), so every stage stashes one micro-batch more,
+    the step takes one tick more and the same F-units (the extra tick holds the tail of
+    the backward wave that the first tick's lone F no longer shares)."""
+    plain, comb = build_schedule(name, S, M, V), build_schedule(name, S, M, V, combined=True)
+    assert comb.combined and comb.summary()["combined_f_back"]
+    assert comb.ticks == plain.ticks + 1 and comb.cost() == plain.cost()
+    assert comb.res_slots_by_stage == [n + 1 for n in plain.res_slots_by_stage]
+    last = S * V - 1
+    for t in range(comb.ticks):
+        for s in range(S):
+            ops = {op.kind: op for op in comb.stage_ops(t, s)}
+            if FWD in ops and BACK in ops:
+                assert (ops[FWD].mb, ops[FWD].v) != (ops[BACK].mb, ops[BACK].v)
+    when = {(comb.chunk(s, op.v), op.kind, op.mb): t for t, row in enumerate(comb.ops)
+            for s, ops in enumerate(row) for op in ops}
+    assert all(when[(last, BACK, m)] == when[(last, FWD, m)] + 1 for m in range(M))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_combined_ticks_are_refused_without_a_1f1b_steady_state(name):
+    with pytest.raises(UsageError, match=r"^--pp-combined-1f1b runs each tick's forward "
+                       r"and backward as one computation, which --pp-schedule " + name +
+                       r" has no steady state of; use --pp-schedule 1f1b or interleaved$"):
+        build_schedule(name, 2, 4, combined=True)
+
+
 def test_live_activations_gpipe_m_1f1b_bounded():
     """GPipe keeps every micro-batch's stash until its backward; 1F1B at most 2S-1."""
     for S, M in ((2, 8), (4, 16), (4, 32)):
@@ -293,6 +324,10 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
      "has tensor=2"),
     (["--layout", "ep_pp", "--model", "gpt-tiny", "--mesh", "stage:2,expert:2",
       "--microbatches", "2"], "layout 'ep_pp' applies to moe models"),
+    (["--mesh", "stage:2", "--microbatches", "2", "--pp-schedule", "zb-h1",
+      "--pp-combined-1f1b"], "--pp-combined-1f1b runs each tick's forward and backward as "
+     "one computation, which --pp-schedule zb-h1 has no steady state of; use --pp-schedule "
+     "1f1b or interleaved"),
 ])
 def test_bad_input_one_line_exit_2(argv, message, capsys, tmp_path):
     from experiments.run import main

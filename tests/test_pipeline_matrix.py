@@ -128,6 +128,16 @@ def test_zb_h1_equals_single_device(model, layout, S, M):
                 _reference(model, S))
 
 
+# Combined 1F1B (--pp-combined-1f1b): a tick's F and BACK as one computation; both
+# schedules that have it, each model, a tensor axis inside the stages, uneven stages.
+@pytest.mark.parametrize("model,layout,schedule,V,S,M,blocks", [
+    ("gpt-tiny", "tp_pp", "1f1b", 1, 2, 4, ()),
+    ("llama-tiny", "pp", "interleaved", 2, 2, 2, (3, 2))])
+def test_combined_ticks_equal_single_device(model, layout, schedule, V, S, M, blocks):
+    _check_case(model, layout, MESHES[layout].format(S=S), schedule, V, S, M,
+                _reference(model, sum(blocks) or S * V), stage_blocks=blocks, combined=True)
+
+
 # Uneven stages (--pp-stage-blocks): a stage's blocks split over its V chunks, the shorter
 # chunks' padded slots skipped; each schedule once, pp and tp_pp / fsdp_pp, both models.
 @pytest.mark.parametrize("model,layout,schedule,V,S,M,blocks", [
@@ -143,13 +153,14 @@ def test_uneven_stages_equal_single_device(model, layout, schedule, V, S, M, blo
 
 
 def _check_case(model, layout, mesh, schedule, V, S, M, reference, stage_blocks=(),
-                **extra):
+                combined=False, **extra):
     depth = sum(stage_blocks) or S * V
     cfg = _cfg(model, depth, **extra)
     shape = parse_mesh(mesh)
     program = build_pipeline_program(cfg, "float32", _TX, get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
-                                     schedule, V, stage_blocks=stage_blocks)
+                                     schedule, V, stage_blocks=stage_blocks,
+                                     combined=combined)
     assert (program.schedule.stages, program.schedule.virtual,
             program.schedule.microbatches) == (S, V, M)
     stream = TrainStream(cfg, None, BATCH, 0)

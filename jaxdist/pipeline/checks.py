@@ -44,9 +44,10 @@ def check_remat(model_cfg) -> None:
 
 def check_pipeline(model_cfg, stages: int, schedule: str, microbatches: int, virtual: int,
                    eval_every: int = 0, data: int = 1,
-                   stage_blocks: tuple[int, ...] = (), context: int = 1) -> None:
+                   stage_blocks: tuple[int, ...] = (), context: int = 1,
+                   combined: bool = False) -> None:
     V = virtual if schedule == "interleaved" else 1
-    check_schedule(schedule, stages, microbatches, V)
+    check_schedule(schedule, stages, microbatches, V, combined)
     chunk_blocks(model_cfg, stages, V, stage_blocks)
     check_moe_data(model_cfg, data, context)
     check_remat(model_cfg)

@@ -189,10 +189,22 @@ def data_reduction(param_specs, update_specs, param_shapes, update_shapes, mesh:
     return red.out_specs, red, after
 
 
+# Combined ticks (--pp-combined-1f1b): XLA's collective combiners off. They merge a tick's
+# forward and backward collectives that happen to be independent into one, which then waits
+# for both and runs beside neither's matmuls (read from XLA:GPU's schedule of a 70B TP8
+# chunk: with them, F beside BACK exposed 1.33 of 2.70 ms of tensor-axis collectives at 3
+# blocks; without, none).
+COMBINED_TICK_OPTIONS = {"xla_gpu_experimental_enable_heuristic_collective_combining": False,
+                         "xla_gpu_all_gather_combine_threshold_bytes": 0,
+                         "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+                         "xla_gpu_all_reduce_combine_threshold_bytes": 0}
+
+
 def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                            microbatches: int, schedule: str, virtual: int = 1,
                            matmul_precision: str = "default",
-                           stage_blocks: tuple[int, ...] = ()) -> PipelineProgram:
+                           stage_blocks: tuple[int, ...] = (),
+                           combined: bool = False) -> PipelineProgram:
     S = mesh.shape.get("stage", 1)
     if S < 2:
         raise UsageError("pipeline layouts need a mesh with a stage axis, e.g. "
@@ -203,7 +215,7 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     logical_init, logical, parts = pipeline_state(model_cfg, dtype_name, tx, seed, S, V,
                                                   layout.master_weights(dtype_name),
                                                   stage_blocks)
-    sched = build_schedule(schedule, S, microbatches, V, parts.counts)
+    sched = build_schedule(schedule, S, microbatches, V, parts.counts, combined)
     specs = layout(logical, mesh)
     # The state as stored: padded where a split dimension is not divisible (sharding/padding.py)
     abstract = padding.storage(logical, specs, dict(mesh.shape))
@@ -268,6 +280,8 @@ def build_pipeline_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, s
     # loop, room in the scheduler for them beside a tick's own collectives).
     options = (overlap_options(mesh.shape["data"], *reduction_bytes(layout, dtype_name, dtype))
                if layout.distributed_optimizer else None)
+    if combined:
+        options = {**(options or {}), **COMBINED_TICK_OPTIONS}
     step = MeshJit(jax.jit(step_fn, in_shardings=(shardings, batch_sharding),
                            out_shardings=(shardings, replicated), donate_argnums=0,
                            compiler_options=options), mesh, precision)

@@ -11,8 +11,9 @@ import numpy as np
 
 from jaxdist import metrics
 from jaxdist.program import comm, hlo, program_reading
-from jaxdist.pipeline.schedule import FWD, WGT
-from jaxdist.pipeline.step import loop_stretches, overlapped_sends, pattern_runs
+from jaxdist.pipeline.schedule import BACK, FWD, WGT
+from jaxdist.pipeline.step import (combined_sends, loop_stretches, overlapped_sends,
+                                   pattern_runs)
 
 
 def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
@@ -28,9 +29,10 @@ def _stage_pairs(pairs, sizes: list[int], axis: int) -> list[int]:
     return out
 
 
-def _stage_pair_sets(hlo_text: str, mesh_shape: dict[str, int]) -> dict[str, tuple]:
+def _stage_pair_sets(hlo_text: str, mesh_shape: dict[str, int], every: bool = False
+                     ) -> dict[str, tuple | set]:
     """{computation: the stage pairs (source, target) of its stage collective-permute}, one
-    replica of the other axes."""
+    replica of the other axes (`every`: the set of every such permute's pairs)."""
     names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
     axis = names.index("stage")
     out = {}
@@ -42,7 +44,9 @@ def _stage_pair_sets(hlo_text: str, mesh_shape: dict[str, int]) -> dict[str, tup
                 if src != dst and all(a[i] == 0 == b[i] - a[i] for i in range(len(sizes))
                                       if i != axis):
                     pairs.append((int(a[axis]), int(b[axis])))
-            if pairs:
+            if pairs and every:
+                out.setdefault(ins.computation, set()).add(tuple(sorted(pairs)))
+            elif pairs:
                 out[ins.computation] = tuple(sorted(pairs))
     return out
 
@@ -78,6 +82,9 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     A loop of F then BACK whose sends ride beside the next operation (OverlappedSends,
     jaxdist/pipeline/step.py) is read by `_overlapped_runs`."""
     conds = hlo.conditionals(hlo_text)
+    if sched.combined and "stage" in mesh_shape:
+        return _combined_runs(conds, _stage_pair_sets(hlo_text, mesh_shape, every=True),
+                              sched, combined_sends(sched))
     overlapped = overlapped_sends(sched)
     if overlapped is not None and "stage" in mesh_shape:
         return _overlapped_runs(conds, _stage_pair_sets(hlo_text, mesh_shape), sched,
@@ -126,6 +133,29 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     return runs
 
 
+def _kind_runs(two_way: list, sched, kind: int, placed: list) -> tuple[dict, list]:
+    """The runs of the two-way conditionals one operation of `kind` traces, taken from the
+    front of `two_way` (an operation branch's, in text order): where chunks differ, one
+    per padded slot (in slot order in F, reversed in a backward), then F's head; `placed`:
+    the (op, stage) runs of that operation. Returns (runs, the conditionals left)."""
+    S = sched.stages
+    counts = sched.blocks
+    low = min(min(row) for row in counts) if counts else 0
+    padded = list(range(low, max(max(row) for row in counts))) if counts else []
+    heads = 1 if kind == FWD else 0
+    mine, rest = two_way[:len(padded) + heads], two_way[len(padded) + heads:]
+    runs: dict[str, float] = {}
+    if len(mine) < len(padded) + heads:
+        return runs, rest
+    if heads:
+        last = sum(s == S - 1 and op.v == sched.virtual - 1 for op, s in placed) / S
+        runs[mine[-1][0]], runs[mine[-1][1]] = len(placed) / S - last, last
+    for j, b in zip(padded if kind == FWD else padded[::-1], mine):
+        on = sum(counts[s][op.v] > j for op, s in placed) / S
+        runs[b[0]], runs[b[1]] = len(placed) / S - on, on
+    return runs, rest
+
+
 def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
              ) -> dict[str, float]:
     """The runs of one copy of a slot's operation switch (idle, `kind`) over `ticks`, and of
@@ -136,18 +166,60 @@ def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
               if op.kind == kind]
     runs = {switch[0]: (len(ticks) * S - len(placed)) / S, switch[1]: len(placed) / S}
     two_way = [b for host, b in conds if host == switch[1] and len(b) == 2]
-    head = two_way[-1:] if kind == FWD else []
-    if head:
-        last = sum(s == S - 1 and op.v == sched.virtual - 1 for op, s in placed) / S
-        runs[head[0][0]], runs[head[0][1]] = len(placed) / S - last, last
-    counts = sched.blocks
-    low = min(min(row) for row in counts) if counts else 0
-    padded = list(range(low, max(max(row) for row in counts))) if counts else []
-    slots = two_way[:len(two_way) - len(head)]
-    if len(slots) == len(padded):
-        for j, b in zip(padded if kind == FWD else padded[::-1], slots):
-            on = sum(counts[s][op.v] > j for op, s in placed) / S
-            runs[b[0]], runs[b[1]] = len(placed) / S - on, on
+    runs.update(_kind_runs(two_way, sched, kind, placed)[0])
+    return runs
+
+
+def _combined_runs(conds, pair_sets: dict[str, set], sched, combined) -> dict[str, float]:
+    """switch_runs of a combined tick loop (CombinedSends, jaxdist/pipeline/step.py): per
+    scan, the tick switch over the pair sets (branch j: both ppermutes and a copy of the
+    operation switch; the last: the operations alone), each copy's operation switch (idle,
+    F, BACK, F and BACK at once) weighed by the stage-ticks that take each branch, and the
+    switches of the rest's exposed sends."""
+    S, T = sched.stages, sched.ticks
+    runs: dict[str, float] = {}
+    want = [{tuple(sorted(p)) for p in pair if p} for pair in combined.sets]
+    ticks_switches = [b for _, b in conds if len(b) == len(combined.sets) + 1 and
+                      [pair_sets.get(x, set()) for x in b] == want + [set()]]
+    stretches = loop_stretches(sched)
+    spans = (stretches if len(ticks_switches) == len(stretches) and len(stretches) > 1
+             else [(0, T)] * len(ticks_switches))
+    for branches, (start, end) in zip(ticks_switches, spans):
+        for j, b in enumerate(branches):
+            ticks = [t for t in range(start, end) if combined.choice[t] == j]
+            runs[b] = len(ticks)
+            inner = [x for host, x in conds if host == b and len(x) == 4]
+            if len(inner) != 1:
+                continue
+            taken: dict[int, list] = {1: [], 2: [], 3: []}
+            idle = 0
+            for t in ticks:
+                for s, ops in enumerate(sched.ops[t]):
+                    kinds = {op.kind: (op, s) for op in ops}
+                    index = (FWD in kinds) + 2 * (BACK in kinds)
+                    if index:
+                        taken[index].append(kinds)
+                    else:
+                        idle += 1
+            runs[inner[0][0]] = idle / S
+            for index, kinds in ((1, (FWD,)), (2, (BACK,)), (3, (FWD, BACK))):
+                branch = inner[0][index]
+                runs[branch] = len(taken[index]) / S
+                two_way = [x for host, x in conds if host == branch and len(x) == 2]
+                for kind in kinds:
+                    got, two_way = _kind_runs(two_way, sched, kind,
+                                              [k[kind] for k in taken[index]])
+                    runs.update(got)
+    for k in (0, 1):
+        rest = combined.exposed[k]
+        found = [b for _, b in conds if len(rest) > 1 and len(b) == len(rest) and
+                 [pair_sets.get(x, set()) for x in b] ==
+                 [set()] + [{tuple(sorted(p))} for p in rest[1:]]]
+        spans = (stretches if len(found) == len(stretches) and len(found) > 1
+                 else [(0, T)] * len(found))
+        for branches, (start, end) in zip(found, spans):
+            for j, b in enumerate(branches):
+                runs[b] = int((combined.exposed_choice[start:end, k] == j).sum())
     return runs
 
 

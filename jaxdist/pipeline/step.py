@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxdist.pipeline.ops import ChunkOps
 from jaxdist.pipeline.parts import Parts
-from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, Schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, IDLE, WGT, Schedule
 from models.sequence_parallel import pin_sequence_shards
 
 
@@ -143,6 +143,36 @@ def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSen
     return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
 
 
+@dataclass(frozen=True)
+class CombinedSends:
+    """How a combined tick loop (Schedule.combined) moves its messages: a tick's F and BACK
+    run as one computation with tick t-1's input gradients sent at its start (BACK reads
+    the one it receives) and F's output sent once F has made it, beside BACK. `sets`: the
+    (gradient pairs, activation pairs) of the most frequent ticks, one branch each holding
+    both ppermutes and the operations; `choice[t]`: tick t's branch (len(sets): another
+    pair set, whose gradients `exposed[0][exposed_choice[t, 0]]` are sent before the
+    operations and activations `exposed[1][exposed_choice[t, 1]]` after them)."""
+    sets: tuple[tuple[tuple, tuple], ...]
+    choice: np.ndarray
+    exposed: tuple[tuple[tuple, ...], tuple[tuple, ...]]
+    exposed_choice: np.ndarray
+
+
+def combined_sends(sched: Schedule, most: int = OVERLAP_SETS) -> CombinedSends:
+    T = sched.ticks
+    every = [(slot_pairs(sched, t, 0), slot_pairs(sched, t, 1)) for t in range(T)]
+    counts = {p: every.count(p) for p in every if p != ((), ())}
+    chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
+    rest = tuple(((),) + tuple(sorted({p[k] for p in every if p not in chosen and p[k]}))
+                 for k in (0, 1))
+    choice, exposed_choice = np.zeros(T, np.int32), np.zeros((T, 2), np.int32)
+    for t, p in enumerate(every):
+        choice[t] = chosen.index(p) if p in chosen else len(chosen)
+        for k in (0, 1):
+            exposed_choice[t, k] = 0 if p in chosen else rest[k].index(p[k])
+    return CombinedSends(chosen, choice, rest, exposed_choice)
+
+
 def loop_stretches(sched: Schedule) -> list[tuple[int, int]]:
     """(first tick, end) of each scan of a tick loop that reduces chunks over data as soon
     as they are final: the ticks cut where some chunk's gradients become final on every
@@ -213,6 +243,7 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
         return send
     senders = [sender(*p) for p in patterns]
     overlapped = overlapped_sends(sched)
+    combined = combined_sends(sched) if sched.combined else None
 
     def run(stage_params, shared, tokens_MBL1):
         s = jax.lax.axis_index("stage")
@@ -240,10 +271,12 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
 
         zeros_act = pinned(jnp.zeros(act_shape, act_dtype))
 
-        def operate(state, u, kinds, defer=False):
-            """Slot u's operation on this stage (idle or one of `kinds`, the op table's
-            kinds that can run at this slot), with its stash and gradient-slot writes
-            (`defer`: those writes returned, for `keep` after the caller's switch)."""
+        def branches(state, u, arrived=None):
+            """The operations slot u's row can run on this stage, as switch branches
+            (accumulators) -> (kept, g_local, g_shared, loss_sum, y_out, dx_out, stash
+            writes, gradient-slot write). `arrived`: the input gradient this tick receives,
+            read from there, not from its slot (where it lands after the tick's operations:
+            combined ticks)."""
             (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
             row = {k: a[u, s] for k, a in table.items()}
             v, mb = row["v"], row["mb"]
@@ -252,12 +285,18 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             tokens = tokens_MBL1[mb]
             chunk, x = chunk_of(v), _read(acts, row["act"])
 
+            def gradient():
+                held = _read(grads, row["grad"])
+                if arrived is None:
+                    return held
+                landing = table["recv_grad"][u - u % len(sched.kinds), s]
+                return jnp.where((row["grad"] >= 0) & (row["grad"] == landing), arrived, held)
+
             # The stash and the gradient slots are written outside the switch (`keep`), and
             # only read inside it: a buffer that one branch updated in place and another
             # passed through was copied whole at every slot (XLA's copy insertion).
             def backward_inputs():
-                return ([_read(b, row["res"]) for b in stash], chunk, shared, x,
-                        _read(grads, row["grad"]))
+                return ([_read(b, row["res"]) for b in stash], chunk, shared, x, gradient())
 
             # Each stage runs only its own operation (lax.switch on its row). Collectives
             # inside a branch stay within one stage (its data / tensor group), which takes
@@ -302,16 +341,41 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 g_l, g_s = accumulate(g_l, g_s, v, d_chunk, d_shared)
                 return kept, g_l, g_s, ls, y_out, dx_out, *nothing()
 
-            branch = {FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
+            return row, {IDLE: idle, FWD: fwd, BACK: back, BWD: bwd, WGT: wgt}
+
+        def operate(state, u, kinds, defer=False):
+            """Slot u's operation on this stage (idle or one of `kinds`, the op table's
+            kinds that can run at this slot), with its stash and gradient-slot writes
+            (`defer`: those writes returned, for `keep` after the caller's switch)."""
+            row, branch = branches(state, u)
             # the op table numbers the schedule's kinds from 1; a slot of one kind switches
             # over (idle, that kind) only
             index = row["op"] if len(kinds) == len(sched.kinds) else \
                 jnp.where(row["op"] == 0, 0, 1)
+            return switched(state, u, index, [branch[IDLE]] + [branch[k] for k in kinds],
+                            defer)
+
+        def switched(state, u, index, options, defer=True):
+            (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
             (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
-             dh) = jax.lax.switch(index, [idle] + [branch[k] for k in kinds],
+             dh) = jax.lax.switch(index, options,
                                   (kept, g_local, g_shared, loss_sum, y_out, dx_out))
             state = (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
             return (state, (stored, dh)) if defer else keep(state, u, (stored, dh))
+
+        def operate_both(state, t, arrived):
+            """Tick t's F and BACK on this stage as one computation (combined ticks: the
+            table never has a BACK read what its tick's F writes), so XLA:GPU schedules
+            one's collectives beside the other's matmuls; each alone where the stage runs
+            one; F's stash and gradient-slot writes returned for `keep`."""
+            row_f, f = branches(state, 2 * t)
+            row_b, b = branches(state, 2 * t + 1, arrived)
+
+            def both(acc):
+                *acc, stored, dh = f[FWD](acc)
+                return (*b[BACK](tuple(acc))[:6], stored, dh)
+            index = jnp.where(row_f["op"] > 0, 1, 0) + jnp.where(row_b["op"] > 0, 2, 0)
+            return switched(state, 2 * t, index, [f[IDLE], f[FWD], b[BACK], both])
 
         def keep(state, u, written):
             """F's stash into its slot; the last chunk's F also fills its gradient slot."""
@@ -353,10 +417,6 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                 return (*operate(state, u, (sched.kinds[k],), defer=True),
                         jnp.zeros_like(message))
 
-            def exposed_send(pairs):
-                return lambda m: (jax.lax.ppermute(m, "stage", list(pairs)) if pairs
-                                  else jnp.zeros_like(m))
-
             def run(state, t, message):
                 # the stash written after the switch: the branch holds only the send and
                 # the operation
@@ -382,6 +442,42 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             state, fwd_in = run_back(state, t, state[7])
             return (*state, pinned(fwd_in), state[8]), None
 
+        def exposed_send(pairs):
+            return lambda m: (jax.lax.ppermute(m, "stage", list(pairs)) if pairs
+                              else jnp.zeros_like(m))
+
+        def combined_tick(carry, t):
+            """Tick t of a combined table: F and BACK in one computation (`operate_both`)
+            between tick t-1's input gradients and F's outputs on their way
+            (CombinedSends); F's stash and the gradient received land after it."""
+            state, (fwd_in, dx_prev) = carry[:9], carry[9:]
+            acts = pinned(_store(state[0], table["recv_act"][t * 2, s], fwd_in), 1)
+            state = (acts, *state[1:])
+            early = (jax.lax.switch(c_exposed_choice[t, 0],
+                                    [exposed_send(p) for p in combined.exposed[0]], dx_prev)
+                     if len(combined.exposed[0]) > 1 else jnp.zeros_like(dx_prev))
+
+            def with_sends(pairs):
+                def run(state, early):
+                    got = pinned(exposed_send(pairs[0])(dx_prev))
+                    state, written = operate_both(state, t, got)
+                    return state, written, got, exposed_send(pairs[1])(state[7])
+                return run
+
+            def plain(state, early):
+                state, written = operate_both(state, t, pinned(early))
+                return state, written, pinned(early), jnp.zeros_like(state[7])
+            state, written, got, sent = jax.lax.switch(
+                c_choice[t], [with_sends(p) for p in combined.sets] + [plain], state, early)
+            state = keep(state, t * 2, written)
+            grads = pinned(_store(state[1], table["recv_grad"][t * 2, s], got), 1)
+            state = (state[0], grads, *state[2:])
+            if len(combined.exposed[1]) > 1:
+                sent = sent + jax.lax.switch(c_exposed_choice[t, 1],
+                                             [exposed_send(p) for p in combined.exposed[1]],
+                                             state[7])
+            return (*state, pinned(sent), state[8]), None
+
         tok = jax.ShapeDtypeStruct(tokens_MBL1.shape[1:], tokens_MBL1.dtype)
         stashed = ops.stash_shapes(chunk_of(0), shared, zeros_act, tok)
         stash0 = tuple(jnp.zeros((sched.res_slots, *r.shape), r.dtype) for r in stashed)
@@ -393,7 +489,11 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
                  pinned(jnp.zeros((sched.grad_slots, *act_shape), act_dtype), 1), stash0, kept0,
                  jax.tree.map(jnp.zeros_like, local), jax.tree.map(jnp.zeros_like, shared),
                  jnp.zeros((), jnp.float32), zeros_act, zeros_act, zeros_act, zeros_act)
-        if overlapped is None:
+        if sched.combined:
+            c_choice = jnp.asarray(combined.choice)
+            c_exposed_choice = jnp.asarray(combined.exposed_choice)
+            body, per_tick = combined_tick, 1
+        elif overlapped is None:
             body, per_tick = slot, len(sched.kinds)
         else:
             choice = jnp.asarray(overlapped.choice)

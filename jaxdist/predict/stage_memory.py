@@ -137,7 +137,9 @@ def stage_memory(cfg, shape) -> dict:
     schedule = cfg.train.pp_schedule
     V = cfg.train.pp_virtual if schedule == "interleaved" else 1
     stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
-    check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks)
+    combined = cfg.train.pp_combined_1f1b
+    check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks,
+                   combined=combined)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
     layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
@@ -149,7 +151,7 @@ def stage_memory(cfg, shape) -> dict:
     specs = layout(state, mesh)
     per_device = metrics.planned_bytes_per_device(state, specs, sizes)
     stacked = stacked_bytes_per_device(state, specs, sizes)
-    sched = build_schedule(schedule, S, M, V, counts)
+    sched = build_schedule(schedule, S, M, V, counts, combined)
     batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
     rows = cfg.train.batch_size // (M * batch_shards)
     itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize

@@ -214,7 +214,8 @@ def step_program(cfg, model_cfg, mesh):
             model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
             cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
             matmul_precision=cfg.model.matmul_precision,
-            stage_blocks=parse_stage_blocks(cfg.train.pp_stage_blocks))
+            stage_blocks=parse_stage_blocks(cfg.train.pp_stage_blocks),
+            combined=cfg.train.pp_combined_1f1b)
     return build_program(model_cfg, cfg.model.dtype, tx, layout, mesh,
                          cfg.train.seed, cfg.train.microbatches,
                          matmul_precision=cfg.model.matmul_precision)
