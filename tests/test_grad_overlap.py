@@ -101,3 +101,55 @@ def test_sequence_pieces_put_matmuls_under_the_sequence_parallel_collectives():
     hidden, total = _tensor_collectives_hidden(2, "sequence")
     assert total == 16 + 2
     assert hidden >= total // 2, hidden
+
+
+def _pipeline_op_collectives_hidden(kind: int) -> tuple[int, int]:
+    """(tensor-axis all-gathers and reduce-scatters with a matmul scheduled between their
+    start and done, all of them) in the XLA:GPU program of one pipeline chunk op
+    (jaxdist/predict/pipeline.py op_lowered) of one full-size block (width 5120, 40 heads,
+    4,096 tokens, cuDNN attention), tp_pp on data:2,stage:2,tensor:4, bf16, sequence
+    parallel, --pp-combined-1f1b's compiler options."""
+    from jaxdist.predict import pipeline as pl
+    from jaxdist.program.xla_compile import compile_lowered
+
+    cfg = RunConfig(mesh=MeshConfig(mesh="data:2,stage:2,tensor:4"),
+                    model=ModelConfig(model="gpt-tiny", dtype="bfloat16", model_opts=(
+                        "seq_len=4096,width=5120,depth=1,heads=40,attention=cudnn")),
+                    train=TrainConfig(layout="tp_pp", batch_size=8, microbatches=4,
+                                      sequence_parallel=True, pp_combined_1f1b=True))
+    model_cfg, _ = build_model(cfg)
+    shape = parse_mesh(cfg.mesh.mesh)
+    target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
+    sizes = dict(shape.axis_sizes)
+    low, _ = pl.op_lowered(cfg, model_cfg, sizes, 1, kind, False, 1, target)
+    (comp, _), = compile_lowered([low], compiled.compile_options(cfg, target))
+    hlo = program_reading.text(comp)
+    reading = program_reading.read(comp, target, sizes, None, compile_s=0.0)
+    names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
+             and op["kind"] in ("all-gather", "reduce-scatter")}
+    in_flight, hidden = set(), set()
+    for item in kernels.schedule(hlo)[entry_computation(hlo)]:
+        if item["item"] == "start" and item["name"] in names:
+            in_flight.add(item["name"])
+        elif item["item"] == "done":
+            in_flight.discard(item["name"])
+        elif item["item"] == "kernel" and item["kind"] in GEMMS:
+            hidden |= in_flight
+    return len(hidden), len(names)
+
+
+def test_a_combined_ticks_forward_and_backward_hide_each_others_collectives():
+    """--pp-combined-1f1b (jaxdist/pipeline/step.py operate_both): one micro-batch's forward
+    beside another's backward in one computation. In the forward then its own backward
+    (FULL: a plain 1F1B tick's F and BACK) most of the forward's collectives sit between
+    the matmuls that need them; beside an independent backward (PAIR: a first forward
+    that makes the stash, then the pair) XLA:GPU puts a matmul of the other under them."""
+    from jaxdist.predict import pipeline as pl
+
+    hidden_f, total_f = _pipeline_op_collectives_hidden(pl.FWD)
+    hidden_full, total_full = _pipeline_op_collectives_hidden(pl.FULL)
+    hidden_pair, total_pair = _pipeline_op_collectives_hidden(pl.PAIR)
+    assert total_pair == total_full + total_f
+    # the pair's own collectives (those past the first forward's)
+    pair, pair_total = hidden_pair - hidden_f, total_pair - total_f
+    assert pair >= 0.8 * pair_total > hidden_full, (hidden_f, hidden_full, hidden_pair)

@@ -11,7 +11,7 @@ from jaxdist.config import (CompilerConfig, MeshConfig, ModelConfig, OutputConfi
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.mesh import parse_mesh
-from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
 
 # A made-up part, so every figure below is simple arithmetic.
@@ -174,6 +174,26 @@ def test_1f1b_costs_gpipe_whatever_the_ops_cost(S):
             assert t["1f1b"]["step_s"] == pytest.approx(t["gpipe"]["step_s"])
 
 
+@pytest.mark.parametrize("name,S,M,V", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+                                         ("interleaved", 2, 4, 2)])
+def test_combined_ticks_cost_the_pair_where_a_stage_runs_f_and_back(name, S, M, V):
+    """--pp-combined-1f1b: a tick in which a stage runs F and BACK costs that stage the
+    compiled pair (PAIR: F beside another micro-batch's BACK), not F + BACK; a tick of one
+    of them costs it alone. With F = 1, BACK = 2 and the pair 2.5, the ticks add up to the
+    table's: each tick's busiest stage."""
+    sched = build_schedule(name, S, M, V, combined=True)
+    ops = {**unit_ops(1.0, 1.0, 1.0), **{(PAIR, last): op(2.5) for last in (False, True)}}
+    t = ticks.tick_model(sched, ops, op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
+    expected = sum(max(2.5 if len(sched.stage_ops(u, s)) == 2 else
+                       sum(1.0 if o.kind == FWD else 2.0 for o in sched.stage_ops(u, s))
+                       for s in range(S)) for u in range(sched.ticks))
+    assert t["pipeline"]["ticks_s"] == pytest.approx(expected)
+    # one tick more than without combining, each paired tick 0.5 s shorter
+    plain = ticks.tick_model(build_schedule(name, S, M, V), ops, op(0.0), 0.0, HW,
+                             {"stage": S, "data": 1, "fsdp": 1})
+    assert t["pipeline"]["ticks_s"] < plain["pipeline"]["ticks_s"] == sched.cost()
+
+
 @pytest.mark.parametrize("S", [2, 4])
 def test_megatron_runtime_is_a_what_if(S):
     """--pp-runtime megatron times the same table as Megatron would run it (each stage
@@ -287,6 +307,23 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert compiles_run() - compiles == 7
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
     assert gpipe["pipeline"]["ticks"] == build_schedule("gpipe", 2, 4).ticks
+
+
+def test_combined_plan_times_the_pair_it_compiles():
+    """--pp-combined-1f1b in a plan: the pair (a forward beside another micro-batch's
+    backward, one program) is compiled beside F and F + BACK, its FLOPs exactly theirs
+    (the first forward that makes its stash taken off), and the table has the combined
+    schedule's extra tick."""
+    from jaxdist.plan.predicted import predict_plan
+
+    cfg = tiny_cfg()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pp_combined_1f1b=True))
+    plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2")).to_json()
+    ops, p = plan["compiled"]["ops"], plan["pipeline"]
+    assert p["combined_f_back"] and p["ticks"] == build_schedule("1f1b", 2, 4).ticks + 1
+    for last in ("", "_last"):
+        assert ops[f"forward_beside_backward{last}"]["flops"] == pytest.approx(
+            ops[f"forward{last}"]["flops"] + ops["backward"]["flops"], rel=1e-9)
 
 
 def test_remat_variant_compiles_only_the_programs_recomputation_changes():

@@ -197,7 +197,9 @@ def time_lines(p: PredictedPlan, indent: str) -> list[str]:
                  f"{t['bubble_s'] * ms:.1f} ms"]
     pp = p.pipeline
     if pp is not None:
-        lines.append(f"pipeline {pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+        combined = " combined (F and BACK of a tick as one computation)" if pp.get(
+            "combined_f_back") else ""
+        lines.append(f"pipeline {pp['schedule']}{combined} S={pp['stages']} V={pp['virtual']} "
                      f"M={pp['microbatches']}: {pp['ticks']} ticks, {pp['ticks_s'] * ms:.1f} "
                      f"ms (stage {pp['critical_stage']} busy "
                      f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "

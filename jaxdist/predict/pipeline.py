@@ -50,7 +50,7 @@ from jaxdist.predict.program import cpu_compilable, flash_attention_applies, rea
 from jaxdist.predict.ticks import op_key, op_row, tick_model
 from jaxdist.config import parse_stage_blocks
 from jaxdist.pipeline.parts import chunk_blocks
-from jaxdist.pipeline.schedule import BACK, BWD, FWD, WGT, build_schedule
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
 from jaxdist.program.xla_compile import compile_lowered
@@ -95,7 +95,10 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
         # --remat full: recomputation changes only backward programs) is not compiled again.
         program_of[k] = ("program", hashlib.blake2b(low.as_text().encode(), digest_size=16)
                          .digest(), flags, target.label, tuple(sizes.items()), repr(hw),
-                         cfg.model.matmul_precision)
+                         cfg.model.matmul_precision,
+                         # the program's own compiler options (jit's), not in its text
+                         tuple(sorted(getattr(getattr(low, "_lowering", None),
+                                              "_compiler_options_kvs", ()))))
         first = program_of[k] not in cache and program_of[k] not in seen
         seen.add(program_of[k])
         return low if first else None
@@ -121,9 +124,12 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     """(lowered, mesh sizes) of one chunk of `blocks` blocks for one micro-batch of `rows`
     rows per data shard, on one stage's devices as the pipeline step runs it
     (jaxdist/pipeline/ops.py): its forward (FWD, the stash as outputs), the forward then
-    the whole backward (FULL) or the forward then B (F_B)."""
+    the whole backward (FULL) or the forward then B (F_B); or (PAIR) one micro-batch's
+    forward, then another's forward and the first's whole backward side by side (a
+    combined tick's F and BACK; the first forward, before an optimization barrier, makes
+    the stash)."""
     from jaxdist.pipeline.ops import ChunkOps
-    from jaxdist.pipeline.program import pipeline_state, stage_axes
+    from jaxdist.pipeline.program import COMBINED_TICK_OPTIONS, pipeline_state, stage_axes
 
     mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
@@ -152,6 +158,14 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
 
     def run(stage_params, shared, tokens_BL1, x, dy, q):
         chunk = jax.tree.map(lambda a: a[0, 0], (stage_params, q))
+        if kind == PAIR:  # `dy` stands for the earlier micro-batch's input
+            _, _, earlier = ops.forward(chunk, shared, dy, tokens_BL1, False)
+            earlier, x, dy = jax.lax.optimization_barrier((earlier, x, dy))
+            y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
+            head = ops.head(shared, y, tokens_BL1) if last else None
+            d_chunk, d_shared, dx = ops.backward(earlier, chunk, shared, dy, dy)
+            return (jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx,
+                    (y, aux, stash, head))
         y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
         head = ops.head(shared, y, tokens_BL1) if last else None
         if last:
@@ -165,7 +179,7 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
 
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
-    out = P() if kind != FULL else (stage_specs, shared_specs, P(), P())
+    out = P() if kind not in (FULL, PAIR) else (stage_specs, shared_specs, P(), P())
     q_stage = jax.tree.map(lambda _: P("stage"), quantized)
     mapped = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
                                                       act_spec, act_spec, q_stage),
@@ -181,8 +195,11 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     acts = NamedSharding(mesh, P("data", (*manual[2:], "tensor")) if sp else act_spec)
     q_sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), q_specs,
                              is_leaf=lambda x: isinstance(x, P))
+    # combined ticks: the step's compiler options, which every op it runs is compiled with
+    options = COMBINED_TICK_OPTIONS if cfg.train.pp_combined_1f1b else None
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
-                                               acts, acts, q_sharded)),
+                                               acts, acts, q_sharded),
+                             compiler_options=options),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
     return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
                         act, act, quantized), dict(mesh.shape)
@@ -211,8 +228,8 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     stages (shared) and averaged over data, then the optimizer update (of the padded
     slots too, as the program holds them), and with FP8 the weights quantized for the
     next step's ticks (which the ops read as inputs: `op_lowered`)."""
-    from jaxdist.pipeline.program import (data_reduction, mean_axes, pipeline_state,
-                                          stage_axes)
+    from jaxdist.pipeline.program import (COMBINED_TICK_OPTIONS, data_reduction, mean_axes,
+                                          pipeline_state, stage_axes)
     from jaxdist.pipeline.step import DataMean, stage_sum
 
     mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
@@ -267,7 +284,9 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     jitted = jax.jit(tail, in_shardings=(shardings, shardings["params"]),
                      out_shardings=(shardings, jax.tree.map(
                          lambda s: NamedSharding(mesh, s), q_specs,
-                         is_leaf=lambda x: isinstance(x, P))), donate_argnums=0)
+                         is_leaf=lambda x: isinstance(x, P))), donate_argnums=0,
+                     compiler_options=COMBINED_TICK_OPTIONS if cfg.train.pp_combined_1f1b
+                     else None)
     return MeshJit(jitted, mesh).lower(state, params), sizes
 
 
@@ -365,7 +384,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     V = cfg.train.pp_virtual if cfg.train.pp_schedule == "interleaved" else 1
     stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
-    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V, counts)
+    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V, counts,
+                           cfg.train.pp_combined_1f1b)
     K = max(max(row) for row in counts)  # the largest chunk's blocks
     sizes_k = sorted({k for row in counts for k in row})  # each chunk's figures at its own
     rows = microbatch_rows(cfg, sizes)
@@ -376,11 +396,13 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
         model_cfg = cpu_compilable(model_cfg)
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
     common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
-              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches)
+              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches,
+              cfg.train.pp_combined_1f1b)
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}
-    kinds = (FWD, FULL, F_B) if sched.split_backward else (FWD, FULL)
+    kinds = (FWD, FULL, F_B) if sched.split_backward else (FWD, FULL) + (
+        (PAIR,) if sched.combined else ())
     # a chunk of 3 or more blocks: its blocks past the second at the slope of the third
     # (`chunk_figures`)
     depths = ((1, False), (2, False), (1, True)) + (((3, False),) if K >= 3 else ())
@@ -388,7 +410,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
         for blocks, last in depths:
             pieces[("op", *common, blocks, kind, last)] = functools.partial(
                 op_lowered, cfg, model_cfg, sizes, blocks, kind, last, rows, target)
-            if flash and not last and blocks < 3:  # the scores' part, at L/2, twice the rows
+            if flash and not last and blocks < 3 and kind != PAIR:  # the scores' part, at L/2, twice the rows
                 pieces[("op", *half_common, blocks, kind, False)] = functools.partial(
                     op_lowered, cfg, half, sizes, blocks, kind, False, 2 * rows, target)
     tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V, stage_blocks)
@@ -407,8 +429,12 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
         one, two, last1 = op(1, kind, False), op(2, kind, False), op(1, kind, True)
         three = op(3, kind, False) if K >= 3 else None
         for k in sizes_k:  # a chunk of k blocks (all chunks alike: k = K)
-            scores = (attention_scores(one, two, half_op(1, kind), half_op(2, kind), k)
-                      if flash else None)
+            # a PAIR's scores: its two forwards' and one backward's (FULL's and FWD's)
+            scores = None
+            for sk in ((FULL, FWD) if kind == PAIR else (kind,)) if flash else ():
+                part = attention_scores(op(1, sk, False), op(2, sk, False), half_op(1, sk),
+                                        half_op(2, sk), k)
+                scores = part if scores is None else {f: scores[f] + part[f] for f in part}
             for last, base in ((False, one), (True, last1)):
                 fig = chunk_figures(base, one, two, three, k)
                 if scores is not None:
@@ -423,10 +449,14 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
                 figs[(WGT, last, k)] = minus(figs[(FULL, last, k)], figs[(F_B, last, k)])
                 figs[(BWD, last, k)] = minus(figs.pop((F_B, last, k)), figs[(FWD, last, k)])
             figs[(BACK, last, k)] = minus(figs.pop((FULL, last, k)), figs[(FWD, last, k)])
+            if sched.combined:  # less the forward (no head) that made the stash
+                figs[(PAIR, last, k)] = minus(figs[(PAIR, last, k)], figs[(FWD, False, k)])
     # XLA:GPU's temporaries of a K-block chunk's backward beyond its forward's (whose
     # stash the plan counts per slot): the working set the memory plan counts (XLA:CPU's
     # are an upper bound: the hand estimate stands there)
-    working = (max(figs[(BACK, last, K)]["memory"]["temp_bytes"] for last in (False, True))
+    # (combined ticks: F and BACK side by side, both working sets live)
+    working = (max(figs[(kind, last, K)]["memory"]["temp_bytes"] for last in (False, True)
+                   for kind in ((BACK, PAIR) if sched.combined else (BACK,)))
                if target.gpu else None)
     tail = got[tail_key]
     args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
@@ -450,6 +480,8 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
              (BACK, False): "backward", (BACK, True): "backward_last",
              (BWD, False): "input_gradient", (BWD, True): "input_gradient_last",
+             (PAIR, False): "forward_beside_backward",
+             (PAIR, True): "forward_beside_backward_last",
              (WGT, False): "weight_gradient", (WGT, True): "weight_gradient_last"}
     k_last = counts[S - 1][V - 1]  # the figures named per op: the largest chunk's, and
     # the last chunk's at its own blocks
@@ -470,7 +502,9 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
                "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
     return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
             "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
-            "method": f"chunk forward, forward+backward (zb-h1: and forward+B) compiled at "
+            "method": f"chunk forward, forward+backward (zb-h1: and forward+B; combined "
+                      f"ticks: and a forward beside another micro-batch's backward) "
+                      f"compiled at "
                       f"1, 2{' and 3' if K >= 3 else ''} blocks on one stage's devices, "
                       f"extrapolated to "
                       f"{'/'.join(map(str, sizes_k))} (each chunk's own blocks), the "

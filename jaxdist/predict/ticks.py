@@ -10,8 +10,8 @@ import numpy as np
 
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
-from jaxdist.pipeline.schedule import BACK, BWD, FWD, Schedule
-from jaxdist.pipeline.step import slot_pairs, overlapped_sends
+from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, Schedule
+from jaxdist.pipeline.step import combined_sends, slot_pairs, overlapped_sends
 from jaxdist.predict.time_model import LABEL, kernel_step, ring_latency, step_time
 
 
@@ -66,6 +66,23 @@ def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
     chunk's blocks where the schedule knows them (--pp-stage-blocks: chunks differ)."""
     last = sched.chunk(s, v) == sched.chunks - 1
     return (kind, last, sched.blocks[s][v]) if sched.blocks else (kind, last)
+
+
+def stage_tick(sched: Schedule, ops: dict, s: int, ops_s) -> list[tuple[int, dict]]:
+    """(kind, op_row) of what stage s runs in a tick, in order. In a combined table a
+    stage's F and BACK are one computation (jaxdist/pipeline/step.py operate_both): the PAIR
+    row at the BACK's chunk, plus the difference of the F's own chunk from that chunk's F
+    (where they differ: interleaved, uneven stages)."""
+    kinds = {op.kind: op for op in ops_s}
+    if not (sched.combined and FWD in kinds and BACK in kinds):
+        return [(op.kind, ops[op_key(sched, op.kind, s, op.v)]) for op in ops_s]
+    f, v = ops[op_key(sched, FWD, s, kinds[FWD].v)], kinds[BACK].v
+    pair, f_there = ops[op_key(sched, PAIR, s, v)], ops[op_key(sched, FWD, s, v)]
+    return [(PAIR, {k: pair[k] + f[k] - f_there[k] for k in TIMES})]
+
+
+TIMES = ("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s", "inter_node_s",
+         "exposed_intra_node_s", "exposed_inter_node_s")
 
 
 def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part,
@@ -130,25 +147,23 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     the chunk reductions the loop issues before its last tick (`hidden_reductions`),
     whose time beside the ticks leaves the tail."""
     S = sched.stages
-    busy = [dict.fromkeys(("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s",
-                           "inter_node_s", "exposed_intra_node_s", "exposed_inter_node_s"),
-                          0.0) for _ in range(S)]
+    busy = [dict.fromkeys(TIMES, 0.0) for _ in range(S)]
     ticks_s = 0.0
     sends = {"intra-node": 0.0, "inter-node": 0.0}
     exposed = {"intra-node": 0.0, "inter-node": 0.0}  # the sends' time the ticks do not hide
     messages = 0
     tick_ends = []  # when each tick's operations end (the ticks' own time, sends apart)
     beside = overlapped_sends(sched) if overlap else None
+    combined = combined_sends(sched) if overlap and sched.combined else None
     for t in range(sched.ticks):
-        longest, longest_op = 0.0, dict.fromkeys(sched.kinds, 0.0)
+        longest, longest_op = 0.0, dict.fromkeys((*sched.kinds, PAIR), 0.0)
         for s, ops_s in enumerate(sched.ops[t]):
             stage_s = 0.0  # a stage runs its ops of the tick one after the other
-            for op in ops_s:
-                row = ops[op_key(sched, op.kind, s, op.v)]
+            for kind, row in stage_tick(sched, ops, s, ops_s):
                 for k in busy[s]:
                     busy[s][k] += row[k]
                 stage_s += row["seconds"]
-                longest_op[op.kind] = max(longest_op[op.kind], row["seconds"])
+                longest_op[kind] = max(longest_op[kind], row["seconds"])
             longest = max(longest, stage_s)
         ticks_s += longest
         tick_ends.append(ticks_s)
@@ -165,8 +180,11 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
             seconds, inter = max(times)
             link = "inter-node" if inter else "intra-node"
             sends[link] += seconds
-            hidden = (longest_op[sched.kinds[k]]
-                      if beside and beside.choice[t, k] < len(beside.sets[k]) else 0.0)
+            if combined is not None:  # both sends inside the tick's one computation
+                hidden = longest if combined.choice[t] < len(combined.sets) else 0.0
+            else:
+                hidden = (longest_op[sched.kinds[k]]
+                          if beside and beside.choice[t, k] < len(beside.sets[k]) else 0.0)
             exposed[link] += max(0.0, seconds - hidden)
             messages += len(pairs)
     lockstep_s, dataflow_s = ticks_s + exposed["intra-node"] + exposed["inter-node"], \
