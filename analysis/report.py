@@ -92,7 +92,8 @@ def pipeline_lines(runs) -> list[str]:
             continue
         sb = pp.get("stage_bytes") or {}
         rows.append(
-            f"| {md_escape(r.name)} | {md_escape(r.bar)} | {pp['schedule']} | "
+            f"| {md_escape(r.name)} | {md_escape(r.bar)} | {pp['schedule']}"
+            f"{' combined' * bool(pp.get('combined_f_back'))} | "
             f"{pp['stages']} | {pp.get('virtual', 1)} | {pp['microbatches']} | "
             f"{pp['bubble']:.1%} | {pp['analytic_bubble']:.1%} "
             f"{md_escape(pp.get('analytic_bubble_formula', ''))} | "

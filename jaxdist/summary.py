@@ -80,7 +80,8 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
     pp = results.get("pipeline")
     if pp:
         rows += [
-            ("pipeline", f"{pp['schedule']} S={pp['stages']} V={pp['virtual']} "
+            ("pipeline", f"{pp['schedule']}{' combined' * bool(pp.get('combined_f_back'))} "
+                         f"S={pp['stages']} V={pp['virtual']} "
                          f"M={pp['microbatches']}: bubble {pp['bubble']:.1%} counted vs "
                          f"{pp['analytic_bubble']:.1%} {pp['analytic_bubble_formula']}"),
             ("pipeline stage bytes", f"{human_bytes(pp['stage_bytes']['total'])} sent per "
