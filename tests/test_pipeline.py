@@ -157,13 +157,15 @@ def test_live_activations_gpipe_m_1f1b_bounded():
 
 # ------------------------------------------------------------------ compiled programs
 
-def _pipeline(model, layout, mesh, schedule, M, virtual=1, stage_blocks=(), **opts):
+def _pipeline(model, layout, mesh, schedule, M, virtual=1, stage_blocks=(), combined=False,
+              **opts):
     shape = parse_mesh(mesh)
     cfg = get_model(model, {k: str(v) for k, v in opts.items()})
     program = build_pipeline_program(cfg, "float32", make_optimizer("adamw", 1e-2),
                                      get_layout(layout),
                                      build_mesh(shape, jax.devices()[:shape.size]), 0, M,
-                                     schedule, virtual, stage_blocks=stage_blocks)
+                                     schedule, virtual, stage_blocks=stage_blocks,
+                                     combined=combined)
     return cfg, program
 
 
@@ -228,7 +230,7 @@ def _one_device_dot_flops(cfg) -> float:
 @pytest.mark.parametrize("schedule,remat,blocks", [
     ("1f1b", "none", ()), ("zb-h1", "none", ()), ("1f1b", "full", ()),
     ("1f1b", "selective_op", ()), ("1f1b", "none", (1, 2)), ("zb-h1", "full", (2, 1)),
-    ("interleaved", "none", (3, 2))])
+    ("interleaved", "none", (3, 2)), ("1f1b-combined", "none", (1, 2))])
 def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     """The backward reads what F stashed: under --remat none a pipelined step's dot FLOPs
     (each branch of its switches weighed by the schedule table) are the one-device step's,
@@ -241,10 +243,12 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     chain (with them the step would be 4/3 and 5/3 of the model's FLOPs).
     Uneven stages (`blocks`, --pp-stage-blocks): a chunk's padded slots are skipped under
     a cond, so the step's dot FLOPs are still the model's, each slot's cond weighed by the
-    chunks that hold the block."""
+    chunks that hold the block. Combined ticks (--pp-combined-1f1b): the switch of idle,
+    F, BACK and both, in each branch of the tick's sends, weighed by the stages' ticks."""
     S, M = 2, 2
     V = 2 if schedule == "interleaved" else 1
-    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, V, blocks,
+    schedule, combined = schedule.removesuffix("-combined"), schedule.endswith("-combined")
+    cfg, program = _pipeline("gpt-tiny", "pp", "stage:2", schedule, M, V, blocks, combined,
                              depth=sum(blocks) or S, remat=remat)
     batch = put_batch(TrainStream(cfg, None, BATCH, 0).batch(0), program.batch_sharding)
     text = program.step.lower(program.abstract_state, batch).compile().as_text()
