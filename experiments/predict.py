@@ -69,7 +69,7 @@ class Case:
     microbatches: int = 1            # the pipeline layouts' M (GBS / (DP x MBS))
     pp_virtual: int = 1              # > 1: Megatron's interleaved schedule over V chunks
     distributed_optimizer: bool = False  # Megatron's (NeMo's default)
-    pp_runtime: str = "jaxdist"      # megatron: the schedule as Megatron-LM runs it (NeMo's)
+    pp_combined_1f1b: bool = False   # --pp-combined-1f1b: jaxdist's TP overlap in pipelines
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -149,12 +149,14 @@ CASES = (
     *(Case(f"dgxc-paxml-5b-fp8-{n}", f"dgxc-paxml-gpt5b-fp8-{n}", None, "h100-sxm", GPT_5B,
            f"1x{n}", 4 * n, "dots", model="gpt", dtype="float8") for n in (16, 32, 64, 128)),
     # NeMo 24.07's FP8 pre-training table (Megatron-Core, Transformer Engine): TP x PP with
-    # Megatron's interleaved schedule as Megatron runs it, sequence parallel under TP, the
-    # distributed optimizer, no recomputation; TE's delayed scaling, planned with current
-    # scaling (the same FP8 GEMMs; jaxdist's pipelines carry no scaling state)
+    # Megatron's interleaved schedule, sequence parallel under TP, the distributed optimizer,
+    # no recomputation, TP communication overlapped (NeMo's tp_comm_overlap: here each
+    # tick's F and BACK as one computation, --pp-combined-1f1b); TE's delayed scaling,
+    # planned with current scaling (the same FP8 GEMMs; jaxdist's pipelines carry no
+    # scaling state)
     *(Case(f"nemo-{name}", f"nemo2407-{name}-fp8", None, "h100-sxm", opts, mesh, gbs, "none",
            "tp_pp", model=model, dtype="float8", fp8_scaling="current", sequence_parallel=True,
-           microbatches=m, pp_virtual=v, distributed_optimizer=True, pp_runtime="megatron")
+           microbatches=m, pp_virtual=v, distributed_optimizer=True, pp_combined_1f1b=True)
       for name, model, opts, mesh, gbs, m, v in (
           ("gpt3-175b-128", "gpt3-175b", _ATTN, "data:4,stage:8,tensor:4", 256, 64, 6),
           ("gpt3-175b-512", "gpt3-175b", _ATTN, "data:16,stage:8,tensor:4", 2048, 64, 6),
@@ -236,10 +238,10 @@ def case_config(case: Case):
                                        else "1f1b",
                                        sequence_parallel=case.sequence_parallel,
                                        tp_comm_chunks=case.tp_comm_chunks,
+                                       pp_combined_1f1b=case.pp_combined_1f1b,
                                        distributed_optimizer=case.distributed_optimizer),
                      compiler=CompilerConfig(overlap=True),
-                     output=OutputConfig(dry_run=True, hardware=case.hardware,
-                                         pp_runtime=case.pp_runtime))
+                     output=OutputConfig(dry_run=True, hardware=case.hardware))
 
 
 def validate(cases) -> list[dict]:
