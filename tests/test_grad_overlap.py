@@ -68,8 +68,14 @@ def _tensor_collectives_hidden(chunks: int, split: str = "batch") -> tuple[int, 
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    return _hidden(comp, target, shape.axis_sizes)
+
+
+def _hidden(comp, target, sizes) -> tuple[int, int]:
+    """(tensor-axis all-gathers and reduce-scatters with a matmul scheduled between their
+    start and done, all of them) in a compiled program's entry computation."""
     hlo = program_reading.text(comp)
-    reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
+    reading = program_reading.read(comp, target, sizes, None, compile_s=0.0)
     names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
              and op["kind"] in ("all-gather", "reduce-scatter")}
     in_flight, hidden = set(), set()
@@ -123,19 +129,7 @@ def _pipeline_op_collectives_hidden(kind: int) -> tuple[int, int]:
     sizes = dict(shape.axis_sizes)
     low, _ = pl.op_lowered(cfg, model_cfg, sizes, 1, kind, False, 1, target)
     (comp, _), = compile_lowered([low], compiled.compile_options(cfg, target))
-    hlo = program_reading.text(comp)
-    reading = program_reading.read(comp, target, sizes, None, compile_s=0.0)
-    names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
-             and op["kind"] in ("all-gather", "reduce-scatter")}
-    in_flight, hidden = set(), set()
-    for item in kernels.schedule(hlo)[entry_computation(hlo)]:
-        if item["item"] == "start" and item["name"] in names:
-            in_flight.add(item["name"])
-        elif item["item"] == "done":
-            in_flight.discard(item["name"])
-        elif item["item"] == "kernel" and item["kind"] in GEMMS:
-            hidden |= in_flight
-    return len(hidden), len(names)
+    return _hidden(comp, target, sizes)
 
 
 def test_a_combined_ticks_forward_and_backward_hide_each_others_collectives():
