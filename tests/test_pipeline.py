@@ -230,7 +230,7 @@ def _one_device_dot_flops(cfg) -> float:
 @pytest.mark.parametrize("schedule,remat,blocks", [
     ("1f1b", "none", ()), ("zb-h1", "none", ()), ("1f1b", "full", ()),
     ("1f1b", "selective_op", ()), ("1f1b", "none", (1, 2)), ("zb-h1", "full", (2, 1)),
-    ("interleaved", "none", (3, 2)), ("1f1b-combined", "none", (1, 2))])
+    ("interleaved", "none", (3, 2)), ("interleaved-combined", "none", (3, 2))])
 def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     """The backward reads what F stashed: under --remat none a pipelined step's dot FLOPs
     (each branch of its switches weighed by the schedule table) are the one-device step's,

@@ -83,8 +83,10 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     jaxdist/pipeline/step.py) is read by `_overlapped_runs`."""
     conds = hlo.conditionals(hlo_text)
     if sched.combined and "stage" in mesh_shape:
+        backward = {tuple(ins.branches) for ins in hlo.typed(hlo_text)
+                    if ins.op == "conditional" and "transpose(" in (ins.op_name or "")}
         return _combined_runs(conds, _stage_pair_sets(hlo_text, mesh_shape, every=True),
-                              sched, combined_sends(sched))
+                              sched, combined_sends(sched), backward)
     overlapped = overlapped_sends(sched)
     if overlapped is not None and "stage" in mesh_shape:
         return _overlapped_runs(conds, _stage_pair_sets(hlo_text, mesh_shape), sched,
@@ -170,12 +172,15 @@ def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
     return runs
 
 
-def _combined_runs(conds, pair_sets: dict[str, set], sched, combined) -> dict[str, float]:
+def _combined_runs(conds, pair_sets: dict[str, set], sched, combined,
+                   backward: set[tuple]) -> dict[str, float]:
     """switch_runs of a combined tick loop (CombinedSends, jaxdist/pipeline/step.py): per
     scan, the tick switch over the pair sets (branch j: both ppermutes and a copy of the
     operation switch; the last: the operations alone), each copy's operation switch (idle,
     F, BACK, F and BACK at once) weighed by the stage-ticks that take each branch, and the
-    switches of the rest's exposed sends."""
+    switches of the rest's exposed sends. In the branch running both, a conditional is
+    BACK's where its op_name is under a transpose (`backward`: their branch lists), else
+    F's: XLA's schedule interleaves the two operations' conditionals."""
     S, T = sched.stages, sched.ticks
     runs: dict[str, float] = {}
     want = [{tuple(sorted(p)) for p in pair if p} for pair in combined.sets]
@@ -207,9 +212,10 @@ def _combined_runs(conds, pair_sets: dict[str, set], sched, combined) -> dict[st
                 runs[branch] = len(taken[index]) / S
                 two_way = [x for host, x in conds if host == branch and len(x) == 2]
                 for kind in kinds:
-                    got, two_way = _kind_runs(two_way, sched, kind,
-                                              [k[kind] for k in taken[index]])
-                    runs.update(got)
+                    mine = [x for x in two_way if len(kinds) == 1 or
+                            (tuple(x) in backward) == (kind == BACK)]
+                    runs.update(_kind_runs(mine, sched, kind,
+                                           [k[kind] for k in taken[index]])[0])
     for k in (0, 1):
         rest = combined.exposed[k]
         found = [b for _, b in conds if len(rest) > 1 and len(b) == len(rest) and

@@ -163,7 +163,13 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
                 for k in busy[s]:
                     busy[s][k] += row[k]
                 stage_s += row["seconds"]
-                longest_op[kind] = max(longest_op[kind], row["seconds"])
+                parts = {kind: row["seconds"]}
+                if kind == PAIR:  # the F inside it, and what follows F (BACK's part)
+                    f = next(ops[op_key(sched, FWD, s, o.v)]["seconds"] for o in ops_s
+                             if o.kind == FWD)
+                    parts = {FWD: f, BACK: row["seconds"] - f}
+                for k, seconds in parts.items():
+                    longest_op[k] = max(longest_op[k], seconds)
             longest = max(longest, stage_s)
         ticks_s += longest
         tick_ends.append(ticks_s)
@@ -180,8 +186,10 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
             seconds, inter = max(times)
             link = "inter-node" if inter else "intra-node"
             sends[link] += seconds
-            if combined is not None:  # both sends inside the tick's one computation
-                hidden = longest if combined.choice[t] < len(combined.sets) else 0.0
+            if combined is not None:  # both sends inside the tick's one computation: the
+                # input gradients beside F (BACK reads them), F's outputs beside the rest
+                hidden = (longest_op[sched.kinds[k]]
+                          if combined.choice[t] < len(combined.sets) else 0.0)
             else:
                 hidden = (longest_op[sched.kinds[k]]
                           if beside and beside.choice[t, k] < len(beside.sets[k]) else 0.0)
