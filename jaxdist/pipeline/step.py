@@ -13,6 +13,11 @@ operation (OverlappedSends: tick t's activations during its BACK, its input grad
 during tick t+1's F), under zb-h1 after the tick's last slot.
 In 1F1B's steady state every stage runs an F and a BACK in the same tick, so no tick holds
 one stage's forward against its neighbour's backward: ticks cost F + BACK everywhere.
+Combined tables (--pp-combined-1f1b, Schedule.combined) run a tick's F and BACK under one
+switch (`operate_both`: idle, F, BACK or both), each tick's two sends in the same branch
+(CombinedSends), so XLA:GPU overlaps one operation's tensor-parallel collectives with the
+other's matmuls; the step is compiled with XLA's collective combiners off
+(jaxdist/pipeline/program.py COMBINED_TICK_OPTIONS).
 
 One `lax.scan` runs the ticks (F then BACK: a switch per slot, copied once per pair set
 sent beside it; zb-h1: one scan step per slot, its switch and one switch of send
@@ -159,6 +164,8 @@ class CombinedSends:
 
 
 def combined_sends(sched: Schedule, most: int = OVERLAP_SETS) -> CombinedSends:
+    """The combined tick loop's sends (CombinedSends): the `most` most frequent pair sets
+    beside the operations, the rest exposed."""
     T = sched.ticks
     every = [(slot_pairs(sched, t, 0), slot_pairs(sched, t, 1)) for t in range(T)]
     counts = {p: every.count(p) for p in every if p != ((), ())}
