@@ -135,27 +135,26 @@ def switch_runs(hlo_text: str, mesh_shape: dict[str, int], sched,
     return runs
 
 
-def _kind_runs(two_way: list, sched, kind: int, placed: list) -> tuple[dict, list]:
-    """The runs of the two-way conditionals one operation of `kind` traces, taken from the
-    front of `two_way` (an operation branch's, in text order): where chunks differ, one
-    per padded slot (in slot order in F, reversed in a backward), then F's head; `placed`:
-    the (op, stage) runs of that operation. Returns (runs, the conditionals left)."""
+def _kind_runs(two_way: list, sched, kind: int, placed: list) -> dict[str, float]:
+    """The runs of the two-way conditionals one operation of `kind` traces (`two_way`, its
+    own, in text order): F's head, the last of F's, true on the last chunk only; and,
+    where chunks differ, one per padded slot (in slot order in F, reversed in a backward);
+    `placed`: the (op, stage) runs of that operation."""
     S = sched.stages
+    head = two_way[-1:] if kind == FWD else []
+    runs: dict[str, float] = {}
+    if head:
+        last = sum(s == S - 1 and op.v == sched.virtual - 1 for op, s in placed) / S
+        runs[head[0][0]], runs[head[0][1]] = len(placed) / S - last, last
     counts = sched.blocks
     low = min(min(row) for row in counts) if counts else 0
     padded = list(range(low, max(max(row) for row in counts))) if counts else []
-    heads = 1 if kind == FWD else 0
-    mine, rest = two_way[:len(padded) + heads], two_way[len(padded) + heads:]
-    runs: dict[str, float] = {}
-    if len(mine) < len(padded) + heads:
-        return runs, rest
-    if heads:
-        last = sum(s == S - 1 and op.v == sched.virtual - 1 for op, s in placed) / S
-        runs[mine[-1][0]], runs[mine[-1][1]] = len(placed) / S - last, last
-    for j, b in zip(padded if kind == FWD else padded[::-1], mine):
-        on = sum(counts[s][op.v] > j for op, s in placed) / S
-        runs[b[0]], runs[b[1]] = len(placed) / S - on, on
-    return runs, rest
+    slots = two_way[:len(two_way) - len(head)]
+    if len(slots) == len(padded):
+        for j, b in zip(padded if kind == FWD else padded[::-1], slots):
+            on = sum(counts[s][op.v] > j for op, s in placed) / S
+            runs[b[0]], runs[b[1]] = len(placed) / S - on, on
+    return runs
 
 
 def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
@@ -168,7 +167,7 @@ def _op_runs(conds, switch: list[str], sched, kind: int, ticks: list[int]
               if op.kind == kind]
     runs = {switch[0]: (len(ticks) * S - len(placed)) / S, switch[1]: len(placed) / S}
     two_way = [b for host, b in conds if host == switch[1] and len(b) == 2]
-    runs.update(_kind_runs(two_way, sched, kind, placed)[0])
+    runs.update(_kind_runs(two_way, sched, kind, placed))
     return runs
 
 
@@ -215,7 +214,7 @@ def _combined_runs(conds, pair_sets: dict[str, set], sched, combined,
                     mine = [x for x in two_way if len(kinds) == 1 or
                             (tuple(x) in backward) == (kind == BACK)]
                     runs.update(_kind_runs(mine, sched, kind,
-                                           [k[kind] for k in taken[index]])[0])
+                                           [k[kind] for k in taken[index]]))
     for k in (0, 1):
         rest = combined.exposed[k]
         found = [b for _, b in conds if len(rest) > 1 and len(b) == len(rest) and

@@ -68,17 +68,20 @@ def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
     return (kind, last, sched.blocks[s][v]) if sched.blocks else (kind, last)
 
 
-def stage_tick(sched: Schedule, ops: dict, s: int, ops_s) -> list[tuple[int, dict]]:
-    """(kind, op_row) of what stage s runs in a tick, in order. In a combined table a
-    stage's F and BACK are one computation (jaxdist/pipeline/step.py operate_both): the PAIR
-    row at the BACK's chunk, plus the difference of the F's own chunk from that chunk's F
-    (where they differ: interleaved, uneven stages)."""
+def stage_tick(sched: Schedule, ops: dict, s: int, ops_s) -> list[tuple[dict, dict]]:
+    """(op_row, {kind: seconds} of the operations in it) of what stage s runs in a tick,
+    in order. In a combined table a stage's F and BACK are one computation
+    (jaxdist/pipeline/step.py operate_both): the PAIR row at the BACK's chunk, plus the
+    difference of the F's own chunk from that chunk's F (where they differ: interleaved,
+    uneven stages), whose F part is the F's and BACK part the rest."""
     kinds = {op.kind: op for op in ops_s}
     if not (sched.combined and FWD in kinds and BACK in kinds):
-        return [(op.kind, ops[op_key(sched, op.kind, s, op.v)]) for op in ops_s]
+        return [(row, {op.kind: row["seconds"]}) for op in ops_s
+                for row in [ops[op_key(sched, op.kind, s, op.v)]]]
     f, v = ops[op_key(sched, FWD, s, kinds[FWD].v)], kinds[BACK].v
     pair, f_there = ops[op_key(sched, PAIR, s, v)], ops[op_key(sched, FWD, s, v)]
-    return [(PAIR, {k: pair[k] + f[k] - f_there[k] for k in TIMES})]
+    row = {k: pair[k] + f[k] - f_there[k] for k in TIMES}
+    return [(row, {FWD: f["seconds"], BACK: row["seconds"] - f["seconds"]})]
 
 
 TIMES = ("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s", "inter_node_s",
@@ -156,18 +159,13 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     beside = overlapped_sends(sched) if overlap else None
     combined = combined_sends(sched) if overlap and sched.combined else None
     for t in range(sched.ticks):
-        longest, longest_op = 0.0, dict.fromkeys((*sched.kinds, PAIR), 0.0)
+        longest, longest_op = 0.0, dict.fromkeys(sched.kinds, 0.0)
         for s, ops_s in enumerate(sched.ops[t]):
             stage_s = 0.0  # a stage runs its ops of the tick one after the other
-            for kind, row in stage_tick(sched, ops, s, ops_s):
+            for row, parts in stage_tick(sched, ops, s, ops_s):
                 for k in busy[s]:
                     busy[s][k] += row[k]
                 stage_s += row["seconds"]
-                parts = {kind: row["seconds"]}
-                if kind == PAIR:  # the F inside it, and what follows F (BACK's part)
-                    f = next(ops[op_key(sched, FWD, s, o.v)]["seconds"] for o in ops_s
-                             if o.kind == FWD)
-                    parts = {FWD: f, BACK: row["seconds"] - f}
                 for k, seconds in parts.items():
                     longest_op[k] = max(longest_op[k], seconds)
             longest = max(longest, stage_s)
