@@ -166,10 +166,10 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
 
 def runs_on_cpu(cfg: RunConfig) -> bool:
     """A mesh run's devices are this host's CPU (forced, or no GPU plugin installed)."""
-    import importlib.util
+    from jaxdist.devices import cuda_plugin_installed
 
     return cfg.mesh.platform == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu" or \
-        importlib.util.find_spec("jax_plugins.xla_cuda12") is None
+        not cuda_plugin_installed()
 
 
 def stage_example(layout: str, shape: MeshShape) -> str:

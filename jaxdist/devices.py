@@ -41,6 +41,16 @@ PIPELINE_OVERLAP_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_lim
 _NVIDIA_DRIVER = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 
+def cuda_plugin_installed() -> bool:
+    """jax's CUDA plugin (jax[cuda12]: XLA:GPU, with or without a GPU) is installed. Its
+    namespace package is looked up first: find_spec of a submodule imports its parent, and
+    raises where there is none (a venv of `make run`, without the GPU compiler)."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins") is not None and \
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
 def decide_platform() -> str | None:
     """The one place that decides whether JAX may start its GPU backend. With the jax-cuda12
     plugin installed (for XLA:GPU compiles without a device) but no NVIDIA driver, the plugin
@@ -50,9 +60,7 @@ def decide_platform() -> str | None:
     set, or None."""
     if os.environ.get("JAX_PLATFORMS") or any(os.path.exists(p) for p in _NVIDIA_DRIVER):
         return None
-    import importlib.util
-
-    if importlib.util.find_spec("jax_plugins") is None:
+    if not cuda_plugin_installed():
         return None
     os.environ["JAX_PLATFORMS"] = "cpu"
     return "cpu"

@@ -17,7 +17,6 @@ tilings are XLA's heuristics).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -50,8 +49,9 @@ class Target:
 @functools.lru_cache(maxsize=1)
 def gpu_compiler_missing() -> str | None:
     """None when XLA:GPU can compile here without a device; else why not, in one line."""
-    if importlib.util.find_spec("jax_plugins") is None or \
-            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    from jaxdist.devices import cuda_plugin_installed
+
+    if not cuda_plugin_installed():
         return f"the GPU compiler (jax-cuda12 plugin) is not installed; {INSTALL_HINT}"
     try:
         _topology("probe", NAMED["h100-sxm"].target_text(), "1x1x1")
