@@ -49,6 +49,6 @@ def test_a_venv_without_the_gpu_compiler_runs_on_cpu(monkeypatch, tmp_path, caps
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     assert not cuda_plugin_installed()
     assert runs_on_cpu(RunConfig())
-    assert main(["--layout", "fsdp", "--mesh", "2x2", "--model", "mlp-tiny", "--steps", "1",
+    assert main(["--layout", "fsdp", "--mesh", "2x4", "--model", "mlp-tiny", "--steps", "1",
                  "--warmup", "0", "--no-progress", "--logdir", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "results.json").exists()
