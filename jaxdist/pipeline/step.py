@@ -360,15 +360,23 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             index = row["op"] if len(kinds) == len(sched.kinds) else \
                 jnp.where(row["op"] == 0, 0, 1)
             return switched(state, u, index, [branch[IDLE]] + [branch[k] for k in kinds],
-                            defer)
+                            defer, writes=FWD in kinds)
 
-        def switched(state, u, index, options, defer=True):
+        def switched(state, u, index, options, defer=True, writes=True):
+            """The switch over `options` at slot u. `writes`: one of them is F, whose stash
+            and gradient-slot writes the switch returns (every branch then returns a
+            micro-batch's stash, zeros where it is not F); a switch without F returns
+            none, so its branches write no zeros of a stash's size."""
             (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out) = state
-            (kept, g_local, g_shared, loss_sum, y_out, dx_out, stored,
-             dh) = jax.lax.switch(index, options,
-                                  (kept, g_local, g_shared, loss_sum, y_out, dx_out))
-            state = (acts, grads, stash, kept, g_local, g_shared, loss_sum, y_out, dx_out)
-            return (state, (stored, dh)) if defer else keep(state, u, (stored, dh))
+            acc = (kept, g_local, g_shared, loss_sum, y_out, dx_out)
+            if writes:
+                *acc, stored, dh = jax.lax.switch(index, options, acc)
+                written = (stored, dh)
+            else:
+                acc = jax.lax.switch(index, [lambda a, o=o: o(a)[:6] for o in options], acc)
+                written = None
+            state = (acts, grads, stash, *acc)
+            return (state, written) if defer else keep(state, u, written)
 
         def operate_both(state, t, arrived):
             """Tick t's F and BACK on this stage as one computation (combined ticks: the
@@ -385,7 +393,10 @@ def pipeline_gradients(parts: Parts, sched: Schedule, act_shape, act_dtype,
             return switched(state, 2 * t, index, [f[IDLE], f[FWD], b[BACK], both])
 
         def keep(state, u, written):
-            """F's stash into its slot; the last chunk's F also fills its gradient slot."""
+            """F's stash into its slot; the last chunk's F also fills its gradient slot
+            (`written` None: the slot's switch had no F)."""
+            if written is None:
+                return state
             (acts, grads, stash, *rest), (stored, dh) = state, written
             row = {k: table[k][u, s] for k in ("op", "res", "grad")}
             is_f = row["op"] == 1 + sched.kinds.index(FWD)
