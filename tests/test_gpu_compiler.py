@@ -329,6 +329,39 @@ def test_kernel_flops_count_every_loop_iteration():
     assert reading["xla_cost"]["flops"] < 2 * body  # XLA's own count: the body once
 
 
+def test_in_place_updates_move_their_updates_not_the_buffer():
+    """A scatter-add and a dynamic-update-slice into a donated buffer run in place: each
+    kernel's bytes are its updates (and indices), not the 4 MiB buffer twice."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    target = compiled.gpu_topology(H200, 8)
+    one = NamedSharding(Mesh(list(target.devices)[:1], ("d",)), P())
+    rows, width, n = 4096, 256, 64
+
+    def scatter(buf, ids, upd):
+        return buf.at[ids].add(upd)
+
+    def update(buf, i, row):
+        return jax.lax.dynamic_update_slice(buf, row, (i, 0))
+
+    buf = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    for fn, args, expected in (
+            (scatter, (jax.ShapeDtypeStruct((n,), jnp.int32),
+                       jax.ShapeDtypeStruct((n, width), jnp.float32)),
+             4 * n + 3 * 4 * n * width),  # indices, updates, the rows read and written
+            (update, (jax.ShapeDtypeStruct((), jnp.int32),
+                      jax.ShapeDtypeStruct((1, width), jnp.float32)),
+             4 + 2 * 4 * width)):  # the index, the row read, the row written
+        jitted = jax.jit(fn, in_shardings=(one,) * 3, donate_argnums=0)
+        comp, _ = xla_compile.compile_timed(jitted, buf, *args)
+        text = program_reading.text(comp)
+        moved = [k["bytes"] for items in kernels.schedule(text).values() for k in items
+                 if k["item"] == "kernel"]
+        assert sum(moved) == pytest.approx(expected, abs=64), (fn.__name__, moved)
+
+
 def test_part_without_target_and_unfilled_hosts_are_one_line_errors():
     with pytest.raises(UsageError, match="l4 has no XLA:GPU target description.*--compiler cpu"):
         compiled.gpu_topology(get_hardware("l4"), 8)

@@ -16,7 +16,11 @@ wrappers, conditional branches by the caller's counts), and:
   causal mask, whose masked tiles cuDNN skips). Elementwise FLOPs are left out (under 2% of
   a transformer step);
 - bytes are, per kernel, its operands plus its result (what a kernel reads and writes once,
-  an upper bound where it reads only a slice of an operand).
+  an upper bound where it reads only a slice of an operand), except where the kernel
+  updates a buffer in place: a scatter or dynamic-update-slice (fused or not) whose
+  updated operand is the kernel's own operand writes its result into that buffer, so it
+  moves the updates, not the buffer (`in_place_bytes`: a scatter reads and writes the rows
+  it updates, a dynamic-update-slice writes its slice), as XLA's cost analysis counts them.
 """
 
 from __future__ import annotations
@@ -97,6 +101,50 @@ def attention_flops(ins: Instruction, q: Instruction | None, backward: bool) -> 
         (0.5 if causal else 1.0)
 
 
+IN_PLACE = {"scatter": 2, "dynamic-update-slice": 1}  # op -> its updates' operand index
+
+
+def _parameter_index(ins: Instruction | None) -> int | None:
+    """i of `parameter(i)`, else None."""
+    if ins is None or ins.op != "parameter":
+        return None
+    return int(ins.operand_text.strip() or -1)
+
+
+def in_place_bytes(ins: Instruction, by_name: dict, roots: dict) -> float | None:
+    """Bytes a kernel moves that updates one of its operands in place (a scatter or a
+    dynamic-update-slice at its root, fused or not, into an operand of the kernel): its
+    other operands read, the updates written (and read back first for a scatter's
+    combiner); None for any other kernel."""
+    root, operand_of = ins, lambda name: name  # unfused: the operands are the kernel's
+    if ins.op == "fusion":
+        called = ins.calls("calls")
+        root = roots.get(called[0]) if called else None
+        if root is None:
+            return None
+    if root.op not in IN_PLACE or len(root.operands) <= IN_PLACE[root.op]:
+        return None
+    target, updates = by_name.get(root.operands[0]), by_name.get(
+        root.operands[IN_PLACE[root.op]])
+    while target is not None and target.op == "bitcast" and target.operands:
+        target = by_name.get(target.operands[0])
+    if ins.op == "fusion":
+        index = _parameter_index(target)
+        if index is None or index >= len(ins.operands):
+            return None
+        skipped = ins.operands[index]
+    else:
+        if target is None:
+            return None
+        skipped = target.name
+    if updates is None or not updates.results:
+        return None
+    others = sum(_bytes(by_name[n].results) for n in ins.operands
+                 if n != skipped and n in by_name)
+    moved = _bytes(updates.results[:1])
+    return others + moved * (2 if root.op == "scatter" else 1)
+
+
 def kernel_kind(ins: Instruction) -> str | None:
     """What an instruction launches, in the inventory's words; None for no kernel."""
     op = ins.op
@@ -160,6 +208,7 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
     callers (cached): read it, never change it."""
     program = typed(hlo_text)
     by_name = {ins.name: ins for ins in program}
+    roots = {ins.computation: ins for ins in program if ins.root}
     # Computations that fusions or reducers call: folded into their caller's kernel.
     fused = {c for ins in program if ins.op == "fusion" or "to_apply=" in ins.line
              for c in ins.calls("calls", "to_apply")}
@@ -220,7 +269,9 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         else:
             flops = 0.0
         result = ins.results[:1] if kind == "gemm (cuBLAS)" else ins.results
-        nbytes = sum(_bytes(a.results) for a in args if a is not None) + _bytes(result)
+        nbytes = in_place_bytes(ins, by_name, roots)
+        if nbytes is None:
+            nbytes = sum(_bytes(a.results) for a in args if a is not None) + _bytes(result)
         out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
                           "dtype": dtype, "seq": _seq(ins, kind),
                           "ragged": "ragged_dot" in (ins.op_name or "")})
