@@ -464,11 +464,11 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
     sizes = {"stage": 2, "data": 1, "tensor": 4}
     target = compiled.simulated_cpu(8)
 
-    def stash_bytes(blocks):  # one device's bytes of the stash output (the third)
+    def stash_bytes(blocks):  # one device's bytes of the stash output (F's third)
         low, _ = pp.op_lowered(cfg, model_cfg, sizes, blocks, pp.FWD, False, 2, target)
         program = low.compile()
-        leaves = jax.tree.leaves(low.out_info[2])
-        shards = jax.tree.leaves(program.output_shardings[2])
+        leaves = jax.tree.leaves(low.out_info[0][2])
+        shards = jax.tree.leaves(program.output_shardings[0][2])
         return sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                    for x, s in zip(leaves, shards))
 

@@ -127,7 +127,8 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     the whole backward (FULL) or the forward then B (F_B); or (PAIR) one micro-batch's
     forward, then another's forward and the first's whole backward side by side (a
     combined tick's F and BACK; the first forward, before an optimization barrier, makes
-    the stash)."""
+    the stash). Its gradients go into the stage's and the shared accumulators, inputs it
+    updates in place as a tick does (the last chunk's head's into the shared ones)."""
     from jaxdist.pipeline.ops import ChunkOps
     from jaxdist.pipeline.program import COMBINED_TICK_OPTIONS, pipeline_state, stage_axes
 
@@ -156,38 +157,58 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
         quantized, q_specs = parts.fp8_placement(logical["params"]["stages"],
                                                  specs["params"]["stages"])
 
-    def run(stage_params, shared, tokens_BL1, x, dy, q):
+    # The gradients go into accumulators as the step's ticks add them (jaxdist/pipeline/
+    # step.py: a chunk's into its slot of the stage's, the head's and the shared ones' into
+    # theirs), donated: what the op writes is what a tick writes, not a fresh gradient
+    # tree (a zero embedding-table gradient written whole, where the step's add drops it).
+    def head_into(shared, g_shared, y, tokens_BL1):
+        loss, dh, d_own = ops.head(shared, y, tokens_BL1)
+        return (loss, dh), {**g_shared, **{k: jax.tree.map(jnp.add, g_shared[k], d)
+                                           for k, d in d_own.items()}}
+
+    def into(g_stage, g_shared, d_chunk, d_shared):
+        return (jax.tree.map(lambda g, d: g.at[0, 0].add(d), g_stage, d_chunk),
+                jax.tree.map(jnp.add, g_shared, d_shared))
+
+    def run(stage_params, shared, tokens_BL1, x, dy, q, g_stage, g_shared):
         chunk = jax.tree.map(lambda a: a[0, 0], (stage_params, q))
+        head = None
         if kind == PAIR:  # `dy` stands for the earlier micro-batch's input
             _, _, earlier = ops.forward(chunk, shared, dy, tokens_BL1, False)
             earlier, x, dy = jax.lax.optimization_barrier((earlier, x, dy))
             y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
-            head = ops.head(shared, y, tokens_BL1) if last else None
+            if last:
+                head, g_shared = head_into(shared, g_shared, y, tokens_BL1)
             d_chunk, d_shared, dx = ops.backward(earlier, chunk, shared, dy, dy)
-            return (jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx,
-                    (y, aux, stash, head))
+            return (*into(g_stage, g_shared, d_chunk, d_shared), dx, (y, aux, stash, head))
         y, aux, stash = ops.forward(chunk, shared, x, tokens_BL1, False)
-        head = ops.head(shared, y, tokens_BL1) if last else None
         if last:
+            head, g_shared = head_into(shared, g_shared, y, tokens_BL1)
             dy = head[1]
         if kind == FWD:
-            return y, aux, stash, head
+            return (y, aux, stash, head), g_shared
         if kind == F_B:
-            return ops.input_grad(stash, chunk, shared, x, dy)
+            return ops.input_grad(stash, chunk, shared, x, dy), g_shared
         d_chunk, d_shared, dx = ops.backward(stash, chunk, shared, x, dy)
-        return jax.tree.map(lambda g: g[None, None], d_chunk), d_shared, dx, head
+        return (*into(g_stage, g_shared, d_chunk, d_shared), dx, head)
 
     stage_specs = jax.tree.map(lambda _: P("stage"), abstract["params"]["stages"])
     shared_specs = jax.tree.map(lambda _: P(), abstract["params"]["shared"])
-    out = P() if kind not in (FULL, PAIR) else (stage_specs, shared_specs, P(), P())
+    out = (P(), shared_specs) if kind not in (FULL, PAIR) else \
+        (stage_specs, shared_specs, P(), P())
     q_stage = jax.tree.map(lambda _: P("stage"), quantized)
     mapped = jax.shard_map(run, mesh=mesh, in_specs=(stage_specs, shared_specs, P("data"),
-                                                      act_spec, act_spec, q_stage),
+                                                      act_spec, act_spec, q_stage,
+                                                      stage_specs, shared_specs),
                            out_specs=out, axis_names=set(manual), check_vma=False)
 
-    def fn(stages, shared, *rest):  # the logical view of the stored parameters, as the step
+    def fn(stages, shared, tokens, x, dy, q, g_stages, g_shared):  # the logical view of the
+        # stored parameters and of the accumulators (zeros as the step's, of the stored
+        # parameters' shapes), as the step
         return mapped(padding.fit_tree(stages, logical["params"]["stages"]),
-                      padding.fit_tree(shared, logical["params"]["shared"]), *rest)
+                      padding.fit_tree(shared, logical["params"]["shared"]), tokens, x, dy,
+                      q, padding.fit_tree(g_stages, logical["params"]["stages"]),
+                      padding.fit_tree(g_shared, logical["params"]["shared"]))
     # the stage messages as the step holds them: sequence shards over tensor too under
     # sequence parallelism (models/sequence_parallel.py pin_sequence_shards)
     sp = getattr(model_cfg, "sequence_parallel", False) and mesh.shape.get("tensor", 1) > 1
@@ -198,11 +219,13 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     # combined ticks: the step's compiler options, which every op it runs is compiled with
     options = COMBINED_TICK_OPTIONS if cfg.train.pp_combined_1f1b else None
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
-                                               acts, acts, q_sharded),
-                             compiler_options=options),
+                                               acts, acts, q_sharded, sharded["stages"],
+                                               sharded["shared"]),
+                             donate_argnums=(6, 7), compiler_options=options),
                      mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
     return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
-                        act, act, quantized), dict(mesh.shape)
+                        act, act, quantized, abstract["params"]["stages"],
+                        abstract["params"]["shared"]), dict(mesh.shape)
 
 
 def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
