@@ -329,9 +329,10 @@ def test_kernel_flops_count_every_loop_iteration():
     assert reading["xla_cost"]["flops"] < 2 * body  # XLA's own count: the body once
 
 
-def test_in_place_updates_move_their_updates_not_the_buffer():
-    """A scatter-add and a dynamic-update-slice into a donated buffer run in place: each
-    kernel's bytes are its updates (and indices), not the 4 MiB buffer twice."""
+def test_in_place_updates_and_slices_move_their_rows_not_the_buffer():
+    """A scatter-add and a dynamic-update-slice into a donated buffer run in place, and a
+    kernel that reads a dynamic slice of a buffer reads that slice: each kernel's bytes
+    are the rows it moves (and its indices), not the 4 MiB buffer."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -346,6 +347,9 @@ def test_in_place_updates_move_their_updates_not_the_buffer():
     def update(buf, i, row):
         return jax.lax.dynamic_update_slice(buf, row, (i, 0))
 
+    def sliced(buf, i, scale):
+        return jax.lax.dynamic_slice(buf, (i, 0), (n, width)) * scale
+
     buf = jax.ShapeDtypeStruct((rows, width), jnp.float32)
     for fn, args, expected in (
             (scatter, (jax.ShapeDtypeStruct((n,), jnp.int32),
@@ -353,8 +357,12 @@ def test_in_place_updates_move_their_updates_not_the_buffer():
              4 * n + 3 * 4 * n * width),  # indices, updates, the rows read and written
             (update, (jax.ShapeDtypeStruct((), jnp.int32),
                       jax.ShapeDtypeStruct((1, width), jnp.float32)),
-             4 + 2 * 4 * width)):  # the index, the row read, the row written
-        jitted = jax.jit(fn, in_shardings=(one,) * 3, donate_argnums=0)
+             4 + 2 * 4 * width),  # the index, the row read, the row written
+            (sliced, (jax.ShapeDtypeStruct((), jnp.int32),
+                      jax.ShapeDtypeStruct((), jnp.float32)),
+             4 + 4 + 2 * 4 * n * width)):  # index, scale, the slice read and written
+        jitted = jax.jit(fn, in_shardings=(one,) * 3,
+                         donate_argnums=0 if fn is not sliced else ())
         comp, _ = xla_compile.compile_timed(jitted, buf, *args)
         text = program_reading.text(comp)
         moved = [k["bytes"] for items in kernels.schedule(text).values() for k in items

@@ -20,7 +20,9 @@ wrappers, conditional branches by the caller's counts), and:
   updates a buffer in place: a scatter or dynamic-update-slice (fused or not) whose
   updated operand is the kernel's own operand writes its result into that buffer, so it
   moves the updates, not the buffer (`in_place_bytes`: a scatter reads and writes the rows
-  it updates, a dynamic-update-slice writes its slice), as XLA's cost analysis counts them.
+  it updates, a dynamic-update-slice writes its slice), and where a kernel reads an operand
+  only through slices (dynamic-slice, slice, gather), which read what they return
+  (`sliced_reads`), as XLA's cost analysis counts them.
 """
 
 from __future__ import annotations
@@ -145,6 +147,46 @@ def in_place_bytes(ins: Instruction, by_name: dict, roots: dict) -> float | None
     return others + moved * (2 if root.op == "scatter" else 1)
 
 
+SLICING = ("dynamic-slice", "slice", "gather")  # read only what they return from operand 0
+
+
+def sliced_reads(program, fused: set) -> dict:
+    """{(fused computation, parameter index): bytes} for every parameter of a fused
+    computation that is read only as operand 0 of slicing ops (through bitcasts): the
+    kernel reads the slices they return, not the whole operand."""
+    users: dict[str, list] = defaultdict(list)
+    for ins in program:
+        if ins.computation in fused:
+            for name in ins.operands:
+                users[name].append(ins)
+
+    def slices(name, depth=0) -> float | None:
+        found = users.get(name)
+        if not found or depth > 4:
+            return None
+        total = 0.0
+        for user in found:
+            if user.op == "bitcast":
+                part = slices(user.name, depth + 1)
+            elif user.op in SLICING and user.operands and user.operands[0] == name and \
+                    name not in user.operands[1:]:
+                part = _bytes(user.results)
+            else:
+                return None
+            if part is None:
+                return None
+            total += part
+        return total
+    out = {}
+    for ins in program:
+        if ins.op == "parameter" and ins.computation in fused:
+            read = slices(ins.name)
+            index = _parameter_index(ins)
+            if read is not None and index is not None and read < _bytes(ins.results):
+                out[(ins.computation, index)] = read
+    return out
+
+
 def kernel_kind(ins: Instruction) -> str | None:
     """What an instruction launches, in the inventory's words; None for no kernel."""
     op = ins.op
@@ -212,6 +254,7 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
     # Computations that fusions or reducers call: folded into their caller's kernel.
     fused = {c for ins in program if ins.op == "fusion" or "to_apply=" in ins.line
              for c in ins.calls("calls", "to_apply")}
+    partial_reads = sliced_reads(program, fused)
     fused_flops: dict[str, float] = defaultdict(float)
     fused_dtype: dict[str, str] = {}  # a GEMM fusion's dot operands' type (FP8 inside it)
     for ins in program:
@@ -271,7 +314,12 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         result = ins.results[:1] if kind == "gemm (cuBLAS)" else ins.results
         nbytes = in_place_bytes(ins, by_name, roots)
         if nbytes is None:
-            nbytes = sum(_bytes(a.results) for a in args if a is not None) + _bytes(result)
+            called = ins.calls("calls")[0] if op == "fusion" and ins.calls("calls") else None
+            reads = [partial_reads.get((called, i), _bytes(by_name[n].results))
+                     for i, n in enumerate(ins.operands) if n in by_name]
+            if op in SLICING and args and args[0] is not None:  # unfused: its slice
+                reads[0] = min(reads[0], _bytes(result))
+            nbytes = sum(reads) + _bytes(result)
         out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
                           "dtype": dtype, "seq": _seq(ins, kind),
                           "ragged": "ragged_dot" in (ins.op_name or "")})
