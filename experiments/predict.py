@@ -70,6 +70,8 @@ class Case:
     pp_virtual: int = 1              # > 1: Megatron's interleaved schedule over V chunks
     distributed_optimizer: bool = False  # Megatron's (NeMo's default)
     pp_combined_1f1b: bool = False   # --pp-combined-1f1b: jaxdist's TP overlap in pipelines
+    pp_stage_blocks: str = ""        # --pp-stage-blocks: uneven stages
+    grad_reduce_dtype: str = "float32"  # --grad-reduce-dtype (Megatron-Bridge's recipes: bf16)
 
 
 # kernel_efficiency_hopper and _ampere (jaxdist.hardware), the kernel model's one fitted number
@@ -162,6 +164,24 @@ CASES = (
           ("gpt3-175b-512", "gpt3-175b", _ATTN, "data:16,stage:8,tensor:4", 2048, 64, 6),
           ("llama2-70b-64", "llama3-70b", LLAMA2_70B, "data:4,stage:4,tensor:4", 128, 32,
            20))),
+    # NeMo 24.07's Llama3-8B with context parallelism (CP2: the all-gather form), its
+    # optimizer state sharded over data (the distributed optimizer, zero1 here), one row
+    # per device and step (32 micro-batches), TE's delayed scaling
+    Case("nemo-llama3-8b-8", "nemo2407-llama3-8b-8-fp8", None, "h100-sxm", LLAMA31_8B,
+         "data:4,context:2", 128, "none", "zero1", dtype="float8", microbatches=32),
+    # Megatron-Bridge's FP8 current-scaling rows (its performance summary archive): NeMo's
+    # recipe as above, the gradients reduced in bf16 (grad_reduce_in_fp32=False); the 405B
+    # with CP2 and its first and last stages one block short (126 blocks on 8 x 8 chunks)
+    *(Case(f"mbridge-{name}", f"mbridge{release}-{name}-fp8cs", None, "h100-sxm", opts, mesh,
+           gbs, "none", "tp_pp", dtype="float8", fp8_scaling="current",
+           sequence_parallel=True, microbatches=m, pp_virtual=v, distributed_optimizer=True,
+           pp_combined_1f1b=True, pp_stage_blocks=blocks, grad_reduce_dtype="bfloat16")
+      for name, release, opts, mesh, gbs, m, v, blocks in (
+          ("llama3-70b-64", "2511", LLAMA3_70B, "data:2,stage:8,tensor:4", 128, 64, 5, ""),
+          ("llama3-70b-64-gbs256", "260401", LLAMA3_70B, "data:2,stage:8,tensor:4", 256,
+           128, 5, ""),
+          ("llama31-405b-1024", "2511", LLAMA31_405B, "data:8,stage:8,context:2,tensor:8",
+           512, 64, 8, "15,16x6,15"))),
     # torchtitan's Float8 (tensorwise: current scaling) beside its bf16 rows above
     Case("tt25-8b-fsdp8-tp8-fp8", "tt25-asynctp-8b-float8-tensorwise-vanilla", None, TT_H100,
          LLAMA31_8B, "data:8,tensor:8", 96, "selective_op", "fsdp_tp",
@@ -239,6 +259,8 @@ def case_config(case: Case):
                                        sequence_parallel=case.sequence_parallel,
                                        tp_comm_chunks=case.tp_comm_chunks,
                                        pp_combined_1f1b=case.pp_combined_1f1b,
+                                       pp_stage_blocks=case.pp_stage_blocks,
+                                       grad_reduce_dtype=case.grad_reduce_dtype,
                                        distributed_optimizer=case.distributed_optimizer),
                      compiler=CompilerConfig(overlap=True),
                      output=OutputConfig(dry_run=True, hardware=case.hardware))
