@@ -42,6 +42,19 @@ def train(model: str, layout: str, shape: MeshShape, steps: int = 3, optimizer="
     return np.array(losses), state, program
 
 
+_REFERENCES: dict = {}
+
+
+def reference_losses(model: str, steps: int = 3, **opts) -> np.ndarray:
+    """The losses of train(model, "ddp", one device, steps, **opts): the single-device
+    reference of the equivalence tests, trained once per process for each (model, steps,
+    options) (the tests that share one sit in one xdist group)."""
+    key = (model, steps, tuple(sorted(opts.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(model, "ddp", MeshShape(1), steps=steps, **opts)[0]
+    return _REFERENCES[key].copy()
+
+
 # The persistent compilation cache of the session's child processes (conftest says why not
 # the xdist workers'): at -O0 most compiles take under a second, so every one is kept.
 CHILD_CACHE_ENV = {

@@ -88,8 +88,23 @@ def run_in_process(layout, mesh, model="gpt-tiny", hardware="", **train):
     return loop.run(cfg, platform, None, log=lambda *a: None)
 
 
+# The fsdp job on 2x2 with no --hardware: its prediction comes from the devices' kind, and
+# the plan of the same job for that part is what it must equal. Run once (a run compiles
+# the step for CPU and, for the prediction, for XLA:GPU); its two tests share an xdist
+# group, so one worker runs it.
+_FSDP_RUN: dict = {}
+SHARES_FSDP_RUN = pytest.mark.xdist_group("inrun-fsdp-run")
+
+
+def fsdp_run():
+    if not _FSDP_RUN:
+        _FSDP_RUN["results"] = run_in_process("fsdp", "2x2")
+    return _FSDP_RUN["results"]
+
+
+@SHARES_FSDP_RUN
 def test_known_device_kind_is_predicted_without_flag():
-    results = run_in_process("ddp", "2")
+    results = fsdp_run()
     p = results["prediction"]
     assert (p["available"], p["hardware"], p["source"]) == (True, "h100-sxm", "device_kind")
     assert p["measured_over_predicted"]["step_s"] == pytest.approx(
@@ -104,12 +119,14 @@ def test_pipeline_run_is_predicted_by_the_tick_model():
     assert p["predicted"]["bubble_s"] > 0        # 2 stages, 2 micro-batches: S-1 idle ticks
 
 
+@SHARES_FSDP_RUN
 def test_a_run_records_the_plan_of_the_same_job():
-    """One prediction path: the run's prediction is the plan `--dry-run --hardware` makes of
-    the same job (XLA:GPU for the part's topology, device-less, where it is installed)."""
+    """One prediction path: the run's prediction (its part from the devices' kind, an H100
+    SXM) is the plan `--dry-run --hardware h100-sxm` makes of the same job (XLA:GPU for the
+    part's topology, device-less, where it is installed)."""
     from jaxdist import plan as plans
 
-    results = run_in_process("fsdp", "2x2", hardware="h100-sxm")
+    results = fsdp_run()
     p = results["prediction"]
     assert p["available"] is True, p.get("reason")
     cfg = RunConfig(mesh=MeshConfig(mesh="2x2"), model=ModelConfig(model="gpt-tiny"),

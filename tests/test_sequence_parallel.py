@@ -3,6 +3,7 @@ fsdp_tp and tp_pp: the same losses as one device, the collectives of a block rea
 compiled HLO against Megatron-SP's volume, the norm regions' memory split by T, bad input."""
 
 import collections
+import functools
 
 import jax
 import numpy as np
@@ -14,37 +15,45 @@ from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
-from tests.helpers import train
+from tests.helpers import reference_losses, train
 from tests.test_pipeline_matrix import MESHES, _check_case, _reference
 
 MESH = MeshShape(2, 2, 2)
 ROWS, L, D = 4, 32, 64  # gpt-tiny: batch 16 over data x fsdp = 4 shards; seq 32, width 64
 ACT = ROWS * L * D * 4  # one block activation per device, float32
+# The tests that share a single-device reference (tests.helpers.reference_losses) or a
+# compiled program (_compiled) run on one xdist worker, which makes each once.
+SHARES_WORK = pytest.mark.xdist_group("sequence-parallel")
 
 
+@SHARES_WORK
 @pytest.mark.parametrize("model,layout", [("gpt-tiny", "tp"), ("gpt-tiny", "fsdp_tp"),
                                           ("llama-tiny", "tp")])
 def test_sequence_parallel_equals_single_device(model, layout):
-    reference = train(model, "ddp", MeshShape(1), steps=3)[0]
+    reference = reference_losses(model)
     losses = train(model, layout, MESH, steps=3, sequence_parallel=True)[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,schedule,pieces", [("gpt-tiny", "1f1b", 1),
-                                                   ("llama-tiny", "zb-h1", 1),
-                                                   ("llama-tiny", "1f1b", 4)])
+@pytest.mark.parametrize("model,schedule,pieces", [
+    pytest.param(model, schedule, pieces, marks=pytest.mark.xdist_group(f"pp-matrix-{model}"))
+    for model, schedule, pieces in (("gpt-tiny", "1f1b", 1), ("llama-tiny", "zb-h1", 1),
+                                    ("llama-tiny", "1f1b", 4))])
 def test_tp_pp_sequence_parallel_equals_single_device(model, schedule, pieces):
     """Inside each stage's shard_map (stage and data manual), with its stage sends and
     collectives checked as in the pipeline matrix; with each sublayer's sequence shard in
-    pieces (--tp-comm-split sequence) too."""
+    pieces (--tp-comm-split sequence) too. In the matrix's xdist groups: its references
+    (depth 2) are theirs."""
     _check_case(model, "tp_pp", MESHES["tp_pp"].format(S=2), schedule, 1, 2, 4,
                 _reference(model, 2), sequence_parallel=True, tp_comm_chunks=pieces,
                 tp_comm_split="sequence")
 
 
+@functools.cache
 def _compiled(layout, shape, depth, sp, chunks=1):
     """(collectives, temp bytes) of the step compiled from abstract state: nothing is
-    initialised or run, only the program is read."""
+    initialised or run, only the program is read. Once per process for each argument set
+    (read only by the callers)."""
     cfg = get_model("gpt-tiny", {"depth": str(depth), "sequence_parallel": str(sp),
                                  "tp_comm_chunks": str(chunks)})
     program = build_program(cfg, "float32", make_optimizer("adamw", 1e-2), get_layout(layout),
@@ -59,7 +68,7 @@ def _per_block(layout, shape, sp):
     """The tensor-axis collectives of one block's activations (whole multiples of ACT
     bytes: activations moved, by kind) and their ring bytes, as depth 2 minus depth 1
     (embedding, head and loss cancel), and the temp bytes."""
-    (one, t1), (two, t2) = (_compiled(layout, shape, d, sp) for d in (1, 2))
+    (one, t1), (two, t2) = (_compiled(layout, shape, d, sp, 1) for d in (1, 2))
 
     def tally(ops):
         kinds, ring = collections.Counter(), 0.0
@@ -72,6 +81,7 @@ def _per_block(layout, shape, sp):
     return {k: k2[k] - k1[k] for k in set(k1) | set(k2)}, r2 - r1, t2 - t1
 
 
+@SHARES_WORK
 @pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
 def test_block_collectives_are_megatron_sp(layout):
     """Per block and micro-batch Megatron-SP moves 2 all-gathers (the norms' outputs) and 2
@@ -105,26 +115,29 @@ def test_norm_region_memory_falls_by_t():
     assert regions[2] >= 2 * act
 
 
+@SHARES_WORK
 @pytest.mark.parametrize("model,layout", [("gpt-tiny", "tp"), ("llama-tiny", "fsdp_tp")])
 def test_tp_comm_chunks_equal_single_device(model, layout):
     """--tp-comm-chunks 2: the blocks run on two slices of each device's 4 rows, the same
     losses as one device."""
-    reference = train(model, "ddp", MeshShape(1), steps=3)[0]
+    reference = reference_losses(model)
     losses = train(model, layout, MESH, steps=3, sequence_parallel=True, tp_comm_chunks=2)[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
+@SHARES_WORK
 @pytest.mark.parametrize("model,layout", [("gpt-tiny", "tp"), ("llama-tiny", "fsdp_tp")])
 def test_sequence_pieces_equal_single_device(model, layout):
     """--tp-comm-split sequence: each sublayer's 16-token sequence shard in 4 pieces, each
     gathered, projected and scattered on its own (attention reassembles the whole sequence
     between its projections), the same losses as one device."""
-    reference = train(model, "ddp", MeshShape(1), steps=3)[0]
+    reference = reference_losses(model)
     losses = train(model, layout, MESH, steps=3, sequence_parallel=True, tp_comm_chunks=4,
                    tp_comm_split="sequence")[0]
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
+@SHARES_WORK
 def test_tp_comm_chunks_split_each_collective_in_two_and_move_nothing_more():
     """Two slices: each block's 4 all-gathers and 4 reduce-scatters on tensor become 8 + 8 of
     half an activation (the same ring bytes), and what moves on the batch axes (gradients,
