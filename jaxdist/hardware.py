@@ -90,6 +90,21 @@ MODEL_CONSTANTS: dict[str, Constant] = {
     "host_link_bandwidth_ampere": Constant(
         32e9, "bytes/s one way between a GPU and its host's pinned memory: PCIe Gen4 x16, "
         "64 GB/s both ways on the A100 datasheet; timed at link_efficiency of it"),
+    # NCCL's tree algorithm with its LL protocol, which its tuner picks for the small
+    # all-reduces of a step (a loss, a gradient norm) over many nodes, where a ring's
+    # latency grows with every rank: base + 2 ((ranks per node - 1) x intra-node hop x 1.8
+    # + log2(nodes) x network hop), at 0.9 / 3.8 of the ring's bus bandwidth
+    "tree_ll_base_latency_s": Constant(
+        4.4e-6, "baseLat[Tree][LL] = 4.4 us in NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20)"),
+    "tree_ll_intra_hop_latency_s": Constant(
+        0.52e-6 * 1.8, "hwLat[NVLINK][Tree][LL] = 0.52 us, x 1.8 across nodes (intraLat *= 1.8 "
+        "for LL when nNodes > 1), in NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20)"),
+    "tree_ll_network_hop_latency_s": Constant(
+        5.0e-6, "hwLat[NET][Tree][LL] = 5.0 us in NCCL src/graph/tuning.cc (NVIDIA/nccl "
+        "@01afd20), one per tree level (log2 of the nodes), both ways"),
+    "tree_ll_bandwidth_factor": Constant(
+        0.9 / 3.8, "a tree's LL bus bandwidth over the ring's: busBw x 0.9 (tree) x 1/3.8 (LL) "
+        "in NCCL src/graph/tuning.cc (NVIDIA/nccl @01afd20)"),
     "power_cap_clock_exponent": Constant(
         1 / 3, "a power-limited GPU runs its compute at the clock where its dynamic power meets "
         "the cap; CMOS dynamic power is C V^2 f and, along the DVFS curve, V rises in proportion "

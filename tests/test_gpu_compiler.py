@@ -649,3 +649,44 @@ def test_pipeline_sends_and_the_gradient_reduction_overlap_the_ticks():
     done = [k for k, i in enumerate(entry) if i.op == "reduce-scatter-done"
             and f"(%{entry[early[0]].name})" in i.line]
     assert done and done[0] > loops[-1]
+
+
+def test_exposure_before_the_first_matmul_is_the_steps_head():
+    """A gather the first matmul waits for is exposed before any matmul runs: the kernel
+    model reports it as the step's head (exposed once a step, however deep the model:
+    jaxdist.predict.depth.linear_times); the same gather after a matmul is not head."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxdist.predict.kernels_time import step_time
+    from jaxdist.program import comm
+
+    target = compiled.gpu_topology(H200, 8)
+    mesh = Mesh(list(target.devices), ("d",))
+    rows, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+
+    def gathered(w):
+        return jax.lax.with_sharding_constraint(w, whole)
+
+    def gather_first(x, w):  # the sharded weight is gathered for the only matmul
+        return jnp.tanh(x @ gathered(w))
+
+    def matmul_first(x, v, w):  # a matmul on a replicated weight runs before the gather
+        return jnp.tanh(jnp.tanh(x @ v) @ gathered(w))
+
+    heads = {}
+    for fn, args, shardings in ((gather_first, (x, w), (whole, rows)),
+                                (matmul_first, (x, w, w), (whole, whole, rows))):
+        jitted = jax.jit(fn, in_shardings=shardings, out_shardings=whole)
+        comp, _ = xla_compile.compile_timed(jitted, *args, options=compiled.OVERLAP_OPTIONS)
+        text = program_reading.text(comp)
+        ops = comm.collectives(text, {"d": 8})
+        assert [op["kind"] for op in ops] == ["all-gather"]
+        t = step_time(text, ops, H200, {"d": 8})
+        heads[fn.__name__] = (t["head_exposed_intra_node_s"], t["exposed_intra_node_s"])
+    head, exposed = heads["gather_first"]
+    assert head == exposed > 0
+    assert heads["matmul_first"][0] == 0.0 < heads["matmul_first"][1]

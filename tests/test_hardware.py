@@ -60,7 +60,8 @@ def test_every_constant_says_why():
         "kernel_efficiency_hopper", "kernel_efficiency_ampere", "hbm_efficiency",
         "link_efficiency", "ring_base_latency_s", "nvlink_hop_latency_s", "pcie_hop_latency_s",
         "network_hop_latency_s", "power_cap_clock_exponent", "host_link_bandwidth_hopper",
-        "host_link_bandwidth_ampere"}
+        "host_link_bandwidth_ampere", "tree_ll_base_latency_s", "tree_ll_intra_hop_latency_s",
+        "tree_ll_network_hop_latency_s", "tree_ll_bandwidth_factor"}
     # every part names an efficiency and an intra-node link that have a constant
     for hw in map(parts.NAMED.get, parts.PREDICTABLE):
         assert f"compute_efficiency_{hw.efficiency}" in MODEL_CONSTANTS

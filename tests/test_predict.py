@@ -135,6 +135,24 @@ def test_collective_time_intra_and_inter_node():
                                          rel=1e-12)
 
 
+def test_a_small_all_reduce_across_many_nodes_takes_nccls_tree():
+    # A scalar (a loss, a gradient norm) summed over 1,024 GPUs in 128 nodes: a ring's
+    # 2 x 1,023 steps cost 8.5 ms of latency; NCCL's tuner picks its tree (LL protocol),
+    # 4.4 us + 2 x (7 NVLink hops x 0.52 us x 1.8 + log2(128) network hops x 5 us)
+    op = {"kind": "all-reduce", "axes": ["data", "fsdp"], "group_size": 1024, "count": 1,
+          "ring_bytes": 8.0}
+    mesh = {"data": 8, "fsdp": 128}
+    h100 = get_hardware("h100-sxm")
+    ring = 8.4e-6 + (2046 - 254) * 3.4e-6 + 254 * 9.6e-6
+    tree = 4.4e-6 + 2 * (7 * 0.52e-6 * 1.8 + 7 * 5.0e-6)
+    t = time_model.collective_time(op, h100, mesh)
+    assert t["seconds"] == pytest.approx(8.0 / (400e9 * LINK * 0.9 / 3.8) + tree, rel=1e-9)
+    assert t["seconds"] < ring / 90
+    # a gradient's gigabytes still ride the ring: its bandwidth term dominates
+    big = time_model.collective_time({**op, "ring_bytes": 4e9}, h100, mesh)
+    assert big["seconds"] == pytest.approx(4e9 / (400e9 * LINK) + ring, rel=1e-9)
+
+
 def test_inter_node_ring_spreads_over_the_nics_of_a_node():
     # FSDP over 64 A100s in 8 nodes: the ring crosses each node boundary on 8 NICs at once
     # (one NCCL channel per NIC), so 8 x 25 GB/s carry it (NVLink's 300 GB/s caps it);
@@ -657,6 +675,13 @@ def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time(
     assert rising["inter_node_s"] == pytest.approx(1.0 + 9 * 0.2)
     assert rising["exposed_inter_node_s"] == pytest.approx(rising["inter_node_s"])
     assert rising["step_s"] == pytest.approx(rising["device_s"] + rising["inter_node_s"])
+    # what is exposed before the first matmul (the first blocks' gathers) is once a step:
+    # it grows by what the second block adds there, not per block; the rest per block
+    one = {**kt(1.0, 0.0, 0.0, 5.0, 0.3), "head_exposed_inter_node_s": 0.3}
+    two = {**kt(2.0, 0.0, 0.0, 6.0, 0.6), "head_exposed_inter_node_s": 0.5}
+    deep = linear_times(one, one, two, 9)
+    assert deep["head_exposed_inter_node_s"] == pytest.approx(0.5)
+    assert deep["exposed_inter_node_s"] == pytest.approx(0.5 + 9 * 0.1)
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,

@@ -75,11 +75,19 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
                                                             one["by_kind"].get(n, 0.0))
                       for n in kinds}
     # Exposure is read from each program's schedule, and how much of a collective a block's
-    # compute hides is not linear in depth: the line can cross zero (FSDP plans gave -2.5 to
-    # -71 ms) or pass the link's own time. Bounded: 0 <= exposed <= that link's seconds.
+    # compute hides is not linear in depth: what is exposed before the step's first matmul
+    # (the gathers of the first blocks' weights, fetched ahead) is exposed once a step, and
+    # grows by what the second block adds there, not per block; the rest (between the
+    # matmuls, and the reductions after the last, which carry every block's gradients) is
+    # per block. The line can still cross zero or pass the link's own time. Bounded:
+    # 0 <= exposed <= that link's seconds.
     if "exposed_intra_node_s" in out:
         for link in ("intra_node_s", "inter_node_s"):
-            out[f"exposed_{link}"] = min(max(0.0, out[f"exposed_{link}"]),
+            head = f"head_exposed_{link}"
+            heads = [figs.get(head, 0.0) for figs in (base, one, two)]
+            rest = [figs[f"exposed_{link}"] - h for figs, h in zip((base, one, two), heads)]
+            out[head] = heads[0] + max(0.0, heads[2] - heads[1])
+            out[f"exposed_{link}"] = min(out[head] + max(0.0, line(*rest, k)),
                                          max(0.0, out[link]))
         out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
         out["step_s"] = out["device_s"] + out["comm_exposed_s"]

@@ -26,6 +26,11 @@ GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused c
               "unfused ragged-dot", "cuDNN fusion")
 
 
+def is_matmul(kernel: dict) -> bool:
+    """A GEMM or attention kernel: the work a model's blocks repeat."""
+    return kernel["kind"] in GEMM_KINDS or kernel["kind"].startswith("attention")
+
+
 def has_rates(hw: Part) -> bool:
     """Whether the part has every published rate this model needs; else the roofline model
     (jaxdist.predict.time_model.step_time) times the program."""
@@ -114,9 +119,20 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         comm.setdefault(f"@{op['computation']}", (t["seconds"], t["link"]))
     totals = {"compute_s": 0.0, "hbm_s": 0.0, "launch_s": 0.0, "intra-node": 0.0,
               "inter-node": 0.0, "exposed intra-node": 0.0, "exposed inter-node": 0.0,
-              "host": 0.0, "exposed host": 0.0}
+              "host": 0.0, "exposed host": 0.0, "head intra-node": 0.0,
+              "head inter-node": 0.0, "head host": 0.0}
     by_kind: dict[str, float] = {}
     flags = {"upper_bound": False}
+    matmul_work: dict[str, bool] = {}
+
+    def does_matmuls(name: str, depth: int = 0) -> bool:
+        """Whether computation `name` runs a GEMM or attention kernel, itself or in a callee."""
+        if name not in matmul_work:
+            matmul_work[name] = depth <= 50 and any(
+                (item["item"] == "kernel" and is_matmul(item))
+                or (item["item"] == "call" and does_matmuls(item["callee"], depth + 1))
+                for item in program.get(name, ()))
+        return matmul_work[name]
 
     def collective(item) -> tuple[float, str]:
         if "host_bytes" in item:  # a copy between HBM and host memory, over PCIe
@@ -130,8 +146,15 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         if depth > 50:
             return 0.0
         device = 0.0
-        open_ops: dict[str, list] = {}  # start name -> [seconds, link, covered]
-        for item in program.get(name, ()):
+        open_ops: dict[str, list] = {}  # start name -> [seconds, link, covered, edge]
+        items = program.get(name, ())
+        # The step's head (the entry computation before its first matmul kernel): the first
+        # blocks' gathers exposed there are exposed once a step, however deep the model
+        # (jaxdist.predict.depth.linear_times)
+        first = next((i for i, item in enumerate(items) if depth == 0 and (
+            (item["item"] == "kernel" and is_matmul(item)) or
+            (item["item"] == "call" and does_matmuls(item["callee"])))), len(items))
+        for at, item in enumerate(items):
             kind = item["item"]
             if kind == "kernel":
                 seconds, bound = r.kernel(item, precision)
@@ -157,14 +180,19 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
             elif kind == "done":
                 op = open_ops.pop(item["name"], None)
                 if op is not None:
-                    totals[f"exposed {op[1]}"] += max(0.0, op[0] - op[2]) * times
+                    exposed = max(0.0, op[0] - op[2])
+                    totals[f"exposed {op[1]}"] += exposed * times
+                    if depth == 0 and at < first:
+                        totals[f"head {op[1]}"] += exposed * times
                     if op[1] == "host":  # the stream waits for the copy: device time
-                        device += max(0.0, op[0] - op[2])
+                        device += exposed
                 continue
             else:  # a synchronous collective: nothing hides it
                 seconds, link = collective(item)
                 totals[link] += seconds * times
                 totals[f"exposed {link}"] += seconds * times
+                if depth == 0 and at < first:
+                    totals[f"head {link}"] += seconds * times
                 continue
             device += spent
             for op in open_ops.values():
@@ -188,6 +216,9 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
             # host copies (remat offload): their time, and the part no kernel hid (in device_s)
             "host_transfer_s": totals["host"], "exposed_host_transfer_s": totals["exposed host"],
             "comm_exposed_s": exposed, "step_s": device + exposed,
+            # the part of each link's exposure before the step's first matmul
+            "head_exposed_intra_node_s": totals["head intra-node"],
+            "head_exposed_inter_node_s": totals["head inter-node"],
             "upper_bound": flags["upper_bound"] or bool(guessed),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "rates": r.sources, "kernel_efficiency": r.efficiency}

@@ -99,6 +99,15 @@ def ring_latency(kind: str, n: int, nodes: int, hw: Part) -> float:
         inter * constant("network_hop_latency_s")
 
 
+def tree_latency(n: int, nodes: int) -> float:
+    """Seconds of latency of one all-reduce over NCCL's tree, LL protocol, across `nodes`
+    nodes of n / nodes ranks each (tuning.cc): base + 2 ((n / nodes - 1) x intra-node hop +
+    log2(nodes) x network hop)."""
+    return constant("tree_ll_base_latency_s") + 2 * (
+        (n // nodes - 1) * constant("tree_ll_intra_hop_latency_s") +
+        int(math.log2(nodes)) * constant("tree_ll_network_hop_latency_s"))
+
+
 def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
     """Seconds of one (aggregated) collective: `op` has kind, axes, group_size, ring_bytes
     and count (how many times it runs per step)."""
@@ -107,8 +116,13 @@ def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
     inter = nodes > 1
     rate = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth) if inter else \
         hw.intra_node_bandwidth
-    seconds = op["ring_bytes"] / (rate * constant("link_efficiency")) + \
-        op.get("count", 1) * ring_latency(op["kind"], op["group_size"], nodes, hw)
+    bandwidth = rate * constant("link_efficiency")
+    count = op.get("count", 1)
+    seconds = op["ring_bytes"] / bandwidth + \
+        count * ring_latency(op["kind"], op["group_size"], nodes, hw)
+    if op["kind"] == "all-reduce" and inter:  # or a tree, where NCCL's tuner would pick it
+        seconds = min(seconds, op["ring_bytes"] / (bandwidth * constant(
+            "tree_ll_bandwidth_factor")) + count * tree_latency(op["group_size"], nodes))
     return {"link": "inter-node" if inter else "intra-node", "nodes": nodes,
             "members_per_node": per_node, "seconds": seconds}
 
