@@ -78,7 +78,7 @@ class Case:
 # per GPU generation, were set from these records' throughput; nothing else in that model is
 # fitted. (The roofline fallback, used without XLA:GPU, has its own two: compute_efficiency_*,
 # on tt24-t1-fsdp and tt-a100-l3-8b-sac-op.)
-CALIBRATION = ("maxtext-a3-7b-2vm", "tt-a100-l3-8b-sac-op")
+CALIBRATION = ("jaxtoolbox-7b", "tt-a100-l3-8b-sac-op")
 
 
 def _maxtext_a3(vms: int) -> Case:
