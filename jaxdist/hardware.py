@@ -49,7 +49,7 @@ MODEL_CONSTANTS: dict[str, Constant] = {
     # The kernel model's (jaxdist.predict.kernels_time) one fitted number per generation: the
     # fraction of the published best-case kernel rates (MAMF GEMM, cuDNN attention, HBM copy)
     # a training step's kernels reach (GEMM shapes off the sweet spot, SMs shared with the
-    # overlapped NCCL kernels, tails). Unfitted, the model is 1.31x too fast on its record
+    # overlapped NCCL kernels, tails). Unfitted, the model is 1.30x too fast on its record
     # (experiments.predict --validate).
     "kernel_efficiency_hopper": Constant(
         0.7615, "fitted on jaxtoolbox-7b (JAX-Toolbox MaxText Llama2-7B, FSDP over one DGX "
@@ -59,11 +59,10 @@ MODEL_CONSTANTS: dict[str, Constant] = {
         "its kernels, so the fitted number carries no network's error; every other Hopper row "
         "is out of sample"),
     "kernel_efficiency_ampere": Constant(
-        0.756, "fitted on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64 A100 80GB, "
+        0.763, "fitted on tt-a100-l3-8b-sac-op (torchtitan Llama3.1-8B FSDP, 64 A100 80GB, "
         "2,973 tokens/s/GPU published), run under torchtitan's own op-level selective AC "
-        "(remat selective_op): the kernel model's 3,788 unfitted -> 1 / 1.274 (0.732 under "
-        "the dots policy that stood in for it, 0.790 before FSDP's blocks ran ordered under "
-        "every remat); every other Ampere row is out of sample"),
+        "(remat selective_op): the efficiency that gives 2,973 (1.0000), found by "
+        "bisection; every other Ampere row is out of sample"),
     "hbm_efficiency": Constant(
         0.8, "achievable fraction of HBM bandwidth for streaming kernels (STREAM-like "
         "copies reach ~80-90% of the datasheet figure on H100)"),
