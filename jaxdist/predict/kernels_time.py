@@ -146,7 +146,7 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         if depth > 50:
             return 0.0
         device = 0.0
-        open_ops: dict[str, list] = {}  # start name -> [seconds, link, covered, edge]
+        open_ops: dict[str, list] = {}  # start name -> [seconds, link, covered]
         items = program.get(name, ())
         # The step's head (the entry computation before its first matmul kernel): the first
         # blocks' gathers exposed there are exposed once a step, however deep the model
