@@ -151,9 +151,10 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         # The step's head (the entry computation before its first matmul kernel): the first
         # blocks' gathers exposed there are exposed once a step, however deep the model
         # (jaxdist.predict.depth.linear_times)
-        first = next((i for i, item in enumerate(items) if depth == 0 and (
-            (item["item"] == "kernel" and is_matmul(item)) or
-            (item["item"] == "call" and does_matmuls(item["callee"])))), len(items))
+        first = next((i for i, item in enumerate(items) if
+                      (item["item"] == "kernel" and is_matmul(item)) or
+                      (item["item"] == "call" and does_matmuls(item["callee"]))),
+                     len(items)) if depth == 0 else len(items)
         for at, item in enumerate(items):
             kind = item["item"]
             if kind == "kernel":
