@@ -305,7 +305,11 @@ def validate(cases) -> list[dict]:
                "compiler": pred.compiler,
                "time_model": pred.time["model"] if pred.timing == "kernels" else
                "roofline (FLOPs / calibrated peak)",
-               "bottleneck": pred.time["bottleneck"]}
+               "bottleneck": pred.time["bottleneck"],
+               # where the predicted step goes: seconds by term, and by kernel kind
+               "predicted_time_s": {k: v for k, v in pred.time.items() if k.endswith("_s")
+                                    and isinstance(v, float)},
+               "predicted_kernel_kind_s": pred.time.get("by_kind")}
         tput = case.throughput_id and published_tokens_per_s_per_gpu(
             case, records[case.throughput_id])
         for what, pub, value in (("tokens_per_s_per_gpu", tput, tps),
@@ -328,6 +332,7 @@ def failed_row(case, records: dict, reason: str) -> dict:
             "predicted_memory_gib": None, "memory_source": None, "hand_memory_gib": None,
             "xla_gpu_memory_gib": None, "fits": None, "hbm_gib": None, "compiler": None,
             "time_model": None, "bottleneck": f"failed: {reason}",
+            "predicted_time_s": None, "predicted_kernel_kind_s": None,
             "published_tokens_per_s_per_gpu": None, "ratio_tokens_per_s_per_gpu": None,
             "published_memory_gib": None, "ratio_memory_gib": None}
 
