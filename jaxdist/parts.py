@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from jaxdist.program.gpu_targets import ADDED, XLA_SPEC, GpuTarget, gpu_device_info
 from jaxdist.part_figures import (A100_BANDWIDTHTEST, ANY_DTYPE, CUDNN_NORMS, CUDNN_SDPA, FA2,
-                                  FLASHMLA, KINDS, LAUNCH, MAMF, MATMUL_PRECISIONS, SAME_DIE,
-                                  Peak, Rate)
+                                  FLASHMLA, KINDS, LAUNCH, MAMF, MAMF_FP8, MATMUL_PRECISIONS,
+                                  SAME_DIE, Peak, Rate)
 
 GB = 1e9
 
@@ -177,6 +177,7 @@ PARTS: tuple[Part, ...] = (
          target=GpuTarget(_H100_SXM_INFO, (_H100_SXM_SPEC, ADDED)),
          rates={
              ("gemm", "bfloat16"): Rate(794.5e12, MAMF + ", row NVIDIA H100 SXM"),
+             ("gemm", "float8"): Rate(1402.6e12, MAMF_FP8 + ", row NVIDIA H100 SXM"),
              **{k: Rate(r.value, r.source, SAME_DIE + " (taken from the H200 figure)")
                 for k, r in _H200_ATTENTION_KERNELS.items()},
              ("hbm_copy", ANY_DTYPE): Rate(
@@ -229,6 +230,7 @@ PARTS: tuple[Part, ...] = (
              ("gemm", "bfloat16"): Rate(
                  794.5e12, MAMF + ", row NVIDIA H100 SXM, note 'H200 is the same'",
                  "the table states H200 equals H100 SXM"),
+             ("gemm", "float8"): Rate(1453.4e12, MAMF_FP8 + ", row NVIDIA H200 SXM"),
              **_H200_ATTENTION_KERNELS,
              ("hbm_copy", ANY_DTYPE): Rate(3770.9e9, CUDNN_NORMS),
              ("launch", ANY_DTYPE): _LAUNCH},

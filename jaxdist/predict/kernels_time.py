@@ -53,6 +53,10 @@ class Rates:
         k = self.efficiency = kernel_efficiency(hw)
         self.clock_factor = clock
         self.gemm_bf16 = k * clock * rate(part, "gemm", "bfloat16").value
+        try:  # FP8 GEMMs at their own measured rate where one is published
+            self.gemm_fp8 = k * clock * rate(part, "gemm", "float8").value
+        except KeyError:
+            self.gemm_fp8 = None
         self.hbm = k * hbm * rate(part, "hbm_copy", ANY_DTYPE).value
         self.launch = rate(part, "launch", ANY_DTYPE).value
         # copies between HBM and host memory (an offloading remat policy's) ride PCIe
@@ -70,12 +74,18 @@ class Rates:
                         (("gemm", "bfloat16"), ("hbm_copy", ANY_DTYPE),
                          ("launch", ANY_DTYPE), ("attention_fwd", "bfloat16"),
                          ("attention_bwd", "bfloat16"))}
+        if self.gemm_fp8:
+            self.sources["gemm_float8"] = rate(part, "gemm", "float8").source + scaled
 
     def gemm(self, dtype: str, precision: str) -> float:
-        """bf16 (and f16) at the measured rate; float32 (TF32 or FP32 by --matmul-precision)
-        and FP8 at the same fraction of their own peak."""
+        """bf16 (and f16) at the measured rate; FP8 at its own measured rate where one is
+        published (FP8 GEMMs reach a smaller fraction of their peak than bf16 ones); float32
+        (TF32 or FP32 by --matmul-precision), and FP8 without a measured rate, at bf16's
+        fraction of their own peak."""
         if dtype in ("bfloat16", "float16"):
             return self.gemm_bf16
+        if dtype == "float8" and self.gemm_fp8:
+            return self.gemm_fp8
         peak16 = self.hw.peak_flops("bfloat16")
         if dtype == "float8":  # no FP8 peak: the bf16 rate (plans refuse such a part)
             peak8 = self.hw.fp8_peak_flops()
