@@ -65,8 +65,8 @@ MAMF = ("Stas Bekman, ml-engineering, repo stas00/ml-engineering, path "
         "compute/accelerator/README.md, commit 7bc7c3054eb93c277a4755c597ae0864d77a63f1, "
         "'Maximum Achievable Matmul FLOPS comparison table', BF16")
 MAMF_FP8 = ("Stas Bekman, ml-engineering, repo stas00/ml-engineering, path "
-            "compute/accelerator/README.md, commit 744d01e, 'Maximum Achievable Matmul FLOPS "
-            "comparison table', FP8 (float8_e4m3fn)")
+            "compute/accelerator/README.md, commit 744d01e18b79512572f64a6bbd8b5f4a725203a7, "
+            "'Maximum Achievable Matmul FLOPS comparison table', FP8 (float8_e4m3fn)")
 CUDNN_SDPA = ("NVIDIA cudnn-frontend SDPA training benchmark, repo NVIDIA/cudnn-frontend, path "
               "benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/"
               "llama3.1_20260227_034703.csv, commit df73764adb98b7445b77662ce07b1ea434c8f3ee, "

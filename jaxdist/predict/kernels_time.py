@@ -54,9 +54,10 @@ class Rates:
         self.clock_factor = clock
         self.gemm_bf16 = k * clock * rate(part, "gemm", "bfloat16").value
         try:  # FP8 GEMMs at their own measured rate where one is published
-            self.gemm_fp8 = k * clock * rate(part, "gemm", "float8").value
+            fp8 = rate(part, "gemm", "float8")
         except KeyError:
-            self.gemm_fp8 = None
+            fp8 = None
+        self.gemm_fp8 = k * clock * fp8.value if fp8 else None
         self.hbm = k * hbm * rate(part, "hbm_copy", ANY_DTYPE).value
         self.launch = rate(part, "launch", ANY_DTYPE).value
         # copies between HBM and host memory (an offloading remat policy's) ride PCIe
@@ -74,8 +75,8 @@ class Rates:
                         (("gemm", "bfloat16"), ("hbm_copy", ANY_DTYPE),
                          ("launch", ANY_DTYPE), ("attention_fwd", "bfloat16"),
                          ("attention_bwd", "bfloat16"))}
-        if self.gemm_fp8:
-            self.sources["gemm_float8"] = rate(part, "gemm", "float8").source + scaled
+        if fp8:
+            self.sources["gemm_float8"] = fp8.source + scaled
 
     def gemm(self, dtype: str, precision: str) -> float:
         """bf16 (and f16) at the measured rate; FP8 at its own measured rate where one is
