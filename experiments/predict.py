@@ -18,6 +18,7 @@ gives TFLOP/s per chip in its own analytic count, converted back with that count
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -228,9 +229,21 @@ def maxtext_flops_per_token(dims: dict) -> float:
     return 6 * params + 6 * dims["heads"] * dims["depth"] * hd * dims["seq_len"]
 
 
-def gpus(case: Case) -> int:
-    from jaxdist.mesh import parse_mesh
-    return parse_mesh(case.mesh).size
+@functools.lru_cache(maxsize=None)
+def case_job(case: Case):
+    """The resolved job of a case (jaxdist.job), through the one validation pass; a case
+    the validation refuses raises its UsageError."""
+    from experiments.validation import validate as resolve_job
+
+    return resolve_job(case_config(case))
+
+
+def gpus(case: Case) -> int | None:
+    """The GPUs the case's mesh spans (None where its job does not resolve)."""
+    try:
+        return case_job(case).shape.size
+    except UsageError:
+        return None
 
 
 def published_tokens_per_s_per_gpu(case: Case, rec: dict) -> float:
@@ -270,13 +283,12 @@ def validate(cases) -> list[dict]:
     """One row per case: predicted and published tokens/s/GPU and memory, and the ratios.
     JAX must have enough CPU devices for the largest mesh (see main). Cases of the same
     configuration share one compile."""
-    from jaxdist.mesh import parse_mesh
     from jaxdist import plan as plans
 
     records, cache, rows = published(), {}, []
     for case in cases:
         try:
-            plan = plans.plan(case_config(case), parse_mesh(case.mesh), cache=cache)
+            plan = plans.plan(case_job(case), cache=cache)
         except Exception as e:  # noqa: BLE001 - a row the compiler rejects is a row, named
             first = str(e).strip().splitlines()
             reason = next((ln for ln in first if "Error" in ln), first[0] if first else "")
@@ -472,7 +484,8 @@ def main(argv=None) -> int:
     jax.config.update("jax_platforms", "cpu")
     cases = [c for c in CASES if c.small or not args.quick]
     from jaxdist.program.compiled import plan_cpu_devices
-    jax.config.update("jax_num_cpu_devices", plan_cpu_devices(max(gpus(c) for c in cases)))
+    jax.config.update("jax_num_cpu_devices",
+                      plan_cpu_devices(max(gpus(c) or 1 for c in cases)))
     rows = validate(cases)
     print(format_rows(rows))
     if args.json:

@@ -44,7 +44,7 @@ def build_parser(entry: tuple[str, str] = RUN) -> argparse.ArgumentParser:
 
 
 def print_notices(checked: Job) -> None:
-    """Flags given that do nothing here, one line each (jaxdist/notices.py), once the input
+    """Flags given that do nothing here, one line each (experiments/notices.py), once the input
     is known to be valid: bad input stays a single error line."""
     for line in checked.notices:
         print(line, file=sys.stderr)
@@ -171,7 +171,8 @@ def main_mesh(checked: Job, stop: StopRequest) -> int:
                  if platform.simulated else None)
     record_before = record_stamp(logdir)
     try:
-        results = loop.run(cfg, platform, logdir, stop=stop, notice=simulated)
+        results = loop.run(checked.with_shape(platform.shape), platform, logdir, stop=stop,
+                           notice=simulated)
     except StoppedInSetup as e:  # its build or compile is left running: the caller exits
         STOPPED_IN_SETUP.append(True)
         total = cfg.loop.warmup + cfg.loop.steps
@@ -242,10 +243,10 @@ def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
             print_notices(checked)
             noticed = True
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
-                plan = run_abandonable(lambda: plans.plan(cfg, shape), stop)
+                plan = run_abandonable(lambda: plans.plan(checked), stop)
         else:  # from shapes: one host device, nothing allocated
             configure_host_devices(MeshShape(1), "cpu")
-            plan = run_abandonable(lambda: plans.plan(cfg, shape), stop)
+            plan = run_abandonable(lambda: plans.plan(checked), stop)
         if stop.signal:  # came before the plan started, or as it ended
             raise StoppedInSetup(stop.signal, "the plan", 0)
         logdir = make_logdir(cfg, shape.label).path if cfg.output.logdir else None
@@ -294,7 +295,7 @@ def main_ps(checked: Job) -> int:
 
     shape, cfg = checked.shape, checked.cfg
     try:
-        check_ps_host(cfg)
+        check_ps_host(checked)
         run_dir = make_logdir(cfg, shape.label)
         logdir = run_dir.path
     except UsageError as e:
@@ -302,7 +303,7 @@ def main_ps(checked: Job) -> int:
         return 2
     print_notices(checked)
     try:
-        results = run_ps(cfg, shape, logdir)
+        results = run_ps(checked, logdir)
         DONE_BUT_TEARDOWN.append(True)
     except BaseException as e:
         # The error names ps/*.log for the details: those stay.

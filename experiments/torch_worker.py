@@ -72,7 +72,7 @@ def run_rank(rank: int, job: dict) -> dict:
                             timeout=datetime.timedelta(seconds=job["timeout_s"]))
     try:
         inputs = np.load(Path(job["work"]) / "inputs.npz")
-        model, params, implementation = build_model(job, inputs, device)
+        model, params, implementation = build_torch_model(job, inputs, device)
         opt = make_optimizer(model, job["optimizer"], job["lr"])
         batches = local_batches(job, inputs, rank, device)
         monitor = power_monitor(job, rank, device)
@@ -87,7 +87,7 @@ def run_rank(rank: int, job: dict) -> dict:
         dist.destroy_process_group()
 
 
-def build_model(job: dict, inputs, device):
+def build_torch_model(job: dict, inputs, device):
     """(the model on `device`, wrapped for the strategy; its parameter count; what wraps
     it). Weights: the JAX run's (init/ in inputs.npz) or PyTorch's own, seeded."""
     import torch

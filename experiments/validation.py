@@ -3,7 +3,7 @@ before a run directory, a process or a backend exists. `validate(cfg)` raises th
 problem as a one-line UsageError (later checks read what earlier ones parsed, so there is
 one to report) and returns the resolved job (jaxdist/job.py: its kind, the layout's facts,
 the model config, the parsed mesh, the part) with the notices (flags that do nothing here,
-jaxdist/notices.py) for the caller to print once it has a place to write.
+experiments/notices.py) for the caller to print once it has a place to write.
 
 Cheapest first: the flags' values need nothing but the config, so a bad value is refused
 before jax is imported; the layout then needs the layout registry (jax), the model its
@@ -15,6 +15,7 @@ called from here: a layout's mesh (sharding.check_layout), a pipeline's schedule
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -26,7 +27,8 @@ from jaxdist.mesh import MeshShape, parse_mesh
 
 def validate(cfg: RunConfig) -> job.Job:
     """Every check of `cfg` for `experiments.run` and `experiments.plan` (a mesh run, a plan
-    or the parameter server); the job they resolve."""
+    or the parameter server); the job they resolve (jaxdist.job.resolve: the one model
+    build, layout lookup and mesh parse of the run)."""
     check_values(cfg)
     part = None
     if cfg.output.hardware:  # a named part (jaxdist.parts): no jax
@@ -38,7 +40,7 @@ def validate(cfg: RunConfig) -> job.Job:
     kind = job.kind_of(cfg)  # the layout registry (jax): a misspelled --layout stops here
     if shape.size is None and kind == job.PS:
         raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
-    model_cfg = check_layout_and_model(cfg, shape)
+    resolved = check_layout_and_model(cfg, kind, shape, part)
     # After the layout: a pipeline layout's decoders evaluate on no dataset (its own error)
     if cfg.data.eval_every and cfg.data.dataset == "synthetic":
         raise UsageError("--eval-every needs a real dataset: add --dataset digits")
@@ -47,31 +49,28 @@ def validate(cfg: RunConfig) -> job.Job:
         from jaxdist.program.compiled import check_cpu_limit, xla_options
         check_batch(cfg, shape)
         check_nodes(part, shape.size)
-        check_fp8_rate(cfg)
+        check_fp8_rate(cfg, part)
         check_cpu_limit(cfg.output.hardware, shape.size, cfg.compiler.compiler)
         xla_options(cfg.compiler.xla_flags)  # --name=value each, before any compile
     elif kind != job.PLAN and shape.size is not None:  # -1: checked once devices are
         check_batch(cfg, shape)
     if kind == job.PS:
-        check_ps(cfg)
+        check_ps(resolved)
     elif kind == job.MESH and cfg.compiler.xla_flags.strip():
         from jaxdist.devices import check_xla_flags
         check_xla_flags(cfg.compiler.xla_flags.strip())
     check_checkpoint_dir(cfg, kind)
-    from jaxdist.notices import disk_notices, notices
-    from sharding.registry import facts
-    return job.Job(cfg, kind, facts(cfg.train.layout), model_cfg, shape, cfg.train.optimizer,
-                   part, tuple(notices(cfg) + disk_notices(cfg)))
+    from experiments.notices import disk_notices, notices
+    return dataclasses.replace(resolved, notices=tuple(notices(cfg) + disk_notices(cfg)))
 
 
-def check_fp8_rate(cfg: RunConfig) -> None:
+def check_fp8_rate(cfg: RunConfig, part) -> None:
     """A --dtype float8 plan times its FP8 GEMMs at the part's FP8 peak: a part with none
     (no FP8 tensor cores, or none tabled in jaxdist.parts) cannot be planned in FP8."""
-    from jaxdist.hardware import get_hardware
     from jaxdist.parts import NAMED, PREDICTABLE
     if cfg.model.dtype != "float8":
         return
-    if get_hardware(cfg.output.hardware, cfg.output.gpus_per_node).fp8_peak_flops() is None:
+    if part.fp8_peak_flops() is None:
         fp8 = [n for n in PREDICTABLE if NAMED[n].fp8_peak_flops()]
         raise UsageError(f"--dtype float8: {cfg.output.hardware} has no FP8 rate (no FP8 "
                          f"tensor cores); plan it in --dtype bfloat16, "
@@ -124,24 +123,21 @@ def check_seed(seed: int) -> None:
         raise UsageError(f"--seed must be within 0..{SEED_LIMIT - 1}, got {seed}")
 
 
-def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
-    """The layout against the mesh and the model; the model config. The layout's name
-    first, before the models (flax) are imported: a misspelled --layout is refused in about
-    a second."""
-    from sharding import check_layout, get_layout
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
-    if cfg.train.grad_reduce_dtype != "float32" and not layout.master_weights(cfg.model.dtype):
+def check_layout_and_model(cfg: RunConfig, kind: str, shape: MeshShape, part) -> job.Job:
+    """The layout against the mesh and the model; the job they resolve (its layout rules
+    and model config)."""
+    from sharding import check_layout
+    resolved = job.resolve(cfg, kind, shape, part)
+    model_cfg = resolved.model
+    if cfg.train.grad_reduce_dtype != "float32" and \
+            not resolved.rules.master_weights(cfg.model.dtype):
         raise UsageError(f"--grad-reduce-dtype {cfg.train.grad_reduce_dtype} reduces the "
                          f"gradients of bfloat16 working weights beside a float32 master: it "
                          f"needs --distributed-optimizer and --dtype bfloat16 or float8")
     from jaxdist.pipeline.checks import check_pipeline
-    from jaxdist.run_model import build_model
     from sharding.pipeline import PIPELINE_LAYOUTS
-    from sharding.registry import facts
 
-    model_cfg, _ = build_model(cfg)
-    pipelined = facts(cfg.train.layout).pipelined
+    pipelined = resolved.layout.pipelined
     if cfg.train.pp_stage_blocks and not pipelined:
         raise UsageError(f"--pp-stage-blocks splits the blocks over pipeline stages; layout "
                          f"{cfg.train.layout!r} has none (use one of "
@@ -161,7 +157,7 @@ def check_layout_and_model(cfg: RunConfig, shape: MeshShape):
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
                        parse_stage_blocks(cfg.train.pp_stage_blocks), shape.context,
                        cfg.train.pp_combined_1f1b)
-    return model_cfg
+    return resolved
 
 
 def runs_on_cpu(cfg: RunConfig) -> bool:
@@ -215,10 +211,11 @@ def check_checkpoint_dir(cfg: RunConfig, kind: str) -> None:
         check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume, identity(cfg))
 
 
-def check_ps(cfg: RunConfig) -> None:
+def check_ps(resolved: job.Job) -> None:
     """--layout ps: its options, the flags it does not support, its address and ports and
     its shard map (no process started; ps.server, which forces JAX_PLATFORMS=cpu on import,
     is not imported)."""
+    cfg = resolved.cfg
     from jaxdist import procs
     from ps.security import TOKEN_ENV, run_token, security_problems
     from ps.shardmap import shard_map_for
@@ -272,10 +269,10 @@ def check_ps(cfg: RunConfig) -> None:
         if busy:
             raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
                              f"use; choose another --ps-port or 0 for free ports")
-    shard_map_for(cfg)  # too many shards, non-float32 parameters
+    shard_map_for(resolved)  # too many shards, non-float32 parameters
 
 
-def check_ps_host(cfg: RunConfig) -> None:
+def check_ps_host(resolved: job.Job) -> None:
     """What this host can hold of a PS job, before its processes start (this host's, so not
     among the run's own checks, which a suite's preflight reads on another host): the
     processes, and their buffers, a floor (the runtimes not counted): each worker builds the
@@ -285,18 +282,16 @@ def check_ps_host(cfg: RunConfig) -> None:
     from jaxdist import host_memory
     from jaxdist.data import NUM_SYNTHETIC_BATCHES
     from jaxdist.program.compiled import batch_bytes
-    from models import get_model, parse_overrides
     from ps.shardmap import shard_map_for
 
-    ps, workers = cfg.ps, parse_mesh(cfg.mesh.mesh).data
+    ps, workers = resolved.ps, resolved.shape.data
     host_memory.check_processes(workers + ps.ps_shards,
-                                f"--layout ps --mesh {cfg.mesh.mesh} --ps-shards "
+                                f"--layout ps --mesh {resolved.cfg.mesh.mesh} --ps-shards "
                                 f"{ps.ps_shards} ({workers} workers and {ps.ps_shards} shard "
                                 f"servers on this host)")
-    params = shard_map_for(cfg).total * 4
-    model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
-    batch = batch_bytes(model_cfg, cfg.train.batch_size)
-    pool = NUM_SYNTHETIC_BATCHES if cfg.data.dataset == "synthetic" else 1
+    params = shard_map_for(resolved).total * 4
+    batch = batch_bytes(resolved.model, resolved.train.batch_size)
+    pool = NUM_SYNTHETIC_BATCHES if resolved.dataset is None else 1
     host_memory.check(workers * (pool * batch + 3 * params) + params,
                       f"PS job's buffers ({workers} workers, each with {pool} global "
                       f"batch(es) and 3 copies of the parameters; the shards' copy)")

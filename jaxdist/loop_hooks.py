@@ -199,28 +199,45 @@ class Evaluation(Hook):
     """Test-split accuracy every `every` steps and after the last, not after a stop;
     `accuracy` lists them (step, wall seconds since the loop began, accuracy)."""
 
-    def __init__(self, program, dataset, cfg, total_steps: int, window: Window, writer):
-        self.program, self.dataset, self.cfg, self.total = program, dataset, cfg, total_steps
+    def __init__(self, program, dataset, job, total_steps: int, window: Window, writer):
+        self.program, self.dataset, self.job, self.total = program, dataset, job, total_steps
         self.window, self.writer = window, writer
         self.accuracy: list[dict] = []
         self.started = time.perf_counter()
 
     def after(self, step: Step) -> None:
-        every = self.cfg.data.eval_every
+        every = self.job.data.eval_every
         if step.stopping or not every or (step.done % every and step.done != self.total):
             return
         with self.window.paused(f"evaluation after step {step.i}", step.i):
             self.accuracy.append({"step": step.done,
                                   "wall_s": time.perf_counter() - self.started,
                                   "accuracy": evaluate(self.program, step.state,
-                                                       self.dataset, self.cfg)})
+                                                       self.dataset, self.job)})
         self.writer.scalar("eval/accuracy", self.accuracy[-1]["accuracy"], step.done)
 
 
-def evaluate(program, state, dataset, cfg) -> float:
+def evaluate(program, state, dataset, job) -> float:
     """Test-split accuracy; evaluation time is outside every timed step."""
     hits = 0.0
     devices = program.batch_sharding.mesh.devices.size
-    for batch in eval_batches(dataset, cfg.train.batch_size, devices):
+    for batch in eval_batches(dataset, job.train.batch_size, devices):
         hits += metrics.scalar(program.correct(state, put_batch(batch, program.batch_sharding)))
     return hits / len(dataset.test_y)
+
+
+class Prediction(Hook):
+    """The run's own prediction (jaxdist.predict.inrun): the plan of its job on its part,
+    made at `finish`, once the timed steps are over and the window closed, so its compile
+    (seconds on XLA:GPU) is never inside a timed step; `block(results)` puts it beside
+    what the run measured."""
+
+    def __init__(self, job, platform):
+        self.job, self.platform, self.made = job, platform, None
+
+    def finish(self, steps_done: int) -> None:
+        from jaxdist.predict.inrun import OwnPrediction
+        self.made = OwnPrediction.of(self.job, self.platform)
+
+    def block(self, results: dict) -> dict:
+        return self.made.block(self.platform, results)

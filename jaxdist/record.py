@@ -46,7 +46,7 @@ SCHEMA = {
 COMPILED = {"argument_bytes": int, "output_bytes": int, "alias_bytes": int,
             "temp_bytes": int, "peak_bytes": int, "peak_bytes_note": str}
 PREDICTION = {False: {"label": str, "reason": str}, True: {  # optional: jaxdist.predict.inrun
-    "label": str, "hardware": str, "source": str, "predicted": {"step_s": NUM},
+    "label": str, "hardware": str, "source": str, "compile_s": NUM, "predicted": {"step_s": NUM},
     "measured_over_predicted": {"step_s": OPT_NUM, "memory": OPT_NUM}}}
 
 # A run interrupted before its first timed step has no latency figures: null, with a reason.

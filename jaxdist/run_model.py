@@ -29,9 +29,10 @@ def adapt_model(model_cfg, dataset: Dataset | None):
                      f"{', '.join(families('image'))})")
 
 
-def build_model(cfg):
-    """(model config for a RunConfig: size overrides, remat, adapted to the dataset; the
-    dataset or None)."""
+def build_model(cfg, shape):
+    """(model config for a RunConfig on the mesh `shape`: size overrides, remat, context
+    parallelism, FP8, sequence parallelism, adapted to the dataset; the dataset or None).
+    Called once per job, by jaxdist.job.resolve."""
     dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
     model_cfg = get_model(cfg.model.model, parse_overrides(cfg.model.model_opts))
     if cfg.train.remat != "none":
@@ -42,27 +43,28 @@ def build_model(cfg):
     from sharding.registry import gathers_block_weights
     if hasattr(model_cfg, "ordered_blocks") and gathers_block_weights(cfg.train.layout):
         model_cfg = dataclasses.replace(model_cfg, ordered_blocks=True)
-    model_cfg = context_parallel(cfg, model_cfg)
+    model_cfg = context_parallel(cfg, shape, model_cfg)
     if cfg.model.dtype == "float8":
         model_cfg = dataclasses.replace(model_cfg, fp8=check_fp8(cfg, model_cfg))
     if cfg.train.sequence_parallel:
-        check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, model_cfg, cfg.model.model)
+        check_sequence_parallel(cfg.train.layout, cfg.mesh.mesh, shape, model_cfg,
+                                cfg.model.model)
         from sharding.logical import RULES
         model_cfg = dataclasses.replace(
             model_cfg, sequence_parallel=True,
-            **dict(zip(("tp_comm_chunks", "tp_comm_split"), tp_comm_chunks(cfg, model_cfg))),
+            **dict(zip(("tp_comm_chunks", "tp_comm_split"),
+                       tp_comm_chunks(cfg, shape, model_cfg))),
             weight_rules=cfg.train.layout if cfg.train.layout in RULES else None)
     return adapt_model(model_cfg, dataset), dataset
 
 
-def context_parallel(cfg, model_cfg):
+def context_parallel(cfg, shape, model_cfg):
     """The model config with --context-load-balance, where the mesh has a context axis
     (models/context.py): a model with a sequence, its length divisible by the shards."""
-    from jaxdist.mesh import parse_mesh
     from models.context import check_sequence
     from sharding.registry import facts
 
-    shards = parse_mesh(cfg.mesh.mesh).context
+    shards = shape.context
     if shards == 1:
         return model_cfg
     if getattr(model_cfg, "input_kind", None) != "tokens" or not hasattr(
@@ -70,7 +72,7 @@ def context_parallel(cfg, model_cfg):
         raise UsageError(f"context={shards} splits each sequence over the context axis; "
                          f"model {cfg.model.model!r} has no sequence dimension (use a gpt, "
                          f"llama or moe model, or drop context from --mesh)")
-    sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
+    sizes = shape.axis_sizes
     split = [f"{a}={sizes[a]}" for a in ("tensor", "expert") if sizes.get(a, 1) > 1]
     if cfg.train.distributed_optimizer and split and not facts(cfg.train.layout).pipelined:
         # parameters split over tensor/expert: the gradients are reduce-scattered in a
@@ -118,19 +120,18 @@ def check_fp8(cfg, model_cfg) -> str:
     return cfg.model.fp8_scaling
 
 
-def tp_comm_chunks(cfg, model_cfg) -> tuple[int, str]:
+def tp_comm_chunks(cfg, shape, model_cfg) -> tuple[int, str]:
     """(--tp-comm-chunks, --tp-comm-split) resolved: how the sequence-parallel blocks split
     their tensor-axis collectives (models/sequence_parallel.py). Chunks auto (0): under tp
     and fsdp_tp 2 where each device's micro-batch is even, else 1 (XLA:GPU plans of
     fsdp_tp: faster and smaller with the same weight gathers, docs/layouts.md); the auto
     figure is the layout registry's. Split auto: batch, but sequence under the pipeline
     layouts, which run each stage's blocks as one chain (batch slices are refused there)."""
-    from jaxdist.mesh import parse_mesh
     from sharding.axes import batch_axes
     from sharding.registry import facts
 
     asked, split = cfg.train.tp_comm_chunks, cfg.train.tp_comm_split
-    sizes = parse_mesh(cfg.mesh.mesh).axis_sizes
+    sizes = shape.axis_sizes
     if asked < 0:
         raise UsageError(f"--tp-comm-chunks {asked}: give 0 (auto), 1 (off) or more")
     shards = math.prod(sizes[a] for a in batch_axes(sizes))
@@ -157,11 +158,10 @@ def tp_comm_chunks(cfg, model_cfg) -> tuple[int, str]:
     return chunks, split
 
 
-def check_sequence_parallel(layout: str, mesh: str, model_cfg, model: str) -> None:
+def check_sequence_parallel(layout: str, mesh: str, shape, model_cfg, model: str) -> None:
     """--sequence-parallel splits each block's sequence, heads and MLP columns over the
     tensor axis (models/sequence_parallel.py): a tensor layout, a tensor axis, and sizes it
     divides."""
-    from jaxdist.mesh import parse_mesh
     from sharding.registry import facts, layouts_where
 
     if not facts(layout).sequence_parallel:
@@ -172,7 +172,7 @@ def check_sequence_parallel(layout: str, mesh: str, model_cfg, model: str) -> No
                                                                    "sequence_parallel"):
         raise UsageError(f"--sequence-parallel applies to the dense decoders (gpt, llama "
                          f"models), not {model!r}")
-    tensor = parse_mesh(mesh).axis_sizes.get("tensor", 1)
+    tensor = shape.axis_sizes.get("tensor", 1)
     if tensor < 2:
         raise UsageError(f"--sequence-parallel needs a tensor axis of size 2 or more; mesh "
                          f"{mesh!r} has tensor={tensor} (e.g. --mesh data:2,tensor:2)")

@@ -12,11 +12,9 @@ from jaxdist import metrics, record_builder, telemetry
 from jaxdist.devices import env_info
 from jaxdist.pipeline.program import PipelineProgram
 from jaxdist.pipeline.report import pipeline_block, switch_runs
-from jaxdist.predict.inrun import safe_prediction_block
 from jaxdist.program import comm
 from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.train_step import compiled_step_flops
-from sharding import get_layout
 
 
 @dataclass
@@ -35,15 +33,14 @@ class Measured:
     profile_steps: tuple[int, int] | None = None
 
 
-def build(cfg, platform, ready, measured: Measured, monitor) -> dict:
-    """results.json of a mesh run: every block, the in-run prediction among them (from the
-    measured blocks it compares with), built once."""
-    m, program, compiled, model_cfg = measured, ready.program, ready.compiled, ready.model_cfg
+def build(job, platform, ready, measured: Measured, monitor, prediction) -> dict:
+    """results.json of a mesh run: every block, the run's own prediction (the loop's
+    Prediction hook) beside the measured blocks it compares with, built once."""
+    m, program, compiled, model_cfg = measured, ready.program, ready.compiled, job.model
     steps = step_time_block(m.timer, m.profile_steps, ready.start_step + len(m.losses) - 1)
     mean_s = steps["mean"] if steps["n"] else None
-    batch = cfg.train.batch_size
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
+    batch = job.train.batch_size
+    layout = job.rules
     pipeline = (pipeline_block(program, compiled, m.state, batch,
                                model_cfg.flops_per_sample() * batch, len(platform.devices))
                 if isinstance(program, PipelineProgram) else None)
@@ -51,7 +48,7 @@ def build(cfg, platform, ready, measured: Measured, monitor) -> dict:
         env=env_info(platform), compile_s=ready.compile_s, step_time_s=steps,
         warmup_step_time_s=m.timer.warmup_s,
         throughput=record_builder.throughput_block(batch, model_cfg.tokens_per_sample, mean_s),
-        mfu=mfu_block(cfg, model_cfg, program, compiled, platform.device_kind,
+        mfu=mfu_block(job, program, compiled, platform.device_kind,
                       len(platform.devices), mean_s),
         memory=memory_block(platform, compiled, m.state, monitor),
         sharding=metrics.sharding_summary(program.abstract_state, program.state_specs,
@@ -65,10 +62,10 @@ def build(cfg, platform, ready, measured: Measured, monitor) -> dict:
         distributed_optimizer=layout.distributed_optimizer,
         program=program_block(platform, program, compiled), pipeline=pipeline)
     return record_builder.build(
-        "jax", cfg.train.layout, dict(program.batch_sharding.mesh.shape), cfg, model_cfg,
+        "jax", job.layout.name, dict(program.batch_sharding.mesh.shape), job.cfg, model_cfg,
         metrics.param_count(program.logical_state), **blocks,
         # The model's prediction for the part (--hardware, or the devices' own), beside it.
-        prediction=safe_prediction_block(cfg, platform, blocks), accuracy=m.accuracy,
+        prediction=prediction.block(blocks), accuracy=m.accuracy,
         start_step=ready.start_step, checkpoint=m.checkpoint, profile=m.profile)
 
 
@@ -114,14 +111,14 @@ def program_block(platform, program, compiled) -> dict:
             "xla_cost": reading["xla_cost"]}
 
 
-def mfu_block(cfg, model_cfg, program, compiled, device_kind: str, num_devices: int,
+def mfu_block(job, program, compiled, device_kind: str, num_devices: int,
               step_s: float | None) -> dict:
     """results["mfu"]: the model's analytic FLOPs (mfu) and the compiled step's, every
     micro-batch counted (hfu), over the part's peak."""
-    return metrics.mfu(device_kind, cfg.model.dtype, num_devices, step_s,
+    return metrics.mfu(device_kind, job.dtype, num_devices, step_s,
                        compiled_step_flops(program, compiled),
-                       model_cfg.flops_per_sample() * cfg.train.batch_size,
-                       cfg.model.matmul_precision)
+                       job.model.flops_per_sample() * job.train.batch_size,
+                       job.matmul_precision)
 
 
 def comm_block(layout: str, compiled, program) -> dict:

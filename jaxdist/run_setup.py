@@ -12,13 +12,11 @@ import jax
 
 from jaxdist import host_memory, metrics
 from jaxdist.checkpoint import Checkpointer, identity
-from jaxdist.config import RunConfig
 from jaxdist.data import NUM_SYNTHETIC_BATCHES, TrainStream
 from jaxdist.errors import UsageError
 from jaxdist.mesh import build_mesh
 from jaxdist.program import compiled as compiled_mod
 from jaxdist.program.xla_compile import compile_with
-from jaxdist.run_model import build_model
 from jaxdist.stop import set_phase
 from jaxdist.train_step import put_batch
 
@@ -39,32 +37,34 @@ class Ready:
     compile_s: float
 
 
-def setup(cfg: RunConfig, platform, log, notice: str | None) -> Ready:
-    """Build, restore or init, trace and compile; each phase named for a stop (set_phase)."""
-    model_cfg, dataset = build_model(cfg)
-    program = compiled_mod.step_program(cfg, model_cfg,
-                                        build_mesh(platform.shape, platform.devices))
+def setup(job, platform, log, notice: str | None) -> Ready:
+    """Build, restore or init, trace and compile `job`'s step (jaxdist.job); each phase
+    named for a stop (set_phase)."""
+    model_cfg, dataset, train = job.model, job.dataset, job.train
+    program = compiled_mod.step_program(job, build_mesh(platform.shape, platform.devices))
     if notice:
         log(notice)
     if platform.backend == "cpu":  # this host's RAM: refused before anything is allocated
-        check_host_memory(cfg, platform, model_cfg, dataset, program)
-    stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
+        check_host_memory(job, platform, program)
+    stream = TrainStream(model_cfg, dataset, train.batch_size, train.seed)
     next_batch = batch_feed(stream, dataset is not None, program.batch_sharding)
-    total_steps = cfg.loop.warmup + cfg.loop.steps
+    total_steps = job.loop.warmup + job.loop.steps
 
-    ckpt = (Checkpointer(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.checkpoint_every,
-                         dict(identity(cfg), layout=cfg.train.layout, mesh=platform.shape.label,
-                              seed=cfg.train.seed, batch_size=cfg.train.batch_size))
-            if cfg.checkpoint.checkpoint_dir else None)
-    set_phase("checkpoint restore" if cfg.checkpoint.resume else "state init")
-    state, start_step = restore_or_init(cfg, ckpt, program, stream, total_steps, log)
+    ck = job.checkpoint
+    ckpt = (Checkpointer(ck.checkpoint_dir, ck.checkpoint_every,
+                         dict(identity(job.cfg), layout=job.layout.name,
+                              mesh=platform.shape.label, seed=train.seed,
+                              batch_size=train.batch_size))
+            if ck.checkpoint_dir else None)
+    set_phase("checkpoint restore" if ck.resume else "state init")
+    state, start_step = restore_or_init(ck.resume, ckpt, program, stream, total_steps, log)
     set_phase("tracing the step", start_step)
     start = time.perf_counter()
     lowered = program.step.lower(state, put_batch(stream.batch(0), program.batch_sharding))
     set_phase("the XLA compile")
     compiled = compile_with(lowered, None)
     compile_s = time.perf_counter() - start
-    log(f"compiled the {cfg.train.layout} step in {compile_s:.2f} s")
+    log(f"compiled the {job.layout.name} step in {compile_s:.2f} s")
     return Ready(model_cfg, dataset, program, stream, next_batch, ckpt, state, start_step,
                  total_steps, compiled, compile_s)
 
@@ -79,13 +79,13 @@ def check_step_memory(platform, compiled) -> None:
                           "step (outputs and temporaries, the compiler's figure)", local)
 
 
-def check_host_memory(cfg, platform, model_cfg, dataset, program) -> None:
+def check_host_memory(job, platform, program) -> None:
     """The train state's shards on this process's CPU devices (exact, from shapes) and its
     batches: a synthetic pool of NUM_SYNTHETIC_BATCHES on the host, each placed on the
     devices once (batch_feed); a dataset's one at a time."""
     local = [d for d in platform.devices if d.process_index == jax.process_index()]
-    batch = compiled_mod.batch_bytes(model_cfg, cfg.train.batch_size)
-    pool = NUM_SYNTHETIC_BATCHES if dataset is None else 1
+    batch = compiled_mod.batch_bytes(job.model, job.train.batch_size)
+    pool = NUM_SYNTHETIC_BATCHES if job.dataset is None else 1
     host_memory.check(host_memory.state_bytes(program.abstract_state, program.state_shardings,
                                               local)
                       + pool * batch * (1 + len(local) / len(platform.devices)),
@@ -109,9 +109,9 @@ def batch_feed(stream: TrainStream, real_data: bool, sharding):
     return next_batch
 
 
-def restore_or_init(cfg: RunConfig, ckpt, program, stream, total_steps: int, log):
+def restore_or_init(resume: bool, ckpt, program, stream, total_steps: int, log):
     """(train state, first step): from the latest checkpoint with --resume, else fresh."""
-    if cfg.checkpoint.resume:
+    if resume:
         latest = ckpt.latest()
         if latest is None:  # nothing there at all: said before the compile (disk_notices)
             if any(p.name.split(".")[0].isdigit() for p in ckpt.directory.iterdir()):

@@ -93,6 +93,27 @@ def abstract_train_state(model_cfg, dtype_name: str, tx, seed: int = 0, master: 
     return jax.eval_shape(_init_fn(model_cfg, DTYPES[dtype_name], tx, seed, master))
 
 
+def loss_and_grad(model_cfg, graphdef, logical=None, stored_model_state=None):
+    """The one gradient of the training loss, every step's (the mesh layouts' step, the
+    parameter-server worker's): `(params, model_state, batch) -> ((loss, model_state),
+    grads)`, jax.value_and_grad with FP8 gradient amaxes (models.fp8). With `logical` (the
+    state as the model sees it) the padded storage is cut to it first, so padding never
+    enters the math and its gradient is zero, and the model state goes back padded as
+    `stored_model_state`."""
+    def loss_fn(params, model_state, batch):
+        if logical is not None:
+            params = padding.fit_tree(params, logical["params"])
+            model_state = padding.fit_tree(model_state, logical["model_state"])
+        model = nnx.merge(graphdef, params, model_state, copy=True)
+        loss = model_cfg.loss(model, batch)
+        new_state = nnx.split(model, nnx.Param, ...)[2]
+        if stored_model_state is not None:
+            new_state = padding.fit_tree(new_state, stored_model_state)
+        return loss, new_state
+
+    return fp8.value_and_grad(loss_fn)
+
+
 def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
                   microbatches: int = 1, matmul_precision: str = "default") -> Program:
     dtype = DTYPES[dtype_name]
@@ -118,17 +139,7 @@ def build_program(model_cfg, dtype_name: str, tx, layout, mesh: Mesh, seed: int,
     batch_sharding = NamedSharding(mesh, batch_spec(mesh))
     replicated = NamedSharding(mesh, P())
 
-    def loss_fn(params, model_state, batch):
-        # the model computes on the logical view: padding never enters the math, and its
-        # gradient is zero
-        params = padding.fit_tree(params, logical["params"])
-        model = nnx.merge(graphdef, params,
-                          padding.fit_tree(model_state, logical["model_state"]), copy=True)
-        loss = model_cfg.loss(model, batch)
-        return loss, padding.fit_tree(nnx.split(model, nnx.Param, ...)[2],
-                                      abstract_state["model_state"])
-
-    grad_fn = fp8.value_and_grad(loss_fn)  # jax.value_and_grad, and FP8 gradient amaxes
+    grad_fn = loss_and_grad(model_cfg, graphdef, logical, abstract_state["model_state"])
 
     def micro_step(params, carry, mb):
         """One iteration of the micro-batch loop: add one slice's loss and gradients."""

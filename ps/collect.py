@@ -165,7 +165,7 @@ def _breakdown(ref: dict, stats: list[dict], warmup: int, steps: int, workers: i
     }
 
 
-def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
+def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
             interrupted: str | None = None) -> dict:
     """Worker files + shard stats -> results.json and TensorBoard events (RunWriter).
     `interrupted`: the signal that stopped the run; the workers wrote what they measured
@@ -180,6 +180,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
     from jaxdist.telemetry.combine import combine
     from ps.shardmap import abstract_model
 
+    cfg, shape = job.cfg, job.shape
     psdir = Path(logdir) / "ps"
     num_workers, devices = shape.data, shape.fsdp
     workers = {}
@@ -203,7 +204,7 @@ def collect(cfg, shape, logdir: Path, stats: list[dict], shard_map, launch=None,
         losses.append(sum(values) / len(values))
     timed = ref["step_s"][warmup:]
     steps = metrics.step_time_block(timed)
-    model_cfg, _, abstract_params, abstract_ms = abstract_model(cfg)
+    model_cfg, _, abstract_params, abstract_ms = abstract_model(job)
     batch = cfg.train.batch_size
     tokens = model_cfg.tokens_per_sample
     throughput = job_throughput(workers, batch // num_workers, warmup, tokens)

@@ -32,12 +32,15 @@ from ps.security import TOKEN_ENV, run_token
 from ps.shard_client import ShardClient
 
 
-def run_ps(cfg, shape, logdir: Path, log=print) -> dict:
+def run_ps(job, logdir: Path, log=print) -> dict:
+    """A parameter-server run of `job` (jaxdist.job): start its shards and workers, watch
+    them, collect their record into `logdir`."""
     from ps.shardmap import shard_map_for
 
+    cfg, shape = job.cfg, job.shape
     psdir = Path(logdir) / "ps"
     psdir.mkdir(parents=True, exist_ok=True)
-    shard_map = shard_map_for(cfg)
+    shard_map = shard_map_for(job)
     (psdir / "shard_map.json").write_text(json.dumps(shard_map.to_dict(), indent=1))
     log(f"ps: {shard_map.describe()}")
     if cfg.mesh.platform == "cpu" or gpu_count() < shape.size:
@@ -64,7 +67,7 @@ def run_ps(cfg, shape, logdir: Path, log=print) -> dict:
             stats = launch.stats()
         finally:
             procs.stop_all(launch.children)
-    results = collect(cfg, shape, logdir, stats, shard_map, launch, interrupted)
+    results = collect(job, logdir, stats, shard_map, launch, interrupted)
     log(format_ps(results))
     return results
 
@@ -76,8 +79,8 @@ def main(argv=None) -> int:
     after workers started by a scheduler have written RUN/ps/worker<w>.json, fetch the
     shards' statistics, shut the shards down and write results.json + TensorBoard."""
     from jaxdist.config import add_arguments, from_namespace
-    from jaxdist.mesh import parse_mesh
     from jaxdist.errors import OneLineParser
+    from jaxdist.job import for_process
     from ps.shardmap import shard_map_for
 
     parser = OneLineParser(prog="python -m ps.driver")
@@ -91,8 +94,8 @@ def main(argv=None) -> int:
     try:
         if not cfg.output.logdir:
             raise UsageError("--collect-only needs --logdir (where the workers wrote ps/)")
-        shape = parse_mesh(cfg.mesh.mesh)
-        shard_map = shard_map_for(cfg)
+        job = for_process(cfg)
+        shard_map = shard_map_for(job)
     except UsageError as e:
         print(f"ps.driver: error: {e}", file=sys.stderr)
         return 2
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
         if not args.keep_servers:
             client.control("shutdown")
         client.close()
-    collect(cfg, shape, Path(cfg.output.logdir), stats, shard_map)
+    collect(job, Path(cfg.output.logdir), stats, shard_map)
     print(f"results: {Path(cfg.output.logdir) / 'results.json'}")
     return 0
 

@@ -34,17 +34,14 @@ from ps.tcp import DataServer  # noqa: E402
 FAULT_ENV = "JAXDIST_PS_FAULT"  # test-only fault injection, see ps/faults in docs/ps.md
 
 
-def initial_params(cfg, shard_map, shard: int) -> np.ndarray:
+def initial_params(job, shard_map, shard: int) -> np.ndarray:
     """This shard's slice of the seeded initial parameters: every server computes the same
-    model init from the run config, so no process has to send the initial weights."""
+    model init from the run's job, so no process has to send the initial weights."""
     import jax
 
     from jaxdist.train_step import DTYPES, split_model
-    from ps.shardmap import model_config
 
-    model_cfg = model_config(cfg)
-    params = jax.jit(lambda: split_model(model_cfg, DTYPES[cfg.model.dtype],
-                                          cfg.train.seed)[1])()
+    params = jax.jit(lambda: split_model(job.model, DTYPES[job.dtype], job.train.seed)[1])()
     flat = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(params)])
     return shard_map.gather(flat, shard)
 
@@ -88,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from jaxdist.config import from_namespace
     from jaxdist import procs
+    from jaxdist.job import for_process
     from ps.shardmap import shard_map_for
 
     procs.parent_watchdog()
@@ -119,8 +117,11 @@ def main(argv=None) -> int:
                 f"{ready.parent} is not a folder (the file is written once serving)"))
         if (cfg.ps.ps_checkpoint_every or args.restore) and not args.snapshot_dir:
             raise UsageError("--ps-checkpoint-every and --restore need --snapshot-dir")
-        shard_map = shard_map_for(cfg, args.of)
-        workers = _num_workers(cfg)
+        job = for_process(cfg)  # validated by the launcher
+        if job.shape.size is None:
+            raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
+        shard_map = shard_map_for(job, args.of)
+        workers = job.shape.data
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         f"{shard_map.bytes_per_shard[args.shard]:,} bytes of parameters")
     snap_dir = Path(args.snapshot_dir) if args.snapshot_dir else None
     epoch = snapshot.next_epoch(snap_dir) if snap_dir else 0
-    core = ShardCore(initial_params(cfg, shard_map, args.shard),
+    core = ShardCore(initial_params(job, shard_map, args.shard),
                      make_optimizer(cfg.train.optimizer, cfg.train.lr),
                      mode=cfg.ps.ps_mode, num_workers=workers, staleness=cfg.ps.staleness,
                      staleness_lr=cfg.ps.ps_staleness_lr,
@@ -195,15 +196,6 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
-
-
-def _num_workers(cfg) -> int:
-    from jaxdist.mesh import parse_mesh
-
-    shape = parse_mesh(cfg.mesh.mesh)
-    if shape.size is None:
-        raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
-    return shape.data
 
 
 if __name__ == "__main__":

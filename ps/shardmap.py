@@ -176,36 +176,24 @@ def build_shard_map(leaves: list[Leaf], num_shards: int,
     return ShardMap(num_shards, chunk, tuple(leaves), tuple(pieces), total)
 
 
-def model_config(cfg):
-    """The run's model config, sized for its dataset (jaxdist.run_model.build_model)."""
-    from jaxdist.run_model import build_model
-
-    return build_model(cfg)[0]
-
-
-def abstract_model(cfg):
-    """(model config, graphdef, abstract params, abstract model state): shapes only, no
-    backend starts (the launcher must not take a device)."""
-    return _abstract_model(cfg.model, cfg.data.dataset, cfg.data.data_dir, cfg.train.seed,
-                           cfg.train.remat)
+def abstract_model(job):
+    """(model config, graphdef, abstract params, abstract model state) of a job
+    (jaxdist.job): shapes only, no backend starts (the launcher must not take a device)."""
+    return _abstract_model(job.model, job.dtype, job.train.seed)
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_model(model, dataset, data_dir, seed, remat):
+def _abstract_model(model_cfg, dtype: str, seed: int):
     from flax import nnx
 
-    from jaxdist.config import DataConfig, RunConfig, TrainConfig
     from jaxdist.train_step import DTYPES, split_model
 
-    data = DataConfig(dataset=dataset, data_dir=data_dir)
-    model_cfg = model_config(RunConfig(model=model, data=data,
-                                       train=TrainConfig(seed=seed, remat=remat)))
     graphdef, params, model_state = nnx.eval_shape(
-        lambda: split_model(model_cfg, DTYPES[model.dtype], seed))
+        lambda: split_model(model_cfg, DTYPES[dtype], seed))
     return model_cfg, graphdef, params, model_state
 
 
-def shard_map_for(cfg, num_shards: int | None = None) -> ShardMap:
-    """The map for a run config, from abstract shapes only."""
-    params = abstract_model(cfg)[2]
-    return build_shard_map(leaves_of(params), num_shards or cfg.ps.ps_shards)
+def shard_map_for(job, num_shards: int | None = None) -> ShardMap:
+    """The map for a job (jaxdist.job), from abstract shapes only."""
+    params = abstract_model(job)[2]
+    return build_shard_map(leaves_of(params), num_shards or job.ps.ps_shards)

@@ -70,7 +70,8 @@ class Program:
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from jaxdist.train_step import DTYPES, MeshJit, split_model, jax_matmul_precision
+        from jaxdist.train_step import (DTYPES, MeshJit, jax_matmul_precision, loss_and_grad,
+                                        split_model)
         from sharding import batch_spec
 
         dtype = DTYPES[cfg.model.dtype]
@@ -85,12 +86,10 @@ class Program:
         # the step (or concatenating the gradients there) made XLA's CPU backend fuse the
         # slices into the matmuls and run 50-100x slower. Flattening on the host costs one
         # copy of the model per step.
+        gradient = loss_and_grad(model_cfg, graphdef)  # the mesh layouts' own
+
         def grad_fn(params, model_state, batch):
-            def loss_fn(params):
-                model = nnx.merge(graphdef, params, model_state, copy=True)
-                loss = model_cfg.loss(model, batch)
-                return loss, nnx.split(model, nnx.Param, ...)[2]
-            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            (loss, new_state), grads = gradient(params, model_state, batch)
             return loss, grads, new_state
 
         def correct_fn(params, model_state, batch):
@@ -143,22 +142,21 @@ class Program:
         return {k: jax.device_put(v, self.batch_sharding) for k, v in batch_np.items()}
 
 
-def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platform,
+def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platform,
                log=print) -> dict:
     import numpy as np
 
     from jaxdist import metrics, telemetry
-    from jaxdist.data import TrainStream, eval_batches, load_dataset
+    from jaxdist.data import TrainStream, eval_batches
     from jaxdist.devices import env_info
-    from jaxdist.mesh import build_mesh, parse_mesh
+    from jaxdist.mesh import build_mesh
     from jaxdist.program.xla_compile import compile_timed
     from ps.client import PSClient
     from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of
 
-    num_workers = parse_mesh(cfg.mesh.mesh).data
-    model_cfg, graphdef, abstract, abstract_state = abstract_model(cfg)
-    dataset = load_dataset(cfg.data.dataset, cfg.data.data_dir)
+    cfg, num_workers, dataset = job.cfg, job.shape.data, job.dataset
+    model_cfg, graphdef, abstract, abstract_state = abstract_model(job)
     mesh = build_mesh(platform.shape, platform.devices)
     shard_map = build_shard_map(leaves_of(abstract), len(servers))
     program = Program(cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh)
@@ -321,7 +319,8 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 def main(argv=None) -> int:
     from jaxdist.config import from_namespace
     from jaxdist.errors import UsageError
-    from jaxdist.mesh import MeshShape, parse_mesh
+    from jaxdist.job import for_process
+    from jaxdist.mesh import MeshShape
     from jaxdist import procs
     from ps.shard_client import PSError
 
@@ -331,7 +330,8 @@ def main(argv=None) -> int:
     cfg = from_namespace(args)
     log = lambda msg: print(f"[worker {args.worker}] {msg}", flush=True)  # noqa: E731
     try:
-        shape = parse_mesh(cfg.mesh.mesh)
+        job = for_process(cfg)  # validated by the launcher
+        shape = job.shape
         if shape.size is None:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         if not 0 <= args.worker < shape.data:
@@ -353,7 +353,7 @@ def main(argv=None) -> int:
         print(f"ps.worker: error: {e}", file=sys.stderr)
         return 2
     try:
-        run_worker(cfg, args.worker, servers, Path(args.out) if args.out else None, platform,
+        run_worker(job, args.worker, servers, Path(args.out) if args.out else None, platform,
                    log)
     except PSError as e:
         print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)

@@ -49,13 +49,15 @@ def plan_by_full_trace(model: str, layout: str, mesh: str) -> tuple[dict, float]
 
     from jaxdist import state_shapes
     from jaxdist.plan import shapes as dryrun
-    from jaxdist.config import ModelConfig, RunConfig, TrainConfig
-    from jaxdist.mesh import parse_mesh
+    from experiments.validation import validate
+    from jaxdist.config import MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 
-    cfg = RunConfig(model=ModelConfig(model=model), train=TrainConfig(layout=layout))
+    job = validate(RunConfig(mesh=MeshConfig(mesh=mesh), model=ModelConfig(model=model),
+                             train=TrainConfig(layout=layout),
+                             output=OutputConfig(dry_run=True)))
     start = time.process_time()
     with mock.patch.object(state_shapes, "_stacked_model_state", lambda *_: None):
-        plan = dryrun.plan(cfg, parse_mesh(mesh))
+        plan = dryrun.plan(job)
     return json.loads(json.dumps(plan.to_json())), time.process_time() - start
 
 

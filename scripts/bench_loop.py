@@ -42,6 +42,7 @@ def main() -> int:
 
     from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig,
                                 RunConfig, TrainConfig)
+    from experiments.validation import validate
     from jaxdist import loop, metrics
     from jaxdist.devices import select_devices
     from jaxdist.mesh import build_mesh
@@ -81,7 +82,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as null:
             saved, sys.stderr = sys.stderr, null  # the bar still renders, unseen
             try:
-                results = loop.run(cfg, platform, Path(tmp) / "run", log=lambda *_: None)
+                results = loop.run(validate(cfg).with_shape(shape), platform, Path(tmp) / "run",
+                                   log=lambda *_: None)
             finally:
                 sys.stderr = saved
         window = results["window"]

@@ -61,6 +61,7 @@ class Server:
 
     def __init__(self, tmp: Path, mode: str):
         from jaxdist.config import MeshConfig, ModelConfig, PSConfig, RunConfig
+        from jaxdist.job import for_process
         from ps.shardmap import shard_map_for
 
         self.mode = mode
@@ -70,7 +71,7 @@ class Server:
             str(self.ready), *model_flags(mode)), env(), tmp / f"{mode}.log")
         cfg = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
                         ps=PSConfig(ps_shards=1, ps_mode=mode))
-        self.map = shard_map_for(cfg, 1)
+        self.map = shard_map_for(for_process(cfg), 1)
 
     def wait(self) -> None:
         deadline = time.monotonic() + 120

@@ -32,13 +32,11 @@ CASES = {  # layout: (mesh, model options, micro-batches); gpt-tiny (depth 4 for
 
 def reading_of(cfg, target, blocks: str):
     """Figures of the whole step on `target` (depth 1/2 extrapolated for big decoders)."""
-    from jaxdist.mesh import parse_mesh
+    from experiments.validation import validate
     from jaxdist.predict import program
-    from jaxdist.run_model import build_model
 
-    model_cfg, _ = build_model(cfg)
-    shape = parse_mesh(cfg.mesh.mesh)
-    return program.step_figures(cfg, model_cfg, shape, blocks, target)
+    job = validate(cfg)
+    return program.step_figures(job, job.model, job.shape, blocks, target)
 
 
 def by_kind(comm_rows) -> dict:

@@ -138,3 +138,23 @@ def avg_power_tolerance(power: dict) -> float:
     if power["energy_source"] == "counter":
         return 0.1 / power["window"]["duration_s"] + 0.01
     return 0.05
+
+
+def job_of(cfg, shape: MeshShape | None = None):
+    """The resolved job (jaxdist.job) of a config the test built by hand, on `shape` (its
+    own --mesh by default): what experiments.validation.validate returns, without the
+    run-level checks (a test's config is valid by construction)."""
+    from jaxdist import job
+    from jaxdist.hardware import get_hardware
+    from jaxdist.mesh import parse_mesh
+
+    part = (get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+            if cfg.output.hardware else None)
+    return job.resolve(cfg, job.kind_of(cfg), shape or parse_mesh(cfg.mesh.mesh), part)
+
+
+def run_loop(cfg, platform, logdir, **kwargs) -> dict:
+    """jaxdist.loop.run of a hand-built config on `platform`'s devices."""
+    from jaxdist import loop
+
+    return loop.run(job_of(cfg, platform.shape), platform, logdir, **kwargs)

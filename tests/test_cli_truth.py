@@ -17,7 +17,7 @@ from jaxdist.config import RunConfig, TrainConfig
 from jaxdist.data import DATASETS
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
-from jaxdist.notices import notices
+from experiments.notices import notices
 from jaxdist.record import RunRecord
 from models import model_names
 from sharding import layout_names

@@ -16,7 +16,7 @@ from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
 from models.context import sequence_order
 from sharding import get_layout
-from tests.helpers import cli_main
+from tests.helpers import cli_main, job_of
 
 STEPS = 2
 _reference: dict = {}
@@ -193,7 +193,6 @@ def test_xla_gpu_moves_keys_and_values_on_context_only():
     from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
     from jaxdist.hardware import get_hardware
     from jaxdist.program import compiled, program_reading
-    from jaxdist.run_model import build_model
 
     if compiled.gpu_compiler_missing() is not None:
         pytest.skip(str(compiled.gpu_compiler_missing()))
@@ -201,10 +200,10 @@ def test_xla_gpu_moves_keys_and_values_on_context_only():
     cfg = RunConfig(mesh=MeshConfig(mesh=mesh),
                     model=ModelConfig(model="llama-tiny", dtype="bfloat16"),
                     train=TrainConfig(layout="tp", batch_size=batch))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
-    _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    _, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     moved: dict = {}
     for op in reading["collectives"]:
@@ -242,13 +241,12 @@ def test_memory_estimate_splits_activations_over_context():
     from jaxdist.config import ModelConfig, RunConfig, TrainConfig
     from jaxdist.plan import shapes
     from jaxdist.predict import memory
-    from jaxdist.run_model import build_model
 
     def estimate(mesh):
         cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
                         train=TrainConfig(layout="ddp", batch_size=16, remat="dots"))
-        state = shapes.plan(cfg, parse_mesh(mesh)).to_json()
-        return memory.predict_memory(build_model(cfg)[0], "float32", 16, 1,
+        state = shapes.plan(job_of(cfg, parse_mesh(mesh))).to_json()
+        return memory.predict_memory(job_of(cfg).model, "float32", 16, 1,
                                      dict(parse_mesh(mesh).axis_sizes),
                                      state["state_bytes_per_device"],
                                      state["state_bytes_global"]["params"], False, True)
@@ -268,7 +266,6 @@ def test_pipeline_plan_splits_the_stash_over_context():
     from jaxdist.config import from_namespace
     from jaxdist.plan.pipeline_shapes import plan_pipeline
     from jaxdist.predict.pipeline import message_bytes
-    from jaxdist.run_model import build_model
 
     def plan(mesh, microbatches=4):
         cfg = from_namespace(build_parser().parse_args([
@@ -276,8 +273,8 @@ def test_pipeline_plan_splits_the_stash_over_context():
             "tp_pp", "--mesh", mesh, "--microbatches", str(microbatches), "--batch-size", "16",
             "--dtype", "bfloat16", "--sequence-parallel"]))
         sizes = dict(parse_mesh(mesh).axis_sizes)
-        return plan_pipeline(cfg, parse_mesh(mesh)).to_json()["stages"], message_bytes(
-            cfg, build_model(cfg)[0], sizes)
+        job = job_of(cfg, parse_mesh(mesh))
+        return plan_pipeline(job).to_json()["stages"], message_bytes(job, job.model, sizes)
     (whole, msg_whole), (split, msg_split) = (
         plan("data:4,stage:2,tensor:8"), plan("data:2,stage:2,context:2,tensor:8"))
     for a, b in zip(whole, split):
@@ -299,7 +296,6 @@ def test_xla_gpu_ring_passes_keys_and_values_round_context():
     from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
     from jaxdist.hardware import get_hardware
     from jaxdist.program import compiled, program_reading
-    from jaxdist.run_model import build_model
 
     if compiled.gpu_compiler_missing() is not None:
         pytest.skip(str(compiled.gpu_compiler_missing()))
@@ -309,10 +305,10 @@ def test_xla_gpu_ring_passes_keys_and_values_round_context():
                                       model_opts="depth=1"),
                     train=TrainConfig(layout="zero1", batch_size=batch,
                                       context_attention="ring"))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
-    _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    _, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     permutes = [op for op in reading["collectives"] if op["kind"] == "collective-permute"]
     assert {"+".join(op["axes"]) for op in permutes} == {"context"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from jaxdist.config import CheckpointConfig, OutputConfig, RunConfig
-from jaxdist.notices import disk_notices
+from experiments.notices import disk_notices
 from jaxdist.record import RunRecord
 
 

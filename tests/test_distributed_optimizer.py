@@ -18,7 +18,7 @@ from jaxdist.train_step import abstract_train_state, make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
 from sharding.optimizer import leaf_over_data
-from tests.helpers import cli_main, train
+from tests.helpers import cli_main, job_of, train
 
 TX = make_optimizer("adamw", 1e-2)
 
@@ -177,7 +177,7 @@ def test_plan_has_the_master_and_matches_megatrons_bytes_per_parameter():
     cfg = RunConfig(mesh=MeshConfig(mesh="data:4,tensor:2"),
                     model=ModelConfig(model="gpt-tiny", dtype="bfloat16"),
                     train=TrainConfig(layout="tp", distributed_optimizer=True))
-    typed = shapes.plan(cfg, parse_mesh("data:4,tensor:2"))
+    typed = shapes.plan(job_of(cfg, parse_mesh("data:4,tensor:2")))
     plan = typed.to_json()
     per = plan["state_bytes_per_device"]
     assert plan["distributed_optimizer"] is True

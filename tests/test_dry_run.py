@@ -13,8 +13,7 @@ from jaxdist.program import compiled
 from jaxdist.config import ModelConfig, RunConfig, TrainConfig
 from jaxdist.mesh import parse_mesh
 from jaxdist.train_step import abstract_train_state, make_optimizer
-from jaxdist.run_model import build_model
-from tests.helpers import ROOT, child_env, cli_main, run_cli
+from tests.helpers import ROOT, child_env, cli_main, job_of, run_cli
 
 
 def test_llama3_70b_fsdp_on_4x8(tmp_path):
@@ -58,7 +57,7 @@ PLANS = {
 @pytest.mark.parametrize("model,layout,mesh", list(PLANS))
 def test_full_size_plans_are_exact(model, layout, mesh):
     cfg = RunConfig(model=ModelConfig(model=model), train=TrainConfig(layout=layout))
-    plan = dryrun.plan(cfg, parse_mesh(mesh)).to_json()
+    plan = dryrun.plan(job_of(cfg, parse_mesh(mesh))).to_json()
     params, per_device = PLANS[model, layout, mesh]
     assert plan["model"]["params"] == params
     assert plan["state_bytes_per_device"] == per_device
@@ -70,7 +69,7 @@ def test_stacked_state_is_the_whole_model_trace(model, opts):
     """Same paths, Variable types, shapes and dtypes as tracing the whole constructor, so
     every layout sees the same input."""
     cfg = RunConfig(model=ModelConfig(model=model, model_opts=opts))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     tx = make_optimizer("adamw", 1e-3)
     assert state_shapes._stacked_model_state(model_cfg, "float32") is not None  # the fast path
     stacked = state_shapes.planning_state(model_cfg, "float32", tx)
@@ -82,7 +81,7 @@ def test_stacked_state_is_the_whole_model_trace(model, opts):
 
 def test_models_that_are_not_a_stack_are_traced_whole():
     for model in ("mlp-tiny", "resnet-tiny", "gpt-tiny"):  # gpt-tiny: depth 2, nothing to gain
-        model_cfg, _ = build_model(RunConfig(model=ModelConfig(model=model)))
+        model_cfg = job_of(RunConfig(model=ModelConfig(model=model))).model
         assert state_shapes._stacked_model_state(model_cfg, "float32") is None
 
 

@@ -20,7 +20,7 @@ from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import fp8, get_model
 from sharding import get_layout
 from jaxdist.record import RunRecord
-from tests.helpers import cli_main
+from tests.helpers import cli_main, job_of
 
 SHAPE = MeshShape(2, 2)
 DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)")
@@ -217,16 +217,15 @@ def test_xla_gpu_program_for_8_h100_has_an_fp8_gemm_for_every_block_matmul():
     from jaxdist.hardware import get_hardware
     from jaxdist.mesh import parse_mesh
     from jaxdist.program import compiled, kernels
-    from jaxdist.run_model import build_model
     if compiled.gpu_compiler_missing() is not None:
         pytest.skip(str(compiled.gpu_compiler_missing()))
     cfg = RunConfig(mesh=MeshConfig(mesh="8"),
                     model=ModelConfig(model="gpt-tiny", dtype="float8"),
                     train=TrainConfig(layout="fsdp", batch_size=16))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
-    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     gemms = Counter(item["dtype"] for items in kernels.schedule(comp.as_text()).values()
                     for item in items if item["item"] == "kernel" and "gemm" in item["kind"])
     # q, k, v, out, up, down in 2 blocks: each one forward GEMM and two backward (input and

@@ -14,7 +14,7 @@ from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.errors import UsageError
 from jaxdist.hardware import get_hardware
 from jaxdist.mesh import parse_mesh
-from jaxdist.run_model import build_model
+from tests.helpers import job_of
 
 pytestmark = pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                                 reason=str(compiled.gpu_compiler_missing()))
@@ -49,11 +49,11 @@ def gpu_step(layout: str):
     """(cfg, program, reading) of the layout's step compiled by XLA:GPU, once per module."""
     if layout not in _compiled:
         cfg = config(layout)
-        model_cfg, _ = build_model(cfg)
+        model_cfg = job_of(cfg).model
         shape = parse_mesh(cfg.mesh.mesh)
         target = compiled.gpu_topology(H200, shape.size)
         runs = None
-        program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+        program, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
         if layout.endswith("pp"):
             from jaxdist.pipeline.report import switch_runs
             runs = switch_runs(comp.as_text(), dict(shape.axis_sizes), program.schedule)
@@ -144,10 +144,10 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel, ch
                     train=TrainConfig(layout="fsdp_tp", batch_size=64,
                                       sequence_parallel=sequence_parallel,
                                       tp_comm_chunks=chunks))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(mesh)
     target = compiled.gpu_topology(H200, shape.size)
-    program, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    program, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes)
     tensor = shape.axis_sizes["tensor"]
     specs = jax.tree.leaves(program.state_specs["params"], is_leaf=lambda x: isinstance(x, P))
@@ -188,10 +188,10 @@ def test_distributed_optimizer_moves_gradient_shards_and_bf16_weights_on_data(
     cfg = dataclasses.replace(config("tp"), train=TrainConfig(
         layout="tp", batch_size=64, distributed_optimizer=True,
         grad_reduce_dtype=reduce_dtype))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
-    program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    program, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
                                                dict(shape.axis_sizes))
@@ -208,7 +208,7 @@ def test_distributed_optimizer_moves_gradient_shards_and_bf16_weights_on_data(
 @SHARES_PROGRAMS
 def test_pipeline_sends_equal_the_analytic_stage_bytes():
     cfg, program, reading = gpu_step("tp_pp")
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     sends = sum(op["bytes"] for op in reading["collectives"]
                 if op["kind"] == "collective-permute")
     S, M = 4, cfg.train.microbatches
@@ -229,11 +229,11 @@ def test_gpu_and_cpu_programs_side_by_side_name_their_differences():
     """fsdp on one host of 8: XLA:GPU moves bf16 and reduce-scatters, XLA:CPU all-reduces
     float32 gradients whole; the differences say so."""
     cfg = dataclasses.replace(config("fsdp"), mesh=MeshConfig(mesh="1x8"))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh("1x8")
     readings = {}
     for target in (compiled.gpu_topology(H200, 8), compiled.simulated_cpu(8)):
-        _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+        _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
         readings[target.compiler] = program_reading.read(comp, target, shape.axis_sizes)
         # as_text's text, fetched once: XLA:GPU's from the modules the cost analysis read
         assert program_reading.text(comp) == comp.as_text()
@@ -256,10 +256,10 @@ def test_cudnn_attention_is_compiled_as_cudnn_and_counted():
                     model=ModelConfig(model="llama-tiny", model_opts="attention=cudnn",
                                       dtype="bfloat16"),
                     train=TrainConfig(layout="fsdp", batch_size=16))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh("1x8")
     target = compiled.gpu_topology(H200, 8)
-    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     inv = kernels.inventory(comp.as_text())
     fwd = inv["kernels"]["attention (cuDNN) forward"]
     bwd = inv["kernels"]["attention (cuDNN) backward"]
@@ -287,9 +287,9 @@ def test_cudnn_attention_compiles_under_the_tensor_layouts(layout, mesh, sp, mb)
                                       dtype="bfloat16"),
                     train=TrainConfig(layout=layout, batch_size=16, microbatches=mb,
                                       sequence_parallel=sp))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(mesh)
-    _, comp, _ = compiled.compile_step(cfg, model_cfg, shape,
+    _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape,
                                        compiled.gpu_topology(H200, shape.size))
     found = kernels.inventory(comp.as_text())["kernels"]
     fwd, bwd = found["attention (cuDNN) forward"], found["attention (cuDNN) backward"]
@@ -386,12 +386,12 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
     import os
 
     cfg, program, with_cache = gpu_step("fsdp_tp")
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
-    options = compiled.compile_options(cfg, target)
+    options = compiled.compile_options(job_of(cfg), target)
     assert options == compiled.kernel_cache_options()
-    assert compiled.compile_options(cfg, compiled.simulated_cpu(8)) is None
+    assert compiled.compile_options(job_of(cfg), compiled.simulated_cpu(8)) is None
     assert os.path.getsize(options["xla_gpu_kernel_cache_file"]) > 0
     lowered = program.step.lower(program.abstract_state,
                                  compiled.abstract_batch(model_cfg, cfg.train.batch_size))
@@ -423,13 +423,13 @@ def test_overlap_variant_lowers_once_and_predicts_as_alone(layout, mesh):
         return sum(1 for k in cache if str(k[0]).startswith("lowered"))
 
     shape, cache, before = parse_mesh(mesh), {}, xla_compile.compiles_run()
-    predict_plan(cfg(False), shape, cache=cache)
+    predict_plan(job_of(cfg(False), shape), cache=cache)
     lowered, compiles = lowerings(cache), xla_compile.compiles_run() - before
     assert lowered > 0 and compiles > 0
-    with_cache = predict_plan(cfg(True), shape, cache=cache).to_json()
+    with_cache = predict_plan(job_of(cfg(True), shape), cache=cache).to_json()
     assert lowerings(cache) == lowered
     assert xla_compile.compiles_run() - before == 2 * compiles
-    alone = predict_plan(cfg(True), shape).to_json()
+    alone = predict_plan(job_of(cfg(True), shape)).to_json()
     for part in ("time", "memory", "throughput"):
         assert with_cache[part] == alone[part], part
     assert with_cache["compiled"]["flops_per_device"] == alone["compiled"]["flops_per_device"]
@@ -462,7 +462,7 @@ def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
                                               model_opts=f"moe_impl={moe_impl}",
                                               dtype="bfloat16"),
                             train=TrainConfig(layout="ep", batch_size=64))
-            program, comp, _ = compiled.compile_step(cfg, build_model(cfg)[0], shape, target)
+            program, comp, _ = compiled.compile_step(job_of(cfg), job_of(cfg).model, shape, target)
             _ep_steps[moe_impl] = (program, comp,
                                    program_reading.read(comp, target, shape.axis_sizes))
         return _ep_steps[moe_impl]
@@ -537,11 +537,11 @@ def test_ordered_temporaries_extrapolate_from_the_live_ranges_to_a_whole_compile
                     train=TrainConfig(layout="fsdp_tp", batch_size=16, remat=remat,
                                       sequence_parallel=True),
                     compiler=CompilerConfig(overlap=True))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
-    whole = program.step_figures(cfg, model_cfg, shape, "full", target)
-    line = program.step_figures(cfg, model_cfg, shape, "extrapolate", target)
+    whole = program.step_figures(job_of(cfg), model_cfg, shape, "full", target)
+    line = program.step_figures(job_of(cfg), model_cfg, shape, "extrapolate", target)
     assert line["memory_method"].startswith("temporaries: depth 2's + ")
     assert line["memory"]["temp_bytes"] == pytest.approx(whole["memory"]["temp_bytes"],
                                                          rel=0.05)
@@ -558,11 +558,11 @@ def test_offloading_remat_holds_host_buffers_and_the_plan_counts_them_apart():
     from jaxdist.plan.predicted import predict_plan
 
     def plan(remat):
-        return predict_plan(RunConfig(
+        return predict_plan(job_of(RunConfig(
             mesh=MeshConfig(mesh="1x8"),
             model=ModelConfig(model="llama-tiny", model_opts="depth=1", dtype="bfloat16"),
             train=TrainConfig(layout="fsdp", batch_size=8, remat=remat),
-            output=OutputConfig(dry_run=True, hardware="h100-sxm")), parse_mesh("1x8")).to_json()
+            output=OutputConfig(dry_run=True, hardware="h100-sxm")), parse_mesh("1x8"))).to_json()
 
     kept, moved, full = plan("minimal"), plan("minimal_offloaded"), plan("full")
     assert kept["compiled"]["memory"]["host_temp_bytes"] == 0
@@ -588,8 +588,8 @@ def test_uneven_pipeline_step_compiles_and_skips_padded_slots():
         train=dataclasses.replace(cfg.train, pp_stage_blocks="1,1,1,2"))
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
-    model_cfg, _ = build_model(uneven)
-    program, comp, _ = compiled.compile_step(uneven, model_cfg, shape, target)
+    model_cfg = job_of(uneven).model
+    program, comp, _ = compiled.compile_step(job_of(uneven), model_cfg, shape, target)
     assert program.schedule.blocks == ((1,), (1,), (1,), (2,))
     runs = switch_runs(comp.as_text(), dict(shape.axis_sizes), program.schedule)
     reading = program_reading.read(comp, target, shape.axis_sizes, runs)
@@ -623,8 +623,8 @@ def test_pipeline_sends_and_the_gradient_reduction_overlap_the_ticks():
         distributed_optimizer=True))
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(H200, shape.size)
-    model_cfg, _ = build_model(cfg)
-    program, comp, _ = compiled.compile_step(cfg, model_cfg, shape, target)
+    model_cfg = job_of(cfg).model
+    program, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     order: dict = {}
     for ins in hlo.typed(comp.as_text()):
         if ins.op in ("collective-permute-start", "collective-permute-done", "conditional",

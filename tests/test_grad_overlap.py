@@ -11,7 +11,7 @@ from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
 from jaxdist.hardware import get_hardware
 from jaxdist.program.hlo import entry_computation
 from jaxdist.mesh import parse_mesh
-from jaxdist.run_model import build_model
+from tests.helpers import job_of
 
 pytestmark = pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
                                 reason=str(compiled.gpu_compiler_missing()))
@@ -29,10 +29,10 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     cfg = RunConfig(mesh=MeshConfig(mesh="data:4,tensor:8"),
                     model=ModelConfig(model="gpt-tiny", dtype="bfloat16"),
                     train=TrainConfig(layout="tp", batch_size=64, distributed_optimizer=True))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h200"), shape.size)
-    program, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    program, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     hlo = program_reading.text(comp)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     scatters = {op["name"]: op for op in reading["collectives"]
@@ -63,11 +63,11 @@ def _tensor_collectives_hidden(chunks: int, split: str = "batch") -> tuple[int, 
                     train=TrainConfig(layout="tp", batch_size=128, sequence_parallel=True,
                                       distributed_optimizer=True, tp_comm_chunks=chunks,
                                       tp_comm_split=split))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     assert model_cfg.tp_comm_chunks == chunks
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
-    _, comp, seconds = compiled.compile_step(cfg, model_cfg, shape, target)
+    _, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     return _hidden(comp, target, shape.axis_sizes)
 
 
@@ -123,12 +123,12 @@ def _pipeline_op_collectives_hidden(kind: int) -> tuple[int, int]:
                         "seq_len=4096,width=5120,depth=1,heads=40,attention=cudnn")),
                     train=TrainConfig(layout="tp_pp", batch_size=8, microbatches=4,
                                       sequence_parallel=True, pp_combined_1f1b=True))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     sizes = dict(shape.axis_sizes)
     low, _ = pl.op_lowered(cfg, model_cfg, sizes, 1, kind, False, 1, target)
-    (comp, _), = compile_lowered([low], compiled.compile_options(cfg, target))
+    (comp, _), = compile_lowered([low], compiled.compile_options(job_of(cfg), target))
     return _hidden(comp, target, sizes)
 
 

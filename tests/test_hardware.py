@@ -115,7 +115,7 @@ def test_cli_unknown_hardware_on_a_real_run(tmp_path, monkeypatch, capsys):
 
 def test_notices_with_hardware():
     from jaxdist.config import CompilerConfig, OutputConfig, RunConfig, TrainConfig
-    from jaxdist.notices import notices
+    from experiments.notices import notices
 
     # --hardware compiles the step: batch, micro-batches and overlap are read; --seed is not.
     cfg = RunConfig(output=OutputConfig(dry_run=True, hardware="h200"),

@@ -14,7 +14,7 @@ from jaxdist.devices import Platform
 from jaxdist.mesh import parse_mesh
 from jaxdist.predict.inrun import part_for_device_kind
 from jaxdist.record import RunRecord, check
-from tests.helpers import read_scalars, run_cli
+from tests.helpers import job_of, read_scalars, run_cli, run_loop
 
 
 def test_device_kind_to_part():
@@ -59,6 +59,10 @@ def test_hardware_on_a_real_run_carries_prediction_and_ratio(tmp_path):
     assert ratio["memory"] is None            # CPU has no allocator peak
     assert predicted["memory_bytes_per_device"] >= results["memory"]["state_bytes_per_device"]
     assert "the ratios check the plumbing, not the model" in p["note"]
+    # made by the loop's Prediction hook once the timed steps were done: its compile's
+    # seconds are recorded, and none of them are in a timed step
+    assert p["compile_s"] > 0
+    assert p["started_unix_s"] >= results["window"]["end_unix_s"]
     scalars = read_scalars(tmp_path / "run")
     assert scalars["predicted/step_s"] == [(0, pytest.approx(predicted["step_s"], rel=1e-6))]
     assert scalars["predicted/measured_over_predicted_step_s"][0][1] == \
@@ -76,8 +80,6 @@ class FakeGPU(Platform):
 
 
 def run_in_process(layout, mesh, model="gpt-tiny", hardware="", **train):
-    from jaxdist import loop
-
     shape = parse_mesh(mesh)
     cfg = RunConfig(mesh=MeshConfig(mesh=mesh), model=ModelConfig(model=model),
                     train=TrainConfig(layout=layout, batch_size=8, **train),
@@ -85,7 +87,7 @@ def run_in_process(layout, mesh, model="gpt-tiny", hardware="", **train):
                     output=OutputConfig(hardware=hardware, progress=False))
     platform = FakeGPU("cpu", True, tuple(jax.devices()[:shape.size]), shape,
                        kind="NVIDIA H100 80GB HBM3")
-    return loop.run(cfg, platform, None, log=lambda *a: None)
+    return run_loop(cfg, platform, None, log=lambda *a: None)
 
 
 # The fsdp job on 2x2 with no --hardware: its prediction comes from the devices' kind, and
@@ -132,7 +134,7 @@ def test_a_run_records_the_plan_of_the_same_job():
     cfg = RunConfig(mesh=MeshConfig(mesh="2x2"), model=ModelConfig(model="gpt-tiny"),
                     train=TrainConfig(layout="fsdp", batch_size=8),
                     output=OutputConfig(dry_run=True, hardware="h100-sxm"))
-    plan = plans.plan(cfg, parse_mesh("2x2")).to_json()
+    plan = plans.plan(job_of(cfg, parse_mesh("2x2"))).to_json()
     assert p["predicted"]["step_s"] == plan["time"]["step_s"]
     assert p["predicted"]["memory_bytes_per_device"] == plan["memory"]["total_bytes"]
     assert (p["predicted"]["fits"], p["predicted"]["verdict"]) == (plan["memory"]["fits"],

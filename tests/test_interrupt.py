@@ -17,7 +17,7 @@ from jaxdist.config import (LoopConfig, MeshConfig, ModelConfig, OutputConfig, R
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape
 from jaxdist.record import RunRecord, check
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, run_loop
 
 # No warm-up: every step is timed, so an interrupt always lands after timed steps (the path
 # that writes TensorBoard's summary; one landing in warm-up writes results.json only).
@@ -165,7 +165,7 @@ def _tiny_run(logdir, warmup: int, steps: int) -> dict:
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=warmup, steps=steps),
                     output=OutputConfig(progress=False))
-    return loop.run(cfg, select_devices(MeshShape(2, 4)), logdir, log=lambda *_: None)
+    return run_loop(cfg, select_devices(MeshShape(2, 4)), logdir, log=lambda *_: None)
 
 
 class StopAfter:

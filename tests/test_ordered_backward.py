@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.layers import run_blocks
+from tests.helpers import job_of
 
 
 def _grads_and_jaxpr(ordered: bool):
@@ -81,12 +82,11 @@ def test_layouts_that_gather_block_weights_order_the_blocks_whatever_the_remat()
     """fsdp, hsdp and fsdp_tp gather each block's weights: their decoders run ordered also
     under dots and without remat; ddp, zero1, tp and the pipelines only under full remat."""
     from jaxdist.config import MeshConfig, ModelConfig, RunConfig, TrainConfig
-    from jaxdist.run_model import build_model
 
     def ordered(layout, mesh, remat):
         cfg = RunConfig(mesh=MeshConfig(mesh=mesh), model=ModelConfig(model="gpt-tiny"),
                         train=TrainConfig(layout=layout, remat=remat, batch_size=8))
-        model_cfg = build_model(cfg)[0]
+        model_cfg = job_of(cfg).model
         return nnx.eval_shape(lambda: model_cfg.build(nnx.Rngs(0), jnp.float32)).ordered
 
     for remat in ("none", "dots", "full"):

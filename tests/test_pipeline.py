@@ -18,6 +18,7 @@ from jaxdist.pipeline.step import send_patterns
 from jaxdist.train_step import make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
+from tests.helpers import job_of
 
 BATCH = 8
 
@@ -377,7 +378,7 @@ def _plan(*argv):
     from jaxdist.plan.pipeline_shapes import plan_pipeline
 
     cfg = from_namespace(build_parser().parse_args(["--dry-run", *argv]))
-    return plan_pipeline(cfg, parse_mesh(cfg.mesh.mesh)).to_json()
+    return plan_pipeline(job_of(cfg, parse_mesh(cfg.mesh.mesh))).to_json()
 
 
 def test_dry_run_go2025_grid_gpt3_tp_pp():
@@ -445,7 +446,7 @@ def test_dry_run_uneven_stages_count_each_stages_blocks():
 def test_notices_for_pp_flags():
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
-    from jaxdist.notices import notices
+    from experiments.notices import notices
 
     cfg = from_namespace(build_parser().parse_args(["--layout", "fsdp", "--pp-schedule",
                                                     "gpipe"]))
@@ -484,7 +485,7 @@ def test_cli_run_records_pipeline(tmp_path):
 def test_pipeline_dry_run_reads_batch_and_microbatches():
     from experiments.run import build_parser
     from jaxdist.config import from_namespace
-    from jaxdist.notices import notices
+    from experiments.notices import notices
 
     cfg = from_namespace(build_parser().parse_args(
         ["--dry-run", "--layout", "pp", "--mesh", "stage:2", "--batch-size", "32",

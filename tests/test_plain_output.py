@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from jaxdist import loop
+from tests.helpers import run_loop
 from jaxdist.program import compiled
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
@@ -54,7 +54,7 @@ def test_progress_bar_counts_warmup_apart_and_then_the_timed_steps(capsys):
     cfg = RunConfig(mesh=MeshConfig(mesh="8"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(layout="ddp", batch_size=16),
                     loop=LoopConfig(warmup=2, steps=3), output=OutputConfig(progress=True))
-    results = loop.run(cfg, select_devices(MeshShape(8)), None, log=lambda *_: None)
+    results = run_loop(cfg, select_devices(MeshShape(8)), None, log=lambda *_: None)
     err = capsys.readouterr().err
     assert results["step_time_s"]["n"] == 3
     assert "ddp 8 warm-up: 100%" in err and "| 2/2 " in err

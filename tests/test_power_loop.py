@@ -7,7 +7,7 @@ import time
 import jax
 import pytest
 
-from jaxdist import loop, loop_hooks, telemetry
+from jaxdist import loop_hooks, telemetry
 from jaxdist.record import RunRecord
 from jaxdist.summary import format_summary
 from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig, ModelConfig,
@@ -15,7 +15,7 @@ from jaxdist.config import (CheckpointConfig, DataConfig, LoopConfig, MeshConfig
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape
 from jaxdist.telemetry import fake
-from tests.helpers import avg_power_tolerance, read_scalars
+from tests.helpers import avg_power_tolerance, read_scalars, run_loop
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_loop_fills_the_power_block(tmp_path, fake_gpu):
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=1, steps=40),
                     output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = run_loop(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
     power = results["power"]
     assert power["available"] is True
     assert [g["avg_w"] for g in power["gpus"]] == pytest.approx([300.0, 250.0], rel=0.05)
@@ -57,7 +57,7 @@ def test_profile_steps_write_a_trace(tmp_path):
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=1, steps=3),
                     output=OutputConfig(progress=False, profile_steps="2:3"))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = run_loop(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
     assert results["profile"]["steps"] == [2, 3]
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
     # Steps 1-3 are timed; 2 and 3 ran under the profiler, and the figures say so.
@@ -84,7 +84,7 @@ def test_energy_window_leaves_out_evaluation_and_checkpoint_saves(tmp_path, fake
                                                 checkpoint_every=5),
                     train=TrainConfig(batch_size=16), loop=LoopConfig(warmup=2, steps=12),
                     output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
+    results = run_loop(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None)
     window = results["power"]["window"]
     assert window["window_steps"] == [2, 13] and window["steps"] == 12
     # Steps 0..13 (steps_done 1..14): evaluation after 4, 8, 12 (14 is past the window's

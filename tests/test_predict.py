@@ -14,8 +14,7 @@ from jaxdist.mesh import parse_mesh
 from jaxdist.predict import memory, program
 from jaxdist.predict import verdict as verdict_of
 from jaxdist.predict import time_model
-from jaxdist.run_model import build_model
-from tests.helpers import run_cli
+from tests.helpers import job_of, run_cli
 
 H200 = get_hardware("h200")
 MESH = {"data": 4, "fsdp": 8}
@@ -301,8 +300,8 @@ def test_saved_residuals_are_what_jax_reports(capsys):
     from jaxdist.train_step import DTYPES, split_model
     from models.layers import barriers_off
 
-    cfg = build_model(RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
-                                train=TrainConfig(remat="dots")))[0]
+    cfg = job_of(RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
+                                train=TrainConfig(remat="dots"))).model
     mine = memory.saved_residuals(cfg, "float32", 4)
     graphdef, params, ms = nnx.eval_shape(lambda: split_model(cfg, DTYPES["float32"], 0))
     batch = {k: jax.ShapeDtypeStruct((4, *v.shape[1:]), v.dtype)
@@ -326,8 +325,8 @@ def test_micro_batches_halve_activations_and_carry_an_accumulator():
 
     cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32"),
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="dots"))
-    model_cfg = build_model(cfg)[0]
-    state = shapes.plan(cfg, parse_mesh("2x4")).to_json()
+    model_cfg = job_of(cfg).model
+    state = shapes.plan(job_of(cfg, parse_mesh("2x4"))).to_json()
     args = ({"data": 2, "fsdp": 4}, state["state_bytes_per_device"],
             state["state_bytes_global"]["params"], False, True)
     one = memory.predict_memory(model_cfg, "float32", 16, 1, *args)
@@ -351,10 +350,10 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
     cfg = RunConfig(model=ModelConfig(model="llama-tiny", dtype="float32",
                                       model_opts="seq_len=128,mlp_hidden=256"),
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="none"))
-    model_cfg = build_model(cfg)[0]
+    model_cfg = job_of(cfg).model
     shape = parse_mesh("1x1")
-    compiled = program.figures(cfg, model_cfg, shape)["memory"]["temp_bytes"]
-    state = shapes.plan(cfg, shape).to_json()
+    compiled = program.figures(job_of(cfg), model_cfg, shape)["memory"]["temp_bytes"]
+    state = shapes.plan(job_of(cfg, shape)).to_json()
     est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
                                 state["state_bytes_per_device"],
                                 state["state_bytes_global"]["params"], False, True)
@@ -387,10 +386,10 @@ def test_aggregate_and_extrapolate_hand_built():
 def test_depth_extrapolation_equals_full_compile_for_4_blocks():
     cfg = RunConfig(model=ModelConfig(model="gpt-tiny", model_opts="depth=4"),
                     train=TrainConfig(layout="fsdp", batch_size=16))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     shape = parse_mesh("2x4")
-    full = program.step_figures(cfg, model_cfg, shape, "full")
-    line = program.step_figures(cfg, model_cfg, shape, "extrapolate")
+    full = program.step_figures(job_of(cfg), model_cfg, shape, "full")
+    line = program.step_figures(job_of(cfg), model_cfg, shape, "extrapolate")
     assert full["method"] == "full compile" and "extrapolated" in line["method"]
     assert line["comm"] == full["comm"]  # every collective: count, bytes, ring bytes
     assert line["bytes_accessed"] == pytest.approx(full["bytes_accessed"], rel=1e-6)  # 1 byte
@@ -486,22 +485,22 @@ def test_attention_scores_separates_scores_from_activations(monkeypatch):
                 "bytes_accessed": model_cfg.depth * 7 * tokens * L}
     monkeypatch.setattr(program, "figures", fake)
     cfg = RunConfig(train=TrainConfig(batch_size=4))
-    model_cfg = dataclasses.replace(build_model(cfg)[0], seq_len=64, depth=6)
-    out = program.attention_scores(cfg, model_cfg, None)
+    model_cfg = dataclasses.replace(job_of(cfg).model, seq_len=64, depth=6)
+    out = program.attention_scores(job_of(cfg), model_cfg, None)
     assert out["temp_bytes"] == 6 * 3 * 4 * 64 * 64
     assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
 
 
 def test_flash_attention_applies_to_bf16_cudnn_decoders_only():
     # attention=default is XLA attention in JAX 0.10 on a GPU too (the L x L scores stay)
-    default = build_model(RunConfig(model=ModelConfig(model="llama-tiny")))[0]
+    default = job_of(RunConfig(model=ModelConfig(model="llama-tiny"))).model
     assert not program.flash_attention_applies(default, "bfloat16")
-    llama = build_model(RunConfig(model=ModelConfig(model="llama-tiny",
-                                                    model_opts="attention=cudnn")))[0]
+    llama = job_of(RunConfig(model=ModelConfig(model="llama-tiny",
+                                                    model_opts="attention=cudnn"))).model
     assert program.cpu_compilable(llama).attention == "xla"  # compiled here as XLA's
     assert program.flash_attention_applies(llama, "bfloat16")
     assert not program.flash_attention_applies(llama, "float32")
-    mlp = build_model(RunConfig(model=ModelConfig(model="mlp-tiny")))[0]
+    mlp = job_of(RunConfig(model=ModelConfig(model="mlp-tiny"))).model
     assert not program.flash_attention_applies(mlp, "bfloat16")
     assert not program.flash_attention_applies(
         dataclasses.replace(llama, attention="xla"), "bfloat16")
@@ -632,7 +631,7 @@ def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
                     train=TrainConfig(layout="ddp", batch_size=8),
                     compiler=CompilerConfig(compiler="cpu"),
                     output=OutputConfig(dry_run=True, hardware="l4"))
-    typed = predict_plan(cfg, parse_mesh("8"))
+    typed = predict_plan(job_of(cfg, parse_mesh("8")))
     plan = typed.to_json()
     assert plan["memory"]["fits"] is False and plan["verdict"] == "OOM"
     thr = plan["throughput"]
@@ -701,7 +700,7 @@ def test_a_gemm_triton_cannot_tile_is_planned_with_cublas():
                                       "seq_len=1024", dtype="bfloat16"),
                     train=TrainConfig(layout="ddp", batch_size=1024),
                     output=OutputConfig(dry_run=True, hardware="a100-sxm-80gb"))
-    typed = predict_plan(cfg, parse_mesh("32"))
+    typed = predict_plan(job_of(cfg, parse_mesh("32")))
     plan = typed.to_json()
     fallback = plan["compiled"]["fallback"]
     assert fallback["rejected"].startswith(f"INTERNAL: {compiled.TILING_REJECTED}")

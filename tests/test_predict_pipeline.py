@@ -13,6 +13,7 @@ from jaxdist.parts import Part
 from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
+from tests.helpers import job_of
 
 # A made-up part, so every figure below is simple arithmetic.
 HW = Part("test", "NVIDIA H200", 100e9, 1e12, 400e9, 50e9, 1, 700, ())
@@ -276,16 +277,15 @@ def tiny_cfg(schedule="1f1b", depth=4):
 def test_tiny_pipeline_prediction_end_to_end():
     from jaxdist.program.xla_compile import compiles_run
     from jaxdist.plan.predicted import predict_plan
-    from jaxdist.run_model import build_model
 
     cache, compiles = {}, compiles_run()
     cfg = tiny_cfg()
-    plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2"), cache=cache).to_json()
+    plan = predict_plan(job_of(cfg, parse_mesh("stage:2,tensor:2")), cache=cache).to_json()
     t, p = plan["time"], plan["pipeline"]
     assert plan["label"] == t["label"] == "predicted"
     assert (p["stages"], p["microbatches"], p["blocks_per_chunk"]) == (2, 4, 2)
     # Every message: one micro-batch's activation, 2 rows x L x D float32; 2 x M x 1 boundary.
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     assert p["message_bytes"] == 2 * model_cfg.seq_len * model_cfg.width * 4
     assert p["messages"] == 2 * 4 * 1
     # Stage s sends to s+1 across nodes (2 GPUs per node, a stage = its 2 tensor devices).
@@ -302,7 +302,7 @@ def test_tiny_pipeline_prediction_end_to_end():
     vocab_matmul = 2 * 2 * model_cfg.seq_len * model_cfg.width * model_cfg.vocab / 2
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.
-    gpipe = predict_plan(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2"),
+    gpipe = predict_plan(job_of(tiny_cfg("gpipe"), parse_mesh("stage:2,tensor:2")),
                          cache=cache).to_json()
     assert compiles_run() - compiles == 7
     assert gpipe["compiled"]["ops"]["forward"] == ops["forward"]
@@ -318,7 +318,7 @@ def test_combined_plan_times_the_pair_it_compiles():
 
     cfg = tiny_cfg()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pp_combined_1f1b=True))
-    plan = predict_plan(cfg, parse_mesh("stage:2,tensor:2")).to_json()
+    plan = predict_plan(job_of(cfg, parse_mesh("stage:2,tensor:2"))).to_json()
     ops, p = plan["compiled"]["ops"], plan["pipeline"]
     assert p["combined_f_back"] and p["ticks"] == build_schedule("1f1b", 2, 4).ticks + 1
     for last in ("", "_last"):
@@ -335,13 +335,13 @@ def test_remat_variant_compiles_only_the_programs_recomputation_changes():
     from jaxdist.plan.predicted import predict_plan
 
     mesh, cache = parse_mesh("stage:2,tensor:2"), {}
-    predict_plan(tiny_cfg(), mesh, cache=cache)
+    predict_plan(job_of(tiny_cfg(), mesh), cache=cache)
     full = dataclasses.replace(tiny_cfg(), train=dataclasses.replace(tiny_cfg().train,
                                                                      remat="full"))
     before = compiles_run()
-    shared = predict_plan(full, mesh, cache=cache).to_json()
+    shared = predict_plan(job_of(full, mesh), cache=cache).to_json()
     assert compiles_run() - before == 6
-    alone = predict_plan(full, mesh).to_json()
+    alone = predict_plan(job_of(full, mesh)).to_json()
     assert shared["time"] == alone["time"]
     assert shared["compiled"]["ops"] == alone["compiled"]["ops"]
 
@@ -373,12 +373,12 @@ def test_uneven_stages_time_each_chunk_at_its_own_blocks():
     from jaxdist.plan.predicted import predict_plan
 
     mesh, cache = parse_mesh("stage:2,tensor:2"), {}
-    even = predict_plan(tiny_cfg(depth=4), mesh, cache=cache).to_json()
+    even = predict_plan(job_of(tiny_cfg(depth=4), mesh), cache=cache).to_json()
     base = tiny_cfg(depth=3)
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train,
                                                               pp_stage_blocks="1,2"))
     before = compiles_run()
-    plan = predict_plan(cfg, mesh, cache=cache).to_json()
+    plan = predict_plan(job_of(cfg, mesh), cache=cache).to_json()
     assert compiles_run() == before
     p = plan["pipeline"]
     assert (p["stage_blocks"], p["chunk_blocks"], p["blocks_per_chunk"]) == \
@@ -404,7 +404,6 @@ def test_fp8_plan_holds_weight_copies_and_one_byte_gemm_inputs():
     from jaxdist.config import from_namespace
     from jaxdist.plan.pipeline_shapes import plan_pipeline
     from jaxdist.predict.stage_memory import block_activation_bytes
-    from jaxdist.run_model import build_model
     from jaxdist.state_shapes import pipeline_planning_state
     from jaxdist.train_step import make_optimizer
     from sharding import get_layout
@@ -418,9 +417,9 @@ def test_fp8_plan_holds_weight_copies_and_one_byte_gemm_inputs():
             "tp_pp", "--mesh", mesh, "--microbatches", "4", "--batch-size", "8", "--dtype",
             dtype, "--fp8-scaling", "current", "--sequence-parallel",
             "--distributed-optimizer"]))
-        return cfg, plan_pipeline(cfg, parse_mesh(mesh)).to_json()
+        return cfg, plan_pipeline(job_of(cfg, parse_mesh(mesh))).to_json()
     (cfg, f8), (_, bf) = plan("float8"), plan("bfloat16")
-    model_cfg = build_model(cfg)[0]
+    model_cfg = job_of(cfg).model
     sizes = dict(parse_mesh(mesh).axis_sizes)
     layout = get_layout("tp_pp", True)
     state = pipeline_planning_state(model_cfg, "float8", make_optimizer("adamw", 1e-3), 2, 1,
@@ -452,7 +451,6 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
     from jaxdist.config import from_namespace
     from jaxdist.plan.pipeline_shapes import plan_pipeline
     from jaxdist.program import compiled
-    from jaxdist.run_model import build_model
 
     argv = ["--dry-run", "--model", "llama-tiny", "--model-opts", "kv_heads=4", "--layout",
             "tp_pp", "--mesh",
@@ -460,7 +458,7 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
             "bfloat16", "--remat", "full"] + (["--sequence-parallel"] if sequence_parallel
                                               else [])
     cfg = from_namespace(build_parser().parse_args(argv))
-    model_cfg, _ = build_model(cfg)
+    model_cfg = job_of(cfg).model
     sizes = {"stage": 2, "data": 1, "tensor": 4}
     target = compiled.simulated_cpu(8)
 
@@ -475,7 +473,7 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
     per_block = stash_bytes(2) - stash_bytes(1)
     whole = 2 * model_cfg.seq_len * model_cfg.width * 2  # 2 rows x L x D, bf16
     assert per_block == (whole // 4 if sequence_parallel else whole)
-    plan = plan_pipeline(cfg, parse_mesh("stage:2,tensor:4")).to_json()
+    plan = plan_pipeline(job_of(cfg, parse_mesh("stage:2,tensor:4"))).to_json()
     s0 = plan["stages"][0]
     slots = plan["pipeline"]["residual_slots_by_stage"][0]
     K = plan["pipeline"]["blocks_per_chunk"]

@@ -13,6 +13,7 @@ from jaxdist.errors import UsageError
 from ps import wire
 from ps.core import PSFault, ShardCore
 from ps.shardmap import Leaf, build_shard_map
+from tests.helpers import job_of
 
 
 def leaves(*sizes):
@@ -66,7 +67,7 @@ def test_real_model_map_names_its_leaves():
     from jaxdist.config import ModelConfig, RunConfig
     from ps.shardmap import shard_map_for
 
-    m = shard_map_for(RunConfig(model=ModelConfig(model="mlp-tiny")), 2)
+    m = shard_map_for(job_of(RunConfig(model=ModelConfig(model="mlp-tiny"))), 2)
     assert m.total == 6922
     assert {l.name for l in m.leaves} >= {"head/kernel", "hidden/0/kernel"}
 

@@ -18,7 +18,7 @@ from jaxdist.record import RunRecord
 from ps import wire
 from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, job_of
 from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, shard_client
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -552,7 +552,7 @@ def test_a_shard_out_of_file_descriptors_serves_its_data_port_once_the_peer_goes
             except grpc.RpcError:
                 time.sleep(0.2)
         assert after == before, shard.log()[-2000:]
-        assert len(before) == shard_map_for(CFG, 1).bytes_per_shard[0]
+        assert len(before) == shard_map_for(job_of(CFG), 1).bytes_per_shard[0]
         c = shard_client(shard.address)
         assert c.control("ping") == {"ok": True}
         c.close()

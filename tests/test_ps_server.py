@@ -21,7 +21,7 @@ from ps import wire
 from ps.client import PSClient
 from ps.shard_client import PSError, ShardClient
 from ps.shardmap import shard_map_for
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, job_of
 
 TOKEN = "a-test-token-of-32-characters!!!"
 CFG = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
@@ -84,12 +84,12 @@ def test_right_token_is_accepted(server):
     client = shard_client(server[1])
     assert client.control("ping") == {"ok": True}
     info = client.control("info")
-    assert info["fingerprint"] == shard_map_for(CFG, 1).fingerprint
+    assert info["fingerprint"] == shard_map_for(job_of(CFG), 1).fingerprint
     client.close()
 
 
 def _pull(address):
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     client = PSClient([address], smap, 0, "async", max_message_bytes=64 << 20, timeout_s=5,
                       token=TOKEN)
     client.connect()
@@ -158,7 +158,7 @@ def _fuzz_calls(rng, smap):
 def test_fuzz_leaves_the_server_up_and_parameters_unchanged(server):
     proc, address = server
     before, version = _pull(address)
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     rng = random.Random(1234)
     kinds = _fuzz_calls(rng, smap)
     channel = grpc.insecure_channel(address)
@@ -198,7 +198,7 @@ def test_fuzz_leaves_the_server_up_and_parameters_unchanged(server):
 
 def test_a_retried_push_is_deduplicated(server):
     _, address = server
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     client = PSClient([address], smap, 1, "async", max_message_bytes=64 << 20, timeout_s=5,
                       token=TOKEN)
     client.connect()
@@ -218,7 +218,7 @@ def test_unreachable_shard_fails_within_the_deadline():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = shard_client(f"127.0.0.1:{port}", timeout_s=1.0)
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     start = time.monotonic()
     with pytest.raises(PSError, match=rf"shard 0 at 127.0.0.1:{port} unreachable for 1 s"):
         client.push(smap.pieces, np.zeros(smap.total, np.float32),
@@ -338,7 +338,7 @@ def test_whitespace_token_is_refused_like_a_short_one():
 
 def test_push_from_the_future_is_refused_and_real_pushes_still_apply(server):
     _, address = server
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     client = shard_client(address)
     with pytest.raises(PSError, match="FAILED_PRECONDITION.*beyond the step"):
         client.push(smap.pieces, np.zeros(smap.total, np.float32),
@@ -445,7 +445,7 @@ def test_sync_steps_start_no_grpc_thread_per_call(sync_server, monkeypatch):
     monkeypatch.setattr(grpc._channel, "_run_channel_spin_thread",
                         lambda state: (spins.append(1), real_spin(state))[1])
     _, address = sync_server
-    smap = shard_map_for(CFG, 1)
+    smap = shard_map_for(job_of(CFG), 1)
     clients = [PSClient([address], smap, w, "sync", max_message_bytes=64 << 20, timeout_s=10)
                for w in range(2)]
     for c in clients:
@@ -490,7 +490,6 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     from jaxdist.devices import select_devices
     from jaxdist.mesh import MeshShape
     from jaxdist.telemetry import fake
-    from jaxdist.mesh import parse_mesh
     from jaxdist.summary import format_summary
     from jaxdist.telemetry.combine import combine
     from ps.collect import collect
@@ -507,7 +506,7 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
         cfg = RunConfig(mesh=MeshConfig(mesh="1x8"), model=ModelConfig(model="mlp-tiny"),
                         train=TrainConfig(batch_size=8), loop=LoopConfig(warmup=1, steps=40),
                         ps=PSConfig(ps_shards=1, ps_mode="async", ps_timeout_s=5.0))
-        out = run_worker(cfg, 0, [f"127.0.0.1:{port}"], tmp_path / "ps",
+        out = run_worker(job_of(cfg), 0, [f"127.0.0.1:{port}"], tmp_path / "ps",
                          select_devices(MeshShape(8, 1)), log=lambda *_: None)
         c = shard_client(f"127.0.0.1:{port}")
         stats = [c.control("stats")]
@@ -520,7 +519,7 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
     assert mine["avg_w"] == pytest.approx(300.0, rel=0.05)
     assert mine["energy_per_sample_j"] == pytest.approx(mine["energy_j"] / (40 * 8))
     assert (tmp_path / "ps" / "worker0" / "power" / "gpu_power_0.csv").stat().st_size > 0
-    results = collect(cfg, parse_mesh("1x8"), tmp_path, stats, shard_map_for(cfg))
+    results = collect(job_of(cfg), tmp_path, stats, shard_map_for(job_of(cfg)))
     assert results["power"]["available"] and results["power"]["energy_j"] == mine["energy_j"]
     assert re.search(r"\n  power / energy +avg \d+ W, [0-9.]+ J/step", format_summary(results))
     assert RunRecord.load(tmp_path).results["power"]["available"]

@@ -16,10 +16,11 @@ from ps.admission import pool_size
 from ps.client import PSClient
 from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, CallError, DataChannel, _Call
+from tests.helpers import job_of
 from tests.test_ps_server import (CFG, TOKEN, make_cert, server_env, start_server,
                                   stop_server)
 
-SMAP = shard_map_for(CFG, 1)
+SMAP = shard_map_for(job_of(CFG), 1)
 
 
 def client(port, worker=0, transport="tcp", **kw):

@@ -17,7 +17,7 @@ from jaxdist.devices import select_devices
 from jaxdist.errors import UsageError
 from jaxdist.mesh import MeshShape
 from jaxdist.record import RunRecord
-from tests.helpers import cli_main, train
+from tests.helpers import cli_main, run_loop, train
 from tests.test_interrupt import StopAfter
 
 META = {"model": "mlp-tiny", "model_opts": "", "dataset": "synthetic", "optimizer": "adamw",
@@ -204,7 +204,7 @@ def _interrupted_run(folder: Path) -> tuple[list[str], Path]:
     stop = loop.StopRequest
     loop.StopRequest = StopAfter(2)
     try:
-        results = loop.run(cfg, select_devices(MeshShape(2, 4)), logdir, log=lambda *_: None)
+        results = run_loop(cfg, select_devices(MeshShape(2, 4)), logdir, log=lambda *_: None)
     finally:
         loop.StopRequest = stop
     assert results["status"] == "interrupted" and results["checkpoint"]["saved_steps"] == [2]

@@ -11,7 +11,7 @@ import pytest
 
 from jaxdist.program import comm
 from jaxdist.data import TrainStream
-from jaxdist.mesh import MeshShape, build_mesh
+from jaxdist.mesh import MeshShape, build_mesh, parse_mesh
 from jaxdist.train_step import build_program, make_optimizer, put_batch
 from models import get_model
 from sharding import get_layout
@@ -185,7 +185,7 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
     def chunks(*argv, split=False):
         cfg = from_namespace(build_parser().parse_args(
             ["--model", "gpt-tiny", "--sequence-parallel", *argv]))
-        got = tp_comm_chunks(cfg, get_model("gpt-tiny"))
+        got = tp_comm_chunks(cfg, parse_mesh(cfg.mesh.mesh), get_model("gpt-tiny"))
         return got if split else got[0]
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "8") == 2
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "6") == 1

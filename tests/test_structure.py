@@ -465,3 +465,65 @@ def test_results_json_is_parsed_only_in_record():
             found += [f"{path.relative_to(ROOT)}:{line}"
                       for line in results_json_parses(path.read_text())]
     assert found == []
+
+
+# -- the resolved job as the spine (jaxdist/job.py) ----------------------------------------
+
+BELOW_EXPERIMENTS = ("jaxdist", "ps", "sharding", "models", "analysis")
+PRODUCT = ("jaxdist", "models", "sharding", "ps", "experiments", "analysis")
+
+
+def imports_of_name(path: Path, module: str, name: str) -> list[int]:
+    """Lines of `path` that import `name` from `module` (module level or in a function)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module == module
+            and any(a.name == name for a in node.names)]
+
+
+def test_only_the_config_and_the_job_import_run_config():
+    """Below experiments/ the config flows as the resolved job (jaxdist.job.Job): nothing
+    but the config's module and the job's imports RunConfig to read or build one."""
+    allowed = {"jaxdist.config", "jaxdist.job"}
+    found = [f"{m}:{line}" for m, p in source_modules(BELOW_EXPERIMENTS).items()
+             if m not in allowed for line in imports_of_name(p, "jaxdist.config", "RunConfig")]
+    assert found == []
+
+
+def call_sites(name: str, packages=PRODUCT) -> list[str]:
+    """module:line of every call of a function called `name` (a bare or dotted call)."""
+    out = []
+    for m, p in source_modules(packages).items():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if called == name:
+                    out.append(f"{m}:{node.lineno}")
+    return out
+
+
+def test_call_site_finder_sees_bare_and_dotted_calls(tmp_path, monkeypatch):
+    pkg = tmp_path / "jaxdist"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from x import build_model\nbuild_model(c)\nx.build_model(c)\n"
+                              "def build_model(c):\n    return c\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert call_sites("build_model", ("jaxdist",)) == ["jaxdist.a:2", "jaxdist.a:3"]
+
+
+def test_what_the_job_resolves_is_derived_at_most_twice():
+    """The model config, the layout's rules, the mesh and the part are derived where the
+    job is resolved (jaxdist.job, experiments.validation) and read from the job elsewhere:
+    each derivation has at most two call sites in product code."""
+    counts = {name: call_sites(name) for name in ("build_model", "get_layout",
+                                                 "parse_mesh", "get_hardware")}
+    assert {n: s for n, s in counts.items() if len(s) > 2} == {}
+
+
+def test_only_the_step_builder_differentiates_the_training_loss():
+    """One gradient of the training loss (jaxdist.train_step.loss_and_grad): the mesh
+    layouts' step and the parameter-server worker take it; models.fp8 defines the
+    value_and_grad it wraps."""
+    sites = [s for s in call_sites("value_and_grad")
+             if not s.startswith(("jaxdist.train_step:", "models.fp8:"))]
+    assert sites == []

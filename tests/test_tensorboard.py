@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxdist import loop
+from tests.helpers import run_loop
 from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, RunConfig, TrainConfig
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape, parse_mesh
@@ -91,7 +91,7 @@ def server(tmp_path_factory):
                         train=TrainConfig(layout=layout, batch_size=16),
                         loop=LoopConfig(warmup=WARMUP, steps=STEPS),
                         output=OutputConfig(progress=False))
-        loop.run(cfg, select_devices(MeshShape(2, 4)), logdir / layout, log=lambda *_: None)
+        run_loop(cfg, select_devices(MeshShape(2, 4)), logdir / layout, log=lambda *_: None)
     for schedule in SCHEDULES:
         cfg = RunConfig(mesh=MeshConfig(mesh="data:4,stage:2"),
                         model=ModelConfig(model="gpt-tiny"),
@@ -99,12 +99,12 @@ def server(tmp_path_factory):
                                           pp_schedule=schedule),
                         loop=LoopConfig(warmup=WARMUP, steps=STEPS),
                         output=OutputConfig(progress=False))
-        loop.run(cfg, select_devices(parse_mesh("data:4,stage:2")), logdir / f"pp-{schedule}",
+        run_loop(cfg, select_devices(parse_mesh("data:4,stage:2")), logdir / f"pp-{schedule}",
                  log=lambda *_: None)
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(layout="zero1", batch_size=16),
                     loop=LoopConfig(warmup=1, steps=10), output=OutputConfig(progress=False))
-    stopped = loop.run(cfg, select_devices(MeshShape(2, 4)), logdir / INTERRUPTED,
+    stopped = run_loop(cfg, select_devices(MeshShape(2, 4)), logdir / INTERRUPTED,
                        log=lambda *_: None, stop=_StopAt(3))
     assert stopped["status"] == "interrupted" and stopped["steps_done"] == 3
     port = _free_port()
@@ -310,7 +310,7 @@ def test_a_run_stopped_in_warmup_still_has_a_row_that_says_interrupted(tmp_path)
     cfg = RunConfig(mesh=MeshConfig(mesh="2x4"), model=ModelConfig(model="mlp-tiny"),
                     train=TrainConfig(layout="fsdp", batch_size=16),
                     loop=LoopConfig(warmup=5, steps=5), output=OutputConfig(progress=False))
-    results = loop.run(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None,
+    results = run_loop(cfg, select_devices(MeshShape(2, 4)), tmp_path, log=lambda *_: None,
                        stop=_StopAt(2))
     assert results["step_time_s"]["n"] == 0
     events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import queue
 import sys
@@ -136,42 +135,36 @@ def _check(table: dict, allowed, where: str) -> None:
             raise UsageError(f"{where}: unknown entry {k!r}; entries are {', '.join(allowed)}")
 
 
-def row_config(row: PlanRow, hardware: str, gpus_per_node: int):
-    """(RunConfig, MeshShape) of a row, through experiments.run's own parser and checks."""
+def row_job(row: PlanRow, hardware: str, gpus_per_node: int):
+    """The resolved job of a row (jaxdist.job), through experiments.run's own parser and
+    checks."""
     from experiments import run as run_mod
     from experiments.validation import validate
     from jaxdist.config import to_argv
-    from jaxdist.mesh import parse_mesh
 
     parser = run_mod.build_parser()
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))
     values = {**row.settings, "dry_run": True, "hardware": hardware}
     if gpus_per_node:
         values["gpus_per_node"] = gpus_per_node
-    cfg = run_mod.from_namespace(parser.parse_args(to_argv(values)))
-    if parse_mesh(cfg.mesh.mesh).size is None:
-        raise UsageError(f"plan row {row.name}: needs an explicit mesh")
-    return cfg, validate(cfg).shape
+    return validate(run_mod.from_namespace(parser.parse_args(to_argv(values))))
 
 
 PLAN_THREADS = 2  # entries predicted side by side: one lowers (Python) while one compiles
 
 
-def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int = 0,
-             log=print) -> dict:
-    """Predict every row, write OUT/NAME/plan.json and the ranking; returns the ranking.
-    JAX must have as many CPU devices as the largest mesh (main sets it).
+def run_plan(configs: list[tuple], hardware: str, out: Path, log=print) -> dict:
+    """Predict every (row, job) of `configs`, write OUT/NAME/plan.json and the ranking;
+    returns the ranking. JAX must have as many CPU devices as the largest mesh (main sets
+    it: devices_needed).
 
     The rows of one model and [[plan.rows]] entry (its variants and schedules) share one
     cache of compiles, lowerings and readings, dropped when the entry is done; two entries
     are predicted side by side, so a core does not wait while the other compiles alone."""
     from analysis.plan_rank import write_ranking
     from jaxdist.program import xla_compile
-    from jaxdist.hardware import get_hardware
 
-    hw = get_hardware(hardware, gpus_per_node)  # unknown part: one line before any compile
-    configs = [(row, *row_config(row, hardware, gpus_per_node)) for row in rows]
-    check_topologies(configs, hw)
+    check_topologies(configs)
     ensure_writable_dir(out, "--out")  # after every row's checks: bad input writes nothing
     entries: dict[tuple, list] = {}
     for item in configs:
@@ -183,7 +176,7 @@ def run_plan(rows: list[PlanRow], hardware: str, out: Path, gpus_per_node: int =
         done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
                              for items in entries.values()], PLAN_THREADS, stop)
     timings = [t for entry in done for t in entry]
-    meta = {"hardware": hardware, "rows": len(rows), "wall_s": time.perf_counter() - started,
+    meta = {"hardware": hardware, "rows": len(configs), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles": xla_compile.compiles_run() - compiles,
             "compilers": sorted({t["compiler"] for t in timings if t["compiler"]}),
             "note": "wall time of the predictions on this machine, two plan entries side by "
@@ -237,9 +230,9 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
 
     cache: dict = {}
     timings = []
-    for row, cfg, shape in items:
+    for row, job in items:
         t0 = time.perf_counter()
-        plan = plans.plan(cfg, shape, cache=cache)
+        plan = plans.plan(job, cache=cache)
         if stop.is_set():
             break
         body = {**plan.to_json(),
@@ -253,27 +246,27 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
     return timings
 
 
-def check_topologies(configs: list[tuple], hw) -> None:
+def check_topologies(configs: list[tuple]) -> None:
     """Every row's mesh laid out on the part's nodes (jaxdist.mesh.placement) before anything
     compiles: a row that cannot be placed is one line naming it, not a failure after the
     rows before it were predicted."""
     from jaxdist.program import compiled
     from jaxdist.mesh import build_mesh
 
-    for row, cfg, shape in configs:
-        target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
+    for row, job in configs:
+        shape = job.shape
+        target = compiled.for_part(job.part, shape.size, job.compiler.compiler)
         try:
             build_mesh(shape, target.devices[:shape.size])
         except UsageError as e:
             raise UsageError(f"plan row {row.name}: {e}") from None
 
 
-def devices_needed(rows: list[PlanRow]) -> int:
-    from jaxdist.mesh import parse_mesh
+def devices_needed(configs: list[tuple]) -> int:
+    """The CPU devices JAX needs for the rows' compiles (their largest mesh)."""
     from jaxdist.program.compiled import plan_cpu_devices
 
-    return max(plan_cpu_devices(math.prod(parse_mesh(r.settings["mesh"]).axis_sizes.values()),
-                                str(r.settings.get("compiler", "auto"))) for r in rows)
+    return max(plan_cpu_devices(job.shape.size, job.compiler.compiler) for _, job in configs)
 
 
 def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
@@ -282,18 +275,17 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
 
     from analysis.plan_rank import format_ranking
 
-    from jaxdist.hardware import get_hardware
-
     if not args.hardware:
         raise UsageError("--plan needs --hardware PART (e.g. --hardware h200)")
-    get_hardware(args.hardware, args.gpus_per_node)
     data = tomllib.loads(preset_path.read_text())
     rows = plan_rows(data, args.quick, keys, f"preset {preset_path}", args.hardware)
     if not rows:
         raise UsageError(f"preset {preset_path}: no plan rows left")
+    # Every row's job, each checked (one line) before JAX's devices are set for the largest
+    configs = [(row, row_job(row, args.hardware, args.gpus_per_node)) for row in rows]
     import jax
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices_needed(rows))
+    jax.config.update("jax_num_cpu_devices", devices_needed(configs))
     print(f"suite plan {data.get('name', preset_path.stem)}{' (quick)' if args.quick else ''}: "
           f"{len(rows)} rows on {args.hardware} -> {out} (PREDICTED, nothing is run)",
           flush=True)
@@ -304,8 +296,7 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
     # whole, so what was planned stays and nothing is half-written.
     stop = StopRequest().install()
     try:
-        ranking = run_abandonable(lambda: run_plan(rows, args.hardware, out,
-                                                   args.gpus_per_node,
+        ranking = run_abandonable(lambda: run_plan(configs, args.hardware, out,
                                                    log=lambda s: print(s, flush=True)), stop)
     except (StoppedInSetup, KeyboardInterrupt) as e:
         done = len(list(out.glob("*/plan.json")))

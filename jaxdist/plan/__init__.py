@@ -10,7 +10,7 @@ formatter for the three kinds, each a frozen dataclass with `to_json()` (the fil
   (jaxdist.predict.prediction: the step compiled for NAME's cluster, its time and memory
   verdict), read verdict first, labelled `predicted`.
 
-`plan(cfg, shape)` makes the one the config asks for, `format_plan(p)` prints any of them and
+`plan(job)` makes the one the job asks for, `format_plan(p)` prints any of them and
 `file_name(p)` is where a run writes it. Plans use jaxdist.predict; nothing there imports a
 plan.
 """
@@ -20,20 +20,18 @@ from __future__ import annotations
 from jaxdist.plan.base import PlanBase
 
 
-def plan(cfg, shape, cache: dict | None = None) -> PlanBase:
-    """The plan of `cfg` on the mesh `shape`: predicted with `--hardware`, else from shapes
-    (per stage for a pipelined layout). `cache` keeps a predicted plan's compiles for later
-    calls whose program is the same (a suite's rows)."""
-    from sharding.registry import facts
-
-    if cfg.output.hardware:
+def plan(job, cache: dict | None = None) -> PlanBase:
+    """The plan of `job` (jaxdist.job) on its mesh: predicted on its part (`--hardware`),
+    else from shapes (per stage for a pipelined layout). `cache` keeps a predicted plan's
+    compiles for later calls whose program is the same (a suite's rows)."""
+    if job.part is not None:
         from jaxdist.plan.predicted import predict_plan
-        return predict_plan(cfg, shape, cache=cache)
-    if facts(cfg.train.layout).pipelined:
+        return predict_plan(job, cache=cache)
+    if job.layout.pipelined:
         from jaxdist.plan.pipeline_shapes import plan_pipeline
-        return plan_pipeline(cfg, shape)
+        return plan_pipeline(job)
     from jaxdist.plan import shapes
-    return shapes.plan(cfg, shape)
+    return shapes.plan(job)
 
 
 def format_plan(p: PlanBase) -> str:

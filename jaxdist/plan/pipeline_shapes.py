@@ -65,11 +65,9 @@ class PipelineShapesPlan(PlanBase):
         return "\n".join(lines)
 
 
-def plan_pipeline(cfg, shape) -> PipelineShapesPlan:
-    from jaxdist.run_model import build_model
-
-    return PipelineShapesPlan(**stage_memory(cfg, shape),
-                              seq_len=build_model(cfg)[0].seq_len)
+def plan_pipeline(job) -> PipelineShapesPlan:
+    """The plan of a pipelined `job` (jaxdist.job) from shapes: each stage's memory."""
+    return PipelineShapesPlan(**stage_memory(job), seq_len=job.model.seq_len)
 
 
 def format_pipeline_plan(p: PipelineShapesPlan) -> str:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdist.mesh import MeshShape
 from jaxdist.plan.base import PlanBase, model_text
 from jaxdist.predict import program
 from jaxdist.predict.prediction import LABEL, Prediction, predict
-from jaxdist.run_model import build_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +53,21 @@ class PredictedPlan(PlanBase):
     verdict = property(lambda self: self.prediction.verdict)
 
 
-def predict_plan(cfg, shape: MeshShape, blocks: str = "auto",
-                 cache: dict | None = None) -> PredictedPlan:
-    """The plan of `cfg` on the mesh `shape` on `cfg.output.hardware`; `cache` (a dict,
-    optional) keeps compiles for later calls whose program is the same (a suite's rows)."""
-    model_cfg, _ = build_model(cfg)
-    return PredictedPlan(settings=plan_settings(cfg, model_cfg), layout=cfg.train.layout,
-                         mesh=dict(shape.axis_sizes), batch_size=cfg.train.batch_size,
-                         prediction=predict(cfg, shape, blocks, cache),
-                         seq_len=getattr(model_cfg, "seq_len", None))
+def predict_plan(job, blocks: str = "auto", cache: dict | None = None) -> PredictedPlan:
+    """The plan of `job` (jaxdist.job) on its mesh and part; `cache` (a dict, optional) keeps
+    compiles for later calls whose program is the same (a suite's rows)."""
+    return PredictedPlan(settings=plan_settings(job), layout=job.layout.name,
+                         mesh=dict(job.shape.axis_sizes), batch_size=job.train.batch_size,
+                         prediction=predict(job, blocks, cache),
+                         seq_len=getattr(job.model, "seq_len", None))
 
 
-def plan_settings(cfg, model_cfg) -> dict:
+def plan_settings(job) -> dict:
     """The settings a plan's hints read (next_steps)."""
-    return {"dtype": cfg.model.dtype, "remat": cfg.train.remat,
-            "fp8_scaling": cfg.model.fp8_scaling if cfg.model.dtype == "float8" else None,
-            "microbatches": cfg.train.microbatches,
+    model_cfg = job.model
+    return {"dtype": job.dtype, "remat": job.train.remat,
+            "fp8_scaling": job.fp8_scaling if job.dtype == "float8" else None,
+            "microbatches": job.train.microbatches,
             "attention": getattr(model_cfg, "attention", None),
             "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
             "tp_comm_split": getattr(model_cfg, "tp_comm_split", None),

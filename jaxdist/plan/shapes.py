@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdist.mesh import MeshShape
 from jaxdist.plan.base import PlanBase
 from jaxdist.predict.state import StateBytes, state_bytes
 
@@ -55,11 +54,9 @@ class ShapesPlan(PlanBase):
         return self.state.distributed_optimizer
 
 
-def plan(cfg, shape: MeshShape) -> ShapesPlan:
-    from jaxdist.run_model import build_model
-
-    return ShapesPlan(state_bytes(cfg, shape),
-                      getattr(build_model(cfg)[0], "seq_len", None))
+def plan(job) -> ShapesPlan:
+    """The plan of `job` (jaxdist.job) from shapes: its train state per device."""
+    return ShapesPlan(state_bytes(job), getattr(job.model, "seq_len", None))
 
 
 def format_plan(p: ShapesPlan) -> str:

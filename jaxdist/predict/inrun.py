@@ -5,20 +5,25 @@ Which part: `--hardware PART` when given, else the part whose `device_kind` the 
 report (jaxdist.parts: "NVIDIA H200" -> h200, ...). None of them (e.g. a CPU run without
 --hardware): the block says why there is no prediction.
 
-From what: the prediction of the same job on that part (jaxdist.predict.prediction.predict),
-the one `--dry-run --hardware PART` prints: its step time, throughput and memory verdict, so
-a run's measured / predicted ratio checks the predictor plans use. The ratios are measured /
-predicted.
+From what: the prediction of the same job on that part (`job.on_part`, through
+jaxdist.predict.prediction.predict), the one `--dry-run --hardware PART` prints: its step
+time, throughput and memory verdict, so a run's measured / predicted ratio checks the
+predictor plans use. The ratios are measured / predicted.
+
+When: the loop makes it once its timed steps are done (jaxdist.loop_hooks.Prediction), so
+its compile is never timed; results.json records that compile's seconds (`compile_s`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Any
 
 import jax
 
 from jaxdist.errors import UsageError
-from jaxdist.hardware import check_nodes, get_hardware
+from jaxdist.hardware import check_nodes
 from jaxdist.parts import PREDICTABLE, part_for_device_kind
 from jaxdist.predict import time_model
 from jaxdist.predict.prediction import predict
@@ -33,41 +38,70 @@ def _ratio(measured, predicted):
     return measured / predicted if measured and predicted else None
 
 
-def safe_prediction_block(cfg, platform, results: dict) -> dict:
-    """prediction_block, never failing the run it is added to: an error becomes the reason."""
-    try:
-        return prediction_block(cfg, platform, results)
-    except Exception as e:  # the run's measurement stands; say why there is no prediction
-        return absent(f"the prediction failed: {type(e).__name__}: {e}")
+@dataclasses.dataclass(frozen=True)
+class OwnPrediction:
+    """A run's prediction of itself: the plan of its job on its part (`prediction`), or why
+    there is none (`reason`); `compile_s` is the seconds the plan took (its XLA:GPU compile
+    for the part's cluster), spent after the run's timed steps."""
+    prediction: Any = None
+    reason: str | None = None
+    part: Any = None
+    source: str = ""
+    name: str = ""
+    compile_s: float = 0.0
+    started_unix_s: float = 0.0
+
+    @classmethod
+    def of(cls, job, platform) -> "OwnPrediction":
+        """The prediction of `job`'s step on its part: --hardware's, else the one the devices
+        report (device_kind); never failing the run it is made for."""
+        started, start = time.time(), time.perf_counter()
+        try:
+            made = cls._make(job, platform)
+        except Exception as e:  # the run's measurement stands; say why there is no prediction
+            made = cls(reason=f"the prediction failed: {type(e).__name__}: {e}")
+        return dataclasses.replace(made, compile_s=time.perf_counter() - start,
+                                   started_unix_s=started)
+
+    @classmethod
+    def _make(cls, job, platform) -> "OwnPrediction":
+        name, source = job.output.hardware, "--hardware"
+        if not name:
+            name, source = part_for_device_kind(platform.device_kind), "device_kind"
+        if not name:
+            return cls(reason=f"device_kind {platform.device_kind!r} ({platform.backend}) is "
+                              f"no part of jaxdist.parts ({', '.join(PREDICTABLE)}); give "
+                              f"--hardware PART to predict it anyway")
+        try:
+            planned = job.with_shape(platform.shape).on_part(name)
+            check_nodes(planned.part, len(platform.devices))
+        except UsageError as e:
+            return cls(reason=str(e))
+        hw = planned.part
+        if hw.peak_flops(job.dtype, job.matmul_precision) is None:
+            return cls(reason=f"{hw.name} has no {job.dtype} peak in jaxdist.parts")
+        if jax.process_count() > 1 and compiled_mod.gpu_compiler_missing():
+            return cls(reason="without the GPU compiler the plan compiles on this process's "
+                              "simulated devices, and this run has several processes (use "
+                              "experiments.run --dry-run --hardware on one host)")
+        # The same job on the part, through the one prediction plans print
+        return cls(predict(planned), part=hw, source=source, name=name)
+
+    def block(self, platform, results: dict) -> dict:
+        """results["prediction"]: the predicted step, tokens/s per GPU and memory per device
+        on the part, the measured ones (from `results`' blocks), and measured / predicted."""
+        if self.prediction is None:
+            return absent(self.reason)
+        return {**prediction_block(self.prediction, self.part, self.source, self.name,
+                                   platform, results),
+                "compile_s": self.compile_s, "started_unix_s": self.started_unix_s}
 
 
-def prediction_block(cfg, platform, results: dict) -> dict:
-    """results["prediction"]: the predicted step, tokens/s per GPU and memory per device on
-    the part, the measured ones, and measured / predicted."""
-    name, source = cfg.output.hardware, "--hardware"
-    if not name:
-        name, source = part_for_device_kind(platform.device_kind), "device_kind"
-    if not name:
-        return absent(f"device_kind {platform.device_kind!r} ({platform.backend}) is no part "
-                      f"of jaxdist.parts ({', '.join(PREDICTABLE)}); give --hardware PART "
-                      f"to predict it anyway")
-    try:
-        hw = get_hardware(name, cfg.output.gpus_per_node)
-        check_nodes(hw, len(platform.devices))
-    except UsageError as e:
-        return absent(str(e))
-    if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
-        return absent(f"{hw.name} has no {cfg.model.dtype} peak in jaxdist.parts")
+def prediction_block(pred, hw, source: str, name: str, platform, results: dict) -> dict:
+    """The block of a run's prediction `pred` on the part `hw` beside its measured
+    `results`."""
     n = len(platform.devices)
     mem = results["memory"]
-    if jax.process_count() > 1 and compiled_mod.gpu_compiler_missing():
-        return absent("without the GPU compiler the plan compiles on this process's "
-                      "simulated devices, and this run has several processes (use "
-                      "experiments.run --dry-run --hardware on one host)")
-    # The same job on the part, through the one prediction plans print
-    job = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dry_run=True,
-                                                              hardware=name))
-    pred = predict(job, platform.shape)
     step, memory, thr = pred.time, pred.memory, pred.throughput
     measured_step = (results.get("step_time_s") or {}).get("mean")
     measured_tps = (results.get("throughput") or {}).get("tokens_per_s")

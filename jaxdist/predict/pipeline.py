@@ -54,7 +54,7 @@ from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.train_step import DTYPES, MeshJit, jax_matmul_precision, make_optimizer
 from jaxdist.update import apply_gradients
 from jaxdist.program.xla_compile import compile_lowered
-from sharding import get_layout, padding
+from sharding import padding
 from sharding.axes import batch_axes
 
 
@@ -74,14 +74,14 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> dict:
+def compile_pieces(cache: dict | None, pieces: dict, target, job, hw=None) -> dict:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
     not in `cache` lowered one by one (while the first compiles), compiled side by side
     (jaxdist.program.xla_compile.compile_lowered), read, and kept in `cache`. A key names the
     lowered program; the compile options (--overlap's flags) are added to it for the compile, so
     variants that differ only in them lower once."""
     cache = {} if cache is None else cache
-    options = compiled_mod.compile_options(cfg, target)
+    options = compiled_mod.compile_options(job, target)
     flags = tuple(sorted((options or {}).items()))
     todo = [k for k in pieces if (*k, flags) not in cache]
     program_of: dict = {}  # piece -> its program's key: the lowered text, compiled and read
@@ -95,7 +95,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
         # --remat full: recomputation changes only backward programs) is not compiled again.
         program_of[k] = ("program", hashlib.blake2b(low.as_text().encode(), digest_size=16)
                          .digest(), flags, target.label, tuple(sizes.items()), repr(hw),
-                         cfg.model.matmul_precision,
+                         job.matmul_precision,
                          # the program's own compiler options (jit's), not in its text
                          tuple(sorted(getattr(getattr(low, "_lowering", None),
                                               "_compiler_options_kvs", ()))))
@@ -108,7 +108,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
         if compiled is None:
             continue
         sizes = cache[("lowered", *k)][1]
-        fig = read_program(compiled, seconds, target, sizes, cfg, hw, memo=cache)
+        fig = read_program(compiled, seconds, target, sizes, job, hw, memo=cache)
         if not target.gpu and not fig["flops"]:
             raise program_reading.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
                                             "pipeline op")
@@ -119,7 +119,7 @@ def compile_pieces(cache: dict | None, pieces: dict, target, cfg, hw=None) -> di
     return {k: cache[(*k, flags)] for k in pieces}
 
 
-def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
+def op_lowered(job, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
                rows: int, target) -> tuple:
     """(lowered, mesh sizes) of one chunk of `blocks` blocks for one micro-batch of `rows`
     rows per data shard, on one stage's devices as the pipeline step runs it
@@ -134,16 +134,15 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
 
     mesh = stage_mesh(sizes, target)
     small = dataclasses.replace(model_cfg, depth=blocks)
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
-    _, logical, parts = pipeline_state(small, cfg.model.dtype, tx, cfg.train.seed, 1, 1,
-                                       layout.master_weights(cfg.model.dtype))
+    tx = make_optimizer(job.train.optimizer, job.train.lr)
+    layout = job.rules
+    _, logical, parts = pipeline_state(small, job.dtype, tx, job.train.seed, 1, 1,
+                                       layout.master_weights(job.dtype))
     specs = layout(logical, mesh)
     abstract = padding.storage(logical, specs, dict(mesh.shape))  # as the step stores it
     sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), specs["params"],
                            is_leaf=lambda x: isinstance(x, P))
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = DTYPES[job.dtype]
     data = mesh.shape["data"]
     L, D = model_cfg.seq_len, model_cfg.width
     manual = stage_axes(dict(mesh.shape))
@@ -151,7 +150,7 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     act_spec = P("data", *manual[2:])
     act = jax.ShapeDtypeStruct((rows * data, L, D), dtype)
     tokens = jax.ShapeDtypeStruct((rows * data, L + 1), jnp.int32)
-    ops = ChunkOps(parts, cfg.train.microbatches)
+    ops = ChunkOps(parts, job.train.microbatches)
     # the FP8 weights are the step's, quantized once before the ticks (the tail's): inputs
     with jax.set_mesh(mesh):
         quantized, q_specs = parts.fp8_placement(logical["params"]["stages"],
@@ -220,18 +219,18 @@ def op_lowered(cfg, model_cfg, sizes: dict, blocks: int, kind: int, last: bool,
     q_sharded = jax.tree.map(lambda s: NamedSharding(mesh, s), q_specs,
                              is_leaf=lambda x: isinstance(x, P))
     # combined ticks: the step's compiler options, which every op it runs is compiled with
-    options = COMBINED_TICK_OPTIONS if cfg.train.pp_combined_1f1b else None
+    options = COMBINED_TICK_OPTIONS if job.train.pp_combined_1f1b else None
     jitted = MeshJit(jax.jit(fn, in_shardings=(sharded["stages"], sharded["shared"], batch,
                                                acts, acts, q_sharded, sharded["stages"],
                                                sharded["shared"]),
                              donate_argnums=(6, 7), compiler_options=options),
-                     mesh, jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision))
+                     mesh, jax_matmul_precision(job.dtype, job.matmul_precision))
     return jitted.lower(abstract["params"]["stages"], abstract["params"]["shared"], tokens,
                         act, act, quantized, abstract["params"]["stages"],
                         abstract["params"]["shared"]), dict(mesh.shape)
 
 
-def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+def _whole_mesh_state(job, model_cfg, sizes: dict, S: int, V: int, target,
                       stage_blocks: tuple[int, ...]) -> tuple:
     """(mesh, optimizer, layout, logical state) on the whole mesh, as the step holds the
     state: what the tail's program and a chunk's share of its reduction are read from."""
@@ -240,15 +239,14 @@ def _whole_mesh_state(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     devices = np.array(target.devices[:math.prod(sizes.values())]).reshape(
         tuple(sizes.values()))
     mesh = Mesh(devices, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
-    logical = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                      layout.master_weights(cfg.model.dtype), stage_blocks)
+    tx = make_optimizer(job.train.optimizer, job.train.lr)
+    layout = job.rules
+    logical = pipeline_planning_state(model_cfg, job.dtype, tx, S, V,
+                                      layout.master_weights(job.dtype), stage_blocks)
     return mesh, tx, layout, logical
 
 
-def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+def tail_lowered(job, model_cfg, sizes: dict, S: int, V: int, target,
                  stage_blocks: tuple[int, ...] = ()) -> tuple:
     """The step after the ticks, on the whole mesh at full depth: gradients summed over
     stages (shared) and averaged over data, then the optimizer update (of the padded
@@ -258,7 +256,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
                                           pipeline_state, stage_axes)
     from jaxdist.pipeline.step import DataMean, stage_sum
 
-    mesh, tx, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
+    mesh, tx, layout, logical = _whole_mesh_state(job, model_cfg, sizes, S, V, target,
                                                   stage_blocks)
     specs = layout(logical, mesh)
     state = padding.storage(logical, specs, sizes)  # as stored: padded (sharding/padding.py)
@@ -270,7 +268,7 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     params = state["params"]
     # the distributed optimizer: partial sums stacked over data, then reduce-scattered, as
     # the step does (jaxdist/pipeline/program.py)
-    reduce_dtype = layout.reduce_dtype(cfg.model.dtype)  # None: float32 parameters
+    reduce_dtype = layout.reduce_dtype(job.dtype)  # None: float32 parameters
     grad_out, in_map, scatter = data_reduction(specs["params"], update_specs, params,
                                                 update_shapes, mesh,
                                                 layout.distributed_optimizer,
@@ -302,8 +300,8 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
         return new, jax.vmap(parts.fp8_weights)(
             padding.fit_tree(new["params"]["stages"], logical["params"]["stages"]))
 
-    parts = pipeline_state(dataclasses.replace(model_cfg, depth=1), cfg.model.dtype, tx,
-                           cfg.train.seed, 1, 1)[2]
+    parts = pipeline_state(dataclasses.replace(model_cfg, depth=1), job.dtype, tx,
+                           job.train.seed, 1, 1)[2]
     with jax.set_mesh(mesh):
         q_specs = parts.fp8_placement(logical["params"]["stages"],
                                       specs["params"]["stages"])[1]
@@ -311,12 +309,12 @@ def tail_lowered(cfg, model_cfg, sizes: dict, S: int, V: int, target,
                      out_shardings=(shardings, jax.tree.map(
                          lambda s: NamedSharding(mesh, s), q_specs,
                          is_leaf=lambda x: isinstance(x, P))), donate_argnums=0,
-                     compiler_options=COMBINED_TICK_OPTIONS if cfg.train.pp_combined_1f1b
+                     compiler_options=COMBINED_TICK_OPTIONS if job.train.pp_combined_1f1b
                      else None)
     return MeshJit(jitted, mesh).lower(state, params), sizes
 
 
-def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
+def chunk_gradient_share(job, model_cfg, sizes: dict, S: int, V: int, target,
                          stage_blocks: tuple[int, ...] = ()) -> float:
     """One virtual chunk's part of the gradient bytes each device reduces over `data`
     (its stage's blocks over V, beside the shared gradients), as stored and split by the
@@ -324,7 +322,7 @@ def chunk_gradient_share(cfg, model_cfg, sizes: dict, S: int, V: int, target,
     as soon as its gradients are final (jaxdist/pipeline/step.py)."""
     from jaxdist.pipeline.program import mean_axes
 
-    mesh, _, layout, logical = _whole_mesh_state(cfg, model_cfg, sizes, S, V, target,
+    mesh, _, layout, logical = _whole_mesh_state(job, model_cfg, sizes, S, V, target,
                                                  stage_blocks)
     specs = layout(logical, mesh)["params"]
     stored = padding.storage(logical, layout(logical, mesh), sizes)["params"]
@@ -384,46 +382,46 @@ def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> d
             "temp_bytes": part(lambda f: f["memory"]["temp_bytes"])}
 
 
-def microbatch_rows(cfg, sizes: dict) -> int:
+def microbatch_rows(job, sizes: dict) -> int:
     """Rows of one micro-batch per data shard (the shard_map's manual `data`); fsdp_pp's
     rows are split further over fsdp by the partitioner."""
-    return cfg.train.batch_size // (cfg.train.microbatches * sizes.get("data", 1))
+    return job.train.batch_size // (job.train.microbatches * sizes.get("data", 1))
 
 
-def message_bytes(cfg, model_cfg, sizes: dict) -> float:
+def message_bytes(job, model_cfg, sizes: dict) -> float:
     """One stage-to-stage message per device: a micro-batch's activation (or its gradient)
     at the boundary, rows over the batch axes, the sequence over `context` (and `tensor`
     under sequence parallelism), the full width (jaxdist.pipeline.report)."""
     from jaxdist.pipeline.program import message_sequence_shards
     shards = math.prod(sizes[a] for a in batch_axes(sizes))
-    rows = cfg.train.batch_size // (cfg.train.microbatches * shards)
+    rows = job.train.batch_size // (job.train.microbatches * shards)
     # the sequence, not the rows, is split: a micro-batch of one row still has L / CP
     tokens = model_cfg.seq_len // message_sequence_shards(model_cfg, sizes)
-    return rows * tokens * model_cfg.width * np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    return rows * tokens * model_cfg.width * np.dtype(DTYPES[job.dtype]).itemsize
 
 
-def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = None,
+def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = None,
                   target=None) -> dict:
     """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
     layout's step on `hw`."""
     S = sizes["stage"]
-    V = cfg.train.pp_virtual if cfg.train.pp_schedule == "interleaved" else 1
-    stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
+    V = job.train.pp_virtual if job.train.pp_schedule == "interleaved" else 1
+    stage_blocks = parse_stage_blocks(job.train.pp_stage_blocks)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
-    sched = build_schedule(cfg.train.pp_schedule, S, cfg.train.microbatches, V, counts,
-                           cfg.train.pp_combined_1f1b)
+    sched = build_schedule(job.train.pp_schedule, S, job.train.microbatches, V, counts,
+                           job.train.pp_combined_1f1b)
     K = max(max(row) for row in counts)  # the largest chunk's blocks
     sizes_k = sorted({k for row in counts for k in row})  # each chunk's figures at its own
-    rows = microbatch_rows(cfg, sizes)
+    rows = microbatch_rows(job, sizes)
     target = target or compiled_mod.simulated_cpu(math.prod(sizes.values()))
     # XLA:GPU compiles cuDNN attention itself; XLA:CPU's scores are measured and removed.
-    flash = not target.gpu and flash_attention_applies(model_cfg, cfg.model.dtype)
+    flash = not target.gpu and flash_attention_applies(model_cfg, job.dtype)
     if not target.gpu:
         model_cfg = cpu_compilable(model_cfg)
     inner = tuple((a, n) for a, n in sizes.items() if a != "stage")
-    common = (target.label, repr(model_cfg), cfg.train.layout, inner, rows, cfg.model.dtype,
-              cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches,
-              cfg.train.pp_combined_1f1b)
+    common = (target.label, repr(model_cfg), job.train.layout, inner, rows, job.dtype,
+              job.matmul_precision, job.train.optimizer, job.train.microbatches,
+              job.train.pp_combined_1f1b)
     half = dataclasses.replace(model_cfg, seq_len=model_cfg.seq_len // 2)
     half_common = (target.label, repr(half), *common[2:4], 2 * rows, *common[5:])
     pieces = {}
@@ -435,14 +433,14 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     for kind in kinds:
         for blocks, last in depths:
             pieces[("op", *common, blocks, kind, last)] = functools.partial(
-                op_lowered, cfg, model_cfg, sizes, blocks, kind, last, rows, target)
+                op_lowered, job, model_cfg, sizes, blocks, kind, last, rows, target)
             if flash and not last and blocks < 3 and kind != PAIR:  # the scores' part, at L/2, twice the rows
                 pieces[("op", *half_common, blocks, kind, False)] = functools.partial(
-                    op_lowered, cfg, half, sizes, blocks, kind, False, 2 * rows, target)
+                    op_lowered, job, half, sizes, blocks, kind, False, 2 * rows, target)
     tail_key = ("tail", *common, tuple(sizes.items()), model_cfg.depth, S, V, stage_blocks)
-    pieces[tail_key] = functools.partial(tail_lowered, cfg, model_cfg, sizes, S, V, target,
+    pieces[tail_key] = functools.partial(tail_lowered, job, model_cfg, sizes, S, V, target,
                                          stage_blocks)
-    got = compile_pieces(cache, pieces, target, cfg, hw)
+    got = compile_pieces(cache, pieces, target, job, hw)
 
     def op(blocks, kind, last):
         return got[("op", *common, blocks, kind, last)]
@@ -485,7 +483,7 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
                    for kind in ((BACK, PAIR) if sched.combined else (BACK,)))
                if target.gpu else None)
     tail = got[tail_key]
-    args = (hw, sizes, cfg.model.dtype, cfg.compiler.overlap, cfg.model.matmul_precision)
+    args = (hw, sizes, job.dtype, job.compiler.overlap, job.matmul_precision)
     ops = {k: op_row(f, *args) for k, f in figs.items()}
     tail_row = op_row(tail, *args)
     # what XLA:GPU's schedule was read to keep in flight beside the ticks (tested): the
@@ -493,15 +491,15 @@ def pipeline_step(cfg, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     from jaxdist.pipeline.program import mean_axes
 
     early = (early_reductions(sched, tail_row, chunk_gradient_share(
-        cfg, model_cfg, sizes, S, V, target, stage_blocks), mean_axes(sizes), True)
-        if V > 1 and cfg.train.distributed_optimizer and cfg.compiler.overlap else [])
-    time = tick_model(sched, ops, tail_row, message_bytes(cfg, model_cfg, sizes), hw, sizes,
-                      cfg.output.pp_runtime, cfg.compiler.overlap, early)
+        job, model_cfg, sizes, S, V, target, stage_blocks), mean_axes(sizes), True)
+        if V > 1 and job.train.distributed_optimizer and job.compiler.overlap else [])
+    time = tick_model(sched, ops, tail_row, message_bytes(job, model_cfg, sizes), hw, sizes,
+                      job.output.pp_runtime, job.compiler.overlap, early)
     time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
                        "to its length; a stage send beside the op it rides with up to that "
-                       "op's length (F then BACK loops), else exposed" if cfg.compiler.overlap
+                       "op's length (F then BACK loops), else exposed" if job.compiler.overlap
                        else "none")
-    time["peak_flops_per_device"] = hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision)
+    time["peak_flops_per_device"] = hw.peak_flops(job.dtype, job.matmul_precision)
     time["collectives"] = tail_row["collectives"]
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
              (BACK, False): "backward", (BACK, True): "backward_last",

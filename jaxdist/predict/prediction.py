@@ -1,9 +1,9 @@
 """The one prediction pipeline: program figures -> time model -> memory verdict ->
-`Prediction`. `predict(cfg, shape)` is what a `--hardware` plan shows (jaxdist.plan.predicted)
+`Prediction`. `predict(job)` is what a `--hardware` plan shows (jaxdist.plan.predicted)
 and what a run records beside its measurement (jaxdist.predict.inrun): the same function, so a
 run's measured / predicted ratio checks the predictor plans use.
 
-The step is compiled for the real mesh on the part of `cfg.output.hardware`: by XLA:GPU for
+The step is compiled for the real mesh on the job's part (`job.part`): by XLA:GPU for
 the part's topology without a device where the GPU compiler is installed, else by XLA:CPU on
 simulated CPU devices (`jaxdist.program.compiled.for_part`).
 
@@ -25,13 +25,11 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxdist.errors import UsageError
-from jaxdist.hardware import MODEL_CONSTANTS, check_nodes, get_hardware
+from jaxdist.hardware import MODEL_CONSTANTS, check_nodes
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time, memory, program, time_model, verdict
 from jaxdist.predict.state import state_bytes
 from jaxdist.program import compiled
-from jaxdist.run_model import build_model
-from sharding.registry import facts
 
 LABEL = time_model.LABEL
 
@@ -73,8 +71,8 @@ class Prediction:
         return self.compiled["compiler"]
 
 
-def predict(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = None) -> Prediction:
-    """The prediction of `cfg`'s step on the mesh `shape` on the part `cfg.output.hardware`;
+def predict(job, blocks: str = "auto", cache: dict | None = None) -> Prediction:
+    """The prediction of `job`'s step (jaxdist.job) on its mesh and part (`job.part`);
     `cache` (a dict, optional) keeps compiles for later calls whose program is the same (a
     suite's rows: e.g. variants that change only --overlap).
 
@@ -85,17 +83,15 @@ def predict(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = No
     from jax.errors import JaxRuntimeError
 
     try:
-        return _predict(cfg, shape, blocks, cache)
+        return _predict(job, blocks, cache)
     except JaxRuntimeError as e:
         rejected = compiled.xla_message(e)
         if compiled.TILING_REJECTED not in str(e) or \
-                compiled.CUBLAS_GEMMS in cfg.compiler.xla_flags:
+                compiled.CUBLAS_GEMMS in job.compiler.xla_flags:
             raise compiled.CompileError(f"XLA could not compile the step: {rejected}") from None
-    flags = f"{cfg.compiler.xla_flags} {compiled.CUBLAS_GEMMS}".strip()
-    retry = dataclasses.replace(cfg, compiler=dataclasses.replace(cfg.compiler,
-                                                                  xla_flags=flags))
     try:
-        pred = _predict(retry, shape, blocks, cache)
+        pred = _predict(job.with_xla_flags(
+            f"{job.compiler.xla_flags} {compiled.CUBLAS_GEMMS}".strip()), blocks, cache)
     except JaxRuntimeError as e:
         raise compiled.CompileError(
             f"XLA could not compile the step, with Triton GEMMs off either "
@@ -108,19 +104,18 @@ def predict(cfg, shape: MeshShape, blocks: str = "auto", cache: dict | None = No
     return pred
 
 
-def _predict(cfg, shape: MeshShape, blocks: str, cache: dict | None) -> Prediction:
-    hw = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+def _predict(job, blocks: str, cache: dict | None) -> Prediction:
+    cfg, shape, hw, model_cfg = job.cfg, job.shape, job.part, job.model
     check_nodes(hw, shape.size)
-    if hw.peak_flops(cfg.model.dtype, cfg.model.matmul_precision) is None:
-        raise UsageError(f"{hw.name} has no {cfg.model.dtype} peak figure: give a dtype it "
+    if hw.peak_flops(job.dtype, job.matmul_precision) is None:
+        raise UsageError(f"{hw.name} has no {job.dtype} peak figure: give a dtype it "
                          f"has (--dtype bfloat16)")
-    model_cfg, _ = build_model(cfg)
-    target = compiled.for_part(hw, shape.size, cfg.compiler.compiler)
+    target = compiled.for_part(hw, shape.size, job.compiler.compiler)
     mesh = dict(shape.axis_sizes)
-    if facts(cfg.train.layout).pipelined:
-        parts = _pipeline(cfg, model_cfg, shape, hw, target, cache)
+    if job.layout.pipelined:
+        parts = _pipeline(job, hw, target, cache)
     else:
-        parts = _one_program(cfg, model_cfg, shape, hw, target, blocks, cache)
+        parts = _one_program(job, hw, target, blocks, cache)
     fits = parts["memory"]["fits"]
     tokens, batch = model_cfg.tokens_per_sample, cfg.train.batch_size
     thr = time_model.throughput(parts["time"], tokens * batch if tokens else None,
@@ -142,17 +137,17 @@ def memo(cache: dict | None, key: tuple, make):
     return copy.deepcopy(cache[key])
 
 
-def _one_program(cfg, model_cfg, shape: MeshShape, hw, target, blocks: str,
-                 cache: dict | None) -> dict:
+def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
+    cfg, model_cfg, shape = job.cfg, job.model, job.shape
     settings = (repr(cfg.model), repr(cfg.train), tuple(shape.axis_sizes.items()))
-    state = memo(cache, ("state bytes", *settings), lambda: state_bytes(cfg, shape))
+    state = memo(cache, ("state bytes", *settings), lambda: state_bytes(job))
     mesh = dict(shape.axis_sizes)
     # The hand estimate traces the loss (Python) while XLA compiles (threads without the
     # GIL): the two overlap on two cores.
     with ThreadPoolExecutor(max_workers=1) as pool:
         hand = pool.submit(memo, cache, ("hand memory", *settings),
                            lambda: hand_memory(cfg, model_cfg, state, mesh))
-        figures, quadratic = compiled_figures(cfg, model_cfg, shape, target, blocks, cache, hw)
+        figures, quadratic = compiled_figures(job, shape, target, blocks, cache, hw)
         peak = hand.result()
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
     if quadratic is not None:
@@ -190,17 +185,18 @@ def _one_program(cfg, model_cfg, shape: MeshShape, hw, target, blocks: str,
         "memory_from": "compiled" if target.gpu else "hand"}
 
 
-def _pipeline(cfg, model_cfg, shape: MeshShape, hw, target, cache: dict | None) -> dict:
+def _pipeline(job, hw, target, cache: dict | None) -> dict:
     """pp, tp_pp, fsdp_pp: the step tick by tick from the executed schedule table
     (jaxdist.predict.pipeline); memory from the stages' (exact state per stage, activations
     estimated), against the part's HBM."""
     from jaxdist.predict.pipeline import pipeline_step
     from jaxdist.predict.stage_memory import stage_memory
 
+    cfg, model_cfg, shape = job.cfg, job.model, job.shape
     stages = memo(cache, ("stage memory", repr(cfg.model), repr(cfg.train),
                           tuple(shape.axis_sizes.items())),
-                  lambda: stage_memory(cfg, shape))
-    pred = pipeline_step(cfg, model_cfg, dict(shape.axis_sizes), hw, cache, target)
+                  lambda: stage_memory(job))
+    pred = pipeline_step(job, model_cfg, dict(shape.axis_sizes), hw, cache, target)
     return {
         "model": stages["model"], "distributed_optimizer": stages["distributed_optimizer"],
         "state_bytes_per_device": stages["state_bytes_per_device"],
@@ -214,23 +210,24 @@ def _pipeline(cfg, model_cfg, shape: MeshShape, hw, target, cache: dict | None) 
         "time": pred["time"], "timing": "ticks", "memory_from": "stages"}
 
 
-def compiled_figures(cfg, model_cfg, shape: MeshShape, target, blocks: str,
-                     cache: dict | None, hw=None):
+def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | None,
+                     hw=None):
     """(step figures, attention-score part or None), compiled once per distinct program.
     The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
     XLA:GPU's program holds the cuDNN calls themselves."""
+    cfg, model_cfg = job.cfg, job.model
     key = ("step", target.label, repr(model_cfg), cfg.train.layout,
            tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
            cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks,
            hw.name if hw else None, cfg.compiler.overlap, cfg.compiler.xla_flags)
     if cache is not None and key in cache:
         return cache[key]
-    figures = program.step_figures(cfg, model_cfg, shape, blocks, target,
+    figures = program.step_figures(job, model_cfg, shape, blocks, target,
                                    hw if target.gpu and kernels_time.has_rates(hw) else None,
                                    cache)
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
-        quadratic = program.attention_scores(cfg, model_cfg, shape, target,
+        quadratic = program.attention_scores(job, model_cfg, shape, target,
                                              figures.get("depth_1"), figures.get("depth_2"))
     if cache is not None:
         cache[key] = (figures, quadratic)

@@ -33,16 +33,16 @@ from jaxdist.train_step import compiled_step_flops
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
 
 
-def figures(cfg, model_cfg, shape: MeshShape, target=None, hw=None, memo=None) -> dict:
+def figures(job, model_cfg, shape: MeshShape, target=None, hw=None, memo=None) -> dict:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
     (jaxdist.program.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
     compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
     kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices.
     `memo` (a dict, optional: a suite plan's) keeps lowerings and readings for later calls."""
-    return figures_of(cfg, [model_cfg], shape, target, hw, memo)[0]
+    return figures_of(job, [model_cfg], shape, target, hw, memo)[0]
 
 
-def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
+def figures_of(job, model_cfgs: list, shape: MeshShape, target=None, hw=None,
                memo=None) -> list[dict]:
     """`figures` of several models, compiled side by side
     (jaxdist.program.compiled.compile_steps)."""
@@ -50,7 +50,7 @@ def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
     if not target.gpu:
         model_cfgs = [cpu_compilable(m) for m in model_cfgs]
     out = []
-    for program, compiled, seconds in compiled_mod.compile_steps(cfg, model_cfgs, shape,
+    for program, compiled, seconds in compiled_mod.compile_steps(job, model_cfgs, shape,
                                                                  target, memo):
         step_flops = None if target.gpu else compiled_step_flops(program, compiled)
         runs = None
@@ -58,12 +58,12 @@ def figures_of(cfg, model_cfgs: list, shape: MeshShape, target=None, hw=None,
             from jaxdist.pipeline.report import switch_runs
             runs = switch_runs(program_reading.text(compiled), dict(shape.axis_sizes),
                               program.schedule)
-        out.append(read_program(compiled, seconds, target, dict(shape.axis_sizes), cfg, hw,
+        out.append(read_program(compiled, seconds, target, dict(shape.axis_sizes), job, hw,
                                 runs, step_flops, memo))
     return out
 
 
-def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
+def read_program(compiled, seconds: float, target, sizes: dict, job, hw=None,
                  runs: dict | None = None, step_flops: float | None = None,
                  memo: dict | None = None) -> dict:
     """{flops, bytes_accessed, comm (aggregated), memory, kernels, compile_s} of a compiled
@@ -75,7 +75,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
     timed = target.gpu and hw is not None and kernels_time.has_rates(hw)
     key = ("reading", hashlib.blake2b(hlo.encode(), digest_size=16).digest(), target.label,
            tuple(sizes.items()), tuple(sorted((runs or {}).items())), step_flops,
-           repr(hw) if timed else None, cfg.model.matmul_precision)
+           repr(hw) if timed else None, job.matmul_precision)
     if memo is not None and key in memo:
         return {**copy.deepcopy(memo[key]), "memory": program_reading.memory_bytes(compiled),
                 "liveness": liveness.of(compiled), "compile_s": seconds}
@@ -85,7 +85,7 @@ def read_program(compiled, seconds: float, target, sizes: dict, cfg, hw=None,
            "comm": aggregate(reading["collectives"]), "kernels": reading["kernels"]}
     if timed:
         out["kernel_time"] = kernels_time.step_time(hlo, reading["collectives"], hw, sizes,
-                                                    cfg.model.matmul_precision, runs)
+                                                    job.matmul_precision, runs)
     if memo is not None:
         memo[key] = copy.deepcopy(out)
     return {**out, "memory": reading["memory"], "liveness": liveness.of(compiled),
@@ -135,7 +135,7 @@ def extrapolated_memory(one: dict, two: dict, depth: int, ordered: bool = False)
     return {"memory": memory, "memory_method": method}
 
 
-def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=None,
+def step_figures(job, model_cfg, shape: MeshShape, blocks: str = "auto", target=None,
                  hw=None, memo: dict | None = None) -> dict:
     """Figures of the full step; blocks: "full" (compile everything), "extrapolate" (depth
     1 and 2) or "auto" (extrapolate a stack deeper than FULL_DEPTH_MAX). `memo`: figures_of's."""
@@ -144,8 +144,8 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=
     if blocks == "extrapolate" and not stack:
         blocks = "full"
     if blocks == "full" or (blocks == "auto" and (not stack or depth <= FULL_DEPTH_MAX)):
-        return {**figures(cfg, model_cfg, shape, target, hw, memo), "method": "full compile"}
-    one, two = figures_of(cfg, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
+        return {**figures(job, model_cfg, shape, target, hw, memo), "method": "full compile"}
+    one, two = figures_of(job, [dataclasses.replace(model_cfg, depth=d) for d in (1, 2)],
                           shape, target, hw, memo)
     figs = extrapolate(one, two, depth, getattr(model_cfg, "blocks_ordered", False))
     method = f"compiled at depth 1 and 2, extrapolated linearly to {depth}"
@@ -154,7 +154,7 @@ def step_figures(cfg, model_cfg, shape: MeshShape, blocks: str = "auto", target=
     return {**figs, "depth_1": one, "depth_2": two, "method": method}
 
 
-def attention_scores(cfg, model_cfg, shape: MeshShape, target=None, one: dict | None = None,
+def attention_scores(job, model_cfg, shape: MeshShape, target=None, one: dict | None = None,
                      two: dict | None = None) -> dict:
     """The L x L attention-score part, at full sequence length and depth, of temp bytes and
     bytes accessed. Per block (depth 2 - depth 1), at the same tokens per step: P(k) =
@@ -162,10 +162,9 @@ def attention_scores(cfg, model_cfg, shape: MeshShape, target=None, one: dict | 
     tokens x L), so S = 2 (P(1) - P(2)); times the depth. `one`, `two`: the depth-1 and -2
     figures at L, where already compiled."""
     depth, seq = model_cfg.depth, model_cfg.seq_len
-    one = one or figures(cfg, dataclasses.replace(model_cfg, depth=1), shape, target)
-    two = two or figures(cfg, dataclasses.replace(model_cfg, depth=2), shape, target)
-    wide = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, batch_size=2 * cfg.train.batch_size))
+    one = one or figures(job, dataclasses.replace(model_cfg, depth=1), shape, target)
+    two = two or figures(job, dataclasses.replace(model_cfg, depth=2), shape, target)
+    wide = job.with_train(batch_size=2 * job.train.batch_size)
     half = dataclasses.replace(model_cfg, seq_len=seq // 2)
     h1 = figures(wide, dataclasses.replace(half, depth=1), shape, target)
     h2 = figures(wide, dataclasses.replace(half, depth=2), shape, target)

@@ -43,7 +43,6 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxdist import metrics
 from jaxdist.config import parse_stage_blocks
-from jaxdist.run_model import build_model
 from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import chunk_blocks
 from jaxdist.pipeline.program import message_sequence_shards
@@ -51,7 +50,6 @@ from jaxdist.pipeline.schedule import build_schedule
 from jaxdist.state_shapes import pipeline_planning_state
 from jaxdist.train_step import DTYPES, make_optimizer
 from models.layers import REMAT_NAMES
-from sharding import get_layout
 from sharding.axes import batch_axes
 from sharding.pipeline import is_stacked
 
@@ -128,10 +126,11 @@ def stage_total(s: dict) -> int:
     return int(held + max(loop, s["gradient_cast_tail"]))
 
 
-def stage_memory(cfg, shape) -> dict:
+def stage_memory(job) -> dict:
     """{layout, mesh, distributed_optimizer, model, pipeline, state_bytes_per_device, stages}:
-    the schedule's facts and every stage's bytes per device."""
-    model_cfg, _ = build_model(cfg)
+    the schedule's facts and every stage's bytes per device, of a pipelined `job`
+    (jaxdist.job)."""
+    cfg, model_cfg, shape = job.cfg, job.model, job.shape
     sizes = shape.axis_sizes
     S, M = shape.stage, cfg.train.microbatches
     schedule = cfg.train.pp_schedule
@@ -142,8 +141,7 @@ def stage_memory(cfg, shape) -> dict:
                    combined=combined)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
     tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
+    layout = job.rules
     state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
                                     layout.master_weights(cfg.model.dtype), stage_blocks)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),

@@ -12,11 +12,9 @@ import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist import metrics
-from jaxdist.mesh import MeshShape
-from jaxdist.run_model import build_model
 from jaxdist.state_shapes import planning_state
 from jaxdist.train_step import make_optimizer
-from sharding import get_layout, padding
+from sharding import padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,21 +32,19 @@ class StateBytes:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def state_bytes(cfg, shape: MeshShape) -> StateBytes:
-    model_cfg, _ = build_model(cfg)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
-    state = planning_state(model_cfg, cfg.model.dtype,
-                           make_optimizer(cfg.train.optimizer, cfg.train.lr),
-                           layout.master_weights(cfg.model.dtype))
-    sizes = shape.axis_sizes
+def state_bytes(job) -> StateBytes:
+    """The train state of `job` (jaxdist.job) per device on its mesh, exact, from shapes."""
+    layout, train = job.rules, job.train
+    state = planning_state(job.model, job.dtype, make_optimizer(train.optimizer, train.lr),
+                           layout.master_weights(job.dtype))
+    sizes = job.shape.axis_sizes
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
     specs = layout(state, mesh)
     summary = metrics.sharding_summary(padding.storage(state, specs, sizes), specs, state)
     return StateBytes(
-        layout=cfg.train.layout, distributed_optimizer=layout.distributed_optimizer,
-        mesh=dict(sizes), model={"name": cfg.model.model, "params": metrics.param_count(state)},
+        layout=job.layout.name, distributed_optimizer=layout.distributed_optimizer,
+        mesh=dict(sizes), model={"name": job.model_name, "params": metrics.param_count(state)},
         state_bytes_global={part: sum(leaf.size * leaf.dtype.itemsize
                                       for leaf in jax.tree.leaves(state[part]))
                             for part in state},

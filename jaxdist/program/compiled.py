@@ -197,28 +197,26 @@ def _cpu_limit() -> int:
     return CPU_DEVICES_PER_PROCESS
 
 
-def step_program(cfg, model_cfg, mesh):
-    """The train step's program for `mesh`, exactly as a run builds it (one-program layouts
-    or a pipeline); the devices under the mesh decide the compiler."""
+def step_program(job, mesh, model_cfg=None):
+    """The one builder of `job`'s train step program (jaxdist.job) for `mesh`, exactly as a
+    run builds it: the job's sharding rules over the mesh, a pipeline's program where the
+    layout is pipelined. `model_cfg`: another depth of the job's model (a plan's depth-1
+    and -2 programs). The devices under the mesh decide the compiler."""
     from jaxdist.config import parse_stage_blocks
     from jaxdist.pipeline.program import build_pipeline_program
     from jaxdist.train_step import build_program, make_optimizer
-    from sharding import get_layout
-    from sharding.registry import facts
 
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
-    layout = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                        cfg.train.grad_reduce_dtype)
-    if facts(cfg.train.layout).pipelined:
+    model_cfg = job.model if model_cfg is None else model_cfg
+    train = job.train
+    tx = make_optimizer(train.optimizer, train.lr)
+    if job.layout.pipelined:
         return build_pipeline_program(
-            model_cfg, cfg.model.dtype, tx, layout, mesh, cfg.train.seed,
-            cfg.train.microbatches, cfg.train.pp_schedule, cfg.train.pp_virtual,
-            matmul_precision=cfg.model.matmul_precision,
-            stage_blocks=parse_stage_blocks(cfg.train.pp_stage_blocks),
-            combined=cfg.train.pp_combined_1f1b)
-    return build_program(model_cfg, cfg.model.dtype, tx, layout, mesh,
-                         cfg.train.seed, cfg.train.microbatches,
-                         matmul_precision=cfg.model.matmul_precision)
+            model_cfg, job.dtype, tx, job.rules, mesh, train.seed, train.microbatches,
+            train.pp_schedule, train.pp_virtual, matmul_precision=job.matmul_precision,
+            stage_blocks=parse_stage_blocks(train.pp_stage_blocks),
+            combined=train.pp_combined_1f1b)
+    return build_program(model_cfg, job.dtype, tx, job.rules, mesh, train.seed,
+                         train.microbatches, matmul_precision=job.matmul_precision)
 
 
 def batch_bytes(model_cfg, batch_size: int) -> int:
@@ -304,20 +302,18 @@ def xla_options(flags: str) -> dict:
     return out
 
 
-def compile_options(cfg, target: Target) -> dict | None:
+def compile_options(job, target: Target) -> dict | None:
     """The per-compile XLA options of a plan's compile: on a device-less XLA:GPU target the
     kernel cache, --overlap's scheduler flags and --xla-flags; on simulated CPU devices under
     --dry-run, --xla-flags. None for a compile on the run's own devices (the run's XLA_FLAGS
     already hold the user's flags: jaxdist.devices.configure_xla_flags)."""
-    user = xla_options(cfg.compiler.xla_flags) if cfg.output.dry_run else {}
+    user = xla_options(job.compiler.xla_flags) if job.output.dry_run else {}
     if not target.device_less:
         return user or None
-    from sharding.registry import facts
-
     overlap = {}
-    if cfg.compiler.overlap:
+    if job.compiler.overlap:
         overlap = {**OVERLAP_OPTIONS, **(PIPELINE_OVERLAP_OPTIONS if
-                                         facts(cfg.train.layout).pipelined else {})}
+                                         job.layout.pipelined else {})}
     return {**kernel_cache_options(), **overlap, **user}
 
 
@@ -343,19 +339,20 @@ def xla_message(error: BaseException) -> str:
     return first[:400]
 
 
-def compile_step(cfg, model_cfg, shape, target: Target):
-    """(program, compiled, seconds): the step for mesh `shape` on `target`'s devices,
-    compiled from abstract shapes."""
+def compile_step(job, model_cfg, shape, target: Target):
+    """(program, compiled, seconds): `job`'s step (jaxdist.job) with the model `model_cfg`
+    (the job's, or another depth of it) for mesh `shape` on `target`'s devices, compiled
+    from abstract shapes."""
     from jaxdist.mesh import build_mesh
 
-    program = step_program(cfg, model_cfg, build_mesh(shape, target.devices[:shape.size]))
+    program = step_program(job, build_mesh(shape, target.devices[:shape.size]), model_cfg)
     compiled, seconds = compile_timed(program.step, program.abstract_state,
-                                      abstract_batch(model_cfg, cfg.train.batch_size),
-                                      options=compile_options(cfg, target))
+                                      abstract_batch(model_cfg, job.train.batch_size),
+                                      options=compile_options(job, target))
     return program, compiled, seconds
 
 
-def compile_steps(cfg, model_cfgs: list, shape, target: Target,
+def compile_steps(job, model_cfgs: list, shape, target: Target,
                   memo: dict | None = None) -> list[tuple]:
     """compile_step for several models (a decoder at depth 1 and 2) at once: traced and
     lowered one after the other (Python), compiled side by side (compile_lowered). With
@@ -364,18 +361,18 @@ def compile_steps(cfg, model_cfgs: list, shape, target: Target,
     from jaxdist.mesh import build_mesh
 
     memo = {} if memo is None else memo
-    keys = [("lowered step", target.label, repr(m), repr(cfg.model), repr(cfg.train),
+    keys = [("lowered step", target.label, repr(m), repr(job.settings), repr(job.train),
              tuple(shape.axis_sizes.items())) for m in model_cfgs]
 
     def lower(key, model_cfg):
         if key not in memo:
-            program = step_program(cfg, model_cfg, build_mesh(shape,
-                                                              target.devices[:shape.size]))
+            program = step_program(job, build_mesh(shape, target.devices[:shape.size]),
+                                   model_cfg)
             memo[key] = (program, program.step.lower(
-                program.abstract_state, abstract_batch(model_cfg, cfg.train.batch_size)))
+                program.abstract_state, abstract_batch(model_cfg, job.train.batch_size)))
         return memo[key][1]
 
     done = compile_lowered([functools.partial(lower, k, m) for k, m in zip(keys, model_cfgs)],
-                           compile_options(cfg, target))
+                           compile_options(job, target))
     return [(memo[k][0], compiled, seconds) for k, (compiled, seconds) in zip(keys, done)]
 
