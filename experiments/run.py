@@ -179,8 +179,8 @@ def main_mesh(checked: Job, stop: StopRequest) -> int:
         kept = ""
         if run_dir is not None:  # the record: what the run was, the phase, the steps done
             write_json(run_dir.path / "results.json", record_builder.stopped_in_setup(
-                cfg.train.layout, dict(platform.shape.axis_sizes), cfg, e.signal, e.phase,
-                e.steps_done, total))
+                cfg.train.layout, dict(platform.shape.axis_sizes), cfg.to_dict(), e.signal,
+                e.phase, e.steps_done, total))
             kept = f"; {run_dir.path / 'results.json'} records it"
         ck = cfg.checkpoint
         if ck.checkpoint_dir and (e.steps_done or ck.resume):

@@ -330,7 +330,7 @@ def assemble_results(cfg, model_cfg, job: dict, reports: list[dict]) -> dict:
     threads = sorted({r["threads"] for r in reports})
     mesh = {"data": world, "fsdp": 1} if job["strategy"] == "ddp" else {"data": 1, "fsdp": world}
     return record_builder.build(
-        "pytorch", job["strategy"], mesh, cfg, model_cfg, first["params"],
+        "pytorch", job["strategy"], mesh, cfg.to_dict(), model_cfg, first["params"],
         env={"jax_version": first["torch_version"], "torch_version": first["torch_version"],
              "backend": job["device"], "device_kind": device_kind, "num_devices": world,
              "num_processes": world, "simulated": False,

@@ -151,7 +151,8 @@ def check_layout_and_model(cfg: RunConfig, kind: str, shape: MeshShape, part) ->
     check_layout(cfg.train.layout, shape.axis_sizes, model_cfg.family,
                  cfg.train.distributed_optimizer)
     from jaxdist.host_memory import check_model_size
-    check_model_size(cfg, model_cfg, cfg.output.dry_run, runs_on_cpu(cfg))
+    check_model_size(cfg.model.model, cfg.model.dtype, model_cfg, cfg.output.dry_run,
+                     runs_on_cpu(cfg))
     if pipelined:  # depth vs stages x chunks, schedule vs M
         check_pipeline(model_cfg, shape.stage, cfg.train.pp_schedule, cfg.train.microbatches,
                        cfg.train.pp_virtual, cfg.data.eval_every, shape.data,
@@ -208,7 +209,8 @@ def check_checkpoint_dir(cfg: RunConfig, kind: str) -> None:
     parameter server refuses the flag."""
     if cfg.checkpoint.checkpoint_dir and kind == job.MESH:
         from jaxdist.checkpoint import check_directory, identity
-        check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume, identity(cfg))
+        check_directory(cfg.checkpoint.checkpoint_dir, cfg.checkpoint.resume,
+                        identity(cfg.model, cfg.data.dataset, cfg.train.optimizer))
 
 
 def check_ps(resolved: job.Job) -> None:

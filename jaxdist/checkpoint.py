@@ -35,12 +35,14 @@ KEEP = 3  # latest checkpoints of this run line kept
 MARKER = "jaxdist-checkpoints.json"  # {"identity": {...}}: the run line this folder holds
 
 
-def identity(cfg) -> dict:
-    return {"model": cfg.model.model, "model_opts": cfg.model.model_opts,
-            "dataset": cfg.data.dataset, "optimizer": cfg.train.optimizer,
+def identity(model, dataset: str, optimizer: str) -> dict:
+    """What a checkpoint's run line is (IDENTITY): the config's model section
+    (jaxdist.config.ModelConfig), the dataset and the optimizer."""
+    return {"model": model.model, "model_opts": model.model_opts,
+            "dataset": dataset, "optimizer": optimizer,
             # FP8: its scaling too (delayed scaling's histories are part of the state)
-            "dtype": (f"float8 ({cfg.model.fp8_scaling} scaling)"
-                      if cfg.model.dtype == "float8" else cfg.model.dtype)}
+            "dtype": (f"float8 ({model.fp8_scaling} scaling)"
+                      if model.dtype == "float8" else model.dtype)}
 
 
 def mismatch(saved: dict, mine: dict) -> list[str]:

@@ -71,7 +71,7 @@ def check(need: int, what: str, devices: int | None = None,
 TRACE_BYTES_PER_LEAF = 8 << 10
 
 
-def check_model_size(cfg, model_cfg, dry_run: bool, cpu_run: bool,
+def check_model_size(model: str, dtype: str, model_cfg, dry_run: bool, cpu_run: bool,
                      available: int | None = None) -> None:
     """A decoder whose depth alone makes it larger than this host can hold, refused before
     it is built or traced (at depth 1,000,000,000 the kernel's OOM killer ended a plan at
@@ -81,7 +81,7 @@ def check_model_size(cfg, model_cfg, dry_run: bool, cpu_run: bool,
     are checked after it (jaxdist.run_setup.check_host_memory)."""
     from jaxdist.state_shapes import stack_size
 
-    size = stack_size(model_cfg, cfg.model.dtype)
+    size = stack_size(model_cfg, dtype)
     if size is None:
         return
     state_bytes, leaves = size
@@ -92,7 +92,7 @@ def check_model_size(cfg, model_cfg, dry_run: bool, cpu_run: bool,
                 "its build (the parameters and the shapes of " if cpu_run else
                 "its build (the shapes of ")
         raise UsageError(
-            f"--model {cfg.model.model} at depth {model_cfg.depth:,} needs about "
+            f"--model {model} at depth {model_cfg.depth:,} needs about "
             f"{need / GIB:,.1f} GiB of host memory for {what}{leaves:,} arrays), and "
             f"{available / GIB:.1f} GiB is available: give a smaller depth in --model-opts")
 

@@ -117,7 +117,7 @@ def resolve(cfg: RunConfig, kind: str, shape: MeshShape, part: Part | None,
 
     rules = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
                        cfg.train.grad_reduce_dtype)
-    model_cfg, dataset = build_model(cfg, shape)
+    model_cfg, dataset = build_model(cfg.model, cfg.train, cfg.data, shape)
     return Job(cfg, kind, facts(cfg.train.layout), model_cfg, shape, cfg.train.optimizer,
                part, tuple(notices), dataset, rules)
 

@@ -8,17 +8,18 @@ from __future__ import annotations
 from jaxdist.record import SCHEMA_VERSION
 
 
-def build(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int, *, env: dict,
+def build(framework: str, layout: str, mesh: dict, config: dict, model_cfg, params: int, *,
+          env: dict,
           compile_s: float | None, step_time_s: dict, warmup_step_time_s: list,
           throughput: dict, mfu: dict, memory: dict, sharding: dict, loss: list,
           comm: dict | None, power: dict, window: dict, steps_done: int | None = None,
           interrupted: dict | None = None, **own) -> dict:
     """A results.json record: the schema's blocks (SCHEMA, docs/results.md) in one order,
     then the producer's own (`own`: `comm_reason`, `pipeline`, `program`, `ps`, `torch`,
-    ...). `steps_done` defaults to every step's loss; `interrupted` (the signal, the steps
+    ...). `config` is the run's config as recorded (RunConfig.to_dict). `steps_done` defaults to every step's loss; `interrupted` (the signal, the steps
     planned) makes the status `interrupted`."""
     return {
-        **header(framework, layout, mesh, cfg, model_cfg, params),
+        **header(framework, layout, mesh, config, model_cfg, params),
         "status": "interrupted" if interrupted else "complete",
         "steps_done": len(loss) if steps_done is None else steps_done,
         "interrupted": interrupted,
@@ -28,12 +29,13 @@ def build(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int, 
         "window": window, **own}
 
 
-def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int) -> dict:
+def header(framework: str, layout: str, mesh: dict, config: dict, model_cfg,
+           params: int) -> dict:
     """What the run is: schema_version, framework, layout (and its facts), mesh, model,
     config."""
     return {"schema_version": SCHEMA_VERSION, "framework": framework, "layout": layout,
             **facts_of(layout), "mesh": mesh,
-            "model": {"name": cfg.model.model, "params": params,
+            "model": {"name": config["model"]["model"], "params": params,
                       "flops_per_sample": model_cfg.flops_per_sample(),
                       "tokens_per_sample": model_cfg.tokens_per_sample,
                       # image models: their input side in pixels (readers match on it)
@@ -41,18 +43,18 @@ def header(framework: str, layout: str, mesh: dict, cfg, model_cfg, params: int)
                       # the pieces the sequence-parallel collectives ran in, and of what
                       "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
                       "tp_comm_split": getattr(model_cfg, "tp_comm_split", None)},
-            "config": cfg.to_dict()}
+            "config": config}
 
 
-def stopped_in_setup(layout: str, mesh: dict, cfg, signal: str, phase: str, steps_done: int,
-                     steps_planned: int) -> dict:
+def stopped_in_setup(layout: str, mesh: dict, config: dict, signal: str, phase: str,
+                     steps_done: int, steps_planned: int) -> dict:
     """The record of a run a signal stopped before its first step (during `phase`: the model
     build, the state's init or restore, tracing the step, XLA's compile): what the run was,
     `"status": "interrupted"`, the phase and the steps done; no figure, since nothing ran
     (record.STOPPED_IN_SETUP is its schema)."""
     return {"schema_version": SCHEMA_VERSION, "framework": "jax", "layout": layout,
-            **facts_of(layout), "mesh": mesh, "model": {"name": cfg.model.model},
-            "config": cfg.to_dict(),
+            **facts_of(layout), "mesh": mesh, "model": {"name": config["model"]["model"]},
+            "config": config,
             "status": "interrupted", "steps_done": steps_done,
             "interrupted": {"signal": signal, "received_here": True, "phase": phase,
                             "steps_planned": steps_planned, "timed_steps": 0},

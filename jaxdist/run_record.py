@@ -62,7 +62,8 @@ def build(job, platform, ready, measured: Measured, monitor, prediction) -> dict
         distributed_optimizer=layout.distributed_optimizer,
         program=program_block(platform, program, compiled), pipeline=pipeline)
     return record_builder.build(
-        "jax", job.layout.name, dict(program.batch_sharding.mesh.shape), job.cfg, model_cfg,
+        "jax", job.layout.name, dict(program.batch_sharding.mesh.shape), job.to_dict(),
+        model_cfg,
         metrics.param_count(program.logical_state), **blocks,
         # The model's prediction for the part (--hardware, or the devices' own), beside it.
         prediction=prediction.block(blocks), accuracy=m.accuracy,

@@ -52,7 +52,8 @@ def setup(job, platform, log, notice: str | None) -> Ready:
 
     ck = job.checkpoint
     ckpt = (Checkpointer(ck.checkpoint_dir, ck.checkpoint_every,
-                         dict(identity(job.cfg), layout=job.layout.name,
+                         dict(identity(job.settings, job.data.dataset, job.optimizer),
+                              layout=job.layout.name,
                               mesh=platform.shape.label, seed=train.seed,
                               batch_size=train.batch_size))
             if ck.checkpoint_dir else None)

@@ -294,7 +294,8 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
     # A worker writes its file after its last step, or after the step it stopped at when
     # the run was interrupted (ps.launch.stop_workers).
     results = record_builder.build(
-        "jax", "ps", {"workers": num_workers, "devices_per_worker": devices}, cfg, model_cfg,
+        "jax", "ps", {"workers": num_workers, "devices_per_worker": devices}, job.to_dict(),
+        model_cfg,
         shard_map.total, env=env, compile_s=ref["compile_s"], step_time_s=steps,
         warmup_step_time_s=ref["step_s"][:warmup], throughput=throughput,
         mfu=metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices, batch_s,

@@ -53,7 +53,7 @@ def test_a_predicted_plan_builds_the_model_config_once(tmp_path, capsys, monkeyp
     calls = []
     build = run_model.build_model
     monkeypatch.setattr(run_model, "build_model",
-                        lambda cfg, shape: calls.append(shape) or build(cfg, shape))
+                        lambda *sections: calls.append(sections) or build(*sections))
     assert plan.main(["--layout", "fsdp", "--mesh", "2x2", "--model", "gpt-tiny",
                       "--model-opts", "depth=4", "--batch-size", "8", "--hardware", "h100-sxm",
                       "--compiler", "cpu"] +

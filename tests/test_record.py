@@ -167,8 +167,9 @@ def test_header_records_the_image_size_readers_match_on():
     from models import get_model
 
     cfg = RunConfig()
-    image = header("jax", "ddp", {"data": 1}, cfg, get_model("resnet18-imagenet", {}), 1)
-    tokens = header("jax", "ddp", {"data": 1}, cfg, get_model("gpt-tiny", {}), 1)
+    image = header("jax", "ddp", {"data": 1}, cfg.to_dict(), get_model("resnet18-imagenet", {}),
+                   1)
+    tokens = header("jax", "ddp", {"data": 1}, cfg.to_dict(), get_model("gpt-tiny", {}), 1)
     assert image["model"]["image_size"] == 224
     assert tokens["model"]["image_size"] is None
 

@@ -185,7 +185,7 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
     def chunks(*argv, split=False):
         cfg = from_namespace(build_parser().parse_args(
             ["--model", "gpt-tiny", "--sequence-parallel", *argv]))
-        got = tp_comm_chunks(cfg, parse_mesh(cfg.mesh.mesh), get_model("gpt-tiny"))
+        got = tp_comm_chunks(cfg.train, parse_mesh(cfg.mesh.mesh), get_model("gpt-tiny"))
         return got if split else got[0]
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "8") == 2
     assert chunks("--layout", "tp", "--mesh", "data:2,tensor:2", "--batch-size", "6") == 1

@@ -105,7 +105,7 @@ def predict(job, blocks: str = "auto", cache: dict | None = None) -> Prediction:
 
 
 def _predict(job, blocks: str, cache: dict | None) -> Prediction:
-    cfg, shape, hw, model_cfg = job.cfg, job.shape, job.part, job.model
+    shape, hw, model_cfg = job.shape, job.part, job.model
     check_nodes(hw, shape.size)
     if hw.peak_flops(job.dtype, job.matmul_precision) is None:
         raise UsageError(f"{hw.name} has no {job.dtype} peak figure: give a dtype it "
@@ -117,7 +117,7 @@ def _predict(job, blocks: str, cache: dict | None) -> Prediction:
     else:
         parts = _one_program(job, hw, target, blocks, cache)
     fits = parts["memory"]["fits"]
-    tokens, batch = model_cfg.tokens_per_sample, cfg.train.batch_size
+    tokens, batch = model_cfg.tokens_per_sample, job.train.batch_size
     thr = time_model.throughput(parts["time"], tokens * batch if tokens else None,
                                 model_cfg.flops_per_sample() * batch, shape.size)
     return Prediction(
@@ -138,15 +138,15 @@ def memo(cache: dict | None, key: tuple, make):
 
 
 def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
-    cfg, model_cfg, shape = job.cfg, job.model, job.shape
-    settings = (repr(cfg.model), repr(cfg.train), tuple(shape.axis_sizes.items()))
+    model_cfg, shape = job.model, job.shape
+    settings = (repr(job.settings), repr(job.train), tuple(shape.axis_sizes.items()))
     state = memo(cache, ("state bytes", *settings), lambda: state_bytes(job))
     mesh = dict(shape.axis_sizes)
     # The hand estimate traces the loss (Python) while XLA compiles (threads without the
     # GIL): the two overlap on two cores.
     with ThreadPoolExecutor(max_workers=1) as pool:
         hand = pool.submit(memo, cache, ("hand memory", *settings),
-                           lambda: hand_memory(cfg, model_cfg, state, mesh))
+                           lambda: hand_memory(job, state, mesh))
         figures, quadratic = compiled_figures(job, shape, target, blocks, cache, hw)
         peak = hand.result()
     temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
@@ -156,11 +156,11 @@ def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
     timed = target.gpu and kernels_time.has_rates(hw)
     if timed:  # XLA:GPU's program, kernel by kernel
         step = time_model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
-                                      cfg.model.dtype, cfg.model.matmul_precision)
+                                      job.dtype, job.matmul_precision)
     else:
         step = time_model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
-                                    mesh, cfg.model.dtype, cfg.compiler.overlap, shape.stage,
-                                    cfg.train.microbatches, cfg.model.matmul_precision)
+                                    mesh, job.dtype, job.compiler.overlap, shape.stage,
+                                    job.train.microbatches, job.matmul_precision)
     if target.gpu:
         mem = verdict.gpu_memory_verdict(peak, figures["memory"], hw)
     else:
@@ -169,7 +169,7 @@ def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
         "model": state.model, "distributed_optimizer": state.distributed_optimizer,
         "state_bytes_per_device": state.state_bytes_per_device,
         "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "xla_flags": cfg.compiler.xla_flags, "method": figures["method"],
+                     "xla_flags": job.compiler.xla_flags, "method": figures["method"],
                      "flops_per_device": figures["flops"],
                      "kernels": figures.get("kernels", {}),
                      "compile_s": figures.get("compile_s"),
@@ -192,8 +192,8 @@ def _pipeline(job, hw, target, cache: dict | None) -> dict:
     from jaxdist.predict.pipeline import pipeline_step
     from jaxdist.predict.stage_memory import stage_memory
 
-    cfg, model_cfg, shape = job.cfg, job.model, job.shape
-    stages = memo(cache, ("stage memory", repr(cfg.model), repr(cfg.train),
+    model_cfg, shape = job.model, job.shape
+    stages = memo(cache, ("stage memory", repr(job.settings), repr(job.train),
                           tuple(shape.axis_sizes.items())),
                   lambda: stage_memory(job))
     pred = pipeline_step(job, model_cfg, dict(shape.axis_sizes), hw, cache, target)
@@ -201,7 +201,7 @@ def _pipeline(job, hw, target, cache: dict | None) -> dict:
         "model": stages["model"], "distributed_optimizer": stages["distributed_optimizer"],
         "state_bytes_per_device": stages["state_bytes_per_device"],
         "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "xla_flags": cfg.compiler.xla_flags, "method": pred["method"],
+                     "xla_flags": job.compiler.xla_flags, "method": pred["method"],
                      "flops_per_device": pred["flops_per_device"],
                      "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
         "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
@@ -215,18 +215,18 @@ def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | N
     """(step figures, attention-score part or None), compiled once per distinct program.
     The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
     XLA:GPU's program holds the cuDNN calls themselves."""
-    cfg, model_cfg = job.cfg, job.model
-    key = ("step", target.label, repr(model_cfg), cfg.train.layout,
-           tuple(shape.axis_sizes.items()), cfg.train.batch_size, cfg.model.dtype,
-           cfg.model.matmul_precision, cfg.train.optimizer, cfg.train.microbatches, blocks,
-           hw.name if hw else None, cfg.compiler.overlap, cfg.compiler.xla_flags)
+    model_cfg = job.model
+    key = ("step", target.label, repr(model_cfg), job.layout.name,
+           tuple(shape.axis_sizes.items()), job.train.batch_size, job.dtype,
+           job.matmul_precision, job.train.optimizer, job.train.microbatches, blocks,
+           hw.name if hw else None, job.compiler.overlap, job.compiler.xla_flags)
     if cache is not None and key in cache:
         return cache[key]
     figures = program.step_figures(job, model_cfg, shape, blocks, target,
                                    hw if target.gpu and kernels_time.has_rates(hw) else None,
                                    cache)
     quadratic = None
-    if not target.gpu and program.flash_attention_applies(model_cfg, cfg.model.dtype):
+    if not target.gpu and program.flash_attention_applies(model_cfg, job.dtype):
         quadratic = program.attention_scores(job, model_cfg, shape, target,
                                              figures.get("depth_1"), figures.get("depth_2"))
     if cache is not None:
@@ -248,10 +248,12 @@ def exposed_by_link(step: dict, kernel_timed: bool) -> dict:
             "exposed_inter_node_s": step["inter_node_s"] * share}
 
 
-def hand_memory(cfg, model_cfg, state, mesh: dict[str, int]) -> dict:
-    """jaxdist.predict.memory's peak estimate (exact state from `state`, a StateBytes)."""
+def hand_memory(job, state, mesh: dict[str, int]) -> dict:
+    """jaxdist.predict.memory's peak estimate of `job`'s step (exact state from `state`, a
+    StateBytes)."""
+    model_cfg = job.model
     return memory.predict_memory(
-        model_cfg, cfg.model.dtype, cfg.train.batch_size, cfg.train.microbatches, mesh,
+        model_cfg, job.dtype, job.train.batch_size, job.train.microbatches, mesh,
         state.state_bytes_per_device, state.state_bytes_global["params"],
-        program.flash_attention_applies(model_cfg, cfg.model.dtype),
+        program.flash_attention_applies(model_cfg, job.dtype),
         program.is_stack(model_cfg))

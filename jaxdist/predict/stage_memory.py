@@ -130,20 +130,20 @@ def stage_memory(job) -> dict:
     """{layout, mesh, distributed_optimizer, model, pipeline, state_bytes_per_device, stages}:
     the schedule's facts and every stage's bytes per device, of a pipelined `job`
     (jaxdist.job)."""
-    cfg, model_cfg, shape = job.cfg, job.model, job.shape
+    model_cfg, shape = job.model, job.shape
     sizes = shape.axis_sizes
-    S, M = shape.stage, cfg.train.microbatches
-    schedule = cfg.train.pp_schedule
-    V = cfg.train.pp_virtual if schedule == "interleaved" else 1
-    stage_blocks = parse_stage_blocks(cfg.train.pp_stage_blocks)
-    combined = cfg.train.pp_combined_1f1b
+    S, M = shape.stage, job.train.microbatches
+    schedule = job.train.pp_schedule
+    V = job.train.pp_virtual if schedule == "interleaved" else 1
+    stage_blocks = parse_stage_blocks(job.train.pp_stage_blocks)
+    combined = job.train.pp_combined_1f1b
     check_pipeline(model_cfg, S, schedule, M, V, stage_blocks=stage_blocks,
                    combined=combined)
     counts = chunk_blocks(model_cfg, S, V, stage_blocks)
-    tx = make_optimizer(cfg.train.optimizer, cfg.train.lr)
+    tx = make_optimizer(job.train.optimizer, job.train.lr)
     layout = job.rules
-    state = pipeline_planning_state(model_cfg, cfg.model.dtype, tx, S, V,
-                                    layout.master_weights(cfg.model.dtype), stage_blocks)
+    state = pipeline_planning_state(model_cfg, job.dtype, tx, S, V,
+                                    layout.master_weights(job.dtype), stage_blocks)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes),
                         axis_types=(AxisType.Auto,) * len(sizes))
     specs = layout(state, mesh)
@@ -151,8 +151,8 @@ def stage_memory(job) -> dict:
     stacked = stacked_bytes_per_device(state, specs, sizes)
     sched = build_schedule(schedule, S, M, V, counts, combined)
     batch_shards = math.prod(sizes[a] for a in batch_axes(sizes))
-    rows = cfg.train.batch_size // (M * batch_shards)
-    itemsize = np.dtype(DTYPES[cfg.model.dtype]).itemsize
+    rows = job.train.batch_size // (M * batch_shards)
+    itemsize = np.dtype(DTYPES[job.dtype]).itemsize
     cp = sizes.get("context", 1)  # each device holds L / cp of every sequence
     act = rows * model_cfg.seq_len // cp * model_cfg.width * itemsize
     # a received activation or gradient: the stage message, a sequence shard over tensor
@@ -162,10 +162,10 @@ def stage_memory(job) -> dict:
     K = max(max(row) for row in counts)  # the program's slots per chunk
     tensor = sizes.get("tensor", 1)  # 1 but under tp_pp (the layouts' mesh axes)
     flash = (getattr(model_cfg, "attention", "default") == "cudnn" and
-             cfg.model.dtype in ("bfloat16", "float8"))
+             job.dtype in ("bfloat16", "float8"))
     block = block_activation_bytes(model_cfg, rows, tensor, itemsize, flash,
                                    getattr(model_cfg, "sequence_parallel", False), cp,
-                                   cfg.model.dtype == "float8")
+                                   job.dtype == "float8")
     remat = getattr(model_cfg, "remat", "none")
     dots = rows * model_cfg.seq_len // cp * (10 * model_cfg.width / tensor + (
         0 if flash else model_cfg.heads * model_cfg.seq_len / tensor)) * itemsize
@@ -186,10 +186,10 @@ def stage_memory(job) -> dict:
     # Under master weights with float32 reductions each chunk's gradients are cast up as
     # it is reduced: chunks v > 0 of an interleaved schedule inside the tick loop, beside
     # the stash (where the data axes split: jaxdist/pipeline/step.py), chunk 0 after it
-    reduce = layout.reduce_dtype(cfg.model.dtype)
+    reduce = layout.reduce_dtype(job.dtype)
     up = np.dtype(reduce).itemsize / itemsize if reduce == "float32" else 0
     early = V > 1 and math.prod(sizes.get(a, 1) for a in ("data", "context")) > 1
-    fp8 = cfg.model.dtype == "float8"
+    fp8 = job.dtype == "float8"
     param_itemsize = np.dtype(jax.tree.leaves(state["params"]["stages"])[0].dtype).itemsize
     stages = []
     for s in range(S):
@@ -217,11 +217,11 @@ def stage_memory(job) -> dict:
                  "gradient_cast_tail": int(cast)}
         stages.append({**stage, "total": stage_total(stage)})
     return {
-        "layout": cfg.train.layout, "mesh": dict(sizes),
+        "layout": job.layout.name, "mesh": dict(sizes),
         "distributed_optimizer": layout.distributed_optimizer,
-        "model": {"name": cfg.model.model, "params": model_params(state, counts)},
+        "model": {"name": job.model_name, "params": model_params(state, counts)},
         "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
-                     cfg.train.batch_size, "microbatch_rows_per_device": rows},
+                     job.train.batch_size, "microbatch_rows_per_device": rows},
         "state_bytes_per_device": per_device,
         "stages": stages,
     }
