@@ -138,7 +138,7 @@ def memo(cache: dict | None, key: tuple, make):
 
 
 def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
-    model_cfg, shape = job.model, job.shape
+    shape = job.shape
     settings = (repr(job.settings), repr(job.train), tuple(shape.axis_sizes.items()))
     state = memo(cache, ("state bytes", *settings), lambda: state_bytes(job))
     mesh = dict(shape.axis_sizes)
