@@ -16,10 +16,12 @@ import pytest
 
 from jaxdist.record import RunRecord
 from ps import wire
+from ps.security import HandshakeError
 from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
 from tests.helpers import ROOT, child_env
-from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, shard_client
+from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, session, shard_client
+from tests.test_ps_tcp import connect
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -70,10 +72,11 @@ def shard(tmp_path):
     s.stop()
 
 
-def data_call(port, method, meta_text: bytes, payload=b""):
-    """One request by hand on the data port: the reply's status, or None if the shard
-    closed the connection without one."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+def data_call(port, method, meta_text: bytes, payload=b"", token=TOKEN):
+    """One request by hand on the data port (after ps.security's handshake with `token`,
+    none if empty): the reply's status, or None if the shard closed the connection without
+    one."""
+    with connect(port, token) as sock:
         sock.sendall(_HEAD.pack(MAGIC, method, len(meta_text), len(payload)) + meta_text
                      + payload)
         head = b""
@@ -90,12 +93,12 @@ def test_deep_metadata_and_unicode_digits_are_invalid_argument_without_a_traceba
     for _ in range(20):
         assert data_call(shard.data_port, PULL_ONE, deep) == INVALID
     # deep inside a well-formed pair, and as a frame header on both ports
-    nested = json.dumps([["x-jaxdist-token", TOKEN], ["k", "v"]])[:-1].encode() + b"," \
+    nested = json.dumps([["x-jaxdist-worker", "0"], ["k", "v"]])[:-1].encode() + b"," \
         + b"[" * 5000 + b"]" * 5000 + b"]"
     assert data_call(shard.data_port, PULL_ONE, nested) == INVALID
     head = b"{\"op\":" + b"[" * 20000 + b"]" * 20000 + b"}"
     frame = b"JDP1" + len(head).to_bytes(4, "little") + head
-    token_worker = [["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", "0"]]
+    token_worker = [[*p] for p in session(shard.address)] + [["x-jaxdist-worker", "0"]]
     assert data_call(shard.data_port, PULL_ONE, json.dumps(token_worker).encode(),
                      frame) == INVALID
     channel = grpc.insecure_channel(shard.address)
@@ -106,7 +109,7 @@ def test_deep_metadata_and_unicode_digits_are_invalid_argument_without_a_traceba
     channel.close()
     pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
     for worker in ("\u00b2", "\u0661", "\uff10", "+1", " 1", "", "1" * 12):
-        meta = json.dumps([["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", worker]]).encode()
+        meta = json.dumps([["x-jaxdist-worker", worker]]).encode()
         assert data_call(shard.data_port, PULL_ONE, meta, pull) == INVALID, worker
     c = shard_client(shard.address)
     assert c.control("ping") == {"ok": True}           # still up
@@ -332,8 +335,11 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
         pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0,
                             "epoch": 0})
         meta = json.dumps([["x-jaxdist-worker", "0"]]).encode()
-        assert data_call(data_port, PULL_ONE, meta, pull) == \
-            grpc.StatusCode.UNAUTHENTICATED.value[0]
+        # without the handshake: closed unanswered; with another token: the shard's proof
+        # is refused, and this side sends nothing more
+        assert data_call(data_port, PULL_ONE, meta, pull, token="") is None
+        with pytest.raises(HandshakeError):
+            data_call(data_port, PULL_ONE, meta, pull)
         c = shard_client(f"127.0.0.1:{grpc_port}", token="")
         with pytest.raises(Exception, match="UNAUTHENTICATED"):
             c.control("ping")
@@ -506,11 +512,10 @@ def _data_pull(port: int, timeout: float = 10.0) -> bytes:
     if no reply)."""
     from ps.tcp import DataChannel
 
-    channel = DataChannel("127.0.0.1", lambda: port)
+    channel = DataChannel("127.0.0.1", lambda: port, token=TOKEN)
     pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
     try:
-        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
-                                                       ("x-jaxdist-worker", "0")))
+        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-worker", "0"),))
         return b"".join(bytes(p) for h, p in wire.split(reply) if h["op"] == "param")
     finally:
         channel.close()
