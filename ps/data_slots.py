@@ -73,7 +73,7 @@ class ConnectionSlots:
     def accept_forever(self, listener, serve) -> None:
         """Accept on `listener` and `serve(slot)` each connection, for as long as the
         listener is open. Out of file descriptors (a peer holds many connections, here or
-        on the gRPC port), the oldest connection waiting for its token is dropped and the
+        on the gRPC port), the oldest connection waiting to authenticate is dropped and the
         loop backs off (10-500 ms) and tries again, logging one line a second at most; the
         pending connections wait in the listen backlog meanwhile."""
         pause, failed, logged_at = 0.0, 0, -1.0
@@ -104,7 +104,7 @@ class ConnectionSlots:
                 time.sleep(0.01)
 
     def authenticate(self, slot: Slot) -> bool:
-        """Move a connection that passed the token into a slot; False: dropped meanwhile,
+        """Move a connection that authenticated into a slot; False: dropped meanwhile,
         or every slot held (counted)."""
         with self._lock:
             if self._waiting.pop(id(slot), None) is None:

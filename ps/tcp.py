@@ -3,7 +3,7 @@ control calls over plain TCP, beside the gRPC port that serves them all and the 
 gRPC Python copies each message several times and hands each call to a pool thread
 (docs/ps.md, "Measured": 40 MB push+pull at 0.35-0.55 of raw loopback TCP). Here a kept
 connection carries one call at a time and the connection's thread runs the servicer's own
-handler: token check, admission, validation and core are the same code as over gRPC; only
+handler: admission, validation and core are the same code as over gRPC; only
 the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,

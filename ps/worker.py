@@ -1,4 +1,5 @@
-"""A PS worker: `python -m ps.worker --worker w --servers HOST:PORT,... <run flags>`.
+"""A PS worker: `python -m ps.worker --worker w (--servers HOST:PORT,... | --ready-dir DIR)
+<run flags>`.
 
 A JAX process that owns its local devices (data-parallel inside: the worker's rows of the
 batch are split over them and XLA all-reduces the gradient) and loops: pull parameters from
