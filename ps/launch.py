@@ -207,6 +207,7 @@ class Launch:
                     if rc is not None and len(done) < len(self.workers):
                         self._shard_died(k, child, rc)
                         self.progress.shard_seen[k] = time.monotonic()
+                        self.progress.failing[k] = False  # its silence while dead is no pause
                 self.progress.probe()
                 stalled = self.progress.stalled(done)
                 if stalled:

@@ -498,6 +498,55 @@ def test_a_worker_later_than_the_step_timeout_is_named_not_the_one_waiting():
     assert (what, index) == ("worker", 0)  # neither pushed for 6 s: the lowest named
 
 
+def test_a_shard_paused_about_the_step_timeout_is_named_not_the_workers_waiting_for_it():
+    """Sync, --ps-timeout-s 30: shard 0 is SIGSTOPped for 30.5 s, then continued. It
+    answers the launcher again just as the workers pass their deadline, so the fresh
+    evidence pointed at worker 0 ("made no progress"); at 35 s the shard was named. Now its
+    silence, which covered the workers' stall, names it at any length."""
+    from ps.watchdog import Progress
+
+    reply = {"seen_step": [3, 3], "started": [0, 1], "retired": [], "missing": [],
+             "version": 3, "epoch": 0, "failure": None}
+
+    class Paused(_ProgressClient):
+        down = False
+
+        def _control(self, request, timeout, metadata):
+            if self.down:
+                raise grpc.RpcError()
+            return super()._control(request, timeout, metadata)
+
+    shard0 = Paused(reply)
+
+    class Launch:
+        servers = [_Child(999_999_991), _Child(999_999_994)]
+        workers = [_Child(999_999_992), _Child(999_999_993)]
+        addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+
+        def client(self, k):
+            return shard0 if k == 0 else _ProgressClient(reply)
+
+    progress = Progress(Launch(), 30.0, 150.0)
+    t0 = progress.began
+    for t in (0.5, 1.0):  # both shards answer; the workers started and pushed step 3
+        progress.next_probe = 0.0
+        progress.probe(t0 + t)
+    assert progress.started == [True, True] and progress.stalled(set(), t0 + 1.0) is None
+    shard0.down = True
+    for t in range(2, 32):  # paused: shard 1 answers, shard 0 does not, nobody moves
+        progress.next_probe = 0.0
+        progress.probe(t0 + t)
+        assert progress.stalled(set(), t0 + t) is None, t
+    shard0.down = False
+    progress.next_probe = 0.0
+    progress.probe(t0 + 31.5)  # continued: it answers again, the workers are 30.5 s late
+    what, index, line = progress.stalled(set(), t0 + 31.5)
+    assert (what, index) == ("shard", 0), line
+    assert line.startswith("shard 0 (pid 999999991, 127.0.0.1:1) made no progress: no "
+                           "answer for 30.5 s"), line
+    assert progress.first_cause(0, set()).startswith("shard 0 (pid 999999991"), line
+
+
 # -- a peer that exhausts a shard's file descriptors ------------------------------------------
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -680,3 +729,4 @@ def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_
     for k in range(2):
         assert "Traceback" not in (tmp_path / "ps" / f"shard{k}.log").read_text()
     print(f"peer connects {peer.opens}, held at most {peer.held_max}")
+
