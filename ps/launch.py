@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxdist import procs
 from jaxdist.config import to_argv
 from jaxdist.files import write_json
-from ps.security import TOKEN_ENV, ready_file_locator
+from ps.security import TOKEN_ENV, connect_host, ready_file_locator
 from ps.shard_client import PSError, ShardClient
 
 MAX_RESTARTS = 3
@@ -58,14 +58,6 @@ def _describe_exit(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     return f"status {rc}"
-
-
-def connect_host(bind: str) -> str:
-    if bind in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if bind == "::":
-        return "[::1]"
-    return f"[{bind}]" if ":" in bind else bind
 
 
 class Launch:
@@ -254,8 +246,14 @@ class Launch:
         self.dead_workers.append({"worker": w, "exit": _describe_exit(rc), "error": error,
                                   "at_unix_s": time.time()})
         mode, drop = self.cfg.ps.ps_mode, self.cfg.ps.ps_drop_dead_workers
+        from ps.worker import WRITE_FAILED
+
         if rc == 2:  # a usage error: every worker will hit it
             raise PSError(f"{what}: {error}")
+        if rc == WRITE_FAILED:  # its output (a full disk): the path; dropping it would not help
+            raise PSError(f"worker {w} (pid {child.pid}) could not write its output: "
+                          f"{error.split('error: ', 1)[-1]}; free space there (or give "
+                          f"another --logdir) and run again")
         if rc == 3 and getattr(self, "progress", None) is not None:
             # A PS error in a worker is often another process's fault (a frozen worker
             # holding the barrier, a stopped shard): name that one first.

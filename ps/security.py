@@ -210,6 +210,15 @@ def write_private_json(path, data) -> None:
         raise
 
 
+def connect_host(bind: str) -> str:
+    """The host a client on this machine dials for a shard bound to `bind`."""
+    if bind in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if bind == "::":
+        return "[::1]"
+    return f"[{bind}]" if ":" in bind else bind
+
+
 def ready_file_locator(path, host: str):
     """`locate` for ps.shard_client.ShardClient: () -> ("host:port", the ready file's dict),
     or None while the file is missing (the shard is restarting)."""

@@ -27,6 +27,7 @@ from jaxdist.record_builder import memory_block
 from ps.series import SeriesWriter
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
+WRITE_FAILED = 4  # exit status: the worker could not write its output (ps.launch names it)
 # SIGINT from the launcher (its run was interrupted): stop after the current step and
 # write what was measured. main() installs the handler; run_worker reads the list.
 STOP: list[str] = []
@@ -151,8 +152,7 @@ class Program:
 def shards_from_ready_files(cfg, ready_dir: Path, log) -> tuple[list[str], list]:
     """(each shard's address, a locator each) from the shards' ready files in `ready_dir`,
     waiting up to CONNECT_TIMEOUT_S for them to appear (shards start beside the workers)."""
-    from ps.launch import connect_host
-    from ps.security import ready_file_locator
+    from ps.security import connect_host, ready_file_locator
     from ps.shard_client import PSError
 
     host = connect_host(cfg.ps.ps_bind)
@@ -350,7 +350,7 @@ def run_worker(cfg, worker: int, servers: list[str], out_dir: Path | None, platf
 
 def main(argv=None) -> int:
     from jaxdist.config import from_namespace
-    from jaxdist.errors import UsageError
+    from jaxdist.errors import UsageError, WriteError
     from jaxdist.mesh import MeshShape, parse_mesh
     from jaxdist import procs
     from ps.shard_client import PSError
@@ -394,6 +394,9 @@ def main(argv=None) -> int:
     except PSError as e:
         print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
         return 3
+    except WriteError as e:  # its own output (a full disk): the path, not a PS failure
+        print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
+        return WRITE_FAILED
     return 0
 
 

@@ -730,3 +730,51 @@ def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_
         assert "Traceback" not in (tmp_path / "ps" / f"shard{k}.log").read_text()
     print(f"peer connects {peer.opens}, held at most {peer.held_max}")
 
+
+# -- a full disk --------------------------------------------------------------------------
+
+def test_a_worker_that_cannot_write_names_the_path_not_a_worker_to_drop(tmp_path):
+    """A worker's per-step series written under a file-size limit (RLIMIT_FSIZE, SIGXFSZ
+    ignored: EFBIG, as on a full disk). The launcher named the worker and advised
+    --ps-drop-dead-workers; now the worker's one line names the file, it exits 4, and the
+    launcher passes the path on with what to do."""
+    from types import SimpleNamespace
+
+    from ps.launch import Launch
+    from ps.shard_client import PSError
+    from ps.worker import WRITE_FAILED
+
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))\n"
+            "from pathlib import Path\n"
+            "from jaxdist.errors import WriteError\n"
+            "from ps.series import SeriesWriter\n"
+            "w = SeriesWriter(Path(sys.argv[1]), {'loss': [0.5] * 4096})\n"
+            "try:\n"
+            "    w.flush()\n"
+            "except WriteError as e:\n"
+            "    print(f'ps.worker 1: error: {e}'); sys.exit(4)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "worker1.series")],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+    line = proc.stdout.strip()
+    assert proc.returncode == WRITE_FAILED == 4, proc.stderr[-2000:]
+    assert line == (f"ps.worker 1: error: cannot write {tmp_path / 'worker1.series' / 'loss.f64'}"
+                    f": File too large"), line
+
+    launch = Launch.__new__(Launch)
+    launch.cfg = SimpleNamespace(ps=SimpleNamespace(ps_mode="sync", ps_drop_dead_workers=False))
+    launch.workers, launch.dead_workers = [None, None], []
+
+    class Died:
+        pid = 4242
+
+        def log_tail(self, n=3):
+            return "compiled\n" + line
+
+    with pytest.raises(PSError) as e:
+        launch._worker_died(1, Died(), WRITE_FAILED)
+    message = str(e.value)
+    assert message.startswith(f"worker 1 (pid 4242) could not write its output: cannot write "
+                              f"{tmp_path / 'worker1.series' / 'loss.f64'}: File too large;")
+    assert "free space" in message and "--ps-drop-dead-workers" not in message
