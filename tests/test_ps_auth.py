@@ -23,7 +23,7 @@ import pytest
 from ps import security
 from ps.admission import NONCE_KEY
 from ps.shard_client import PSError
-from ps.tcp import HELLO, PULL_ONE, CallError, DataChannel, _Reader, client_handshake
+from ps.tcp import HELLO, PULL_ONE, CallError, DataChannel
 from tests.helpers import ROOT, child_env
 from tests.test_ps_hostile import RUN, Shard, _data_pull, _open_fds
 from tests.test_ps_server import TOKEN, shard_client
