@@ -149,7 +149,8 @@ ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, as many as the
 class Attack:
     """From the moment each shard's log names its data port, hold ATTACKERS plain sockets
     on it that send nothing and reconnect as soon as the shard closes them (until `stop`,
-    and never past `limit_s`). `reconnects` counts the closes."""
+    and never past `limit_s`). `reconnects` counts the closes. Every 0.1 s or so, each port
+    also gets a handshake answered with a proof under another token (`failed`)."""
 
     def __init__(self, psdir, shards: int, limit_s: float = 120.0):
         import re
@@ -158,7 +159,7 @@ class Attack:
         self.psdir, self.shards, self.limit = psdir, shards, time.monotonic() + limit_s
         self.pattern = re.compile(r"data port (\d+)")
         self.started_unix = None
-        self.reconnects = 0
+        self.reconnects = self.failed = 0
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -191,6 +192,8 @@ class Attack:
                 connect(port)
         self.started_unix = time.time()
         while not self.stop_event.is_set() and time.monotonic() < self.limit:
+            for port in ports:
+                self._wrong_proof(port)
             ready = select.select(list(socks), [], [], 0.05)[0]
             for sock in ready:
                 try:
@@ -210,6 +213,25 @@ class Attack:
                         break
         for sock in socks:
             sock.close()
+
+    def _wrong_proof(self, port: int) -> None:
+        from ps import security
+        from ps.tcp import HELLO
+
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                nonce = security.new_nonce()
+                sock.sendall(HELLO + nonce)
+                reply = b""
+                while len(reply) < 68 and (chunk := sock.recv(68 - len(reply))):
+                    reply += chunk
+                sock.sendall(security.client_proof(
+                    "not-the-run-token-32-characters!", nonce, reply[4:36],
+                    security.channel_binding("data", 0, port)))
+                if sock.recv(1) == b"":
+                    self.failed += 1
+        except OSError:
+            pass
 
     def stop(self):
         self.stop_event.set()
@@ -258,16 +280,23 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
         assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
         assert "over TCP (the shards' data ports)" in (quiet if d == "quiet" else
                                                        attacked).stdout
-    timed_out = []
+    timed_out, failed = [], []
     for k in range(2):
         log = (tmp_path / "attacked" / "ps" / f"shard{k}.log").read_text()
         assert "Traceback" not in log
         lines = re.findall(r"timed out before authenticating \([^)]*\): (\d+)", log)
         assert lines, log[-2000:]
         timed_out.append(int(lines[-1]))
+        # every failed handshake closed and counted; the log says so in a few lines
+        proofs = re.findall(r"failed the handshake \(no proof of the run's token\): (\d+)", log)
+        assert proofs and len(proofs) <= attacked_s / 10 + 2, log[-2000:]
+        failed.append(int(proofs[-1]))
     assert min(timed_out) >= ATTACKERS, timed_out
+    # (the last tries may end as the shards stop, after their final count)
+    assert attack.failed >= 20 and sum(failed) >= attack.failed - 2, (attack.failed, failed)
     print(f"quiet {quiet_s:.1f} s, attacked {attacked_s:.1f} s, attack reconnects "
-          f"{attack.reconnects}, timed out per shard {timed_out}")
+          f"{attack.reconnects}, timed out per shard {timed_out}, wrong proofs "
+          f"{attack.failed} (counted per shard {failed})")
 
 
 # -- a token by default -----------------------------------------------------------------
