@@ -106,6 +106,8 @@ NONCE_BYTES = 32
 PROOF_BYTES = 32
 SESSION_KEY = "x-jaxdist-session"  # gRPC metadata: a call's session ticket (see below)
 SESSION_S = 3600.0                 # a gRPC session ticket's life; then a new handshake
+HANDSHAKE_S = 5.0                  # a client's wait for the shard's half: a listener that
+                                   # never answers is left after it, not the call's deadline
 _SHARD_LABEL = b"jaxdist-ps shard->worker v1"
 _CLIENT_LABEL = b"jaxdist-ps worker->shard v1"
 

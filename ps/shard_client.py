@@ -54,7 +54,6 @@ def _nbytes(request) -> int:
 
 
 HANDSHAKE_FAULT = "handshake"  # a CallError's fault: the peer failed ps.security's handshake
-HANDSHAKE_S = 5.0  # the most a handshake may take: a listener that never answers is left
 
 
 class PSError(RuntimeError):
@@ -237,8 +236,8 @@ class ShardClient:
                 return
             nonce, port, address = security.new_nonce(), self.port, self.address
             try:
-                reply = self._methods["Auth"](b"", timeout=min(timeout or HANDSHAKE_S,
-                                                               HANDSHAKE_S),
+                reply = self._methods["Auth"](b"", timeout=min(timeout or security.HANDSHAKE_S,
+                                                               security.HANDSHAKE_S),
                                               metadata=((NONCE_KEY, nonce.hex()),))
             except grpc.RpcError as e:  # not there, or not answering: retried, relocated
                 if e.code() in (grpc.StatusCode.UNAVAILABLE,

@@ -48,7 +48,6 @@ _CLIENT_HELLO = struct.Struct(f"<4s{security.NONCE_BYTES}s")
 _SHARD_HELLO = struct.Struct(f"<4s{security.NONCE_BYTES}s{security.PROOF_BYTES}s")
 _HEAD = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 64 * 1024
-HANDSHAKE_S = 5.0  # a worker's wait for a shard's half of the handshake
 PUSH_ONE, PULL_ONE, PUSH_PULL_ONE, CONTROL = 1, 2, 3, 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -382,9 +381,8 @@ class DataChannel:
             if self.tls:  # the handshake: a wrong certificate is an ssl.SSLError (OSError)
                 sock = self.tls.wrap_socket(sock, server_hostname=self.host)
             reader = _Reader(sock)
-            # a listener that never answers is left after HANDSHAKE_S, not the call's deadline
             proof = (client_handshake(sock, reader, self.token, self.shard, port,
-                                      min(deadline, time.monotonic() + HANDSHAKE_S))
+                                      min(deadline, time.monotonic() + security.HANDSHAKE_S))
                      if self.token else b"")
         except (OSError, EOFError, security.HandshakeError) as e:
             sock.close()
