@@ -577,6 +577,14 @@ def test_addresses_and_the_ready_file_are_checked_before_anything_starts(tmp_pat
             assert worker.main(["--worker", "0", "--servers", servers, *FLAGS]) == 2
             lines = capsys.readouterr().err.strip().splitlines()
             assert lines == [f"ps.worker: error: --servers {message}"]
+        # where the shards are: --servers, or a folder of their ready files
+        for argv, line in (([], "--servers needs at least one HOST:PORT (or give "
+                                "--ready-dir)"),
+                           (["--ready-dir", str(tmp_path / "none")],
+                            f"--ready-dir {tmp_path / 'none'}: no such folder")):
+            assert worker.main(["--worker", "0", *argv, *FLAGS]) == 2
+            assert capsys.readouterr().err.strip().splitlines() == [
+                f"ps.worker: error: {line}"]
     finally:
         signal.signal(signal.SIGINT, sigint)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
