@@ -306,8 +306,9 @@ def main_ps(checked: Job) -> int:
         results = run_ps(checked, logdir)
         DONE_BUT_TEARDOWN.append(True)
     except BaseException as e:
-        # The error names ps/*.log for the details: those stay.
-        run_dir.discard(keep=("ps/*.log",))
+        # The error names ps/*.log for the details: those stay, and so do the shards'
+        # snapshots (a shard restarts from them with ps.server --restore).
+        run_dir.discard(keep=("ps/*.log", "ps/snapshots/**/*"))
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2

@@ -20,9 +20,10 @@ import itertools
 import threading
 import time
 
-# Call metadata: who calls (data calls), the shared token, and why a call failed.
+# Call metadata: who calls (data calls), the client's handshake nonce (ps.security), and
+# why a call failed.
 WORKER_KEY = "x-jaxdist-worker"
-TOKEN_KEY = "x-jaxdist-token"
+NONCE_KEY = "x-jaxdist-nonce"
 FAULT_KEY = "x-jaxdist-fault"
 PER_WORKER = 4      # a worker has one push and one pull per shard in flight; room for retries
 CONTROL_THREADS = 8

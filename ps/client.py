@@ -20,7 +20,7 @@ class PSClient:
 
     def __init__(self, addresses: list[str], shard_map, worker: int, mode: str, *,
                  max_message_bytes: int, timeout_s: float, token: str = "", tls_cert: str = "",
-                 transport: str = "tcp"):
+                 transport: str = "tcp", locators=None):
         if len(addresses) != shard_map.num_shards:
             raise PSError(f"{len(addresses)} server addresses for a map of "
                           f"{shard_map.num_shards} shards")
@@ -28,7 +28,8 @@ class PSClient:
         self.map, self.worker, self.mode = shard_map, worker, mode
         self.shards = [ShardClient(k, a, max_message_bytes=max_message_bytes,
                                    timeout_s=timeout_s, token=token, tls_cert=tls_cert,
-                                   transport=transport)
+                                   transport=transport,
+                                   locate=locators[k] if locators else None)
                        for k, a in enumerate(addresses)]
         self.pieces = [shard_map.shard_pieces(k) for k in range(shard_map.num_shards)]
         self.layouts = [{p.name: (p.length, p.offset) for p in pieces} for pieces in self.pieces]

@@ -327,8 +327,26 @@ class ShardCore:
 
     def _after_apply(self) -> None:
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
-            self.save_snapshot()
+            self._periodic_snapshot()
         self.cond.notify_all()
+
+    def _periodic_snapshot(self) -> None:
+        """A snapshot after an update: one that fails (a full disk, no descriptors) does not
+        fail the push it follows, which is applied already. It is counted, its path and
+        cause are logged (the first time, then every 100th), and the previous snapshot
+        stays the one a restart uses (ps.snapshot writes atomically)."""
+        try:
+            self.save_snapshot()
+        except OSError as e:
+            counts = self.accounting.counts  # a Counter
+            counts["snapshot_failures"] += 1
+            if counts["snapshot_failures"] % 100 == 1:
+                message = (f"snapshot of version {self.version} failed "
+                           f"({counts['snapshot_failures']} so far): "
+                           f"{e.filename or self.snapshot_dir}: {e.strerror or e}; the last "
+                           f"good snapshot is kept")
+                self._event(message)
+                self.log(message)
 
     def _maybe_complete_barrier(self) -> None:
         if self.mode != "sync" or not self.pending or not self.alive <= set(self.pending):

@@ -3,10 +3,12 @@
 A slot of the cap (the gRPC pool's size) is only for a connection that authenticated, so
 plain sockets that reconnect when closed cannot hold every slot and lock the workers out:
 
-- a new connection has PRE_AUTH_S for its TLS handshake, header and metadata (the token);
-  past it, it is closed (`timed_out`);
-- at most MAX_WAITING connections wait to authenticate; one more drops the oldest of them
-  (`dropped`), so a peer without the token cannot keep a worker from getting in; so does
+- a new connection has PRE_AUTH_S for its TLS handshake and ps.security's handshake (or,
+  in a run without a token, its first header); past it, it is closed (`timed_out`); one
+  that fails the handshake is closed (`unauthenticated`);
+- at most MAX_WAITING connections wait to authenticate, those in their TLS handshake
+  included; one more drops the oldest of them (`dropped`: shut down on its live
+  descriptor), so a peer without the token cannot keep a worker from getting in; so does
   an accept that fails for want of file descriptors (`accept_forever`);
 - a connection that authenticates when every slot is held is answered UNAVAILABLE and
   closed (`refused`); the worker makes that call over gRPC.
@@ -30,12 +32,12 @@ KINDS = {"timed_out": f"timed out before authenticating ({PRE_AUTH_S:g} s)",
          "dropped": f"dropped unauthenticated (over {MAX_WAITING} waiting, or out of file "
                     "descriptors)",
          "refused": "refused authenticated (every slot held)",
-         "unauthenticated": "failed the token"}
+         "unauthenticated": "failed the handshake (no proof of the run's token)"}
 
 
 class Slot:
-    """One accepted connection: its socket (replaced by the TLS one once wrapped) and the
-    pre-auth deadline."""
+    """One accepted connection: its socket (replaced by the TLS one when wrapped, before its
+    TLS handshake) and the pre-auth deadline."""
 
     def __init__(self, sock):
         self.sock, self.authed = sock, False
@@ -71,7 +73,7 @@ class ConnectionSlots:
     def accept_forever(self, listener, serve) -> None:
         """Accept on `listener` and `serve(slot)` each connection, for as long as the
         listener is open. Out of file descriptors (a peer holds many connections, here or
-        on the gRPC port), the oldest connection waiting for its token is dropped and the
+        on the gRPC port), the oldest connection waiting to authenticate is dropped and the
         loop backs off (10-500 ms) and tries again, logging one line a second at most; the
         pending connections wait in the listen backlog meanwhile."""
         pause, failed, logged_at = 0.0, 0, -1.0
@@ -102,7 +104,7 @@ class ConnectionSlots:
                 time.sleep(0.01)
 
     def authenticate(self, slot: Slot) -> bool:
-        """Move a connection that passed the token into a slot; False: dropped meanwhile,
+        """Move a connection that authenticated into a slot; False: dropped meanwhile,
         or every slot held (counted)."""
         with self._lock:
             if self._waiting.pop(id(slot), None) is None:

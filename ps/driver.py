@@ -11,9 +11,10 @@ Failure policy:
 - a worker dies: async and ssp go on without it (it is retired on every shard so the ssp
   bound stops waiting for it) and results report it; sync stops with an error naming it,
   unless --ps-drop-dead-workers, where the shards drop it and go on.
-- a shard dies: with --ps-checkpoint-every N it is restarted on the same port from its last
-  snapshot and the workers carry on (their calls retry for --ps-timeout-s); without, the run
-  stops at once with an error naming the shard.
+- a shard dies: with --ps-checkpoint-every N it is restarted from its last snapshot, on a
+  port of the system's choosing published in its ready file, and the workers carry on (their
+  calls retry for --ps-timeout-s and read the ready file again); without, the run stops at
+  once with an error naming the shard.
 - whatever happens, every child process is stopped (jaxdist.procs); ps.launch holds them.
 """
 

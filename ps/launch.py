@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxdist import procs
 from jaxdist.config import to_argv
 from jaxdist.files import write_json
-from ps.security import TOKEN_ENV
+from ps.security import TOKEN_ENV, connect_host, ready_file_locator
 from ps.shard_client import PSError, ShardClient
 
 MAX_RESTARTS = 3
@@ -60,14 +60,6 @@ def _describe_exit(rc: int) -> str:
     return f"status {rc}"
 
 
-def _connect_host(bind: str) -> str:
-    if bind in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if bind == "::":
-        return "[::1]"
-    return f"[{bind}]" if ":" in bind else bind
-
-
 class Launch:
     """The children of one run and what happened to them."""
 
@@ -88,7 +80,7 @@ class Launch:
 
     @property
     def addresses(self) -> list[str]:
-        host = _connect_host(self.cfg.ps.ps_bind)
+        host = connect_host(self.cfg.ps.ps_bind)
         return [f"{host}:{p}" for p in self.ports]
 
     def _record_pid(self, child):
@@ -96,7 +88,7 @@ class Launch:
         write_json(self.psdir / "pids.json", self.all_pids)
 
     def start_server(self, k: int, port: int = 0, restore: bool = False) -> procs.Child:
-        ready = self.psdir / f"shard{k}.ready.json"
+        ready = self.ready_file(k)
         ready.unlink(missing_ok=True)
         snapshots = (["--snapshot-dir", str(self.psdir / "snapshots" / f"shard{k}")]
                      if self.cfg.ps.ps_checkpoint_every else [])
@@ -109,6 +101,9 @@ class Launch:
         child.extra["ready"] = ready
         self._record_pid(child)
         return child
+
+    def ready_file(self, k: int) -> Path:
+        return self.psdir / f"shard{k}.ready.json"
 
     def wait_ready(self, child: procs.Child) -> dict:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -125,26 +120,25 @@ class Launch:
         return json.loads(ready.read_text())
 
     def start_servers(self) -> None:
-        """Start the shards on ports chosen now, so workers can start (import JAX, compile)
-        at the same time instead of after the shards are ready."""
+        """Start the shards, each on a port its system gives it (port 0), published in its
+        ready file: no port is chosen ahead for another process to take first. The workers
+        start at the same time (import JAX, compile) and read the ready files."""
         base = getattr(self.cfg.ps, "ps_port", 0)
         k_count = self.cfg.ps.ps_shards
-        self.ports = ([base + k for k in range(k_count)] if base else
-                      procs.free_ports(self.cfg.ps.ps_bind, k_count))
+        self.ports = [base + k if base else 0 for k in range(k_count)]
         self.servers = [self.start_server(k, self.ports[k]) for k in range(k_count)]
 
     def wait_servers(self) -> None:
-        for child in self.servers:
-            self.wait_ready(child)
+        for k, child in enumerate(self.servers):
+            self.ports[k] = self.wait_ready(child)["port"]
         self.log(f"ps: {len(self.servers)} shard servers up at {', '.join(self.addresses)} "
                  f"(logs in {self.psdir})")
 
     def start_workers(self) -> None:
         w_count, devices = self.shape.data, self.shape.fsdp
-        servers = ",".join(self.addresses)
-        for w in range(w_count):
-            args = ["--worker", str(w), "--servers", servers, "--out", str(self.psdir),
-                    *self.argv]
+        for w in range(w_count):  # where the shards are: their ready files, then and later
+            args = ["--worker", str(w), "--ready-dir", str(self.psdir), "--out",
+                    str(self.psdir), *self.argv]
             child = procs.start(f"worker {w}", procs.python_argv("ps.worker", *args),
                                 _child_env({**_worker_env(self.cfg, w, devices, w_count),
                                             TOKEN_ENV: self.token}),
@@ -159,7 +153,9 @@ class Launch:
                              max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
                              timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
                              token=self.token,
-                             tls_cert=self.cfg.ps.ps_tls_cert)
+                             tls_cert=self.cfg.ps.ps_tls_cert,
+                             locate=ready_file_locator(self.ready_file(k),
+                                                       connect_host(self.cfg.ps.ps_bind)))
         # the shard's data port from its ready file: control calls go there from the first
         try:
             client.use_data_port(json.loads(self.servers[k].extra["ready"].read_text()))
@@ -203,6 +199,7 @@ class Launch:
                     if rc is not None and len(done) < len(self.workers):
                         self._shard_died(k, child, rc)
                         self.progress.shard_seen[k] = time.monotonic()
+                        self.progress.failing[k] = False  # its silence while dead is no pause
                 self.progress.probe()
                 stalled = self.progress.stalled(done)
                 if stalled:
@@ -249,8 +246,14 @@ class Launch:
         self.dead_workers.append({"worker": w, "exit": _describe_exit(rc), "error": error,
                                   "at_unix_s": time.time()})
         mode, drop = self.cfg.ps.ps_mode, self.cfg.ps.ps_drop_dead_workers
+        from ps.worker import WRITE_FAILED
+
         if rc == 2:  # a usage error: every worker will hit it
             raise PSError(f"{what}: {error}")
+        if rc == WRITE_FAILED:  # its output (a full disk): the path; dropping it would not help
+            raise PSError(f"worker {w} (pid {child.pid}) could not write its output: "
+                          f"{error.split('error: ', 1)[-1]}; free space there (or give "
+                          f"another --logdir) and run again")
         if rc == 3 and getattr(self, "progress", None) is not None:
             # A PS error in a worker is often another process's fault (a frozen worker
             # holding the barrier, a stopped shard): name that one first.
@@ -277,9 +280,17 @@ class Launch:
         if count >= MAX_RESTARTS:
             raise PSError(f"{what} after {count} restarts; giving up")
         self.log(f"ps: {what}; restarting it from its last snapshot")
-        fresh = self.start_server(k, self.ports[k], restore=True)
+        # On a new port (0: the system's choice, in its ready file, where the workers read
+        # it): the old one may be taken by another process by now.
+        base = getattr(self.cfg.ps, "ps_port", 0)
+        fresh = self.start_server(k, base + k if base else 0, restore=True)
         self.servers[k] = fresh
         info = self.wait_ready(fresh)
+        self.ports[k] = info["port"]
+        progress = getattr(self, "progress", None)
+        if progress is not None:  # its client of the old shard: one of the new
+            old, progress.clients[k] = progress.clients[k], self.client(k)
+            old.close()
         self.restarts.append({"shard": k, "exit": _describe_exit(rc), "at_unix_s": time.time(),
                               "epoch": info["epoch"]})
 

@@ -46,8 +46,14 @@ class SeriesWriter:
         for name, values in self.lists.items():
             new = values[self.written[name]:]
             if new:
-                with open(self.folder / f"{name}.f64", "ab") as f:
-                    f.write(np.asarray(new, DTYPE).tobytes())
+                path = self.folder / f"{name}.f64"
+                try:
+                    with open(path, "ab") as f:
+                        f.write(np.asarray(new, DTYPE).tobytes())
+                except OSError as e:  # a full disk: one line naming the file (WriteError)
+                    from jaxdist.errors import WriteError
+
+                    raise WriteError(f"cannot write {path}: {e.strerror or e}") from None
                 self.written[name] += len(new)
 
     def describe(self, relative_to: Path) -> dict:

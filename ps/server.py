@@ -24,10 +24,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdist.errors import UsageError  # noqa: E402
-from jaxdist.files import write_json  # noqa: E402
 from ps import snapshot, wire  # noqa: E402
 from ps.core import ShardCore  # noqa: E402
-from ps.security import TOKEN_ENV, security_problems  # noqa: E402
+from ps.security import TOKEN_ENV, security_problems, write_private_json  # noqa: E402
 from ps.servicer import ShardServicer, start_grpc  # noqa: E402
 from ps.tcp import DataServer  # noqa: E402
 
@@ -73,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--shard", type=int, required=True, help="this shard's index, 0..K-1")
     own.add_argument("--of", type=int, required=True, help="number of shards K")
     own.add_argument("--port", type=int, default=0, help="port to listen on (0: any free)")
-    own.add_argument("--ready-file", default="", help="write {port, pid} here once serving")
+    own.add_argument("--ready-file", default="", help="write {port, data_port, pid} here once "
+                     "serving (mode 0600)")
     own.add_argument("--snapshot-dir", default="", help="where snapshots go "
                      "(--ps-checkpoint-every)")
     own.add_argument("--restore", action="store_true", help="continue from the latest "
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     servicer = ShardServicer(core, shard_map, args.shard, token=token,
                              frame_bytes=wire.frame_bytes(max_bytes),
                              on_push=fault_hook(args.shard, core))
+    servicer.log = log
     try:
         server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
                                   cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
@@ -160,8 +161,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
         return 2
-    if args.ready_file:
-        write_json(Path(args.ready_file), {"port": port, "pid": os.getpid(), "epoch": epoch,
+    if args.ready_file:  # this user's alone: where the shard listens is for the run only
+        write_private_json(Path(args.ready_file), {"port": port, "pid": os.getpid(),
+                                                   "epoch": epoch, "shard": args.shard,
                                            "fingerprint": shard_map.fingerprint,
                                            **({"data_port": servicer.data_port}
                                               if servicer.data_port else {})})

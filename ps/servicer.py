@@ -1,9 +1,11 @@
 """The gRPC face of one shard: `ShardServicer` (handlers over a ps.core.ShardCore) and
 `start_grpc`; the process around them is ps.server.
 
-The layer is thin: it authenticates (a token, compared in constant time on every call: by
-an interceptor on the metadata before a tokenless call's body is read, and again in the
-handler, which the data port (ps.tcp) calls too), decodes and validates frames (ps.wire)
+The layer is thin: it authenticates (ps.security's handshake: `Auth` proves the shard holds
+the run's token over the client's nonce and issues a shard nonce; every other call carries a
+session ticket, the client's proof over both nonces, checked by an interceptor on the
+metadata before a call's body is read, and again in the handler, which the data port
+(ps.tcp) calls on connections that did the same handshake), decodes and validates frames (ps.wire)
 into a scratch buffer, and hands whole gradients to the core. Anything malformed gets an
 error status; the core is never called with it, so parameters cannot change and the server
 stays up.
@@ -14,11 +16,11 @@ Methods (generic handlers, raw bytes; no protoc):
   PushOne, PullOne  the same as single messages of several frames (small shards)
   PushPullOne  sync: the push of step t and the parameters of step t+1 in one call
   Control  one frame (op ping | info | hello | stats | retire | shutdown) -> JSON reply
+  Auth     the handshake: metadata x-jaxdist-nonce (the client's) -> JSON {nonce, proof}
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import threading
@@ -29,7 +31,8 @@ import grpc
 
 from jaxdist.errors import UsageError
 from ps import wire
-from ps.admission import FAULT_KEY, TOKEN_KEY, CallGate, Refused, pool_size
+from ps import security
+from ps.admission import FAULT_KEY, NONCE_KEY, CallGate, Refused, pool_size
 from ps.allocator import keep_freed_memory
 from ps.core import PSFault, ShardCore
 
@@ -85,25 +88,29 @@ def server_options(max_message_bytes: int, num_workers: int = 1,
     # well-behaved client's 305th call. Calls are bounded by ps.admission instead.
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """The token is checked on a call's metadata before its handler runs, so the body of a
-    tokenless call is never read into a message: the call is answered UNAUTHENTICATED by a
-    handler that does not take its request (a stream handler reads lazily)."""
+AUTH_METHOD = "/jaxdist.ps.Shard/Auth"
+REFUSAL_LOG_EVERY_S = 10.0
 
-    def __init__(self, token: bytes):
-        self.token = token
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """The session ticket is checked on a call's metadata before its handler runs, so the
+    body of an unauthenticated call is never read into a message: the call is answered
+    UNAUTHENTICATED by a handler that does not take its request (a stream handler reads
+    lazily). `Auth`, the handshake, needs none and reads no body either."""
+
+    def __init__(self, servicer: "ShardServicer"):
+        self.servicer = servicer
 
         def refuse(request_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: the client "
+                          "has not proved it holds the run's token")
         self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
 
     def intercept_service(self, continuation, handler_call_details):
-        got = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_KEY:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-        if hmac.compare_digest(got, self.token):
+        if handler_call_details.method == AUTH_METHOD or self.servicer.session_ok(
+                handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
+        self.servicer.refused()
         return self._refuse
 
 
@@ -116,7 +123,13 @@ class ShardServicer:
         # core's message, not a bare cancellation.
         self.gate = CallGate(core.num_workers, call_deadline_s or
                              getattr(core, "timeout_s", 30.0) + 2.0)
-        self.token = token.encode() if token else b""
+        self.token = token or ""
+        self.nonces = security.ShardNonces()
+        self.grpc_port: int | None = None    # set once bound: the gRPC proofs name it
+        self._sessions: dict = {}            # tickets checked already -> until when (bounded)
+        self.refused_calls = 0               # gRPC calls without a valid session
+        self._refusals_logged_at = -REFUSAL_LOG_EVERY_S
+        self.log = print
         self.frame_bytes = frame_bytes
         self.pieces = shard_map.shard_pieces(shard)
         self.layout = {p.name: (p.length, p.shard_offset) for p in self.pieces}
@@ -137,18 +150,83 @@ class ShardServicer:
                 lambda request, context: self.push(iter((request,)), context)),
             "PullOne": grpc.unary_unary_rpc_method_handler(self.pull_one),
             "PushPullOne": grpc.unary_unary_rpc_method_handler(self.push_pull_one),
+            # a stream handler that never reads its request: a peer's body is not taken
+            "Auth": grpc.stream_unary_rpc_method_handler(self.auth),
         })
 
-    # Every handler starts here: a missing or wrong token never reaches parsing.
-    def _auth(self, context) -> None:
+    # -- authentication (ps.security) -----------------------------------------------------
+
+    def auth(self, request_iterator, context):
+        """The shard's half of the gRPC handshake: its proof over the client's nonce and a
+        fresh shard nonce. Gives nothing away: the proof is good for that nonce alone."""
         if not self.token:
+            return b'{"token": false}'
+        got = dict(context.invocation_metadata() or ()).get(NONCE_KEY, "")
+        try:
+            client_nonce = bytes.fromhex(got if isinstance(got, str) else "")
+        except ValueError:
+            client_nonce = b""
+        if len(client_nonce) != security.NONCE_BYTES:
+            self.refused()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Auth needs a client nonce")
+        shard_nonce = self.nonces.issue()
+        proof = security.shard_proof(self.token, client_nonce, shard_nonce,
+                                     security.channel_binding("grpc", self.shard,
+                                                              self.grpc_port or 0))
+        return json.dumps({"nonce": shard_nonce.hex(), "proof": proof.hex()}).encode()
+
+    def session_ok(self, metadata) -> bool:
+        """Whether a gRPC call's metadata carries a session ticket of this process (see
+        ps.security.ShardNonces); always true without a token."""
+        if not self.token:
+            return True
+        value = None
+        for key, v in metadata or ():
+            if key == security.SESSION_KEY:
+                value = v
+        if value is None:
+            return False
+        now = time.monotonic()
+        until = self._sessions.get(value)
+        if until is not None and now < until:
+            return True
+        parsed = security.parse_ticket(value)
+        if parsed is None:
+            return False
+        client_nonce, shard_nonce, proof = parsed
+        if not self.nonces.valid(shard_nonce):
+            return False
+        expected = security.client_proof(self.token, client_nonce, shard_nonce,
+                                         security.channel_binding("grpc", self.shard,
+                                                                  self.grpc_port or 0))
+        try:
+            security.check(expected, proof, "the client")
+        except security.HandshakeError:
+            return False
+        if len(self._sessions) >= 256:  # only proven tickets get here; keep a few
+            self._sessions.clear()
+        self._sessions[value] = now + 60.0
+        return True
+
+    def refused(self) -> None:
+        """A gRPC call came without a valid session (or a bad handshake): counted, and
+        logged at most once per REFUSAL_LOG_EVERY_S (a flood must not flood the log; the
+        data port counts its own, ps.data_slots)."""
+        self.refused_calls += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= REFUSAL_LOG_EVERY_S:
+            self._refusals_logged_at = now
+            self.log(f"gRPC port: {self.refused_calls} call(s) refused so far: no proof of "
+                     f"the run's token (logged at most every {REFUSAL_LOG_EVERY_S:g} s)")
+
+    # Every handler starts here: a call without a session never reaches parsing. A data-
+    # port call (ps.tcp) comes on a connection that did the handshake.
+    def _auth(self, context) -> None:
+        if getattr(context, "ps_authenticated", False) or self.session_ok(
+                context.invocation_metadata()):
             return
-        got = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == TOKEN_KEY:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-        if not hmac.compare_digest(got, self.token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: the client has "
+                      "not proved it holds the run's token")
 
     @staticmethod
     def _abort(context, kind: str, message: str):
@@ -287,6 +365,7 @@ class ShardServicer:
                              decode_s=self.decode_s, encode_s=self.encode_s)
                 if self.data_slots is not None:
                     stats["data_port_connections"] = dict(self.data_slots.counts)
+                stats["grpc_refused_calls"] = self.refused_calls
                 return json.dumps(stats).encode()
             if op == "hello":
                 worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)
@@ -324,7 +403,7 @@ def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes:
     pool = ThreadPoolExecutor(max_workers=pool_size(num_workers),
                               thread_name_prefix="ps-shard")
     server = grpc.server(pool, handlers=[servicer.handler()],
-                         interceptors=[TokenInterceptor(servicer.token)] if servicer.token
+                         interceptors=[TokenInterceptor(servicer)] if servicer.token
                          else None,
                          options=server_options(max_message_bytes, num_workers,
                                                 servicer.gate.deadline_s))
@@ -340,5 +419,6 @@ def start_grpc(servicer: ShardServicer, bind: str, port: int, max_message_bytes:
         bound = 0
     if not bound:
         raise UsageError(f"cannot bind {bind}:{port} (port in use or address not local)")
+    servicer.grpc_port = bound  # before the first call: the handshake's proofs name it
     server.start()
     return server, bound

@@ -15,6 +15,15 @@ Failure policy, so a worker never hangs:
   its last gradient (the restored shard may have lost it) and pulls again.
 - Every call has a gRPC deadline; a server-side wait (sync barrier, ssp bound) ends before it
   with an error that says what it waited for.
+
+Authentication (ps.security): the token never leaves this process. Before its first gRPC
+call on a channel the client asks the shard to prove it holds the token (`Auth`, over a
+fresh nonce and the port dialled); only then does it send calls, each with the session
+ticket that proof opened. A data-port connection does the same handshake itself (ps.tcp).
+A call that finds the shard unreachable drops the session, and, given `locate` (the
+shard's ready file), the client reads where the shard is now instead of dialling the port
+it remembers: a restarted shard listens on a new one, and whoever took the old one gets
+nothing that authenticates.
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from ps import wire
-from ps.admission import FAULT_KEY, TOKEN_KEY, WORKER_KEY
+from ps import security, wire
+from ps.admission import FAULT_KEY, NONCE_KEY, WORKER_KEY
 from ps.tcp import CONTROL, PULL_ONE, PUSH_ONE, PUSH_PULL_ONE, CallError, DataChannel, _Method
 
 SERVICE = "/jaxdist.ps.Shard/"
@@ -42,6 +51,9 @@ INLINE_SEND_BYTES = 4 << 20
 def _nbytes(request) -> int:
     parts = request if isinstance(request, list) else [request]
     return sum(memoryview(p).nbytes for p in parts)
+
+
+HANDSHAKE_FAULT = "handshake"  # a CallError's fault: the peer failed ps.security's handshake
 
 
 class PSError(RuntimeError):
@@ -68,6 +80,32 @@ def make_channel(address: str, max_message_bytes: int, tls_cert: str = ""):
             creds = grpc.ssl_channel_credentials(root_certificates=f.read())
         return grpc.secure_channel(address, creds, options)
     return grpc.insecure_channel(address, options)
+
+
+class _Late:
+    """A gRPC method of the client's current channel (a relocated shard gets a new one),
+    called once the channel has a session (ShardClient._ensure_session)."""
+
+    def __init__(self, client: "ShardClient", name: str):
+        self.client, self.name = client, name
+
+    def __call__(self, request, timeout=None, metadata=None):
+        self.client._ensure_session(timeout)
+        return self.client._methods[self.name](request, timeout=timeout, metadata=metadata)
+
+
+class _Metadata:
+    """A call's metadata, read when the call is made (after its session is made): the
+    session ticket, then `extra` (the worker's id)."""
+
+    def __init__(self, client: "ShardClient", extra: tuple = ()):
+        self.client, self.extra = client, extra
+
+    def __iter__(self):
+        return iter((*(self.client._session or ()), *self.extra))
+
+    def __bool__(self):
+        return True
 
 
 class _Fallback:
@@ -129,7 +167,8 @@ class ShardClient:
     """One shard: raw calls with retry on UNAVAILABLE."""
 
     def __init__(self, shard: int, address: str, *, max_message_bytes: int, timeout_s: float,
-                 token: str = "", tls_cert: str = "", transport: str = "tcp", log=None):
+                 token: str = "", tls_cert: str = "", transport: str = "tcp", log=None,
+                 locate=None):
         self.shard, self.address, self.timeout_s = shard, address, timeout_s
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.fallbacks = 0  # data calls made over gRPC because the data port refused them
@@ -139,16 +178,26 @@ class ShardClient:
         self._via = threading.local()
         self._count_lock = threading.Lock()
         self.transport, self.tls_cert, self.data = transport, tls_cert, None
-        self.channel = make_channel(address, max_message_bytes, tls_cert)
         self.frame_bytes = wire.frame_bytes(max_message_bytes)
         self.max_message_bytes = max_message_bytes
-        self.metadata = ((TOKEN_KEY, token),) if token else None
-        self._push = self.channel.stream_unary(SERVICE + "Push")
-        self._pull = self.channel.unary_stream(SERVICE + "Pull")
-        self._control = self._grpc_control = self.channel.unary_unary(SERVICE + "Control")
-        self._push_one = self.channel.unary_unary(SERVICE + "PushOne")
-        self._pull_one = self.channel.unary_unary(SERVICE + "PullOne")
-        self._push_pull_one = self.channel.unary_unary(SERVICE + "PushPullOne")
+        self._token = token       # proves this side; never sent (ps.security)
+        self.locate = locate      # () -> (address, ready-file dict) or None
+        self._session = None      # this channel's session metadata, once the shard proved itself
+        self._session_lock = threading.Lock()
+        self._old_channels: list = []
+        self._bind(address)
+        self.metadata = _Metadata(self)
+        self._push, self._pull = _Late(self, "Push"), _Late(self, "Pull")
+        self._control = self._grpc_control = _Late(self, "Control")
+        self._push_one, self._pull_one = _Late(self, "PushOne"), _Late(self, "PullOne")
+        self._push_pull_one = _Late(self, "PushPullOne")
+        if locate is not None:  # the data port from the ready file: no gRPC call for it
+            try:
+                found = locate()
+            except (OSError, ValueError, KeyError):
+                found = None
+            if found and found[0] == address:
+                self.use_data_port(found[1])
         # Started unary calls run as blocking calls on these threads (kept between calls):
         # a gRPC future on an idle channel starts a polling thread and ends it with the
         # call, ~0.4 ms of CPU per call here (0.75-0.83 against 0.29-0.46 ms measured);
@@ -156,11 +205,91 @@ class ShardClient:
         # together.
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ps-shard{shard}")
 
+    def _bind(self, address: str) -> None:
+        """Talk to the shard at `address` from now on (a new channel, no session yet). The
+        channel replaced stays open until close(): a call in flight on it ends as it
+        would."""
+        self.address = address
+        self.port = int(address.rsplit(":", 1)[1])
+        if getattr(self, "channel", None) is not None:
+            self._old_channels.append(self.channel)
+        self.channel = make_channel(address, self.max_message_bytes, self.tls_cert)
+        c = self.channel
+        self._methods = {"Push": c.stream_unary(SERVICE + "Push"),
+                         "Pull": c.unary_stream(SERVICE + "Pull"),
+                         **{m: c.unary_unary(SERVICE + m) for m in
+                            ("Control", "PushOne", "PullOne", "PushPullOne", "Auth")}}
+        self._session = None
+
+    def _ensure_session(self, timeout=None) -> None:
+        """ps.security's handshake on this channel, once: the shard proves it holds the
+        token over our fresh nonce and the port we dialled; only then is our proof (the
+        session ticket) made, to go with the calls. Without a token there is none. A shard
+        that fails is UNAVAILABLE (retried, relocated), naming it."""
+        if self._session is not None:
+            return
+        if not self._token:
+            self._session = ()
+            return
+        with self._session_lock:
+            if self._session is not None:
+                return
+            nonce, port, address = security.new_nonce(), self.port, self.address
+            try:
+                reply = self._methods["Auth"](b"", timeout=min(timeout or security.HANDSHAKE_S,
+                                                               security.HANDSHAKE_S),
+                                              metadata=((NONCE_KEY, nonce.hex()),))
+            except grpc.RpcError as e:  # not there, or not answering: retried, relocated
+                if e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise CallError(grpc.StatusCode.UNAVAILABLE,
+                                    f"shard {self.shard} at {address} did not answer the "
+                                    f"handshake ({e.code().name})") from None
+                reply = b""  # any other answer is not a shard's: refused below
+            try:
+                answer = json.loads(reply)
+                shard_nonce, proof = (bytes.fromhex(answer["nonce"]),
+                                      bytes.fromhex(answer["proof"]))
+                binding = security.channel_binding("grpc", self.shard, port)
+                security.check(security.shard_proof(self._token, nonce, shard_nonce, binding),
+                               proof, f"shard {self.shard} at {address}")
+            except (ValueError, KeyError, TypeError, security.HandshakeError) as e:
+                why = (str(e) if isinstance(e, security.HandshakeError) else
+                       f"shard {self.shard} at {address} did not answer the handshake")
+                raise CallError(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{why} (or this process's token is not the run's)",
+                                HANDSHAKE_FAULT) from None
+            ticket = security.session_ticket(nonce, shard_nonce, security.client_proof(
+                self._token, nonce, shard_nonce, binding))
+            self._session = ((security.SESSION_KEY, ticket),)
+
+    def _lost(self) -> None:
+        """The shard did not answer: drop the session (its next listener must prove itself
+        again) and read where the shard is now, if we can."""
+        self._session = None
+        if self.locate is None:
+            return
+        try:
+            found = self.locate()
+        except (OSError, ValueError, KeyError):
+            found = None
+        if not found:
+            return
+        address, info = found
+        if address != self.address:
+            self.log(f"ps: shard {self.shard} moved from {self.address} to {address} "
+                     f"(its ready file)")
+            self._bind(address)
+        if self.data is not None and info.get("data_port"):
+            self.data.port = info["data_port"]
+
     def close(self) -> None:
         self._calls.shutdown(wait=False)
         if self.data is not None:
             self.data.close()
         self.channel.close()
+        for channel in self._old_channels:
+            channel.close()
 
     def use_data_port(self, info: dict) -> None:
         """With --ps-transport tcp and a shard that has a data port (ps.tcp), one-message
@@ -171,7 +300,7 @@ class ShardClient:
         if self.data is None:
             host = self.address.rsplit(":", 1)[0].strip("[]")
             self.data = DataChannel(host, self._data_port, self.tls_cert,
-                                    self.max_message_bytes)
+                                    self.max_message_bytes, self._token, self.shard)
             self._push_one = _Fallback(self.data.method(PUSH_ONE), self._push_one,
                                        self._fell_back, self._via)
             self._pull_one = _Fallback(self.data.method(PULL_ONE), self._pull_one,
@@ -185,6 +314,9 @@ class ShardClient:
         self.data.port = info["data_port"]
 
     def _fell_back(self, error: CallError) -> None:
+        # The data port failed: the shard may be gone, and its gRPC port someone else's by
+        # now. The call over gRPC starts with a new handshake, not a ticket of the old one.
+        self._session = None
         self.fallbacks += 1
         if self.fallbacks == 1:
             self.log(f"ps: shard {self.shard} at {self.address}: its data port refused a "
@@ -192,7 +324,12 @@ class ShardClient:
                      f"goes over gRPC (said once; counted in data_fallbacks)")
 
     def _data_port(self) -> int:
-        """The shard's data port, asked again (a restarted shard listens on a new one)."""
+        """The shard's data port, read again (a restarted shard listens on a new one): from
+        its ready file when we have it, else asked over gRPC."""
+        if self.locate is not None:
+            self._lost()
+            if self.data is not None and self.data.port:
+                return self.data.port
         info = json.loads(self._grpc_control(wire.encode({"op": "info"}), timeout=2.0,
                                              metadata=self.metadata))
         if "data_port" not in info:
@@ -223,7 +360,7 @@ class ShardClient:
             self.bytes_by[getattr(self._via, "name", "grpc")] += nbytes
 
     def _retry(self, what: str, fn, rpc_timeout: float):
-        first_failure = None
+        first_failure, stale = None, False
         delay = 0.05
         while True:
             self._via.name = "grpc"  # unless a data-port call says otherwise (_Fallback)
@@ -233,7 +370,19 @@ class ShardClient:
                 code = e.code() if hasattr(e, "code") else None
                 if _fault(e) == "restarted":
                     raise Restarted(e.details()) from None
+                if _fault(e) == HANDSHAKE_FAULT:
+                    # Whoever answered there is not the run's shard: where is it now? A
+                    # shard that moved is tried again; one that did not is an error now.
+                    address = self.address
+                    self._lost()
+                    if self.address != address:
+                        continue
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._session and not stale:
+                    stale = True  # a session the shard no longer knows (expired): once more
+                    self._session = None
+                    continue
                 if code == grpc.StatusCode.UNAVAILABLE:
+                    self._lost()
                     now = time.monotonic()
                     first_failure = first_failure or now
                     if now - first_failure < self.timeout_s:
@@ -259,7 +408,7 @@ class ShardClient:
 
     def _data_metadata(self, worker: int) -> tuple:
         """Data calls name their worker: the shard caps open calls per worker."""
-        return (*(self.metadata or ()), (WORKER_KEY, str(worker)))
+        return _Metadata(self, ((WORKER_KEY, str(worker)),))
 
     def control(self, op: str, **fields) -> dict:
         request = wire.encode({"op": op, **fields})
@@ -394,6 +543,7 @@ class ShardClient:
                                     grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise PSError(f"shard {self.shard} at {self.address}: {e.code().name}: "
                                   f"{e.details()}") from None
+                self._lost()
                 if time.monotonic() > deadline:
                     raise PSError(f"shard {self.shard} at {self.address} did not answer "
                                   f"within {timeout_s:g} s") from None

@@ -3,18 +3,25 @@ control calls over plain TCP, beside the gRPC port that serves them all and the 
 gRPC Python copies each message several times and hands each call to a pool thread
 (docs/ps.md, "Measured": 40 MB push+pull at 0.35-0.55 of raw loopback TCP). Here a kept
 connection carries one call at a time and the connection's thread runs the servicer's own
-handler: token check, admission, validation and core are the same code as over gRPC; only
+handler: admission, validation and core are the same code as over gRPC; only
 the bytes move differently.
 
 Message, both ways: `MAGIC | u8 method or status | u32 JSON length | u64 payload length`,
 the JSON (request: the call's metadata as [key, value] pairs; reply: {details, fault}),
 then the payload (ps.wire frames). A reply's status is a grpc.StatusCode value, so the
 client raises the errors a gRPC call would and ps.shard_client's retries apply unchanged.
-The port is ephemeral, in the shard's `info` (`data_port`). Against a peer: the token is
-checked before a payload is read; an oversized message, bad magic or bad metadata closes
-the connection; a request must arrive whole within the call deadline, an idle connection
-is closed after it; only authenticated connections hold one of the slots, and the accept
-loop outlives a shortage of file descriptors (ps.data_slots).
+The port is ephemeral, in the shard's `info` (`data_port`) and its ready file.
+
+With a token, a connection starts with ps.security's handshake, before any call: the worker
+sends `HELLO | its nonce`; the shard answers `HELLO | its nonce | its proof` (over both
+nonces, this port and its shard index); the worker checks it and only then sends its own
+proof, in front of its first request. A peer that fails it is closed and counted (one log
+line per 10 s at most). Against a peer: nothing is read past the handshake until it holds;
+an oversized message, bad magic or bad metadata closes the connection; a request must
+arrive whole within the call deadline, an idle connection is closed after it; only
+authenticated connections hold one of the slots, a connection still in its TLS handshake
+waits as any unauthenticated one does, and the accept loop outlives a shortage of file
+descriptors (ps.data_slots).
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ import grpc
 import numpy as np
 
 from jaxdist.errors import UsageError
-from ps import wire
+from ps import security, wire
 from ps.admission import FAULT_KEY, pool_size
 from ps.data_slots import ConnectionSlots
 
 MAGIC = b"JDT1"
+HELLO = b"JDH1"
+_CLIENT_HELLO = struct.Struct(f"<4s{security.NONCE_BYTES}s")
+_SHARD_HELLO = struct.Struct(f"<4s{security.NONCE_BYTES}s{security.PROOF_BYTES}s")
 _HEAD = struct.Struct("<4sB3xIQ")
 MAX_META_BYTES = 64 * 1024
 PUSH_ONE, PULL_ONE, PUSH_PULL_ONE, CONTROL = 1, 2, 3, 4
@@ -70,6 +80,7 @@ class _Reader:
     def __init__(self, sock):
         self.sock, self.buf = sock, memoryview(bytearray(self.SIZE))
         self.start = self.end = 0
+        self.pending = b""  # bytes to send in front of the next request (ps.tcp's handshake)
         self.deadline, self.timeout_set = 0.0, False
 
     def begin(self, deadline: float, timeout_set: bool = False) -> None:
@@ -146,6 +157,8 @@ class _Call:
     """What the servicer's handlers and ps.admission ask of a gRPC context, for one call
     on a connection; `reply` sends at most once (a cancelled call has answered already)."""
 
+    ps_authenticated = True  # the connection did the handshake (or the run has no token)
+
     def __init__(self, conn, metadata: tuple, deadline: float):
         self.conn, self.metadata, self.deadline = conn, metadata, deadline
         self.trailing: tuple = ()
@@ -215,8 +228,17 @@ class DataServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls:  # the handshake is part of the pre-auth time
                 conn.settimeout(max(1e-3, slot.deadline - time.monotonic()))
-                conn = slot.sock = self.tls.wrap_socket(conn, server_side=True)
+                # Not handshaken on wrapping: the slot holds the live TLS socket while it
+                # waits, so dropping it (ps.data_slots) shuts its descriptor down. wrap_socket
+                # detaches the accepted socket, whose shutdown() would then hit nothing.
+                conn = self.tls.wrap_socket(conn, server_side=True,
+                                            do_handshake_on_connect=False)
+                slot.sock = conn
+                conn.do_handshake()
             reader = _Reader(conn)
+            if self.servicer.token and not self._handshake(conn, reader, slot):
+                why = "unauthenticated"
+                return
             while self._one_call(conn, reader, slot):
                 pass
         except (OSError, EOFError) as e:  # peer gone, timed out or cancelled (ssl.SSLError
@@ -224,17 +246,51 @@ class DataServer:
         except Exception as e:  # a bug, not the peer's doing: one line, never a traceback
             self.log(f"data port: a connection ended by {type(e).__name__}: {str(e)[:200]}")
         finally:
-            conn.close()
+            # out of the waiting list first: its descriptor number is then free to reuse
             self.slots.release(slot, why)
+            conn.close()
+
+    def _take_slot(self, conn, slot) -> bool:
+        """An authenticated connection into a slot; with every slot held it is answered
+        UNAVAILABLE (the worker makes that call over gRPC) and ends."""
+        if self.slots.authenticate(slot):
+            return True
+        try:
+            _send(conn, _message(grpc.StatusCode.UNAVAILABLE.value[0], {
+                "details": "the data port has no free slot", "fault": None}, b""),
+                time.monotonic() + 1.0)
+        except OSError:
+            pass
+        return False
+
+    def _handshake(self, conn, reader: _Reader, slot) -> bool:
+        """ps.security's handshake, shard side, within the pre-auth deadline: False when
+        the peer failed it (the caller counts it: ps.data_slots logs counts rate-limited)."""
+        reader.begin(slot.deadline)
+        magic, client_nonce = _CLIENT_HELLO.unpack(reader.read(_CLIENT_HELLO.size, idle=True))
+        if magic != HELLO:
+            return False
+        shard_nonce = security.new_nonce()
+        binding = security.channel_binding("data", self.servicer.shard, self.port)
+        proof = security.shard_proof(self.servicer.token, client_nonce, shard_nonce, binding)
+        _send(conn, [_SHARD_HELLO.pack(HELLO, shard_nonce, proof)], slot.deadline)
+        reader.begin(slot.deadline)
+        answer = bytes(reader.read(security.PROOF_BYTES))
+        try:
+            security.check(security.client_proof(self.servicer.token, client_nonce,
+                                                 shard_nonce, binding), answer, "the client")
+        except security.HandshakeError:
+            return False
+        return True
 
     def _one_call(self, conn, reader: _Reader, slot) -> bool:
         """Serve one request; False when the connection must end."""
-        # Until its token, a connection has until slot.deadline; then it idles to the call's.
+        # A connection takes its slot with its first call (after the handshake, if any),
+        # whose header it has until slot.deadline to send; then it idles to the call's.
         reader.begin(time.monotonic() + self.deadline_s if slot.authed else slot.deadline)
         head = reader.read(_HEAD.size, idle=True)
         deadline = time.monotonic() + self.deadline_s  # the whole request, once it starts
-        if slot.authed:
-            reader.begin(deadline, timeout_set=True)
+        reader.begin(deadline, timeout_set=slot.authed)
         magic, method, meta_len, size = _HEAD.unpack(head)
         if magic != MAGIC or method not in self.handlers or meta_len > MAX_META_BYTES:
             return False
@@ -249,18 +305,8 @@ class DataServer:
             call.reply(grpc.StatusCode.INVALID_ARGUMENT, f"bad call metadata: {str(e)[:120]}")
             return False
         call.metadata = tuple(tuple(p) for p in pairs)
-        try:
-            self.servicer._auth(call)  # before a payload byte is read or allocated
-        except _Aborted as e:
-            if not slot.authed:
-                self.slots.count("unauthenticated")
-            call.reply(e.code, e.details, e.fault)
+        if not slot.authed and not self._take_slot(conn, slot):
             return False
-        if not slot.authed:  # then the payload has the call's deadline
-            if not self.slots.authenticate(slot):
-                call.reply(grpc.StatusCode.UNAVAILABLE, "the data port has no free slot")
-                return False
-            reader.begin(deadline)
         if size > self.max_bytes:
             call.reply(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message of {size} bytes exceeds "
                        f"the limit of {self.max_bytes} (--ps-max-message-mb)")
@@ -277,13 +323,32 @@ class DataServer:
         return call.reply(grpc.StatusCode.OK, payload=result)
 
 
+def client_handshake(sock, reader: _Reader, token: str, shard: int, port: int,
+                     deadline: float) -> bytes:
+    """ps.security's handshake on a data connection, client side: the shard proves itself
+    first; returns this side's proof, for the caller to send only now that the shard has
+    (HandshakeError if it has not, socket.timeout or EOFError if it did not answer)."""
+    client_nonce = security.new_nonce()
+    _send(sock, [_CLIENT_HELLO.pack(HELLO, client_nonce)], deadline)
+    reader.begin(deadline)
+    magic, shard_nonce, proof = _SHARD_HELLO.unpack(reader.read(_SHARD_HELLO.size))
+    if magic != HELLO:
+        raise security.HandshakeError(f"the data port of shard {shard} did not answer the "
+                                      f"handshake")
+    binding = security.channel_binding("data", shard, port)
+    security.check(security.shard_proof(token, client_nonce, shard_nonce, binding), proof,
+                   f"the data port of shard {shard}")
+    return security.client_proof(token, client_nonce, shard_nonce, binding)
+
+
 class DataChannel:
     """A worker's connections to one shard's data port. `method(id)` is called like a gRPC
     unary multi-callable: (request, timeout, metadata) -> reply bytes, or CallError."""
 
     def __init__(self, host: str, resolve, tls_cert: str = "",
-                 max_message_bytes: int = 64 << 20):
+                 max_message_bytes: int = 64 << 20, token: str = "", shard: int = 0):
         self.host, self.resolve, self.port = host, resolve, None
+        self.token, self.shard = token, shard  # for the handshake (never sent)
         # a reply is the parameters of a request under the limit, plus a reply frame
         self.max_reply = max_message_bytes + MAX_META_BYTES
         self.tls = ssl.create_default_context(cafile=tls_cert) if tls_cert else None
@@ -310,21 +375,34 @@ class DataChannel:
         except OSError as e:
             self.port = None  # a restarted shard listens on another port: ask again
             raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
+        port = self.port
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls:  # the handshake: a wrong certificate is an ssl.SSLError (OSError)
                 sock = self.tls.wrap_socket(sock, server_hostname=self.host)
-        except OSError as e:
+            reader = _Reader(sock)
+            proof = (client_handshake(sock, reader, self.token, self.shard, port,
+                                      min(deadline, time.monotonic() + security.HANDSHAKE_S))
+                     if self.token else b"")
+        except (OSError, EOFError, security.HandshakeError) as e:
             sock.close()
-            raise CallError(grpc.StatusCode.UNAVAILABLE, f"data port: {e}") from None
-        return sock, _Reader(sock)
+            self.port = None  # a shard that does not prove itself: ask where it is again
+            if isinstance(e, socket.timeout):
+                e = "the shard did not answer the handshake"
+            raise CallError(grpc.StatusCode.UNAVAILABLE,
+                            f"data port {self.host}:{port}: {e}") from None
+        reader.pending = proof  # the client's proof goes out in front of the first request
+        return sock, reader
 
     def send(self, method: int, request, timeout, metadata):
         """Send a request now; (connection, its reader) to read the reply from."""
         deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
         sock, reader = self._connection(deadline)
+        first, reader.pending = reader.pending, b""
         try:
-            _send(sock, _message(method, [list(p) for p in metadata or ()], request), deadline)
+            _send(sock, [first] + _message(method, [list(p) for p in metadata or ()
+                                                    if p[0] != security.SESSION_KEY],
+                                           request), deadline)
         except socket.timeout:
             sock.close()
             raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None

@@ -11,7 +11,9 @@ worker that said hello and waits for a late one is not late: the late one is nam
 
 When several things stall at once (a frozen worker holds a sync barrier, so every worker
 stalls), the one named is the first cause: a stopped process, then a shard that does not
-answer, then the worker the others wait for (the one that moved longest ago, i.e. the one
+answer or did not while the workers stalled (a shard paused for about --ps-timeout-s
+answers again just as the workers' deadline passes: it is named, not a worker that waited
+for it), then the worker the others wait for (the one that moved longest ago, i.e. the one
 furthest behind), never a bystander that merely waited for it.
 """
 
@@ -51,6 +53,10 @@ class Progress:
         k, w = len(launch.servers), len(launch.workers)
         self.clients = [launch.client(i) for i in range(k)]
         self.shard_seen = [now] * k           # last time shard i answered
+        self.failing = [False] * k            # its last probe went unanswered
+        self.answered = [False] * k           # answered once (a slow start is no outage)
+        self.outage: dict = {}                # shard -> (from, to) of its last long silence
+        self.outage_s = max(2.0, timeout_s / 2)  # a silence this long is one
         self.step = [-1] * w                  # newest step seen pushed, over all shards
         self.moved = [now] * w                # when that last changed
         self.hello = [False] * w              # said hello to every shard
@@ -63,6 +69,7 @@ class Progress:
             client.close()
 
     def probe(self, now: float | None = None) -> None:
+        given = now is not None
         now = time.monotonic() if now is None else now
         if now < self.next_probe:
             return
@@ -74,8 +81,14 @@ class Progress:
                 reply = json.loads(client._control(request, timeout=min(2.0, self.timeout_s),
                                                    metadata=client.metadata))
             except grpc.RpcError:
+                self.failing[k] = True
                 continue  # not answering (stopped, dead, restarting): shard_seen stays
-            self.shard_seen[k] = time.monotonic()
+            answered = now if given else time.monotonic()
+            if (self.answered[k] and self.failing[k]
+                    and answered - self.shard_seen[k] >= self.outage_s):
+                self.outage[k] = (self.shard_seen[k], answered)  # probes failed meanwhile
+            self.failing[k], self.answered[k] = False, True
+            self.shard_seen[k] = answered
             seen = reply["seen_step"]
             steps = seen if steps is None else [max(a, b) for a, b in zip(steps, seen)]
             here = set(reply["started"])
@@ -117,6 +130,11 @@ class Progress:
             if w in done or child.poll() is not None:
                 continue
             limit = self.timeout_s if self.started[w] else self.startup_s
+            silent = self._silent_while(w) if now - self.moved[w] > limit else None
+            if silent is not None:
+                return "shard", silent, (self._outage_line(silent, now) + f", and worker {w} "
+                                         f"made no progress for {now - self.moved[w]:.1f} s "
+                                         f"(--ps-timeout-s {self.timeout_s:g})")
             # Evidence must be fresh: every live shard answered after the worker was already
             # late. (A stopped shard also stops every worker's progress; it is the one to
             # name, at its own deadline above.)
@@ -137,6 +155,21 @@ class Progress:
         return "worker", first, (self._worker_line(first, now)
                                  + f" (--ps-timeout-s {self.timeout_s:g})")
 
+    def _silent_while(self, w: int) -> int | None:
+        """A live shard whose last long silence ended after worker w last moved: what the
+        worker waited for, or None."""
+        for k, (start, end) in sorted(self.outage.items()):
+            if end > self.moved[w] and self.launch.servers[k].poll() is None:
+                return k
+        return None
+
+    def _outage_line(self, k: int, now: float) -> str:
+        start, end = self.outage[k]
+        child = self.launch.servers[k]
+        return (f"shard {k} (pid {child.pid}, {self.launch.addresses[k]}) made no progress: "
+                f"no answer for {end - start:.1f} s, until {max(0.0, now - end):.1f} s ago "
+                f"(paused or stopped){_state_note(child.pid)}")
+
     def first_cause(self, failed: int, done: set[int]) -> str | None:
         """Why worker `failed` probably failed, if another process is to blame: a stopped
         process, a shard that does not answer, or a worker a sync barrier waits for."""
@@ -152,6 +185,9 @@ class Progress:
         for k, child in enumerate(self.launch.servers):
             if child.poll() is None and self.shard_seen[k] < now - 1.0:
                 return f"shard {k} (pid {child.pid}) does not answer"
+        silent = self._silent_while(failed)
+        if silent is not None:
+            return self._outage_line(silent, now)
         if self.hello[failed] and not self.started[failed]:  # it waited for the others
             late = [w for w, child in enumerate(self.launch.workers) if not self.hello[w]
                     and w not in done and child.poll() is None]

@@ -1,4 +1,5 @@
-"""A PS worker: `python -m ps.worker --worker w --servers HOST:PORT,... <run flags>`.
+"""A PS worker: `python -m ps.worker --worker w (--servers HOST:PORT,... | --ready-dir DIR)
+<run flags>`.
 
 A JAX process that owns its local devices (data-parallel inside: the worker's rows of the
 batch are split over them and XLA all-reduces the gradient) and loops: pull parameters from
@@ -26,6 +27,7 @@ from jaxdist.record_builder import memory_block
 from ps.series import SeriesWriter
 
 FAULT_ENV = "JAXDIST_PS_FAULT"
+WRITE_FAILED = 4  # exit status: the worker could not write its output (ps.launch names it)
 # SIGINT from the launcher (its run was interrupted): stop after the current step and
 # write what was measured. main() installs the handler; run_worker reads the list.
 STOP: list[str] = []
@@ -43,8 +45,12 @@ def build_parser():
                                        "flags as the shard servers.")
     own = parser.add_argument_group("worker")
     own.add_argument("--worker", type=int, required=True, help="this worker's index, 0..W-1")
-    own.add_argument("--servers", required=True,
+    own.add_argument("--servers", default="",
                      help="comma-separated HOST:PORT of shards 0..K-1, in order")
+    own.add_argument("--ready-dir", default="",
+                     help="where the shards' ready files are (shard<k>.ready.json, written "
+                          "by ps.server --ready-file): where each shard listens is read "
+                          "there, at the start and after a restart, instead of --servers")
     own.add_argument("--out", default="", help="directory for worker<w>.json (metrics)")
     add_arguments(parser)
     return parser
@@ -142,8 +148,31 @@ class Program:
         return {k: jax.device_put(v, self.batch_sharding) for k, v in batch_np.items()}
 
 
+def shards_from_ready_files(job, ready_dir: Path, log) -> tuple[list[str], list]:
+    """(each shard's address, a locator each) from the shards' ready files in `ready_dir`,
+    waiting up to CONNECT_TIMEOUT_S for them to appear (shards start beside the workers)."""
+    from ps.security import connect_host, ready_file_locator
+    from ps.shard_client import PSError
+
+    host = connect_host(job.ps.ps_bind)
+    locators = [ready_file_locator(ready_dir / f"shard{k}.ready.json", host)
+                for k in range(job.ps.ps_shards)]
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    found = [None] * len(locators)
+    while not all(found):
+        found = [f or locate() for f, locate in zip(found, locators)]
+        if not all(found):
+            if time.monotonic() > deadline:
+                missing = [k for k, f in enumerate(found) if not f]
+                raise PSError(f"shard(s) {missing} wrote no ready file in {ready_dir} within "
+                              f"{CONNECT_TIMEOUT_S:g} s")
+            time.sleep(0.05)
+    log(f"shards at {', '.join(address for address, _ in found)} (their ready files)")
+    return [address for address, _ in found], locators
+
+
 def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platform,
-               log=print) -> dict:
+               log=print, locators=None) -> dict:
     import numpy as np
 
     from jaxdist import metrics, telemetry
@@ -165,7 +194,8 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
     client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
                       max_message_bytes=cfg.ps.ps_max_message_mb << 20,
                       timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get(TOKEN_ENV, ""),
-                      tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport)
+                      tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport,
+                      locators=locators)
     client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
 
     stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
@@ -318,7 +348,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
 
 def main(argv=None) -> int:
     from jaxdist.config import from_namespace
-    from jaxdist.errors import UsageError
+    from jaxdist.errors import UsageError, WriteError
     from jaxdist.job import for_process
     from jaxdist.mesh import MeshShape
     from jaxdist import procs
@@ -340,8 +370,11 @@ def main(argv=None) -> int:
             raise UsageError(f"global batch {cfg.train.batch_size} is not divisible by the "
                              f"{shape.size} devices of mesh {shape.label}")
         servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-        if not servers:
-            raise UsageError("--servers needs at least one HOST:PORT")
+        if args.ready_dir:
+            if not Path(args.ready_dir).is_dir():
+                raise UsageError(f"--ready-dir {args.ready_dir}: no such folder")
+        elif not servers:
+            raise UsageError("--servers needs at least one HOST:PORT (or give --ready-dir)")
         for server in servers:
             procs.host_port(server, "--servers")
         from jaxdist.devices import configure_host_devices, select_devices
@@ -353,11 +386,17 @@ def main(argv=None) -> int:
         print(f"ps.worker: error: {e}", file=sys.stderr)
         return 2
     try:
+        locators = None
+        if args.ready_dir:
+            servers, locators = shards_from_ready_files(job, Path(args.ready_dir), log)
         run_worker(job, args.worker, servers, Path(args.out) if args.out else None, platform,
-                   log)
+                   log, locators)
     except PSError as e:
         print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
         return 3
+    except WriteError as e:  # its own output (a full disk): the path, not a PS failure
+        print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
+        return WRITE_FAILED
     return 0
 
 

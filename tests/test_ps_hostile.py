@@ -16,10 +16,12 @@ import pytest
 
 from jaxdist.record import RunRecord
 from ps import wire
+from ps.security import HandshakeError
 from ps.shardmap import shard_map_for
 from ps.tcp import _HEAD, MAGIC, PULL_ONE
 from tests.helpers import ROOT, child_env, job_of
-from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, shard_client
+from tests.test_ps_server import CFG, FLAGS, TOKEN, server_env, session, shard_client
+from tests.test_ps_tcp import connect
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -70,10 +72,11 @@ def shard(tmp_path):
     s.stop()
 
 
-def data_call(port, method, meta_text: bytes, payload=b""):
-    """One request by hand on the data port: the reply's status, or None if the shard
-    closed the connection without one."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+def data_call(port, method, meta_text: bytes, payload=b"", token=TOKEN):
+    """One request by hand on the data port (after ps.security's handshake with `token`,
+    none if empty): the reply's status, or None if the shard closed the connection without
+    one."""
+    with connect(port, token) as sock:
         sock.sendall(_HEAD.pack(MAGIC, method, len(meta_text), len(payload)) + meta_text
                      + payload)
         head = b""
@@ -90,12 +93,12 @@ def test_deep_metadata_and_unicode_digits_are_invalid_argument_without_a_traceba
     for _ in range(20):
         assert data_call(shard.data_port, PULL_ONE, deep) == INVALID
     # deep inside a well-formed pair, and as a frame header on both ports
-    nested = json.dumps([["x-jaxdist-token", TOKEN], ["k", "v"]])[:-1].encode() + b"," \
+    nested = json.dumps([["x-jaxdist-worker", "0"], ["k", "v"]])[:-1].encode() + b"," \
         + b"[" * 5000 + b"]" * 5000 + b"]"
     assert data_call(shard.data_port, PULL_ONE, nested) == INVALID
     head = b"{\"op\":" + b"[" * 20000 + b"]" * 20000 + b"}"
     frame = b"JDP1" + len(head).to_bytes(4, "little") + head
-    token_worker = [["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", "0"]]
+    token_worker = [[*p] for p in session(shard.address)] + [["x-jaxdist-worker", "0"]]
     assert data_call(shard.data_port, PULL_ONE, json.dumps(token_worker).encode(),
                      frame) == INVALID
     channel = grpc.insecure_channel(shard.address)
@@ -106,7 +109,7 @@ def test_deep_metadata_and_unicode_digits_are_invalid_argument_without_a_traceba
     channel.close()
     pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
     for worker in ("\u00b2", "\u0661", "\uff10", "+1", " 1", "", "1" * 12):
-        meta = json.dumps([["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", worker]]).encode()
+        meta = json.dumps([["x-jaxdist-worker", worker]]).encode()
         assert data_call(shard.data_port, PULL_ONE, meta, pull) == INVALID, worker
     c = shard_client(shard.address)
     assert c.control("ping") == {"ok": True}           # still up
@@ -146,7 +149,8 @@ ATTACKERS = 16  # per shard: the gRPC pool's size with 2 workers, as many as the
 class Attack:
     """From the moment each shard's log names its data port, hold ATTACKERS plain sockets
     on it that send nothing and reconnect as soon as the shard closes them (until `stop`,
-    and never past `limit_s`). `reconnects` counts the closes."""
+    and never past `limit_s`). `reconnects` counts the closes. Every 0.1 s or so, each port
+    also gets a handshake answered with a proof under another token (`failed`)."""
 
     def __init__(self, psdir, shards: int, limit_s: float = 120.0):
         import re
@@ -155,7 +159,7 @@ class Attack:
         self.psdir, self.shards, self.limit = psdir, shards, time.monotonic() + limit_s
         self.pattern = re.compile(r"data port (\d+)")
         self.started_unix = None
-        self.reconnects = 0
+        self.reconnects = self.failed = 0
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -188,6 +192,8 @@ class Attack:
                 connect(port)
         self.started_unix = time.time()
         while not self.stop_event.is_set() and time.monotonic() < self.limit:
+            for port in ports:
+                self._wrong_proof(port)
             ready = select.select(list(socks), [], [], 0.05)[0]
             for sock in ready:
                 try:
@@ -207,6 +213,25 @@ class Attack:
                         break
         for sock in socks:
             sock.close()
+
+    def _wrong_proof(self, port: int) -> None:
+        from ps import security
+        from ps.tcp import HELLO
+
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                nonce = security.new_nonce()
+                sock.sendall(HELLO + nonce)
+                reply = b""
+                while len(reply) < 68 and (chunk := sock.recv(68 - len(reply))):
+                    reply += chunk
+                sock.sendall(security.client_proof(
+                    "not-the-run-token-32-characters!", nonce, reply[4:36],
+                    security.channel_binding("data", 0, port)))
+                if sock.recv(1) == b"":
+                    self.failed += 1
+        except OSError:
+            pass
 
     def stop(self):
         self.stop_event.set()
@@ -255,16 +280,23 @@ def test_a_sync_run_trains_the_same_while_tokenless_sockets_hold_the_data_ports(
         assert "over TCP" in r["comm_reason"] and "gRPC" not in r["comm_reason"]
         assert "over TCP (the shards' data ports)" in (quiet if d == "quiet" else
                                                        attacked).stdout
-    timed_out = []
+    timed_out, failed = [], []
     for k in range(2):
         log = (tmp_path / "attacked" / "ps" / f"shard{k}.log").read_text()
         assert "Traceback" not in log
         lines = re.findall(r"timed out before authenticating \([^)]*\): (\d+)", log)
         assert lines, log[-2000:]
         timed_out.append(int(lines[-1]))
+        # every failed handshake closed and counted; the log says so in a few lines
+        proofs = re.findall(r"failed the handshake \(no proof of the run's token\): (\d+)", log)
+        assert proofs and len(proofs) <= attacked_s / 10 + 2, log[-2000:]
+        failed.append(int(proofs[-1]))
     assert min(timed_out) >= ATTACKERS, timed_out
+    # (the last tries may end as the shards stop, after their final count)
+    assert attack.failed >= 20 and sum(failed) >= attack.failed - 2, (attack.failed, failed)
     print(f"quiet {quiet_s:.1f} s, attacked {attacked_s:.1f} s, attack reconnects "
-          f"{attack.reconnects}, timed out per shard {timed_out}")
+          f"{attack.reconnects}, timed out per shard {timed_out}, wrong proofs "
+          f"{attack.failed} (counted per shard {failed})")
 
 
 # -- a token by default -----------------------------------------------------------------
@@ -332,8 +364,11 @@ def test_a_run_without_a_configured_token_uses_one(tmp_path, monkeypatch):
         pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0,
                             "epoch": 0})
         meta = json.dumps([["x-jaxdist-worker", "0"]]).encode()
-        assert data_call(data_port, PULL_ONE, meta, pull) == \
-            grpc.StatusCode.UNAUTHENTICATED.value[0]
+        # without the handshake: closed unanswered; with another token: the shard's proof
+        # is refused, and this side sends nothing more
+        assert data_call(data_port, PULL_ONE, meta, pull, token="") is None
+        with pytest.raises(HandshakeError):
+            data_call(data_port, PULL_ONE, meta, pull)
         c = shard_client(f"127.0.0.1:{grpc_port}", token="")
         with pytest.raises(Exception, match="UNAUTHENTICATED"):
             c.control("ping")
@@ -492,6 +527,55 @@ def test_a_worker_later_than_the_step_timeout_is_named_not_the_one_waiting():
     assert (what, index) == ("worker", 0)  # neither pushed for 6 s: the lowest named
 
 
+def test_a_shard_paused_about_the_step_timeout_is_named_not_the_workers_waiting_for_it():
+    """Sync, --ps-timeout-s 30: shard 0 is SIGSTOPped for 30.5 s, then continued. It
+    answers the launcher again just as the workers pass their deadline, so the fresh
+    evidence pointed at worker 0 ("made no progress"); at 35 s the shard was named. Now its
+    silence, which covered the workers' stall, names it at any length."""
+    from ps.watchdog import Progress
+
+    reply = {"seen_step": [3, 3], "started": [0, 1], "retired": [], "missing": [],
+             "version": 3, "epoch": 0, "failure": None}
+
+    class Paused(_ProgressClient):
+        down = False
+
+        def _control(self, request, timeout, metadata):
+            if self.down:
+                raise grpc.RpcError()
+            return super()._control(request, timeout, metadata)
+
+    shard0 = Paused(reply)
+
+    class Launch:
+        servers = [_Child(999_999_991), _Child(999_999_994)]
+        workers = [_Child(999_999_992), _Child(999_999_993)]
+        addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+
+        def client(self, k):
+            return shard0 if k == 0 else _ProgressClient(reply)
+
+    progress = Progress(Launch(), 30.0, 150.0)
+    t0 = progress.began
+    for t in (0.5, 1.0):  # both shards answer; the workers started and pushed step 3
+        progress.next_probe = 0.0
+        progress.probe(t0 + t)
+    assert progress.started == [True, True] and progress.stalled(set(), t0 + 1.0) is None
+    shard0.down = True
+    for t in range(2, 32):  # paused: shard 1 answers, shard 0 does not, nobody moves
+        progress.next_probe = 0.0
+        progress.probe(t0 + t)
+        assert progress.stalled(set(), t0 + t) is None, t
+    shard0.down = False
+    progress.next_probe = 0.0
+    progress.probe(t0 + 31.5)  # continued: it answers again, the workers are 30.5 s late
+    what, index, line = progress.stalled(set(), t0 + 31.5)
+    assert (what, index) == ("shard", 0), line
+    assert line.startswith("shard 0 (pid 999999991, 127.0.0.1:1) made no progress: no "
+                           "answer for 30.5 s"), line
+    assert progress.first_cause(0, set()).startswith("shard 0 (pid 999999991"), line
+
+
 # -- a peer that exhausts a shard's file descriptors ------------------------------------------
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -506,11 +590,10 @@ def _data_pull(port: int, timeout: float = 10.0) -> bytes:
     if no reply)."""
     from ps.tcp import DataChannel
 
-    channel = DataChannel("127.0.0.1", lambda: port)
+    channel = DataChannel("127.0.0.1", lambda: port, token=TOKEN)
     pull = wire.encode({"op": "pull", "worker": 0, "step": 0, "min_version": 0, "epoch": 0})
     try:
-        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-token", TOKEN),
-                                                       ("x-jaxdist-worker", "0")))
+        reply = channel.call(PULL_ONE, pull, timeout, (("x-jaxdist-worker", "0"),))
         return b"".join(bytes(p) for h, p in wire.split(reply) if h["op"] == "param")
     finally:
         channel.close()
@@ -675,3 +758,52 @@ def test_a_sync_run_beside_a_peer_that_would_exhaust_the_shards_descriptors(tmp_
     for k in range(2):
         assert "Traceback" not in (tmp_path / "ps" / f"shard{k}.log").read_text()
     print(f"peer connects {peer.opens}, held at most {peer.held_max}")
+
+
+# -- a full disk --------------------------------------------------------------------------
+
+def test_a_worker_that_cannot_write_names_the_path_not_a_worker_to_drop(tmp_path):
+    """A worker's per-step series written under a file-size limit (RLIMIT_FSIZE, SIGXFSZ
+    ignored: EFBIG, as on a full disk). The launcher named the worker and advised
+    --ps-drop-dead-workers; now the worker's one line names the file, it exits 4, and the
+    launcher passes the path on with what to do."""
+    from types import SimpleNamespace
+
+    from ps.launch import Launch
+    from ps.shard_client import PSError
+    from ps.worker import WRITE_FAILED
+
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))\n"
+            "from pathlib import Path\n"
+            "from jaxdist.errors import WriteError\n"
+            "from ps.series import SeriesWriter\n"
+            "w = SeriesWriter(Path(sys.argv[1]), {'loss': [0.5] * 4096})\n"
+            "try:\n"
+            "    w.flush()\n"
+            "except WriteError as e:\n"
+            "    print(f'ps.worker 1: error: {e}'); sys.exit(4)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "worker1.series")],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+    line = proc.stdout.strip()
+    assert proc.returncode == WRITE_FAILED == 4, proc.stderr[-2000:]
+    assert line == (f"ps.worker 1: error: cannot write {tmp_path / 'worker1.series' / 'loss.f64'}"
+                    f": File too large"), line
+
+    launch = Launch.__new__(Launch)
+    launch.cfg = SimpleNamespace(ps=SimpleNamespace(ps_mode="sync", ps_drop_dead_workers=False))
+    launch.workers, launch.dead_workers = [None, None], []
+
+    class Died:
+        pid = 4242
+
+        def log_tail(self, n=3):
+            return "compiled\n" + line
+
+    with pytest.raises(PSError) as e:
+        launch._worker_died(1, Died(), WRITE_FAILED)
+    message = str(e.value)
+    assert message.startswith(f"worker 1 (pid 4242) could not write its output: cannot write "
+                              f"{tmp_path / 'worker1.series' / 'loss.f64'}: File too large;")
+    assert "free space" in message and "--ps-drop-dead-workers" not in message

@@ -230,12 +230,17 @@ SYNC_SMALL = ["--mesh", "2x1", "--ps-shards", "1", "--ps-mode", "sync", "--model
 
 def test_sync_stops_naming_a_dead_worker(tmp_path):
     logdir = tmp_path / "run"
-    proc = run_ps(logdir, *SYNC_SMALL, fault="kill-worker:1:2")
+    proc = run_ps(logdir, *SYNC_SMALL, "--ps-checkpoint-every", "1", fault="kill-worker:1:2")
     assert proc.returncode != 0
     assert "worker 1" in proc.stderr and "sync mode cannot continue" in proc.stderr
-    # The failed run keeps only the logs it points the user to: no results, no events.
+    # The failed run keeps only the logs it points the user to and the shard's snapshots:
+    # no results, no events.
     left = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("*") if p.is_file())
-    assert left and all(p.startswith("ps/") and p.endswith(".log") for p in left), left
+    logs = [p for p in left if not p.startswith("ps/snapshots/")]
+    assert logs and all(p.startswith("ps/") and p.endswith(".log") for p in logs), left
+    from ps import snapshot
+    arrays, meta = snapshot.load(logdir / "ps" / "snapshots" / "shard0")
+    assert meta["version"] >= 2 and arrays, left
     assert not (logdir / "results.json").exists()
     assert_no_orphans(logdir)
 

@@ -72,6 +72,16 @@ def shard_client(address, token=TOKEN, timeout_s=5.0, **kw):
                        token=token, **kw)
 
 
+def session(address, token=TOKEN) -> tuple:
+    """The gRPC metadata of a session with the shard at `address`, after ps.security's
+    handshake (the ticket outlives the client that made it)."""
+    c = shard_client(address, token=token)
+    c._ensure_session()
+    md = c._session
+    c.close()
+    return md
+
+
 @pytest.mark.parametrize("token", ["", "wrong-token-wrong-token-wrong!!!", TOKEN[:-1]])
 def test_missing_or_wrong_token_is_rejected(server, token):
     client = shard_client(server[1], token=token)
@@ -162,7 +172,7 @@ def test_fuzz_leaves_the_server_up_and_parameters_unchanged(server):
     rng = random.Random(1234)
     kinds = _fuzz_calls(rng, smap)
     channel = grpc.insecure_channel(address)
-    md = (("x-jaxdist-token", TOKEN), ("x-jaxdist-worker", "0"))
+    md = (*session(address), ("x-jaxdist-worker", "0"))
     calls = {"Push": channel.stream_unary("/jaxdist.ps.Shard/Push"),
              "Pull": channel.unary_stream("/jaxdist.ps.Shard/Pull"),
              "PushOne": channel.unary_unary("/jaxdist.ps.Shard/PushOne"),
@@ -317,7 +327,7 @@ EDGE = {
 def test_wire_edge_cases_are_invalid_argument(server, name):
     method, payload = EDGE[name]
     channel, calls = _raw(server[1])
-    md = (("x-jaxdist-token", TOKEN), ("x-jaxdist-worker", "0"))
+    md = (*session(server[1]), ("x-jaxdist-worker", "0"))
     with pytest.raises(grpc.RpcError) as e:
         if method == "Push":
             calls[method](iter(payload), timeout=10, metadata=md)
@@ -508,7 +518,7 @@ def test_a_ps_worker_measures_power_like_a_mesh_run(tmp_path, monkeypatch):
                         ps=PSConfig(ps_shards=1, ps_mode="async", ps_timeout_s=5.0))
         out = run_worker(job_of(cfg), 0, [f"127.0.0.1:{port}"], tmp_path / "ps",
                          select_devices(MeshShape(8, 1)), log=lambda *_: None)
-        c = shard_client(f"127.0.0.1:{port}")
+        c = shard_client(f"127.0.0.1:{port}", token="")  # the shard has none
         stats = [c.control("stats")]
         c.close()
     finally:
@@ -566,6 +576,14 @@ def test_addresses_and_the_ready_file_are_checked_before_anything_starts(tmp_pat
             assert worker.main(["--worker", "0", "--servers", servers, *FLAGS]) == 2
             lines = capsys.readouterr().err.strip().splitlines()
             assert lines == [f"ps.worker: error: --servers {message}"]
+        # where the shards are: --servers, or a folder of their ready files
+        for argv, line in (([], "--servers needs at least one HOST:PORT (or give "
+                                "--ready-dir)"),
+                           (["--ready-dir", str(tmp_path / "none")],
+                            f"--ready-dir {tmp_path / 'none'}: no such folder")):
+            assert worker.main(["--worker", "0", *argv, *FLAGS]) == 2
+            assert capsys.readouterr().err.strip().splitlines() == [
+                f"ps.worker: error: {line}"]
     finally:
         signal.signal(signal.SIGINT, sigint)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

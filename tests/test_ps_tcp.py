@@ -12,10 +12,12 @@ import grpc
 import numpy as np
 import pytest
 
+from ps.security import HandshakeError
 from ps.admission import pool_size
 from ps.client import PSClient
 from ps.shardmap import shard_map_for
-from ps.tcp import _HEAD, MAGIC, PULL_ONE, PUSH_ONE, CallError, DataChannel, _Call
+from ps.tcp import (_HEAD, MAGIC, PULL_ONE, PUSH_ONE, CallError, DataChannel, _Call, _Reader,
+                    client_handshake)
 from tests.helpers import job_of
 from tests.test_ps_server import (CFG, TOKEN, make_cert, server_env, start_server,
                                   stop_server)
@@ -40,10 +42,20 @@ def reply_head(sock) -> tuple:
     return _HEAD.unpack(head)
 
 
-def raw_call(port, method, metadata, size, payload=b""):
+def connect(port, token=TOKEN):
+    """A connection to a data port that did ps.security's handshake (with `token`) and sent
+    its proof: the shard then reads calls on it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if token:
+        sock.sendall(client_handshake(sock, _Reader(sock), token, 0, port,
+                                      time.monotonic() + 10))
+    return sock
+
+
+def raw_call(port, method, metadata, size, payload=b"", token=TOKEN):
     """Send one request by hand; (status code, details) of the reply and whether the shard
     closed the connection after it."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock = connect(port, token)
     meta = json.dumps(metadata).encode()
     with sock:
         sock.sendall(_HEAD.pack(MAGIC, method, len(meta), size) + meta + payload)
@@ -96,21 +108,24 @@ def test_data_calls_go_over_the_data_port_and_match_grpc(token_server):
     plain.close()
 
 
-def test_token_is_checked_before_the_size_and_before_any_payload(token_server):
+def test_the_handshake_comes_before_the_size_and_before_any_payload(token_server):
     data_port = token_server[1]
     worker = ["x-jaxdist-worker", "0"]
-    status, details, closed = raw_call(data_port, PUSH_ONE,
-                                       [["x-jaxdist-token", "wrong" * 8], worker], 1 << 40)
-    assert status == grpc.StatusCode.UNAUTHENTICATED.value[0] and closed
-    status, details, closed = raw_call(data_port, PUSH_ONE,
-                                       [["x-jaxdist-token", TOKEN], worker], 1 << 40)
+    # a wrong token: the shard's proof does not check out, so the client sends nothing more
+    with pytest.raises(HandshakeError):
+        connect(data_port, token="wrong" * 8)
+    # no handshake at all: a request straight away is closed unanswered
+    with socket.create_connection(("127.0.0.1", data_port), timeout=10) as sock:
+        meta = json.dumps([worker]).encode()
+        sock.sendall(_HEAD.pack(MAGIC, PUSH_ONE, len(meta), 1 << 40) + meta)
+        assert sock.recv(100) == b""
+    status, details, closed = raw_call(data_port, PUSH_ONE, [worker], 1 << 40)
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and closed
     assert "--ps-max-message-mb" in details
     status, details, closed = raw_call(data_port, PULL_ONE, {"not": "pairs"}, 0)
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and closed
     # a malformed frame is the servicer's: refused, and the connection stays usable
-    status, details, closed = raw_call(data_port, PULL_ONE,
-                                       [["x-jaxdist-token", TOKEN], worker], 4, b"JDP1")
+    status, details, closed = raw_call(data_port, PULL_ONE, [worker], 4, b"JDP1")
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not closed
 
 
@@ -174,9 +189,16 @@ def test_idle_and_partial_requests_end_at_their_deadlines(tmp_path):
 def _held_call(port, meta):
     """A connection that made one authenticated call (a malformed pull: INVALID_ARGUMENT,
     and the connection stays open) and holds it."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock = connect(port)
+    except (OSError, EOFError):  # closed in its handshake: no slot (the shard's answer)
+        return None, None
     text = json.dumps(meta).encode()
-    sock.sendall(_HEAD.pack(MAGIC, PULL_ONE, len(text), 4) + text + b"JDP1")
+    try:
+        sock.sendall(_HEAD.pack(MAGIC, PULL_ONE, len(text), 4) + text + b"JDP1")
+    except OSError:
+        sock.close()
+        return None, None
     _, status, meta_len, _ = reply_head(sock)
     while meta_len:
         meta_len -= len(sock.recv(meta_len))
@@ -205,7 +227,7 @@ def test_only_authenticated_connections_hold_a_slot(tmp_path):
         c.close()
         # authenticated connections: the cap holds; one more is UNAVAILABLE, and a worker
         # that needs a new connection then makes its call over gRPC, and says so once
-        meta = [["x-jaxdist-token", TOKEN], ["x-jaxdist-worker", "0"]]
+        meta = [["x-jaxdist-worker", "0"]]
         deadline = time.monotonic() + 10
         held = []
         while len(held) < pool_size(2):  # the shard frees slots as it sees closes
