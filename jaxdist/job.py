@@ -62,6 +62,7 @@ class Job:
     matmul_precision = property(lambda self: self.cfg.model.matmul_precision)
     fp8_scaling = property(lambda self: self.cfg.model.fp8_scaling)
     settings = property(lambda self: self.cfg.model)  # the whole ModelConfig section
+    platform = property(lambda self: self.cfg.mesh.platform)  # --platform
 
     @property
     def hosts(self) -> int:

@@ -355,6 +355,43 @@ class RunRecord:
     dtype = property(lambda self: self.cfg("model", "dtype", "float32"))
     optimizer = property(lambda self: self.cfg("train", "optimizer"))
     dataset = property(lambda self: self.cfg("data", "dataset"))
+    lr = property(lambda self: self.cfg("train", "lr"))
+    seed = property(lambda self: self.cfg("train", "seed"))
+    microbatches = property(lambda self: self.cfg("train", "microbatches"))
+    remat = property(lambda self: self.cfg("train", "remat"))
+    overlap = property(lambda self: self.cfg("compiler", "overlap"))
+    params = property(lambda self: self._block("model").get("params"))
+
+    @property
+    def fp8_scaling(self) -> str | None:
+        """FP8's scaling, for an FP8 run only."""
+        return self.cfg("model", "fp8_scaling") if self.dtype == "float8" else None
+
+    @property
+    def grad_reduce_dtype(self) -> str | None:
+        """Where the distributed optimizer reduces bfloat16 working weights' gradients: only
+        such a run has one."""
+        if self.results.get("distributed_optimizer") and self.dtype != "float32":
+            return self.cfg("train", "grad_reduce_dtype", "float32")
+        return None
+
+    @property
+    def schedule(self) -> str | None:
+        """A pipeline's schedule (`1f1b`, `interleaved-v2`), else None."""
+        pp = self._block("pipeline")
+        return pipeline_schedule(pp) if pp else None
+
+    @property
+    def steps(self) -> str | None:
+        """The steps run, warm-up included (`23`); an interrupted run's against those
+        planned (`18 of 303`), as its one-line message says."""
+        done = self.results.get("steps_done")
+        if done is None:
+            done = len(self.results.get("loss") or []) or None
+        if done is None:
+            return None
+        planned = self._block("interrupted").get("steps_planned")
+        return f"{done} of {planned}" if planned else str(done)
 
     @property
     def matmul_precision(self) -> str:
@@ -393,6 +430,9 @@ class RunRecord:
 
     samples_per_s = property(lambda self: self._block("throughput").get("samples_per_s"))
     tokens_per_s = property(lambda self: self._block("throughput").get("tokens_per_s"))
+    mfu = property(lambda self: self._block("mfu").get("value"))
+    hfu = property(lambda self: self._block("mfu").get("hfu"))
+    comm_ring_bytes = property(lambda self: self._block("comm").get("total_ring_bytes"))
 
     @property
     def state_bytes(self):
@@ -431,6 +471,11 @@ class RunRecord:
     def energy_per_sample(self):
         power = self._block("power")
         return power.get("energy_per_sample_j") if power.get("available") else None
+
+    @property
+    def energy_per_step(self):
+        power = self._block("power")
+        return power.get("energy_per_step_j") if power.get("available") else None
 
     accuracy = property(lambda self: self.results.get("accuracy") or [])
 

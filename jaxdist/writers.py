@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from jaxdist.files import write_json
-from jaxdist.record import layout_facts, mesh_spec, pipeline_schedule
+from jaxdist.record import RunRecord
 from jaxdist.summary import format_markdown
 
 # After "train" in the alphabetical order of Time Series' tag groups, so TensorBoard opens
@@ -226,50 +226,24 @@ class NullWriter:
 # ---------------------------------------------------------------------- HParams
 
 def run_hparams(results: dict) -> dict:
-    """The settings that define a run (HPARAMS), from results.json; absent ones left out."""
-    cfg = results.get("config") or {}
-    train, model = cfg.get("train") or {}, cfg.get("model") or {}
-    env = results.get("env") or {}
+    """The settings that define a run (HPARAMS), from results.json through RunRecord (one
+    reading, one default per field); absent ones left out."""
+    rec = RunRecord(Path(""), results)
     hp = {
-        "layout": results["layout"], "mesh": mesh_spec(results["mesh"]),
-        "schedule": (pipeline_schedule(results["pipeline"]) if results.get("pipeline")
-                     else None),
-        # Runs from before `status` existed finished.
-        "status": results.get("status", "complete"), "steps": steps_text(results),
-        "devices": env.get("num_devices"), "device_kind": env.get("device_kind"),
-        "model": results["model"]["name"], "params": results["model"].get("params"),
-        "batch": train.get("batch_size"), "dtype": model.get("dtype"),
-        "fp8_scaling": (model.get("fp8_scaling") if model.get("dtype") == "float8" else None),
-        # Runs from before --matmul-precision existed ran at XLA's default.
-        "matmul_precision": model.get("matmul_precision", "default"),
-        # where the distributed optimizer reduces bf16 working weights' gradients
-        "grad_reduce_dtype": (train.get("grad_reduce_dtype", "float32")
-                              if results.get("distributed_optimizer")
-                              and model.get("dtype") != "float32" else None),
-        "optimizer": train.get("optimizer"), "lr": train.get("lr"),
-        "microbatches": train.get("microbatches"), "remat": train.get("remat"),
-        "overlap": (cfg.get("compiler") or {}).get("overlap"),
-        "dataset": (cfg.get("data") or {}).get("dataset"), "seed": train.get("seed"),
-        "framework": results.get("framework"), "backend": env.get("backend"),
-        "simulated": env.get("simulated"),
+        "layout": rec.layout, "mesh": rec.mesh, "schedule": rec.schedule,
+        "status": rec.status, "steps": rec.steps, "devices": rec.devices,
+        "device_kind": rec.device_kind, "model": rec.model_name, "params": rec.params,
+        "batch": rec.batch, "dtype": rec.dtype, "fp8_scaling": rec.fp8_scaling,
+        "matmul_precision": rec.matmul_precision, "grad_reduce_dtype": rec.grad_reduce_dtype,
+        "optimizer": rec.optimizer, "lr": rec.lr, "microbatches": rec.microbatches,
+        "remat": rec.remat, "overlap": rec.overlap, "dataset": rec.dataset, "seed": rec.seed,
+        "framework": results.get("framework"), "backend": rec.backend,
+        "simulated": results.get("env", {}).get("simulated"),
     }
-    if layout_facts(results)["out_of_process"]:
-        ps = cfg.get("ps") or {}
-        hp.update(ps_mode=ps.get("ps_mode"), ps_shards=ps.get("ps_shards"),
-                  ps_staleness=ps.get("staleness") if ps.get("ps_mode") == "ssp" else None)
+    if rec.out_of_process:
+        hp.update(ps_mode=rec.ps_mode, ps_shards=rec.cfg("ps", "ps_shards"),
+                  ps_staleness=rec.cfg("ps", "staleness") if rec.ps_mode == "ssp" else None)
     return {k: v for k, v in hp.items() if v is not None}
-
-
-def steps_text(results: dict) -> str | None:
-    """The `steps` column: the steps run, warm-up included (`23`); an interrupted run's
-    against those planned (`18 of 303`), as its one-line message says."""
-    done = results.get("steps_done")
-    if done is None:
-        done = len(results.get("loss") or []) or None
-    if done is None:
-        return None
-    planned = (results.get("interrupted") or {}).get("steps_planned")
-    return f"{done} of {planned}" if planned else str(done)
 
 
 def hparams_summaries(results: dict, started: float) -> list:
@@ -320,26 +294,20 @@ def hparams_summaries(results: dict, started: float) -> list:
 
 
 def run_metrics(results: dict) -> dict[str, float]:
-    """METRICS of a run by tag (no prefix); a figure the run does not have is absent."""
-    t = results.get("step_time_s") or {}
-    mem = results.get("memory") or {}
-    mfu = results.get("mfu") or {}
-    power = results.get("power") or {}
-    accuracy = results.get("accuracy") or []
-    throughput = results.get("throughput") or {}
+    """METRICS of a run by tag (no prefix), read through RunRecord; a figure the run does not
+    have is absent."""
+    rec = RunRecord(Path(""), results)
     out = {
-        "step_time_p50_s": t.get("p50"), "step_time_p99_s": t.get("p99"),
-        "ksamples_per_s": _per(throughput.get("samples_per_s"), 1e3),
-        "ktokens_per_s": _per(throughput.get("tokens_per_s"), 1e3),
-        "mfu": mfu.get("value"), "hfu": mfu.get("hfu"),
-        "state_gib_per_device": _per(mem.get("state_bytes_per_device"), GIB),
-        "compiler_bound_gib": _per((mem.get("compiled") or {}).get("peak_bytes"), GIB),
-        "measured_peak_gib": _per(mem.get("measured_peak_bytes"), GIB),
-        "comm_ring_gib": _per((results.get("comm") or {}).get("total_ring_bytes"), GIB),
-        "energy_per_step_j": power.get("energy_per_step_j") if power.get("available") else None,
-        "energy_per_sample_j": (power.get("energy_per_sample_j") if power.get("available")
-                                else None),
-        "accuracy": accuracy[-1]["accuracy"] if accuracy else None,
+        "step_time_p50_s": rec.step_p50, "step_time_p99_s": rec.step_p99,
+        "ksamples_per_s": _per(rec.samples_per_s, 1e3),
+        "ktokens_per_s": _per(rec.tokens_per_s, 1e3),
+        "mfu": rec.mfu, "hfu": rec.hfu,
+        "state_gib_per_device": _per(rec.state_bytes, GIB),
+        "compiler_bound_gib": _per(rec.compiled_bound, GIB),
+        "measured_peak_gib": _per(rec.measured_peak, GIB),
+        "comm_ring_gib": _per(rec.comm_ring_bytes, GIB),
+        "energy_per_step_j": rec.energy_per_step, "energy_per_sample_j": rec.energy_per_sample,
+        "accuracy": rec.final_accuracy,
         "final_loss": results["loss"][-1] if results.get("loss") else None,
     }
     pp = results.get("pipeline")

@@ -180,7 +180,7 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
     from jaxdist.telemetry.combine import combine
     from ps.shardmap import abstract_model
 
-    cfg, shape = job.cfg, job.shape
+    shape = job.shape
     psdir = Path(logdir) / "ps"
     num_workers, devices = shape.data, shape.fsdp
     workers = {}
@@ -195,7 +195,7 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
          "at_unix_s": None} for w in range(num_workers) if w not in workers]
     ref_w = min(workers)  # worker 0 unless it died
     ref = workers[ref_w]
-    warmup, total = cfg.loop.warmup, cfg.loop.warmup + cfg.loop.steps
+    warmup, total = job.loop.warmup, job.loop.warmup + job.loop.steps
     losses = []
     for t in range(total):
         values = [r["losses"][t] for r in workers.values() if len(r["losses"]) > t]
@@ -205,7 +205,7 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
     timed = ref["step_s"][warmup:]
     steps = metrics.step_time_block(timed)
     model_cfg, _, abstract_params, abstract_ms = abstract_model(job)
-    batch = cfg.train.batch_size
+    batch = job.train.batch_size
     tokens = model_cfg.tokens_per_sample
     throughput = job_throughput(workers, batch // num_workers, warmup, tokens)
     # MFU at the job's rate: the time the whole job took per global batch (in sync ~ a
@@ -235,12 +235,12 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
     by_transport = {t: sum(r.get("bytes_by_transport", {}).get(t, 0) for r in workers.values())
                     for t in ("tcp", "grpc")}
     ps_block = {
-        "mode": cfg.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
-        "shards": cfg.ps.ps_shards, "transport": cfg.ps.ps_transport,
+        "mode": job.ps.ps_mode, "workers": num_workers, "devices_per_worker": devices,
+        "shards": job.ps.ps_shards, "transport": job.ps.ps_transport,
         "bytes_by_transport": by_transport, "carried_by": carried_by(by_transport),
         "data_fallbacks": sum(r.get("data_fallbacks", 0) for r in workers.values()),
-        "staleness_bound": cfg.ps.staleness if cfg.ps.ps_mode == "ssp" else None,
-        "staleness_lr": cfg.ps.ps_staleness_lr,
+        "staleness_bound": job.ps.staleness if job.ps.ps_mode == "ssp" else None,
+        "staleness_lr": job.ps.ps_staleness_lr,
         "mfu_time_per_batch_s": batch_s,  # what MFU divides by: global batch / job rate
         "step_time_definition": f"wall time of one loop iteration (pull + gradient + push) "
                                 f"of worker {ref_w}; other workers in step_time_s_per_worker",
@@ -298,9 +298,9 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
         model_cfg,
         shard_map.total, env=env, compile_s=ref["compile_s"], step_time_s=steps,
         warmup_step_time_s=ref["step_s"][:warmup], throughput=throughput,
-        mfu=metrics.mfu(env["device_kind"], cfg.model.dtype, num_workers * devices, batch_s,
+        mfu=metrics.mfu(env["device_kind"], job.dtype, num_workers * devices, batch_s,
                         ref["compiled_flops"], model_cfg.flops_per_sample() * batch,
-                        cfg.model.matmul_precision),
+                        job.matmul_precision),
         memory=memory, sharding=metrics.sharding_summary(abstract, specs), loss=losses,
         comm=None,
         power=combine({w: r.get("power") or {"available": False, "reason": "the worker "
@@ -317,7 +317,7 @@ def collect(job, logdir: Path, stats: list[dict], shard_map, launch=None,
                         f"; the all-reduce over each worker's {devices} devices is not "
                         f"analysed" if devices > 1 else ""),
         accuracy=ref["accuracy"], ps=ps_block)
-    writer = RunWriter(Path(logdir), cfg.to_dict())
+    writer = RunWriter(Path(logdir), job.to_dict())
     try:
         writer.summary(results)  # the record first (results.json), then the curves
         for t in curve_steps(len(losses), warmup):

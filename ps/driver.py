@@ -38,20 +38,20 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     them, collect their record into `logdir`."""
     from ps.shardmap import shard_map_for
 
-    cfg, shape = job.cfg, job.shape
+    shape = job.shape
     psdir = Path(logdir) / "ps"
     psdir.mkdir(parents=True, exist_ok=True)
     shard_map = shard_map_for(job)
     (psdir / "shard_map.json").write_text(json.dumps(shard_map.to_dict(), indent=1))
     log(f"ps: {shard_map.describe()}")
-    if cfg.mesh.platform == "cpu" or gpu_count() < shape.size:
+    if job.platform == "cpu" or gpu_count() < shape.size:
         log(f"No accelerator in use: each of the {shape.data} workers simulates "
             f"{shape.fsdp} host CPU device(s). Step times are functional, not performance "
             f"figures.")
-    token, notice = run_token(os.environ, cfg.ps.ps_insecure)
+    token, notice = run_token(os.environ, job.ps.ps_insecure)
     if notice:
         log(notice)
-    launch = Launch(cfg, shape, psdir, log, token)
+    launch = Launch(job, psdir, log, token)
     interrupted = None
     with procs.TerminationHandlers():
         try:
@@ -91,11 +91,10 @@ def main(argv=None) -> int:
                         help="do not shut the shard servers down")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = from_namespace(args)
     try:
-        if not cfg.output.logdir:
+        job = for_process(from_namespace(args))
+        if not job.output.logdir:
             raise UsageError("--collect-only needs --logdir (where the workers wrote ps/)")
-        job = for_process(cfg)
         shard_map = shard_map_for(job)
     except UsageError as e:
         print(f"ps.driver: error: {e}", file=sys.stderr)
@@ -103,16 +102,16 @@ def main(argv=None) -> int:
     stats = []
     for k, address in enumerate(args.servers.split(",")):
         client = ShardClient(k, address.strip(),
-                             max_message_bytes=cfg.ps.ps_max_message_mb << 20,
-                             timeout_s=cfg.ps.ps_timeout_s,
+                             max_message_bytes=job.ps.ps_max_message_mb << 20,
+                             timeout_s=job.ps.ps_timeout_s,
                              token=os.environ.get(TOKEN_ENV, ""),
-                             tls_cert=cfg.ps.ps_tls_cert)
+                             tls_cert=job.ps.ps_tls_cert)
         stats.append(client.control("stats"))
         if not args.keep_servers:
             client.control("shutdown")
         client.close()
-    collect(job, Path(cfg.output.logdir), stats, shard_map)
-    print(f"results: {Path(cfg.output.logdir) / 'results.json'}")
+    collect(job, Path(job.output.logdir), stats, shard_map)
+    print(f"results: {Path(job.output.logdir) / 'results.json'}")
     return 0
 
 

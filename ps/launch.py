@@ -40,11 +40,11 @@ def gpu_count() -> int:
         return 0
 
 
-def _worker_env(cfg, worker: int, devices: int, num_workers: int) -> dict:
+def _worker_env(job, worker: int, devices: int, num_workers: int) -> dict:
     """On a GPU node, worker w sees GPUs [w*D, (w+1)*D); otherwise it simulates D CPU
     devices (never all of a GPU node's GPUs at once)."""
     gpus = gpu_count()
-    if cfg.mesh.platform == "auto" and gpus >= devices * num_workers:
+    if job.platform == "auto" and gpus >= devices * num_workers:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
         return {"CUDA_VISIBLE_DEVICES": ",".join(ids[worker * devices:(worker + 1) * devices])}
@@ -63,10 +63,10 @@ def _describe_exit(rc: int) -> str:
 class Launch:
     """The children of one run and what happened to them."""
 
-    def __init__(self, cfg, shape, psdir: Path, log, token: str = ""):
-        self.cfg, self.shape, self.psdir, self.log = cfg, shape, psdir, log
+    def __init__(self, job, psdir: Path, log, token: str = ""):
+        self.job, self.shape, self.psdir, self.log = job, job.shape, psdir, log
         self.token = token  # ps.security.run_token: every child gets it in its environment
-        self.argv = to_argv(cfg)
+        self.argv = to_argv(job.cfg)
         self.servers: list[procs.Child] = []
         self.workers: list[procs.Child] = []
         self.ports: list[int] = []
@@ -80,7 +80,7 @@ class Launch:
 
     @property
     def addresses(self) -> list[str]:
-        host = connect_host(self.cfg.ps.ps_bind)
+        host = connect_host(self.job.ps.ps_bind)
         return [f"{host}:{p}" for p in self.ports]
 
     def _record_pid(self, child):
@@ -91,8 +91,8 @@ class Launch:
         ready = self.ready_file(k)
         ready.unlink(missing_ok=True)
         snapshots = (["--snapshot-dir", str(self.psdir / "snapshots" / f"shard{k}")]
-                     if self.cfg.ps.ps_checkpoint_every else [])
-        args = ["--shard", str(k), "--of", str(self.cfg.ps.ps_shards), "--port", str(port),
+                     if self.job.ps.ps_checkpoint_every else [])
+        args = ["--shard", str(k), "--of", str(self.job.ps.ps_shards), "--port", str(port),
                 "--ready-file", str(ready), *snapshots, *(["--restore"] if restore else []),
                 *self.argv]
         child = procs.start(f"shard {k}", procs.python_argv("ps.server", *args),
@@ -123,8 +123,8 @@ class Launch:
         """Start the shards, each on a port its system gives it (port 0), published in its
         ready file: no port is chosen ahead for another process to take first. The workers
         start at the same time (import JAX, compile) and read the ready files."""
-        base = getattr(self.cfg.ps, "ps_port", 0)
-        k_count = self.cfg.ps.ps_shards
+        base = getattr(self.job.ps, "ps_port", 0)
+        k_count = self.job.ps.ps_shards
         self.ports = [base + k if base else 0 for k in range(k_count)]
         self.servers = [self.start_server(k, self.ports[k]) for k in range(k_count)]
 
@@ -140,22 +140,22 @@ class Launch:
             args = ["--worker", str(w), "--ready-dir", str(self.psdir), "--out",
                     str(self.psdir), *self.argv]
             child = procs.start(f"worker {w}", procs.python_argv("ps.worker", *args),
-                                _child_env({**_worker_env(self.cfg, w, devices, w_count),
+                                _child_env({**_worker_env(self.job, w, devices, w_count),
                                             TOKEN_ENV: self.token}),
                                 self.psdir / f"worker{w}.log")
             self.workers.append(child)
             self._record_pid(child)
         self.log(f"ps: {w_count} workers x {devices} device(s) started, mode "
-                 f"{self.cfg.ps.ps_mode}")
+                 f"{self.job.ps.ps_mode}")
 
     def client(self, k: int) -> ShardClient:
         client = ShardClient(k, self.addresses[k],
-                             max_message_bytes=self.cfg.ps.ps_max_message_mb << 20,
-                             timeout_s=min(10.0, self.cfg.ps.ps_timeout_s),
+                             max_message_bytes=self.job.ps.ps_max_message_mb << 20,
+                             timeout_s=min(10.0, self.job.ps.ps_timeout_s),
                              token=self.token,
-                             tls_cert=self.cfg.ps.ps_tls_cert,
+                             tls_cert=self.job.ps.ps_tls_cert,
                              locate=ready_file_locator(self.ready_file(k),
-                                                       connect_host(self.cfg.ps.ps_bind)))
+                                                       connect_host(self.job.ps.ps_bind)))
         # the shard's data port from its ready file: control calls go there from the first
         try:
             client.use_data_port(json.loads(self.servers[k].extra["ready"].read_text()))
@@ -179,7 +179,7 @@ class Launch:
         from ps.watchdog import Progress
         from ps.worker import CONNECT_TIMEOUT_S
 
-        timeout = self.cfg.ps.ps_timeout_s
+        timeout = self.job.ps.ps_timeout_s
         # workers import JAX, compile, then wait up to CONNECT_TIMEOUT_S for each other
         self.progress = Progress(self, timeout, max(timeout, CONNECT_TIMEOUT_S) + timeout)
         done: set[int] = set()
@@ -204,8 +204,8 @@ class Launch:
                 stalled = self.progress.stalled(done)
                 if stalled:
                     what, index, line = stalled
-                    if (what == "worker" and self.cfg.ps.ps_mode == "sync"
-                            and self.cfg.ps.ps_drop_dead_workers):
+                    if (what == "worker" and self.job.ps.ps_mode == "sync"
+                            and self.job.ps.ps_drop_dead_workers):
                         # The run goes on without it: kill it, and the next poll sees a
                         # dead worker, which --ps-drop-dead-workers retires.
                         self.log(f"ps: {line}; killing it (--ps-drop-dead-workers)")
@@ -227,7 +227,7 @@ class Launch:
         running = {w for w, child in enumerate(self.workers) if child.poll() is None}
         for w in running:
             os.kill(self.workers[w].pid, signal.SIGINT)
-        deadline = time.monotonic() + self.cfg.ps.ps_timeout_s
+        deadline = time.monotonic() + self.job.ps.ps_timeout_s
         while running and time.monotonic() < deadline:
             for w in sorted(running):
                 if self.workers[w].poll() is not None:
@@ -235,7 +235,7 @@ class Launch:
                     self.retire_everywhere(w, "stopped: the run was interrupted")
             time.sleep(0.05)
         for w in running:
-            self.log(f"ps: worker {w} did not stop within {self.cfg.ps.ps_timeout_s:g} s "
+            self.log(f"ps: worker {w} did not stop within {self.job.ps.ps_timeout_s:g} s "
                      f"(--ps-timeout-s); killed, without its figures")
             procs.stop(self.workers[w], grace_s=0.0)
 
@@ -245,7 +245,7 @@ class Launch:
         what = f"worker {w} (pid {child.pid}) exited with {_describe_exit(rc)}"
         self.dead_workers.append({"worker": w, "exit": _describe_exit(rc), "error": error,
                                   "at_unix_s": time.time()})
-        mode, drop = self.cfg.ps.ps_mode, self.cfg.ps.ps_drop_dead_workers
+        mode, drop = self.job.ps.ps_mode, self.job.ps.ps_drop_dead_workers
         from ps.worker import WRITE_FAILED
 
         if rc == 2:  # a usage error: every worker will hit it
@@ -269,7 +269,7 @@ class Launch:
         self.retire_everywhere(w, f"process exited with {_describe_exit(rc)}")
 
     def _shard_died(self, k: int, child, rc: int) -> None:
-        every = self.cfg.ps.ps_checkpoint_every
+        every = self.job.ps.ps_checkpoint_every
         what = (f"shard {k} (pid {child.pid}, {self.addresses[k]}) exited with "
                 f"{_describe_exit(rc)}")
         if not every:
@@ -282,7 +282,7 @@ class Launch:
         self.log(f"ps: {what}; restarting it from its last snapshot")
         # On a new port (0: the system's choice, in its ready file, where the workers read
         # it): the old one may be taken by another process by now.
-        base = getattr(self.cfg.ps, "ps_port", 0)
+        base = getattr(self.job.ps, "ps_port", 0)
         fresh = self.start_server(k, base + k if base else 0, restore=True)
         self.servers[k] = fresh
         info = self.wait_ready(fresh)

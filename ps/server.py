@@ -91,7 +91,6 @@ def main(argv=None) -> int:
     procs.parent_watchdog()
     _raise_fd_limit()
     args = build_parser().parse_args(argv)
-    cfg = from_namespace(args)
     log = lambda msg: print(f"[shard {args.shard}] {msg}", flush=True)  # noqa: E731
     token = os.environ.get(TOKEN_ENV) or ""
     try:
@@ -102,22 +101,22 @@ def main(argv=None) -> int:
         if not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be within 0..65535 (0: any free port), got "
                              f"{args.port}")
-        problem = security_problems(cfg.ps.ps_bind, token, cfg.ps.ps_tls_cert,
-                                    cfg.ps.ps_tls_key)
+        job = for_process(from_namespace(args))  # validated by the launcher
+        problem = security_problems(job.ps.ps_bind, token, job.ps.ps_tls_cert,
+                                    job.ps.ps_tls_key)
         if problem:
             raise UsageError(problem)
-        if cfg.ps.ps_max_message_mb < 1:
+        if job.ps.ps_max_message_mb < 1:
             raise UsageError("--ps-max-message-mb must be 1 or more")
-        if args.port and not procs.port_free(cfg.ps.ps_bind, args.port):
-            raise UsageError(f"port {args.port} on {cfg.ps.ps_bind} is in use")
+        if args.port and not procs.port_free(job.ps.ps_bind, args.port):
+            raise UsageError(f"port {args.port} on {job.ps.ps_bind} is in use")
         ready = Path(args.ready_file) if args.ready_file else None
         if ready and (ready.is_dir() or not ready.parent.is_dir()):
             raise UsageError(f"--ready-file {ready}: " + (
                 "is a folder, not a file" if ready.is_dir() else
                 f"{ready.parent} is not a folder (the file is written once serving)"))
-        if (cfg.ps.ps_checkpoint_every or args.restore) and not args.snapshot_dir:
+        if (job.ps.ps_checkpoint_every or args.restore) and not args.snapshot_dir:
             raise UsageError("--ps-checkpoint-every and --restore need --snapshot-dir")
-        job = for_process(cfg)  # validated by the launcher
         if job.shape.size is None:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         shard_map = shard_map_for(job, args.of)
@@ -134,29 +133,29 @@ def main(argv=None) -> int:
     snap_dir = Path(args.snapshot_dir) if args.snapshot_dir else None
     epoch = snapshot.next_epoch(snap_dir) if snap_dir else 0
     core = ShardCore(initial_params(job, shard_map, args.shard),
-                     make_optimizer(cfg.train.optimizer, cfg.train.lr),
-                     mode=cfg.ps.ps_mode, num_workers=workers, staleness=cfg.ps.staleness,
-                     staleness_lr=cfg.ps.ps_staleness_lr,
-                     drop_dead=cfg.ps.ps_drop_dead_workers, timeout_s=cfg.ps.ps_timeout_s,
-                     checkpoint_every=cfg.ps.ps_checkpoint_every, snapshot_dir=snap_dir,
-                     epoch=epoch, clip_norm=cfg.ps.ps_clip_norm, log=log)
+                     make_optimizer(job.train.optimizer, job.train.lr),
+                     mode=job.ps.ps_mode, num_workers=workers, staleness=job.ps.staleness,
+                     staleness_lr=job.ps.ps_staleness_lr,
+                     drop_dead=job.ps.ps_drop_dead_workers, timeout_s=job.ps.ps_timeout_s,
+                     checkpoint_every=job.ps.ps_checkpoint_every, snapshot_dir=snap_dir,
+                     epoch=epoch, clip_norm=job.ps.ps_clip_norm, log=log)
     loaded = snapshot.load(snap_dir) if (args.restore and snap_dir) else None
     if loaded:
         core.restore(*loaded)
         log(f"restored version {core.version} (epoch {epoch})")
-    elif snap_dir and cfg.ps.ps_checkpoint_every:
+    elif snap_dir and job.ps.ps_checkpoint_every:
         core.save_snapshot()  # version 0: a shard that dies early still has a snapshot
-    max_bytes = cfg.ps.ps_max_message_mb * (1 << 20)
+    max_bytes = job.ps.ps_max_message_mb * (1 << 20)
     servicer = ShardServicer(core, shard_map, args.shard, token=token,
                              frame_bytes=wire.frame_bytes(max_bytes),
                              on_push=fault_hook(args.shard, core))
     servicer.log = log
     try:
-        server, port = start_grpc(servicer, cfg.ps.ps_bind, args.port, max_bytes, workers,
-                                  cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key)
-        if cfg.ps.ps_transport == "tcp":
-            data_server = DataServer(servicer, cfg.ps.ps_bind, max_bytes, workers,
-                                     cfg.ps.ps_tls_cert, cfg.ps.ps_tls_key, log=log)
+        server, port = start_grpc(servicer, job.ps.ps_bind, args.port, max_bytes, workers,
+                                  job.ps.ps_tls_cert, job.ps.ps_tls_key)
+        if job.ps.ps_transport == "tcp":
+            data_server = DataServer(servicer, job.ps.ps_bind, max_bytes, workers,
+                                     job.ps.ps_tls_cert, job.ps.ps_tls_key, log=log)
             servicer.data_port, servicer.data_slots = data_server.port, data_server.slots
     except UsageError as e:
         print(f"ps.server: error: {e}", file=sys.stderr)
@@ -168,9 +167,9 @@ def main(argv=None) -> int:
                                            **({"data_port": servicer.data_port}
                                               if servicer.data_port else {})})
     on_data = f", data port {servicer.data_port}" if servicer.data_port else ""
-    log(f"serving on {cfg.ps.ps_bind}:{port}{on_data} (mode {cfg.ps.ps_mode}, {workers} workers, "
+    log(f"serving on {job.ps.ps_bind}:{port}{on_data} (mode {job.ps.ps_mode}, {workers} workers, "
         f"epoch {epoch}, token {'required' if token else 'off'}, "
-        f"tls {'on' if cfg.ps.ps_tls_cert else 'off'})")
+        f"tls {'on' if job.ps.ps_tls_cert else 'off'})")
     signal.signal(signal.SIGTERM, lambda *_: servicer.stop_event.set())
     while not servicer.stop_event.wait(0.1):
         pass

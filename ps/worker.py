@@ -70,7 +70,7 @@ def faults(worker: int) -> dict:
 class Program:
     """The worker's compiled functions over a flat parameter vector."""
 
-    def __init__(self, cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh):
+    def __init__(self, job, graphdef, abstract, abstract_state, shard_map, mesh):
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -80,8 +80,9 @@ class Program:
                                         split_model)
         from sharding import batch_spec
 
-        dtype = DTYPES[cfg.model.dtype]
-        seed = cfg.train.seed
+        model_cfg = job.model
+        dtype = DTYPES[job.dtype]
+        seed = job.train.seed
         self.treedef = jax.tree.structure(abstract)
         self.leaves = shard_map.leaves
         self.total = shard_map.total
@@ -105,7 +106,7 @@ class Program:
             return jnp.sum(hit_B * batch["mask"])
 
         r, b = self.replicated, self.batch_sharding
-        precision = jax_matmul_precision(cfg.model.dtype, cfg.model.matmul_precision)
+        precision = jax_matmul_precision(job.dtype, job.matmul_precision)
         self.grad = MeshJit(jax.jit(grad_fn, in_shardings=(r, r, b), out_shardings=(r, r, r)),
                             mesh, precision)
         self.correct = MeshJit(jax.jit(correct_fn, in_shardings=(r, r, b), out_shardings=r),
@@ -184,22 +185,22 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
     from ps.security import TOKEN_ENV
     from ps.shardmap import abstract_model, build_shard_map, leaves_of
 
-    cfg, num_workers, dataset = job.cfg, job.shape.data, job.dataset
+    num_workers, dataset = job.shape.data, job.dataset
     model_cfg, graphdef, abstract, abstract_state = abstract_model(job)
     mesh = build_mesh(platform.shape, platform.devices)
     shard_map = build_shard_map(leaves_of(abstract), len(servers))
-    program = Program(cfg, model_cfg, graphdef, abstract, abstract_state, shard_map, mesh)
+    program = Program(job, graphdef, abstract, abstract_state, shard_map, mesh)
     fault = faults(worker)
 
-    client = PSClient(servers, shard_map, worker, cfg.ps.ps_mode,
-                      max_message_bytes=cfg.ps.ps_max_message_mb << 20,
-                      timeout_s=cfg.ps.ps_timeout_s, token=os.environ.get(TOKEN_ENV, ""),
-                      tls_cert=cfg.ps.ps_tls_cert, transport=cfg.ps.ps_transport,
+    client = PSClient(servers, shard_map, worker, job.ps.ps_mode,
+                      max_message_bytes=job.ps.ps_max_message_mb << 20,
+                      timeout_s=job.ps.ps_timeout_s, token=os.environ.get(TOKEN_ENV, ""),
+                      tls_cert=job.ps.ps_tls_cert, transport=job.ps.ps_transport,
                       locators=locators)
-    client.connect(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
+    client.connect(max(job.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
 
-    stream = TrainStream(model_cfg, dataset, cfg.train.batch_size, cfg.train.seed)
-    rows = cfg.train.batch_size // num_workers
+    stream = TrainStream(model_cfg, dataset, job.train.batch_size, job.train.seed)
+    rows = job.train.batch_size // num_workers
     lo, hi = worker * rows, (worker + 1) * rows
 
     def local_batch(t):  # host rows: the compiled step puts them on the devices
@@ -211,28 +212,28 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
     compiled, compile_s = compile_timed(program.grad, params, model_state,
                                         program.put(local_batch(0)))
     log(f"compiled the gradient step in {compile_s:.2f} s; {shard_map.describe()}")
-    waited = client.start_together(max(cfg.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
+    waited = client.start_together(max(job.ps.ps_timeout_s, CONNECT_TIMEOUT_S))
     log(f"all workers ready (waited {waited:.2f} s)")
 
     def evaluate(dev_params, model_state) -> float:
         hits = 0.0
-        for batch in eval_batches(dataset, cfg.train.batch_size, program.num_devices):
+        for batch in eval_batches(dataset, job.train.batch_size, program.num_devices):
             hits += float(program.correct(dev_params, model_state, program.put(batch)))
         return hits / len(dataset.test_y)
 
-    total = cfg.loop.warmup + cfg.loop.steps
+    total = job.loop.warmup + job.loop.steps
     # Power as in mesh runs (jaxdist.telemetry): this worker's GPUs, the same windows;
     # jaxdist.telemetry.combine sums the workers' blocks. The sampler's thread is a daemon:
     # a worker that fails mid-loop does not wait for it.
-    window_open, window_close = telemetry.window_steps(cfg.power.power_window,
-                                                       cfg.loop.warmup, cfg.loop.steps)
-    monitor = telemetry.create_monitor(cfg.power, devices=platform.devices)
+    window_open, window_close = telemetry.window_steps(job.power.power_window,
+                                                       job.loop.warmup, job.loop.steps)
+    monitor = telemetry.create_monitor(job.power, devices=platform.devices)
     monitor.start()
     losses, step_s, compute_s, waits, accuracy = [], [], [], [], []
     phases = {"pull_s": [], "push_s": [], "batch_s": []}  # per step, wall time on this worker
     started = time.perf_counter()
     window = [None, None]
-    every = cfg.data.eval_every
+    every = job.data.eval_every
     report_every = max(1, total // 10)
     pulled = None      # (waited, seconds) when the parameters for this step are already here
     # Gradients alternate between two buffers: the previous step's stays intact for a
@@ -249,7 +250,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
     for t in range(total):
         if STOP:  # between steps: every push this worker sent has been answered
             break
-        if t == cfg.loop.warmup:
+        if t == job.loop.warmup:
             window[0] = time.time()
         if t == window_open:
             monitor.open_window()
@@ -263,10 +264,10 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
         c0 = time.perf_counter()
         loss, grads, model_state = compiled(program.views(flat), model_state, batch)
         grad = program.flatten(grads, grad_buffers[t % 2])
-        if cfg.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
+        if job.ps.ps_clip_norm > 0:  # the whole model's gradient is here: a global norm
             norm = float(np.linalg.norm(grad))
-            if norm > cfg.ps.ps_clip_norm:
-                grad *= np.float32(cfg.ps.ps_clip_norm / norm)
+            if norm > job.ps.ps_clip_norm:
+                grad *= np.float32(job.ps.ps_clip_norm / norm)
         compute_s.append(time.perf_counter() - c0)
         if "slow-worker" in fault:
             time.sleep(fault["slow-worker"])
@@ -308,7 +309,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
         monitor.close_window()
     monitor.stop()
     window_n = max(min(window_close, len(losses) - 1) - window_open + 1, 0)
-    samples = window_n * (cfg.train.batch_size // num_workers)
+    samples = window_n * (job.train.batch_size // num_workers)
     tokens = model_cfg.tokens_per_sample
     power = monitor.result(window_n, samples, samples * tokens if tokens else None,
                            first_step=window_open)
@@ -357,17 +358,16 @@ def main(argv=None) -> int:
     procs.parent_watchdog()
     signal.signal(signal.SIGINT, lambda signum, frame: STOP.append("SIGINT"))
     args = build_parser().parse_args(argv)
-    cfg = from_namespace(args)
     log = lambda msg: print(f"[worker {args.worker}] {msg}", flush=True)  # noqa: E731
     try:
-        job = for_process(cfg)  # validated by the launcher
+        job = for_process(from_namespace(args))  # validated by the launcher
         shape = job.shape
         if shape.size is None:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         if not 0 <= args.worker < shape.data:
             raise UsageError(f"--worker {args.worker} is outside 0..{shape.data - 1}")
-        if cfg.train.batch_size % shape.size:
-            raise UsageError(f"global batch {cfg.train.batch_size} is not divisible by the "
+        if job.train.batch_size % shape.size:
+            raise UsageError(f"global batch {job.train.batch_size} is not divisible by the "
                              f"{shape.size} devices of mesh {shape.label}")
         servers = [s.strip() for s in args.servers.split(",") if s.strip()]
         if args.ready_dir:
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
         from jaxdist.devices import configure_host_devices, select_devices
 
         local = MeshShape(shape.fsdp, 1)  # this worker's devices, data-parallel
-        configure_host_devices(local, cfg.mesh.platform)
+        configure_host_devices(local, job.platform)
         platform = select_devices(local)
     except UsageError as e:
         print(f"ps.worker: error: {e}", file=sys.stderr)
