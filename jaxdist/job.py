@@ -57,12 +57,13 @@ class Job:
     output = property(lambda self: self.cfg.output)
     ps = property(lambda self: self.cfg.ps)
     # the ModelConfig section's settings (Job.model is the model's own config)
-    model_name = property(lambda self: self.cfg.model.model)
-    dtype = property(lambda self: self.cfg.model.dtype)
-    matmul_precision = property(lambda self: self.cfg.model.matmul_precision)
-    fp8_scaling = property(lambda self: self.cfg.model.fp8_scaling)
     settings = property(lambda self: self.cfg.model)  # the whole ModelConfig section
-    platform = property(lambda self: self.cfg.mesh.platform)  # --platform
+    model_name = property(lambda self: self.settings.model)
+    dtype = property(lambda self: self.settings.dtype)
+    matmul_precision = property(lambda self: self.settings.matmul_precision)
+    fp8_scaling = property(lambda self: self.settings.fp8_scaling)
+    mesh_settings = property(lambda self: self.cfg.mesh)  # --mesh as given, --platform
+    platform = property(lambda self: self.mesh_settings.platform)
 
     @property
     def hosts(self) -> int:
@@ -116,11 +117,11 @@ def resolve(cfg: RunConfig, kind: str, shape: MeshShape, part: Part | None,
     from sharding import get_layout
     from sharding.registry import facts
 
-    rules = get_layout(cfg.train.layout, cfg.train.distributed_optimizer,
-                       cfg.train.grad_reduce_dtype)
-    model_cfg, dataset = build_model(cfg.model, cfg.train, cfg.data, shape)
-    return Job(cfg, kind, facts(cfg.train.layout), model_cfg, shape, cfg.train.optimizer,
-               part, tuple(notices), dataset, rules)
+    train = cfg.train
+    rules = get_layout(train.layout, train.distributed_optimizer, train.grad_reduce_dtype)
+    model_cfg, dataset = build_model(cfg.model, train, cfg.data, shape)
+    return Job(cfg, kind, facts(train.layout), model_cfg, shape, train.optimizer, part,
+               tuple(notices), dataset, rules)
 
 
 def for_process(cfg: RunConfig) -> Job:
@@ -128,16 +129,18 @@ def for_process(cfg: RunConfig) -> Job:
     parameter-server shard or worker): resolved again here, with no check repeated."""
     from jaxdist.mesh import parse_mesh
 
-    return resolve(cfg, kind_of(cfg), parse_mesh(cfg.mesh.mesh), None)
+    mesh = cfg.mesh
+    return resolve(cfg, kind_of(cfg), parse_mesh(mesh.mesh), None)
 
 
 def kind_of(cfg: RunConfig) -> str:
     """The job's kind from its flags and its layout's facts (imports the layout registry,
     hence jax; an unknown layout is refused here, one line)."""
-    if cfg.output.dry_run:
+    output, train = cfg.output, cfg.train
+    if output.dry_run:
         return PLAN
     from sharding.registry import facts
-    return PS if facts(cfg.train.layout).out_of_process else MESH
+    return PS if facts(train.layout).out_of_process else MESH
 
 
 def out_of_process(layout: str) -> bool:

@@ -527,3 +527,36 @@ def test_only_the_step_builder_differentiates_the_training_loss():
     sites = [s for s in call_sites("value_and_grad")
              if not s.startswith(("jaxdist.train_step:", "models.fp8:"))]
     assert sites == []
+
+
+SECTIONS = ("mesh", "dist", "compiler", "model", "train", "data", "ps", "loop", "checkpoint",
+            "power", "output")
+
+
+def config_field_reads(path: Path) -> list[int]:
+    """Lines of `path` that read a field of a config section through a config:
+    `cfg.train.layout`, `self.cfg.ps.ps_mode` (any name ending in `cfg`)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr in SECTIONS:
+            base = node.value.value
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+            if name == "cfg" or name.endswith("_cfg") and name != "model_cfg":
+                out.append(node.lineno)
+    return out
+
+
+def test_config_read_finder_sees_each_form(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("cfg.train.layout\nself.cfg.ps.ps_mode\njob.train.layout\n"
+                 "model_cfg.model.x\ncfg.train\n")
+    assert config_field_reads(f) == [1, 2]
+
+
+def test_below_experiments_the_config_is_read_through_the_job():
+    """The job is resolved once and passed whole: below experiments/ no module reads
+    `cfg.<section>.<field>`; it reads the job (its typed sections and what it resolved)."""
+    found = [f"{m}:{line}" for m, p in source_modules(BELOW_EXPERIMENTS).items()
+             for line in config_field_reads(p)]
+    assert found == []
