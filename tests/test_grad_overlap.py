@@ -123,12 +123,12 @@ def _pipeline_op_collectives_hidden(kind: int) -> tuple[int, int]:
                         "seq_len=4096,width=5120,depth=1,heads=40,attention=cudnn")),
                     train=TrainConfig(layout="tp_pp", batch_size=8, microbatches=4,
                                       sequence_parallel=True, pp_combined_1f1b=True))
-    model_cfg = job_of(cfg).model
-    shape = parse_mesh(cfg.mesh.mesh)
+    job = job_of(cfg)
+    shape = job.shape
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     sizes = dict(shape.axis_sizes)
-    low, _ = pl.op_lowered(cfg, model_cfg, sizes, 1, kind, False, 1, target)
-    (comp, _), = compile_lowered([low], compiled.compile_options(job_of(cfg), target))
+    low, _ = pl.op_lowered(job, job.model, sizes, 1, kind, False, 1, target)
+    (comp, _), = compile_lowered([low], compiled.compile_options(job, target))
     return _hidden(comp, target, sizes)
 
 

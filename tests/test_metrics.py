@@ -2,6 +2,7 @@
 strings, mfu/hfu arithmetic, compiled FLOPs and memory of known programs, and the compiled
 FLOPs of the training step counted across micro-batches (~20 s on 2 cores)."""
 
+import dataclasses
 import math
 
 import jax
@@ -16,6 +17,7 @@ from jaxdist.run_record import mfu_block
 from jaxdist.mesh import MeshShape, build_mesh
 from jaxdist.train_step import build_program, compiled_step_flops, make_optimizer, put_batch
 from models import get_model
+from tests.helpers import job_of
 from sharding import get_layout
 
 # ---- latency_stats -------------------------------------------------------------------------
@@ -181,7 +183,8 @@ def _mfu(model, layout, microbatches, **opts):
     run_cfg = RunConfig.from_dict({"model": {"model": model}, "train": {
         "layout": layout, "batch_size": 16, "microbatches": microbatches}})
     # An injected device kind of known peak, so mfu and hfu are numbers on CPU.
-    block = mfu_block(run_cfg, cfg, program, compiled, "NVIDIA H100 80GB HBM3", 2, 0.01)
+    job = dataclasses.replace(job_of(run_cfg), model=cfg)  # the model as _step built it
+    block = mfu_block(job, program, compiled, "NVIDIA H100 80GB HBM3", 2, 0.01)
     return block, metrics.compiled_flops(compiled)
 
 

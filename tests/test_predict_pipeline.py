@@ -457,13 +457,13 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
             "stage:2,tensor:4", "--batch-size", "4", "--microbatches", "2", "--dtype",
             "bfloat16", "--remat", "full"] + (["--sequence-parallel"] if sequence_parallel
                                               else [])
-    cfg = from_namespace(build_parser().parse_args(argv))
-    model_cfg = job_of(cfg).model
+    job = job_of(from_namespace(build_parser().parse_args(argv)))
+    model_cfg = job.model
     sizes = {"stage": 2, "data": 1, "tensor": 4}
     target = compiled.simulated_cpu(8)
 
     def stash_bytes(blocks):  # one device's bytes of the stash output (F's third)
-        low, _ = pp.op_lowered(cfg, model_cfg, sizes, blocks, pp.FWD, False, 2, target)
+        low, _ = pp.op_lowered(job, model_cfg, sizes, blocks, pp.FWD, False, 2, target)
         program = low.compile()
         leaves = jax.tree.leaves(low.out_info[0][2])
         shards = jax.tree.leaves(program.output_shardings[0][2])
@@ -473,7 +473,7 @@ def test_stash_per_block_is_the_programs(sequence_parallel):
     per_block = stash_bytes(2) - stash_bytes(1)
     whole = 2 * model_cfg.seq_len * model_cfg.width * 2  # 2 rows x L x D, bf16
     assert per_block == (whole // 4 if sequence_parallel else whole)
-    plan = plan_pipeline(job_of(cfg, parse_mesh("stage:2,tensor:4"))).to_json()
+    plan = plan_pipeline(job).to_json()
     s0 = plan["stages"][0]
     slots = plan["pipeline"]["residual_slots_by_stage"][0]
     K = plan["pipeline"]["blocks_per_chunk"]

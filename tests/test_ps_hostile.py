@@ -333,8 +333,8 @@ def test_the_validation_of_a_run_does_not_import_the_shard_server():
     run, so on a GPU node its workers inherited JAX_PLATFORMS=cpu. The checks live in
     ps.security now, called from the validation pass."""
     code = ("import sys; from experiments.validation import check_ps; "
-            "from tests.test_ps_server import CFG; "
-            "check_ps(CFG); print('ps.server' in sys.modules)")
+            "from tests.helpers import job_of; from tests.test_ps_server import CFG; "
+            "check_ps(job_of(CFG)); print('ps.server' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=server_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False"], out.stderr[-2000:]

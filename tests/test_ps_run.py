@@ -20,7 +20,7 @@ from jaxdist.mesh import MeshShape
 from jaxdist.record import RunRecord, check
 from jaxdist.procs import pids_alive, pids_mentioning
 from ps.series import read_worker
-from tests.helpers import child_env, cli_main, read_scalars, run_cli, train
+from tests.helpers import child_env, cli_main, job_of, read_scalars, run_cli, train
 
 DIGITS = ["--model", "mlp-tiny", "--dataset", "digits", "--lr", "0.003", "--batch-size", "60",
           "--warmup", "2", "--steps", "78", "--eval-every", "40"]
@@ -353,7 +353,7 @@ def test_validate_ps(fields, message, monkeypatch):
     cfg = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
                     ps=PSConfig(**fields))
     with pytest.raises(UsageError, match=message):
-        check_ps(cfg)
+        check_ps(job_of(cfg))
 
 
 def test_validate_ps_address_not_local(monkeypatch):
@@ -363,7 +363,7 @@ def test_validate_ps_address_not_local(monkeypatch):
     cfg = RunConfig(mesh=MeshConfig(mesh="2x1"), model=ModelConfig(model="mlp-tiny"),
                     ps=PSConfig(ps_bind="203.0.113.9"))
     with pytest.raises(UsageError, match="not an address of this host"):
-        check_ps(cfg)
+        check_ps(job_of(cfg))
 
 
 def test_killing_the_launcher_leaves_no_orphans(tmp_path):

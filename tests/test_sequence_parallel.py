@@ -224,7 +224,7 @@ def test_tp_comm_chunks_resolved_from_each_devices_micro_batch():
      "--sequence-parallel splits activations over the tensor axis of a tensor-parallel "
      "layout; layout 'fsdp' has none (use tp, fsdp_tp, tp_pp)"),
     (["--layout", "tp", "--mesh", "4x1"], "--sequence-parallel needs a tensor axis of size "
-     "2 or more; mesh '4x1' has tensor=1 (e.g. --mesh data:2,tensor:2)"),
+     "2 or more; mesh '4' has tensor=1 (e.g. --mesh data:2,tensor:2)"),
     (["--layout", "tp", "--mesh", "1x1x4", "--model-opts", "seq_len=30"],
      "--sequence-parallel splits the sequence, heads and MLP over tensor=4: seq_len=30 not "
      "divisible by 4; use --model-opts with multiples of 4"),
