@@ -792,7 +792,7 @@ def test_a_worker_that_cannot_write_names_the_path_not_a_worker_to_drop(tmp_path
                     f": File too large"), line
 
     launch = Launch.__new__(Launch)
-    launch.cfg = SimpleNamespace(ps=SimpleNamespace(ps_mode="sync", ps_drop_dead_workers=False))
+    launch.job = SimpleNamespace(ps=SimpleNamespace(ps_mode="sync", ps_drop_dead_workers=False))
     launch.workers, launch.dead_workers = [None, None], []
 
     class Died:
