@@ -69,7 +69,7 @@ PER_PROCESS = {"process_id", "coordinator", "init_timeout", "logdir", "progress"
 
 
 def shared_settings(config: dict) -> dict:
-    """The settings of a RunConfig's to_dict() that every process must give alike, as flat
+    """The settings of a run config's to_dict() that every process must give alike, as flat
     {name: value}."""
     flat = {name: value for section in config.values() for name, value in section.items()
             if name not in PER_PROCESS}

@@ -16,7 +16,7 @@ def build(framework: str, layout: str, mesh: dict, config: dict, model_cfg, para
           interrupted: dict | None = None, **own) -> dict:
     """A results.json record: the schema's blocks (SCHEMA, docs/results.md) in one order,
     then the producer's own (`own`: `comm_reason`, `pipeline`, `program`, `ps`, `torch`,
-    ...). `config` is the run's config as recorded (RunConfig.to_dict). `steps_done`
+    ...). `config` is the run's config as recorded (its to_dict). `steps_done`
     defaults to every step's loss; `interrupted` (the signal, the steps planned) makes the
     status `interrupted`."""
     return {

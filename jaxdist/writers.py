@@ -10,7 +10,7 @@ What a run shows in TensorBoard:
   TensorBoard was given), with the settings that define the run, its `status` and `steps`
   as columns and its run-level figures as metrics. TensorBoard reads metric values from
   scalars, so each metric is also a one-point scalar under `trial/`.
-- Text: `summary` (the printed table, as markdown) and `config` (the whole RunConfig).
+- Text: `summary` (the printed table, as markdown) and `config` (the run's whole config).
 """
 
 from __future__ import annotations
