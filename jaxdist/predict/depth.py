@@ -66,14 +66,15 @@ def kernels(base: dict, one: dict, two: dict, k: int) -> dict:
     return dict(sorted(out.items()))
 
 
-def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
-    """The kernel model's seconds, base + k (two - one), term by term (sums over kernels)."""
-    out = {f: base[f] + k * (two[f] - one[f]) for f, v in base.items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    kinds = set(base["by_kind"]) | set(one["by_kind"]) | set(two["by_kind"])
-    out["by_kind"] = {n: base["by_kind"].get(n, 0.0) + k * (two["by_kind"].get(n, 0.0) -
-                                                            one["by_kind"].get(n, 0.0))
-                      for n in kinds}
+def linear_times(base, one, two, k: int):
+    """The kernel model's seconds (jaxdist.predict.kernels_time.KernelTime), base + k (two -
+    one), term by term (sums over kernels)."""
+    out = {f: line(getattr(base, f), getattr(one, f), getattr(two, f), k)
+           for f in base.SECONDS}
+    kinds = set(base.by_kind) | set(one.by_kind) | set(two.by_kind)
+    by_kind = {n: base.by_kind.get(n, 0.0) + k * (two.by_kind.get(n, 0.0) -
+                                                   one.by_kind.get(n, 0.0))
+               for n in kinds}
     # Exposure is read from each program's schedule, and how much of a collective a block's
     # compute hides is not linear in depth: what is exposed before the step's first matmul
     # (the gathers of the first blocks' weights, fetched ahead) is exposed once a step, and
@@ -81,20 +82,17 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
     # matmuls, and the reductions after the last, which carry every block's gradients) is
     # per block. The line can still cross zero or pass the link's own time. Bounded:
     # 0 <= exposed <= that link's seconds.
-    if "exposed_intra_node_s" in out:
-        for link in ("intra_node_s", "inter_node_s"):
-            head = f"head_exposed_{link}"
-            heads = [figs.get(head, 0.0) for figs in (base, one, two)]
-            rest = [figs[f"exposed_{link}"] - h for figs, h in zip((base, one, two), heads)]
-            out[head] = heads[0] + max(0.0, heads[2] - heads[1])
-            out[f"exposed_{link}"] = min(out[head] + max(0.0, line(*rest, k)),
-                                         max(0.0, out[link]))
-        out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
-        out["step_s"] = out["device_s"] + out["comm_exposed_s"]
-    out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
-    out["rates"] = base["rates"]
-    out["kernel_efficiency"] = base.get("kernel_efficiency")
-    return out
+    for link in ("intra_node_s", "inter_node_s"):
+        head = f"head_exposed_{link}"
+        heads = [getattr(figs, head) for figs in (base, one, two)]
+        rest = [getattr(figs, f"exposed_{link}") - h for figs, h in zip((base, one, two), heads)]
+        out[head] = heads[0] + max(0.0, heads[2] - heads[1])
+        out[f"exposed_{link}"] = min(out[head] + max(0.0, line(*rest, k)),
+                                     max(0.0, out[link]))
+    out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
+    out["step_s"] = out["device_s"] + out["comm_exposed_s"]
+    return base.replace(**out, by_kind=by_kind,
+                        upper_bound=base.upper_bound or one.upper_bound or two.upper_bound)
 
 
 def minus(a: dict, b: dict) -> dict:
@@ -113,15 +111,12 @@ def minus(a: dict, b: dict) -> dict:
            "comm": [r for r in rows.values() if r["count"] > 0]}
     if "kernel_time" in a and "kernel_time" in b:
         ka, kb = a["kernel_time"], b["kernel_time"]
-        kt = {f: max(0.0, v - kb.get(f, 0.0)) for f, v in ka.items()
-              if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        kt["by_kind"] = {k: max(0.0, v - kb["by_kind"].get(k, 0.0))
-                         for k, v in ka["by_kind"].items()}
-        kt["upper_bound"] = ka["upper_bound"] or kb["upper_bound"]
-        kt["rates"] = ka["rates"]
-        kt["kernel_efficiency"] = ka.get("kernel_efficiency")
+        kt = {f: max(0.0, getattr(ka, f) - getattr(kb, f)) for f in ka.SECONDS}
         # the device time is what the kernel terms add up to
         kt["device_s"] = kt["compute_s"] + kt["hbm_s"] + kt["launch_s"]
         kt["step_s"] = kt["device_s"] + kt["comm_exposed_s"]
-        out["kernel_time"] = kt
+        out["kernel_time"] = ka.replace(
+            **kt, by_kind={k: max(0.0, v - kb.by_kind.get(k, 0.0))
+                           for k, v in ka.by_kind.items()},
+            upper_bound=ka.upper_bound or kb.upper_bound)
     return out
