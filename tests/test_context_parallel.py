@@ -251,9 +251,8 @@ def test_memory_estimate_splits_activations_over_context():
                                      state["state_bytes_per_device"],
                                      state["state_bytes_global"]["params"], False, True)
     batch, split = estimate("4"), estimate("data:2,context:2")
-    assert split["residual_bytes"] == pytest.approx(batch["residual_bytes"], rel=1e-3)
-    assert split["residual_bytes"] == pytest.approx(
-        estimate("2")["residual_bytes"] / 2, rel=1e-3)
+    assert split.residual_bytes == pytest.approx(batch.residual_bytes, rel=1e-3)
+    assert split.residual_bytes == pytest.approx(estimate("2").residual_bytes / 2, rel=1e-3)
 
 
 def test_pipeline_plan_splits_the_stash_over_context():
