@@ -81,7 +81,7 @@ def test_collectives_span_the_simulated_nodes_of_a_part():
     target = compiled.simulated_cpu(8, gpus_per_node=2)
     program = _fsdp_gather(target.devices, sizes)
     assert program_reading.hosts(program, target, sizes).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    ops = program_reading.read(program, target, sizes)["collectives"]
+    ops = program_reading.read(program, target, sizes).collectives
     assert [(o["kind"], o["axes"], o["nodes"], o["members_per_node"]) for o in ops] == \
         [("all-gather", ["fsdp"], 2, 2)]
     t = time_model.collective_time(time_model.aggregate(ops)[0],
@@ -105,7 +105,7 @@ def test_collectives_read_against_the_topologys_hosts():
     assert hosts.tolist() == [0, 0, 1, 1, 2, 2] * 2
     assert compiled.mesh_hosts(parse_mesh("data:2,fsdp:6"), target).ravel().tolist() == \
         hosts.tolist()
-    ops = [o for o in program_reading.read(program, target, sizes)["collectives"]
+    ops = [o for o in program_reading.read(program, target, sizes).collectives
            if o["kind"] == "all-gather"]
     assert ops and {(o["nodes"], o["members_per_node"]) for o in ops} == {(3, 2)}
     assert time_model.group_nodes(sizes, ["fsdp"], 4) == (3, 2)
@@ -354,7 +354,7 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="none"))
     model_cfg = job_of(cfg).model
     shape = parse_mesh("1x1")
-    compiled = program.figures(job_of(cfg), model_cfg, shape)["memory"]["temp_bytes"]
+    compiled = program.figures(job_of(cfg), model_cfg, shape).memory["temp_bytes"]
     state = shapes.plan(job_of(cfg, shape)).to_json()
     est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
                                 state["state_bytes_per_device"],
@@ -373,16 +373,15 @@ def test_aggregate_and_extrapolate_hand_built():
     # A count from a branch without a frequency stays flagged through the aggregate.
     flagged = time_model.aggregate(ops + [{**ops[0], "upper_bound": True, "async": True}])
     assert flagged[0]["upper_bound"] and flagged[0]["async"] and flagged[0]["count"] == 4
-    one = {"flops": 10.0, "bytes_accessed": 5.0, "memory": {"temp_bytes": 100},
-           "comm": [{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}]}
-    two = {"flops": 16.0, "bytes_accessed": 7.0, "memory": {"temp_bytes": 130},
-           "comm": agg + [{"kind": "all-reduce", "axes": [], "group_size": 1, "count": 1,
-                           "bytes": 4, "ring_bytes": 0.0}]}
+    one = program.StepFigures(flops=10.0, bytes_accessed=5.0, memory={"temp_bytes": 100},
+                              comm=[{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}])
+    two = program.StepFigures(flops=16.0, bytes_accessed=7.0, memory={"temp_bytes": 130},
+                              comm=agg + [{"kind": "all-reduce", "axes": [], "group_size": 1,
+                                           "count": 1, "bytes": 4, "ring_bytes": 0.0}])
     at4 = program.extrapolate(one, two, 4)
-    assert (at4["flops"], at4["bytes_accessed"], at4["memory"]) == (28.0, 11.0,
-                                                                     {"temp_bytes": 190})
-    assert at4["comm"][0]["count"] == 5 and at4["comm"][0]["bytes"] == 50
-    assert at4["comm"][1]["count"] == 3  # absent at depth 1: 0 + 3 x 1
+    assert (at4.flops, at4.bytes_accessed, at4.memory) == (28.0, 11.0, {"temp_bytes": 190})
+    assert at4.comm[0]["count"] == 5 and at4.comm[0]["bytes"] == 50
+    assert at4.comm[1]["count"] == 3  # absent at depth 1: 0 + 3 x 1
 
 
 def test_depth_extrapolation_equals_full_compile_for_4_blocks():
@@ -392,15 +391,15 @@ def test_depth_extrapolation_equals_full_compile_for_4_blocks():
     shape = parse_mesh("2x4")
     full = program.step_figures(job_of(cfg), model_cfg, shape, "full")
     line = program.step_figures(job_of(cfg), model_cfg, shape, "extrapolate")
-    assert full["method"] == "full compile" and "extrapolated" in line["method"]
-    assert line["comm"] == full["comm"]  # every collective: count, bytes, ring bytes
-    assert line["bytes_accessed"] == pytest.approx(full["bytes_accessed"], rel=1e-6)  # 1 byte
+    assert full.method == "full compile" and "extrapolated" in line.method
+    assert line.comm == full.comm  # every collective: count, bytes, ring bytes
+    assert line.bytes_accessed == pytest.approx(full.bytes_accessed, rel=1e-6)  # 1 byte
     for key in ("argument_bytes", "output_bytes", "alias_bytes"):
-        assert line["memory"][key] == full["memory"][key]
+        assert line.memory[key] == full.memory[key]
     # Measured: 92,440,664 vs 92,440,912 FLOPs (248 apart: scalar work XLA fuses
     # differently at depth 1), temp 2,908,792 vs 2,906,232 bytes.
-    assert line["flops"] == pytest.approx(full["flops"], rel=1e-5)
-    assert line["memory"]["temp_bytes"] == pytest.approx(full["memory"]["temp_bytes"], rel=2e-3)
+    assert line.flops == pytest.approx(full.flops, rel=1e-5)
+    assert line.memory["temp_bytes"] == pytest.approx(full.memory["temp_bytes"], rel=2e-3)
 
 
 def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
@@ -483,14 +482,15 @@ def test_attention_scores_separates_scores_from_activations(monkeypatch):
     # plus 1000 outside the blocks; bytes accessed 7 per token x L per block.
     def fake(cfg, model_cfg, shape, target=None, hw=None):
         tokens, L = cfg.train.batch_size * model_cfg.seq_len, model_cfg.seq_len
-        return {"memory": {"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)},
-                "bytes_accessed": model_cfg.depth * 7 * tokens * L}
+        return program.StepFigures(
+            flops=0.0, comm=[], bytes_accessed=model_cfg.depth * 7 * tokens * L,
+            memory={"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)})
     monkeypatch.setattr(program, "figures", fake)
     cfg = RunConfig(train=TrainConfig(batch_size=4))
     model_cfg = dataclasses.replace(job_of(cfg).model, seq_len=64, depth=6)
     out = program.attention_scores(job_of(cfg), model_cfg, None)
-    assert out["temp_bytes"] == 6 * 3 * 4 * 64 * 64
-    assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
+    assert out.temp_bytes == 6 * 3 * 4 * 64 * 64
+    assert out.bytes_accessed == 6 * 7 * 4 * 64 * 64
 
 
 def test_flash_attention_applies_to_bf16_cudnn_decoders_only():

@@ -13,6 +13,7 @@ from jaxdist.parts import Part
 from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
+from jaxdist.predict.program import ScoreBytes, StepFigures
 from tests.helpers import job_of
 
 # A made-up part, so every figure below is simple arithmetic.
@@ -225,21 +226,22 @@ def test_bubble_can_be_the_bottleneck():
     assert t.bottleneck == "pipeline bubble"
 
 
-def figs(flops, temp, comm_count):
-    return {"flops": flops, "bytes_accessed": 10 * flops, "memory": {"temp_bytes": temp},
-            "comm": [{"kind": "all-reduce", "axes": ["tensor"], "group_size": 2,
-                      "count": comm_count, "bytes": 8 * comm_count,
-                      "ring_bytes": 8.0 * comm_count}] if comm_count else []}
+def figs(flops, temp, comm_count, bytes_accessed=None):
+    return StepFigures(flops=flops, memory={"temp_bytes": temp},
+                       bytes_accessed=10 * flops if bytes_accessed is None else bytes_accessed,
+                       comm=[{"kind": "all-reduce", "axes": ["tensor"], "group_size": 2,
+                              "count": comm_count, "bytes": 8 * comm_count,
+                              "ring_bytes": 8.0 * comm_count}] if comm_count else [])
 
 
 def test_linear_in_blocks():
     one, two, last = figs(100, 7, 2), figs(160, 9, 4), figs(150, 8, 2)
     at5 = pp.linear(one, one, two, 5)
-    assert (at5["flops"], at5["bytes_accessed"], at5["memory"]["temp_bytes"]) == (340, 3400, 15)
-    assert at5["comm"][0]["count"] == 10 and at5["comm"][0]["ring_bytes"] == 80.0
-    assert pp.linear(last, one, two, 5)["flops"] == 150 + 4 * 60
-    assert pp.linear(one, one, two, 2)["flops"] == 160   # at the compiled depth: exact
-    assert pp.linear(figs(1, 0, 0), figs(1, 0, 0), figs(2, 0, 3), 3)["comm"][0]["count"] == 6
+    assert (at5.flops, at5.bytes_accessed, at5.memory["temp_bytes"]) == (340, 3400, 15)
+    assert at5.comm[0]["count"] == 10 and at5.comm[0]["ring_bytes"] == 80.0
+    assert pp.linear(last, one, two, 5).flops == 150 + 4 * 60
+    assert pp.linear(one, one, two, 2).flops == 160   # at the compiled depth: exact
+    assert pp.linear(figs(1, 0, 0), figs(1, 0, 0), figs(2, 0, 3), 3).comm[0]["count"] == 6
 
 
 def test_chunks_past_two_blocks_grow_by_the_third_blocks_figures():
@@ -248,22 +250,20 @@ def test_chunks_past_two_blocks_grow_by_the_third_blocks_figures():
     blocks, or without a 3-block compile, the plain line."""
     one, two, three, last = figs(100, 7, 2), figs(160, 9, 4), figs(230, 12, 7), figs(150, 8, 2)
     at5 = pp.chunk_figures(one, one, two, three, 5)
-    assert (at5["flops"], at5["memory"]["temp_bytes"]) == (160 + 3 * 70, 9 + 3 * 3)
-    assert at5["comm"][0]["count"] == 4 + 3 * 3  # the plain line from 1 and 2: 2 + 4 x 2
-    assert pp.chunk_figures(last, one, two, three, 5)["flops"] == 150 + 60 + 3 * 70
+    assert (at5.flops, at5.memory["temp_bytes"]) == (160 + 3 * 70, 9 + 3 * 3)
+    assert at5.comm[0]["count"] == 4 + 3 * 3  # the plain line from 1 and 2: 2 + 4 x 2
+    assert pp.chunk_figures(last, one, two, three, 5).flops == 150 + 60 + 3 * 70
     assert pp.chunk_figures(one, one, two, three, 2) == pp.linear(one, one, two, 2)
     assert pp.chunk_figures(one, one, two, None, 5) == pp.linear(one, one, two, 5)
 
 
 def test_attention_scores_per_op():
     # P(k) = A + S/k per block: A = 40, S = 60 at L -> per block 100 at L, 70 at L/2.
-    one, two = {"bytes_accessed": 10.0, "memory": {"temp_bytes": 1}}, \
-        {"bytes_accessed": 110.0, "memory": {"temp_bytes": 101}}
-    h1, h2 = {"bytes_accessed": 10.0, "memory": {"temp_bytes": 1}}, \
-        {"bytes_accessed": 80.0, "memory": {"temp_bytes": 71}}
+    one, two = figs(0, 1, 0, 10.0), figs(0, 101, 0, 110.0)
+    h1, h2 = figs(0, 1, 0, 10.0), figs(0, 71, 0, 80.0)
     s = pp.attention_scores(one, two, h1, h2, 4)
-    assert s == {"bytes_accessed": 4 * 60.0, "temp_bytes": 4 * 60.0}
-    assert pp.attention_scores(one, one, h1, h2, 4)["bytes_accessed"] == 0.0   # never < 0
+    assert s == ScoreBytes(bytes_accessed=4 * 60.0, temp_bytes=4 * 60.0)
+    assert pp.attention_scores(one, one, h1, h2, 4).bytes_accessed == 0.0   # never < 0
 
 
 def tiny_cfg(schedule="1f1b", depth=4):
@@ -299,7 +299,7 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert compiles_run() - compiles == 7
     ops = plan["compiled"]["ops"]
     two_blocks = [v for k, v in cache.items() if k[0] == "op" and k[-4:-1] == (2, FWD, False)]
-    assert ops["forward"]["flops"] == two_blocks[0]["flops"]   # K = 2: the compile itself
+    assert ops["forward"]["flops"] == two_blocks[0].flops   # K = 2: the compile itself
     vocab_matmul = 2 * 2 * model_cfg.seq_len * model_cfg.width * model_cfg.vocab / 2
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.

@@ -218,8 +218,7 @@ def time_lines(p: PredictedPlan, indent: str) -> list[str]:
     if p.compiled.kernels:
         from jaxdist.program.kernels import format_inventory
         out.append(f"{indent}kernels per step per device (the compiled program):")
-        out += [indent[2:] + line for line in format_inventory({"kernels":
-                                                               p.compiled.kernels})]
+        out += [indent[2:] + line for line in format_inventory(p.compiled.kernels)]
     return out
 
 

@@ -47,7 +47,8 @@ from jaxdist.figures import Figures
 from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.parts import Part
 from jaxdist.predict.depth import linear, minus
-from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
+from jaxdist.predict.program import (ScoreBytes, StepFigures, cpu_compilable,
+                                     flash_attention_applies, read_program)
 from jaxdist.predict.ticks import OpTime, op_key, op_row, tick_model
 from jaxdist.predict.time_model import StepTime
 from jaxdist.config import parse_stage_blocks
@@ -76,7 +77,8 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def compile_pieces(cache: dict | None, pieces: dict, target, job, hw=None) -> dict:
+def compile_pieces(cache: dict | None, pieces: dict, target, job,
+                   hw=None) -> dict[tuple, StepFigures]:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
     not in `cache` lowered one by one (while the first compiles), compiled side by side
     (jaxdist.program.xla_compile.compile_lowered), read, and kept in `cache`. A key names the
@@ -111,11 +113,11 @@ def compile_pieces(cache: dict | None, pieces: dict, target, job, hw=None) -> di
             continue
         sizes = cache[("lowered", *k)][1]
         fig = read_program(compiled, seconds, target, sizes, job, hw, memo=cache)
-        if not target.gpu and not fig["flops"]:
+        if not target.gpu and not fig.flops:
             raise program_reading.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
-                                            "pipeline op")
-        fig["memory"] = {"temp_bytes": fig["memory"].get("temp_bytes", 0)}
-        cache[program_of[k]] = fig
+                                               "pipeline op")
+        cache[program_of[k]] = fig.replace(memory={"temp_bytes": fig.memory.get("temp_bytes",
+                                                                                  0)})
     for k in todo:
         cache[(*k, flags)] = cache[program_of[k]]
     return {k: cache[(*k, flags)] for k in pieces}
@@ -358,7 +360,8 @@ def early_reductions(sched, tail_row, share: float, axes: tuple[str, ...],
                   if r < sched.ticks)
 
 
-def chunk_figures(base: dict, one: dict, two: dict, three: dict | None, k: int) -> dict:
+def chunk_figures(base: StepFigures, one: StepFigures, two: StepFigures,
+                  three: StepFigures | None, k: int) -> StepFigures:
     """A chunk of k blocks from its base (a 1-block chunk's figures) and the 1-, 2- and
     3-block compiles: base, its second block as two - one, and every block past the second
     as three - two. Counts (FLOPs, bytes, collectives) are linear either way; what XLA's
@@ -373,15 +376,16 @@ def chunk_figures(base: dict, one: dict, two: dict, three: dict | None, k: int) 
 
 # ---- the whole prediction ----------------------------------------------------------------
 
-def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
+def attention_scores(one: StepFigures, two: StepFigures, h1: StepFigures, h2: StepFigures,
+                     blocks: int) -> ScoreBytes:
     """The L x L attention-score part of an op's bytes accessed and temp bytes, as
     jaxdist.predict.program.attention_scores measures it for the whole step: per block
     (2 blocks - 1 block), at L and at L/2 with twice the rows (same tokens), S = 2 (P(1) -
     P(2)); times the blocks. Never negative (nothing is added back)."""
     def part(get):
         return max(0.0, blocks * 2 * ((get(two) - get(one)) - (get(h2) - get(h1))))
-    return {"bytes_accessed": part(lambda f: f["bytes_accessed"]),
-            "temp_bytes": part(lambda f: f["memory"]["temp_bytes"])}
+    return ScoreBytes(bytes_accessed=part(lambda f: f.bytes_accessed),
+                      temp_bytes=part(lambda f: f.memory["temp_bytes"]))
 
 
 def microbatch_rows(job, sizes: dict) -> int:
@@ -460,12 +464,14 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
             for sk in ((FULL, FWD) if kind == PAIR else (kind,)) if flash else ():
                 part = attention_scores(op(1, sk, False), op(2, sk, False), half_op(1, sk),
                                         half_op(2, sk), k)
-                scores = part if scores is None else {f: scores[f] + part[f] for f in part}
+                scores = part if scores is None else scores + part
             for last, base in ((False, one), (True, last1)):
                 fig = chunk_figures(base, one, two, three, k)
                 if scores is not None:
-                    fig["bytes_accessed"] -= scores["bytes_accessed"]
-                    fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
+                    fig = fig.replace(
+                        bytes_accessed=fig.bytes_accessed - scores.bytes_accessed,
+                        memory={**fig.memory,
+                                "temp_bytes": fig.memory["temp_bytes"] - scores.temp_bytes})
                 figs[(kind, last, k)] = fig
             if k == K:
                 removed[kind] = scores
@@ -481,7 +487,7 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     # stash the plan counts per slot): the working set the memory plan counts (XLA:CPU's
     # are an upper bound: the hand estimate stands there)
     # (combined ticks: F and BACK side by side, both working sets live)
-    working = (max(figs[(kind, last, K)]["memory"]["temp_bytes"] for last in (False, True)
+    working = (max(figs[(kind, last, K)].memory["temp_bytes"] for last in (False, True)
                    for kind in ((BACK, PAIR) if sched.combined else (BACK,)))
                if target.gpu else None)
     tail = got[tail_key]
@@ -515,15 +521,15 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
               if k[2] == (k_last if k[1] else K)}
     per_op["tail"] = tail_row.to_json()
     c = time.pipeline.critical_stage
-    flops = tail["flops"] + sum(ops[op_key(sched, o.kind, c, o.v)].flops
+    flops = tail.flops + sum(ops[op_key(sched, o.kind, c, o.v)].flops
                                 for row in sched.ops for o in row[c])
     return PipelineStep(
         time=time, ops=per_op, schedule=sched.summary(), compiler=target.label,
         blocks_per_chunk=K, flops_per_device=flops, working_temp_bytes=working,
         flash_attention=None if not flash else {
-            "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
+            "removed_score_bytes_accessed": {"forward": removed[FWD].bytes_accessed,
                                              "forward_and_backward":
-                                                 removed[FULL]["bytes_accessed"]},
+                                                 removed[FULL].bytes_accessed},
             "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
                    "scores; XLA:CPU keeps them (measured per op at L and L/2)"},
         method=f"chunk forward, forward+backward (zb-h1: and forward+B; combined ticks: and "

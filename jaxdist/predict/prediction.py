@@ -179,20 +179,20 @@ def _one_program(job, hw, target, blocks: str, cache: dict | None) -> Prediction
                            lambda: hand_memory(job, state, mesh))
         figures, quadratic = compiled_figures(job, shape, target, blocks, cache, hw)
         peak = hand.result()
-    temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
+    temp, bytes_accessed = figures.memory.get("temp_bytes", 0), figures.bytes_accessed
     if quadratic is not None:
-        temp -= max(0.0, quadratic["temp_bytes"])
-        bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
+        temp -= max(0.0, quadratic.temp_bytes)
+        bytes_accessed -= max(0.0, quadratic.bytes_accessed)
     timed = target.gpu and kernels_time.has_rates(hw)
     if timed:  # XLA:GPU's program, kernel by kernel
-        step = time_model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
+        step = time_model.kernel_step(figures.kernel_time, figures.comm, hw, mesh,
                                       job.dtype, job.matmul_precision)
     else:
-        step = time_model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
+        step = time_model.step_time(figures.flops, bytes_accessed, figures.comm, hw,
                                     mesh, job.dtype, job.compiler.overlap, shape.stage,
                                     job.train.microbatches, job.matmul_precision)
     if target.gpu:
-        mem = verdict.gpu_memory_verdict(peak, figures["memory"], hw)
+        mem = verdict.gpu_memory_verdict(peak, figures.memory, hw)
     else:
         mem = verdict.memory_verdict(peak, int(max(0.0, temp)), hw)
     return Prediction(
@@ -200,12 +200,11 @@ def _one_program(job, hw, target, blocks: str, cache: dict | None) -> Prediction
         state_bytes_per_device=state.state_bytes_per_device,
         compiled=CompiledProgram(
             compiler=target.label, gpu=target.gpu, xla_flags=job.compiler.xla_flags,
-            method=figures["method"], flops_per_device=figures["flops"],
-            kernels=figures.get("kernels", {}), compile_s=figures.get("compile_s"),
-            bytes_accessed_per_device=figures["bytes_accessed"], memory=figures["memory"],
-            flash_attention=None if quadratic is None else {
-                "removed_score_temp_bytes": max(0.0, quadratic["temp_bytes"]),
-                "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
+            method=figures.method, flops_per_device=figures.flops, kernels=figures.kernels,
+            compile_s=figures.compile_s, bytes_accessed_per_device=figures.bytes_accessed,
+            memory=figures.memory, flash_attention=None if quadratic is None else {
+                "removed_score_temp_bytes": max(0.0, quadratic.temp_bytes),
+                "removed_score_bytes_accessed": max(0.0, quadratic.bytes_accessed),
                 "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no "
                        "L x L scores; XLA:CPU keeps them"}),
         memory=mem, time=step, timing="kernels" if timed else "roofline",
@@ -238,7 +237,7 @@ def _pipeline(job, hw, target, cache: dict | None) -> Prediction:
 
 
 def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | None,
-                     hw=None):
+                     hw=None) -> tuple[program.StepFigures, program.ScoreBytes | None]:
     """(step figures, attention-score part or None), compiled once per distinct program.
     The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
     XLA:GPU's program holds the cuDNN calls themselves."""
@@ -255,7 +254,7 @@ def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | N
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, job.dtype):
         quadratic = program.attention_scores(job, model_cfg, shape, target,
-                                             figures.get("depth_1"), figures.get("depth_2"))
+                                             figures.depth_1, figures.depth_2)
     if cache is not None:
         cache[key] = (figures, quadratic)
     return figures, quadratic

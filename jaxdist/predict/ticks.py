@@ -58,20 +58,20 @@ class OpTime(Figures):
     collectives: list
 
 
-def op_row(fig: dict, hw: Part, mesh: dict, dtype: str, overlap: bool,
+def op_row(fig, hw: Part, mesh: dict, dtype: str, overlap: bool,
            precision: str) -> OpTime:
-    """One op's time from its figures (kernel by kernel where XLA:GPU's program was read
+    """One op's time from its figures (a StepFigures: kernel by kernel where XLA:GPU's program was read
     with the part's rates, else the roofline); exposed communication split by link."""
-    if "kernel_time" in fig:
-        t = kernel_step(fig["kernel_time"], fig["comm"], hw, mesh, dtype, precision)
+    if fig.kernel_time is not None:
+        t = kernel_step(fig.kernel_time, fig.comm, hw, mesh, dtype, precision)
     else:
-        t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype,
-                      overlap, matmul_precision=precision)
+        t = step_time(fig.flops, fig.bytes_accessed, fig.comm, hw, mesh, dtype, overlap,
+                      matmul_precision=precision)
     return OpTime(seconds=t.step_s, device_s=t.device_s, compute_s=t.compute_s,
                   hbm_s=t.hbm_s, intra_node_s=t.intra_node_s, inter_node_s=t.inter_node_s,
                   exposed_intra_node_s=t.exposed_intra_node_s,
-                  exposed_inter_node_s=t.exposed_inter_node_s, flops=fig["flops"],
-                  bytes_accessed=fig["bytes_accessed"], collectives=t.collectives)
+                  exposed_inter_node_s=t.exposed_inter_node_s, flops=fig.flops,
+                  bytes_accessed=fig.bytes_accessed, collectives=t.collectives)
 
 
 def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
