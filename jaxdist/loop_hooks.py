@@ -240,4 +240,4 @@ class Prediction(Hook):
         self.made = OwnPrediction.of(self.job, self.platform)
 
     def block(self, results: dict) -> dict:
-        return self.made.block(self.platform, results)
+        return self.made.to_json(self.platform, results)

@@ -135,8 +135,7 @@ def comm_block(layout: str, compiled, program) -> dict:
                                    jax.tree.leaves(program.logical_state.get(part, {})))
                                for part in ("params", "master"))
     analytic = comm.analytic_ring_bytes(layout, mesh_shape, param_bytes, grad_bytes or None)
-    summary["analytic_ring_bytes"] = analytic
-    summary["analytic_basis"] = comm.analytic_basis(layout)
-    summary["measured_over_analytic"] = (summary["total_ring_bytes"] / analytic
-                                         if analytic else None)
-    return summary
+    return summary.replace(
+        analytic_ring_bytes=analytic, analytic_basis=comm.analytic_basis(layout),
+        measured_over_analytic=summary.total_ring_bytes / analytic if analytic else None
+    ).to_json()

@@ -198,8 +198,8 @@ def test_xla_gpu_async_and_combined_collectives_count_once(fixture, mesh, expect
     assert [(o["kind"], o["bytes"], o["times"], o["group_size"], o["axes"])
             for o in ops] == expected
     summary = comm.summarize(ops)
-    assert summary["total_bytes"] == sum(e[1] for e in expected)
-    assert sum(k["count"] for k in summary["by_kind"].values()) == len(expected)
+    assert summary.total_bytes == sum(e[1] for e in expected)
+    assert sum(k["count"] for k in summary.by_kind.values()) == len(expected)
 
 
 def test_async_start_in_a_loop_counts_each_iteration_once():
@@ -246,11 +246,11 @@ def test_conditional_branches_in_a_loop_are_weighed_or_marked_upper_bounds():
     guessed = comm.collectives(hlo_text, {"data": 2})
     assert sorted((o["bytes"], o["times"], o["upper_bound"]) for o in guessed) == [
         (4 * 6, 6, True), (4 * 16 * 6, 6, True)]
-    assert comm.summarize(guessed)["upper_bound_note"].startswith("upper bound for all-reduce")
+    assert comm.summarize(guessed).upper_bound_note.startswith("upper bound for all-reduce")
     weighed = comm.collectives(hlo_text, {"data": 2}, {small_branch: 2, big_branch: 4})
     assert sorted((o["bytes"], o["times"], o["upper_bound"]) for o in weighed) == [
         (4 * 2, 2, False), (4 * 16 * 4, 4, False)]
-    assert comm.summarize(weighed)["upper_bound_note"] is None
+    assert comm.summarize(weighed).upper_bound_note is None
 
 
 def test_typed_instructions_read_every_attribute_once():

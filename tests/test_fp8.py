@@ -226,8 +226,8 @@ def test_xla_gpu_program_for_8_h100_has_an_fp8_gemm_for_every_block_matmul():
     shape = parse_mesh(cfg.mesh.mesh)
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
-    gemms = Counter(item["dtype"] for items in kernels.schedule(comp.as_text()).values()
-                    for item in items if item["item"] == "kernel" and "gemm" in item["kind"])
+    gemms = Counter(item.dtype for items in kernels.schedule(comp.as_text()).values()
+                    for item in items if item.item == "kernel" and "gemm" in item.kind)
     # q, k, v, out, up, down in 2 blocks: each one forward GEMM and two backward (input and
     # weight gradients), all FP8; the LM head's and the attention's stay bf16
     assert gemms["float8"] == 3 * 2 * 6

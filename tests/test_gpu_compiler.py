@@ -365,8 +365,8 @@ def test_in_place_updates_and_slices_move_their_rows_not_the_buffer():
                          donate_argnums=0 if fn is not sliced else ())
         comp, _ = xla_compile.compile_timed(jitted, buf, *args)
         text = program_reading.text(comp)
-        moved = [k["bytes"] for items in kernels.schedule(text).values() for k in items
-                 if k["item"] == "kernel"]
+        moved = [k.bytes for items in kernels.schedule(text).values() for k in items
+                 if k.item == "kernel"]
         assert sum(moved) == pytest.approx(expected, abs=64), (fn.__name__, moved)
 
 
@@ -484,13 +484,13 @@ def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
     reduced = sum(op["bytes"] // size[op["dtypes"][0]] for op in on_data)
     assert 0 <= reduced - held <= 32, (reduced, held)
     kernels_ = [k for items in kernels.schedule(comp.as_text()).values() for k in items
-                if k["item"] == "kernel" and k.get("ragged")]
+                if k.item == "kernel" and k.ragged]
     if impl == "sorted":
         assert not kernels_
         return
     from jaxdist.predict.kernels_time import GEMM_KINDS
-    gemms = [k for k in kernels_ if k["kind"] in GEMM_KINDS]
-    assert len(gemms) >= 2 * 6 and all(k["flops"] > 0 for k in gemms)  # 2 layers
+    gemms = [k for k in kernels_ if k.kind in GEMM_KINDS]
+    assert len(gemms) >= 2 * 6 and all(k.flops > 0 for k in gemms)  # 2 layers
     gemm = lambda r: sum(row["flops"] for kind, row in r.kernels.items()  # noqa: E731
                          if kind in GEMM_KINDS)
     assert gemm(reading) == pytest.approx(gemm(step("sorted")[2]), rel=0.02)
@@ -512,10 +512,10 @@ ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,2048], g: s32[8], d: bf16[4096,2
   ROOT %wgrad = bf16[8,1024,2048]{2,1,0} ragged-dot(%xt, %d, %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}, lhs_ragged_dims={1}, metadata={op_name="jit(f)/transpose(ragged_dot_general)"}
 }
 """
-    items = [k for k in kernels.schedule(hlo)["main"] if k["item"] == "kernel"
-             and k["kind"] == "unfused ragged-dot"]
-    assert [k["flops"] for k in items] == [2 * 4096 * 1024 * 2048] * 2
-    assert all(k["ragged"] for k in items)
+    items = [k for k in kernels.schedule(hlo)["main"] if k.item == "kernel"
+             and k.kind == "unfused ragged-dot"]
+    assert [k.flops for k in items] == [2 * 4096 * 1024 * 2048] * 2
+    assert all(k.ragged for k in items)
 
 
 @pytest.mark.parametrize("remat", ["full", "selective_op"])
@@ -686,7 +686,7 @@ def test_exposure_before_the_first_matmul_is_the_steps_head():
         ops = comm.collectives(text, {"d": 8})
         assert [op["kind"] for op in ops] == ["all-gather"]
         t = step_time(text, ops, H200, {"d": 8})
-        heads[fn.__name__] = (t["head_exposed_intra_node_s"], t["exposed_intra_node_s"])
+        heads[fn.__name__] = (t.head_exposed_intra_node_s, t.exposed_intra_node_s)
     head, exposed = heads["gather_first"]
     assert head == exposed > 0
     assert heads["matmul_first"][0] == 0.0 < heads["matmul_first"][1]

@@ -41,8 +41,8 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
                                                dict(shape.axis_sizes))
     assert sum(op["bytes"] for op in scatters.values()) == 4 * (planned["params"] // 2)
     assert {d for op in scatters.values() for d in op["dtypes"]} == {"f32"}
-    order = [("rs" if item["name"] in scatters else None) if item["item"] == "start" else
-             ("gemm" if item["item"] == "kernel" and item["kind"] in GEMMS else None)
+    order = [("rs" if item.name in scatters else None) if item.item == "start" else
+             ("gemm" if item.item == "kernel" and item.kind in GEMMS else None)
              for item in kernels.schedule(hlo)[entry_computation(hlo)]]
     order = [o for o in order if o]
     last_gemm = max(i for i, o in enumerate(order) if o == "gemm")
@@ -80,11 +80,11 @@ def _hidden(comp, target, sizes) -> tuple[int, int]:
              and op["kind"] in ("all-gather", "reduce-scatter")}
     in_flight, hidden = set(), set()
     for item in kernels.schedule(hlo)[entry_computation(hlo)]:
-        if item["item"] == "start" and item["name"] in names:
-            in_flight.add(item["name"])
-        elif item["item"] == "done":
-            in_flight.discard(item["name"])
-        elif item["item"] == "kernel" and item["kind"] in GEMMS:
+        if item.item == "start" and item.name in names:
+            in_flight.add(item.name)
+        elif item.item == "done":
+            in_flight.discard(item.name)
+        elif item.item == "kernel" and item.kind in GEMMS:
             hidden |= in_flight
     return len(hidden), len(names)
 

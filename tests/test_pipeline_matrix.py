@@ -214,5 +214,5 @@ def _check_case(model, layout, mesh, schedule, V, S, M, reference, stage_blocks=
     ops = comm.collectives(hlo_text, mesh_shape,
                            switch_runs(hlo_text, mesh_shape, program.schedule))
     assert not [o for o in ops if o["upper_bound"]]
-    assert comm.summarize(ops)["by_kind"]["collective-permute"]["bytes"] == pytest.approx(
+    assert comm.summarize(ops).by_kind["collective-permute"]["bytes"] == pytest.approx(
         sends["total_bytes"] / S)

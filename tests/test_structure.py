@@ -560,3 +560,64 @@ def test_below_experiments_the_config_is_read_through_the_job():
     found = [f"{m}:{line}" for m, p in source_modules(BELOW_EXPERIMENTS).items()
              for line in config_field_reads(p)]
     assert found == []
+
+
+FIGURE_PACKAGES = ("jaxdist.plan", "jaxdist.predict", "jaxdist.program")
+
+
+def _names_bare_dict(annotation: ast.expr) -> bool:
+    """Whether a return annotation holds `dict` (or typing's Dict) unparameterized, or a
+    mapping to Any: a record passed as a dict."""
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Subscript):
+            base = ast.unparse(node.value)
+            if base in ("dict", "Dict", "Mapping") and "Any" in ast.unparse(node.slice):
+                return True
+    subscripted = {id(n.value) for n in ast.walk(annotation) if isinstance(n, ast.Subscript)}
+    return any(isinstance(n, ast.Name) and n.id in ("dict", "Dict") and id(n) not in
+               subscripted for n in ast.walk(annotation)) or \
+        (isinstance(annotation, ast.Constant) and str(annotation.value).split("[")[0]
+         in ("dict", "Dict"))
+
+
+def bare_dict_returns(path: Path) -> list[str]:
+    """Functions of `path` whose annotation returns a bare dict, or which, unannotated,
+    return a dict display or dict(...); `to_json` (a record's JSON, the edge) aside."""
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "to_json":
+            continue
+        if fn.returns is not None:
+            if _names_bare_dict(fn.returns):
+                out.append(f"{fn.name}:{fn.lineno}")
+            continue
+        if any(isinstance(r, ast.Return) and (
+                isinstance(r.value, (ast.Dict, ast.DictComp)) or
+                isinstance(r.value, ast.Call) and isinstance(r.value.func, ast.Name)
+                and r.value.func.id == "dict") for r in ast.walk(fn)):
+            out.append(f"{fn.name}:{fn.lineno}")
+    return out
+
+
+def test_bare_dict_finder_sees_each_form(tmp_path):
+    f = tmp_path / "a.py"
+    f.write_text("from typing import Any\n"
+                 "def a() -> dict: ...\n"
+                 "def b() -> dict | None: ...\n"
+                 "def c() -> list[dict]: ...\n"
+                 "def d() -> dict[str, Any]: ...\n"
+                 "def e():\n    return {'x': 1}\n"
+                 "def f():\n    return dict(x=1)\n"
+                 "def ok1() -> dict[str, int]: ...\n"
+                 "def ok2() -> 'Record': ...\n"
+                 "def to_json(self) -> dict: ...\n")
+    assert [s.split(":")[0] for s in bare_dict_returns(f)] == ["a", "b", "c", "d", "e", "f"]
+
+
+def test_figures_are_typed_records_not_bare_dicts():
+    """What plans, predictions and program readings return is a typed record (a frozen
+    dataclass, jaxdist.figures) or a mapping typed by its keys and values; a bare dict is
+    only a record's JSON (`to_json`), at the edge."""
+    found = [f"{m}.{fn}" for m, p in source_modules(("jaxdist",)).items()
+             if m.startswith(FIGURE_PACKAGES) for fn in bare_dict_returns(p)]
+    assert found == []

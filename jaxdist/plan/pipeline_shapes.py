@@ -67,7 +67,10 @@ class PipelineShapesPlan(PlanBase):
 
 def plan_pipeline(job) -> PipelineShapesPlan:
     """The plan of a pipelined `job` (jaxdist.job) from shapes: each stage's memory."""
-    return PipelineShapesPlan(**stage_memory(job), seq_len=job.model.seq_len)
+    memory = stage_memory(job)
+    return PipelineShapesPlan(**{f.name: getattr(memory, f.name)
+                                 for f in dataclasses.fields(memory)},
+                              seq_len=job.model.seq_len)
 
 
 def format_pipeline_plan(p: PipelineShapesPlan) -> str:

@@ -8,17 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdist.figures import json_of
+from jaxdist.figures import Figures, json_of
 from jaxdist.plan.base import PlanBase, model_text
 from jaxdist.predict import program
 from jaxdist.predict.prediction import LABEL, Prediction, predict
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSettings(Figures):
+    """The job's settings a plan's hints read (`next_steps`), plan.json's `settings`."""
+    dtype: str | None = None
+    remat: str | None = None
+    fp8_scaling: str | None = None
+    microbatches: int = 1
+    attention: str | None = None
+    tp_comm_chunks: int | None = None
+    tp_comm_split: str | None = None
+    decoder: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class PredictedPlan(PlanBase):
     """plan.json: the job (settings, layout, mesh, batch) and its Prediction; a pipeline's
-    has the schedule's block (`prediction.pipeline`)."""
-    settings: dict       # the settings next_steps reads
+    has the schedule's block (`pipeline`)."""
+    settings: PlanSettings
     layout: str
     mesh: dict
     batch_size: int
@@ -36,7 +49,7 @@ class PredictedPlan(PlanBase):
             "state_bytes_per_device": p.state_bytes_per_device,
             "batch_size": self.batch_size, "hardware": p.hardware, "links": p.links,
             "constants": p.constants, "compiled": p.compiled,
-            **({"pipeline": p.pipeline} if p.pipeline is not None else {}),
+            **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             "memory": p.memory, "time": p.time, "throughput": p.throughput,
             "verdict": p.verdict})
 
@@ -48,11 +61,19 @@ class PredictedPlan(PlanBase):
     distributed_optimizer = property(lambda self: self.prediction.distributed_optimizer)
     hardware = property(lambda self: self.prediction.hardware)
     compiled = property(lambda self: self.prediction.compiled)
-    pipeline = property(lambda self: self.prediction.pipeline)
     memory = property(lambda self: self.prediction.memory)
     time = property(lambda self: self.prediction.time)
     throughput = property(lambda self: self.prediction.throughput)
     verdict = property(lambda self: self.prediction.verdict)
+
+    @property
+    def pipeline(self) -> dict[str, object] | None:
+        """plan.json's `pipeline` block: the schedule, its largest chunk and its ticks."""
+        p = self.prediction
+        if p.schedule is None:
+            return None
+        return {**p.schedule, "blocks_per_chunk": p.blocks_per_chunk,
+                **p.time.pipeline.to_json()}
 
 
 def predict_plan(job, blocks: str = "auto", cache: dict | None = None) -> PredictedPlan:
@@ -64,16 +85,16 @@ def predict_plan(job, blocks: str = "auto", cache: dict | None = None) -> Predic
                          seq_len=getattr(job.model, "seq_len", None))
 
 
-def plan_settings(job) -> dict:
-    """The settings a plan's hints read (next_steps)."""
+def plan_settings(job) -> PlanSettings:
+    """The settings of `job` a plan's hints read (next_steps)."""
     model_cfg = job.model
-    return {"dtype": job.dtype, "remat": job.train.remat,
-            "fp8_scaling": job.fp8_scaling if job.dtype == "float8" else None,
-            "microbatches": job.train.microbatches,
-            "attention": getattr(model_cfg, "attention", None),
-            "tp_comm_chunks": getattr(model_cfg, "tp_comm_chunks", None),
-            "tp_comm_split": getattr(model_cfg, "tp_comm_split", None),
-            "decoder": program.is_stack(model_cfg)}
+    return PlanSettings(dtype=job.dtype, remat=job.train.remat,
+                        fp8_scaling=job.fp8_scaling if job.dtype == "float8" else None,
+                        microbatches=job.train.microbatches,
+                        attention=getattr(model_cfg, "attention", None),
+                        tp_comm_chunks=getattr(model_cfg, "tp_comm_chunks", None),
+                        tp_comm_split=getattr(model_cfg, "tp_comm_split", None),
+                        decoder=program.is_stack(model_cfg))
 
 
 def verdict_line(p: PredictedPlan) -> str:
@@ -148,27 +169,27 @@ def host_line(mem, compiler_host_bytes: float | None = None) -> str:
             f"{human_bytes(hand)} per device")
 
 
-def next_steps(memory, settings: dict, pipelined: bool) -> list[str]:
+def next_steps(memory, settings: PlanSettings, pipelined: bool) -> list[str]:
     """What would bring a plan that does not fit (OOM or unknown) under HBM, from its memory
     verdict (a MemoryVerdict) and its own settings: the levers a user has, cheapest first."""
     if memory.fits is True:
         return []
-    cfg = settings or {}
+    cfg = settings
     if (memory.fits_reason or "").startswith("the train state alone"):
         more = "more devices on fsdp or a layout that shards the state further (fsdp, fsdp_tp)"
         return [f"the state alone is over HBM: {more}"]
     hints = []
-    if cfg.get("dtype") == "float32":
+    if cfg.dtype == "float32":
         hints.append("--dtype bfloat16 (half the activations)")
-    if cfg.get("remat") == "none" and cfg.get("decoder"):
+    if cfg.remat == "none" and cfg.decoder:
         hints.append("--remat full (keeps only block inputs)")
-    if cfg.get("attention") == "default" and cfg.get("decoder"):
+    if cfg.attention == "default" and cfg.decoder:
         hints.append("--model-opts attention=cudnn (flash attention: no L x L scores)")
     if pipelined:
-        hints.append(f"more micro-batches (--microbatches {2 * cfg.get('microbatches', 1)}: "
+        hints.append(f"more micro-batches (--microbatches {2 * cfg.microbatches}: "
                      f"smaller activations per slot) or more stages")
     else:
-        hints.append(f"--microbatches {2 * cfg.get('microbatches', 1)} (activations of one "
+        hints.append(f"--microbatches {2 * cfg.microbatches} (activations of one "
                      f"slice at a time)")
     return hints
 
@@ -194,24 +215,24 @@ def time_lines(p: PredictedPlan, indent: str) -> list[str]:
                  f"inter-node comm {t.inter_node_s * ms:.1f} ms (exposed "
                  f"{t.comm_exposed_s * ms:.1f} ms; overlap: {t.overlap}), bubble "
                  f"{t.bubble_s * ms:.1f} ms"]
-    pp = p.pipeline
-    if pp is not None:
-        combined = " combined (F and BACK of a tick as one computation)" if pp.get(
+    sched, ticks = p.prediction.schedule, t.pipeline
+    if sched is not None:  # the schedule's summary (Schedule.summary) and its ticks
+        combined = " combined (F and BACK of a tick as one computation)" if sched.get(
             "combined_f_back") else ""
-        lines.append(f"pipeline {pp['schedule']}{combined} S={pp['stages']} V={pp['virtual']} "
-                     f"M={pp['microbatches']}: {pp['ticks']} ticks, {pp['ticks_s'] * ms:.1f} "
-                     f"ms (stage {pp['critical_stage']} busy "
-                     f"{pp['critical_stage_work_s'] * ms:.1f} ms); stage sends "
-                     f"{pp['send_intra_node_s'] * ms:.1f} ms intra-node, "
-                     f"{pp['send_inter_node_s'] * ms:.1f} ms inter-node; timed as "
-                     f"{pp['runtime']} runs it (jaxdist's ticks "
-                     f"{pp['lockstep_s'] * ms:.1f} ms; what-if, Megatron's dataflow "
-                     f"{pp['dataflow_s'] * ms:.1f} ms; --pp-runtime)")
-        lines.append(f"bubble, two ways: {pp['schedule_bubble']:.1%} of stage time idle "
+        lines.append(f"pipeline {sched['schedule']}{combined} S={sched['stages']} "
+                     f"V={sched['virtual']} M={sched['microbatches']}: {ticks.ticks} ticks, "
+                     f"{ticks.ticks_s * ms:.1f} ms (stage {ticks.critical_stage} busy "
+                     f"{ticks.critical_stage_work_s * ms:.1f} ms); stage sends "
+                     f"{ticks.send_intra_node_s * ms:.1f} ms intra-node, "
+                     f"{ticks.send_inter_node_s * ms:.1f} ms inter-node; timed as "
+                     f"{ticks.runtime} runs it (jaxdist's ticks "
+                     f"{ticks.lockstep_s * ms:.1f} ms; what-if, Megatron's dataflow "
+                     f"{ticks.dataflow_s * ms:.1f} ms; --pp-runtime)")
+        lines.append(f"bubble, two ways: {ticks.schedule_bubble:.1%} of stage time idle "
                      f"(counted from the schedule table: " + (
-                         "the formula's figure" if len(set(pp.get("stage_blocks", ()))) < 2
-                         else "with the stages of fewer blocks waiting") + "); "
-                     f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
+                         "the formula's figure" if len(set(sched.get("stage_blocks") or ()))
+                         < 2 else "with the stages of fewer blocks waiting") + "); "
+                     f"{ticks.bubble_fraction_of_ticks:.1%} of the predicted tick time "
                      f"(each tick weighted by its predicted duration)")
     lines.append(f"predicted step {t.step_s * ms:.1f} ms; bottleneck: {t.bottleneck}")
     out = [indent + line for line in lines]
@@ -230,7 +251,7 @@ def format_prediction(p: PredictedPlan) -> str:
 
     hw, thr, comp = p.hardware, p.throughput, p.compiled
     mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
-    hints = next_steps(p.memory, p.settings, p.pipeline is not None)
+    hints = next_steps(p.memory, p.settings, p.prediction.schedule is not None)
     dist_opt = dist_opt_text({"distributed_optimizer": p.distributed_optimizer,
                               "layout": p.layout})
     lines = [
@@ -251,7 +272,7 @@ def format_prediction(p: PredictedPlan) -> str:
           if p.prediction.links else []),
     ]
     # an FP8 plan's MFU is against the bf16 peak, as NeMo and MaxText report it
-    basis = " (against the bf16 peak)" if p.settings.get("dtype") == "float8" else ""
+    basis = " (against the bf16 peak)" if p.settings.dtype == "float8" else ""
     speed = (f"{thr.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {thr.mfu:.1%}{basis}"
              if thr.tokens_per_s_per_gpu is not None else f"MFU {thr.mfu:.1%}{basis}")
     if thr.if_it_fit:  # the verdict is the result; the time only a what-if

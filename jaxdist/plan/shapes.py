@@ -42,11 +42,11 @@ class ShapesPlan(PlanBase):
         return self.state.layout
 
     @property
-    def mesh(self) -> dict:
+    def mesh(self) -> dict[str, int]:
         return self.state.mesh
 
     @property
-    def model(self) -> dict:
+    def model(self) -> dict[str, str | int]:
         return self.state.model
 
     @property

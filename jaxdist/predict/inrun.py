@@ -30,10 +30,6 @@ from jaxdist.predict.prediction import predict
 from jaxdist.program import compiled as compiled_mod
 
 
-def absent(reason: str) -> dict:
-    return {"label": time_model.LABEL, "available": False, "reason": reason}
-
-
 def _ratio(measured, predicted):
     return measured / predicted if measured and predicted else None
 
@@ -87,49 +83,43 @@ class OwnPrediction:
         # The same job on the part, through the one prediction plans print
         return cls(predict(planned), part=hw, source=source, name=name)
 
-    def block(self, platform, results: dict) -> dict:
+    def to_json(self, platform, results: dict) -> dict:
         """results["prediction"]: the predicted step, tokens/s per GPU and memory per device
-        on the part, the measured ones (from `results`' blocks), and measured / predicted."""
+        on the part, the measured ones (from `results`' blocks), and measured / predicted;
+        or why there is none."""
         if self.prediction is None:
-            return absent(self.reason)
-        return {**prediction_block(self.prediction, self.part, self.source, self.name,
-                                   platform, results),
-                "compile_s": self.compile_s, "started_unix_s": self.started_unix_s}
-
-
-def prediction_block(pred, hw, source: str, name: str, platform, results: dict) -> dict:
-    """The block of a run's prediction `pred` on the part `hw` beside its measured
-    `results`."""
-    n = len(platform.devices)
-    mem = results["memory"]
-    step, memory, thr = pred.time, pred.memory, pred.throughput
-    measured_step = (results.get("step_time_s") or {}).get("mean")
-    measured_tps = (results.get("throughput") or {}).get("tokens_per_s")
-    measured_tps_gpu = measured_tps / n if measured_tps else None
-    peak = mem.get("measured_peak_bytes")
-    simulated = platform.simulated or platform.backend == "cpu"
-    return {
-        "label": time_model.LABEL, "available": True, "hardware": hw.name, "source": source,
-        "compiler": pred.compiler,
-        "basis": f"the plan of this job on {hw.name} (experiments.run --dry-run --hardware "
-                 f"{name}): its step compiled by {pred.compiler}, through "
-                 f"jaxdist.predict",
-        "predicted": {"step_s": pred.step_s,
-                      "tokens_per_s_per_gpu": thr.tokens_per_s_per_gpu, "mfu": thr.mfu,
-                      "memory_bytes_per_device": memory.total_bytes,
-                      "fits": pred.fits, "verdict": pred.verdict,
-                      "bottleneck": step.bottleneck,
-                      "compute_s": step.compute_s, "hbm_s": step.hbm_s,
-                      "intra_node_s": step.intra_node_s, "inter_node_s": step.inter_node_s,
-                      "comm_exposed_s": step.comm_exposed_s, "bubble_s": step.bubble_s},
-        "measured": {"step_s": measured_step, "tokens_per_s_per_gpu": measured_tps_gpu,
-                     "peak_bytes_per_device": peak},
-        "measured_over_predicted": {
-            "step_s": _ratio(measured_step, pred.step_s),
-            "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr.tokens_per_s_per_gpu),
-            "memory": _ratio(peak, memory.total_bytes)},
-        "note": (f"measured on {platform.backend} "
-                 f"({'simulated devices' if platform.simulated else platform.device_kind}), "
-                 f"predicted for {hw.name}: the ratios check the plumbing, not the model"
-                 if simulated else None),
-    }
+            return {"label": time_model.LABEL, "available": False, "reason": self.reason}
+        pred, hw, name = self.prediction, self.part, self.name
+        n = len(platform.devices)
+        step, memory, thr = pred.time, pred.memory, pred.throughput
+        measured_step = (results.get("step_time_s") or {}).get("mean")
+        measured_tps = (results.get("throughput") or {}).get("tokens_per_s")
+        measured_tps_gpu = measured_tps / n if measured_tps else None
+        peak = results["memory"].get("measured_peak_bytes")
+        simulated = platform.simulated or platform.backend == "cpu"
+        return {
+            "label": time_model.LABEL, "available": True, "hardware": hw.name,
+            "source": self.source, "compiler": pred.compiler,
+            "basis": f"the plan of this job on {hw.name} (experiments.run --dry-run --hardware "
+                     f"{name}): its step compiled by {pred.compiler}, through "
+                     f"jaxdist.predict",
+            "predicted": {"step_s": pred.step_s,
+                          "tokens_per_s_per_gpu": thr.tokens_per_s_per_gpu, "mfu": thr.mfu,
+                          "memory_bytes_per_device": memory.total_bytes,
+                          "fits": pred.fits, "verdict": pred.verdict,
+                          "bottleneck": step.bottleneck,
+                          "compute_s": step.compute_s, "hbm_s": step.hbm_s,
+                          "intra_node_s": step.intra_node_s,
+                          "inter_node_s": step.inter_node_s,
+                          "comm_exposed_s": step.comm_exposed_s, "bubble_s": step.bubble_s},
+            "measured": {"step_s": measured_step, "tokens_per_s_per_gpu": measured_tps_gpu,
+                         "peak_bytes_per_device": peak},
+            "measured_over_predicted": {
+                "step_s": _ratio(measured_step, pred.step_s),
+                "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr.tokens_per_s_per_gpu),
+                "memory": _ratio(peak, memory.total_bytes)},
+            "note": (f"measured on {platform.backend} "
+                     f"({'simulated devices' if platform.simulated else platform.device_kind}"
+                     f"), predicted for {hw.name}: the ratios check the plumbing, not the "
+                     f"model" if simulated else None),
+            "compile_s": self.compile_s, "started_unix_s": self.started_unix_s}

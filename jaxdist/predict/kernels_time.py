@@ -61,9 +61,9 @@ class KernelTime(Figures):
                "head_exposed_intra_node_s", "head_exposed_inter_node_s")
 
 
-def is_matmul(kernel: dict) -> bool:
+def is_matmul(kernel) -> bool:
     """A GEMM or attention kernel: the work a model's blocks repeat."""
-    return kernel["kind"] in GEMM_KINDS or kernel["kind"].startswith("attention")
+    return kernel.kind in GEMM_KINDS or kernel.kind.startswith("attention")
 
 
 def has_rates(hw: Part) -> bool:
@@ -137,15 +137,15 @@ class Rates:
         i = min(bisect.bisect_left(lengths, seq), len(lengths) - 1)
         return self.curve[i][2 if backward else 1]
 
-    def kernel(self, item: dict, precision: str) -> tuple[float, str]:
+    def kernel(self, item, precision: str) -> tuple[float, str]:
         """(seconds, what bounds it: "compute" or "HBM") of one kernel launch."""
-        kind = item["kind"]
-        memory = item["bytes"] / self.hbm
-        if kind in GEMM_KINDS and item["flops"]:
-            compute = item["flops"] / self.gemm(item["dtype"], precision)
+        kind = item.kind
+        memory = item.bytes / self.hbm
+        if kind in GEMM_KINDS and item.flops:
+            compute = item.flops / self.gemm(item.dtype, precision)
         elif kind.startswith("attention (cuDNN)"):
-            compute = item["flops"] / self.attention_rate(kind.endswith("backward"),
-                                                          item["seq"])
+            compute = item.flops / self.attention_rate(kind.endswith("backward"),
+                                                          item.seq)
         else:
             compute = 0.0
         return max(compute, memory) + self.launch, "compute" if compute > memory else "HBM"
@@ -175,17 +175,17 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         """Whether computation `name` runs a GEMM or attention kernel, itself or in a callee."""
         if name not in matmul_work:
             matmul_work[name] = depth <= 50 and any(
-                (item["item"] == "kernel" and is_matmul(item))
-                or (item["item"] == "call" and does_matmuls(item["callee"], depth + 1))
+                (item.item == "kernel" and is_matmul(item))
+                or (item.item == "call" and does_matmuls(item.callee, depth + 1))
                 for item in program.get(name, ()))
         return matmul_work[name]
 
     def collective(item) -> tuple[float, str]:
-        if "host_bytes" in item:  # a copy between HBM and host memory, over PCIe
-            return item["host_bytes"] / r.host, "host"
-        if item.get("wraps"):  # an async-start: the collective it wraps
-            return comm.get(f"@{item['wraps']}", (0.0, "intra-node"))
-        return comm.get(item["name"], (0.0, "intra-node"))
+        if item.has("host_bytes"):  # a copy between HBM and host memory, over PCIe
+            return item.host_bytes / r.host, "host"
+        if item.wraps:  # an async-start: the collective it wraps
+            return comm.get(f"@{item.wraps}", (0.0, "intra-node"))
+        return comm.get(item.name, (0.0, "intra-node"))
 
     def walk(name: str, times: float, depth: int = 0) -> float:
         """Adds `times` runs of computation `name` to the totals; returns its device time."""
@@ -198,34 +198,34 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
         # blocks' gathers exposed there are exposed once a step, however deep the model
         # (jaxdist.predict.depth.linear_times)
         first = next((i for i, item in enumerate(items) if
-                      (item["item"] == "kernel" and is_matmul(item)) or
-                      (item["item"] == "call" and does_matmuls(item["callee"]))),
+                      (item.item == "kernel" and is_matmul(item)) or
+                      (item.item == "call" and does_matmuls(item.callee))),
                      len(items)) if depth == 0 else len(items)
         for at, item in enumerate(items):
-            kind = item["item"]
+            kind = item.item
             if kind == "kernel":
                 seconds, bound = r.kernel(item, precision)
                 totals["compute_s" if bound == "compute" else "hbm_s"] += \
                     (seconds - r.launch) * times
                 totals["launch_s"] += r.launch * times
-                by_kind[item["kind"]] = by_kind.get(item["kind"], 0.0) + seconds * times
+                by_kind[item.kind] = by_kind.get(item.kind, 0.0) + seconds * times
                 spent = seconds
             elif kind == "call":
-                if not item["branch"]:
-                    callee_times = times * item["repeat"]
-                elif branch_runs and item["callee"] in branch_runs:
-                    callee_times = branch_runs[item["callee"]]  # runs per step, absolute
+                if not item.branch:
+                    callee_times = times * item.repeat
+                elif branch_runs and item.callee in branch_runs:
+                    callee_times = branch_runs[item.callee]  # runs per step, absolute
                 else:  # how often a branch runs is not in the HLO: every time (a bound)
                     flags["upper_bound"] = True
                     callee_times = times
-                spent = walk(item["callee"], callee_times, depth + 1) / max(times, 1e-12)
+                spent = walk(item.callee, callee_times, depth + 1) / max(times, 1e-12)
             elif kind == "start":
                 seconds, link = collective(item)
                 totals[link] += seconds * times
-                open_ops[item["name"]] = [seconds, link, 0.0]
+                open_ops[item.name] = [seconds, link, 0.0]
                 continue
             elif kind == "done":
-                op = open_ops.pop(item["name"], None)
+                op = open_ops.pop(item.name, None)
                 if op is not None:
                     exposed = max(0.0, op[0] - op[2])
                     totals[f"exposed {op[1]}"] += exposed * times

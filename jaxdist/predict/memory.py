@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TypedDict
 
 import jax
 import jax.extend.core as jex_core
@@ -58,10 +59,18 @@ def batch_shards(mesh: dict[str, int]) -> int:
     return math.prod(mesh[a] for a in batch_axes(mesh))
 
 
-def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
+class SavedResidual(TypedDict):
+    """One value the backward pass reads, as jax.vjp saved it (host: offloaded to host
+    memory by the remat policy)."""
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    host: bool
+
+
+def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[SavedResidual]:
     """The values jax.vjp of the model's loss (with respect to the parameters) saves for
-    the backward pass, at a global batch of `batch_size`, without allocating: [{shape,
-    dtype, bytes, host}] (host: offloaded to host memory by the remat policy). Parameters
+    the backward pass, at a global batch of `batch_size`, without allocating. Parameters
     and the batch themselves are left out (they are the state and the input)."""
     graphdef, params, model_state = nnx.eval_shape(
         lambda: split_model(model_cfg, DTYPES[dtype_name], 0))
@@ -85,9 +94,10 @@ def saved_residuals(model_cfg, dtype_name: str, batch_size: int) -> list[dict]:
             continue
         seen.add(v)
         aval = v.aval
-        out.append({"shape": tuple(aval.shape), "dtype": str(aval.dtype),
-                    "bytes": int(aval.size) * np.dtype(aval.dtype).itemsize,
-                    "host": getattr(aval, "memory_space", None) == jax.memory.Space.Host})
+        out.append(SavedResidual(
+            shape=tuple(aval.shape), dtype=str(aval.dtype),
+            bytes=int(aval.size) * np.dtype(aval.dtype).itemsize,
+            host=getattr(aval, "memory_space", None) == jax.memory.Space.Host))
     return out
 
 
@@ -142,7 +152,7 @@ class MemoryEstimate(Figures):
     upper_bound_why: str | None = ABSENT
 
 
-def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None,
+def classify(at_b: list[SavedResidual], at_2b: list[SavedResidual], seq_len: int | None,
              flash: bool) -> ResidualKinds:
     """Residual bytes by kind from the same trace at batch B and 2B (same order): per-batch
     (activations), constant (weight-derived), L x L scores, offloaded to host (activations);

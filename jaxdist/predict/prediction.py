@@ -94,14 +94,6 @@ class Prediction(Figures):
     def compiler(self) -> str:
         return self.compiled.compiler
 
-    @property
-    def pipeline(self) -> dict | None:
-        """plan.json's `pipeline` block: the schedule, its largest chunk and its ticks."""
-        if self.schedule is None:
-            return None
-        return {**self.schedule, "blocks_per_chunk": self.blocks_per_chunk,
-                **self.time.pipeline.to_json()}
-
 
 def predict(job, blocks: str = "auto", cache: dict | None = None) -> Prediction:
     """The prediction of `job`'s step (jaxdist.job) on its mesh and part (`job.part`);
@@ -224,8 +216,8 @@ def _pipeline(job, hw, target, cache: dict | None) -> Prediction:
                   lambda: stage_memory(job))
     pred = pipeline_step(job, model_cfg, dict(shape.axis_sizes), hw, cache, target)
     return Prediction(
-        model=stages["model"], distributed_optimizer=stages["distributed_optimizer"],
-        state_bytes_per_device=stages["state_bytes_per_device"],
+        model=stages.model, distributed_optimizer=stages.distributed_optimizer,
+        state_bytes_per_device=stages.state_bytes_per_device,
         compiled=CompiledProgram(
             compiler=target.label, gpu=target.gpu, xla_flags=job.compiler.xla_flags,
             method=pred.method, flops_per_device=pred.flops_per_device,

@@ -29,7 +29,7 @@ from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time
 from jaxdist.predict.kernels_time import KernelTime
 from jaxdist.predict.depth import kernels, line, linear
-from jaxdist.predict.time_model import aggregate
+from jaxdist.predict.time_model import AggregatedCollective, aggregate
 from jaxdist.train_step import compiled_step_flops
 
 FULL_DEPTH_MAX = 8  # "auto": compile whole up to this many blocks, else extrapolate
@@ -45,9 +45,9 @@ class StepFigures(Figures):
     how they were made (`method`, `memory_method`) and keep the depth-1 and -2 figures."""
     flops: float
     bytes_accessed: float
-    comm: list[dict]
+    comm: list[AggregatedCollective]
     memory: dict[str, float]
-    kernels: dict[str, dict] = dataclasses.field(default_factory=dict)
+    kernels: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     kernel_time: KernelTime | None = None
     liveness: liveness.LiveRanges | None = None
     compile_s: float | None = None

@@ -35,6 +35,7 @@ copies, quantized once a step: one byte per parameter of its slots, as they are 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -42,6 +43,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from jaxdist import metrics
+from jaxdist.figures import Figures
 from jaxdist.config import parse_stage_blocks
 from jaxdist.pipeline.checks import check_pipeline
 from jaxdist.pipeline.parts import chunk_blocks
@@ -126,9 +128,22 @@ def stage_total(s: dict) -> int:
     return int(held + max(loop, s["gradient_cast_tail"]))
 
 
-def stage_memory(job) -> dict:
-    """{layout, mesh, distributed_optimizer, model, pipeline, state_bytes_per_device, stages}:
-    the schedule's facts and every stage's bytes per device, of a pipelined `job`
+@dataclasses.dataclass(frozen=True)
+class StageMemory(Figures):
+    """A pipelined job's memory per stage: the schedule's facts (its summary, blocks per
+    chunk, batch and micro-batch rows), the exact state per device by part, and every
+    stage's bytes per device by kind with their total (`stages`, one row per stage)."""
+    layout: str
+    mesh: dict[str, int]
+    distributed_optimizer: bool
+    model: dict[str, str | int]     # {name, params}
+    pipeline: dict[str, object]     # Schedule.summary, blocks_per_chunk, batch, rows
+    state_bytes_per_device: dict[str, int]
+    stages: list[dict[str, int]]
+
+
+def stage_memory(job) -> StageMemory:
+    """The schedule's facts and every stage's bytes per device, of a pipelined `job`
     (jaxdist.job)."""
     model_cfg, shape = job.model, job.shape
     sizes = shape.axis_sizes
@@ -216,12 +231,10 @@ def stage_memory(job) -> dict:
                  "gradient_cast_loop": int(cast) if early else 0,
                  "gradient_cast_tail": int(cast)}
         stages.append({**stage, "total": stage_total(stage)})
-    return {
-        "layout": job.layout.name, "mesh": dict(sizes),
-        "distributed_optimizer": layout.distributed_optimizer,
-        "model": {"name": job.model_name, "params": model_params(state, counts)},
-        "pipeline": {**sched.summary(), "blocks_per_chunk": K, "batch_size":
-                     job.train.batch_size, "microbatch_rows_per_device": rows},
-        "state_bytes_per_device": per_device,
-        "stages": stages,
-    }
+    return StageMemory(
+        layout=job.layout.name, mesh=dict(sizes),
+        distributed_optimizer=layout.distributed_optimizer,
+        model={"name": job.model_name, "params": model_params(state, counts)},
+        pipeline={**sched.summary(), "blocks_per_chunk": K, "batch_size":
+                  job.train.batch_size, "microbatch_rows_per_device": rows},
+        state_bytes_per_device=per_device, stages=stages)

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
 from jaxdist.figures import ABSENT, Figures
 from jaxdist.hardware import clock_factor, compute_efficiency, constant
 from jaxdist.parts import Part
+from jaxdist.program.comm import Collective
 from jaxdist.program.hlo import ring_steps
 
 LABEL = "predicted"
@@ -189,7 +191,16 @@ def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> LinkTime:
                     members_per_node=per_node, seconds=seconds)
 
 
-def aggregate(ops: list[dict]) -> list[dict]:
+# Collectives summed by kind, mesh axes, group size and (where known) the nodes they span
+# (`aggregate`): how many run per step (`count`), their bytes and ring bytes, and whether any
+# is an upper bound or asynchronous.
+AggregatedCollective = TypedDict("AggregatedCollective", {
+    "kind": str, "axes": list, "group_size": int, "nodes": NotRequired[int],
+    "members_per_node": NotRequired[int], "count": float, "bytes": float,
+    "ring_bytes": float, "upper_bound": bool, "async": bool})
+
+
+def aggregate(ops: list[Collective]) -> list[AggregatedCollective]:
     """Collectives (jaxdist.program.comm.collectives entries) summed by (kind, axes, group
     size, and the nodes they span where known)."""
     out: dict = {}

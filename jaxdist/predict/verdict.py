@@ -85,7 +85,7 @@ def _against_hbm(need: float, hw: Part) -> dict[str, float]:
             "headroom_bytes": max(0, hw.hbm_bytes - need)}
 
 
-def _hand(estimate) -> dict:
+def _hand(estimate) -> dict[str, float | str | bool | None]:
     """The hand estimate's terms, as MemoryVerdict's fields."""
     return {k: v for k, v in estimate.to_json().items() if k != "label"}
 
@@ -220,7 +220,7 @@ def gpu_memory_verdict(estimate, gpu: dict[str, float], hw: Part) -> MemoryVerdi
         temp_bytes=need - estimate.state_bytes, fits=fits, fits_reason=reason)
 
 
-def pipeline_verdict(stage_memory: dict, hw: Part,
+def pipeline_verdict(stage_memory, hw: Part,
                      compiled_working: float | None = None) -> MemoryVerdict:
     """The memory verdict of a pipeline: the worst stage of `stage_memory`'s stages (exact
     state, activations stashed per the schedule table) against the part's HBM. The working
@@ -228,7 +228,7 @@ def pipeline_verdict(stage_memory: dict, hw: Part,
     extrapolated to the chunk's blocks) where compiled for a GPU, else the hand estimate."""
     from jaxdist.predict.stage_memory import stage_total
 
-    stages = stage_memory["stages"]
+    stages = stage_memory.stages
     if compiled_working is not None:
         stages = [{**s, "activation_working_hand": s["activation_working"],
                    "activation_working": int(compiled_working)} for s in stages]

@@ -19,10 +19,14 @@ assumes, per layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
+from typing import NotRequired, TypedDict
 
 import numpy as np
+
+from jaxdist.figures import ABSENT, Figures
 
 from jaxdist.program.hlo import (COLLECTIVE_KINDS, Array, execution_counts, permute_pairs,
                                  replica_groups, ring_factor, typed)
@@ -81,8 +85,21 @@ def spread(links, hosts) -> tuple[int, int]:
     return worst
 
 
+# One collective of a program (`collectives`): its kind, bytes per device per step (its
+# buffer x `times` runs), ring bytes (what each device sends, ring algorithm), group size,
+# instruction and computation, the mesh axes its groups span, whether its count is only an
+# upper bound, whether it runs asynchronously, its dtypes, and (hosts known) the nodes its
+# groups span and the fewest members one holds.
+Collective = TypedDict("Collective", {
+    "kind": str, "bytes": float, "times": float, "group_size": int, "name": str,
+    "computation": str, "axes": list, "ring_bytes": float, "upper_bound": bool,
+    "nodes": NotRequired[int], "members_per_node": NotRequired[int], "async": bool,
+    "dtypes": list})
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int],
-                branch_runs: dict[str, float] | None = None, hosts=None) -> list[dict]:
+                branch_runs: dict[str, float] | None = None,
+                hosts=None) -> list[Collective]:
     """One entry per collective in the optimized HLO, each counted once: a sync op, the
     `-start` of an async pair (never its `-done`), or the collective inside an async-start's
     wrapped computation (never the async-start/-done around it). `bytes` is the collective's
@@ -142,7 +159,22 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int],
     return out
 
 
-def summarize(ops: list[dict]) -> dict:
+@dataclasses.dataclass(frozen=True)
+class CommSummary(Figures):
+    """A program's collectives per device per step: {count, bytes, ring_bytes} by kind and
+    by mesh-axis combination (e.g. "data+fsdp"), their totals, and where counts are only an
+    upper bound; a run's record adds the layout's analytic traffic beside them."""
+    by_kind: dict[str, dict[str, float]]
+    by_axis: dict[str, dict[str, float]]
+    total_bytes: float
+    total_ring_bytes: float
+    upper_bound_note: str | None
+    analytic_ring_bytes: float | None = ABSENT
+    analytic_basis: str = ABSENT
+    measured_over_analytic: float | None = ABSENT
+
+
+def summarize(ops: list[Collective]) -> CommSummary:
     """Totals per kind and per mesh-axis combination (e.g. "data+fsdp")."""
     by_kind: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0.0})
     by_axis: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0.0})
@@ -152,13 +184,14 @@ def summarize(ops: list[dict]) -> dict:
             table[key]["bytes"] += op["bytes"]
             table[key]["ring_bytes"] += op["ring_bytes"]
     bounded = sorted({op["kind"] for op in ops if op.get("upper_bound")})
-    return {"by_kind": dict(by_kind), "by_axis": dict(by_axis),
-            "total_bytes": sum(op["bytes"] for op in ops),
-            "total_ring_bytes": sum(op["ring_bytes"] for op in ops),
-            "upper_bound_note": (
-                f"upper bound for {', '.join(bounded)}: some run inside a conditional branch "
-                "whose frequency the HLO does not hold, counted as if it ran every time"
-                if bounded else None)}
+    return CommSummary(
+        by_kind=dict(by_kind), by_axis=dict(by_axis),
+        total_bytes=sum(op["bytes"] for op in ops),
+        total_ring_bytes=sum(op["ring_bytes"] for op in ops),
+        upper_bound_note=(
+            f"upper bound for {', '.join(bounded)}: some run inside a conditional branch "
+            "whose frequency the HLO does not hold, counted as if it ran every time"
+            if bounded else None))
 
 
 def _analytic(layout: str):

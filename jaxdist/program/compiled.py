@@ -228,7 +228,7 @@ def batch_bytes(model_cfg, batch_size: int) -> int:
                for x in jax.tree.leaves(abstract_batch(model_cfg, batch_size)))
 
 
-def abstract_batch(model_cfg, batch_size: int) -> dict:
+def abstract_batch(model_cfg, batch_size: int) -> dict[str, "jax.ShapeDtypeStruct"]:
     """The global batch as shapes (nothing allocated)."""
     import jax
     import numpy as np
@@ -246,12 +246,15 @@ OVERLAP_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
 PIPELINE_OVERLAP_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
 
-_KERNEL_CACHE: list[dict] = []
+# A per-compile XLA option's value (DebugOptions: a flag, a number or a path)
+XlaOption = bool | int | float | str
+
+_KERNEL_CACHE: list[dict[str, XlaOption]] = []
 _KERNEL_CACHE_LOCK = threading.Lock()  # a suite plan compiles from two threads
 KERNEL_CACHE_ENV = "JAXDIST_XLA_KERNEL_CACHE"
 
 
-def kernel_cache_options() -> dict:
+def kernel_cache_options() -> dict[str, XlaOption]:
     """XLA:GPU's kernel cache, one file per process: a kernel already compiled to a cubin
     (the same fusion in the depth-1 and depth-2 programs, in a variant that changes only
     --overlap, in F, B and the whole backward of a pipeline chunk) is not handed to ptxas
@@ -276,13 +279,13 @@ def kernel_cache_options() -> dict:
         return dict(_KERNEL_CACHE[0])
 
 
-def xla_options(flags: str) -> dict:
+def xla_options(flags: str) -> dict[str, XlaOption]:
     """`--xla-flags` as per-compile options: "--xla_a=false --xla_b=4" -> {"xla_a": False,
     "xla_b": 4}. A plan compiles in a process whose XLA is already up (XLA_FLAGS is read once,
     at start-up), so the flags are handed to each compile instead; XLA itself rejects a name
     it does not know (`No such compile option`). A bare --name is true, as in XLA_FLAGS; a
     token that is neither --name nor --name=value is refused here."""
-    out: dict = {}
+    out: dict[str, XlaOption] = {}
     for token in flags.split():
         name, eq, value = token[2:].partition("=")
         if not token.startswith("--") or not name or (eq and not value):
@@ -302,7 +305,7 @@ def xla_options(flags: str) -> dict:
     return out
 
 
-def compile_options(job, target: Target) -> dict | None:
+def compile_options(job, target: Target) -> dict[str, XlaOption] | None:
     """The per-compile XLA options of a plan's compile: on a device-less XLA:GPU target the
     kernel cache, --overlap's scheduler flags and --xla-flags; on simulated CPU devices under
     --dry-run, --xla-flags. None for a compile on the run's own devices (the run's XLA_FLAGS

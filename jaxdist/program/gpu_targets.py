@@ -72,7 +72,7 @@ class GpuTarget:
 
 def gpu_device_info(cc: tuple[int, int], cores: int, fpus: int, bandwidth: int, l2: int,
                     clock: float, memory: int, smem_core: int, smem_optin: int,
-                    threads_core: int = 2048) -> dict:
+                    threads_core: int = 2048) -> dict[str, int | float | dict[str, int]]:
     """The GpuDeviceInfoProto fields of one spec: the parts' own figures, and the limits every
     CUDA part shares."""
     return {"threads_per_block_limit": 1024, "threads_per_warp": 32,

@@ -513,8 +513,8 @@ class Instruction:
         return found.group(1) if found else None
 
     @_once
-    def backend_config(self) -> dict:
-        """Its backend_config JSON object ({} where absent or unreadable)."""
+    def backend_config(self) -> dict[str, object]:
+        """Its backend_config JSON object, parsed ({} where absent or unreadable)."""
         m = _BACKEND.search(self.line)
         if not m:
             return {}

@@ -32,7 +32,7 @@ import functools
 import math
 from collections import defaultdict
 
-from jaxdist.figures import Figures
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.program.hlo import Instruction, execution_counts, trip_count, typed
 
 # Instructions that launch nothing: control flow, tuples, views and the -done halves.
@@ -152,7 +152,7 @@ def in_place_bytes(ins: Instruction, by_name: dict, roots: dict) -> float | None
 SLICING = ("dynamic-slice", "slice", "gather")  # read only what they return from operand 0
 
 
-def sliced_reads(program, fused: set) -> dict:
+def sliced_reads(program, fused: set) -> dict[tuple[str, int], float]:
     """{(fused computation, parameter index): bytes} for every parameter of a fused
     computation that is read only as operand 0 of slicing ops (through bitcasts): the
     kernel reads the slices they return, not the whole operand."""
@@ -241,15 +241,36 @@ def dtype_name(t: str) -> str:
 HOST_MEMORY = ":S(5)"  # XLA:GPU's layout mark of a buffer in host memory (memory space 5)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleItem(Figures):
+    """One entry of a computation's schedule (`schedule`): a kernel (`kind`, FLOPs, bytes,
+    its operands' dtype, a cuDNN attention's key length `seq`, whether a ragged dot); a
+    collective or host copy starting (`start`: `wraps` the computation an async-start wraps,
+    `host_bytes` for a copy to or from host memory) and its `done`; a synchronous collective
+    (`sync`); or a call into another computation (`call`: `callee`, `repeat` a while's trip
+    count, `branch` a conditional's branch)."""
+    item: str
+    name: str = ABSENT
+    callee: str = ABSENT
+    branch: bool = ABSENT
+    repeat: int = ABSENT
+    wraps: str = ABSENT
+    host_bytes: float = ABSENT
+    kind: str = ABSENT
+    flops: float = ABSENT
+    bytes: float = ABSENT
+    dtype: str = ABSENT
+    seq: int | None = ABSENT
+    ragged: bool = ABSENT
+
+
 @functools.lru_cache(maxsize=4)  # a program is read by inventory(), then timed (2 threads)
-def schedule(hlo_text: str) -> dict[str, list[dict]]:
-    """Every computation's items in schedule order (XLA prints a scheduled module's
-    instructions in the order they run): kernels {"kernel", kind, flops, bytes, dtype},
-    async collective halves {"start"/"done", "name"}, copies between HBM and host memory as
-    the same halves with "host_bytes", sync collectives {"sync", "name"}, and
-    calls into other computations {"call", "callee", "repeat" (a while's trip count),
-    "branch"}. Fusion bodies and reducers are folded into their kernel. Shared between
-    callers (cached): read it, never change it."""
+def schedule(hlo_text: str) -> dict[str, list[ScheduleItem]]:
+    """Every computation's items (ScheduleItem) in schedule order (XLA prints a scheduled
+    module's instructions in the order they run): kernels, async collective halves, copies
+    between HBM and host memory as the same halves, sync collectives and calls into other
+    computations. Fusion bodies and reducers are folded into their kernel. Shared between
+    callers (cached): read it, never change its lists."""
     program = typed(hlo_text)
     by_name = {ins.name: ins for ins in program}
     roots = {ins.computation: ins for ins in program if ins.root}
@@ -264,7 +285,7 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
             count = ragged_dot_flops if ins.op == "ragged-dot" else dot_flops
             fused_flops[ins.computation] += count(ins, by_name.get(ins.operands[0]))
             fused_dtype.setdefault(ins.computation, _dtype(by_name.get(ins.operands[0])))
-    out: dict[str, list[dict]] = defaultdict(list)
+    out: dict[str, list[ScheduleItem]] = defaultdict(list)
     for ins in program:
         comp, name, op = ins.computation, ins.name, ins.op
         if comp in fused:
@@ -272,30 +293,31 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
         if op in ("while", "conditional", "call"):
             trip = trip_count(ins.line) if op == "while" else None
             for callee in ins.calls("body", "to_apply", "calls"):
-                out[comp].append({"item": "call", "callee": callee, "branch": False,
-                                  "repeat": trip or 1})
+                out[comp].append(ScheduleItem(item="call", callee=callee, branch=False,
+                                              repeat=trip or 1))
             for branch in ins.branches:
-                out[comp].append({"item": "call", "callee": branch, "branch": True,
-                                  "repeat": 1})
+                out[comp].append(ScheduleItem(item="call", callee=branch, branch=True,
+                                              repeat=1))
             continue
         if op == "async-start":
             called = ins.calls("calls")
-            out[comp].append({"item": "start", "name": name,
-                              "wraps": called[0] if called else ""})
+            out[comp].append(ScheduleItem(item="start", name=name,
+                                          wraps=called[0] if called else ""))
             continue
         if op.endswith("-done"):
-            out[comp].append({"item": "done", "name": ins.operands[0] if ins.operands else ""})
+            out[comp].append(ScheduleItem(item="done",
+                                          name=ins.operands[0] if ins.operands else ""))
             continue
         if op == "copy-start" and HOST_MEMORY in ins.shape:  # to or from host memory
-            out[comp].append({"item": "start", "name": name,
-                              "host_bytes": _bytes(ins.results[:1])})
+            out[comp].append(ScheduleItem(item="start", name=name,
+                                          host_bytes=_bytes(ins.results[:1])))
             continue
         kind = kernel_kind(ins)
         if kind is None:
             continue
         if kind.startswith("collective"):
-            out[comp].append({"item": "start" if op.endswith("-start") else "sync",
-                              "name": name})
+            out[comp].append(ScheduleItem(item="start" if op.endswith("-start") else "sync",
+                                          name=name))
             continue
         args = [by_name.get(n) for n in ins.operands]
         first = args[0] if args else None
@@ -322,9 +344,9 @@ def schedule(hlo_text: str) -> dict[str, list[dict]]:
             if op in SLICING and args and args[0] is not None:  # unfused: its slice
                 reads[0] = min(reads[0], _bytes(result))
             nbytes = sum(reads) + _bytes(result)
-        out[comp].append({"item": "kernel", "kind": kind, "flops": flops, "bytes": nbytes,
-                          "dtype": dtype, "seq": _seq(ins, kind),
-                          "ragged": "ragged_dot" in (ins.op_name or "")})
+        out[comp].append(ScheduleItem(item="kernel", kind=kind, flops=flops, bytes=nbytes,
+                                      dtype=dtype, seq=_seq(ins, kind),
+                                      ragged="ragged_dot" in (ins.op_name or "")))
     return dict(out)
 
 
@@ -356,16 +378,16 @@ def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> Ker
     bound = False
     program = schedule(hlo_text)
     # A collective inside an async-start's wrapped computation runs asynchronously.
-    wrapped = {i["wraps"] for items in program.values() for i in items if i.get("wraps")}
+    wrapped = {i.wraps for items in program.values() for i in items if i.wraps}
     for comp, items in program.items():
         times = runs.get(comp, 0)
         if not times:
             continue
         for item in items:
-            if item["item"] == "kernel":
-                kind, flops, nbytes = item["kind"], item["flops"], item["bytes"]
-            elif item["item"] in ("start", "sync") and not item.get("wraps"):
-                sync = item["item"] == "sync" and comp not in wrapped
+            if item.item == "kernel":
+                kind, flops, nbytes = item.kind, item.flops, item.bytes
+            elif item.item in ("start", "sync") and not item.wraps:
+                sync = item.item == "sync" and comp not in wrapped
                 kind, flops, nbytes = f"collective ({'sync' if sync else 'async'})", 0.0, 0.0
             else:
                 continue

@@ -47,7 +47,7 @@ class LiveRanges(Figures):
     profile: list[tuple[int, float]]
 
 
-def dump_options(folder: str) -> dict[str, str | bool]:
+def dump_options(folder: str) -> dict[str, str | bool]:  # per-compile XLA options
     """Per-compile XLA options that write the buffer assignment and live ranges (text) into
     `folder`, without the LLVM IR."""
     return {"xla_dump_to": folder, "xla_dump_hlo_as_text": True, "xla_gpu_dump_llvmir": False}

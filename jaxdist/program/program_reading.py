@@ -34,9 +34,9 @@ class ProgramReading(Figures):
     bytes_accessed: float
     basis: str
     xla_cost: dict[str, float | str]
-    collectives: list[dict]
+    collectives: list[comm.Collective]
     memory: dict[str, int]
-    kernels: dict[str, dict]
+    kernels: dict[str, dict[str, float]]
     kernels_upper_bound: bool
     compile_s: float | None
 
