@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     slots = servicer.data_slots
     if slots is not None and slots.unlogged():  # the counts since the last (rate-limited) line
         log(f"data port: {slots.summary()}")
+    if servicer.refusals_unlogged():
+        log(servicer.refusal_summary())
     log("stopped")
     # Exit now: interpreter shutdown would join the gRPC pool's threads, and a pull parked
     # on a barrier holds one for up to --ps-timeout-s (the launcher would SIGKILL us first).

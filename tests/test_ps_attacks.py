@@ -1,0 +1,246 @@
+"""Whole PS runs under attack, each on real processes on 127.0.0.1: busy tokenless HTTP/2
+connections on every shard's gRPC port, a flood of raw connects on a TLS data port with
+snapshots on, a shard paused past --ps-timeout-s, and a write limit (a full disk). Each test
+asserts what the run did (exit status, steps, the line naming the cause) and what the peer
+saw (connections closed, descriptors), never a time."""
+
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist.record import RunRecord
+from tests.helpers import ROOT, child_env
+from tests.test_ps_hostile import RUN, _open_fds
+from tests.test_ps_server import TOKEN
+
+
+def _launch(logdir, *extra, env=None, preexec_fn=None, timeout=240):
+    """experiments.run with RUN's job (2 workers, 2 shards, sync, 12 steps) and the test
+    token, as a child process; its CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.run", *RUN, *extra, "--logdir", str(logdir),
+         "--no-progress"], cwd=ROOT, env={**child_env(), "JAXDIST_PS_TOKEN": TOKEN,
+                                          **(env or {})},
+        capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def _ready(psdir, shards: int, stop_event, key: str, limit_s: float = 120.0) -> list[int]:
+    """Each shard's `key` (port, data_port) from its ready file, once all are written."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and not stop_event.is_set():
+        try:
+            return [json.loads((psdir / f"shard{k}.ready.json").read_text())[key]
+                    for k in range(shards)]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.02)
+    return []
+
+
+# -- busy tokenless HTTP/2 connections on the gRPC ports ---------------------------------
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (len(payload).to_bytes(3, "big") + bytes([kind, flags])
+            + stream.to_bytes(4, "big") + payload)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:  # HPACK: literal, new name, no indexing
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+PATH = b"/jaxdist.ps.Shard/Control"
+
+
+def refused_call(stream: int, authority: bytes) -> bytes:
+    """One gRPC call's HEADERS (and END_STREAM): POST /jaxdist.ps.Shard/Control with no
+    session ticket, so the shard refuses it."""
+    block = (b"\x83\x86"                                   # :method POST, :scheme http
+             + b"\x04" + bytes([len(PATH)]) + PATH              # :path (name index 4)
+             + b"\x01" + bytes([len(authority)]) + authority             # :authority
+             + _literal(b"content-type", b"application/grpc")
+             + _literal(b"te", b"trailers"))
+    return _frame(1, 0x5, stream, block)  # HEADERS, END_STREAM | END_HEADERS
+
+
+class BusyPeer(threading.Thread):
+    """`per_shard` HTTP/2 connections to each shard's gRPC port (from its ready file), each
+    sending one refused call every `every_s` and answering the shard's SETTINGS and PINGs,
+    so gRPC's idle timer never fires. A connection the shard closes is counted, not
+    reopened. Bounded: `limit_s`, and at most `calls` calls per connection."""
+
+    def __init__(self, psdir, shards: int, per_shard: int, every_s: float = 0.5,
+                 calls: int = 40, limit_s: float = 90.0):
+        super().__init__(daemon=True)
+        self.psdir, self.shards, self.per_shard = psdir, shards, per_shard
+        self.every_s, self.calls, self.limit_s = every_s, calls, limit_s
+        self.stop_event = threading.Event()
+        self.opened = self.closed_by_shard = self.sent = self.refusals = 0
+        self.held_max = 0
+        self.error = None
+
+    def run(self):
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.error = e
+
+    def _run(self):
+        end = time.monotonic() + self.limit_s
+        ports = _ready(self.psdir, self.shards, self.stop_event, "port")
+        sel = selectors.DefaultSelector()
+        conns = {}
+        for port in ports:
+            authority = f"127.0.0.1:{port}".encode()
+            for _ in range(self.per_shard):
+                try:
+                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                except OSError:
+                    continue
+                s.setblocking(False)
+                s.sendall(PREFACE + _frame(4, 0, 0))
+                conns[s] = {"authority": authority, "stream": 1, "buf": b"", "calls": 0}
+                sel.register(s, selectors.EVENT_READ)
+                self.opened += 1
+        self.held_max = len(conns)
+        next_round = time.monotonic()
+        while conns and time.monotonic() < end and not self.stop_event.is_set():
+            now = time.monotonic()
+            if now >= next_round:
+                next_round = now + self.every_s
+                for s, c in list(conns.items()):
+                    if c["calls"] >= self.calls:
+                        continue
+                    try:
+                        s.send(refused_call(c["stream"], c["authority"]))
+                        c["stream"] += 2
+                        c["calls"] += 1
+                        self.sent += 1
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError:
+                        self._gone(sel, conns, s)
+            for key, _ in sel.select(timeout=max(0.0, next_round - time.monotonic())):
+                self._read(sel, conns, key.fileobj)
+        for s in conns:
+            s.close()
+        sel.close()
+
+    def _gone(self, sel, conns, s):
+        sel.unregister(s)
+        conns.pop(s)
+        s.close()
+        self.closed_by_shard += 1
+
+    def _read(self, sel, conns, s):
+        try:
+            data = s.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._gone(sel, conns, s)
+            return
+        c = conns[s]
+        buf = c["buf"] + data
+        out = b""
+        while len(buf) >= 9:
+            size = int.from_bytes(buf[:3], "big")
+            if len(buf) < 9 + size:
+                break
+            kind, flags, payload = buf[3], buf[4], buf[9:9 + size]
+            if kind == 4 and not flags & 1:      # SETTINGS: acknowledged
+                out += _frame(4, 1, 0)
+            elif kind == 6 and not flags & 1:    # PING: answered
+                out += _frame(6, 1, 0, payload)
+            elif kind == 1:
+                self.refusals += flags & 1       # trailers-only response ends its stream
+            buf = buf[9 + size:]
+        c["buf"] = buf
+        if out:
+            try:
+                s.send(out)
+            except OSError:
+                pass
+
+
+def test_a_connection_past_its_budget_of_refused_calls_is_closed_by_the_shard(tmp_path):
+    """256 busy HTTP/2 connections on one shard's gRPC port, each sending a refused call
+    every 0.2 s for as long as it is open: gRPC's idle close never fires on a busy
+    connection, so they stayed. Now the shard shuts each down past its budget of calls
+    without a session, and a client with the token gets in over gRPC."""
+    from ps.peer_budget import BUDGET
+    from tests.test_ps_hostile import Shard
+    from tests.test_ps_server import shard_client
+
+    N = 256
+    shard = Shard(tmp_path)
+    try:
+        (tmp_path / "shard0.ready.json").write_text((tmp_path / "ready.json").read_text())
+        peer = BusyPeer(tmp_path, 1, N, every_s=0.2, calls=4 * BUDGET, limit_s=60)
+        peer.start()
+        peer.join(70)
+        fds = _open_fds(shard.proc.pid)
+        c = shard_client(shard.address)
+        c.data = None  # over gRPC, not the data port
+        c._control = c._grpc_control
+        ping = c.control("ping")
+        stats = c.control("stats")
+        c.close()
+    finally:
+        shard.stop()
+    assert peer.error is None, peer.error
+    assert peer.opened == N and peer.closed_by_shard == N, (peer.opened,
+                                                           peer.closed_by_shard)
+    assert stats["grpc_closed_over_budget"] == N, stats["grpc_closed_over_budget"]
+    # each got its budget refused, then was shut (a call in flight may still be answered)
+    assert N * BUDGET <= peer.refusals <= N * (BUDGET + 3), peer.refusals
+    assert ping == {"ok": True} and fds < 100, fds
+    print(f"peer: {N} connections, {peer.sent} calls sent, {peer.refusals} refused, "
+          f"{peer.closed_by_shard} closed by the shard; shard descriptors after: {fds}")
+
+
+def test_busy_tokenless_http2_connections_do_not_stop_a_run_from_starting(tmp_path):
+    """1,024 HTTP/2 connections on each shard's gRPC port (its connection cap), each
+    sending a refused call every 0.3 s from the moment the shard serves: the run trains
+    every step (its calls go over the data ports; the gRPC port's held connections are shut
+    past their budget, counted in each shard's last log line)."""
+    from ps.peer_budget import BUDGET
+    from tests.test_ps_hostile import SLOW
+
+    per_shard = 1024
+    logdir = tmp_path / "run"
+    peer = BusyPeer(logdir / "ps", 2, per_shard, every_s=0.3)
+    peer.start()
+    try:
+        proc = _launch(logdir, env={"JAXDIST_PS_FAULT": SLOW})
+    finally:
+        peer.stop_event.set()
+        peer.join(20)
+    assert peer.error is None, peer.error
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = RunRecord.load(logdir).results
+    assert len(r["loss"]) == 12 and np.isfinite(r["loss"]).all()
+    assert peer.opened == 2 * per_shard, peer.opened
+    closed = []
+    for k in range(2):
+        log = (logdir / "ps" / f"shard{k}.log").read_text()
+        assert "Traceback" not in log
+        counts = re.findall(r"(\d+) connection\(s\) closed over their budget of (\d+)", log)
+        assert counts and int(counts[-1][1]) == BUDGET, log[-2000:]
+        closed.append(int(counts[-1][0]))
+    print(f"peer: {peer.opened} connections, {peer.sent} calls sent, {peer.refusals} refused, "
+          f"{peer.closed_by_shard} closed by the shards (over budget, per shard: {closed}); "
+          f"run: 12 steps, exit 0")
