@@ -244,3 +244,107 @@ def test_busy_tokenless_http2_connections_do_not_stop_a_run_from_starting(tmp_pa
     print(f"peer: {peer.opened} connections, {peer.sent} calls sent, {peer.refusals} refused, "
           f"{peer.closed_by_shard} closed by the shards (over budget, per shard: {closed}); "
           f"run: 12 steps, exit 0")
+
+
+# -- a flood of raw connects on a TLS data port, snapshots on -----------------------------
+
+class ConnectFlood(threading.Thread):
+    """Once shard 0 has snapshotted its first step (training has started), raw TCP connects
+    to its data port at `rate` a second for `seconds`, each held
+    open without a ClientHello (a TLS handshake that never starts); the shard's open
+    descriptors (/proc/<pid>/fd) read every 20 connects."""
+
+    def __init__(self, psdir, rate: int = 1000, seconds: float = 1.5):
+        super().__init__(daemon=True)
+        self.psdir, self.rate, self.seconds = psdir, rate, seconds
+        self.stop_event = threading.Event()
+        self.connects = self.failed = 0
+        self.base = self.most = 0
+        self.error, self.training = None, False
+
+    def run(self):
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.error = e
+
+    def _run(self):
+        ports = _ready(self.psdir, 1, self.stop_event, "data_port")
+        pids = _ready(self.psdir, 1, self.stop_event, "pid")
+        if not ports:
+            return
+        port, pid = ports[0], pids[0]
+        latest = self.psdir / "snapshots" / "shard0" / "LATEST"
+        while not self.stop_event.is_set():  # from the first step's snapshot on: training
+            try:
+                if latest.read_text().strip() != f"snap-{0:012d}":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.01)
+        self.training = True
+        self.base = self.most = _open_fds(pid)
+        held = []
+        start = time.monotonic()
+        try:
+            while (n := self.connects + self.failed) < self.rate * self.seconds:
+                if self.stop_event.is_set():
+                    return
+                ahead = start + n / self.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                    self.connects += 1
+                except OSError:
+                    self.failed += 1
+                if n % 20 == 0:
+                    self.most = max(self.most, _open_fds(pid))
+            self.stop_event.wait(0.3)
+            self.most = max(self.most, _open_fds(pid))
+        except OSError:  # the shard went away: what was read stands
+            pass
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_capped(tmp_path):
+    """1,000 raw connects/s for 1.5 s on shard 0's TLS data port during a sync run that
+    snapshots every version: a waiting TLS connection was closed on a detached socket, so
+    the shard's descriptors rose by one per connect until a snapshot write failed ("Too many
+    open files") and the run died. Now they stay within the waiting cap plus the slots, and
+    every step and snapshot is done."""
+    import shutil
+
+    from ps.admission import pool_size
+    from ps.data_slots import MAX_WAITING
+    from tests.test_ps_hostile import SLOW
+    from tests.test_ps_server import make_cert
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    cert, key = make_cert(tmp_path)
+    logdir = tmp_path / "run"
+    flood = ConnectFlood(logdir / "ps")
+    flood.start()
+    try:
+        proc = _launch(logdir, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key),
+                       "--ps-checkpoint-every", "1", env={"JAXDIST_PS_FAULT": SLOW})
+    finally:
+        flood.stop_event.set()
+        flood.join(20)
+    assert flood.error is None, flood.error
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = RunRecord.load(logdir).results
+    assert len(r["loss"]) == 12 and np.isfinite(r["loss"]).all()
+    assert flood.training and flood.connects >= 1000, (flood.connects, flood.failed)
+    cap = MAX_WAITING + pool_size(2) + 16  # waiting, authenticated slots, snapshot files
+    assert flood.most - flood.base <= cap, (flood.base, flood.most)
+    snap = logdir / "ps" / "snapshots" / "shard0"
+    assert (snap / "LATEST").read_text().strip() == f"snap-{12:012d}"
+    log = (logdir / "ps" / "shard0.log").read_text()
+    assert "Traceback" not in log and "Too many open files" not in log
+    print(f"flood: {flood.connects} connects held ({flood.failed} refused) in 1.5 s; shard 0 "
+          f"descriptors {flood.base} -> at most {flood.most} (cap {cap}); run: 12 steps, "
+          f"last snapshot version 12")
