@@ -348,3 +348,59 @@ def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_cappe
     print(f"flood: {flood.connects} connects held ({flood.failed} refused) in 1.5 s; shard 0 "
           f"descriptors {flood.base} -> at most {flood.most} (cap {cap}); run: 12 steps, "
           f"last snapshot version 12")
+
+
+# -- a shard paused past --ps-timeout-s ---------------------------------------------------
+
+def test_a_shard_paused_past_the_step_timeout_is_named_not_a_worker(tmp_path):
+    """Shard 0 of a sync run is SIGSTOPped once the workers train, for --ps-timeout-s
+    (3 s here) + 0.5 s, then continued: the silence the launcher's deadline is measured
+    against is the same at 3 s as at 30 s. The run ended naming worker 0 ("made no
+    progress"); now it names the shard, and no process is left."""
+    from jaxdist.procs import pids_alive, pids_mentioning
+    from tests.test_ps_hostile import SLOW
+
+    logdir = tmp_path / "run"
+    psdir = logdir / "ps"
+    timeout_s = 3.0
+    paused = {}
+
+    def pause():
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            log = psdir / "worker0.log"
+            if log.exists() and "all workers ready" in log.read_text():
+                break
+            time.sleep(0.02)
+        else:
+            return
+        time.sleep(0.5)  # a few steps in
+        pid = json.loads((psdir / "shard0.ready.json").read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        paused["pid"] = pid
+        time.sleep(timeout_s + 0.5)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # the launcher ended it already
+            pass
+
+    t = threading.Thread(target=pause, daemon=True)
+    t.start()
+    run = [a if a != "5" or RUN[i - 1] != "--ps-timeout-s" else str(timeout_s)
+           for i, a in enumerate(RUN)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", *run, "--steps", "400", "--logdir",
+         str(logdir), "--no-progress"], cwd=ROOT,
+        env={**child_env(), "JAXDIST_PS_TOKEN": TOKEN, "JAXDIST_PS_FAULT": SLOW},
+        capture_output=True, text=True, timeout=240)
+    t.join(30)
+    assert "pid" in paused, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if "stopping every process" in ln
+            or "failed waiting for it" in ln]
+    assert line, proc.stderr[-3000:]
+    assert f"shard 0 (pid {paused['pid']}" in line[0], line[0]
+    assert "worker 0 (pid" not in line[0].split(";")[0], line[0]
+    assert pids_alive([paused["pid"]]) == [] and pids_mentioning(str(logdir)) == []
+    print(f"paused shard 0 for {timeout_s + 0.5:g} s (--ps-timeout-s {timeout_s:g}): exit "
+          f"{proc.returncode}; {line[0][:220]}")
