@@ -66,6 +66,11 @@ def run_ps(job, logdir: Path, log=print) -> dict:
                     f"step and writes what it measured")
                 launch.stop_workers()  # a second Ctrl-C here stops at once, without results
             stats = launch.stats()
+            for k, shard in enumerate(stats):  # a full disk under a shard: its path, once
+                failed = [e for e in shard.get("events", ()) if "snapshot of version" in e]
+                if failed:
+                    log(f"ps: shard {k} (pid {shard.get('pid')}) could not write a "
+                        f"snapshot: {failed[0]}")
         finally:
             procs.stop_all(launch.children)
     results = collect(job, logdir, stats, shard_map, launch, interrupted)

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         core.restore(*loaded)
         log(f"restored version {core.version} (epoch {epoch})")
     elif snap_dir and job.ps.ps_checkpoint_every:
-        core.save_snapshot()  # version 0: a shard that dies early still has a snapshot
+        core.snapshot_now()  # version 0: a shard that dies early still has a snapshot
     max_bytes = job.ps.ps_max_message_mb * (1 << 20)
     servicer = ShardServicer(core, shard_map, args.shard, token=token,
                              frame_bytes=wire.frame_bytes(max_bytes),

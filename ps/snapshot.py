@@ -27,17 +27,28 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    """Write a snapshot; OSError naming the file that could not be written (a full disk, a
+    file-size limit), with nothing of this snapshot left behind."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"snap-{meta['version']:012d}"
     tmp = directory / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for key, value in arrays.items():
-        with open(tmp / f"{key}.npy", "wb") as f:
-            np.save(f, np.asarray(value), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-    _write_atomic(tmp / "meta.json", json.dumps(meta))
+    path = tmp
+    try:
+        for key, value in arrays.items():
+            path = tmp / f"{key}.npy"
+            with open(path, "wb") as f:
+                np.save(f, np.asarray(value), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+        path = tmp / "meta.json"
+        _write_atomic(path, json.dumps(meta))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # numpy's short write ("N requested and M written") carries no errno or file
+        raise OSError(e.errno, e.strerror or "short write (a full disk or a file-size "
+                      "limit)", str(path)) from None
     final = directory / name
     if final.exists():
         shutil.rmtree(final)

@@ -404,3 +404,65 @@ def test_a_shard_paused_past_the_step_timeout_is_named_not_a_worker(tmp_path):
     assert pids_alive([paused["pid"]]) == [] and pids_mentioning(str(logdir)) == []
     print(f"paused shard 0 for {timeout_s + 0.5:g} s (--ps-timeout-s {timeout_s:g}): exit "
           f"{proc.returncode}; {line[0][:220]}")
+
+
+# -- a full disk (a file-size limit) ------------------------------------------------------
+
+def _fsize_limit(limit: int):
+    import resource
+
+    def apply():  # EFBIG instead of SIGXFSZ's kill, as a full disk's ENOSPC would be
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_snapshot_write_that_fails_names_its_file_and_leaves_nothing_half_written(tmp_path):
+    """numpy's short write under a full disk says only "3712 requested and 2016 written":
+    the shard's version-0 snapshot raised it, with a traceback, and the shard never served.
+    Now the error names the file, and the unfinished snapshot is removed."""
+    code = ("import sys, numpy as np\n"
+            "from pathlib import Path\n"
+            "from ps import snapshot\n"
+            "d = Path(sys.argv[1])\n"
+            "try:\n"
+            "    snapshot.save(d, {'params': np.ones(4096, np.float32)}, {'version': 0})\n"
+            "except OSError as e:\n"
+            "    print(e.filename); print(e.strerror)\n"
+            "print(sorted(p.name for p in d.iterdir()))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "shard0")], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=60,
+                          preexec_fn=_fsize_limit(8192))
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lines[0] == str(tmp_path / "shard0" / f"snap-{0:012d}.tmp" / "params.npy"), lines
+    assert lines[1] in ("File too large", "short write (a full disk or a file-size limit)")
+    assert lines[2] == "[]", lines  # no unfinished snapshot left
+
+
+def test_a_full_disk_under_the_launcher_names_it_the_path_and_keeps_snapshots(tmp_path):
+    """Every process of a 300-step run under a 16 KiB file-size limit: the shards' snapshots
+    (15 KiB files) fit, results.json (~30 KiB) does not. The run ended "cannot write
+    results.json" with exit 2, as bad input does, naming no process. Now one line names the
+    launcher, the file and what to do (exit 1), and the shards' snapshots of the last step
+    are kept, with no process left."""
+    from jaxdist.procs import pids_mentioning
+
+    logdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *RUN, "--steps", "300",
+         "--ps-checkpoint-every", "100", "--logdir", str(logdir), "--no-progress"], cwd=ROOT,
+        env={**child_env(), "JAXDIST_PS_TOKEN": TOKEN}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, preexec_fn=_fsize_limit(16384))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"run: error: the launcher (pid {proc.pid}) could not write the "
+                           f"record: cannot write {logdir / 'results.json'}: File too large;")
+    assert "free space there" in line and "Traceback" not in err
+    for k in range(2):
+        snap = logdir / "ps" / "snapshots" / f"shard{k}"
+        assert (snap / "LATEST").read_text().strip() == f"snap-{300:012d}"
+        assert (snap / f"snap-{300:012d}" / "params.npy").stat().st_size > 8192
+    assert not (logdir / "results.json").exists() and pids_mentioning(str(logdir)) == []
+    print(line)
