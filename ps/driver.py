@@ -52,6 +52,13 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     if notice:
         log(notice)
     launch = Launch(job, psdir, log, token)
+    if job.cfg.checkpoint.resume:
+        from ps.resume import plan
+
+        launch.resume = plan(job)
+        log(f"ps: resuming from the shards' snapshots of version(s) "
+            f"{sorted(set(launch.resume['versions']))}: worker(s) start at step(s) "
+            f"{sorted(set(launch.resume['start']))}")
     interrupted = None
     with procs.TerminationHandlers():
         try:

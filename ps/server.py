@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(--ps-checkpoint-every)")
     own.add_argument("--restore", action="store_true", help="continue from the latest "
                      "snapshot in --snapshot-dir")
+    own.add_argument("--restore-version", type=int, default=-1, help="with --restore: the "
+                     "snapshot of this version (a resumed run's, ps.resume), not the latest")
     add_arguments(parser)
     return parser
 
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
                      drop_dead=job.ps.ps_drop_dead_workers, timeout_s=job.ps.ps_timeout_s,
                      checkpoint_every=job.ps.ps_checkpoint_every, snapshot_dir=snap_dir,
                      epoch=epoch, clip_norm=job.ps.ps_clip_norm, log=log)
-    loaded = snapshot.load(snap_dir) if (args.restore and snap_dir) else None
+    loaded = snapshot.load(snap_dir, args.restore_version if args.restore_version >= 0
+                           else None) if (args.restore and snap_dir) else None
     if loaded:
         core.restore(*loaded)
         log(f"restored version {core.version} (epoch {epoch})")
