@@ -249,10 +249,13 @@ def test_busy_tokenless_http2_connections_do_not_stop_a_run_from_starting(tmp_pa
 # -- a flood of raw connects on a TLS data port, snapshots on -----------------------------
 
 class ConnectFlood(threading.Thread):
-    """Once shard 0 has snapshotted its first step (training has started), raw TCP connects
-    to its data port at `rate` a second for `seconds`, each held
-    open without a ClientHello (a TLS handshake that never starts); the shard's open
-    descriptors (/proc/<pid>/fd) read every 20 connects."""
+    """Once shard 0 has snapshotted its first step (training has started): worker 1 is
+    stopped (SIGSTOP: the sync run waits, whatever the machine's load, so the flood falls
+    inside it), `rate` raw TCP connects a second for `seconds` go to shard 0's data port,
+    each held open without a ClientHello (a TLS handshake that never starts); then worker 1
+    is continued and the connections stay held until the shard has written two more
+    snapshots. The shard's open descriptors (/proc/<pid>/fd) are read every 20 connects and
+    while the snapshots are written."""
 
     def __init__(self, psdir, rate: int = 1000, seconds: float = 1.5):
         super().__init__(daemon=True)
@@ -260,7 +263,8 @@ class ConnectFlood(threading.Thread):
         self.stop_event = threading.Event()
         self.connects = self.failed = 0
         self.base = self.most = 0
-        self.error, self.training = None, False
+        self.versions = (-1, -1)  # the snapshot version when the flood began, and ended
+        self.error = None
 
     def run(self):
         try:
@@ -268,28 +272,42 @@ class ConnectFlood(threading.Thread):
         except Exception as e:  # noqa: BLE001 - the test reports it
             self.error = e
 
+    def _latest(self) -> int:
+        try:
+            text = (self.psdir / "snapshots" / "shard0" / "LATEST").read_text().strip()
+            return int(text[len("snap-"):])
+        except (OSError, ValueError):
+            return -1
+
+    def _worker1(self) -> int:
+        from jaxdist.procs import pids_mentioning
+
+        for pid in pids_mentioning(str(self.psdir)):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"ps.worker" in argv and argv[argv.index(b"--worker") + 1] == b"1":
+                return pid
+        raise RuntimeError("worker 1 not found")
+
     def _run(self):
         ports = _ready(self.psdir, 1, self.stop_event, "data_port")
         pids = _ready(self.psdir, 1, self.stop_event, "pid")
         if not ports:
             return
         port, pid = ports[0], pids[0]
-        latest = self.psdir / "snapshots" / "shard0" / "LATEST"
-        while not self.stop_event.is_set():  # from the first step's snapshot on: training
-            try:
-                if latest.read_text().strip() != f"snap-{0:012d}":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.01)
-        self.training = True
+        while self._latest() < 1:
+            if self.stop_event.wait(0.005):
+                return
+        worker = self._worker1()
+        os.kill(worker, signal.SIGSTOP)
+        first = self._latest()
         self.base = self.most = _open_fds(pid)
         held = []
-        start = time.monotonic()
         try:
+            start = time.monotonic()
             while (n := self.connects + self.failed) < self.rate * self.seconds:
-                if self.stop_event.is_set():
-                    return
                 ahead = start + n / self.rate - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)
@@ -300,26 +318,35 @@ class ConnectFlood(threading.Thread):
                     self.failed += 1
                 if n % 20 == 0:
                     self.most = max(self.most, _open_fds(pid))
-            self.stop_event.wait(0.3)
-            self.most = max(self.most, _open_fds(pid))
+            os.kill(worker, signal.SIGCONT)
+            end = time.monotonic() + 60
+            while self._latest() < first + 2 and time.monotonic() < end:
+                self.most = max(self.most, _open_fds(pid))
+                if self.stop_event.wait(0.02):
+                    break
+            self.versions = (first, self._latest())
         except OSError:  # the shard went away: what was read stands
             pass
         finally:
+            try:
+                os.kill(worker, signal.SIGCONT)
+            except OSError:
+                pass
             for s in held:
                 s.close()
 
 
 def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_capped(tmp_path):
-    """1,000 raw connects/s for 1.5 s on shard 0's TLS data port during a sync run that
-    snapshots every version: a waiting TLS connection was closed on a detached socket, so
-    the shard's descriptors rose by one per connect until a snapshot write failed ("Too many
-    open files") and the run died. Now they stay within the waiting cap plus the slots, and
-    every step and snapshot is done."""
+    """1,000 raw connects/s for 1.5 s on shard 0's TLS data port of a sync run that
+    snapshots every version, held while the run goes on: a waiting TLS connection was
+    closed on a detached socket, so the shard's descriptors rose by one per connect until
+    a snapshot write failed ("Too many open files") and the run died. Now they stay within
+    the waiting cap plus the slots, snapshots are written while the flood's connections
+    are held, and every step is done."""
     import shutil
 
     from ps.admission import pool_size
     from ps.data_slots import MAX_WAITING
-    from tests.test_ps_hostile import SLOW
     from tests.test_ps_server import make_cert
 
     if shutil.which("openssl") is None:
@@ -328,9 +355,9 @@ def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_cappe
     logdir = tmp_path / "run"
     flood = ConnectFlood(logdir / "ps")
     flood.start()
-    try:
+    try:  # a stopped worker for the flood's length is no stall (--ps-timeout-s 60)
         proc = _launch(logdir, "--ps-tls-cert", str(cert), "--ps-tls-key", str(key),
-                       "--ps-checkpoint-every", "1", env={"JAXDIST_PS_FAULT": SLOW})
+                       "--ps-checkpoint-every", "1", "--ps-timeout-s", "60")
     finally:
         flood.stop_event.set()
         flood.join(20)
@@ -338,16 +365,18 @@ def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_cappe
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = RunRecord.load(logdir).results
     assert len(r["loss"]) == 12 and np.isfinite(r["loss"]).all()
-    assert flood.training and flood.connects >= 1000, (flood.connects, flood.failed)
+    assert flood.connects >= 1000, (flood.connects, flood.failed)
+    first, last = flood.versions
+    assert first >= 1 and last >= first + 2, flood.versions  # snapshots while held
     cap = MAX_WAITING + pool_size(2) + 16  # waiting, authenticated slots, snapshot files
     assert flood.most - flood.base <= cap, (flood.base, flood.most)
     snap = logdir / "ps" / "snapshots" / "shard0"
     assert (snap / "LATEST").read_text().strip() == f"snap-{12:012d}"
     log = (logdir / "ps" / "shard0.log").read_text()
     assert "Traceback" not in log and "Too many open files" not in log
-    print(f"flood: {flood.connects} connects held ({flood.failed} refused) in 1.5 s; shard 0 "
-          f"descriptors {flood.base} -> at most {flood.most} (cap {cap}); run: 12 steps, "
-          f"last snapshot version 12")
+    print(f"flood: {flood.connects} connects held ({flood.failed} refused at connect) in "
+          f"1.5 s; shard 0 descriptors {flood.base} -> at most {flood.most} (cap {cap}); "
+          f"snapshots {first} -> {last} written while held; run: 12 steps, exit 0")
 
 
 # -- a shard paused past --ps-timeout-s ---------------------------------------------------
