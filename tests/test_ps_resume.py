@@ -1,7 +1,9 @@
-"""`--resume` of a killed PS run, and fixed ports on restart, on real processes: one unbroken
-sync run, one run whose shard 0 is killed and restarted on its fixed port and whose
-launcher is then SIGKILLed, and the resume of that run on the same fixed ports. They share
-their setup (a module fixture): three runs in all. Bad resumes are checked in-process."""
+"""`--resume` of a killed PS run, fixed ports on restart, and a run beside busy tokenless
+HTTP/2 connections, on real processes: one unbroken sync run (with 1,024 busy tokenless
+HTTP/2 connections on each shard's gRPC port), one run whose shard 0 is killed and restarted
+on its fixed port and whose launcher is then SIGKILLed, and the resume of that run on the
+same fixed ports. They share their setup (a module fixture): three runs in all. Bad resumes
+are checked in-process."""
 
 import json
 import os
@@ -20,6 +22,7 @@ from tests.test_ps_hostile import RUN, SLOW
 from tests.test_ps_server import TOKEN
 
 EVERY = ["--ps-checkpoint-every", "2"]
+PEER_CONNECTIONS = 1024  # per shard: the gRPC port's connection cap
 
 
 def _argv(logdir, port: int, *extra) -> list:
@@ -42,13 +45,24 @@ def _latest(path) -> int:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     port = procs.free_port_pair()
-    unbroken = subprocess.run(_argv(tmp / "unbroken", port), cwd=ROOT, env=_env(),
-                              capture_output=True, text=True, timeout=240)
+    from tests.test_ps_attacks import BusyPeer
+
+    peer = BusyPeer(tmp / "unbroken" / "ps", 2, PEER_CONNECTIONS, every_s=0.3)
+    peer.start()
+    try:
+        # worker 1 slowed (0.3 s a step): the peer's connections spend their budgets
+        # while the run trains
+        unbroken = subprocess.run(_argv(tmp / "unbroken", port), cwd=ROOT,
+                                  env=_env(JAXDIST_PS_FAULT=SLOW), capture_output=True,
+                                  text=True, timeout=240)
+    finally:
+        peer.stop_event.set()
+        peer.join(20)
     # shard 0 dies at version 4 (a snapshot's) and restarts on its fixed port; once both
     # shards have snapshotted version 6 the launcher is SIGKILLed (its children follow it)
     killed = tmp / "killed"
     proc = subprocess.Popen(_argv(killed, port), cwd=ROOT,
-                            env=_env(JAXDIST_PS_FAULT=f"{SLOW},kill-shard:0:4"),
+                            env=_env(JAXDIST_PS_FAULT="slow-worker:1:0.5,kill-shard:0:4"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     snaps = killed / "ps" / "snapshots"
     try:
@@ -70,7 +84,7 @@ def runs(tmp_path_factory):
     shutil.copytree(killed, copy)
     resumed = subprocess.run(_argv(killed, port, "--resume"), cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=240)
-    return {"port": port, "unbroken": unbroken, "resumed": resumed, "killed": killed,
+    return {"port": port, "unbroken": unbroken, "peer": peer, "resumed": resumed, "killed": killed,
             "copy": copy, "left": left, "tmp": tmp}
 
 
@@ -92,6 +106,34 @@ def test_a_killed_ps_run_resumes_with_the_losses_of_an_unbroken_one(runs):
         assert f"restored version {start}" in log and "Traceback" not in log
     print(f"killed after version >= 6 of 12; resumed from step {start}: "
           f"{len(part)} losses equal to the unbroken run's")
+
+
+def test_busy_tokenless_http2_connections_do_not_stop_a_run_from_starting(runs):
+    """1,024 HTTP/2 connections on each shard's gRPC port (its connection cap), each
+    sending a refused call every 0.3 s from the moment the shard serves, so gRPC's idle
+    close never fires on them: the run trains every step, with the losses it has alone
+    (the resumed run's test compares them), since its calls go over the data ports; the
+    shards shut the held connections past their budget of calls without a session."""
+    import re
+
+    from ps.peer_budget import BUDGET
+
+    peer, unbroken = runs["peer"], runs["unbroken"]
+    assert peer.error is None, peer.error
+    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+    r = RunRecord.load(runs["tmp"] / "unbroken").results
+    assert len(r["loss"]) == 12
+    assert peer.opened == 2 * PEER_CONNECTIONS, peer.opened
+    closed = []
+    for k in range(2):
+        log = (runs["tmp"] / "unbroken" / "ps" / f"shard{k}.log").read_text()
+        assert "Traceback" not in log
+        counts = re.findall(r"(\d+) connection\(s\) closed over their budget of (\d+)", log)
+        assert counts and int(counts[-1][1]) == BUDGET, log[-2000:]
+        closed.append(int(counts[-1][0]))
+    print(f"peer: {peer.opened} connections, {peer.sent} calls sent, {peer.refusals} refused, "
+          f"{peer.closed_by_shard} closed by the shards (over budget, per shard: {closed}); "
+          f"run: 12 steps, exit 0")
 
 
 def test_a_fixed_ps_port_is_bound_again_by_a_restarted_shard_and_a_resumed_run(runs):
