@@ -7,7 +7,6 @@ connections on every shard shares its setup with tests/test_ps_resume.py's unbro
 
 import json
 import os
-import re
 import selectors
 import signal
 import socket

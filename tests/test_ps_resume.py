@@ -5,7 +5,6 @@ on its fixed port and whose launcher is then SIGKILLed, and the resume of that r
 same fixed ports. They share their setup (a module fixture): three runs in all. Bad resumes
 are checked in-process."""
 
-import json
 import os
 import shutil
 import signal
