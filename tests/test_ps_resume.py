@@ -189,3 +189,22 @@ def test_a_resume_with_nothing_to_resume_is_one_line_exit_2(runs, tmp_path, caps
         assert says in r.stderr, r.stderr
     r = cli_main(capsys, *RUN, *EVERY, "--resume")
     assert r.returncode == 2 and "needs --logdir" in r.stderr, r.stderr
+
+
+def test_a_worker_start_step_outside_the_run_is_one_line_exit_2(tmp_path, capsys):
+    """ps.worker --start-step (the launcher's, for a resume) is a step of the run."""
+    import signal as signals
+
+    from ps import worker
+    from tests.test_ps_server import FLAGS
+
+    sigint = signals.getsignal(signals.SIGINT)  # the worker's main takes SIGINT over
+    try:
+        for step in ("-1", "999"):
+            argv = ["--worker", "0", "--ready-dir", str(tmp_path), "--steps", "12",
+                    "--warmup", "0", "--start-step", step, *FLAGS]
+            assert worker.main(argv) == 2
+            assert capsys.readouterr().err.strip().splitlines() == [
+                f"ps.worker: error: --start-step {step} is outside the run's steps 0..11"]
+    finally:
+        signals.signal(signals.SIGINT, sigint)
