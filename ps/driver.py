@@ -42,7 +42,13 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     psdir = Path(logdir) / "ps"
     psdir.mkdir(parents=True, exist_ok=True)
     shard_map = shard_map_for(job)
+    if job.cfg.checkpoint.resume:  # checked already (validation): what it continues from
+        from ps.resume import plan
+
+        resume = plan(job)
     (psdir / "shard_map.json").write_text(json.dumps(shard_map.to_dict(), indent=1))
+    # the run's settings, which a --resume of it must repeat (ps.resume)
+    (psdir / "config.json").write_text(json.dumps(job.cfg.to_dict(), indent=1))
     log(f"ps: {shard_map.describe()}")
     if job.platform == "cpu" or gpu_count() < shape.size:
         log(f"No accelerator in use: each of the {shape.data} workers simulates "
@@ -53,9 +59,7 @@ def run_ps(job, logdir: Path, log=print) -> dict:
         log(notice)
     launch = Launch(job, psdir, log, token)
     if job.cfg.checkpoint.resume:
-        from ps.resume import plan
-
-        launch.resume = plan(job)
+        launch.resume = resume
         log(f"ps: resuming from the shards' snapshots of version(s) "
             f"{sorted(set(launch.resume['versions']))}: worker(s) start at step(s) "
             f"{sorted(set(launch.resume['start']))}")

@@ -83,9 +83,33 @@ def plan(job) -> dict:
                              f"another job ({'; '.join(differs)}); resume with that run's "
                              f"flags")
         last[k] = list(meta["last_step"])
+    differs = _settings_changed(psdir / "config.json", job.cfg)
+    if differs:
+        raise UsageError(f"--resume: {psdir} is a run with other settings "
+                         f"({'; '.join(differs)}); resume it with its own flags")
     start = [min(last[k][w] for k in range(shards)) + 1 for w in range(workers)]
     total = job.loop.warmup + job.loop.steps
     if min(start) >= total:
         raise UsageError(f"--resume: the snapshots in {psdir / 'snapshots'} are at step "
                          f"{min(start)} of {total}: nothing is left to run")
     return {"versions": versions, "start": start, "psdir": psdir}
+
+
+# What a resume may change: how its processes are reached and watched, not what they train.
+FREE = {"resume", "progress", "logdir", "ps_timeout_s", "ps_port", "ps_bind", "ps_tls_cert",
+        "ps_tls_key", "ps_transport", "ps_insecure", "ps_checkpoint_every",
+        "ps_max_message_mb", "ps_drop_dead_workers"}
+
+
+def _settings_changed(saved_path: Path, cfg) -> list[str]:
+    """"--lr was 0.01, now 0.02" for each training setting that differs from the stopped
+    run's (its ps/config.json; none to compare if it has none)."""
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):
+        return []
+    now = json.loads(json.dumps(cfg.to_dict()))
+    return [f"--{name.replace('_', '-')} was {saved[section][name]!r}, now {value!r}"
+            for section, fields in now.items() if isinstance(saved.get(section), dict)
+            for name, value in fields.items()
+            if name not in FREE and name in saved[section] and saved[section][name] != value]

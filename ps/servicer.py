@@ -233,7 +233,7 @@ class ShardServicer:
                 f"of {self.budget.budget} calls without a session")
 
     def refusals_unlogged(self) -> bool:
-        return (self.refused_calls or self.budget.closed) and (
+        return bool(self.refused_calls or self.budget.closed) and (
             self.refused_calls, self.budget.closed) != self._refusals_logged
 
     # Every handler starts here: a call without a session never reaches parsing. A data-

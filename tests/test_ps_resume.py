@@ -155,6 +155,8 @@ BAD_RESUMES = [
     (["--ps-shards", "1"], "--resume: the snapshots in {ps} are of another job"),
     (["--mesh", "4x1", "--batch-size", "16"], "--resume: shard 0's snapshot of version"),
     (["--ps-mode", "async"], "--resume: shard 0's snapshot of version"),
+    (["--lr", "0.02"], "--resume: {ps} is a run with other settings (--lr was 0.01, now "
+                       "0.02); resume it with its own flags"),
 ]
 
 
