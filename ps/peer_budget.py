@@ -19,6 +19,7 @@ import collections
 import os
 import socket
 import threading
+import time
 from urllib.parse import unquote
 
 BUDGET = 8             # calls without a session per connection, refunded by one with one
@@ -88,7 +89,7 @@ class PeerBudget:
                 self.closed += len(shut)
                 for peer in shut:
                     self._spent.pop(peer, None)
-            threading.Event().wait(CLOSE_EVERY_S)  # a flood is handled in batches
+            time.sleep(CLOSE_EVERY_S)  # a flood is handled in batches
 
 
 def close_connections(port: int | None, wanted: dict) -> list:
