@@ -176,6 +176,19 @@ class BusyPeer(threading.Thread):
                 pass
 
 
+def test_peer_addresses_read_as_gRPC_writes_them():
+    """gRPC's peer strings, as the budget keys its connections and finds their sockets
+    (IPv4-mapped IPv6 sockets included)."""
+    from ps.peer_budget import parse_peer
+
+    assert parse_peer("ipv4:127.0.0.1:54321") == ("127.0.0.1", 54321)
+    assert parse_peer("ipv6:[::1]:443") == ("::1", 443)
+    assert parse_peer("ipv6:%5B::1%5D:443") == ("::1", 443)
+    assert parse_peer("ipv6:[::ffff:127.0.0.1]:80") == ("127.0.0.1", 80)
+    for bad in ("unix:/tmp/x", "", "ipv4:127.0.0.1:port", "garbage"):
+        assert parse_peer(bad) is None, bad
+
+
 def test_a_connection_past_its_budget_of_refused_calls_is_closed_by_the_shard(tmp_path):
     """256 busy HTTP/2 connections on one shard's gRPC port, each sending a refused call
     every 0.2 s for as long as it is open: gRPC's idle close never fires on a busy
