@@ -307,8 +307,16 @@ def main_ps(checked: Job) -> int:
         DONE_BUT_TEARDOWN.append(True)
     except BaseException as e:
         # The error names ps/*.log for the details: those stay, and so do the shards'
-        # snapshots (a shard restarts from them with ps.server --restore).
-        run_dir.discard(keep=("ps/*.log", "ps/snapshots/**/*"))
+        # snapshots with what a --resume of the run reads beside them (ps.resume).
+        run_dir.discard(keep=("ps/*.log", "ps/snapshots/**/*", "ps/shard_map.json",
+                              "ps/config.json"))
+        if isinstance(e, WriteError):  # the launcher's own record (a full disk)
+            import os
+
+            print(f"run: error: the launcher (pid {os.getpid()}) could not write the "
+                  f"record: {e}; free space there (or give another --logdir) and run again; "
+                  f"kept: the shards' logs and snapshots in {logdir / 'ps'}", file=sys.stderr)
+            return 1
         if isinstance(e, UsageError):
             print(f"run: error: {e}", file=sys.stderr)
             return 2

@@ -70,6 +70,8 @@ def check_logdir(cfg: RunConfig) -> None:
             raise UsageError(f"--logdir {path} cannot be read ({e.strerror}); choose "
                              f"another --logdir") from None
         taken = sorted(entries & _outputs(cfg))
+        if cfg.checkpoint.resume and kind_of(cfg) == PS:  # a stopped PS run's own folder
+            taken = []
         if taken:
             raise UsageError(f"--logdir {path} already holds {', '.join(taken)}, which this "
                              f"run would write over; choose another --logdir")

@@ -92,7 +92,9 @@ def check_values(cfg: RunConfig) -> None:
     ck = cfg.checkpoint
     if ck.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be 0 or more, got {ck.checkpoint_every}")
-    if (ck.resume or ck.checkpoint_every) and not ck.checkpoint_dir:
+    # a PS run resumes from its shards' snapshots in --logdir (ps.resume)
+    if ((ck.resume and cfg.train.layout != "ps") or ck.checkpoint_every) and \
+            not ck.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     cfg.power.validate()
     profile = parse_profile_steps(cfg.output.profile_steps)
@@ -272,6 +274,9 @@ def check_ps(resolved: job.Job) -> None:
             raise UsageError(f"port(s) {', '.join(map(str, busy))} on {ps.ps_bind} are in "
                              f"use; choose another --ps-port or 0 for free ports")
     shard_map_for(resolved)  # too many shards, non-float32 parameters
+    if cfg.checkpoint.resume:  # snapshots of this job to continue from (ps.resume)
+        from ps.resume import plan
+        plan(resolved)
 
 
 def check_ps_host(resolved: job.Job) -> None:

@@ -218,7 +218,9 @@ class CheckpointConfig:
                                path=True)
     checkpoint_every: int = _opt(0, "save the train state every N steps, asynchronously (0: never)")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in "
-                        "--checkpoint-dir (any layout or mesh); start afresh if there is none")
+                        "--checkpoint-dir (any layout or mesh); start afresh if there is none. "
+                        "--layout ps: continue the stopped run in --logdir from its shards' "
+                        "snapshots")
 
 
 @dataclass(frozen=True)

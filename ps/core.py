@@ -330,6 +330,10 @@ class ShardCore:
             self._periodic_snapshot()
         self.cond.notify_all()
 
+    def snapshot_now(self) -> None:
+        """A snapshot now (the shard's version 0 at start), failing as a periodic one."""
+        self._periodic_snapshot()
+
     def _periodic_snapshot(self) -> None:
         """A snapshot after an update: one that fails (a full disk, no descriptors) does not
         fail the push it follows, which is applied already. It is counted, its path and
@@ -344,7 +348,8 @@ class ShardCore:
                 message = (f"snapshot of version {self.version} failed "
                            f"({counts['snapshot_failures']} so far): "
                            f"{e.filename or self.snapshot_dir}: {e.strerror or e}; the last "
-                           f"good snapshot is kept")
+                           f"good snapshot is kept; free space under {self.snapshot_dir} (a "
+                           f"restart uses the last good one)")
                 self._event(message)
                 self.log(message)
 

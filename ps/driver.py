@@ -42,7 +42,13 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     psdir = Path(logdir) / "ps"
     psdir.mkdir(parents=True, exist_ok=True)
     shard_map = shard_map_for(job)
+    if job.cfg.checkpoint.resume:  # checked already (validation): what it continues from
+        from ps.resume import plan
+
+        resume = plan(job)
     (psdir / "shard_map.json").write_text(json.dumps(shard_map.to_dict(), indent=1))
+    # the run's settings, which a --resume of it must repeat (ps.resume)
+    (psdir / "config.json").write_text(json.dumps(job.cfg.to_dict(), indent=1))
     log(f"ps: {shard_map.describe()}")
     if job.platform == "cpu" or gpu_count() < shape.size:
         log(f"No accelerator in use: each of the {shape.data} workers simulates "
@@ -52,6 +58,11 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     if notice:
         log(notice)
     launch = Launch(job, psdir, log, token)
+    if job.cfg.checkpoint.resume:
+        launch.resume = resume
+        log(f"ps: resuming from the shards' snapshots of version(s) "
+            f"{sorted(set(launch.resume['versions']))}: worker(s) start at step(s) "
+            f"{sorted(set(launch.resume['start']))}")
     interrupted = None
     with procs.TerminationHandlers():
         try:
@@ -66,6 +77,11 @@ def run_ps(job, logdir: Path, log=print) -> dict:
                     f"step and writes what it measured")
                 launch.stop_workers()  # a second Ctrl-C here stops at once, without results
             stats = launch.stats()
+            for k, shard in enumerate(stats):  # a full disk under a shard: its path, once
+                failed = [e for e in shard.get("events", ()) if "snapshot of version" in e]
+                if failed:
+                    log(f"ps: shard {k} (pid {shard.get('pid')}) could not write a "
+                        f"snapshot: {failed[0]}")
         finally:
             procs.stop_all(launch.children)
     results = collect(job, logdir, stats, shard_map, launch, interrupted)

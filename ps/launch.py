@@ -73,6 +73,7 @@ class Launch:
         self.restarts: list[dict] = []
         self.dead_workers: list[dict] = []
         self.all_pids: list[int] = []
+        self.resume = None  # ps.resume.plan of a --resume: each shard's version, worker's step
 
     @property
     def children(self):
@@ -87,14 +88,16 @@ class Launch:
         self.all_pids.append(child.pid)
         write_json(self.psdir / "pids.json", self.all_pids)
 
-    def start_server(self, k: int, port: int = 0, restore: bool = False) -> procs.Child:
+    def start_server(self, k: int, port: int = 0, restore: bool = False,
+                     version: int = -1) -> procs.Child:
+        """Shard k; `restore`: from its latest snapshot, or the one of `version`."""
         ready = self.ready_file(k)
         ready.unlink(missing_ok=True)
         snapshots = (["--snapshot-dir", str(self.psdir / "snapshots" / f"shard{k}")]
-                     if self.job.ps.ps_checkpoint_every else [])
+                     if self.job.ps.ps_checkpoint_every or restore else [])
         args = ["--shard", str(k), "--of", str(self.job.ps.ps_shards), "--port", str(port),
                 "--ready-file", str(ready), *snapshots, *(["--restore"] if restore else []),
-                *self.argv]
+                *(["--restore-version", str(version)] if version >= 0 else []), *self.argv]
         child = procs.start(f"shard {k}", procs.python_argv("ps.server", *args),
                             _child_env({"JAX_PLATFORMS": "cpu", TOKEN_ENV: self.token}),
                             self.psdir / f"shard{k}.log")
@@ -126,7 +129,9 @@ class Launch:
         base = getattr(self.job.ps, "ps_port", 0)
         k_count = self.job.ps.ps_shards
         self.ports = [base + k if base else 0 for k in range(k_count)]
-        self.servers = [self.start_server(k, self.ports[k]) for k in range(k_count)]
+        versions = self.resume["versions"] if self.resume else [-1] * k_count
+        self.servers = [self.start_server(k, self.ports[k], restore=bool(self.resume),
+                                          version=versions[k]) for k in range(k_count)]
 
     def wait_servers(self) -> None:
         for k, child in enumerate(self.servers):
@@ -137,8 +142,9 @@ class Launch:
     def start_workers(self) -> None:
         w_count, devices = self.shape.data, self.shape.fsdp
         for w in range(w_count):  # where the shards are: their ready files, then and later
+            first = ["--start-step", str(self.resume["start"][w])] if self.resume else []
             args = ["--worker", str(w), "--ready-dir", str(self.psdir), "--out",
-                    str(self.psdir), *self.argv]
+                    str(self.psdir), *first, *self.argv]
             child = procs.start(f"worker {w}", procs.python_argv("ps.worker", *args),
                                 _child_env({**_worker_env(self.job, w, devices, w_count),
                                             TOKEN_ENV: self.token}),

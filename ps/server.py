@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(--ps-checkpoint-every)")
     own.add_argument("--restore", action="store_true", help="continue from the latest "
                      "snapshot in --snapshot-dir")
+    own.add_argument("--restore-version", type=int, default=-1, help="with --restore: the "
+                     "snapshot of this version (a resumed run's, ps.resume), not the latest")
     add_arguments(parser)
     return parser
 
@@ -139,12 +141,13 @@ def main(argv=None) -> int:
                      drop_dead=job.ps.ps_drop_dead_workers, timeout_s=job.ps.ps_timeout_s,
                      checkpoint_every=job.ps.ps_checkpoint_every, snapshot_dir=snap_dir,
                      epoch=epoch, clip_norm=job.ps.ps_clip_norm, log=log)
-    loaded = snapshot.load(snap_dir) if (args.restore and snap_dir) else None
+    loaded = snapshot.load(snap_dir, args.restore_version if args.restore_version >= 0
+                           else None) if (args.restore and snap_dir) else None
     if loaded:
         core.restore(*loaded)
         log(f"restored version {core.version} (epoch {epoch})")
     elif snap_dir and job.ps.ps_checkpoint_every:
-        core.save_snapshot()  # version 0: a shard that dies early still has a snapshot
+        core.snapshot_now()  # version 0: a shard that dies early still has a snapshot
     max_bytes = job.ps.ps_max_message_mb * (1 << 20)
     servicer = ShardServicer(core, shard_map, args.shard, token=token,
                              frame_bytes=wire.frame_bytes(max_bytes),
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
     slots = servicer.data_slots
     if slots is not None and slots.unlogged():  # the counts since the last (rate-limited) line
         log(f"data port: {slots.summary()}")
+    if servicer.refusals_unlogged():
+        log(servicer.refusal_summary())
     log("stopped")
     # Exit now: interpreter shutdown would join the gRPC pool's threads, and a pull parked
     # on a barrier holds one for up to --ps-timeout-s (the launcher would SIGKILL us first).

@@ -35,6 +35,7 @@ from ps import security
 from ps.admission import FAULT_KEY, NONCE_KEY, CallGate, Refused, pool_size
 from ps.allocator import keep_freed_memory
 from ps.core import PSFault, ShardCore
+from ps.peer_budget import PeerBudget
 
 _CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
           "precondition": grpc.StatusCode.FAILED_PRECONDITION,
@@ -102,6 +103,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self.servicer = servicer
 
         def refuse(request_iterator, context):
+            servicer.refused(context.peer())  # counted, and against its connection's budget
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: the client "
                           "has not proved it holds the run's token")
         self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
@@ -110,7 +112,6 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler_call_details.method == AUTH_METHOD or self.servicer.session_ok(
                 handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
-        self.servicer.refused()
         return self._refuse
 
 
@@ -128,7 +129,9 @@ class ShardServicer:
         self.grpc_port: int | None = None    # set once bound: the gRPC proofs name it
         self._sessions: dict = {}            # tickets checked already -> until when (bounded)
         self.refused_calls = 0               # gRPC calls without a valid session
+        self.budget = PeerBudget(lambda: self.grpc_port)  # per connection (ps.peer_budget)
         self._refusals_logged_at = -REFUSAL_LOG_EVERY_S
+        self._refusals_logged = (0, 0)
         self.log = print
         self.frame_bytes = frame_bytes
         self.pieces = shard_map.shard_pieces(shard)
@@ -161,13 +164,14 @@ class ShardServicer:
         fresh shard nonce. Gives nothing away: the proof is good for that nonce alone."""
         if not self.token:
             return b'{"token": false}'
+        self.budget.spend(context.peer())  # a handshake opens nothing by itself
         got = dict(context.invocation_metadata() or ()).get(NONCE_KEY, "")
         try:
             client_nonce = bytes.fromhex(got if isinstance(got, str) else "")
         except ValueError:
             client_nonce = b""
         if len(client_nonce) != security.NONCE_BYTES:
-            self.refused()
+            self.refused(context.peer())
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Auth needs a client nonce")
         shard_nonce = self.nonces.issue()
         proof = security.shard_proof(self.token, client_nonce, shard_nonce,
@@ -208,22 +212,37 @@ class ShardServicer:
         self._sessions[value] = now + 60.0
         return True
 
-    def refused(self) -> None:
-        """A gRPC call came without a valid session (or a bad handshake): counted, and
-        logged at most once per REFUSAL_LOG_EVERY_S (a flood must not flood the log; the
-        data port counts its own, ps.data_slots)."""
+    def refused(self, peer: str = "") -> None:
+        """A gRPC call came without a valid session (or a bad handshake): counted, spent
+        from its connection's budget (ps.peer_budget), and logged at most once per
+        REFUSAL_LOG_EVERY_S (a flood must not flood the log; the data port counts its own,
+        ps.data_slots)."""
         self.refused_calls += 1
+        if peer:
+            self.budget.spend(peer)
         now = time.monotonic()
         if now - self._refusals_logged_at >= REFUSAL_LOG_EVERY_S:
             self._refusals_logged_at = now
-            self.log(f"gRPC port: {self.refused_calls} call(s) refused so far: no proof of "
-                     f"the run's token (logged at most every {REFUSAL_LOG_EVERY_S:g} s)")
+            self._refusals_logged = (self.refused_calls, self.budget.closed)
+            self.log(self.refusal_summary() + f" (logged at most every "
+                     f"{REFUSAL_LOG_EVERY_S:g} s)")
+
+    def refusal_summary(self) -> str:
+        return (f"gRPC port: {self.refused_calls} call(s) refused so far: no proof of the "
+                f"run's token; {self.budget.closed} connection(s) closed over their budget "
+                f"of {self.budget.budget} calls without a session")
+
+    def refusals_unlogged(self) -> bool:
+        return bool(self.refused_calls or self.budget.closed) and (
+            self.refused_calls, self.budget.closed) != self._refusals_logged
 
     # Every handler starts here: a call without a session never reaches parsing. A data-
     # port call (ps.tcp) comes on a connection that did the handshake.
     def _auth(self, context) -> None:
-        if getattr(context, "ps_authenticated", False) or self.session_ok(
-                context.invocation_metadata()):
+        if getattr(context, "ps_authenticated", False):
+            return
+        if self.session_ok(context.invocation_metadata()):
+            self.budget.refund(context.peer())
             return
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: the client has "
                       "not proved it holds the run's token")
@@ -366,6 +385,7 @@ class ShardServicer:
                 if self.data_slots is not None:
                     stats["data_port_connections"] = dict(self.data_slots.counts)
                 stats["grpc_refused_calls"] = self.refused_calls
+                stats["grpc_closed_over_budget"] = self.budget.closed
                 return json.dumps(stats).encode()
             if op == "hello":
                 worker = wire.get_int(header, "worker", 0, self.core.num_workers - 1)

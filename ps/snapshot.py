@@ -27,34 +27,67 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    """Write a snapshot; OSError naming the file that could not be written (a full disk, a
+    file-size limit), with nothing of this snapshot left behind."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"snap-{meta['version']:012d}"
     tmp = directory / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for key, value in arrays.items():
-        with open(tmp / f"{key}.npy", "wb") as f:
-            np.save(f, np.asarray(value), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-    _write_atomic(tmp / "meta.json", json.dumps(meta))
+    path = tmp
+    try:
+        for key, value in arrays.items():
+            path = tmp / f"{key}.npy"
+            with open(path, "wb") as f:
+                np.save(f, np.asarray(value), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+        path = tmp / "meta.json"
+        _write_atomic(path, json.dumps(meta))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # numpy's short write ("N requested and M written") carries no errno or file
+        raise OSError(e.errno, e.strerror or "short write (a full disk or a file-size "
+                      "limit)", str(path)) from None
     final = directory / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _write_atomic(directory / "LATEST", name)
-    for old in directory.glob("snap-*"):  # keep only the one LATEST names
-        if old.name != name:
+    # The one LATEST names and the one before: shards killed between their snapshots of
+    # one version still share one (ps.resume); unfinished ones go.
+    keep = {name, *(f"snap-{v:012d}" for v in versions(directory)[-2:])}
+    for old in directory.glob("snap-*"):
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load(directory: Path) -> tuple[dict[str, np.ndarray], dict] | None:
-    """(arrays, meta) of the latest complete snapshot, or None if there is none."""
-    latest = directory / "LATEST"
-    if not latest.exists():
-        return None
-    snap = directory / latest.read_text().strip()
+def versions(directory: Path) -> list[int]:
+    """The versions of the complete snapshots in `directory`, oldest first."""
+    out = []
+    for snap in directory.glob("snap-*"):
+        digits = snap.name[len("snap-"):]
+        if digits.isdigit() and (snap / "meta.json").is_file():
+            out.append(int(digits))
+    return sorted(out)
+
+
+def meta_of(directory: Path, version: int) -> dict:
+    return json.loads((directory / f"snap-{version:012d}" / "meta.json").read_text())
+
+
+def load(directory: Path, version: int | None = None
+         ) -> tuple[dict[str, np.ndarray], dict] | None:
+    """(arrays, meta) of the latest complete snapshot (or of `version`), or None if there
+    is none."""
+    if version is None:
+        latest = directory / "LATEST"
+        if not latest.exists():
+            return None
+        snap = directory / latest.read_text().strip()
+    else:
+        snap = directory / f"snap-{version:012d}"
     meta = json.loads((snap / "meta.json").read_text())
     arrays = {p.stem: np.load(p, allow_pickle=False) for p in snap.glob("*.npy")}
     return arrays, meta

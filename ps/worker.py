@@ -52,6 +52,9 @@ def build_parser():
                           "by ps.server --ready-file): where each shard listens is read "
                           "there, at the start and after a restart, instead of --servers")
     own.add_argument("--out", default="", help="directory for worker<w>.json (metrics)")
+    own.add_argument("--start-step", type=int, default=0, help="the first step to run (a "
+                     "resumed run's, from its shards' snapshots: ps.resume); its batches "
+                     "are that step's")
     add_arguments(parser)
     return parser
 
@@ -173,7 +176,9 @@ def shards_from_ready_files(job, ready_dir: Path, log) -> tuple[list[str], list]
 
 
 def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platform,
-               log=print, locators=None) -> dict:
+               log=print, locators=None, first: int = 0) -> dict:
+    """Steps `first`.. of the run (0, or where a resumed run's snapshots are); the window
+    and the warm-up count this process's steps."""
     import numpy as np
 
     from jaxdist import metrics, telemetry
@@ -239,7 +244,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
     # Gradients alternate between two buffers: the previous step's stays intact for a
     # re-push after a shard restart (client.last_push) while this one is written.
     grad_buffers = [np.empty(shard_map.total, np.float32) for _ in range(2)]
-    batch = local_batch(0)
+    batch = local_batch(first)
     # Every step's figures go to disk in chunks as the run goes (ps.series): a stopped
     # worker has one chunk left to write, whatever its step count.
     series = SeriesWriter(out_dir / f"worker{worker}.series" if out_dir is not None else None,
@@ -247,12 +252,13 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
                            "pull_wait_s": waits, "push_s": client.push_s,
                            "pull_s": client.pull_s,
                            **{f"phases_s.{k}": v for k, v in phases.items()}})
-    for t in range(total):
+    for i in range(total - first):  # i: this process's steps; t: the run's
+        t = first + i
         if STOP:  # between steps: every push this worker sent has been answered
             break
-        if t == job.loop.warmup:
+        if i == job.loop.warmup:
             window[0] = time.time()
-        if t == window_open:
+        if i == window_open:
             monitor.open_window()
         t0 = time.perf_counter()
         if pulled is None:
@@ -288,7 +294,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
         phases["push_s"].append(time.perf_counter() - p0)
         pulled = (next_waited, 0.0) if next_waited is not None else None  # counted in push_s
         step_s.append(time.perf_counter() - t0)
-        if t == window_close:
+        if i == window_close:
             monitor.close_window()
         losses.append(float(loss))
         waits.append(waited)
@@ -298,7 +304,7 @@ def run_worker(job, worker: int, servers: list[str], out_dir: Path | None, platf
         if worker == 0 and (t + 1) % report_every == 0:
             log(f"step {t + 1}/{total} loss {losses[-1]:.4f} step {step_s[-1] * 1e3:.1f} ms")
         if evaluate_now:  # on the parameters after this step (pulled with the push)
-            with monitor.paused(f"evaluation after step {t}", window_open <= t < window_close):
+            with monitor.paused(f"evaluation after step {t}", window_open <= i < window_close):
                 acc = evaluate(program.params(flat), model_state)
             accuracy.append({"step": t + 1, "wall_s": time.perf_counter() - started,
                              "accuracy": acc})
@@ -366,6 +372,9 @@ def main(argv=None) -> int:
             raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
         if not 0 <= args.worker < shape.data:
             raise UsageError(f"--worker {args.worker} is outside 0..{shape.data - 1}")
+        if not 0 <= args.start_step < job.loop.warmup + job.loop.steps:
+            raise UsageError(f"--start-step {args.start_step} is outside the run's steps "
+                             f"0..{job.loop.warmup + job.loop.steps - 1}")
         if job.train.batch_size % shape.size:
             raise UsageError(f"global batch {job.train.batch_size} is not divisible by the "
                              f"{shape.size} devices of mesh {shape.label}")
@@ -390,7 +399,7 @@ def main(argv=None) -> int:
         if args.ready_dir:
             servers, locators = shards_from_ready_files(job, Path(args.ready_dir), log)
         run_worker(job, args.worker, servers, Path(args.out) if args.out else None, platform,
-                   log, locators)
+                   log, locators, args.start_step)
     except PSError as e:
         print(f"ps.worker {args.worker}: error: {e}", file=sys.stderr, flush=True)
         return 3

@@ -685,7 +685,13 @@ def test_tokenless_63_mib_calls_are_refused_before_their_body_is_read(shard):
             t.join()
     channel.close()
     peak_mb = (_status_kb(pid, "VmHWM") - rss0) / 1024
-    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 32
+    # refused unread; a connection past its budget of calls without a session is shut
+    # (ps.peer_budget): the calls on it then end UNAVAILABLE, and the channel reconnects
+    from ps.peer_budget import BUDGET
+
+    assert len(codes) == 32 and set(codes) <= {grpc.StatusCode.UNAUTHENTICATED,
+                                               grpc.StatusCode.UNAVAILABLE}, codes
+    assert codes.count(grpc.StatusCode.UNAUTHENTICATED) >= BUDGET, codes
     assert peak_mb < 3 * 63, peak_mb
     print(f"shard's peak memory +{peak_mb:.0f} MB for 32 tokenless 63 MiB calls")
 

@@ -233,10 +233,11 @@ def test_sync_stops_naming_a_dead_worker(tmp_path):
     proc = run_ps(logdir, *SYNC_SMALL, "--ps-checkpoint-every", "1", fault="kill-worker:1:2")
     assert proc.returncode != 0
     assert "worker 1" in proc.stderr and "sync mode cannot continue" in proc.stderr
-    # The failed run keeps only the logs it points the user to and the shard's snapshots:
-    # no results, no events.
+    # The failed run keeps only the logs it points the user to, the shard's snapshots and
+    # what a --resume reads beside them: no results, no events.
     left = sorted(str(p.relative_to(logdir)) for p in logdir.rglob("*") if p.is_file())
-    logs = [p for p in left if not p.startswith("ps/snapshots/")]
+    logs = [p for p in left if not p.startswith("ps/snapshots/")
+            and p not in ("ps/shard_map.json", "ps/config.json")]
     assert logs and all(p.startswith("ps/") and p.endswith(".log") for p in logs), left
     from ps import snapshot
     arrays, meta = snapshot.load(logdir / "ps" / "snapshots" / "shard0")
