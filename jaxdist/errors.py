@@ -111,5 +111,11 @@ class OneLineParser(argparse.ArgumentParser):
             if value < low:
                 self.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value}")
 
+    @property
+    def short_name(self) -> str:
+        """The name an entry point's errors start with: `run` for `python -m
+        experiments.run`, as its own checks print them (`run: error: ...`)."""
+        return self.prog.split()[-1].rsplit(".", 1)[-1]
+
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.short_name}: error: {message} (see --help)\n")
