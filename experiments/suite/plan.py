@@ -276,11 +276,12 @@ def narrow_rows(rows: list[PlanRow], models: str | None, layouts: str | None,
     (comma-separated; None: all); a name no row has is one UsageError with the nearest."""
     from jaxdist.errors import unknown
 
+    every = rows
     for flag, text, attr in (("--models", models, "model"), ("--layouts", layouts, "row")):
         if text is None:
             continue
         wanted = [w.strip() for w in text.split(",") if w.strip()]
-        names = list(dict.fromkeys(getattr(r, attr) for r in rows))
+        names = list(dict.fromkeys(getattr(r, attr) for r in every))
         if not wanted:
             raise UsageError(f"{flag}: give at least one name; {label}'s plan rows have "
                              f"{', '.join(names)}")
