@@ -131,7 +131,7 @@ def test_quick_plan_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--plan"], "--plan needs --hardware"),
-    (["--plan", "--hardware", "h900"], "unknown --hardware 'h900'; known: h100-sxm"),
+    (["--plan", "--hardware", "h900"], "unknown --hardware 'h900' (did you mean 'h200'?); known: h100-sxm"),
     (["--hardware", "h200"], "--hardware applies only with --plan"),
 ])
 def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
