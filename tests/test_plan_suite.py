@@ -237,6 +237,23 @@ def test_ranking_cli_refuses_what_is_not_a_plan_folder(tmp_path, capsys):
     assert json.loads((other / "ranking.json").read_text())["models"]["m"][0]["name"] == "a"
 
 
+def test_ranking_cli_names_the_part_the_plans_record(tmp_path, capsys):
+    """`python -m analysis.plan_rank DIR` on plans alone (no ranking.json, so no suite's
+    meta) titles its table with the part every plan.json records, not "on ?"."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plan.json").write_text(json.dumps(
+            {**plan(1, 1, 0, 0, 0, 0), "hardware": {"name": "h200"}}))
+    assert plan_rank.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("PREDICTED (not measured) on h200: ranked")
+    assert (tmp_path / "ranking.md").read_text().startswith("PREDICTED (not measured) on h200")
+    (tmp_path / "ranking.json").unlink()
+    (tmp_path / "b" / "plan.json").write_text(json.dumps(
+        {**plan(1, 1, 0, 0, 0, 0), "hardware": {"name": "h100-sxm"}}))
+    assert plan_rank.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("PREDICTED (not measured) on h100-sxm, h200:")
+
+
 def test_side_by_side_keeps_order_and_stops_at_the_first_error():
     """The plan's entries run on two threads: results come back in task order, and after a
     task fails no task starts; its error is raised."""
