@@ -280,3 +280,35 @@ def test_side_by_side_keeps_order_and_stops_at_the_first_error():
     with pytest.raises(UsageError, match="row 0 cannot"):
         side_by_side([lambda i=i: failing(i) for i in range(20)], 1)
     assert started == [0]
+
+
+def test_ctrl_c_after_two_rows_ranks_them(tmp_path):
+    """SIGINT once two rows are predicted: exit 130, and stderr ranks those two (it passes
+    through XLA's warning filter while the rows compile; the filter is left first)."""
+    import signal
+
+    preset = tmp_path / "p.toml"
+    preset.write_text('name = "p"\n[plan]\n[plan.settings]\nbatch_size = 8\n'
+                      + "".join(f'[[plan.variants]]\nname = "b{b}"\nbatch_size = {b}\n'
+                                for b in (8, 16, 32))
+                      + '[[plan.rows]]\nname = "a"\nlayout = "fsdp"\nmesh = "2x2"\n'
+                        'models = ["gpt-tiny"]\n')
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.suite", "--preset", str(preset), "--plan",
+         "--hardware", "h200", "--gpus-per-node", "2", "--out", str(out)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    predicted = []
+    for line in proc.stdout:
+        if line.startswith("predicted "):
+            predicted.append(line.split()[1].rstrip(":"))
+            if len(predicted) == 2:
+                proc.send_signal(signal.SIGINT)
+                break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"suite: interrupted after 2 of 3 rows (their plan.json under {out}" in err
+    ranked = [line.split()[1] for line in err.splitlines() if line[:2] in ("1 ", "2 ")]
+    assert sorted(ranked) == sorted(predicted) == ["gpt-tiny-a-b16", "gpt-tiny-a-b8"]
+    assert not (out / "ranking.json").exists()

@@ -172,10 +172,8 @@ def run_plan(configs: list[tuple], hardware: str, out: Path,
         entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), xla_compile.compiles_run()
     stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
-    from jaxdist.program.xla_log import explained_xla_warnings
-    with explained_xla_warnings():  # XLA:GPU's rematerialization warnings, said in one line
-        done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
-                             for items in entries.values()], PLAN_THREADS, stop)
+    done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
+                         for items in entries.values()], PLAN_THREADS, stop)
     timings = [t for entry in done for t in entry]
     meta = {"hardware": hardware, "rows": len(configs), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles": xla_compile.compiles_run() - compiles,
@@ -389,18 +387,29 @@ def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path,
             done.append(row)
         print(line, flush=True)
 
+    from jaxdist.program.xla_log import explained_xla_warnings
+
     stop = StopRequest().install()
+    stopped = None
     try:
-        ranking = run_abandonable(lambda: run_plan(configs, args.hardware, out, log=log), stop)
-    except (StoppedInSetup, KeyboardInterrupt) as e:
-        print(f"\n{report_interrupted(list(done), len(rows), out, args.hardware)}",
-              file=sys.stderr)
-        if isinstance(e, StoppedInSetup):
-            sys.stderr.flush()
-            os._exit(EXIT_CODES[e.signal])  # the row's compile still runs in its thread
-        return 130
+        # XLA:GPU's rematerialization warnings, said in one line. Left before anything is
+        # said about a stop: it passes file descriptor 2 through a thread, which the
+        # process's end after a stop would not wait for.
+        with explained_xla_warnings():
+            try:
+                ranking = run_abandonable(
+                    lambda: run_plan(configs, args.hardware, out, log=log), stop)
+            except (StoppedInSetup, KeyboardInterrupt) as e:
+                stopped = e
     finally:
         stop.restore()
+    if stopped is not None:
+        print(f"\n{report_interrupted(list(done), len(rows), out, args.hardware)}",
+              file=sys.stderr)
+        if isinstance(stopped, StoppedInSetup):
+            sys.stderr.flush()
+            os._exit(EXIT_CODES[stopped.signal])  # the row's compile still runs in its thread
+        return 130
     print(format_ranking(ranking))
     print(f"\nranking: {out / 'ranking.md'}; wall time {ranking['meta']['wall_s']:.0f} s")
     return 0
