@@ -103,6 +103,33 @@ def test_run_flags_each_set_the_config(entry):
         assert getattr(getattr(cfg, key.section), key.name) != key.default, key.flag
 
 
+def test_run_flags_each_act_refuse_or_say_so(tmp_path, monkeypatch):
+    """Validation level: each flag, given alone at a value other than its default, passes
+    the run's one validation pass or is refused there in one line (a UsageError, never a
+    traceback), and a flag the job does not read is a notice line naming it."""
+    from experiments.validation import validate
+    from jaxdist.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    parser = run_mod.build_parser()
+    base = ["--model", "gpt-tiny", "--layout", "fsdp", "--mesh", "2x2", "--batch-size", "8"]
+    said = {}
+    for key in keys().values():
+        argv = [*base, *other_value(key)]
+        try:
+            job = validate(from_namespace(parser.parse_args(argv)))
+        except UsageError as e:
+            assert "\n" not in str(e), (key.flag, str(e))
+            said[key.flag] = "refused"
+            continue
+        for line in job.notices:
+            assert "\n" not in line and line.startswith("notice: "), (key.flag, line)
+        said[key.flag] = "noticed" if any(key.flag in n for n in job.notices) else "acts"
+    # the walk read something for each: e.g. a parameter-server flag on fsdp is a notice
+    assert said["--ps-shards"] == "noticed" and said["--steps"] == "acts"
+    assert said["--layout"] == "acts" and set(said) == {k.flag for k in keys().values()}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--remat", "ful"], "run: error: argument --remat: invalid choice: 'ful'"),
     (["--steps", "x"], "run: error: argument --steps: invalid int value: 'x'"),
