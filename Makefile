@@ -39,7 +39,7 @@ GPU_COMPILER_PIN := jax[cuda12]==0.10.2
 
 $(GPUC): $(STAMP)
 	@echo "make: installing the GPU compiler, $(GPU_COMPILER_PIN) (XLA:GPU without a GPU;" \
-	      "about 4.9 GB, a minute or two on a warm pip cache, longer to download)"
+	      "about 4.9 GB; about 80 s from a warm pip cache, longer to download)"
 	@if $(PY) -m pip install -q "$(GPU_COMPILER_PIN)"; then touch $(GPUC); else \
 	  echo "make: $(GPU_COMPILER_PIN) was not installed (pip failed, above): GPU figures" \
 	       "fall back to XLA:CPU and the XLA:GPU tests will be skipped; the next make" \
