@@ -295,33 +295,33 @@ def validate(cases) -> list[dict]:
             rows.append(failed_row(case, records, f"{type(e).__name__}: {reason[:200]}"))
             continue
         pred = plan.prediction
-        tps = pred.throughput["tokens_per_s_per_gpu"]
+        tps = pred.throughput.tokens_per_s_per_gpu
         # The plan's memory verdict, as it decided it: XLA:GPU's buffer assignment where it
         # agrees with the hand estimate term by term, else the hand estimate (jaxdist.predict.
         # verdict.gpu_memory_verdict); both are kept, with which one decided.
         memory = pred.memory
-        mem = memory["total_bytes"] / GIB
+        mem = memory.total_bytes / GIB
         compiled_memory = pred.memory_from == "compiled"
-        xla_mem = memory["compiler"]["peak_bytes"] / GIB if compiled_memory else None
+        xla_mem = memory.compiler["peak_bytes"] / GIB if compiled_memory else None
         rid = case.throughput_id or case.memory_id
         row = {"case": case.name, "role": "calibration" if case.name in CALIBRATION else
                "out-of-sample", "same_as": case.same_as,
                "framework": records[rid]["framework"], "hardware": case.hardware,
                "gpus": gpus(case), "layout": case.layout, "mesh": case.mesh,
                "predicted_tokens_per_s_per_gpu": tps, "predicted_memory_gib": mem,
-               "memory_source": memory["source"] if compiled_memory else "hand estimate",
-               "hand_memory_gib": (memory["hand_estimate_bytes"] if compiled_memory else
-                                   memory["total_bytes"]) / GIB,
+               "memory_source": memory.source if compiled_memory else "hand estimate",
+               "hand_memory_gib": (memory.hand_estimate_bytes if compiled_memory else
+                                   memory.total_bytes) / GIB,
                "xla_gpu_memory_gib": xla_mem, "fits": pred.fits,
-               "hbm_gib": memory["hbm_bytes"] / GIB,
+               "hbm_gib": memory.hbm_bytes / GIB,
                "compiler": pred.compiler,
-               "time_model": pred.time["model"] if pred.timing == "kernels" else
+               "time_model": pred.time.model if pred.timing == "kernels" else
                "roofline (FLOPs / calibrated peak)",
-               "bottleneck": pred.time["bottleneck"],
+               "bottleneck": pred.time.bottleneck,
                # where the predicted step goes: seconds by term, and by kernel kind
-               "predicted_time_s": {k: v for k, v in pred.time.items() if k.endswith("_s")
-                                    and isinstance(v, float)},
-               "predicted_kernel_kind_s": pred.time.get("by_kind")}
+               "predicted_time_s": {k: v for k, v in pred.time.to_json().items()
+                                    if k.endswith("_s") and isinstance(v, float)},
+               "predicted_kernel_kind_s": pred.time.by_kind or None}
         tput = case.throughput_id and published_tokens_per_s_per_gpu(
             case, records[case.throughput_id])
         for what, pub, value in (("tokens_per_s_per_gpu", tput, tps),

@@ -107,9 +107,8 @@ def program_block(platform, program, compiled) -> dict:
                                        runs)
     except Exception as e:  # noqa: BLE001 - the run's measurement stands
         return {"compiler": None, "reason": f"{type(e).__name__}: {e}"}
-    return {"compiler": reading["label"], "kernels": reading["kernels"],
-            "kernels_upper_bound": reading["kernels_upper_bound"],
-            "xla_cost": reading["xla_cost"]}
+    return {"compiler": reading.label, "kernels": reading.kernels,
+            "kernels_upper_bound": reading.kernels_upper_bound, "xla_cost": reading.xla_cost}
 
 
 def mfu_block(job, program, compiled, device_kind: str, num_devices: int,

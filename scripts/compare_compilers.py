@@ -99,13 +99,13 @@ def main(argv=None) -> int:
             continue
         print(f"\n{layout} on {mesh}, {model} bf16, batch {args.batch_size}")
         for t, f in zip(targets, figs):
-            mem = f["memory"]
+            mem = f.memory
             kinds = ", ".join(f"{k} {b:,.0f} B ({c:g})" for k, (c, b) in
-                              sorted(by_kind(f["comm"]).items()))
+                              sorted(by_kind(f.comm).items()))
             print(f"  {t.label}")
-            print(f"    compile {f['compile_s']:.1f} s; temp {human_bytes(mem['temp_bytes'])}, "
-                  f"peak {human_bytes(mem['peak_bytes'])}; FLOPs {f['flops']:.4g}; {kinds}")
-        a, b = (by_kind(f["comm"]) for f in figs)
+            print(f"    compile {f.compile_s:.1f} s; temp {human_bytes(mem['temp_bytes'])}, "
+                  f"peak {human_bytes(mem['peak_bytes'])}; FLOPs {f.flops:.4g}; {kinds}")
+        a, b = (by_kind(f.comm) for f in figs)
         total = [sum(v[1] for v in x.values()) for x in (a, b)]
         print(f"  bytes first/second: {total[0] / total[1]:.2f}" if total[1] else "")
     return 0

@@ -206,7 +206,7 @@ def test_xla_gpu_moves_keys_and_values_on_context_only():
     _, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
     moved: dict = {}
-    for op in reading["collectives"]:
+    for op in reading.collectives:
         key = (op["kind"], "+".join(op["axes"]))
         moved[key] = moved.get(key, 0) + op["bytes"]
     rows = batch // shape.data
@@ -251,9 +251,8 @@ def test_memory_estimate_splits_activations_over_context():
                                      state["state_bytes_per_device"],
                                      state["state_bytes_global"]["params"], False, True)
     batch, split = estimate("4"), estimate("data:2,context:2")
-    assert split["residual_bytes"] == pytest.approx(batch["residual_bytes"], rel=1e-3)
-    assert split["residual_bytes"] == pytest.approx(
-        estimate("2")["residual_bytes"] / 2, rel=1e-3)
+    assert split.residual_bytes == pytest.approx(batch.residual_bytes, rel=1e-3)
+    assert split.residual_bytes == pytest.approx(estimate("2").residual_bytes / 2, rel=1e-3)
 
 
 def test_pipeline_plan_splits_the_stash_over_context():
@@ -310,7 +309,7 @@ def test_xla_gpu_ring_passes_keys_and_values_round_context():
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     _, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
-    permutes = [op for op in reading["collectives"] if op["kind"] == "collective-permute"]
+    permutes = [op for op in reading.collectives if op["kind"] == "collective-permute"]
     assert {"+".join(op["axes"]) for op in permutes} == {"context"}
     rows, block = batch // shape.data, model_cfg.seq_len // shape.context
     kv = 2 * rows * block * model_cfg.kv_heads * (model_cfg.width // model_cfg.heads) * 2

@@ -64,7 +64,7 @@ def gpu_step(layout: str):
 
 def by_kind_axes(reading) -> dict:
     out: dict = {}
-    for op in reading["collectives"]:
+    for op in reading.collectives:
         row = out.setdefault((op["kind"], "+".join(op["axes"])), {"bytes": 0, "dtypes": set()})
         row["bytes"] += op["bytes"]
         row["dtypes"].update(op["dtypes"])
@@ -80,18 +80,18 @@ def params(program) -> int:
 @pytest.mark.parametrize("layout", list(CASES))
 def test_every_layout_compiles_for_32_h200_with_async_collectives(layout):
     cfg, program, reading = gpu_step(layout)
-    assert reading["compiler"] == "XLA:GPU"
-    assert "XLA:GPU sm_90, compiled without a device, 4 host(s) x 8 h200" in reading["label"]
-    assert reading["collectives"], "a 32-device step moves data"
-    sync = [op for op in reading["collectives"] if not op["async"]]
+    assert reading.compiler == "XLA:GPU"
+    assert "XLA:GPU sm_90, compiled without a device, 4 host(s) x 8 h200" in reading.label
+    assert reading.collectives, "a 32-device step moves data"
+    sync = [op for op in reading.collectives if not op["async"]]
     assert not sync, f"sync collectives in XLA:GPU's program: {sync}"
-    assert not reading["kernels_upper_bound"]
-    assert any(k.startswith("collective (async)") for k in reading["kernels"])
+    assert not reading.kernels_upper_bound
+    assert any(k.startswith("collective (async)") for k in reading.kernels)
     # The state each device holds (donated, so aliased) is exactly the planned shard bytes,
     # the figure the CPU path and --dry-run give from shapes.
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
                                                dict(parse_mesh(cfg.mesh.mesh).axis_sizes))
-    assert reading["memory"]["alias_bytes"] == planned["total"]
+    assert reading.memory["alias_bytes"] == planned["total"]
 
 
 @SHARES_PROGRAMS
@@ -153,7 +153,7 @@ def test_fsdp_tp_moves_only_weight_shards_on_the_data_axes(sequence_parallel, ch
     specs = jax.tree.leaves(program.state_specs["params"], is_leaf=lambda x: isinstance(x, P))
     leaves = jax.tree.leaves(program.abstract_state["params"])
     shard = sum(x.size // (tensor if "tensor" in spec else 1) for x, spec in zip(leaves, specs))
-    on_data = [op for op in reading["collectives"] if set(op["axes"]) & {"data", "fsdp"}]
+    on_data = [op for op in reading.collectives if set(op["axes"]) & {"data", "fsdp"}]
     assert {op["kind"] for op in on_data} == {"all-gather", "reduce-scatter", "all-reduce"}
     norms = [op for op in on_data if "tensor" in op["axes"]]
     if sequence_parallel:
@@ -201,7 +201,7 @@ def test_distributed_optimizer_moves_gradient_shards_and_bf16_weights_on_data(
                                                      "dtypes": {name}}
     assert rows.pop(("all-gather", "data")) == {"bytes": 2 * p_tp, "dtypes": {"bf16"}}
     assert rows == {("all-reduce", "data"): {"bytes": 4, "dtypes": {"f32"}}}  # the loss
-    assert reading["memory"]["alias_bytes"] == planned["total"]
+    assert reading.memory["alias_bytes"] == planned["total"]
     assert planned["master"] == (planned["opt"] - 4) // 2 == 4 * p_tp // 4  # f32 over data 4
 
 
@@ -209,7 +209,7 @@ def test_distributed_optimizer_moves_gradient_shards_and_bf16_weights_on_data(
 def test_pipeline_sends_equal_the_analytic_stage_bytes():
     cfg, program, reading = gpu_step("tp_pp")
     model_cfg = job_of(cfg).model
-    sends = sum(op["bytes"] for op in reading["collectives"]
+    sends = sum(op["bytes"] for op in reading.collectives
                 if op["kind"] == "collective-permute")
     S, M = 4, cfg.train.microbatches
     rows = cfg.train.batch_size // M  # data = 1
@@ -241,14 +241,14 @@ def test_gpu_and_cpu_programs_side_by_side_name_their_differences():
         if target.gpu:
             assert program_reading.modules(comp) is program_reading.modules(comp)
     gpu, cpu = readings["XLA:GPU"], readings["XLA:CPU"]
-    assert "1 host(s) x 8 h200" in gpu["label"]
-    total = {k: sum(op["bytes"] for op in r["collectives"]) for k, r in readings.items()}
+    assert "1 host(s) x 8 h200" in gpu.label
+    total = {k: sum(op["bytes"] for op in r.collectives) for k, r in readings.items()}
     assert total["XLA:GPU"] < 0.6 * total["XLA:CPU"]
     lines = program_reading.differences(gpu, cpu)
     assert any(line.startswith("reduce-scatter: only XLA:GPU emits it") for line in lines)
     assert any("all-gather" in line and "bf16 vs f32" in line for line in lines), lines
     # The same state shards under both compilers.
-    assert gpu["memory"]["alias_bytes"] == cpu["memory"]["alias_bytes"]
+    assert gpu.memory["alias_bytes"] == cpu.memory["alias_bytes"]
 
 
 def test_cudnn_attention_is_compiled_as_cudnn_and_counted():
@@ -261,8 +261,8 @@ def test_cudnn_attention_is_compiled_as_cudnn_and_counted():
     target = compiled.gpu_topology(H200, 8)
     _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     inv = kernels.inventory(comp.as_text())
-    fwd = inv["kernels"]["attention (cuDNN) forward"]
-    bwd = inv["kernels"]["attention (cuDNN) backward"]
+    fwd = inv.kernels["attention (cuDNN) forward"]
+    bwd = inv.kernels["attention (cuDNN) backward"]
     depth = model_cfg.depth
     assert fwd["launches"] == depth and bwd["launches"] == depth
     # causal: half of 2 (fwd) and 5 (bwd) matmuls of 2 B H L L Dh, B = 2 rows per device
@@ -291,7 +291,7 @@ def test_cudnn_attention_compiles_under_the_tensor_layouts(layout, mesh, sp, mb)
     shape = parse_mesh(mesh)
     _, comp, _ = compiled.compile_step(job_of(cfg), model_cfg, shape,
                                        compiled.gpu_topology(H200, shape.size))
-    found = kernels.inventory(comp.as_text())["kernels"]
+    found = kernels.inventory(comp.as_text()).kernels
     fwd, bwd = found["attention (cuDNN) forward"], found["attention (cuDNN) backward"]
     if mb > 1:
         return  # a pipeline's calls sit in its schedule's branches: present is the claim
@@ -325,8 +325,8 @@ def test_kernel_flops_count_every_loop_iteration():
                                      jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
     reading = program_reading.read(comp, target, {"d": 8})
     body = 3 * 2 * 8 * 256 * 256  # forward, input and weight gradients of 8 rows per device
-    assert reading["flops"] == 5 * body
-    assert reading["xla_cost"]["flops"] < 2 * body  # XLA's own count: the body once
+    assert reading.flops == 5 * body
+    assert reading.xla_cost["flops"] < 2 * body  # XLA's own count: the body once
 
 
 def test_in_place_updates_and_slices_move_their_rows_not_the_buffer():
@@ -397,9 +397,9 @@ def test_kernel_cache_reuses_cubins_and_changes_no_figure():
                                  compiled.abstract_batch(model_cfg, cfg.train.batch_size))
     (without, _), = xla_compile.compile_lowered([lowered], None)
     a, b = with_cache, program_reading.read(without, target, shape.axis_sizes)
-    assert a["memory"] == b["memory"]
-    assert a["collectives"] == b["collectives"]
-    assert a["kernels"] == b["kernels"]
+    assert a.memory == b.memory
+    assert a.collectives == b.collectives
+    assert a.kernels == b.kernels
 
 
 @pytest.mark.parametrize("layout,mesh", [("fsdp_tp", "data:2,tensor:2"),
@@ -468,7 +468,7 @@ def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
         return _ep_steps[moe_impl]
 
     program, comp, reading = step(impl)
-    ops = reading["collectives"]
+    ops = reading.collectives
     assert {op["kind"] for op in ops if op["kind"] == "all-to-all"} == {"all-to-all"}
     assert all(op["axes"] == ["expert"] for op in ops if op["kind"] == "all-to-all")
     on_data = [op for op in ops if "data" in op["axes"]]
@@ -491,7 +491,7 @@ def test_ep_x_tp_moves_tokens_only_by_all_to_all_on_expert(impl):
     from jaxdist.predict.kernels_time import GEMM_KINDS
     gemms = [k for k in kernels_ if k["kind"] in GEMM_KINDS]
     assert len(gemms) >= 2 * 6 and all(k["flops"] > 0 for k in gemms)  # 2 layers
-    gemm = lambda r: sum(row["flops"] for kind, row in r["kernels"].items()  # noqa: E731
+    gemm = lambda r: sum(row["flops"] for kind, row in r.kernels.items()  # noqa: E731
                          if kind in GEMM_KINDS)
     assert gemm(reading) == pytest.approx(gemm(step("sorted")[2]), rel=0.02)
 
@@ -542,11 +542,11 @@ def test_ordered_temporaries_extrapolate_from_the_live_ranges_to_a_whole_compile
     target = compiled.gpu_topology(get_hardware("h100-sxm"), shape.size)
     whole = program.step_figures(job_of(cfg), model_cfg, shape, "full", target)
     line = program.step_figures(job_of(cfg), model_cfg, shape, "extrapolate", target)
-    assert line["memory_method"].startswith("temporaries: depth 2's + ")
-    assert line["memory"]["temp_bytes"] == pytest.approx(whole["memory"]["temp_bytes"],
+    assert line.memory_method.startswith("temporaries: depth 2's + ")
+    assert line.memory["temp_bytes"] == pytest.approx(whole.memory["temp_bytes"],
                                                          rel=0.05)
     for key in ("argument_bytes", "output_bytes", "alias_bytes"):
-        assert line["memory"][key] == whole["memory"][key]
+        assert line.memory[key] == whole.memory[key]
 
 
 def test_offloading_remat_holds_host_buffers_and_the_plan_counts_them_apart():
@@ -593,10 +593,10 @@ def test_uneven_pipeline_step_compiles_and_skips_padded_slots():
     assert program.schedule.blocks == ((1,), (1,), (1,), (2,))
     runs = switch_runs(comp.as_text(), dict(shape.axis_sizes), program.schedule)
     reading = program_reading.read(comp, target, shape.axis_sizes, runs)
-    assert not [o for o in reading["collectives"] if o.get("upper_bound")]
-    even = gpu_step("tp_pp")[2]["flops"]
+    assert not [o for o in reading.collectives if o.get("upper_bound")]
+    even = gpu_step("tp_pp")[2].flops
     # a block is less than a quarter of the even step's dots (4 blocks, head, embeddings)
-    assert 0 < reading["flops"] - even < even / 4
+    assert 0 < reading.flops - even < even / 4
 
 
 def test_pipeline_sends_and_the_gradient_reduction_overlap_the_ticks():

@@ -35,7 +35,7 @@ def test_gradient_reduce_scatters_are_issued_inside_the_backward(monkeypatch):
     program, comp, seconds = compiled.compile_step(job_of(cfg), model_cfg, shape, target)
     hlo = program_reading.text(comp)
     reading = program_reading.read(comp, target, shape.axis_sizes, None, compile_s=seconds)
-    scatters = {op["name"]: op for op in reading["collectives"]
+    scatters = {op["name"]: op for op in reading.collectives
                 if op["kind"] == "reduce-scatter" and op["axes"] == ["data"]}
     planned = metrics.planned_bytes_per_device(program.abstract_state, program.state_specs,
                                                dict(shape.axis_sizes))
@@ -76,7 +76,7 @@ def _hidden(comp, target, sizes) -> tuple[int, int]:
     start and done, all of them) in a compiled program's entry computation."""
     hlo = program_reading.text(comp)
     reading = program_reading.read(comp, target, sizes, None, compile_s=0.0)
-    names = {op["name"] for op in reading["collectives"] if op["axes"] == ["tensor"]
+    names = {op["name"] for op in reading.collectives if op["axes"] == ["tensor"]
              and op["kind"] in ("all-gather", "reduce-scatter")}
     in_flight, hidden = set(), set()
     for item in kernels.schedule(hlo)[entry_computation(hlo)]:

@@ -225,7 +225,7 @@ def _one_device_dot_flops(cfg) -> float:
                             mesh, 0, 1)
     batch = put_batch(TrainStream(cfg, None, BATCH, 0).batch(0), program.batch_sharding)
     return kernels.inventory(program.step.lower(program.abstract_state, batch).compile()
-                             .as_text())["flops"]
+                             .as_text()).flops
 
 
 @pytest.mark.parametrize("schedule,remat,blocks", [
@@ -255,7 +255,7 @@ def test_step_dot_flops_are_the_models(schedule, remat, blocks):
     text = program.step.lower(program.abstract_state, batch).compile().as_text()
     mesh = dict(program.batch_sharding.mesh.shape)
     runs = switch_runs(text, mesh, program.schedule)
-    assert kernels.inventory(text, runs)["flops"] * S == pytest.approx(
+    assert kernels.inventory(text, runs).flops * S == pytest.approx(
         _one_device_dot_flops(cfg), rel=1e-9)
     if remat != "none" or blocks:
         return

@@ -44,15 +44,15 @@ def test_each_axis_names_its_links():
     """MaxText's 70B layouts: fsdp 128 is 8 in a node x 16 nodes; data crosses nodes."""
     net = "network, 50 GB/s per GPU"
     assert time_model.axis_links({"data": 2, "fsdp": 128}, H200) == {
-        "data": {"in_node": 1, "nodes": 2, "links": f"2 across nodes ({net})"},
-        "fsdp": {"in_node": 8, "nodes": 16,
-                 "links": f"8 in-node (NVLink) x 16 across nodes ({net})"}}
+        "data": time_model.AxisLinks(in_node=1, nodes=2, links=f"2 across nodes ({net})"),
+        "fsdp": time_model.AxisLinks(in_node=8, nodes=16,
+                                     links=f"8 in-node (NVLink) x 16 across nodes ({net})")}
     links = time_model.axis_links({"data": 16, "fsdp": 128, "tensor": 1},
                                   get_hardware("h100-sxm"))
-    assert [v["links"] for v in links.values()] == [
+    assert [v.links for v in links.values()] == [
         f"16 across nodes ({net})", f"8 in-node (NVLink) x 16 across nodes ({net})",
         "1 (no communication)"]
-    assert time_model.axis_links(MESH, get_hardware("l4"))["fsdp"]["links"] == \
+    assert time_model.axis_links(MESH, get_hardware("l4"))["fsdp"].links == \
         "8 in-node (PCIe)"
 
 
@@ -81,12 +81,12 @@ def test_collectives_span_the_simulated_nodes_of_a_part():
     target = compiled.simulated_cpu(8, gpus_per_node=2)
     program = _fsdp_gather(target.devices, sizes)
     assert program_reading.hosts(program, target, sizes).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    ops = program_reading.read(program, target, sizes)["collectives"]
+    ops = program_reading.read(program, target, sizes).collectives
     assert [(o["kind"], o["axes"], o["nodes"], o["members_per_node"]) for o in ops] == \
         [("all-gather", ["fsdp"], 2, 2)]
     t = time_model.collective_time(time_model.aggregate(ops)[0],
                                    get_hardware("h200", 2), sizes)
-    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 2, 2)
+    assert (t.link, t.nodes, t.members_per_node) == ("inter-node", 2, 2)
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
@@ -105,7 +105,7 @@ def test_collectives_read_against_the_topologys_hosts():
     assert hosts.tolist() == [0, 0, 1, 1, 2, 2] * 2
     assert compiled.mesh_hosts(parse_mesh("data:2,fsdp:6"), target).ravel().tolist() == \
         hosts.tolist()
-    ops = [o for o in program_reading.read(program, target, sizes)["collectives"]
+    ops = [o for o in program_reading.read(program, target, sizes).collectives
            if o["kind"] == "all-gather"]
     assert ops and {(o["nodes"], o["members_per_node"]) for o in ops} == {(3, 2)}
     assert time_model.group_nodes(sizes, ["fsdp"], 4) == (3, 2)
@@ -123,14 +123,14 @@ def test_collective_time_intra_and_inter_node():
     op = {"kind": "all-reduce", "axes": ["fsdp"], "group_size": 8, "count": 2,
           "ring_bytes": 3.6e9}
     t = time_model.collective_time(op, H200, MESH)
-    assert t["link"] == "intra-node"
+    assert t.link == "intra-node"
     # NCCL ring latency per call: base 8.4 us + 14 NVLink steps x 3.4 us
-    assert t["seconds"] == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * (8.4e-6 + 14 * 3.4e-6),
+    assert t.seconds == pytest.approx(3.6e9 / (450e9 * LINK) + 2 * (8.4e-6 + 14 * 3.4e-6),
                                          rel=1e-12)
     # data: one member per node, every ring step on the network, each GPU's own NIC
     t = time_model.collective_time({**op, "axes": ["data"], "group_size": 4}, H200, MESH)
-    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 4, 1)
-    assert t["seconds"] == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * (8.4e-6 + 6 * 9.6e-6),
+    assert (t.link, t.nodes, t.members_per_node) == ("inter-node", 4, 1)
+    assert t.seconds == pytest.approx(3.6e9 / (50e9 * LINK) + 2 * (8.4e-6 + 6 * 9.6e-6),
                                          rel=1e-12)
 
 
@@ -145,11 +145,11 @@ def test_a_small_all_reduce_across_many_nodes_takes_nccls_tree():
     ring = 8.4e-6 + (2046 - 254) * 3.4e-6 + 254 * 9.6e-6
     tree = 4.4e-6 + 2 * (7 * 0.52e-6 * 1.8 + 7 * 5.0e-6)
     t = time_model.collective_time(op, h100, mesh)
-    assert t["seconds"] == pytest.approx(8.0 / (400e9 * LINK * 0.9 / 3.8) + tree, rel=1e-9)
-    assert t["seconds"] < ring / 90
+    assert t.seconds == pytest.approx(8.0 / (400e9 * LINK * 0.9 / 3.8) + tree, rel=1e-9)
+    assert t.seconds < ring / 90
     # a gradient's gigabytes still ride the ring: its bandwidth term dominates
     big = time_model.collective_time({**op, "ring_bytes": 4e9}, h100, mesh)
-    assert big["seconds"] == pytest.approx(4e9 / (400e9 * LINK) + ring, rel=1e-9)
+    assert big.seconds == pytest.approx(4e9 / (400e9 * LINK) + ring, rel=1e-9)
 
 
 def test_inter_node_ring_spreads_over_the_nics_of_a_node():
@@ -160,13 +160,13 @@ def test_inter_node_ring_spreads_over_the_nics_of_a_node():
     op = {"kind": "all-gather", "axes": ["fsdp"], "group_size": 64, "count": 3,
           "ring_bytes": 1.6e9}
     t = time_model.collective_time(op, a100, {"data": 1, "fsdp": 64})
-    assert (t["link"], t["nodes"], t["members_per_node"]) == ("inter-node", 8, 8)
-    assert t["seconds"] == pytest.approx(
+    assert (t.link, t.nodes, t.members_per_node) == ("inter-node", 8, 8)
+    assert t.seconds == pytest.approx(
         1.6e9 / (200e9 * LINK) + 3 * (8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6), rel=1e-12)
     # 16 GPUs per node: 16 x 25 GB/s of NICs exceed NVLink's 300 GB/s, which bounds it
     t = time_model.collective_time(op, get_hardware("a100-sxm-80gb", 16), {"data": 1, "fsdp": 64})
-    assert (t["nodes"], t["members_per_node"]) == (4, 16)
-    assert t["seconds"] == pytest.approx(
+    assert (t.nodes, t.members_per_node) == (4, 16)
+    assert t.seconds == pytest.approx(
         1.6e9 / (300e9 * LINK) + 3 * (8.4e-6 + 60 * 3.4e-6 + 3 * 9.6e-6), rel=1e-12)
     assert time_model.group_nodes({"data": 4, "fsdp": 8}, ["data"], 16) == (2, 2)
 
@@ -181,69 +181,72 @@ def test_compute_bound_step_without_and_with_overlap():
     comm = _inter(0.03)       # 30 ms + 3 hops x 10 us
     comm_s = 0.03 + AG4_LAT
     plain = time_model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16")
-    assert plain["compute_s"] == pytest.approx(0.1)
-    assert plain["inter_node_s"] == pytest.approx(comm_s)
-    assert plain["step_s"] == pytest.approx(0.1 + comm_s)
-    assert plain["bottleneck"] == "compute"
+    assert plain.compute_s == pytest.approx(0.1)
+    assert plain.inter_node_s == pytest.approx(comm_s)
+    assert plain.step_s == pytest.approx(0.1 + comm_s)
+    assert plain.bottleneck == "compute"
     hidden = time_model.step_time(flops, 0.0, comm, H200, MESH, "bfloat16", overlap=True)
-    assert hidden["step_s"] == pytest.approx(0.1)
-    assert hidden["comm_exposed_s"] == 0.0
-    assert plain["label"] == hidden["label"] == "predicted"
+    assert hidden.step_s == pytest.approx(0.1)
+    assert hidden.comm_exposed_s == 0.0
+    assert plain.label == hidden.label == "predicted"
 
 
 def test_inter_node_bound_step_with_overlap_exposes_the_excess():
     flops = 0.01 * PEAK * EFF
     t = time_model.step_time(flops, 0.0, _inter(0.05), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(0.05 + AG4_LAT)  # compute 10 ms hidden inside
-    assert t["comm_exposed_s"] == pytest.approx(0.04 + AG4_LAT)
-    assert t["bottleneck"] == "inter-node"
+    assert t.step_s == pytest.approx(0.05 + AG4_LAT)  # compute 10 ms hidden inside
+    assert t.comm_exposed_s == pytest.approx(0.04 + AG4_LAT)
+    assert t.bottleneck == "inter-node"
 
 
 def test_hbm_bound_step():
     bytes_accessed = 0.2 * 4.8e12 * constant("hbm_efficiency")
     t = time_model.step_time(0.1 * PEAK * EFF, bytes_accessed, [], H200, MESH, "bfloat16")
-    assert t["hbm_s"] == pytest.approx(0.2)
-    assert t["step_s"] == pytest.approx(0.2)
-    assert t["bottleneck"] == "HBM"
+    assert t.hbm_s == pytest.approx(0.2)
+    assert t.step_s == pytest.approx(0.2)
+    assert t.bottleneck == "HBM"
 
 
 def test_pipeline_bubble():
     t = time_model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
                         microbatches=6)
-    assert t["bubble_s"] == pytest.approx(0.1 * 3 / 6)
-    assert t["step_s"] == pytest.approx(0.15)
+    assert t.bubble_s == pytest.approx(0.1 * 3 / 6)
+    assert t.step_s == pytest.approx(0.15)
     t = time_model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
                         microbatches=1)
-    assert t["bottleneck"] == "pipeline bubble"  # 300 ms of bubble beside 100 ms of work
+    assert t.bottleneck == "pipeline bubble"  # 300 ms of bubble beside 100 ms of work
 
 
 def test_throughput_and_mfu():
-    step = {"step_s": 0.5, "peak_flops_per_device": PEAK}
+    step = time_model.step_time(0.0, 0.0, [], H200, MESH, "bfloat16").replace(
+        step_s=0.5, peak_flops_per_device=PEAK)
     out = time_model.throughput(step, tokens_per_step=16 * 8192, model_flops_per_step=1e15,
                            num_devices=8)
-    assert out["tokens_per_s_per_gpu"] == 16 * 8192 / 0.5 / 8
-    assert out["mfu"] == pytest.approx(1e15 / (0.5 * PEAK * 8))
+    assert out.tokens_per_s_per_gpu == 16 * 8192 / 0.5 / 8
+    assert out.mfu == pytest.approx(1e15 / (0.5 * PEAK * 8))
 
 
 def _estimate(state, total):
-    return {"label": "predicted", "state_bytes": state, "gradient_bytes": 0,
-            "residual_bytes": total - state, "transient_bytes": 0, "total_bytes": total}
+    return memory.MemoryEstimate(state_bytes=state, gradient_bytes=0,
+                                 residual_bytes=total - state, transient_bytes=0,
+                                 gathered_param_bytes=0, host_residual_bytes=0,
+                                 total_bytes=total, method="hand-built")
 
 
 def test_memory_verdict_uses_the_estimate_not_the_cpu_compiler():
     ok = verdict_of.memory_verdict(_estimate(100 * 10**9, 130 * 10**9), 900 * 10**9, H200)
-    assert ok["fits"] and ok["headroom_bytes"] == 11 * 10**9 and ok["over_by_bytes"] == 0
-    assert ok["cpu_compiler_temp_bytes"] == 900 * 10**9  # carried, labelled, not used
-    assert ok["temp_bytes"] == 30 * 10**9
+    assert ok.fits and ok.headroom_bytes == 11 * 10**9 and ok.over_by_bytes == 0
+    assert ok.cpu_compiler_temp_bytes == 900 * 10**9  # carried, labelled, not used
+    assert ok.temp_bytes == 30 * 10**9
     over = verdict_of.memory_verdict(_estimate(120 * 10**9, 150 * 10**9), 0, H200)
-    assert over["fits"] is False and over["over_by_bytes"] == 9 * 10**9
-    assert "saved activations" in over["fits_reason"]
+    assert over.fits is False and over.over_by_bytes == 9 * 10**9
+    assert "saved activations" in over.fits_reason
     # without remat the estimate is an upper bound: over HBM is "unknown", not an OOM
     loose = verdict_of.memory_verdict(
-        {**_estimate(120 * 10**9, 150 * 10**9), "upper_bound": True}, 0, H200)
-    assert loose["fits"] is None and "upper bound" in loose["fits_reason"]
+        _estimate(120 * 10**9, 150 * 10**9).replace(upper_bound=True), 0, H200)
+    assert loose.fits is None and "upper bound" in loose.fits_reason
     oom = verdict_of.memory_verdict(_estimate(150 * 10**9, 150 * 10**9), 0, H200)
-    assert oom["fits"] is False and oom["fits_reason"].startswith("the train state alone")
+    assert oom.fits is False and oom.fits_reason.startswith("the train state alone")
 
 
 def test_residuals_classified_hand_built():
@@ -254,37 +257,36 @@ def test_residuals_classified_hand_built():
             {"shape": (4, L, 100), "dtype": "float32", "bytes": 25600}]    # logits
     at_2b = [{**r, "bytes": r["bytes"] * (1 if r["shape"] == (8, 32) else 2)} for r in at_b]
     flash = memory.classify(at_b, at_2b, L, flash=True)
-    assert flash == {"batch_bytes": 1024 + 25600, "constant_bytes": 512, "scores_bytes": 8192,
-                     "host_bytes": 0, "largest_batch_bytes": 25600,
-                     "largest_constant_bytes": 512}
+    assert flash == memory.ResidualKinds(batch_bytes=1024 + 25600, constant_bytes=512,
+                                         scores_bytes=8192, host_bytes=0,
+                                         largest_batch_bytes=25600, largest_constant_bytes=512)
     # an activation as wide as the sequence is long is no score (llama3-70b: 8192 and 8192)
     square = [{"shape": (4, L, L), "dtype": "bfloat16", "bytes": 2048}]
-    assert memory.classify(square, [{**square[0], "bytes": 4096}], L, flash=True)[
-        "batch_bytes"] == 2048
+    assert memory.classify(square, [{**square[0], "bytes": 4096}], L,
+                           flash=True).batch_bytes == 2048
     kept = memory.classify(at_b, at_2b, L, flash=False)
-    assert kept["batch_bytes"] == 1024 + 8192 + 25600 and kept["scores_bytes"] == 0
+    assert kept.batch_bytes == 1024 + 8192 + 25600 and kept.scores_bytes == 0
     # 8 devices hold the batch: activations split, the weight copy whole
-    assert memory.per_device(flash, 8) == {"residual_bytes": 26624 / 8 + 512,
-                                          "host_residual_bytes": 0.0,
-                                          "largest_bytes": 25600 / 8}
+    assert memory.per_device(flash, 8) == memory.Residuals(
+        residual_bytes=26624 / 8 + 512, host_residual_bytes=0.0, largest_bytes=25600 / 8)
     # a residual the remat policy offloads is host bytes, not device bytes
     moved = [{**r, "host": r["shape"] == (4, L, 8)} for r in at_b]
     offloaded = memory.classify(moved, at_2b, L, flash=True)
-    assert offloaded["host_bytes"] == 1024 and offloaded["batch_bytes"] == 25600
-    assert memory.per_device(offloaded, 8)["host_residual_bytes"] == 1024 / 8
+    assert offloaded.host_bytes == 1024 and offloaded.batch_bytes == 25600
+    assert memory.per_device(offloaded, 8).host_residual_bytes == 1024 / 8
     assert memory.batch_shards({"data": 2, "fsdp": 4, "tensor": 2}) == 8
     with pytest.raises(ValueError):
         memory.classify(at_b, at_2b[:2], L, flash=False)
 
 
 def test_peak_adds_state_gradients_residuals_and_the_larger_transient():
-    res = {"residual_bytes": 50.0, "largest_bytes": 8.0, "block_recompute_bytes": 5.0,
-           "method": "hand-built"}
+    res = memory.Residuals(residual_bytes=50.0, host_residual_bytes=0.0, largest_bytes=8.0,
+                           block_recompute_bytes=5.0, method="hand-built")
     p = memory.peak(11.0, 4.0, res, gathered_param_bytes=2.0)
-    assert p["transient_bytes"] == 8.0 + 2.0  # logits gradient beats one block's recompute
-    assert p["total_bytes"] == 11.0 + 4.0 + 50.0 + 10.0
-    p = memory.peak(11.0, 4.0, {**res, "block_recompute_bytes": 9.0})
-    assert p["transient_bytes"] == 9.0 and p["label"] == "predicted"
+    assert p.transient_bytes == 8.0 + 2.0  # logits gradient beats one block's recompute
+    assert p.total_bytes == 11.0 + 4.0 + 50.0 + 10.0
+    p = memory.peak(11.0, 4.0, res.replace(block_recompute_bytes=9.0))
+    assert p.transient_bytes == 9.0 and p.label == "predicted"
 
 
 def test_saved_residuals_are_what_jax_reports(capsys):
@@ -331,12 +333,12 @@ def test_micro_batches_halve_activations_and_carry_an_accumulator():
             state["state_bytes_global"]["params"], False, True)
     one = memory.predict_memory(model_cfg, "float32", 16, 1, *args)
     two = memory.predict_memory(model_cfg, "float32", 16, 2, *args)
-    assert one["gradient_bytes"] == state["state_bytes_per_device"]["params"]
-    assert two["gradient_bytes"] == 2 * one["gradient_bytes"]
+    assert one.gradient_bytes == state["state_bytes_per_device"]["params"]
+    assert two.gradient_bytes == 2 * one.gradient_bytes
     # activations follow the micro-batch (measured: 493,124 -> 246,692 bytes per device; the
     # 260 bytes that do not halve are batch-independent values)
-    assert (one["residual_bytes"], two["residual_bytes"]) == (493_124, 246_692)
-    assert one["gathered_param_bytes"] > 0 and not one["upper_bound"]
+    assert (one.residual_bytes, two.residual_bytes) == (493_124, 246_692)
+    assert one.gathered_param_bytes > 0 and not one.upper_bound
 
 
 def test_memory_estimate_against_the_compiled_step_in_float32():
@@ -352,13 +354,13 @@ def test_memory_estimate_against_the_compiled_step_in_float32():
                     train=TrainConfig(layout="fsdp", batch_size=16, remat="none"))
     model_cfg = job_of(cfg).model
     shape = parse_mesh("1x1")
-    compiled = program.figures(job_of(cfg), model_cfg, shape)["memory"]["temp_bytes"]
+    compiled = program.figures(job_of(cfg), model_cfg, shape).memory["temp_bytes"]
     state = shapes.plan(job_of(cfg, shape)).to_json()
     est = memory.predict_memory(model_cfg, "float32", 16, 1, dict(shape.axis_sizes),
                                 state["state_bytes_per_device"],
                                 state["state_bytes_global"]["params"], False, True)
-    assert est["gathered_param_bytes"] == 0  # one device: nothing sharded, nothing gathered
-    ratio = (est["total_bytes"] - est["state_bytes"]) / compiled
+    assert est.gathered_param_bytes == 0  # one device: nothing sharded, nothing gathered
+    ratio = (est.total_bytes - est.state_bytes) / compiled
     assert 1.0 <= ratio <= 1.2, ratio
 
 
@@ -371,16 +373,15 @@ def test_aggregate_and_extrapolate_hand_built():
     # A count from a branch without a frequency stays flagged through the aggregate.
     flagged = time_model.aggregate(ops + [{**ops[0], "upper_bound": True, "async": True}])
     assert flagged[0]["upper_bound"] and flagged[0]["async"] and flagged[0]["count"] == 4
-    one = {"flops": 10.0, "bytes_accessed": 5.0, "memory": {"temp_bytes": 100},
-           "comm": [{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}]}
-    two = {"flops": 16.0, "bytes_accessed": 7.0, "memory": {"temp_bytes": 130},
-           "comm": agg + [{"kind": "all-reduce", "axes": [], "group_size": 1, "count": 1,
-                           "bytes": 4, "ring_bytes": 0.0}]}
+    one = program.StepFigures(flops=10.0, bytes_accessed=5.0, memory={"temp_bytes": 100},
+                              comm=[{**agg[0], "count": 2, "bytes": 20, "ring_bytes": 17.5}])
+    two = program.StepFigures(flops=16.0, bytes_accessed=7.0, memory={"temp_bytes": 130},
+                              comm=agg + [{"kind": "all-reduce", "axes": [], "group_size": 1,
+                                           "count": 1, "bytes": 4, "ring_bytes": 0.0}])
     at4 = program.extrapolate(one, two, 4)
-    assert (at4["flops"], at4["bytes_accessed"], at4["memory"]) == (28.0, 11.0,
-                                                                     {"temp_bytes": 190})
-    assert at4["comm"][0]["count"] == 5 and at4["comm"][0]["bytes"] == 50
-    assert at4["comm"][1]["count"] == 3  # absent at depth 1: 0 + 3 x 1
+    assert (at4.flops, at4.bytes_accessed, at4.memory) == (28.0, 11.0, {"temp_bytes": 190})
+    assert at4.comm[0]["count"] == 5 and at4.comm[0]["bytes"] == 50
+    assert at4.comm[1]["count"] == 3  # absent at depth 1: 0 + 3 x 1
 
 
 def test_depth_extrapolation_equals_full_compile_for_4_blocks():
@@ -390,15 +391,15 @@ def test_depth_extrapolation_equals_full_compile_for_4_blocks():
     shape = parse_mesh("2x4")
     full = program.step_figures(job_of(cfg), model_cfg, shape, "full")
     line = program.step_figures(job_of(cfg), model_cfg, shape, "extrapolate")
-    assert full["method"] == "full compile" and "extrapolated" in line["method"]
-    assert line["comm"] == full["comm"]  # every collective: count, bytes, ring bytes
-    assert line["bytes_accessed"] == pytest.approx(full["bytes_accessed"], rel=1e-6)  # 1 byte
+    assert full.method == "full compile" and "extrapolated" in line.method
+    assert line.comm == full.comm  # every collective: count, bytes, ring bytes
+    assert line.bytes_accessed == pytest.approx(full.bytes_accessed, rel=1e-6)  # 1 byte
     for key in ("argument_bytes", "output_bytes", "alias_bytes"):
-        assert line["memory"][key] == full["memory"][key]
+        assert line.memory[key] == full.memory[key]
     # Measured: 92,440,664 vs 92,440,912 FLOPs (248 apart: scalar work XLA fuses
     # differently at depth 1), temp 2,908,792 vs 2,906,232 bytes.
-    assert line["flops"] == pytest.approx(full["flops"], rel=1e-5)
-    assert line["memory"]["temp_bytes"] == pytest.approx(full["memory"]["temp_bytes"], rel=2e-3)
+    assert line.flops == pytest.approx(full.flops, rel=1e-5)
+    assert line.memory["temp_bytes"] == pytest.approx(full.memory["temp_bytes"], rel=2e-3)
 
 
 def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
@@ -481,14 +482,15 @@ def test_attention_scores_separates_scores_from_activations(monkeypatch):
     # plus 1000 outside the blocks; bytes accessed 7 per token x L per block.
     def fake(cfg, model_cfg, shape, target=None, hw=None):
         tokens, L = cfg.train.batch_size * model_cfg.seq_len, model_cfg.seq_len
-        return {"memory": {"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)},
-                "bytes_accessed": model_cfg.depth * 7 * tokens * L}
+        return program.StepFigures(
+            flops=0.0, comm=[], bytes_accessed=model_cfg.depth * 7 * tokens * L,
+            memory={"temp_bytes": 1000 + model_cfg.depth * (5 * tokens + 3 * tokens * L)})
     monkeypatch.setattr(program, "figures", fake)
     cfg = RunConfig(train=TrainConfig(batch_size=4))
     model_cfg = dataclasses.replace(job_of(cfg).model, seq_len=64, depth=6)
     out = program.attention_scores(job_of(cfg), model_cfg, None)
-    assert out["temp_bytes"] == 6 * 3 * 4 * 64 * 64
-    assert out["bytes_accessed"] == 6 * 7 * 4 * 64 * 64
+    assert out.temp_bytes == 6 * 3 * 4 * 64 * 64
+    assert out.bytes_accessed == 6 * 7 * 4 * 64 * 64
 
 
 def test_flash_attention_applies_to_bf16_cudnn_decoders_only():
@@ -595,17 +597,20 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     # with overlap; the step is the communication, and so is the bottleneck.
     flops = 14.7 * PEAK * EFF
     t = time_model.step_time(flops, 0.0, _inter(27.6), H200, MESH, "bfloat16", overlap=True)
-    assert t["step_s"] == pytest.approx(27.6 + AG4_LAT)
-    assert t["bottleneck"] == "inter-node"
+    assert t.step_s == pytest.approx(27.6 + AG4_LAT)
+    assert t.bottleneck == "inter-node"
 
 
 def test_plans_that_do_not_fit_say_what_would():
     """An OOM or unknown plan names the levers, from its own settings."""
     from jaxdist.plan.predicted import next_steps
 
-    plan = {"memory": {"fits": None, "fits_reason": "the state fits; the estimate ..."},
+    unknown = _estimate(10, 20).replace(upper_bound=True, upper_bound_why="no remat")
+    plan = {"memory": verdict_of.memory_verdict(
+                unknown, 0, dataclasses.replace(get_hardware("h100-sxm"), hbm_bytes=15)),
             "settings": {"dtype": "float32", "remat": "none", "microbatches": 1,
                          "attention": "default", "decoder": True}}
+    assert plan["memory"].fits is None
     hints = next_steps(plan["memory"], plan["settings"], pipelined=False)
     assert hints[0].startswith("--dtype bfloat16") and "--remat full" in hints[1]
     assert "attention=cudnn" in hints[2] and hints[3].startswith("--microbatches 2")
@@ -613,9 +618,11 @@ def test_plans_that_do_not_fit_say_what_would():
                                                      "remat": "full", "microbatches": 8}}
     assert next_steps(pipeline["memory"], pipeline["settings"],
                       pipelined=True)[-1].startswith("more micro-batches (--microbatches 16")
-    state = {"memory": {"fits": False, "fits_reason": "the train state alone exceeds HBM"}}
+    tiny = dataclasses.replace(get_hardware("h100-sxm"), hbm_bytes=5)
+    state = {"memory": verdict_of.memory_verdict(_estimate(10, 20), 0, tiny)}
     assert "shards the state further" in next_steps(state["memory"], {}, pipelined=False)[0]
-    assert next_steps({"fits": True}, {}, pipelined=False) == []
+    fits = verdict_of.memory_verdict(_estimate(10, 20), 0, get_hardware("h100-sxm"))
+    assert next_steps(fits, {}, pipelined=False) == []
 
 
 def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
@@ -655,34 +662,38 @@ def test_exposure_extrapolated_across_depth_stays_within_zero_and_the_link_time(
     """How much of a collective a block hides is not linear in depth, so
     base + k (two - one) can cross zero or pass the link's own seconds; it is bounded."""
     from jaxdist.predict.depth import linear_times
+    from jaxdist.predict.kernels_time import KernelTime
 
     def kt(device, intra, exposed_intra, inter=0.0, exposed_inter=0.0):
-        return {"device_s": device, "compute_s": device, "hbm_s": 0.0, "launch_s": 0.0,
-                "intra_node_s": intra, "inter_node_s": inter,
-                "exposed_intra_node_s": exposed_intra, "exposed_inter_node_s": exposed_inter,
-                "comm_exposed_s": exposed_intra + exposed_inter,
-                "step_s": device + exposed_intra + exposed_inter, "by_kind": {},
-                "upper_bound": False, "rates": {}}
+        return KernelTime(device_s=device, compute_s=device, hbm_s=0.0, launch_s=0.0,
+                          intra_node_s=intra, inter_node_s=inter,
+                          exposed_intra_node_s=exposed_intra,
+                          exposed_inter_node_s=exposed_inter, host_transfer_s=0.0,
+                          exposed_host_transfer_s=0.0,
+                          comm_exposed_s=exposed_intra + exposed_inter,
+                          step_s=device + exposed_intra + exposed_inter,
+                          head_exposed_intra_node_s=0.0, head_exposed_inter_node_s=0.0,
+                          upper_bound=False, by_kind={}, rates={}, kernel_efficiency=1.0)
 
     # exposure falls with depth (the next block hides more): the line goes below zero
     one, two = kt(1.0, 1.0, 0.5), kt(2.0, 2.0, 0.4)
     falling = linear_times(one, one, two, 9)
-    assert one["exposed_intra_node_s"] + 9 * (0.4 - 0.5) < 0
-    assert falling["exposed_intra_node_s"] == 0.0 and falling["comm_exposed_s"] == 0.0
-    assert falling["step_s"] == falling["device_s"] == pytest.approx(10.0)
+    assert one.exposed_intra_node_s + 9 * (0.4 - 0.5) < 0
+    assert falling.exposed_intra_node_s == 0.0 and falling.comm_exposed_s == 0.0
+    assert falling.step_s == falling.device_s == pytest.approx(10.0)
     # inter-node exposure grows faster than the link's time: capped at the link's seconds
     one, two = kt(1.0, 0.0, 0.0, 1.0, 0.9), kt(2.0, 0.0, 0.0, 1.2, 1.5)
     rising = linear_times(one, one, two, 9)
-    assert rising["inter_node_s"] == pytest.approx(1.0 + 9 * 0.2)
-    assert rising["exposed_inter_node_s"] == pytest.approx(rising["inter_node_s"])
-    assert rising["step_s"] == pytest.approx(rising["device_s"] + rising["inter_node_s"])
+    assert rising.inter_node_s == pytest.approx(1.0 + 9 * 0.2)
+    assert rising.exposed_inter_node_s == pytest.approx(rising.inter_node_s)
+    assert rising.step_s == pytest.approx(rising.device_s + rising.inter_node_s)
     # what is exposed before the first matmul (the first blocks' gathers) is once a step:
     # it grows by what the second block adds there, not per block; the rest per block
-    one = {**kt(1.0, 0.0, 0.0, 5.0, 0.3), "head_exposed_inter_node_s": 0.3}
-    two = {**kt(2.0, 0.0, 0.0, 6.0, 0.6), "head_exposed_inter_node_s": 0.5}
+    one = kt(1.0, 0.0, 0.0, 5.0, 0.3).replace(head_exposed_inter_node_s=0.3)
+    two = kt(2.0, 0.0, 0.0, 6.0, 0.6).replace(head_exposed_inter_node_s=0.5)
     deep = linear_times(one, one, two, 9)
-    assert deep["head_exposed_inter_node_s"] == pytest.approx(0.5)
-    assert deep["exposed_inter_node_s"] == pytest.approx(0.5 + 9 * 0.1)
+    assert deep.head_exposed_inter_node_s == pytest.approx(0.5)
+    assert deep.exposed_inter_node_s == pytest.approx(0.5 + 9 * 0.1)
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
@@ -747,37 +758,36 @@ def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_te
     hw = get_hardware("h100-sxm")  # 80e9 B = 74.5 GiB
 
     def verdict(xla_rest, hand_rest, state=10 * gib, upper_bound=False):
-        est = {"state_bytes": state, "total_bytes": state + hand_rest,
-               "upper_bound": upper_bound}
+        est = _estimate(state, state + hand_rest).replace(upper_bound=upper_bound)
         gpu = {"argument_bytes": state + gib, "output_bytes": state, "alias_bytes": state,
                "temp_bytes": xla_rest - gib}
         return verdict_of.gpu_memory_verdict(est, gpu, hw)
 
     agree = verdict(50 * gib, 55 * gib)
-    assert agree["source"] == "XLA:GPU buffer assignment" and agree["fits"] is True
-    assert agree["total_bytes"] == 60 * gib and [t["agrees"] for t in agree["terms"]] == [True] * 2
-    assert agree["terms"][1]["hand_over_compiler"] == pytest.approx(1.1)
+    assert agree.source == "XLA:GPU buffer assignment" and agree.fits is True
+    assert agree.total_bytes == 60 * gib and [t.agrees for t in agree.terms] == [True] * 2
+    assert agree.terms[1].hand_over_compiler == pytest.approx(1.1)
     # XLA plans its temporaries for the part's HBM less arguments (the state and the batch)
     # and outputs not donated, times its slop factor 0.95
-    assert agree["xla_temp_limit_bytes"] == pytest.approx((80e9 - 11 * gib) * 0.95)
+    assert agree.xla_temp_limit_bytes == pytest.approx((80e9 - 11 * gib) * 0.95)
     both_fit = verdict(20 * gib, 55 * gib)
-    assert (both_fit["source"], both_fit["fits"], both_fit["total_bytes"]) == \
+    assert (both_fit.source, both_fit.fits, both_fit.total_bytes) == \
         ("hand estimate", True, 65 * gib)
     assert "disagrees with the hand estimate beyond 0.8-1.25 on gradients + saved " \
-        "activations + working set" in both_fit["source_note"]
+        "activations + working set" in both_fit.source_note
     split = verdict(150 * gib, 55 * gib)
-    assert split["fits"] is None and split["fits_reason"].startswith(
+    assert split.fits is None and split.fits_reason.startswith(
         "XLA:GPU's buffer assignment exceeds HBM and the other does not")
-    assert verdict(150 * gib, 100 * gib)["fits"] is False
+    assert verdict(150 * gib, 100 * gib).fits is False
     # a hand estimate that is only an upper bound (no remat, tensor parallelism) says nothing
     # over HBM: the compiled figure decides, and is the one shown
     silent = verdict(40 * gib, 100 * gib, upper_bound=True)
-    assert (silent["fits"], silent["source"], silent["total_bytes"]) == \
+    assert (silent.fits, silent.source, silent.total_bytes) == \
         (True, "XLA:GPU buffer assignment", 50 * gib)
-    assert verdict(80 * gib, 100 * gib, upper_bound=True)["fits_reason"] == \
+    assert verdict(80 * gib, 100 * gib, upper_bound=True).fits_reason == \
         "the XLA:GPU buffer assignment exceeds HBM"
-    assert verdict(40 * gib, 100 * gib)["fits"] is None
-    assert verdict(40 * gib, 40 * gib, state=80 * gib)["fits"] is False
+    assert verdict(40 * gib, 100 * gib).fits is None
+    assert verdict(40 * gib, 40 * gib, state=80 * gib).fits is False
 
 
 @pytest.mark.skipif(compiled.gpu_compiler_missing() is not None,
@@ -853,9 +863,9 @@ def test_host_memory_copies_are_timed_over_pcie_and_wait_where_uncovered():
     t = kernels_time.step_time(HOST_COPY_HLO, [], hw, {"data": 1})
     copy_s = 4096 * 4096 * 2 / (constant("host_link_bandwidth_hopper")
                                 * constant("link_efficiency"))
-    dot_s = t["compute_s"] + t["launch_s"]
-    assert t["host_transfer_s"] == pytest.approx(copy_s)
+    dot_s = t.compute_s + t.launch_s
+    assert t.host_transfer_s == pytest.approx(copy_s)
     assert 0 < dot_s < copy_s  # the dot hides part of it
-    assert t["exposed_host_transfer_s"] == pytest.approx(copy_s - dot_s)
-    assert t["device_s"] == pytest.approx(copy_s)
-    assert "copy" not in t["by_kind"]  # no HBM copy kernel
+    assert t.exposed_host_transfer_s == pytest.approx(copy_s - dot_s)
+    assert t.device_s == pytest.approx(copy_s)
+    assert "copy" not in t.by_kind  # no HBM copy kernel

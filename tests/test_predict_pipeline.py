@@ -13,6 +13,7 @@ from jaxdist.parts import Part
 from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
+from jaxdist.predict.program import ScoreBytes, StepFigures
 from tests.helpers import job_of
 
 # A made-up part, so every figure below is simple arithmetic.
@@ -25,9 +26,10 @@ INTER_LAT = constant("ring_base_latency_s") + constant("network_hop_latency_s")
 
 def op(seconds, comm=0.0):
     """An op of `seconds` compute with `comm` s of intra-node collectives, all hidden."""
-    return {"seconds": seconds, "device_s": seconds, "compute_s": seconds, "hbm_s": 0.0,
-            "intra_node_s": comm, "inter_node_s": 0.0,
-            "exposed_intra_node_s": 0.0, "exposed_inter_node_s": 0.0}
+    return ticks.OpTime(seconds=seconds, device_s=seconds, compute_s=seconds, hbm_s=0.0,
+                        intra_node_s=comm, inter_node_s=0.0, exposed_intra_node_s=0.0,
+                        exposed_inter_node_s=0.0, flops=0.0, bytes_accessed=0.0,
+                        collectives=[])
 
 
 def test_sends_cross_nodes_from_the_device_order():
@@ -52,7 +54,7 @@ def test_chunk_reductions_issued_in_the_loop_leave_the_tail_up_to_the_ticks_left
     tail's exposed network time; longer than the ticks left, the rest stays exposed."""
     sched = build_schedule("interleaved", 2, 4, 2)
     mesh = {"stage": 2, "data": 1, "fsdp": 1}
-    tail = {**op(0.1), "inter_node_s": 50.0, "exposed_inter_node_s": 50.0, "seconds": 50.1}
+    tail = op(0.1).replace(inter_node_s=50.0, exposed_inter_node_s=50.0, seconds=50.1)
     base = ticks.tick_model(sched, unit_ops(), tail, 0.0, HW, mesh)
     r = sched.gradients_final()[1]
     assert 0 < r < sched.ticks
@@ -63,9 +65,9 @@ def test_chunk_reductions_issued_in_the_loop_leave_the_tail_up_to_the_ticks_left
     for seconds, hidden in ((left / 2, left / 2), (2 * left, left)):
         t = ticks.tick_model(sched, unit_ops(), tail, 0.0, HW, mesh,
                              early=[(r, seconds, "inter-node")])
-        assert t["pipeline"]["tail_beside_ticks_s"] == pytest.approx(hidden)
-        assert t["step_s"] == pytest.approx(base["step_s"] - hidden)
-        assert t["exposed_inter_node_s"] == pytest.approx(base["exposed_inter_node_s"] - hidden)
+        assert t.pipeline.tail_beside_ticks_s == pytest.approx(hidden)
+        assert t.step_s == pytest.approx(base.step_s - hidden)
+        assert t.exposed_inter_node_s == pytest.approx(base.exposed_inter_node_s - hidden)
 
 
 def test_chunk_reductions_are_read_on_the_axes_the_step_reduces_over():
@@ -78,7 +80,7 @@ def test_chunk_reductions_are_read_on_the_axes_the_step_reduces_over():
     sched = build_schedule("interleaved", 2, 4, 2)
     rs = {"kind": "reduce-scatter", "axes": ["data", "context"], "seconds": 0.4,
           "link": "inter-node"}
-    tail = {"collectives": [rs, {**rs, "kind": "all-gather"}]}
+    tail = op(0.0).replace(collectives=[rs, {**rs, "kind": "all-gather"}])
     axes = mean_axes({"stage": 2, "data": 2, "context": 2, "tensor": 2})
     assert axes == ("data", "context")
     r = sched.gradients_final()[1]
@@ -93,24 +95,24 @@ def test_ticks_last_their_busiest_stage(name, S, M):
     sched = build_schedule(name, S, M)
     mesh = {"stage": S, "data": 1, "fsdp": 1}
     t = ticks.tick_model(sched, unit_ops(1.0, 2.0, 3.0, 0.25), op(0.5), 4e9, HW, mesh)
-    assert t["pipeline"]["ticks_s"] == pytest.approx(sched.cost({FWD: 1, BACK: 5, BWD: 2,
+    assert t.pipeline.ticks_s == pytest.approx(sched.cost({FWD: 1, BACK: 5, BWD: 2,
                                                                  WGT: 3}))
     busy = 6.0 * M  # every stage runs M forwards and backwards
-    assert t["pipeline"]["critical_stage_work_s"] == pytest.approx(busy)
-    assert t["bubble_s"] == pytest.approx(t["pipeline"]["ticks_s"] - busy)
+    assert t.pipeline.critical_stage_work_s == pytest.approx(busy)
+    assert t.bubble_s == pytest.approx(t.pipeline.ticks_s - busy)
     send = 4e9 / (50e9 * LINK) + INTER_LAT  # 1 GPU per node: every send crosses nodes
-    assert t["pipeline"]["messages"] == 2 * M * (S - 1)
+    assert t.pipeline.messages == 2 * M * (S - 1)
     sends = sum(bool(f) + bool(b) for f, b in (sched.sends(i) for i in range(sched.ticks)))
-    assert t["pipeline"]["send_inter_node_s"] == pytest.approx(sends * send)
-    assert t["pipeline"]["send_intra_node_s"] == 0
-    assert t["intra_node_s"] == pytest.approx(len(sched.kinds) * M * 0.25)  # hidden
-    assert t["step_s"] == pytest.approx(t["pipeline"]["ticks_s"] + sends * send + 0.5)
-    parts = t["device_s"] + t["exposed_intra_node_s"] + t["exposed_inter_node_s"] + t["bubble_s"]
-    assert parts == pytest.approx(t["step_s"])
+    assert t.pipeline.send_inter_node_s == pytest.approx(sends * send)
+    assert t.pipeline.send_intra_node_s == 0
+    assert t.intra_node_s == pytest.approx(len(sched.kinds) * M * 0.25)  # hidden
+    assert t.step_s == pytest.approx(t.pipeline.ticks_s + sends * send + 0.5)
+    parts = t.device_s + t.exposed_intra_node_s + t.exposed_inter_node_s + t.bubble_s
+    assert parts == pytest.approx(t.step_s)
     # The same in one node: the sends go over NVLink.
     one_node = dataclasses.replace(HW, gpus_per_node=S)
     t = ticks.tick_model(sched, unit_ops(), op(0.5), 4e9, one_node, mesh)
-    assert t["pipeline"]["send_intra_node_s"] == pytest.approx(
+    assert t.pipeline.send_intra_node_s == pytest.approx(
         sends * (4e9 / (400e9 * LINK) + INTRA_LAT))
 
 
@@ -138,12 +140,12 @@ def test_sends_beside_an_operation_are_hidden_up_to_its_length(name, S, M, V):
                 busy = any(o.kind == sched.kinds[k] for ops in sched.ops[i] for o in ops)
                 overlapped = beside.choice[i, k] < len(beside.sets[k])
                 exposed += max(0.0, send - length * busy) if overlapped else send
-        assert t["pipeline"]["send_exposed_s"] == pytest.approx(exposed)
-        assert t["pipeline"]["send_inter_node_s"] == alone["pipeline"]["send_inter_node_s"]
-        assert t["step_s"] == pytest.approx(t["pipeline"]["ticks_s"] + exposed + 0.5)
-        assert alone["step_s"] - t["step_s"] == pytest.approx(
-            alone["pipeline"]["send_inter_node_s"] - exposed)
-        assert 0 < exposed < alone["pipeline"]["send_inter_node_s"]
+        assert t.pipeline.send_exposed_s == pytest.approx(exposed)
+        assert t.pipeline.send_inter_node_s == alone.pipeline.send_inter_node_s
+        assert t.step_s == pytest.approx(t.pipeline.ticks_s + exposed + 0.5)
+        assert alone.step_s - t.step_s == pytest.approx(
+            alone.pipeline.send_inter_node_s - exposed)
+        assert 0 < exposed < alone.pipeline.send_inter_node_s
 
 
 @pytest.mark.parametrize("name,S,M", [("gpipe", 2, 2), ("gpipe", 4, 8), ("1f1b", 4, 4),
@@ -153,9 +155,9 @@ def test_equal_op_times_give_the_schedule_bubble(name, S, M):
     # fraction, which equals (S-1)/(M+S-1) (tests/test_pipeline.py).
     sched = build_schedule(name, S, M)
     t = ticks.tick_model(sched, unit_ops(), op(0.0), 0.0, HW, {"stage": S, "data": 1, "fsdp": 1})
-    assert t["pipeline"]["ticks_s"] == sched.cost() == 3 * (M + S - 1)
-    assert t["pipeline"]["bubble_fraction_of_ticks"] == pytest.approx((S - 1) / (M + S - 1))
-    assert t["bubble_s"] == pytest.approx(3 * (S - 1))
+    assert t.pipeline.ticks_s == sched.cost() == 3 * (M + S - 1)
+    assert t.pipeline.bubble_fraction_of_ticks == pytest.approx((S - 1) / (M + S - 1))
+    assert t.bubble_s == pytest.approx(3 * (S - 1))
 
 
 @pytest.mark.parametrize("S", [2, 4])
@@ -168,11 +170,11 @@ def test_1f1b_costs_gpipe_whatever_the_ops_cost(S):
         for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 2.0), (3.0, 1.0, 0.5)):
             t = {name: ticks.tick_model(build_schedule(name, S, M), unit_ops(f, b, w),
                                         op(0.0), 4e9, HW, mesh) for name in ("gpipe", "1f1b")}
-            assert t["gpipe"]["pipeline"]["ticks_s"] == pytest.approx((M + S - 1) *
+            assert t["gpipe"].pipeline.ticks_s == pytest.approx((M + S - 1) *
                                                                       (f + b + w))
-            assert t["1f1b"]["pipeline"]["ticks_s"] == pytest.approx(
-                t["gpipe"]["pipeline"]["ticks_s"])
-            assert t["1f1b"]["step_s"] == pytest.approx(t["gpipe"]["step_s"])
+            assert t["1f1b"].pipeline.ticks_s == pytest.approx(
+                t["gpipe"].pipeline.ticks_s)
+            assert t["1f1b"].step_s == pytest.approx(t["gpipe"].step_s)
 
 
 @pytest.mark.parametrize("name,S,M,V", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
@@ -188,11 +190,11 @@ def test_combined_ticks_cost_the_pair_where_a_stage_runs_f_and_back(name, S, M, 
     expected = sum(max(2.5 if len(sched.stage_ops(u, s)) == 2 else
                        sum(1.0 if o.kind == FWD else 2.0 for o in sched.stage_ops(u, s))
                        for s in range(S)) for u in range(sched.ticks))
-    assert t["pipeline"]["ticks_s"] == pytest.approx(expected)
+    assert t.pipeline.ticks_s == pytest.approx(expected)
     # one tick more than without combining, each paired tick 0.5 s shorter
     plain = ticks.tick_model(build_schedule(name, S, M, V), ops, op(0.0), 0.0, HW,
                              {"stage": S, "data": 1, "fsdp": 1})
-    assert t["pipeline"]["ticks_s"] < plain["pipeline"]["ticks_s"] == sched.cost()
+    assert t.pipeline.ticks_s < plain.pipeline.ticks_s == sched.cost()
 
 
 @pytest.mark.parametrize("S", [2, 4])
@@ -206,39 +208,40 @@ def test_megatron_runtime_is_a_what_if(S):
         for name in ("gpipe", "1f1b"):
             t = {rt: ticks.tick_model(build_schedule(name, S, M), heavy, op(0.25), 0.0, HW,
                                       mesh, rt) for rt in ("jaxdist", "megatron")}
-            assert t["megatron"]["step_s"] <= t["jaxdist"]["step_s"] + 1e-9
-            assert t["megatron"]["pipeline"]["runtime"] == "megatron"
-            assert t["jaxdist"]["pipeline"]["ticks_s"] == pytest.approx((M + S - 1) * 4.5)
+            assert t["megatron"].step_s <= t["jaxdist"].step_s + 1e-9
+            assert t["megatron"].pipeline.runtime == "megatron"
+            assert t["jaxdist"].pipeline.ticks_s == pytest.approx((M + S - 1) * 4.5)
     # With sends, each arrival waits one message: (S-1) hops forward and back in the fill.
     msg = 4e9
     send = msg / (50e9 * LINK) + INTER_LAT
     g = ticks.tick_model(build_schedule("gpipe", S, 4), unit_ops(), op(0.0), msg, HW, mesh,
                          "megatron")
-    assert g["pipeline"]["ticks_s"] == pytest.approx(3 * (4 + S - 1) + 2 * (S - 1) * send)
+    assert g.pipeline.ticks_s == pytest.approx(3 * (4 + S - 1) + 2 * (S - 1) * send)
 
 
 def test_bubble_can_be_the_bottleneck():
     t = ticks.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
                       {"stage": 8, "data": 1, "fsdp": 1})
-    assert t["bubble_s"] == pytest.approx(21.0) and t["device_s"] == pytest.approx(6.0)
-    assert t["bottleneck"] == "pipeline bubble"
+    assert t.bubble_s == pytest.approx(21.0) and t.device_s == pytest.approx(6.0)
+    assert t.bottleneck == "pipeline bubble"
 
 
-def figs(flops, temp, comm_count):
-    return {"flops": flops, "bytes_accessed": 10 * flops, "memory": {"temp_bytes": temp},
-            "comm": [{"kind": "all-reduce", "axes": ["tensor"], "group_size": 2,
-                      "count": comm_count, "bytes": 8 * comm_count,
-                      "ring_bytes": 8.0 * comm_count}] if comm_count else []}
+def figs(flops, temp, comm_count, bytes_accessed=None):
+    return StepFigures(flops=flops, memory={"temp_bytes": temp},
+                       bytes_accessed=10 * flops if bytes_accessed is None else bytes_accessed,
+                       comm=[{"kind": "all-reduce", "axes": ["tensor"], "group_size": 2,
+                              "count": comm_count, "bytes": 8 * comm_count,
+                              "ring_bytes": 8.0 * comm_count}] if comm_count else [])
 
 
 def test_linear_in_blocks():
     one, two, last = figs(100, 7, 2), figs(160, 9, 4), figs(150, 8, 2)
     at5 = pp.linear(one, one, two, 5)
-    assert (at5["flops"], at5["bytes_accessed"], at5["memory"]["temp_bytes"]) == (340, 3400, 15)
-    assert at5["comm"][0]["count"] == 10 and at5["comm"][0]["ring_bytes"] == 80.0
-    assert pp.linear(last, one, two, 5)["flops"] == 150 + 4 * 60
-    assert pp.linear(one, one, two, 2)["flops"] == 160   # at the compiled depth: exact
-    assert pp.linear(figs(1, 0, 0), figs(1, 0, 0), figs(2, 0, 3), 3)["comm"][0]["count"] == 6
+    assert (at5.flops, at5.bytes_accessed, at5.memory["temp_bytes"]) == (340, 3400, 15)
+    assert at5.comm[0]["count"] == 10 and at5.comm[0]["ring_bytes"] == 80.0
+    assert pp.linear(last, one, two, 5).flops == 150 + 4 * 60
+    assert pp.linear(one, one, two, 2).flops == 160   # at the compiled depth: exact
+    assert pp.linear(figs(1, 0, 0), figs(1, 0, 0), figs(2, 0, 3), 3).comm[0]["count"] == 6
 
 
 def test_chunks_past_two_blocks_grow_by_the_third_blocks_figures():
@@ -247,22 +250,20 @@ def test_chunks_past_two_blocks_grow_by_the_third_blocks_figures():
     blocks, or without a 3-block compile, the plain line."""
     one, two, three, last = figs(100, 7, 2), figs(160, 9, 4), figs(230, 12, 7), figs(150, 8, 2)
     at5 = pp.chunk_figures(one, one, two, three, 5)
-    assert (at5["flops"], at5["memory"]["temp_bytes"]) == (160 + 3 * 70, 9 + 3 * 3)
-    assert at5["comm"][0]["count"] == 4 + 3 * 3  # the plain line from 1 and 2: 2 + 4 x 2
-    assert pp.chunk_figures(last, one, two, three, 5)["flops"] == 150 + 60 + 3 * 70
+    assert (at5.flops, at5.memory["temp_bytes"]) == (160 + 3 * 70, 9 + 3 * 3)
+    assert at5.comm[0]["count"] == 4 + 3 * 3  # the plain line from 1 and 2: 2 + 4 x 2
+    assert pp.chunk_figures(last, one, two, three, 5).flops == 150 + 60 + 3 * 70
     assert pp.chunk_figures(one, one, two, three, 2) == pp.linear(one, one, two, 2)
     assert pp.chunk_figures(one, one, two, None, 5) == pp.linear(one, one, two, 5)
 
 
 def test_attention_scores_per_op():
     # P(k) = A + S/k per block: A = 40, S = 60 at L -> per block 100 at L, 70 at L/2.
-    one, two = {"bytes_accessed": 10.0, "memory": {"temp_bytes": 1}}, \
-        {"bytes_accessed": 110.0, "memory": {"temp_bytes": 101}}
-    h1, h2 = {"bytes_accessed": 10.0, "memory": {"temp_bytes": 1}}, \
-        {"bytes_accessed": 80.0, "memory": {"temp_bytes": 71}}
+    one, two = figs(0, 1, 0, 10.0), figs(0, 101, 0, 110.0)
+    h1, h2 = figs(0, 1, 0, 10.0), figs(0, 71, 0, 80.0)
     s = pp.attention_scores(one, two, h1, h2, 4)
-    assert s == {"bytes_accessed": 4 * 60.0, "temp_bytes": 4 * 60.0}
-    assert pp.attention_scores(one, one, h1, h2, 4)["bytes_accessed"] == 0.0   # never < 0
+    assert s == ScoreBytes(bytes_accessed=4 * 60.0, temp_bytes=4 * 60.0)
+    assert pp.attention_scores(one, one, h1, h2, 4).bytes_accessed == 0.0   # never < 0
 
 
 def tiny_cfg(schedule="1f1b", depth=4):
@@ -298,7 +299,7 @@ def test_tiny_pipeline_prediction_end_to_end():
     assert compiles_run() - compiles == 7
     ops = plan["compiled"]["ops"]
     two_blocks = [v for k, v in cache.items() if k[0] == "op" and k[-4:-1] == (2, FWD, False)]
-    assert ops["forward"]["flops"] == two_blocks[0]["flops"]   # K = 2: the compile itself
+    assert ops["forward"]["flops"] == two_blocks[0].flops   # K = 2: the compile itself
     vocab_matmul = 2 * 2 * model_cfg.seq_len * model_cfg.width * model_cfg.vocab / 2
     assert ops["forward_last"]["flops"] - ops["forward"]["flops"] >= vocab_matmul
     # GPipe reuses every compile: only the tick model is new.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxdist.figures import json_of
 from jaxdist.plan.base import PlanBase, model_text
 from jaxdist.predict import program
 from jaxdist.predict.prediction import LABEL, Prediction, predict
@@ -28,15 +29,16 @@ class PredictedPlan(PlanBase):
 
     def to_json(self) -> dict:
         p = self.prediction
-        return {"label": LABEL, "dry_run": True, "settings": self.settings,
-                "layout": self.layout, "distributed_optimizer": p.distributed_optimizer,
-                "mesh": self.mesh, "model": p.model,
-                "state_bytes_per_device": p.state_bytes_per_device,
-                "batch_size": self.batch_size, "hardware": p.hardware, "links": p.links,
-                "constants": p.constants, "compiled": p.compiled,
-                **({"pipeline": p.pipeline} if p.pipeline is not None else {}),
-                "memory": p.memory, "time": p.time, "throughput": p.throughput,
-                "verdict": p.verdict}
+        return json_of({
+            "label": LABEL, "dry_run": True, "settings": self.settings,
+            "layout": self.layout, "distributed_optimizer": p.distributed_optimizer,
+            "mesh": self.mesh, "model": p.model,
+            "state_bytes_per_device": p.state_bytes_per_device,
+            "batch_size": self.batch_size, "hardware": p.hardware, "links": p.links,
+            "constants": p.constants, "compiled": p.compiled,
+            **({"pipeline": p.pipeline} if p.pipeline is not None else {}),
+            "memory": p.memory, "time": p.time, "throughput": p.throughput,
+            "verdict": p.verdict})
 
     def text(self) -> str:
         return format_prediction(self)
@@ -80,17 +82,17 @@ def verdict_line(p: PredictedPlan) -> str:
 
     mem, pred = p.memory, p.prediction
     if pred.memory_from == "stages":
-        source = f"stage {max(mem['stages'], key=lambda s: s['total'])['stage']}, the fullest"
+        source = f"stage {max(mem.stages, key=lambda s: s['total'])['stage']}, the fullest"
     elif pred.memory_from == "compiled":  # XLA:GPU's figure, or the hand estimate
-        source = mem["source"]
+        source = mem.source
     else:
         source = "hand estimate"
-    figure = (f"{human_bytes(mem['total_bytes'])} per device ({source}) against "
-              f"{human_bytes(mem['hbm_bytes'])} of HBM")
+    figure = (f"{human_bytes(mem.total_bytes)} per device ({source}) against "
+              f"{human_bytes(mem.hbm_bytes)} of HBM")
     if pred.fits:
-        return f"  verdict: fits: {figure}, {human_bytes(mem['headroom_bytes'])} to spare"
+        return f"  verdict: fits: {figure}, {human_bytes(mem.headroom_bytes)} to spare"
     word = "OOM" if pred.fits is False else "unknown"
-    return f"  verdict: {word}: {figure}; {mem['fits_reason']}"
+    return f"  verdict: {word}: {figure}; {mem.fits_reason}"
 
 
 def memory_line(p: PredictedPlan) -> str:
@@ -101,43 +103,43 @@ def memory_line(p: PredictedPlan) -> str:
 
     mem, kind = p.memory, p.prediction.memory_from
     if kind == "compiled":  # XLA:GPU's buffer assignment beside the hand estimate
-        c = mem["compiler"]
-        terms = "; ".join(f"{t['term']} {human_bytes(t['compiler_bytes'])} vs "
-                          f"{human_bytes(t['hand_bytes'])}" +
-                          (f" ({t['hand_over_compiler']:.2f})" if t["hand_over_compiler"]
-                           else "") for t in mem["terms"])
+        c = mem.compiler
+        terms = "; ".join(f"{t.term} {human_bytes(t.compiler_bytes)} vs "
+                          f"{human_bytes(t.hand_bytes)}" +
+                          (f" ({t.hand_over_compiler:.2f})" if t.hand_over_compiler
+                           else "") for t in mem.terms)
         return (f"  memory per device, XLA:GPU's buffer assignment: arguments "
                 f"{human_bytes(c['argument_bytes'])} + outputs {human_bytes(c['output_bytes'])}"
                 f" - aliased {human_bytes(c['alias_bytes'])} + temporaries "
                 f"{human_bytes(c['temp_bytes'])} = {human_bytes(c['peak_bytes'])}; hand "
-                f"estimate {human_bytes(mem['hand_estimate_bytes'])}\n"
-                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem['source_note']}"
+                f"estimate {human_bytes(mem.hand_estimate_bytes)}\n"
+                f"    term by term, XLA vs hand (hand / XLA): {terms}; {mem.source_note}"
                 + host_line(mem, c.get("host_temp_bytes", 0)))
     if kind == "stages":
-        parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + activations (worst stage: "
-                 f"stash + one chunk's backward) {human_bytes(mem['temp_bytes'])}" +
-                 (f" + FP8 weight copies {human_bytes(mem['fp8_weight_bytes'])}"
-                  if mem.get("fp8_weight_bytes") else "") +
+        parts = (f"gradients {human_bytes(mem.gradient_bytes)} + activations (worst stage: "
+                 f"stash + one chunk's backward) {human_bytes(mem.temp_bytes)}" +
+                 (f" + FP8 weight copies {human_bytes(mem.fp8_weight_bytes)}"
+                  if mem.fp8_weight_bytes else "") +
                  (f" + a chunk's gradients cast up for their float32 reduction "
-                  f"{human_bytes(mem['gradient_cast_bytes'])}"
-                  if mem.get("gradient_cast_bytes") else ""))
+                  f"{human_bytes(mem.gradient_cast_bytes)}"
+                  if mem.gradient_cast_bytes else ""))
         cpu = ""
     else:
-        parts = (f"gradients {human_bytes(mem['gradient_bytes'])} + saved activations "
-                 f"{human_bytes(mem['residual_bytes'])} + working set "
-                 f"{human_bytes(mem['transient_bytes'])}")
+        parts = (f"gradients {human_bytes(mem.gradient_bytes)} + saved activations "
+                 f"{human_bytes(mem.residual_bytes)} + working set "
+                 f"{human_bytes(mem.transient_bytes)}")
         cpu = (f" (XLA:CPU's temp bytes, an upper bound not used for the verdict: "
-               f"{human_bytes(mem['cpu_compiler_temp_bytes'])})")
-    return (f"  memory per device: state {human_bytes(mem['state_bytes'])} (exact) + {parts} = "
-            f"{human_bytes(mem['total_bytes'])}{cpu}" + host_line(mem))
+               f"{human_bytes(mem.cpu_compiler_temp_bytes)})")
+    return (f"  memory per device: state {human_bytes(mem.state_bytes)} (exact) + {parts} = "
+            f"{human_bytes(mem.total_bytes)}{cpu}" + host_line(mem))
 
 
-def host_line(mem: dict, compiler_host_bytes: float | None = None) -> str:
+def host_line(mem, compiler_host_bytes: float | None = None) -> str:
     """The saved activations an offloading remat policy keeps in host memory (not HBM), or
     '' where nothing is offloaded."""
     from jaxdist.summary import human_bytes
 
-    hand = mem.get("host_residual_bytes", 0)
+    hand = mem.host_residual_bytes or 0
     if not hand and not compiler_host_bytes:
         return ""
     xla = ("" if compiler_host_bytes is None else
@@ -146,13 +148,13 @@ def host_line(mem: dict, compiler_host_bytes: float | None = None) -> str:
             f"{human_bytes(hand)} per device")
 
 
-def next_steps(memory: dict, settings: dict, pipelined: bool) -> list[str]:
+def next_steps(memory, settings: dict, pipelined: bool) -> list[str]:
     """What would bring a plan that does not fit (OOM or unknown) under HBM, from its memory
-    verdict and its own settings: the levers a user has, cheapest first."""
-    if memory["fits"] is True:
+    verdict (a MemoryVerdict) and its own settings: the levers a user has, cheapest first."""
+    if memory.fits is True:
         return []
     cfg = settings or {}
-    if (memory.get("fits_reason") or "").startswith("the train state alone"):
+    if (memory.fits_reason or "").startswith("the train state alone"):
         more = "more devices on fsdp or a layout that shards the state further (fsdp, fsdp_tp)"
         return [f"the state alone is over HBM: {more}"]
     hints = []
@@ -177,21 +179,21 @@ def time_lines(p: PredictedPlan, indent: str) -> list[str]:
     if p.prediction.timing == "kernels":
         lines = [
             f"time per step, kernel by kernel from the program (published rates x the "
-            f"fitted kernel efficiency {t.get('kernel_efficiency', 0):.3f}): compute-bound "
-            f"kernels {t['compute_s'] * ms:.1f} ms, memory-bound {t['hbm_s'] * ms:.1f} ms, "
-            f"launches {t['launch_s'] * ms:.1f} ms; intra-node comm "
-            f"{t['intra_node_s'] * ms:.1f} ms, inter-node {t['inter_node_s'] * ms:.1f} ms, "
-            f"exposed {t['comm_exposed_s'] * ms:.1f} ms (where XLA's schedule leaves it "
+            f"fitted kernel efficiency {t.kernel_efficiency or 0:.3f}): compute-bound "
+            f"kernels {t.compute_s * ms:.1f} ms, memory-bound {t.hbm_s * ms:.1f} ms, "
+            f"launches {t.launch_s * ms:.1f} ms; intra-node comm "
+            f"{t.intra_node_s * ms:.1f} ms, inter-node {t.inter_node_s * ms:.1f} ms, "
+            f"exposed {t.comm_exposed_s * ms:.1f} ms (where XLA's schedule leaves it "
             f"uncovered)" + (
-                f"; host memory copies (remat offload, PCIe) {t['host_transfer_s'] * ms:.1f} "
-                f"ms, {t['exposed_host_transfer_s'] * ms:.1f} ms of it uncovered (in the step)"
-                if t.get("host_transfer_s") else "")]
+                f"; host memory copies (remat offload, PCIe) {t.host_transfer_s * ms:.1f} "
+                f"ms, {t.exposed_host_transfer_s * ms:.1f} ms of it uncovered (in the step)"
+                if t.host_transfer_s else "")]
     else:
-        lines = [f"time per step: compute {t['compute_s'] * ms:.1f} ms, HBM "
-                 f"{t['hbm_s'] * ms:.1f} ms, intra-node comm {t['intra_node_s'] * ms:.1f} ms, "
-                 f"inter-node comm {t['inter_node_s'] * ms:.1f} ms (exposed "
-                 f"{t['comm_exposed_s'] * ms:.1f} ms; overlap: {t['overlap']}), bubble "
-                 f"{t['bubble_s'] * ms:.1f} ms"]
+        lines = [f"time per step: compute {t.compute_s * ms:.1f} ms, HBM "
+                 f"{t.hbm_s * ms:.1f} ms, intra-node comm {t.intra_node_s * ms:.1f} ms, "
+                 f"inter-node comm {t.inter_node_s * ms:.1f} ms (exposed "
+                 f"{t.comm_exposed_s * ms:.1f} ms; overlap: {t.overlap}), bubble "
+                 f"{t.bubble_s * ms:.1f} ms"]
     pp = p.pipeline
     if pp is not None:
         combined = " combined (F and BACK of a tick as one computation)" if pp.get(
@@ -211,13 +213,12 @@ def time_lines(p: PredictedPlan, indent: str) -> list[str]:
                          else "with the stages of fewer blocks waiting") + "); "
                      f"{pp['bubble_fraction_of_ticks']:.1%} of the predicted tick time "
                      f"(each tick weighted by its predicted duration)")
-    lines.append(f"predicted step {t['step_s'] * ms:.1f} ms; bottleneck: {t['bottleneck']}")
+    lines.append(f"predicted step {t.step_s * ms:.1f} ms; bottleneck: {t.bottleneck}")
     out = [indent + line for line in lines]
-    if p.compiled.get("kernels"):
+    if p.compiled.kernels:
         from jaxdist.program.kernels import format_inventory
         out.append(f"{indent}kernels per step per device (the compiled program):")
-        out += [indent[2:] + line for line in format_inventory({"kernels":
-                                                               p.compiled["kernels"]})]
+        out += [indent[2:] + line for line in format_inventory(p.compiled.kernels)]
     return out
 
 
@@ -240,25 +241,24 @@ def format_prediction(p: PredictedPlan) -> str:
         *([f"  to fit: {'; '.join(hints) or 'a larger part or more devices'}"]
           if p.prediction.fits is not True else []),
         memory_line(p),
-        f"  compiler: {comp.get('compiler', 'XLA:CPU on simulated CPU devices')}; "
-        f"{comp['method']}" +
+        f"  compiler: {comp.compiler}; {comp.method}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
-         if comp["flash_attention"] else "") +
-        (f"; Triton GEMMs off ({comp['fallback']['xla_flags']}): XLA:GPU found no "
-         f"Triton tiling for a dot" if comp.get("fallback") else ""),
-        *(["  links per axis: " + "; ".join(f"{a}: {v['links']}" for a, v in
+         if comp.flash_attention else "") +
+        (f"; Triton GEMMs off ({comp.fallback['xla_flags']}): XLA:GPU found no "
+         f"Triton tiling for a dot" if comp.fallback else ""),
+        *(["  links per axis: " + "; ".join(f"{a}: {v.links}" for a, v in
                                              p.prediction.links.items())]
           if p.prediction.links else []),
     ]
     # an FP8 plan's MFU is against the bf16 peak, as NeMo and MaxText report it
     basis = " (against the bf16 peak)" if p.settings.get("dtype") == "float8" else ""
-    speed = (f"{thr['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {thr['mfu']:.1%}{basis}"
-             if thr["tokens_per_s_per_gpu"] is not None else f"MFU {thr['mfu']:.1%}{basis}")
-    if thr.get("if_it_fit"):  # the verdict is the result; the time only a what-if
+    speed = (f"{thr.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {thr.mfu:.1%}{basis}"
+             if thr.tokens_per_s_per_gpu is not None else f"MFU {thr.mfu:.1%}{basis}")
+    if thr.if_it_fit:  # the verdict is the result; the time only a what-if
         lines.append("  if it fit (it does not: the step would take, on a part with room):")
         lines += time_lines(p, "    ")
         lines.append(f"  if it fit: {speed} (it does not: memory above)")
-        lines.append(f"  predicted: does not fit ({p.memory['fits_reason']}); to fit: "
+        lines.append(f"  predicted: does not fit ({p.memory.fits_reason}); to fit: "
                      f"{'; '.join(hints) or 'a larger part or more devices'}")
         return "\n".join(lines)
     lines += time_lines(p, "  ")

@@ -14,10 +14,12 @@ def line(base: float, one: float, two: float, k: int) -> float:
     return base + k * (two - one)
 
 
-def linear(base: dict, one: dict, two: dict, blocks: int, by_nodes: bool = False) -> dict:
+def linear(base, one, two, blocks: int, by_nodes: bool = False):
     """base + (blocks - 1) x (two - one), figure by figure and collective by collective;
     `by_nodes`: collectives kept apart by the nodes their groups span, where the reading
-    knew the hosts (a whole step's program), else summed over them (a pipeline's pieces)."""
+    knew the hosts (a whole step's program), else summed over them (a pipeline's pieces).
+    Figures are jaxdist.predict.program.StepFigures; the result has FLOPs, bytes,
+    temporaries, collectives and the kernel model's seconds."""
     k = blocks - 1
 
     def key(r):
@@ -26,7 +28,7 @@ def linear(base: dict, one: dict, two: dict, blocks: int, by_nodes: bool = False
 
     sums: dict = {}
     for i, figs in enumerate((base, one, two)):
-        for r in figs["comm"]:
+        for r in figs.comm:
             row = sums.setdefault(key(r), {"first": r, "flags": set(),
                                            **{f: [0, 0, 0] for f in COMM_FIGURES}})
             for f in COMM_FIGURES:
@@ -42,21 +44,21 @@ def linear(base: dict, one: dict, two: dict, blocks: int, by_nodes: bool = False
                **{f: f in row["flags"] for f in ("upper_bound", "async")}}
         if out["count"] > 0 or out["ring_bytes"] > 0:
             rows.append(out)
-    return {"flops": line(base["flops"], one["flops"], two["flops"], k),
-            "bytes_accessed": line(base["bytes_accessed"], one["bytes_accessed"],
-                                   two["bytes_accessed"], k),
-            "memory": {"temp_bytes": line(*(f["memory"].get("temp_bytes", 0)
-                                            for f in (base, one, two)), k)},
-            "comm": rows,
-            **({"kernel_time": linear_times(base["kernel_time"], one["kernel_time"],
-                                            two["kernel_time"], k)}
-               if "kernel_time" in base else {})}
+    return type(base)(
+        flops=line(base.flops, one.flops, two.flops, k),
+        bytes_accessed=line(base.bytes_accessed, one.bytes_accessed, two.bytes_accessed, k),
+        memory={"temp_bytes": line(*(f.memory.get("temp_bytes", 0) for f in (base, one, two)),
+                                   k)},
+        comm=rows,
+        kernel_time=(linear_times(base.kernel_time, one.kernel_time, two.kernel_time, k)
+                     if base.kernel_time is not None else None))
 
 
 COMM_FIGURES = ("count", "bytes", "ring_bytes")
 
 
-def kernels(base: dict, one: dict, two: dict, k: int) -> dict:
+def kernels(base: dict[str, dict[str, float]], one: dict[str, dict[str, float]],
+            two: dict[str, dict[str, float]], k: int) -> dict[str, dict[str, float]]:
     """The kernel inventory (launches, FLOPs, bytes per kind), base + k (two - one)."""
     zero = {"launches": 0, "flops": 0.0, "bytes": 0.0}
     out = {}
@@ -66,14 +68,15 @@ def kernels(base: dict, one: dict, two: dict, k: int) -> dict:
     return dict(sorted(out.items()))
 
 
-def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
-    """The kernel model's seconds, base + k (two - one), term by term (sums over kernels)."""
-    out = {f: base[f] + k * (two[f] - one[f]) for f, v in base.items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    kinds = set(base["by_kind"]) | set(one["by_kind"]) | set(two["by_kind"])
-    out["by_kind"] = {n: base["by_kind"].get(n, 0.0) + k * (two["by_kind"].get(n, 0.0) -
-                                                            one["by_kind"].get(n, 0.0))
-                      for n in kinds}
+def linear_times(base, one, two, k: int):
+    """The kernel model's seconds (jaxdist.predict.kernels_time.KernelTime), base + k (two -
+    one), term by term (sums over kernels)."""
+    out = {f: line(getattr(base, f), getattr(one, f), getattr(two, f), k)
+           for f in base.SECONDS}
+    kinds = set(base.by_kind) | set(one.by_kind) | set(two.by_kind)
+    by_kind = {n: base.by_kind.get(n, 0.0) + k * (two.by_kind.get(n, 0.0) -
+                                                   one.by_kind.get(n, 0.0))
+               for n in kinds}
     # Exposure is read from each program's schedule, and how much of a collective a block's
     # compute hides is not linear in depth: what is exposed before the step's first matmul
     # (the gathers of the first blocks' weights, fetched ahead) is exposed once a step, and
@@ -81,47 +84,41 @@ def linear_times(base: dict, one: dict, two: dict, k: int) -> dict:
     # matmuls, and the reductions after the last, which carry every block's gradients) is
     # per block. The line can still cross zero or pass the link's own time. Bounded:
     # 0 <= exposed <= that link's seconds.
-    if "exposed_intra_node_s" in out:
-        for link in ("intra_node_s", "inter_node_s"):
-            head = f"head_exposed_{link}"
-            heads = [figs.get(head, 0.0) for figs in (base, one, two)]
-            rest = [figs[f"exposed_{link}"] - h for figs, h in zip((base, one, two), heads)]
-            out[head] = heads[0] + max(0.0, heads[2] - heads[1])
-            out[f"exposed_{link}"] = min(out[head] + max(0.0, line(*rest, k)),
-                                         max(0.0, out[link]))
-        out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
-        out["step_s"] = out["device_s"] + out["comm_exposed_s"]
-    out["upper_bound"] = base["upper_bound"] or one["upper_bound"] or two["upper_bound"]
-    out["rates"] = base["rates"]
-    out["kernel_efficiency"] = base.get("kernel_efficiency")
-    return out
+    for link in ("intra_node_s", "inter_node_s"):
+        head = f"head_exposed_{link}"
+        heads = [getattr(figs, head) for figs in (base, one, two)]
+        rest = [getattr(figs, f"exposed_{link}") - h for figs, h in zip((base, one, two), heads)]
+        out[head] = heads[0] + max(0.0, heads[2] - heads[1])
+        out[f"exposed_{link}"] = min(out[head] + max(0.0, line(*rest, k)),
+                                     max(0.0, out[link]))
+    out["comm_exposed_s"] = out["exposed_intra_node_s"] + out["exposed_inter_node_s"]
+    out["step_s"] = out["device_s"] + out["comm_exposed_s"]
+    return base.replace(**out, by_kind=by_kind,
+                        upper_bound=base.upper_bound or one.upper_bound or two.upper_bound)
 
 
-def minus(a: dict, b: dict) -> dict:
+def minus(a, b):
     """a - b, figure by figure, never below zero: the part of program a that program b
     (a prefix of its work) does not do, e.g. a whole backward less its input gradient."""
-    rows = {(r["kind"], tuple(r["axes"]), r["group_size"]): dict(r) for r in a["comm"]}
-    for r in b["comm"]:
+    rows = {(r["kind"], tuple(r["axes"]), r["group_size"]): dict(r) for r in a.comm}
+    for r in b.comm:
         row = rows.get((r["kind"], tuple(r["axes"]), r["group_size"]))
         if row is not None:
             for f in ("count", "bytes", "ring_bytes"):
                 row[f] = max(0, row[f] - r[f])
-    out = {"flops": max(0.0, a["flops"] - b["flops"]),
-           "bytes_accessed": max(0.0, a["bytes_accessed"] - b["bytes_accessed"]),
-           "memory": {"temp_bytes": max(0, a["memory"]["temp_bytes"] -
-                                        b["memory"]["temp_bytes"])},
-           "comm": [r for r in rows.values() if r["count"] > 0]}
-    if "kernel_time" in a and "kernel_time" in b:
-        ka, kb = a["kernel_time"], b["kernel_time"]
-        kt = {f: max(0.0, v - kb.get(f, 0.0)) for f, v in ka.items()
-              if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        kt["by_kind"] = {k: max(0.0, v - kb["by_kind"].get(k, 0.0))
-                         for k, v in ka["by_kind"].items()}
-        kt["upper_bound"] = ka["upper_bound"] or kb["upper_bound"]
-        kt["rates"] = ka["rates"]
-        kt["kernel_efficiency"] = ka.get("kernel_efficiency")
+    kernel_time = None
+    if a.kernel_time is not None and b.kernel_time is not None:
+        ka, kb = a.kernel_time, b.kernel_time
+        kt = {f: max(0.0, getattr(ka, f) - getattr(kb, f)) for f in ka.SECONDS}
         # the device time is what the kernel terms add up to
         kt["device_s"] = kt["compute_s"] + kt["hbm_s"] + kt["launch_s"]
         kt["step_s"] = kt["device_s"] + kt["comm_exposed_s"]
-        out["kernel_time"] = kt
-    return out
+        kernel_time = ka.replace(
+            **kt, by_kind={k: max(0.0, v - kb.by_kind.get(k, 0.0))
+                           for k, v in ka.by_kind.items()},
+            upper_bound=ka.upper_bound or kb.upper_bound)
+    return type(a)(flops=max(0.0, a.flops - b.flops),
+                   bytes_accessed=max(0.0, a.bytes_accessed - b.bytes_accessed),
+                   memory={"temp_bytes": max(0, a.memory["temp_bytes"] -
+                                             b.memory["temp_bytes"])},
+                   comm=[r for r in rows.values() if r["count"] > 0], kernel_time=kernel_time)

@@ -115,20 +115,19 @@ def prediction_block(pred, hw, source: str, name: str, platform, results: dict) 
                  f"{name}): its step compiled by {pred.compiler}, through "
                  f"jaxdist.predict",
         "predicted": {"step_s": pred.step_s,
-                      "tokens_per_s_per_gpu": thr["tokens_per_s_per_gpu"], "mfu": thr["mfu"],
-                      "memory_bytes_per_device": memory["total_bytes"],
+                      "tokens_per_s_per_gpu": thr.tokens_per_s_per_gpu, "mfu": thr.mfu,
+                      "memory_bytes_per_device": memory.total_bytes,
                       "fits": pred.fits, "verdict": pred.verdict,
-                      "bottleneck": step["bottleneck"],
-                      "compute_s": step["compute_s"], "hbm_s": step["hbm_s"],
-                      "intra_node_s": step["intra_node_s"],
-                      "inter_node_s": step["inter_node_s"],
-                      "comm_exposed_s": step["comm_exposed_s"], "bubble_s": step["bubble_s"]},
+                      "bottleneck": step.bottleneck,
+                      "compute_s": step.compute_s, "hbm_s": step.hbm_s,
+                      "intra_node_s": step.intra_node_s, "inter_node_s": step.inter_node_s,
+                      "comm_exposed_s": step.comm_exposed_s, "bubble_s": step.bubble_s},
         "measured": {"step_s": measured_step, "tokens_per_s_per_gpu": measured_tps_gpu,
                      "peak_bytes_per_device": peak},
         "measured_over_predicted": {
             "step_s": _ratio(measured_step, pred.step_s),
-            "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr["tokens_per_s_per_gpu"]),
-            "memory": _ratio(peak, memory["total_bytes"])},
+            "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr.tokens_per_s_per_gpu),
+            "memory": _ratio(peak, memory.total_bytes)},
         "note": (f"measured on {platform.backend} "
                  f"({'simulated devices' if platform.simulated else platform.device_kind}), "
                  f"predicted for {hw.name}: the ratios check the plumbing, not the model"

@@ -16,7 +16,9 @@ says they run (`branch_runs`), else every time (flagged).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
+from jaxdist.figures import Figures
 from jaxdist.program import kernels
 from jaxdist.hardware import constant, kernel_efficiency, rates_part
 from jaxdist.parts import ANY_DTYPE, Part, attention_curve, rate
@@ -24,6 +26,39 @@ from jaxdist.predict.time_model import collective_time
 
 GEMM_KINDS = ("gemm fusion (Triton)", "gemm (cuBLAS)", "unfused dot", "unfused convolution",
               "unfused ragged-dot", "cuDNN fusion")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTime(Figures):
+    """Seconds per step of an XLA:GPU program per device, kernel by kernel: its kernels'
+    compute-bound, memory-bound and launch time (`device_s` their sum, with the host copies
+    no kernel hid), each link's collective time and the part of it the schedule leaves
+    exposed (`head_*`: of that, before the step's first matmul), host copies (remat
+    offload), seconds per kernel kind, and where each rate comes from."""
+    device_s: float
+    compute_s: float
+    hbm_s: float
+    launch_s: float
+    intra_node_s: float
+    inter_node_s: float
+    exposed_intra_node_s: float
+    exposed_inter_node_s: float
+    host_transfer_s: float
+    exposed_host_transfer_s: float
+    comm_exposed_s: float
+    step_s: float
+    head_exposed_intra_node_s: float
+    head_exposed_inter_node_s: float
+    upper_bound: bool
+    by_kind: dict[str, float]
+    rates: dict[str, str]
+    kernel_efficiency: float
+
+    # the terms in seconds: sums over kernels, each a line in depth (jaxdist.predict.depth)
+    SECONDS = ("device_s", "compute_s", "hbm_s", "launch_s", "intra_node_s", "inter_node_s",
+               "exposed_intra_node_s", "exposed_inter_node_s", "host_transfer_s",
+               "exposed_host_transfer_s", "comm_exposed_s", "step_s",
+               "head_exposed_intra_node_s", "head_exposed_inter_node_s")
 
 
 def is_matmul(kernel: dict) -> bool:
@@ -117,17 +152,17 @@ class Rates:
 
 
 def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, int],
-              precision: str = "default", branch_runs: dict[str, float] | None = None) -> dict:
-    """{device_s, compute_s, hbm_s, launch_s, comm_s, intra/inter_node_s, exposed_*_s,
-    upper_bound, by_kind}: seconds per step of the program, per device."""
+              precision: str = "default",
+              branch_runs: dict[str, float] | None = None) -> KernelTime:
+    """Seconds per step of the program, per device, kernel by kernel."""
     program = kernels.schedule(hlo_text)
     r = Rates(hw)
     comm = {}  # instruction name -> (seconds per run, link)
     for op in collectives:
         one = {**op, "count": 1, "ring_bytes": op["ring_bytes"] / max(op["times"], 1e-12)}
         t = collective_time(one, hw, mesh)
-        comm[op["name"]] = (t["seconds"], t["link"])
-        comm.setdefault(f"@{op['computation']}", (t["seconds"], t["link"]))
+        comm[op["name"]] = (t.seconds, t.link)
+        comm.setdefault(f"@{op['computation']}", (t.seconds, t.link))
     totals = {"compute_s": 0.0, "hbm_s": 0.0, "launch_s": 0.0, "intra-node": 0.0,
               "inter-node": 0.0, "exposed intra-node": 0.0, "exposed inter-node": 0.0,
               "host": 0.0, "exposed host": 0.0, "head intra-node": 0.0,
@@ -220,17 +255,18 @@ def step_time(hlo_text: str, collectives: list[dict], hw: Part, mesh: dict[str, 
     device = walk(entry, 1.0) if entry else 0.0
     _, guessed = execution_counts(hlo_text, branch_runs)
     exposed = totals["exposed intra-node"] + totals["exposed inter-node"]
-    return {"device_s": device, "compute_s": totals["compute_s"], "hbm_s": totals["hbm_s"],
-            "launch_s": totals["launch_s"], "intra_node_s": totals["intra-node"],
-            "inter_node_s": totals["inter-node"],
-            "exposed_intra_node_s": totals["exposed intra-node"],
-            "exposed_inter_node_s": totals["exposed inter-node"],
-            # host copies (remat offload): their time, and the part no kernel hid (in device_s)
-            "host_transfer_s": totals["host"], "exposed_host_transfer_s": totals["exposed host"],
-            "comm_exposed_s": exposed, "step_s": device + exposed,
-            # the part of each link's exposure before the step's first matmul
-            "head_exposed_intra_node_s": totals["head intra-node"],
-            "head_exposed_inter_node_s": totals["head inter-node"],
-            "upper_bound": flags["upper_bound"] or bool(guessed),
-            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-            "rates": r.sources, "kernel_efficiency": r.efficiency}
+    return KernelTime(
+        device_s=device, compute_s=totals["compute_s"], hbm_s=totals["hbm_s"],
+        launch_s=totals["launch_s"], intra_node_s=totals["intra-node"],
+        inter_node_s=totals["inter-node"],
+        exposed_intra_node_s=totals["exposed intra-node"],
+        exposed_inter_node_s=totals["exposed inter-node"],
+        # host copies (remat offload): their time, and the part no kernel hid (in device_s)
+        host_transfer_s=totals["host"], exposed_host_transfer_s=totals["exposed host"],
+        comm_exposed_s=exposed, step_s=device + exposed,
+        # the part of each link's exposure before the step's first matmul
+        head_exposed_intra_node_s=totals["head intra-node"],
+        head_exposed_inter_node_s=totals["head inter-node"],
+        upper_bound=flags["upper_bound"] or bool(guessed),
+        by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        rates=r.sources, kernel_efficiency=r.efficiency)

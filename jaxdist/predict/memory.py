@@ -43,6 +43,7 @@ import jax.extend.core as jex_core
 import numpy as np
 from flax import nnx
 
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.predict.program import cpu_compilable
 from jaxdist.train_step import DTYPES, split_model
 from models.layers import barriers_off
@@ -97,14 +98,58 @@ def is_attention_scores(shape, seq_len: int) -> bool:
     return seq_len > 1 and len(shape) >= 4 and sum(d == seq_len for d in shape) >= 2
 
 
-def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None, flash: bool) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ResidualKinds(Figures):
+    """A trace's saved residuals by kind (`classify`): per-batch (activations), constant
+    (weight-derived), L x L scores, offloaded to host; the largest kept of each kind."""
+    batch_bytes: float = 0
+    constant_bytes: float = 0
+    scores_bytes: float = 0
+    host_bytes: float = 0
+    largest_batch_bytes: float = 0
+    largest_constant_bytes: float = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals(Figures):
+    """Saved residuals per device of one micro-batch's backward: kept in HBM, offloaded to
+    host, the largest single one; with `residual_figures`, one block's residuals and its
+    recompute without remat, and how they were found."""
+    residual_bytes: float
+    host_residual_bytes: float
+    largest_bytes: float
+    block_residual_bytes: float = ABSENT
+    block_recompute_bytes: float = ABSENT
+    method: str = ABSENT
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate(Figures):
+    """The hand estimate of the peak per device (`peak`; `predict_memory` adds the batch
+    shards, flash attention and why the estimate is only an upper bound, if it is)."""
+    state_bytes: float
+    gradient_bytes: float
+    residual_bytes: float
+    transient_bytes: float
+    gathered_param_bytes: float
+    host_residual_bytes: float
+    total_bytes: float
+    method: str
+    label: str = LABEL
+    batch_shards: int = ABSENT
+    flash_attention: bool = ABSENT
+    upper_bound: bool = ABSENT
+    upper_bound_why: str | None = ABSENT
+
+
+def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None,
+             flash: bool) -> ResidualKinds:
     """Residual bytes by kind from the same trace at batch B and 2B (same order): per-batch
     (activations), constant (weight-derived), L x L scores, offloaded to host (activations);
     and the largest single one of each kind that is kept in device memory."""
     if len(at_b) != len(at_2b):
         raise ValueError("the residuals at batch B and 2B differ in number")
-    out = {"batch_bytes": 0, "constant_bytes": 0, "scores_bytes": 0, "host_bytes": 0,
-           "largest_batch_bytes": 0, "largest_constant_bytes": 0}
+    out = ResidualKinds().to_json()
     for a, b in zip(at_b, at_2b):
         if a.get("host"):
             out["host_bytes"] += a["bytes"]
@@ -115,69 +160,68 @@ def classify(at_b: list[dict], at_2b: list[dict], seq_len: int | None, flash: bo
         kind = "batch" if b["bytes"] == 2 * a["bytes"] else "constant"
         out[f"{kind}_bytes"] += a["bytes"]
         out[f"largest_{kind}_bytes"] = max(out[f"largest_{kind}_bytes"], a["bytes"])
-    return out
+    return ResidualKinds(**out)
 
 
-def per_device(c: dict, shards: int) -> dict:
+def per_device(c: ResidualKinds, shards: int) -> Residuals:
     """Bytes per device: activations split over the batch's shards, the rest whole."""
-    return {"residual_bytes": c["batch_bytes"] / shards + c["constant_bytes"],
-            "host_residual_bytes": c.get("host_bytes", 0) / shards,
-            "largest_bytes": max(c["largest_batch_bytes"] / shards,
-                                 c["largest_constant_bytes"])}
+    return Residuals(residual_bytes=c.batch_bytes / shards + c.constant_bytes,
+                     host_residual_bytes=c.host_bytes / shards,
+                     largest_bytes=max(c.largest_batch_bytes / shards,
+                                       c.largest_constant_bytes))
 
 
 _SUMMARIES: dict = {}  # traced once per process: a suite's variants share most traces
 
 
-def _summary(model_cfg, dtype_name, batch, flash) -> dict:
+def _summary(model_cfg, dtype_name, batch, flash) -> ResidualKinds:
     key = (repr(model_cfg), dtype_name, batch, flash)
     if key not in _SUMMARIES:
         seq = getattr(model_cfg, "seq_len", None)
         _SUMMARIES[key] = classify(saved_residuals(model_cfg, dtype_name, batch),
                                    saved_residuals(model_cfg, dtype_name, 2 * batch), seq,
                                    flash)
-    return dict(_SUMMARIES[key])
+    return _SUMMARIES[key]
 
 
 def residual_figures(model_cfg, dtype_name: str, micro_batch: int, shards: int,
-                     flash: bool, stack: bool) -> dict:
+                     flash: bool, stack: bool) -> Residuals:
     """Per-device residual bytes of one micro-batch's backward, the largest single residual,
     and one block's residuals without remat (the recompute of one block). A stack of
     `depth` identical blocks is traced at depth 1 and 2 and extrapolated linearly (exact
     for identical blocks)."""
     if not stack:
         mine = per_device(_summary(model_cfg, dtype_name, micro_batch, flash), shards)
-        return {**mine, "block_recompute_bytes": 0.0, "method": "full trace"}
+        return mine.replace(block_recompute_bytes=0.0, method="full trace")
     depth = model_cfg.depth
     at = {d: per_device(_summary(dataclasses.replace(model_cfg, depth=d), dtype_name,
                                  micro_batch, flash), shards) for d in (1, 2)}
-    block = at[2]["residual_bytes"] - at[1]["residual_bytes"]
-    host_block = at[2]["host_residual_bytes"] - at[1]["host_residual_bytes"]
+    block = at[2].residual_bytes - at[1].residual_bytes
+    host_block = at[2].host_residual_bytes - at[1].host_residual_bytes
     recompute = 0.0
     if getattr(model_cfg, "remat", "none") != "none":
         plain = {d: per_device(_summary(dataclasses.replace(model_cfg, depth=d, remat="none"),
                                         dtype_name, micro_batch, flash), shards)
                  for d in (1, 2)}
-        recompute = plain[2]["residual_bytes"] - plain[1]["residual_bytes"]
-    return {"residual_bytes": at[1]["residual_bytes"] + (depth - 1) * block,
-            "host_residual_bytes": at[1]["host_residual_bytes"] + (depth - 1) * host_block,
-            "largest_bytes": at[2]["largest_bytes"],
-            "block_residual_bytes": block,
-            "block_recompute_bytes": recompute,
-            "method": f"traced at depth 1 and 2, extrapolated linearly to {depth}"}
+        recompute = plain[2].residual_bytes - plain[1].residual_bytes
+    return Residuals(residual_bytes=at[1].residual_bytes + (depth - 1) * block,
+                     host_residual_bytes=at[1].host_residual_bytes + (depth - 1) * host_block,
+                     largest_bytes=at[2].largest_bytes, block_residual_bytes=block,
+                     block_recompute_bytes=recompute,
+                     method=f"traced at depth 1 and 2, extrapolated linearly to {depth}")
 
 
-def peak(state_bytes: float, grad_bytes: float, residuals: dict,
-         gathered_param_bytes: float = 0.0) -> dict:
+def peak(state_bytes: float, grad_bytes: float, residuals: Residuals,
+         gathered_param_bytes: float = 0.0) -> MemoryEstimate:
     """The predicted peak per device and its parts (see the module docstring)."""
-    transient = max(residuals["largest_bytes"], residuals["block_recompute_bytes"]) + \
+    transient = max(residuals.largest_bytes, residuals.block_recompute_bytes) + \
         gathered_param_bytes
-    total = state_bytes + grad_bytes + residuals["residual_bytes"] + transient
-    return {"label": LABEL, "state_bytes": state_bytes, "gradient_bytes": grad_bytes,
-            "residual_bytes": residuals["residual_bytes"],
-            "transient_bytes": transient, "gathered_param_bytes": gathered_param_bytes,
-            "host_residual_bytes": residuals.get("host_residual_bytes", 0.0),
-            "total_bytes": total, "method": residuals["method"]}
+    total = state_bytes + grad_bytes + residuals.residual_bytes + transient
+    return MemoryEstimate(state_bytes=state_bytes, gradient_bytes=grad_bytes,
+                          residual_bytes=residuals.residual_bytes, transient_bytes=transient,
+                          gathered_param_bytes=gathered_param_bytes,
+                          host_residual_bytes=residuals.host_residual_bytes,
+                          total_bytes=total, method=residuals.method)
 
 
 def param_bytes(model_cfg, dtype_name: str) -> int:
@@ -194,7 +238,7 @@ def block_param_bytes(model_cfg, dtype_name: str) -> int:
 
 def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: int,
                    mesh: dict[str, int], state_per_device: dict, params_global_bytes: int,
-                   flash: bool, stack: bool) -> dict:
+                   flash: bool, stack: bool) -> MemoryEstimate:
     """The peak estimate of one run: `state_per_device` is dryrun.plan's
     state_bytes_per_device (params, model_state, opt, total)."""
     model_cfg = cpu_compilable(model_cfg)  # traced here: cuDNN attention as XLA's
@@ -211,10 +255,9 @@ def predict_memory(model_cfg, dtype_name: str, batch_size: int, microbatches: in
     # are cast to float32 before they are reduce-scattered, twice the working bytes.
     grads = (state_per_device["params"] * (2 if microbatches > 1 else 1)
              * (2 if state_per_device.get("master") else 1))
-    return {**peak(state_per_device["total"], grads, residuals, gathered),
-            "batch_shards": shards, "flash_attention": flash,
-            "upper_bound": bool(upper_bound_why(model_cfg, mesh)),
-            "upper_bound_why": upper_bound_why(model_cfg, mesh)}
+    why = upper_bound_why(model_cfg, mesh)
+    return peak(state_per_device["total"], grads, residuals, gathered).replace(
+        batch_shards=shards, flash_attention=flash, upper_bound=bool(why), upper_bound_why=why)
 
 
 def upper_bound_why(model_cfg, mesh: dict[str, int]) -> str | None:

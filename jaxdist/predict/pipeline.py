@@ -43,11 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdist.figures import Figures
 from jaxdist.program import compiled as compiled_mod, program_reading
 from jaxdist.parts import Part
 from jaxdist.predict.depth import linear, minus
-from jaxdist.predict.program import cpu_compilable, flash_attention_applies, read_program
-from jaxdist.predict.ticks import op_key, op_row, tick_model
+from jaxdist.predict.program import (ScoreBytes, StepFigures, cpu_compilable,
+                                     flash_attention_applies, read_program)
+from jaxdist.predict.ticks import OpTime, op_key, op_row, tick_model
+from jaxdist.predict.time_model import StepTime
 from jaxdist.config import parse_stage_blocks
 from jaxdist.pipeline.parts import chunk_blocks
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
@@ -74,7 +77,8 @@ def stage_mesh(sizes: dict[str, int], target) -> Mesh:
     return Mesh(devices, tuple(dims), axis_types=(AxisType.Auto,) * len(dims))
 
 
-def compile_pieces(cache: dict | None, pieces: dict, target, job, hw=None) -> dict:
+def compile_pieces(cache: dict | None, pieces: dict, target, job,
+                   hw=None) -> dict[tuple, StepFigures]:
     """{key: figures} of the pieces `{key: make}` (`make()` -> (lowered, mesh sizes)): those
     not in `cache` lowered one by one (while the first compiles), compiled side by side
     (jaxdist.program.xla_compile.compile_lowered), read, and kept in `cache`. A key names the
@@ -109,11 +113,11 @@ def compile_pieces(cache: dict | None, pieces: dict, target, job, hw=None) -> di
             continue
         sizes = cache[("lowered", *k)][1]
         fig = read_program(compiled, seconds, target, sizes, job, hw, memo=cache)
-        if not target.gpu and not fig["flops"]:
+        if not target.gpu and not fig.flops:
             raise program_reading.ProgramError("XLA:CPU's cost analysis gave no FLOPs for a "
-                                            "pipeline op")
-        fig["memory"] = {"temp_bytes": fig["memory"].get("temp_bytes", 0)}
-        cache[program_of[k]] = fig
+                                               "pipeline op")
+        cache[program_of[k]] = fig.replace(memory={"temp_bytes": fig.memory.get("temp_bytes",
+                                                                                  0)})
     for k in todo:
         cache[(*k, flags)] = cache[program_of[k]]
     return {k: cache[(*k, flags)] for k in pieces}
@@ -339,14 +343,14 @@ def chunk_gradient_share(job, model_cfg, sizes: dict, S: int, V: int, target,
     return stages / V / (stages + shared)
 
 
-def early_reductions(sched, tail_row: dict, share: float, axes: tuple[str, ...],
+def early_reductions(sched, tail_row, share: float, axes: tuple[str, ...],
                      distributed: bool = True) -> list:
     """(tick, seconds, link) of each chunk reduction the tick loop issues before its last
     tick (Schedule.gradients_final), in issue order: `share` of the tail's gradient
     reduction over `axes` (data, and context where it splits the sequence: mean_axes;
     reduce-scatter under the distributed optimizer, else all-reduce)."""
     kind = "reduce-scatter" if distributed else "all-reduce"
-    grads = [c for c in tail_row["collectives"]
+    grads = [c for c in tail_row.collectives
              if c["kind"] == kind and set(c["axes"]) == set(axes)]
     if not grads:
         return []
@@ -356,7 +360,8 @@ def early_reductions(sched, tail_row: dict, share: float, axes: tuple[str, ...],
                   if r < sched.ticks)
 
 
-def chunk_figures(base: dict, one: dict, two: dict, three: dict | None, k: int) -> dict:
+def chunk_figures(base: StepFigures, one: StepFigures, two: StepFigures,
+                  three: StepFigures | None, k: int) -> StepFigures:
     """A chunk of k blocks from its base (a 1-block chunk's figures) and the 1-, 2- and
     3-block compiles: base, its second block as two - one, and every block past the second
     as three - two. Counts (FLOPs, bytes, collectives) are linear either way; what XLA's
@@ -371,15 +376,16 @@ def chunk_figures(base: dict, one: dict, two: dict, three: dict | None, k: int) 
 
 # ---- the whole prediction ----------------------------------------------------------------
 
-def attention_scores(one: dict, two: dict, h1: dict, h2: dict, blocks: int) -> dict:
+def attention_scores(one: StepFigures, two: StepFigures, h1: StepFigures, h2: StepFigures,
+                     blocks: int) -> ScoreBytes:
     """The L x L attention-score part of an op's bytes accessed and temp bytes, as
     jaxdist.predict.program.attention_scores measures it for the whole step: per block
     (2 blocks - 1 block), at L and at L/2 with twice the rows (same tokens), S = 2 (P(1) -
     P(2)); times the blocks. Never negative (nothing is added back)."""
     def part(get):
         return max(0.0, blocks * 2 * ((get(two) - get(one)) - (get(h2) - get(h1))))
-    return {"bytes_accessed": part(lambda f: f["bytes_accessed"]),
-            "temp_bytes": part(lambda f: f["memory"]["temp_bytes"])}
+    return ScoreBytes(bytes_accessed=part(lambda f: f.bytes_accessed),
+                      temp_bytes=part(lambda f: f.memory["temp_bytes"]))
 
 
 def microbatch_rows(job, sizes: dict) -> int:
@@ -401,9 +407,9 @@ def message_bytes(job, model_cfg, sizes: dict) -> float:
 
 
 def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = None,
-                  target=None) -> dict:
-    """{time (the tick model), figures (per op, extrapolated), schedule} for a pipeline
-    layout's step on `hw`."""
+                  target=None) -> "PipelineStep":
+    """A pipeline layout's step on `hw`: the tick model over its ops' figures (compiled
+    per op, extrapolated in depth)."""
     S = sizes["stage"]
     V = job.train.pp_virtual if job.train.pp_schedule == "interleaved" else 1
     stage_blocks = parse_stage_blocks(job.train.pp_stage_blocks)
@@ -458,12 +464,14 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
             for sk in ((FULL, FWD) if kind == PAIR else (kind,)) if flash else ():
                 part = attention_scores(op(1, sk, False), op(2, sk, False), half_op(1, sk),
                                         half_op(2, sk), k)
-                scores = part if scores is None else {f: scores[f] + part[f] for f in part}
+                scores = part if scores is None else scores + part
             for last, base in ((False, one), (True, last1)):
                 fig = chunk_figures(base, one, two, three, k)
                 if scores is not None:
-                    fig["bytes_accessed"] -= scores["bytes_accessed"]
-                    fig["memory"]["temp_bytes"] -= scores["temp_bytes"]
+                    fig = fig.replace(
+                        bytes_accessed=fig.bytes_accessed - scores.bytes_accessed,
+                        memory={**fig.memory,
+                                "temp_bytes": fig.memory["temp_bytes"] - scores.temp_bytes})
                 figs[(kind, last, k)] = fig
             if k == K:
                 removed[kind] = scores
@@ -479,7 +487,7 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
     # stash the plan counts per slot): the working set the memory plan counts (XLA:CPU's
     # are an upper bound: the hand estimate stands there)
     # (combined ticks: F and BACK side by side, both working sets live)
-    working = (max(figs[(kind, last, K)]["memory"]["temp_bytes"] for last in (False, True)
+    working = (max(figs[(kind, last, K)].memory["temp_bytes"] for last in (False, True)
                    for kind in ((BACK, PAIR) if sched.combined else (BACK,)))
                if target.gpu else None)
     tail = got[tail_key]
@@ -495,12 +503,12 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
         if V > 1 and job.train.distributed_optimizer and job.compiler.overlap else [])
     time = tick_model(sched, ops, tail_row, message_bytes(job, model_cfg, sizes), hw, sizes,
                       job.output.pp_runtime, job.compiler.overlap, early)
-    time["overlap"] = ("collectives inside an op and in the tail hidden behind its compute up "
-                       "to its length; a stage send beside the op it rides with up to that "
-                       "op's length (F then BACK loops), else exposed" if job.compiler.overlap
-                       else "none")
-    time["peak_flops_per_device"] = hw.peak_flops(job.dtype, job.matmul_precision)
-    time["collectives"] = tail_row["collectives"]
+    time = time.replace(
+        overlap=("collectives inside an op and in the tail hidden behind its compute up to "
+                 "its length; a stage send beside the op it rides with up to that op's length "
+                 "(F then BACK loops), else exposed" if job.compiler.overlap else "none"),
+        peak_flops_per_device=hw.peak_flops(job.dtype, job.matmul_precision),
+        collectives=tail_row.collectives)
     names = {(FWD, False): "forward", (FWD, True): "forward_last",
              (BACK, False): "backward", (BACK, True): "backward_last",
              (BWD, False): "input_gradient", (BWD, True): "input_gradient_last",
@@ -509,29 +517,42 @@ def pipeline_step(job, model_cfg, sizes: dict, hw: Part, cache: dict | None = No
              (WGT, False): "weight_gradient", (WGT, True): "weight_gradient_last"}
     k_last = counts[S - 1][V - 1]  # the figures named per op: the largest chunk's, and
     # the last chunk's at its own blocks
-    per_op = {names[k[:2]]: {f: r[f] for f in ("seconds", "device_s", "compute_s", "hbm_s",
-                                               "intra_node_s", "inter_node_s",
-                                               "exposed_intra_node_s", "exposed_inter_node_s",
-                                               "flops", "bytes_accessed", "collectives")}
-              for k, r in ops.items() if k[2] == (k_last if k[1] else K)}
-    per_op["tail"] = {f: tail_row[f] for f in per_op["forward"]}
-    c = time["pipeline"]["critical_stage"]
-    flops = tail["flops"] + sum(ops[op_key(sched, o.kind, c, o.v)]["flops"]
+    per_op = {names[k[:2]]: r.to_json() for k, r in ops.items()
+              if k[2] == (k_last if k[1] else K)}
+    per_op["tail"] = tail_row.to_json()
+    c = time.pipeline.critical_stage
+    flops = tail.flops + sum(ops[op_key(sched, o.kind, c, o.v)].flops
                                 for row in sched.ops for o in row[c])
-    per_op["flash_attention"] = None if not flash else {
-        "removed_score_bytes_accessed": {"forward": removed[FWD]["bytes_accessed"],
-                                         "forward_and_backward":
-                                             removed[FULL]["bytes_accessed"]},
-        "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
-               "scores; XLA:CPU keeps them (measured per op at L and L/2)"}
-    return {"time": time, "ops": per_op, "schedule": sched.summary(), "compiler": target.label,
-            "blocks_per_chunk": K, "flops_per_device": flops, "working_temp_bytes": working,
-            "method": f"chunk forward, forward+backward (zb-h1: and forward+B; combined "
-                      f"ticks: and a forward beside another micro-batch's backward) "
-                      f"compiled at "
-                      f"1, 2{' and 3' if K >= 3 else ''} blocks on one stage's devices, "
-                      f"extrapolated to "
-                      f"{'/'.join(map(str, sizes_k))} (each chunk's own blocks), the "
-                      f"backward's figures their differences; tail (gradient reduction, "
-                      f"optimizer) compiled at full depth; ticks from the {sched.name} "
-                      f"table"}
+    return PipelineStep(
+        time=time, ops=per_op, schedule=sched.summary(), compiler=target.label,
+        blocks_per_chunk=K, flops_per_device=flops, working_temp_bytes=working,
+        flash_attention=None if not flash else {
+            "removed_score_bytes_accessed": {"forward": removed[FWD].bytes_accessed,
+                                             "forward_and_backward":
+                                                 removed[FULL].bytes_accessed},
+            "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no L x L "
+                   "scores; XLA:CPU keeps them (measured per op at L and L/2)"},
+        method=f"chunk forward, forward+backward (zb-h1: and forward+B; combined ticks: and "
+               f"a forward beside another micro-batch's backward) compiled at 1, "
+               f"2{' and 3' if K >= 3 else ''} blocks on one stage's devices, extrapolated to "
+               f"{'/'.join(map(str, sizes_k))} (each chunk's own blocks), the backward's "
+               f"figures their differences; tail (gradient reduction, optimizer) compiled at "
+               f"full depth; ticks from the {sched.name} table")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStep(Figures):
+    """A pipeline layout's predicted step: its time tick by tick (`time`, a StepTime whose
+    `pipeline` holds the ticks), each op's time and figures (`ops`, by name: the largest
+    chunk's, `_last` the chunk holding the head; `tail` the gradient reduction and
+    optimizer), the schedule's summary, the critical stage's FLOPs, XLA:GPU's working set of
+    one chunk's backward (None on XLA:CPU) and what L x L scores were removed."""
+    time: StepTime
+    ops: dict[str, OpTime]
+    schedule: dict
+    compiler: str
+    blocks_per_chunk: int
+    flops_per_device: float
+    working_temp_bytes: float | None
+    flash_attention: dict | None
+    method: str

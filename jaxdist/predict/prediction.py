@@ -25,41 +25,65 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxdist.errors import UsageError
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.hardware import MODEL_CONSTANTS, check_nodes
 from jaxdist.mesh import MeshShape
 from jaxdist.predict import kernels_time, memory, program, time_model, verdict
 from jaxdist.predict.state import state_bytes
+from jaxdist.predict.time_model import AxisLinks, StepTime, Throughput
+from jaxdist.predict.verdict import MemoryVerdict
 from jaxdist.program import compiled
 
 LABEL = time_model.LABEL
 
 
 @dataclasses.dataclass(frozen=True)
-class Prediction:
+class CompiledProgram(Figures):
+    """What the compiled program says, plan.json's `compiled` block: the compiler, how the
+    figures were found (`method`), FLOPs per device and the L x L scores removed for flash
+    attention; one program adds its bytes, kernels, compiler memory and compile seconds, a
+    pipeline each op's time (`ops`); `fallback` where Triton GEMMs were turned off."""
+    compiler: str
+    gpu: bool
+    xla_flags: str
+    method: str
+    flops_per_device: float
+    flash_attention: dict | None
+    kernels: dict[str, dict] = ABSENT
+    compile_s: float | None = ABSENT
+    bytes_accessed_per_device: float = ABSENT
+    memory: dict[str, float] = ABSENT
+    ops: dict = ABSENT
+    fallback: dict[str, str] = ABSENT
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction(Figures):
     """One step of one job on one part, predicted. The blocks are plan.json's (its schema:
     docs/results.md); `timing` and `memory_from` say which model made the time and which
     figure decided the memory verdict."""
-    hardware: dict             # the part's figures and its node count
-    links: dict                # per mesh axis: the links its collectives cross
-    constants: dict            # the time model's constants, each with its justification
-    compiled: dict             # what the compiled program says
-    memory: dict               # the memory verdict (jaxdist.predict.verdict)
-    time: dict                 # the step and its breakdown
-    throughput: dict           # tokens/s per GPU and MFU ("if it fit" where it does not)
+    compiled: CompiledProgram
+    memory: MemoryVerdict
+    time: StepTime
     model: dict                # {name, params}
     distributed_optimizer: bool
-    state_bytes_per_device: dict  # exact, by state part
-    pipeline: dict | None = None  # the schedule and its ticks, for a pipeline layout
+    state_bytes_per_device: dict[str, int]  # exact, by state part
     timing: str = "roofline"   # "kernels" (XLA:GPU program), "roofline" or "ticks" (pipeline)
     memory_from: str = "hand"  # "compiled" (XLA:GPU's buffer assignment), "hand" or "stages"
+    schedule: dict | None = None        # a pipeline's schedule (Schedule.summary)
+    blocks_per_chunk: int | None = None  # a pipeline's largest chunk
+    hardware: dict | None = None        # the part's figures and its node count
+    links: dict[str, AxisLinks] | None = None  # per mesh axis: the links its groups use
+    constants: dict[str, dict] | None = None   # the time model's, each with its why
+    throughput: Throughput | None = None  # ("if it fit" where it does not)
 
     @property
     def step_s(self) -> float:
-        return self.time["step_s"]
+        return self.time.step_s
 
     @property
     def fits(self) -> bool | None:
-        return self.memory["fits"]
+        return self.memory.fits
 
     @property
     def verdict(self) -> str:
@@ -68,7 +92,15 @@ class Prediction:
 
     @property
     def compiler(self) -> str:
-        return self.compiled["compiler"]
+        return self.compiled.compiler
+
+    @property
+    def pipeline(self) -> dict | None:
+        """plan.json's `pipeline` block: the schedule, its largest chunk and its ticks."""
+        if self.schedule is None:
+            return None
+        return {**self.schedule, "blocks_per_chunk": self.blocks_per_chunk,
+                **self.time.pipeline.to_json()}
 
 
 def predict(job, blocks: str = "auto", cache: dict | None = None) -> Prediction:
@@ -96,12 +128,11 @@ def predict(job, blocks: str = "auto", cache: dict | None = None) -> Prediction:
         raise compiled.CompileError(
             f"XLA could not compile the step, with Triton GEMMs off either "
             f"({compiled.CUBLAS_GEMMS}): {compiled.xla_message(e)}") from None
-    pred.compiled["fallback"] = {
+    return pred.replace(compiled=pred.compiled.replace(fallback={
         "xla_flags": compiled.CUBLAS_GEMMS, "rejected": rejected,
         "why": "XLA:GPU's Triton GEMM emitter found no tiling for a dot of this step; "
                "compiled again with Triton GEMMs off, every dot a cuBLAS call (timed at "
-               "the part's cuBLAS rate like any GEMM)"}
-    return pred
+               "the part's cuBLAS rate like any GEMM)"}))
 
 
 def _predict(job, blocks: str, cache: dict | None) -> Prediction:
@@ -113,18 +144,17 @@ def _predict(job, blocks: str, cache: dict | None) -> Prediction:
     target = compiled.for_part(hw, shape.size, job.compiler.compiler)
     mesh = dict(shape.axis_sizes)
     if job.layout.pipelined:
-        parts = _pipeline(job, hw, target, cache)
+        pred = _pipeline(job, hw, target, cache)
     else:
-        parts = _one_program(job, hw, target, blocks, cache)
-    fits = parts["memory"]["fits"]
+        pred = _one_program(job, hw, target, blocks, cache)
     tokens, batch = model_cfg.tokens_per_sample, job.train.batch_size
-    thr = time_model.throughput(parts["time"], tokens * batch if tokens else None,
+    thr = time_model.throughput(pred.time, tokens * batch if tokens else None,
                                 model_cfg.flops_per_sample() * batch, shape.size)
-    return Prediction(
+    return pred.replace(
         hardware={**hw.prediction_fields(), "nodes": -(-shape.size // hw.gpus_per_node)},
         links=time_model.axis_links(mesh, hw, compiled.mesh_hosts(shape, target)),
         constants={k: {"value": c.value, "why": c.why} for k, c in MODEL_CONSTANTS.items()},
-        throughput=verdict.if_it_fit(thr, fits), **parts)
+        throughput=verdict.if_it_fit(thr, pred.fits))
 
 
 def memo(cache: dict | None, key: tuple, make):
@@ -137,7 +167,7 @@ def memo(cache: dict | None, key: tuple, make):
     return copy.deepcopy(cache[key])
 
 
-def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
+def _one_program(job, hw, target, blocks: str, cache: dict | None) -> Prediction:
     shape = job.shape
     settings = (repr(job.settings), repr(job.train), tuple(shape.axis_sizes.items()))
     state = memo(cache, ("state bytes", *settings), lambda: state_bytes(job))
@@ -149,43 +179,39 @@ def _one_program(job, hw, target, blocks: str, cache: dict | None) -> dict:
                            lambda: hand_memory(job, state, mesh))
         figures, quadratic = compiled_figures(job, shape, target, blocks, cache, hw)
         peak = hand.result()
-    temp, bytes_accessed = figures["memory"].get("temp_bytes", 0), figures["bytes_accessed"]
+    temp, bytes_accessed = figures.memory.get("temp_bytes", 0), figures.bytes_accessed
     if quadratic is not None:
-        temp -= max(0.0, quadratic["temp_bytes"])
-        bytes_accessed -= max(0.0, quadratic["bytes_accessed"])
+        temp -= max(0.0, quadratic.temp_bytes)
+        bytes_accessed -= max(0.0, quadratic.bytes_accessed)
     timed = target.gpu and kernels_time.has_rates(hw)
     if timed:  # XLA:GPU's program, kernel by kernel
-        step = time_model.kernel_step(figures["kernel_time"], figures["comm"], hw, mesh,
+        step = time_model.kernel_step(figures.kernel_time, figures.comm, hw, mesh,
                                       job.dtype, job.matmul_precision)
     else:
-        step = time_model.step_time(figures["flops"], bytes_accessed, figures["comm"], hw,
+        step = time_model.step_time(figures.flops, bytes_accessed, figures.comm, hw,
                                     mesh, job.dtype, job.compiler.overlap, shape.stage,
                                     job.train.microbatches, job.matmul_precision)
     if target.gpu:
-        mem = verdict.gpu_memory_verdict(peak, figures["memory"], hw)
+        mem = verdict.gpu_memory_verdict(peak, figures.memory, hw)
     else:
         mem = verdict.memory_verdict(peak, int(max(0.0, temp)), hw)
-    return {
-        "model": state.model, "distributed_optimizer": state.distributed_optimizer,
-        "state_bytes_per_device": state.state_bytes_per_device,
-        "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "xla_flags": job.compiler.xla_flags, "method": figures["method"],
-                     "flops_per_device": figures["flops"],
-                     "kernels": figures.get("kernels", {}),
-                     "compile_s": figures.get("compile_s"),
-                     "bytes_accessed_per_device": figures["bytes_accessed"],
-                     "memory": figures["memory"],
-                     "flash_attention": None if quadratic is None else {
-                         "removed_score_temp_bytes": max(0.0, quadratic["temp_bytes"]),
-                         "removed_score_bytes_accessed": max(0.0, quadratic["bytes_accessed"]),
-                         "why": "a GPU runs bf16 attention as cuDNN flash attention, which "
-                                "keeps no L x L scores; XLA:CPU keeps them"}},
-        "memory": mem, "time": exposed_by_link(step, timed),
-        "timing": "kernels" if timed else "roofline",
-        "memory_from": "compiled" if target.gpu else "hand"}
+    return Prediction(
+        model=state.model, distributed_optimizer=state.distributed_optimizer,
+        state_bytes_per_device=state.state_bytes_per_device,
+        compiled=CompiledProgram(
+            compiler=target.label, gpu=target.gpu, xla_flags=job.compiler.xla_flags,
+            method=figures.method, flops_per_device=figures.flops, kernels=figures.kernels,
+            compile_s=figures.compile_s, bytes_accessed_per_device=figures.bytes_accessed,
+            memory=figures.memory, flash_attention=None if quadratic is None else {
+                "removed_score_temp_bytes": max(0.0, quadratic.temp_bytes),
+                "removed_score_bytes_accessed": max(0.0, quadratic.bytes_accessed),
+                "why": "a GPU runs bf16 attention as cuDNN flash attention, which keeps no "
+                       "L x L scores; XLA:CPU keeps them"}),
+        memory=mem, time=step, timing="kernels" if timed else "roofline",
+        memory_from="compiled" if target.gpu else "hand")
 
 
-def _pipeline(job, hw, target, cache: dict | None) -> dict:
+def _pipeline(job, hw, target, cache: dict | None) -> Prediction:
     """pp, tp_pp, fsdp_pp: the step tick by tick from the executed schedule table
     (jaxdist.predict.pipeline); memory from the stages' (exact state per stage, activations
     estimated), against the part's HBM."""
@@ -197,21 +223,21 @@ def _pipeline(job, hw, target, cache: dict | None) -> dict:
                           tuple(shape.axis_sizes.items())),
                   lambda: stage_memory(job))
     pred = pipeline_step(job, model_cfg, dict(shape.axis_sizes), hw, cache, target)
-    return {
-        "model": stages["model"], "distributed_optimizer": stages["distributed_optimizer"],
-        "state_bytes_per_device": stages["state_bytes_per_device"],
-        "compiled": {"compiler": target.label, "gpu": target.gpu,
-                     "xla_flags": job.compiler.xla_flags, "method": pred["method"],
-                     "flops_per_device": pred["flops_per_device"],
-                     "ops": pred["ops"], "flash_attention": pred["ops"]["flash_attention"]},
-        "pipeline": {**pred["schedule"], "blocks_per_chunk": pred["blocks_per_chunk"],
-                     **pred["time"]["pipeline"]},
-        "memory": verdict.pipeline_verdict(stages, hw, pred.get("working_temp_bytes")),
-        "time": pred["time"], "timing": "ticks", "memory_from": "stages"}
+    return Prediction(
+        model=stages["model"], distributed_optimizer=stages["distributed_optimizer"],
+        state_bytes_per_device=stages["state_bytes_per_device"],
+        compiled=CompiledProgram(
+            compiler=target.label, gpu=target.gpu, xla_flags=job.compiler.xla_flags,
+            method=pred.method, flops_per_device=pred.flops_per_device,
+            ops={**pred.ops, "flash_attention": pred.flash_attention},
+            flash_attention=pred.flash_attention),
+        schedule=pred.schedule, blocks_per_chunk=pred.blocks_per_chunk,
+        memory=verdict.pipeline_verdict(stages, hw, pred.working_temp_bytes),
+        time=pred.time, timing="ticks", memory_from="stages")
 
 
 def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | None,
-                     hw=None):
+                     hw=None) -> tuple[program.StepFigures, program.ScoreBytes | None]:
     """(step figures, attention-score part or None), compiled once per distinct program.
     The score part is measured only on XLA:CPU, which cannot compile cuDNN's attention;
     XLA:GPU's program holds the cuDNN calls themselves."""
@@ -228,27 +254,13 @@ def compiled_figures(job, shape: MeshShape, target, blocks: str, cache: dict | N
     quadratic = None
     if not target.gpu and program.flash_attention_applies(model_cfg, job.dtype):
         quadratic = program.attention_scores(job, model_cfg, shape, target,
-                                             figures.get("depth_1"), figures.get("depth_2"))
+                                             figures.depth_1, figures.depth_2)
     if cache is not None:
         cache[key] = (figures, quadratic)
     return figures, quadratic
 
 
-def exposed_by_link(step: dict, kernel_timed: bool) -> dict:
-    """The step's device time and its exposed communication split by link (intra-node,
-    inter-node): the kernel model knows both from the program's schedule; the roofline
-    exposes all of it without overlap, and with overlap the exposed part is shared in
-    proportion to each link's time (the ranking's stacked bars)."""
-    if kernel_timed:
-        return {**step, "device_s": step["device_s_exact"]}
-    comm_total = step["intra_node_s"] + step["inter_node_s"]
-    share = step["comm_exposed_s"] / comm_total if comm_total else 0.0
-    return {**step, "device_s": max(step["compute_s"], step["hbm_s"]),
-            "exposed_intra_node_s": step["intra_node_s"] * share,
-            "exposed_inter_node_s": step["inter_node_s"] * share}
-
-
-def hand_memory(job, state, mesh: dict[str, int]) -> dict:
+def hand_memory(job, state, mesh: dict[str, int]) -> memory.MemoryEstimate:
     """jaxdist.predict.memory's peak estimate of `job`'s step (exact state from `state`, a
     StateBytes)."""
     model_cfg = job.model

@@ -6,13 +6,16 @@ arrived). The ops' figures come from jaxdist.predict.pipeline, which compiles th
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from jaxdist.figures import Figures
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, Schedule
 from jaxdist.pipeline.step import combined_sends, slot_pairs, overlapped_sends
-from jaxdist.predict.time_model import LABEL, kernel_step, ring_latency, step_time
+from jaxdist.predict.time_model import StepTime, kernel_step, ring_latency, step_time
 
 
 def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
@@ -38,27 +41,37 @@ def send_time(nbytes: float, inter: bool, hw: Part) -> float:
     return nbytes / bandwidth + ring_latency("collective-permute", 2, 2 if inter else 1, hw)
 
 
-def op_row(fig: dict, hw: Part, mesh: dict, dtype: str, overlap: bool,
-           precision: str) -> dict:
-    """One op's time from its figures (kernel by kernel where XLA:GPU's program was read
+@dataclasses.dataclass(frozen=True)
+class OpTime(Figures):
+    """One pipeline op's time (seconds: device time + exposed communication) and its terms,
+    exposed communication split by link, and the figures it was timed from."""
+    seconds: float
+    device_s: float
+    compute_s: float
+    hbm_s: float
+    intra_node_s: float
+    inter_node_s: float
+    exposed_intra_node_s: float
+    exposed_inter_node_s: float
+    flops: float
+    bytes_accessed: float
+    collectives: list
+
+
+def op_row(fig, hw: Part, mesh: dict, dtype: str, overlap: bool,
+           precision: str) -> OpTime:
+    """One op's time from its figures (a StepFigures: kernel by kernel where XLA:GPU's program was read
     with the part's rates, else the roofline); exposed communication split by link."""
-    if "kernel_time" in fig:
-        t = kernel_step(fig["kernel_time"], fig["comm"], hw, mesh, dtype, precision)
-        device, exposed = t["device_s_exact"], (t["exposed_intra_node_s"],
-                                                t["exposed_inter_node_s"])
+    if fig.kernel_time is not None:
+        t = kernel_step(fig.kernel_time, fig.comm, hw, mesh, dtype, precision)
     else:
-        t = step_time(fig["flops"], fig["bytes_accessed"], fig["comm"], hw, mesh, dtype,
-                      overlap, matmul_precision=precision)
-        comm_total = t["intra_node_s"] + t["inter_node_s"]
-        share = t["comm_exposed_s"] / comm_total if comm_total else 0.0
-        device = max(t["compute_s"], t["hbm_s"])
-        exposed = (t["intra_node_s"] * share, t["inter_node_s"] * share)
-    return {"seconds": t["step_s"], "device_s": device,
-            "compute_s": t["compute_s"], "hbm_s": t["hbm_s"],
-            "intra_node_s": t["intra_node_s"], "inter_node_s": t["inter_node_s"],
-            "exposed_intra_node_s": exposed[0], "exposed_inter_node_s": exposed[1],
-            "flops": fig["flops"], "bytes_accessed": fig["bytes_accessed"],
-            "collectives": t["collectives"]}
+        t = step_time(fig.flops, fig.bytes_accessed, fig.comm, hw, mesh, dtype, overlap,
+                      matmul_precision=precision)
+    return OpTime(seconds=t.step_s, device_s=t.device_s, compute_s=t.compute_s,
+                  hbm_s=t.hbm_s, intra_node_s=t.intra_node_s, inter_node_s=t.inter_node_s,
+                  exposed_intra_node_s=t.exposed_intra_node_s,
+                  exposed_inter_node_s=t.exposed_inter_node_s, flops=fig.flops,
+                  bytes_accessed=fig.bytes_accessed, collectives=t.collectives)
 
 
 def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
@@ -68,7 +81,8 @@ def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
     return (kind, last, sched.blocks[s][v]) if sched.blocks else (kind, last)
 
 
-def stage_tick(sched: Schedule, ops: dict, s: int, ops_s) -> list[tuple[dict, dict]]:
+def stage_tick(sched: Schedule, ops: dict, s: int,
+               ops_s) -> list[tuple[OpTime, dict[int, float]]]:
     """(op_row, {kind: seconds} of the operations in it) of what stage s runs in a tick,
     in order. In a combined table a stage's F and BACK are one computation
     (jaxdist/pipeline/step.py operate_both): the PAIR row at the BACK's chunk, plus the
@@ -76,12 +90,13 @@ def stage_tick(sched: Schedule, ops: dict, s: int, ops_s) -> list[tuple[dict, di
     uneven stages), whose F part is the F's and BACK part the rest."""
     kinds = {op.kind: op for op in ops_s}
     if not (sched.combined and FWD in kinds and BACK in kinds):
-        return [(row, {op.kind: row["seconds"]}) for op in ops_s
+        return [(row, {op.kind: row.seconds}) for op in ops_s
                 for row in [ops[op_key(sched, op.kind, s, op.v)]]]
     f, v = ops[op_key(sched, FWD, s, kinds[FWD].v)], kinds[BACK].v
     pair, f_there = ops[op_key(sched, PAIR, s, v)], ops[op_key(sched, FWD, s, v)]
-    row = {k: pair[k] + f[k] - f_there[k] for k in TIMES}
-    return [(row, {FWD: f["seconds"], BACK: row["seconds"] - f["seconds"]})]
+    row = pair.replace(**{k: getattr(pair, k) + getattr(f, k) - getattr(f_there, k)
+                          for k in TIMES})
+    return [(row, {FWD: f.seconds, BACK: row.seconds - f.seconds})]
 
 
 TIMES = ("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s", "inter_node_s",
@@ -115,12 +130,13 @@ def dataflow_seconds(sched: Schedule, ops_figs: dict, act_bytes: float, hw: Part
                     ready = max(ready, arrival(FWD, c - 1, op.mb, (c - 1) % S, s))
                 elif op.kind == back and c < last_chunk:
                     ready = max(ready, arrival(back, c + 1, op.mb, (c + 1) % S, s))
-                free[s] = ready + ops_figs[op_key(sched, op.kind, s, op.v)]["seconds"]
+                free[s] = ready + ops_figs[op_key(sched, op.kind, s, op.v)].seconds
                 end[(op.kind, c, op.mb)] = free[s]
     return max(free)
 
 
-def hidden_reductions(tick_ends: list[float], early, exposed: dict) -> dict:
+def hidden_reductions(tick_ends: list[float], early,
+                      exposed: dict[str, float]) -> dict[str, float]:
     """Seconds of the tail's exposed gradient reduction, by link, that run beside the
     ticks: each early chunk reduction (`early`: (tick, seconds, link) in issue order,
     jaxdist.predict.pipeline.early_reductions) starts when tick `tick` - 1 ends, or when
@@ -138,7 +154,7 @@ def hidden_reductions(tick_ends: list[float], early, exposed: dict) -> dict:
 
 def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Part,
                mesh: dict[str, int], runtime: str = "jaxdist", overlap: bool = False,
-               early=()) -> dict:
+               early=()) -> StepTime:
     """The step from the schedule table. `ops[op_key(...)]`: op_row of a chunk's forward
     (FWD), whole backward (BACK) or its halves (BWD, WGT), `last` for the chunk holding the
     head (and the chunk's blocks where the schedule has them: a stage of fewer blocks runs
@@ -164,8 +180,8 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
             stage_s = 0.0  # a stage runs its ops of the tick one after the other
             for row, parts in stage_tick(sched, ops, s, ops_s):
                 for k in busy[s]:
-                    busy[s][k] += row[k]
-                stage_s += row["seconds"]
+                    busy[s][k] += getattr(row, k)
+                stage_s += row.seconds
                 for k, seconds in parts.items():
                     longest_op[k] = max(longest_op[k], seconds)
             longest = max(longest, stage_s)
@@ -197,51 +213,71 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
         dataflow_seconds(sched, ops, act_bytes, hw, mesh)
     if runtime == "megatron":  # a send delays only the op waiting for it (in dataflow_s)
         ticks_s, exposed = dataflow_s, {"intra-node": 0.0, "inter-node": 0.0}
-    tail_exposed = {"intra-node": tail["exposed_intra_node_s"],
-                    "inter-node": tail["exposed_inter_node_s"]}
+    tail_exposed = {"intra-node": tail.exposed_intra_node_s,
+                    "inter-node": tail.exposed_inter_node_s}
     hidden = hidden_reductions(tick_ends, early, tail_exposed)
-    tail = {**tail, "seconds": tail["seconds"] - sum(hidden.values()),
-            "exposed_intra_node_s": tail_exposed["intra-node"] - hidden["intra-node"],
-            "exposed_inter_node_s": tail_exposed["inter-node"] - hidden["inter-node"]}
+    tail = tail.replace(seconds=tail.seconds - sum(hidden.values()),
+                        exposed_intra_node_s=tail_exposed["intra-node"] - hidden["intra-node"],
+                        exposed_inter_node_s=tail_exposed["inter-node"] - hidden["inter-node"])
     critical = max(range(S), key=lambda s: busy[s]["seconds"])
     work = busy[critical]
     bubble = ticks_s - work["seconds"]
-    terms = {"compute": work["device_s"] + tail["device_s"],
+    terms = {"compute": work["device_s"] + tail.device_s,
              "intra-node": work["exposed_intra_node_s"] + exposed["intra-node"] +
-             tail["exposed_intra_node_s"],
+             tail.exposed_intra_node_s,
              "inter-node": work["exposed_inter_node_s"] + exposed["inter-node"] +
-             tail["exposed_inter_node_s"],
+             tail.exposed_inter_node_s,
              "pipeline bubble": bubble}
-    compute_s, hbm_s = work["compute_s"] + tail["compute_s"], work["hbm_s"] + tail["hbm_s"]
+    compute_s, hbm_s = work["compute_s"] + tail.compute_s, work["hbm_s"] + tail.hbm_s
     device_name = "HBM" if hbm_s > compute_s else "compute"
     named = {device_name if k == "compute" else k: v for k, v in terms.items()}
-    step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail["seconds"]
+    step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail.seconds
     # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
     # tail (as jaxdist.predict.time_model reports it); exposed_*: what adds to the step.
-    return {"label": LABEL, "step_s": step, "compute_s": compute_s, "hbm_s": hbm_s,
-            "device_s": terms["compute"],
-            "intra_node_s": work["intra_node_s"] + sends["intra-node"] + tail["intra_node_s"],
-            "inter_node_s": work["inter_node_s"] + sends["inter-node"] + tail["inter_node_s"],
-            "exposed_intra_node_s": terms["intra-node"],
-            "exposed_inter_node_s": terms["inter-node"],
-            "comm_exposed_s": terms["intra-node"] + terms["inter-node"],
-            "bubble_s": bubble, "bottleneck": max(named, key=named.get),
-            "pipeline": {"ticks": sched.ticks, "ticks_s": ticks_s, "critical_stage": critical,
-                         "critical_stage_work_s": work["seconds"],
-                         "bubble_fraction_of_ticks": bubble / ticks_s if ticks_s else 0.0,
-                         "schedule_bubble": sched.bubble(),
-                         "send_intra_node_s": sends["intra-node"],
-                         "send_inter_node_s": sends["inter-node"], "messages": messages,
-                         "send_exposed_s": exposed["intra-node"] + exposed["inter-node"],
-                         "message_bytes": act_bytes, "tail_s": tail["seconds"],
-                         "tail_beside_ticks_s": sum(hidden.values()),
-                         "early_reductions": len(early),
-                         "runtime": runtime, "lockstep_s": lockstep_s,
-                         "dataflow_s": dataflow_s,
-                         "lockstep": "jaxdist: each tick lasts as long as its busiest "
-                                     "stage's ops (F then BACK); a send rides beside the "
-                                     "next op where the loop issues it there, else follows "
-                                     "the tick's ops",
-                         "dataflow": "megatron (what-if, not what jaxdist runs): each "
-                                     "stage runs its next op as soon as it is free and the "
-                                     "op's input has arrived"}}
+    return StepTime(
+        step_s=step, compute_s=compute_s, hbm_s=hbm_s, device_s=terms["compute"],
+        intra_node_s=work["intra_node_s"] + sends["intra-node"] + tail.intra_node_s,
+        inter_node_s=work["inter_node_s"] + sends["inter-node"] + tail.inter_node_s,
+        exposed_intra_node_s=terms["intra-node"], exposed_inter_node_s=terms["inter-node"],
+        comm_exposed_s=terms["intra-node"] + terms["inter-node"],
+        bubble_s=bubble, bottleneck=max(named, key=named.get),
+        pipeline=PipelineTime(
+            ticks=sched.ticks, ticks_s=ticks_s, critical_stage=critical,
+            critical_stage_work_s=work["seconds"],
+            bubble_fraction_of_ticks=bubble / ticks_s if ticks_s else 0.0,
+            schedule_bubble=sched.bubble(), send_intra_node_s=sends["intra-node"],
+            send_inter_node_s=sends["inter-node"], messages=messages,
+            send_exposed_s=exposed["intra-node"] + exposed["inter-node"],
+            message_bytes=act_bytes, tail_s=tail.seconds,
+            tail_beside_ticks_s=sum(hidden.values()), early_reductions=len(early),
+            runtime=runtime, lockstep_s=lockstep_s, dataflow_s=dataflow_s))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineTime(Figures):
+    """A pipeline step's ticks: their time and the critical stage's work, the bubble two
+    ways, the stage sends (time by link, what of it the ticks do not hide), the tail
+    (gradient reduction, optimizer; what of it runs beside the ticks), and the runtime the
+    ticks are timed as beside the other's what-if."""
+    ticks: int
+    ticks_s: float
+    critical_stage: int
+    critical_stage_work_s: float
+    bubble_fraction_of_ticks: float
+    schedule_bubble: float
+    send_intra_node_s: float
+    send_inter_node_s: float
+    messages: int
+    send_exposed_s: float
+    message_bytes: float
+    tail_s: float
+    tail_beside_ticks_s: float
+    early_reductions: int
+    runtime: str
+    lockstep_s: float
+    dataflow_s: float
+    lockstep: str = ("jaxdist: each tick lasts as long as its busiest stage's ops (F then "
+                     "BACK); a send rides beside the next op where the loop issues it there, "
+                     "else follows the tick's ops")
+    dataflow: str = ("megatron (what-if, not what jaxdist runs): each stage runs its next op "
+                     "as soon as it is free and the op's input has arrived")

@@ -24,15 +24,69 @@ Terms, per device per step:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.hardware import clock_factor, compute_efficiency, constant
 from jaxdist.parts import Part
 from jaxdist.program.hlo import ring_steps
 
 LABEL = "predicted"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime(Figures):
+    """The predicted step (seconds per device) and its terms, plan.json's `time` block, from
+    any of the three models: the roofline (`step_time`), kernel by kernel (`kernel_step`)
+    or tick by tick (jaxdist.predict.ticks.tick_model). `device_s` is the device's time,
+    `exposed_*` the communication that adds to it, by link; the kernel model alone has
+    launches, host copies and per-kind seconds, a pipeline alone its ticks (`pipeline`)."""
+    step_s: float
+    compute_s: float
+    hbm_s: float
+    intra_node_s: float
+    inter_node_s: float
+    comm_exposed_s: float
+    bubble_s: float
+    bottleneck: str
+    device_s: float
+    exposed_intra_node_s: float
+    exposed_inter_node_s: float
+    overlap: str = ""
+    collectives: list = dataclasses.field(default_factory=list)
+    peak_flops_per_device: float | None = None
+    label: str = LABEL
+    model: str = ABSENT                       # kernel model: what timed it
+    launch_s: float = ABSENT                  # kernel model: launch overheads
+    host_transfer_s: float = ABSENT           # kernel model: HBM <-> host copies (offload)
+    exposed_host_transfer_s: float = ABSENT
+    upper_bound: bool = ABSENT                # kernel model: a branch counted every time
+    by_kind: dict[str, float] = ABSENT        # kernel model: seconds per kernel kind
+    rates: dict[str, str] = ABSENT            # kernel model: where each rate comes from
+    kernel_efficiency: float | None = ABSENT
+    device_s_exact: float = ABSENT
+    pipeline: Figures = ABSENT                # ticks: jaxdist.predict.ticks.PipelineTime
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkTime(Figures):
+    """Seconds of one collective on the link it crosses, and the nodes its groups span."""
+    link: str
+    nodes: int
+    members_per_node: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput(Figures):
+    """Tokens/s per GPU and MFU of a predicted step ("if it fit" where it does not)."""
+    tokens_per_s_per_gpu: float | None
+    mfu: float | None
+    label: str = LABEL
+    if_it_fit: bool = ABSENT
 
 
 def group_nodes(mesh: dict[str, int], axes, nodes) -> tuple[int, int]:
@@ -62,7 +116,15 @@ def crosses_nodes(mesh: dict[str, int], axes, gpus_per_node: int) -> bool:
     return group_nodes(mesh, axes, gpus_per_node)[0] > 1
 
 
-def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class AxisLinks(Figures):
+    """The links one mesh axis's groups use: `in_node` members in each of `nodes` nodes."""
+    in_node: int
+    nodes: int
+    links: str
+
+
+def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict[str, AxisLinks]:
     """Per mesh axis, the links its groups use: {axis: {in_node, nodes, links}}: `in_node`
     members of a group in each of `nodes` nodes, and in words, e.g. "8 in-node (NVLink) x 16
     across nodes (network)". `nodes`: the node of each mesh position (the devices a program
@@ -77,8 +139,8 @@ def axis_links(mesh: dict[str, int], hw: Part, nodes=None) -> dict:
     for axis, s in spread.items():
         words = ([f"{s['in_host']} in-node ({intra})"] if s["in_host"] > 1 else []) + \
             ([f"{s['hosts']} across nodes ({network})"] if s["hosts"] > 1 else [])
-        out[axis] = {"in_node": s["in_host"], "nodes": s["hosts"],
-                     "links": " x ".join(words) or "1 (no communication)"}
+        out[axis] = AxisLinks(in_node=s["in_host"], nodes=s["hosts"],
+                              links=" x ".join(words) or "1 (no communication)")
     return out
 
 
@@ -108,7 +170,7 @@ def tree_latency(n: int, nodes: int) -> float:
         int(math.log2(nodes)) * constant("tree_ll_network_hop_latency_s"))
 
 
-def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
+def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> LinkTime:
     """Seconds of one (aggregated) collective: `op` has kind, axes, group_size, ring_bytes
     and count (how many times it runs per step)."""
     nodes, per_node = (op["nodes"], op["members_per_node"]) if "nodes" in op else \
@@ -123,8 +185,8 @@ def collective_time(op: dict, hw: Part, mesh: dict[str, int]) -> dict:
     if op["kind"] == "all-reduce" and inter:  # or a tree, where NCCL's tuner would pick it
         seconds = min(seconds, op["ring_bytes"] / (bandwidth * constant(
             "tree_ll_bandwidth_factor")) + count * tree_latency(op["group_size"], nodes))
-    return {"link": "inter-node" if inter else "intra-node", "nodes": nodes,
-            "members_per_node": per_node, "seconds": seconds}
+    return LinkTime(link="inter-node" if inter else "intra-node", nodes=nodes,
+                    members_per_node=per_node, seconds=seconds)
 
 
 def aggregate(ops: list[dict]) -> list[dict]:
@@ -148,8 +210,10 @@ def aggregate(ops: list[dict]) -> list[dict]:
 
 def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Part,
               mesh: dict[str, int], dtype: str, overlap: bool = False, stages: int = 1,
-              microbatches: int = 1, matmul_precision: str = "default") -> dict:
-    """The predicted step and its breakdown (seconds); `comm` is `aggregate`'s output."""
+              microbatches: int = 1, matmul_precision: str = "default") -> StepTime:
+    """The predicted step and its terms (seconds), by the roofline; `comm` is `aggregate`'s
+    output. Without overlap all communication is exposed; with it, what outlasts the device
+    time is, shared between the links in proportion to each link's time."""
     peak = hw.peak_flops(dtype, matmul_precision)
     if not peak:
         raise ValueError(f"{hw.name} has no {dtype} peak in jaxdist.parts")
@@ -160,12 +224,12 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Part,
     rows = []
     for op in comm:
         t = collective_time(op, hw, mesh)
-        links[t["link"]] += t["seconds"]
-        rows.append({**op, **t})
+        links[t.link] += t.seconds
+        rows.append({**op, **t.to_json()})
     comm_total = links["intra-node"] + links["inter-node"]
     exposed = max(0.0, comm_total - device) if overlap else comm_total
+    share = exposed / comm_total if comm_total else 0.0
     bubble = device * (stages - 1) / microbatches if stages > 1 else 0.0
-    total = device + exposed + bubble
     # What dominates: the largest term; with overlap, communication longer than the device
     # time bounds the step, so then the device time is not the bottleneck.
     bounded = overlap and comm_total > device
@@ -173,44 +237,44 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Part,
              "HBM": hbm if hbm > compute and not bounded else 0.0,
              "intra-node": links["intra-node"], "inter-node": links["inter-node"],
              "pipeline bubble": bubble}
-    return {"label": LABEL, "step_s": total, "compute_s": compute, "hbm_s": hbm,
-            "intra_node_s": links["intra-node"], "inter_node_s": links["inter-node"],
-            "comm_exposed_s": exposed, "bubble_s": bubble,
-            "overlap": "hidden behind compute up to its length" if overlap else "none",
-            "bottleneck": max(terms, key=terms.get), "collectives": rows,
-            "peak_flops_per_device": peak}
+    return StepTime(
+        step_s=device + exposed + bubble, compute_s=compute, hbm_s=hbm,
+        intra_node_s=links["intra-node"], inter_node_s=links["inter-node"],
+        comm_exposed_s=exposed, bubble_s=bubble,
+        overlap="hidden behind compute up to its length" if overlap else "none",
+        bottleneck=max(terms, key=terms.get), collectives=rows, peak_flops_per_device=peak,
+        device_s=device, exposed_intra_node_s=links["intra-node"] * share,
+        exposed_inter_node_s=links["inter-node"] * share)
 
 
-def kernel_step(kt: dict, comm: list[dict], hw: Part, mesh: dict[str, int],
-                dtype: str, matmul_precision: str = "default") -> dict:
-    """`step_time`'s record from the kernel-by-kernel model (jaxdist.predict.kernels_time)
-    of an XLA:GPU program: device time is the sum of its kernels, communication is exposed
-    where the program's schedule leaves it uncovered."""
-    exposed = {"intra-node": kt["exposed_intra_node_s"], "inter-node":
-               kt["exposed_inter_node_s"]}
-    terms = {"compute": kt["compute_s"], "HBM": kt["hbm_s"] + kt["launch_s"], **exposed}
-    return {"label": LABEL, "model": "kernel by kernel (XLA:GPU program, published rates)",
-            "step_s": kt["device_s"] + kt["comm_exposed_s"], "compute_s": kt["compute_s"],
-            "hbm_s": kt["hbm_s"], "launch_s": kt["launch_s"],
-            "intra_node_s": kt["intra_node_s"], "inter_node_s": kt["inter_node_s"],
-            "comm_exposed_s": kt["comm_exposed_s"], "bubble_s": 0.0,
-            "exposed_intra_node_s": kt["exposed_intra_node_s"],
-            "exposed_inter_node_s": kt["exposed_inter_node_s"],
-            "host_transfer_s": kt.get("host_transfer_s", 0.0),
-            "exposed_host_transfer_s": kt.get("exposed_host_transfer_s", 0.0),
-            "overlap": "as XLA:GPU's schedule places each collective between its start and "
-                       "done", "bottleneck": max(terms, key=terms.get),
-            "upper_bound": kt["upper_bound"], "by_kind": kt["by_kind"], "rates": kt["rates"],
-            "kernel_efficiency": kt.get("kernel_efficiency"),
-            "collectives": [{**op, **collective_time(op, hw, mesh)} for op in comm],
-            "peak_flops_per_device": hw.peak_flops(dtype, matmul_precision),
-            "device_s_exact": kt["device_s"]}
+def kernel_step(kt, comm: list[dict], hw: Part, mesh: dict[str, int],
+                dtype: str, matmul_precision: str = "default") -> StepTime:
+    """`step_time`'s record from the kernel-by-kernel model (jaxdist.predict.kernels_time's
+    `KernelTime`) of an XLA:GPU program: device time is the sum of its kernels,
+    communication is exposed where the program's schedule leaves it uncovered."""
+    exposed = {"intra-node": kt.exposed_intra_node_s, "inter-node": kt.exposed_inter_node_s}
+    terms = {"compute": kt.compute_s, "HBM": kt.hbm_s + kt.launch_s, **exposed}
+    return StepTime(
+        model="kernel by kernel (XLA:GPU program, published rates)",
+        step_s=kt.device_s + kt.comm_exposed_s, compute_s=kt.compute_s, hbm_s=kt.hbm_s,
+        launch_s=kt.launch_s, intra_node_s=kt.intra_node_s, inter_node_s=kt.inter_node_s,
+        comm_exposed_s=kt.comm_exposed_s, bubble_s=0.0,
+        exposed_intra_node_s=kt.exposed_intra_node_s,
+        exposed_inter_node_s=kt.exposed_inter_node_s,
+        host_transfer_s=kt.host_transfer_s,
+        exposed_host_transfer_s=kt.exposed_host_transfer_s,
+        overlap="as XLA:GPU's schedule places each collective between its start and done",
+        bottleneck=max(terms, key=terms.get), upper_bound=kt.upper_bound,
+        by_kind=kt.by_kind, rates=kt.rates, kernel_efficiency=kt.kernel_efficiency,
+        collectives=[{**op, **collective_time(op, hw, mesh).to_json()} for op in comm],
+        peak_flops_per_device=hw.peak_flops(dtype, matmul_precision),
+        device_s_exact=kt.device_s, device_s=kt.device_s)
 
 
-def throughput(step: dict, tokens_per_step: int | None, model_flops_per_step: float,
-               num_devices: int) -> dict:
-    seconds, peak = step["step_s"], step["peak_flops_per_device"]
-    return {"label": LABEL,
-            "tokens_per_s_per_gpu": (tokens_per_step / seconds / num_devices
-                                     if tokens_per_step and seconds else None),
-            "mfu": model_flops_per_step / (seconds * peak * num_devices) if seconds else None}
+def throughput(step: StepTime, tokens_per_step: int | None, model_flops_per_step: float,
+               num_devices: int) -> Throughput:
+    seconds, peak = step.step_s, step.peak_flops_per_device
+    return Throughput(
+        tokens_per_s_per_gpu=(tokens_per_step / seconds / num_devices
+                              if tokens_per_step and seconds else None),
+        mfu=model_flops_per_step / (seconds * peak * num_devices) if seconds else None)

@@ -13,9 +13,81 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.parts import Part
 
 LABEL = "predicted"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerm(Figures):
+    """One term of the memory per device, XLA:GPU's buffer assignment beside the hand
+    estimate, and whether they agree within MEMORY_BAND."""
+    term: str
+    compiler_bytes: float
+    hand_bytes: float
+    hand_over_compiler: float | None
+    agrees: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryVerdict(Figures):
+    """The memory per device against the part's HBM, plan.json's `memory` block: the
+    figure that decides (`total_bytes`) and its terms, the verdict (`fits`: True, False or
+    None for unknown) and why. One program adds the hand estimate's terms; compiled by
+    XLA:CPU, that compiler's temporaries (an upper bound); by XLA:GPU, its buffer assignment
+    term by term (`terms`, `compiler`) and which figure decided (`source`); a pipeline, its
+    stages and the worst one's activations."""
+    state_bytes: float
+    gradient_bytes: float
+    temp_bytes: float
+    total_bytes: float
+    hbm_bytes: float
+    fits: bool | None
+    fits_reason: str | None
+    over_by_bytes: float
+    headroom_bytes: float
+    label: str = LABEL
+    # the hand estimate's terms (jaxdist.predict.memory.MemoryEstimate), one program
+    residual_bytes: float = ABSENT
+    transient_bytes: float = ABSENT
+    gathered_param_bytes: float = ABSENT
+    host_residual_bytes: float = ABSENT
+    method: str = ABSENT
+    batch_shards: int = ABSENT
+    flash_attention: bool = ABSENT
+    upper_bound: bool = ABSENT
+    upper_bound_why: str | None = ABSENT
+    # XLA:CPU's program
+    cpu_compiler_temp_bytes: float = ABSENT
+    cpu_compiler_note: str = ABSENT
+    # XLA:GPU's program
+    source: str = ABSENT
+    source_note: str = ABSENT
+    terms: list[MemoryTerm] = ABSENT
+    band: list[float] = ABSENT
+    compiler: dict[str, float] = ABSENT
+    xla_temp_limit_bytes: float = ABSENT
+    hand_estimate_bytes: float = ABSENT
+    hand_over_compiler: float | None = ABSENT
+    # a pipeline's stages
+    fp8_weight_bytes: float = ABSENT
+    gradient_cast_bytes: float = ABSENT
+    temp_note: str = ABSENT
+    stages: list[dict] = ABSENT
+
+
+def _against_hbm(need: float, hw: Part) -> dict[str, float]:
+    return {"total_bytes": need, "hbm_bytes": hw.hbm_bytes,
+            "over_by_bytes": max(0, need - hw.hbm_bytes),
+            "headroom_bytes": max(0, hw.hbm_bytes - need)}
+
+
+def _hand(estimate) -> dict:
+    """The hand estimate's terms, as MemoryVerdict's fields."""
+    return {k: v for k, v in estimate.to_json().items() if k != "label"}
 
 
 def word(fits: bool | None) -> str:
@@ -24,41 +96,39 @@ def word(fits: bool | None) -> str:
     return {True: "fits", False: "OOM"}.get(fits, "unknown")
 
 
-def if_it_fit(throughput: dict, fits: bool | None) -> dict:
+def if_it_fit(throughput, fits: bool | None):
     """A step that does not fit has no throughput to act on: it stays (what the step would
-    give on a part with room) but is labelled as such."""
+    give on a part with room) but is labelled as such (a time_model.Throughput)."""
     if fits is not False:
         return throughput
-    return {**throughput, "if_it_fit": True, "label": f"{throughput['label']}, if it fit"}
+    return throughput.replace(if_it_fit=True, label=f"{throughput.label}, if it fit")
 
 
-def memory_verdict(estimate: dict, cpu_temp_bytes: float, hw: Part) -> dict:
+def memory_verdict(estimate, cpu_temp_bytes: float, hw: Part) -> MemoryVerdict:
     """Per-device bytes against HBM capacity. `estimate` is jaxdist.predict.memory's peak
     (exact state + gradients + the backward's saved residuals + a transient working set;
     within 5% of torchtitan's published peaks in --validate), and it decides the verdict.
     XLA:CPU's temp bytes ride along labelled as the CPU compiler's upper bound (its buffer
     assignment keeps float32 copies around bf16 dots and the L x L scores: 6-7x over)."""
-    need = estimate["total_bytes"]
+    need = estimate.total_bytes
     fits = need <= hw.hbm_bytes
     if fits:
         reason = None
-    elif estimate["state_bytes"] > hw.hbm_bytes:
+    elif estimate.state_bytes > hw.hbm_bytes:
         reason = "the train state alone exceeds HBM (exact)"
-    elif estimate.get("upper_bound"):
+    elif estimate.upper_bound:
         fits, reason = None, (f"the state fits; the estimate, an upper bound "
-                              f"({estimate.get('upper_bound_why')}), would not")
+                              f"({estimate.upper_bound_why}), would not")
     else:
         reason = ("state + gradients + saved activations + working set exceed HBM "
                   "(predicted)")
-    return {"label": LABEL, **{k: v for k, v in estimate.items() if k != "label"},
-            "temp_bytes": need - estimate["state_bytes"],
-            "cpu_compiler_temp_bytes": cpu_temp_bytes,
-            "cpu_compiler_note": "XLA:CPU's temporaries for this step (L x L attention scores "
-                                 "removed for flash attention decoders): an upper bound for the "
-                                 "GPU, not used for the verdict",
-            "hbm_bytes": hw.hbm_bytes, "fits": fits, "fits_reason": reason,
-            "over_by_bytes": max(0, need - hw.hbm_bytes),
-            "headroom_bytes": max(0, hw.hbm_bytes - need)}
+    return MemoryVerdict(
+        **{**_hand(estimate), **_against_hbm(need, hw)},
+        temp_bytes=need - estimate.state_bytes, cpu_compiler_temp_bytes=cpu_temp_bytes,
+        cpu_compiler_note="XLA:CPU's temporaries for this step (L x L attention scores "
+                          "removed for flash attention decoders): an upper bound for the "
+                          "GPU, not used for the verdict",
+        fits=fits, fits_reason=reason)
 
 
 # Where XLA:GPU's buffer assignment decides the memory verdict: each of its terms within this
@@ -69,23 +139,23 @@ def memory_verdict(estimate: dict, cpu_temp_bytes: float, hw: Part) -> dict:
 MEMORY_BAND = (0.8, 1.25)
 
 
-def memory_terms(estimate: dict, gpu: dict) -> list[dict]:
+def memory_terms(estimate, gpu: dict[str, float]) -> list[MemoryTerm]:
     """The compiled buffer assignment and the hand estimate, term by term: the train state
     (XLA: the donated arguments, updated in place; hand: the exact shards) and everything
     else (XLA: temporaries, the batch and outputs not donated; hand: gradients + saved
     activations + the working set)."""
     total = gpu["argument_bytes"] + gpu["output_bytes"] - gpu["alias_bytes"] + \
         gpu["temp_bytes"]
-    rows = (("state", gpu["alias_bytes"], estimate["state_bytes"]),
+    rows = (("state", gpu["alias_bytes"], estimate.state_bytes),
             ("gradients + saved activations + working set", total - gpu["alias_bytes"],
-             estimate["total_bytes"] - estimate["state_bytes"]))
-    return [{"term": name, "compiler_bytes": c, "hand_bytes": h,
-             "hand_over_compiler": h / c if c > 0 else None,
-             "agrees": c > 0 and MEMORY_BAND[0] <= h / c <= MEMORY_BAND[1]}
+             estimate.total_bytes - estimate.state_bytes))
+    return [MemoryTerm(term=name, compiler_bytes=c, hand_bytes=h,
+                       hand_over_compiler=h / c if c > 0 else None,
+                       agrees=c > 0 and MEMORY_BAND[0] <= h / c <= MEMORY_BAND[1])
             for name, c, h in rows]
 
 
-def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Part) -> dict:
+def gpu_memory_verdict(estimate, gpu: dict[str, float], hw: Part) -> MemoryVerdict:
     """Per-device bytes against the part's usable HBM. XLA:GPU's buffer assignment of the step
     (argument + output - alias + temp: what the program allocates, before the allocator's
     own pools and library workspaces) decides where it agrees with jaxdist.predict.memory's
@@ -99,8 +169,8 @@ def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Part) -> dict:
     compiled = gpu["argument_bytes"] + gpu["output_bytes"] - gpu["alias_bytes"] + \
         gpu["temp_bytes"]
     terms = memory_terms(estimate, gpu)
-    disagree = [t for t in terms if not t["agrees"]]
-    hand = estimate["total_bytes"]
+    disagree = [t for t in terms if not t.agrees]
+    hand = estimate.total_bytes
     if not disagree:
         need, source = compiled, "XLA:GPU buffer assignment"
         fits = need <= hw.hbm_bytes
@@ -111,51 +181,47 @@ def gpu_memory_verdict(estimate: dict, gpu: dict, hw: Part) -> dict:
         # when both do not (or the exact state alone does not), else unknown.
         # A hand estimate that is only an upper bound (no remat, tensor parallelism:
         # memory.py) says nothing when it is over HBM: the compiled figure alone decides.
-        silent = bool(estimate.get("upper_bound")) and hand > hw.hbm_bytes
+        silent = bool(estimate.upper_bound) and hand > hw.hbm_bytes
         need, source = (compiled, "XLA:GPU buffer assignment") if silent else \
             (hand, "hand estimate")
         both = {compiled <= hw.hbm_bytes} | (set() if silent else {hand <= hw.hbm_bytes})
         fits = both.pop() if len(both) == 1 else None
-        if estimate["state_bytes"] > hw.hbm_bytes:
+        if estimate.state_bytes > hw.hbm_bytes:
             fits = False
         source_note = (f"XLA:GPU's buffer assignment disagrees with the hand estimate beyond "
                        f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} on "
-                       f"{' and '.join(t['term'] for t in disagree)}: " +
-                       (f"the hand estimate, an upper bound ({estimate.get('upper_bound_why')}),"
+                       f"{' and '.join(t.term for t in disagree)}: " +
+                       (f"the hand estimate, an upper bound ({estimate.upper_bound_why}),"
                         f" is over HBM and says nothing; XLA's figure decides" if silent else
                         "the verdict is what both say" + ("" if fits is not None else
                                                           " (they do not say the same: "
                                                           "unknown)")))
     if fits:
         reason = None
-    elif estimate["state_bytes"] > hw.hbm_bytes:
+    elif estimate.state_bytes > hw.hbm_bytes:
         reason = "the train state alone exceeds HBM (exact)"
     elif fits is None:
         over = "XLA:GPU's buffer assignment" if compiled > hw.hbm_bytes else "the hand estimate"
         reason = (f"{over} exceeds HBM and the other does not; they disagree on "
-                  f"{' and '.join(t['term'] for t in disagree)}")
+                  f"{' and '.join(t.term for t in disagree)}")
     else:
         reason = (f"the {source} exceeds HBM" if not disagree or silent else
                   "XLA:GPU's buffer assignment and the hand estimate both exceed HBM")
     io = gpu["argument_bytes"] + gpu["output_bytes"] - gpu["alias_bytes"]
-    return {"label": LABEL, **{k: v for k, v in estimate.items() if k != "label"},
-            "source": source, "source_note": source_note, "terms": terms,
-            "band": list(MEMORY_BAND),
-            "compiler": {k: gpu[k] for k in ("argument_bytes", "output_bytes", "alias_bytes",
-                                             "temp_bytes")} | {"peak_bytes": compiled,
-                                                               "host_temp_bytes":
-                                                               gpu.get("host_temp_bytes", 0)},
-            "xla_temp_limit_bytes": max(0.0, (hw.hbm_bytes - io) * XLA_SLOP_FACTOR),
-            "hand_estimate_bytes": hand,
-            "hand_over_compiler": hand / compiled if compiled else None,
-            "total_bytes": need, "temp_bytes": need - estimate["state_bytes"],
-            "hbm_bytes": hw.hbm_bytes, "fits": fits, "fits_reason": reason,
-            "over_by_bytes": max(0, need - hw.hbm_bytes),
-            "headroom_bytes": max(0, hw.hbm_bytes - need)}
+    return MemoryVerdict(
+        **{**_hand(estimate), **_against_hbm(need, hw)},
+        source=source, source_note=source_note, terms=terms, band=list(MEMORY_BAND),
+        compiler={k: gpu[k] for k in ("argument_bytes", "output_bytes", "alias_bytes",
+                                      "temp_bytes")} | {"peak_bytes": compiled,
+                                                        "host_temp_bytes":
+                                                        gpu.get("host_temp_bytes", 0)},
+        xla_temp_limit_bytes=max(0.0, (hw.hbm_bytes - io) * XLA_SLOP_FACTOR),
+        hand_estimate_bytes=hand, hand_over_compiler=hand / compiled if compiled else None,
+        temp_bytes=need - estimate.state_bytes, fits=fits, fits_reason=reason)
 
 
 def pipeline_verdict(stage_memory: dict, hw: Part,
-                     compiled_working: float | None = None) -> dict:
+                     compiled_working: float | None = None) -> MemoryVerdict:
     """The memory verdict of a pipeline: the worst stage of `stage_memory`'s stages (exact
     state, activations stashed per the schedule table) against the part's HBM. The working
     set of one chunk's backward: XLA:GPU's temporaries of that op (`compiled_working`,
@@ -179,14 +245,14 @@ def pipeline_verdict(stage_memory: dict, hw: Part,
     gradient_bytes = worst["gradients"] + worst.get("padding_gradients", 0)
     temp_bytes = worst["activation_stash"] + worst["activation_working"]
     fp8_bytes = worst.get("fp8_weights", 0)
-    return {"label": LABEL, "state_bytes": state_bytes, "gradient_bytes": gradient_bytes,
-            "temp_bytes": temp_bytes, "fp8_weight_bytes": fp8_bytes,
-            # a chunk's gradients cast up for their float32 reduction, beyond the activations
-            "gradient_cast_bytes": need - state_bytes - gradient_bytes - temp_bytes - fp8_bytes,
-            "temp_note": f"activations per stage: stash counted from the schedule table, "
-                         f"working set of {working} (jaxdist.predict.stage_memory)",
-            "total_bytes": need, "hbm_bytes": hw.hbm_bytes, "fits": fits,
-            "fits_reason": None if fits else "state + gradients + activations of stage "
-                                             f"{worst['stage']} exceed HBM",
-            "over_by_bytes": max(0, need - hw.hbm_bytes),
-            "headroom_bytes": max(0, hw.hbm_bytes - need), "stages": stages}
+    return MemoryVerdict(
+        state_bytes=state_bytes, gradient_bytes=gradient_bytes, temp_bytes=temp_bytes,
+        fp8_weight_bytes=fp8_bytes,
+        # a chunk's gradients cast up for their float32 reduction, beyond the activations
+        gradient_cast_bytes=need - state_bytes - gradient_bytes - temp_bytes - fp8_bytes,
+        temp_note=f"activations per stage: stash counted from the schedule table, working "
+                  f"set of {working} (jaxdist.predict.stage_memory)",
+        **_against_hbm(need, hw), fits=fits,
+        fits_reason=None if fits else "state + gradients + activations of stage "
+                                      f"{worst['stage']} exceed HBM",
+        stages=stages)

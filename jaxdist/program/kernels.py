@@ -27,10 +27,12 @@ wrappers, conditional branches by the caller's counts), and:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict
 
+from jaxdist.figures import Figures
 from jaxdist.program.hlo import Instruction, execution_counts, trip_count, typed
 
 # Instructions that launch nothing: control flow, tuples, views and the -done halves.
@@ -335,10 +337,19 @@ def _seq(ins: Instruction, kind: str) -> int | None:
     return int(dims[-1]) if len(dims) == 4 else None
 
 
-def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> dict:
-    """{"kernels": {kind: {"launches", "flops", "bytes"}}, "flops", "bytes" (all kernels
-    but collectives), "upper_bound"}: every kernel of the program weighed by how often it
-    runs per step."""
+@dataclasses.dataclass(frozen=True)
+class KernelInventory(Figures):
+    """A program's kernels per step by class ({kind: {launches, flops, bytes}}), their FLOPs
+    and bytes (all kernels but collectives), and whether a branch counted every time makes
+    it an upper bound."""
+    kernels: dict[str, dict[str, float]]
+    flops: float
+    bytes: float
+    upper_bound: bool
+
+
+def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> KernelInventory:
+    """Every kernel of the program weighed by how often it runs per step."""
     runs, guessed = execution_counts(hlo_text, branch_runs)
     kernels: dict[str, dict] = defaultdict(lambda: {"launches": 0.0, "flops": 0.0,
                                                     "bytes": 0.0})
@@ -363,18 +374,18 @@ def inventory(hlo_text: str, branch_runs: dict[str, float] | None = None) -> dic
             row["launches"] += times
             row["flops"] += flops * times
             row["bytes"] += nbytes * times
-    return {"kernels": dict(sorted(kernels.items())),
-            "flops": sum(r["flops"] for r in kernels.values()),
-            # A collective's traffic is timed as communication, not as HBM work.
-            "bytes": sum(r["bytes"] for k, r in kernels.items()
-                         if not k.startswith("collective")),
-            "upper_bound": bound}
+    return KernelInventory(
+        kernels=dict(sorted(kernels.items())),
+        flops=sum(r["flops"] for r in kernels.values()),
+        # A collective's traffic is timed as communication, not as HBM work.
+        bytes=sum(r["bytes"] for k, r in kernels.items() if not k.startswith("collective")),
+        upper_bound=bound)
 
 
-def format_inventory(inv: dict) -> list[str]:
-    """One line per kernel kind: launches per step, GFLOP, MB."""
+def format_inventory(kernels: dict[str, dict[str, float]]) -> list[str]:
+    """One line per kernel kind of an inventory's `kernels`: launches per step, GFLOP, MB."""
     lines = []
-    for kind, r in inv["kernels"].items():
+    for kind, r in kernels.items():
         lines.append(f"    {kind:<40}{r['launches']:>10,.0f} launches{r['flops'] / 1e12:>12,.3f} "
                      f"TFLOP{r['bytes'] / 1e9:>12,.3f} GB")
     return lines

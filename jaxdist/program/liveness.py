@@ -19,10 +19,12 @@ block_0))` backward); the op names are read with jaxdist.program.hlo.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import weakref
 from pathlib import Path
 
+from jaxdist.figures import Figures
 from jaxdist.program import hlo
 
 # models.layers.BLOCK_SCOPE, the i-th block (not imported: it would bring flax into every
@@ -35,18 +37,28 @@ _RANGE = re.compile(r"^\s*(\S+):(\d+)-(\d+)\s*$")
 _READINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def dump_options(folder: str) -> dict:
+@dataclasses.dataclass(frozen=True)
+class LiveRanges(Figures):
+    """What XLA's live ranges of a program say: the most bytes live at once and at which
+    value, and the profile (live bytes, bytes each further block would add) of the steps
+    no other step dominates (`peak_at_depth` reads it)."""
+    peak_live_bytes: int
+    peak_at: str
+    profile: list[tuple[int, float]]
+
+
+def dump_options(folder: str) -> dict[str, str | bool]:
     """Per-compile XLA options that write the buffer assignment and live ranges (text) into
     `folder`, without the LLVM IR."""
     return {"xla_dump_to": folder, "xla_dump_hlo_as_text": True, "xla_gpu_dump_llvmir": False}
 
 
-def remember(compiled, reading: dict | None) -> None:
+def remember(compiled, reading: LiveRanges | None) -> None:
     if reading is not None:
         _READINGS[compiled] = reading
 
 
-def of(compiled) -> dict | None:
+def of(compiled) -> LiveRanges | None:
     """The reading `read_dump` made when `compiled` was compiled (None: not dumped)."""
     try:
         return _READINGS.get(compiled)
@@ -95,9 +107,9 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return names
 
 
-def read_dump(folder) -> dict | None:
-    """From a folder `dump_options` filled: {peak_live_bytes (the temporaries live at the
-    busiest step of the schedule, summed), peak_at (that step's instruction), profile}.
+def read_dump(folder) -> LiveRanges | None:
+    """From a folder `dump_options` filled: peak_live_bytes (the temporaries live at the
+    busiest step of the schedule, summed), peak_at (that step's instruction), profile.
     `profile`: (live bytes, held bytes) per step of the schedule, only the steps no other
     step beats on both: held is what each block other than the step's own holds there, per
     block (saved forward values, and backward values that outlive the own block's backward:
@@ -189,8 +201,8 @@ def read_dump(folder) -> dict | None:
             peak, peak_at = total, t
     profile = [p for p in set(points)
                if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
-    return {"peak_live_bytes": peak, "peak_at": sequence.get(peak_at, ""),
-            "profile": sorted(profile)}
+    return LiveRanges(peak_live_bytes=peak, peak_at=sequence.get(peak_at, ""),
+                      profile=sorted(profile))
 
 
 def peak_at_depth(profile, blocks: int) -> float:

@@ -6,10 +6,12 @@ readings of two compilers differ. Where a program is compiled for: jaxdist.progr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 
 from jaxdist import metrics
+from jaxdist.figures import Figures
 from jaxdist.program import comm, kernels
 
 
@@ -20,7 +22,26 @@ class ProgramError(RuntimeError):
 _OPTIMIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _optimized(compiled) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ProgramReading(Figures):
+    """What a compiled program says per device per step (`read`): which compiler, FLOPs and
+    bytes accessed (and how they were counted: `basis`), XLA's own cost counts, every
+    collective (jaxdist.program.comm.collectives), the compiler's byte figures and the
+    kernels by class (jaxdist.program.kernels.inventory)."""
+    compiler: str
+    label: str
+    flops: float
+    bytes_accessed: float
+    basis: str
+    xla_cost: dict[str, float | str]
+    collectives: list[dict]
+    memory: dict[str, int]
+    kernels: dict[str, dict]
+    kernels_upper_bound: bool
+    compile_s: float | None
+
+
+def _optimized(compiled) -> dict[str, object]:
     """{"text", and "modules" once fetched} of a compiled program, kept while it lives."""
     try:
         return _OPTIMIZED.setdefault(compiled, {})
@@ -53,7 +74,7 @@ def modules(compiled) -> list:
     return kept["modules"]
 
 
-def xla_cost(compiled) -> dict:
+def xla_cost(compiled) -> dict[str, float]:
     """XLA's cost analysis of the compiled program: {"flops", "bytes accessed", ...} per
     device, a while body counted once. A program compiled without a device does not offer
     it; XLA's HloCostAnalysis is then run over its optimized module (jax's private
@@ -83,7 +104,7 @@ def xla_cost(compiled) -> dict:
 
 def read(compiled, target, axis_sizes: dict[str, int],
          branch_runs: dict[str, float] | None = None, step_flops: float | None = None,
-         compile_s: float | None = None) -> dict:
+         compile_s: float | None = None) -> ProgramReading:
     """What the compiled program says, per device per step.
 
     flops / bytes_accessed: XLA:GPU: the kernel inventory's (every loop body times its trip
@@ -94,23 +115,23 @@ def read(compiled, target, axis_sizes: dict[str, int],
     cost = xla_cost(compiled)
     inventory = kernels.inventory(hlo, branch_runs)
     if target.gpu:
-        flops, bytes_accessed = inventory["flops"], inventory["bytes"]
+        flops, bytes_accessed = inventory.flops, inventory.bytes
         basis = ("kernel inventory of the XLA:GPU program: matmul FLOPs and each kernel's "
                  "operand + result bytes, every loop body times its trip count")
     else:
         flops = step_flops if step_flops is not None else float(cost.get("flops", 0.0))
         bytes_accessed = float(cost.get("bytes accessed", 0.0))
         basis = "XLA:CPU's cost analysis (a loop body counted once; micro-batches corrected)"
-    return {"compiler": target.compiler, "label": target.label,
-            "flops": float(flops), "bytes_accessed": float(bytes_accessed), "basis": basis,
-            "xla_cost": {"flops": float(cost.get("flops", 0.0)),
-                         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                         "note": "XLA's HloCostAnalysis: a while body counted once"},
-            "collectives": comm.collectives(hlo, dict(axis_sizes), branch_runs,
-                                            hosts(compiled, target, axis_sizes)),
-            "memory": memory_bytes(compiled),
-            "kernels": inventory["kernels"], "kernels_upper_bound": inventory["upper_bound"],
-            "compile_s": compile_s}
+    return ProgramReading(
+        compiler=target.compiler, label=target.label, flops=float(flops),
+        bytes_accessed=float(bytes_accessed), basis=basis,
+        xla_cost={"flops": float(cost.get("flops", 0.0)),
+                  "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                  "note": "XLA's HloCostAnalysis: a while body counted once"},
+        collectives=comm.collectives(hlo, dict(axis_sizes), branch_runs,
+                                     hosts(compiled, target, axis_sizes)),
+        memory=memory_bytes(compiled), kernels=inventory.kernels,
+        kernels_upper_bound=inventory.upper_bound, compile_s=compile_s)
 
 
 def hosts(compiled, target, axis_sizes: dict[str, int]):
@@ -136,18 +157,18 @@ def hosts(compiled, target, axis_sizes: dict[str, int]):
     return None
 
 
-def memory_bytes(compiled) -> dict:
+def memory_bytes(compiled) -> dict[str, int]:
     """The compiler's per-device byte figures of a compiled program ({} where it has none)."""
     memory = metrics.compiled_memory(compiled) or {}
     return {k: v for k, v in memory.items() if k.endswith("_bytes")}
 
 
-def differences(gpu: dict, cpu: dict) -> list[str]:
+def differences(gpu: ProgramReading, cpu: ProgramReading) -> list[str]:
     """How two readings of the same step differ, in words: collective dtype, op choice and
     combining, and bytes per kind (GPU / CPU)."""
     def by_kind(reading):
         out: dict = {}
-        for op in reading["collectives"]:
+        for op in reading.collectives:
             row = out.setdefault(op["kind"], {"count": 0.0, "bytes": 0.0, "dtypes": set()})
             row["count"] += op["times"]
             row["bytes"] += op["bytes"]
@@ -172,8 +193,8 @@ def differences(gpu: dict, cpu: dict) -> list[str]:
                 f"; {a['count']:g} vs {b['count']:g} ops"
             lines.append(f"{kind}: {a['bytes']:,.0f} vs {b['bytes']:,.0f} B "
                          f"(GPU/CPU {ratio:.2f}){comb}{dt}")
-    async_ops = sum(1 for op in gpu["collectives"] if op.get("async"))
-    lines.append(f"async collectives: {async_ops} of {len(gpu['collectives'])} on XLA:GPU, "
-                 f"{sum(1 for op in cpu['collectives'] if op.get('async'))} of "
-                 f"{len(cpu['collectives'])} on XLA:CPU")
+    async_ops = sum(1 for op in gpu.collectives if op.get("async"))
+    lines.append(f"async collectives: {async_ops} of {len(gpu.collectives)} on XLA:GPU, "
+                 f"{sum(1 for op in cpu.collectives if op.get('async'))} of "
+                 f"{len(cpu.collectives)} on XLA:CPU")
     return lines
