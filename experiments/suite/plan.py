@@ -239,7 +239,7 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         (out / row.name).mkdir(exist_ok=True)
         write_json(out / row.name / "plan.json", body)
         timings.append({"row": row.name, "wall_s": time.perf_counter() - t0,
-                        "compiler": plan.compiled.get("compiler")})
+                        "compiler": plan.compiled.compiler})
         log(f"predicted {row.name}: {plan.time.step_s:.3f} s/step "
             f"({timings[-1]['wall_s']:.1f} s to predict)", row.name)
     return timings
