@@ -122,9 +122,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     @property
     def short_name(self) -> str:
-        """The name an entry point's errors start with: `run` for `python -m
-        experiments.run`, as its own checks print them (`run: error: ...`)."""
-        return self.prog.split()[-1].rsplit(".", 1)[-1]
+        """The name an entry point's errors start with, as its own checks print them:
+        `run` for `python -m experiments.run` (`run: error: ...`), `ps.server` for `python
+        -m ps.server`."""
+        return self.prog.split()[-1].removeprefix("experiments.")
 
     def error(self, message):
         self.exit(2, f"{self.short_name}: error: {message} (see --help)\n")
