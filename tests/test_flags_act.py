@@ -1,6 +1,7 @@
 """Every flag an entry point accepts acts or is refused: this walks each entry point's
 parser (experiments.run and experiments.plan, experiments.suite as it runs and with --plan,
-experiments.predict, experiments.report, analysis.plan_rank and analysis.go2025) and, for
+experiments.predict, experiments.report, experiments.compare, analysis.plan_rank and
+analysis.go2025) and, for
 every option it has, calls main(argv) in this process with and without the flag: what it
 printed, its exit status or the files it wrote must differ, or it must be one line, exit 2,
 naming the flag. A new option without a case here fails the walk. Nothing compiles: suites
@@ -394,6 +395,70 @@ def test_report_flags_act(tmp_path, capsys):
           [str(runs), "--out", str(tmp_path / "r")], ACTS, folder=tmp_path)
 
 
+def valid_result(layout: str, mesh: dict, samples_per_s: float) -> dict:
+    """A results.json that passes jaxdist.record's schema (no run needed)."""
+    devices = 1
+    for n in mesh.values():
+        devices *= n
+    step = {k: 0.5 for k in ("mean", "p50", "p90", "p99", "min", "max")}
+    return {
+        "schema_version": 1, "framework": "jax", "layout": layout, "mesh": mesh,
+        "model": {"name": "resnet50", "params": 1, "flops_per_sample": 1.0,
+                  "tokens_per_sample": 1},
+        "config": {"model": {"model": "resnet50", "model_opts": "", "dtype": "float32"},
+                   "train": {"batch_size": 64, "optimizer": "adamw"},
+                   "loop": {"warmup": 3, "steps": 20}, "data": {"dataset": "synthetic"}},
+        "env": {"jax_version": "0", "backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3",
+                "num_devices": devices, "num_processes": 1, "simulated": False},
+        "compile_s": 1.0, "step_time_s": {"n": 10, "std": 0.0, "ci95": None, **step},
+        "warmup_step_time_s": [],
+        "throughput": {"samples_per_s": samples_per_s, "tokens_per_s": None},
+        "mfu": {"value": 0.4, "hfu": None, "peak_flops_per_device": None,
+                "model_flops_per_step": 1.0, "compiled_flops_per_step": None, "reason": None},
+        "memory": {"state_bytes_per_device": 100, "state_bytes_by_device": [],
+                   "compiled": None, "measured_peak_bytes": 1e9},
+        "sharding": {"sharded_bytes": 0, "replicated_bytes": 0, "replicated_leaves": 0,
+                     "parts": {}},
+        "loss": [1.0], "power": {"available": False}}
+
+
+def test_compare_flags_act(tmp_path, capsys):
+    """experiments.compare (analysis.compare): runs, --published, --baselines (implies
+    --published), --top and --out each change what it prints or writes."""
+    from analysis import compare
+    from jaxdist.record import check as schema_problems
+
+    runs, other = tmp_path / "runs", tmp_path / "other"
+    for folder, sps in ((runs, 500.0), (other, 250.0)):
+        for layout, mesh in (("ddp", {"data": 8}), ("fsdp", {"data": 1, "fsdp": 8})):
+            result = valid_result(layout, mesh, sps if layout == "ddp" else 300.0)
+            assert schema_problems(result) == []
+            (folder / layout).mkdir(parents=True)
+            (folder / layout / "results.json").write_text(json.dumps(result))
+    records = tmp_path / "records.json"
+    records.write_text(json.dumps({"records": [
+        {"id": f"r{i}", "framework": "PyTorch", "strategy": "DDP", "layout": "ddp",
+         "model": "ResNet-50", "jaxdist_model": "resnet50", "hardware": "8x H100",
+         "device": "H100", "num_gpus": 8, "dtype": "tf32", "local_batch": 8,
+         "metric": "step_latency", "unit": "s", "value": value, "readout": "p50",
+         "source": {"title": "t", "url": "https://example.org", "locator": "Table 1"}}
+        for i, value in enumerate((0.4, 0.6))]}))
+    parser = compare.build_parser()
+    assert options(parser) == {"--published", "--baselines", "--top", "--out"}
+    assert positionals(parser) == {"runs"}
+    out = ["--out", str(tmp_path / "c")]
+    base = [str(runs), *out]
+    mine = [*base, "--baselines", str(records)]
+    for flag, without, with_ in (
+            ("RUNS", base, [str(other), *out]),
+            ("--published", base, [*base, "--published"]),
+            ("--baselines", base, mine),
+            ("--top", mine, [*mine, "--top", "1"]),
+            ("--out", base, [str(runs), "--out", str(tmp_path / "d")])):
+        check(capsys, compare.main, "compare", flag, without, with_, ACTS, folder=tmp_path)
+    check(capsys, compare.main, "compare", "--top", None, [*base, "--top", "0"], REFUSED)
+
+
 @pytest.mark.parametrize("module, argv", [
     ("plan_rank", ["DIR", "--bogus"]), ("plan_rank", []),
     ("go2025", ["A", "B", "--hardware", "h200"]), ("go2025", ["A"]),
@@ -413,11 +478,11 @@ def test_every_entry_point_is_walked():
     """The entry points with a parser are the ones walked here (a new one needs a walk)."""
     walked = {"experiments/run.py", "experiments/plan.py", "experiments/suite/cli.py",
               "experiments/predict.py", "analysis/report.py", "analysis/plan_rank.py",
-              "analysis/go2025.py", "experiments/report.py"}
-    # Not walked here: the PyTorch side (experiments.torch_run, experiments.compare /
-    # analysis.compare) and the launchers (experiments.launch, ps.*), whose flags have
-    # tests of their own.
-    elsewhere = {"experiments/torch_run.py", "experiments/compare.py", "analysis/compare.py",
+              "analysis/go2025.py", "experiments/report.py", "analysis/compare.py",
+              "experiments/compare.py"}
+    # Not walked here: the PyTorch side (experiments.torch_run) and the launchers
+    # (experiments.launch, ps.*), whose flags have tests of their own.
+    elsewhere = {"experiments/torch_run.py",
                  "experiments/launch.py", "experiments/__main__.py", "experiments/torch_worker.py",
                  "experiments/suite/__main__.py"}
     mains = {str(p.relative_to(ROOT)) for d in ("experiments", "analysis")
