@@ -143,13 +143,19 @@ PYTHON = ".venv/bin/python"
 
 
 def plan_command(hardware: str, settings: dict) -> str:
-    """The command that plans one row alone: experiments.plan with the row's settings."""
+    """The command that plans one row alone: experiments.plan with the row's settings,
+    each `--flag=value` (`--flag` / `--no-flag` for a bool), as jaxdist.config.to_argv
+    writes them (not imported: analysis reads runs without the runtime)."""
     import shlex
 
-    from jaxdist.config import to_argv
+    def arg(name: str, value) -> str:
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            return flag if value else "--no-" + flag[2:]
+        return f"{flag}={value}"
 
     return shlex.join([PYTHON, "-m", "experiments.plan", "--hardware", hardware,
-                       *to_argv(settings)])
+                       *(arg(k, v) for k, v in settings.items())])
 
 
 def example(rows: list[dict], pipeline: bool) -> dict | None:
