@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 TORCH_PIN := torch==2.13.0
 
 $(TORCH): $(STAMP)
+	@echo "make: installing $(TORCH_PIN) (the PyTorch reference, CPU wheel, about 0.75 GB)"
 	@if $(PY) -m pip install -q $(TORCH_PIN); then touch $(TORCH); else \
 	  echo "make: $(TORCH_PIN) was not installed (pip failed, above): the PyTorch-reference" \
 	       "tests will be skipped; the next make retries the install" >&2; fi
@@ -32,11 +33,13 @@ torch-required: $(TORCH)
 
 # XLA:GPU, the compiler every GPU figure comes from (`--dry-run --hardware`, the suite's --plan,
 # experiments.predict): jax's CUDA plugin compiles for a GPU cluster's topology with no GPU and
-# no driver here (about 5.5 GB of CUDA wheels). Like torch: a failed install leaves no stamp,
+# no driver here (about 4.9 GB installed, `du -sh` of its packages). Like torch: a failed install leaves no stamp,
 # the tests that need it skip saying why, and the next make retries.
 GPU_COMPILER_PIN := jax[cuda12]==0.10.2
 
 $(GPUC): $(STAMP)
+	@echo "make: installing the GPU compiler, $(GPU_COMPILER_PIN) (XLA:GPU without a GPU;" \
+	      "about 4.9 GB; about 80 s from a warm pip cache, longer to download)"
 	@if $(PY) -m pip install -q "$(GPU_COMPILER_PIN)"; then touch $(GPUC); else \
 	  echo "make: $(GPU_COMPILER_PIN) was not installed (pip failed, above): GPU figures" \
 	       "fall back to XLA:CPU and the XLA:GPU tests will be skipped; the next make" \
@@ -44,6 +47,7 @@ $(GPUC): $(STAMP)
 
 gpu-compiler: $(GPUC)
 	@test -f $(GPUC) || { echo "make: the GPU compiler ($(GPU_COMPILER_PIN)) is not installed" >&2; exit 2; }
+	@echo "make: the GPU compiler ($(GPU_COMPILER_PIN)) is installed in $(VENV)"
 
 install: $(STAMP)
 

@@ -126,11 +126,17 @@ def rank(rows: list[PlanRow]) -> dict[str, list[PlanRow]]:
     return out
 
 
+def parts_of(ranked: dict[str, list[PlanRow]]) -> str | None:
+    """The part(s) the rows were predicted for, as every plan.json records it."""
+    parts = sorted({r["hardware"] for rows in ranked.values() for r in rows if r["hardware"]})
+    return ", ".join(parts) or None
+
+
 def write_ranking(directory: Path, meta: dict | None = None) -> dict:
     """ranking.json, ranking.md and ranking.png in `directory` from its */plan.json."""
     directory = Path(directory)
     ranked = rank(read_rows(directory))
-    hardware = meta.get("hardware") if meta else None
+    hardware = (meta or {}).get("hardware") or parts_of(ranked)
     ranking = {"label": "predicted", "meta": meta or {}, "models": ranked}
     (directory / "ranking.json").write_text(json.dumps(ranking, indent=1))
     (directory / "ranking.md").write_text(format_ranking(ranking, markdown=True) + "\n")
@@ -146,7 +152,8 @@ def _fits(f) -> str:
 def format_ranking(ranking: dict, markdown: bool = False) -> str:
     """One table per model, best first; every figure predicted."""
     meta = ranking.get("meta", {})
-    lines = [f"{LABEL} (not measured) on {meta.get('hardware', '?')}: ranked by predicted "
+    hardware = meta.get("hardware") or parts_of(ranking["models"]) or "?"
+    lines = [f"{LABEL} (not measured) on {hardware}: ranked by predicted "
              f"tokens/s per GPU; the step split into device time (compute or HBM), exposed "
              f"communication by link and the pipeline bubble (seconds). GiB/dev: the train state "
              f"(exact) + gradients + saved activations + working set (jaxdist.predict.memory; "

@@ -14,7 +14,7 @@ is one, and writes DIR/report.md with PNG figures beside it (analysis.plots):
 - comm.png         collective bytes per step by kind, where the run recorded `comm`
 
 and one table over all runs, Ovi 2025's claims as ratios (analysis.claims; timing ratios from
-simulated devices labelled as such), and the runs that failed or did not finish (by name: a
+simulated devices labelled as such), every layout against ddp, and the runs that failed or did not finish (by name: a
 run directory without results.json, or one with status "interrupted"). The report is built
 in a temporary directory and renamed into place, so a bad input leaves nothing half-written.
 DIR must be new, empty, or an earlier report (its marker, .jaxdist-report, lists the files
@@ -74,6 +74,52 @@ def variant_lines(runs) -> list[str]:
             f"mesh, {claims.key_labels(without='variant')}).", "",
             "| model | layout | mesh | variant | step p50 / base | samples/s / base | "
             "peak memory / base | energy per sample / base |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def layout_ratios(runs) -> list[dict]:
+    """Every layout against ddp, runs alike in everything but the layout (claims.compare_key:
+    same model, batch, devices, ...): medians over repeats, each figure / ddp's."""
+    out = []
+    for key, by in sorted(claims._groups(runs).items(), key=lambda kv: str(kv[0])):
+        ddp = by.get("ddp")
+        if not ddp:
+            continue
+        for side in sorted((s for s in by if s != "ddp"), key=layout_rank):
+            rs = by[side]
+            basis, peak = claims._memory_basis(ddp + rs)
+
+            def rel(get):
+                d, v = median(map(get, ddp)), median(map(get, rs))
+                return v / d if d and v is not None else None
+
+            out.append({"layout": side, "model": rs[0].model, "context": claims._context(rs[0]),
+                        "simulated": any(r.simulated for r in ddp + rs),
+                        "step": rel(lambda r: r.step_p50),
+                        "throughput": rel(lambda r: r.samples_per_s),
+                        "memory": rel(peak), "memory_basis": basis,
+                        "state": rel(lambda r: r.state_bytes),
+                        "energy": rel(lambda r: r.energy_per_sample)})
+    return out
+
+
+def layout_lines(ratios: list[dict]) -> list[str]:
+    if not ratios:
+        return []
+
+    def f(v):
+        return "n/a" if v is None else f"{v:.3f}"
+
+    rows = [f"| {md_escape(r['model'])} | {md_escape(r['layout'])} | {md_escape(r['context'])} "
+            f"| {f(r['step'])}{' (simulated)' if r['simulated'] else ''} | "
+            f"{f(r['throughput'])} | {f(r['memory'])} ({r['memory_basis'].split(' (')[0]}) | "
+            f"{f(r['state'])}{PS_STATE if r['layout'].startswith('ps') else ''} | "
+            f"{f(r['energy'])} |" for r in ratios]
+    return ["## Every layout against DDP", "",
+            "Each layout's median over repeats divided by DDP's, runs alike in everything "
+            f"but the layout ({claims.key_labels()}).", "",
+            "| model | layout | runs | step p50 / DDP | samples/s / DDP | memory / DDP | "
+            "train state / DDP | energy per sample / DDP |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
@@ -263,6 +309,7 @@ def build_markdown(root: Path, runs, failures, problems, meta, figures, rs, unli
               f"{claims.key_labels()}. Repeats: median. \"within\"/\"outside\": whether "
               "this study's ratio falls in the claim's range.", "", *claims.ratio_lines(rs, unlike)]
     lines += ["## All runs", "", *runs_table(runs)]
+    lines += layout_lines(layout_ratios(runs))
     lines += variant_lines(runs)
     lines += pipeline_lines(runs)
     lines += figure_lines(runs, figures)
@@ -340,6 +387,12 @@ def main(argv=None) -> int:
               f"(Ovi v1: {claims.shown(r.kind, 'v1')[0]}; v2: {claims.shown(r.kind, 'v2')[0]})")
     for u in unlike:
         print(f"  {u.what:<30} {u.model:<14} {u.text}")
+    for r in layout_ratios(runs):
+        sim = " [simulated devices: functional only]" if r["simulated"] else ""
+        figures = "; ".join(f"{what} {r[k]:.3f}" for what, k in (
+            ("step p50", "step"), ("samples/s", "throughput"), ("memory", "memory"))
+            if r[k] is not None)
+        print(f"  {r['layout'] + '/ddp':<30} {r['model']:<14} {figures}{sim}")
     print(f"report: {report}")
     return 0
 

@@ -138,15 +138,16 @@ def notices(cfg: RunConfig) -> list[str]:
 
 def disk_notices(cfg: RunConfig) -> list[str]:
     """What the folders named on the command line hold, where it changes what the run does
-    without a word otherwise: --resume with nothing to resume (a new or empty
-    --checkpoint-dir: the run starts at step 0) and a --logdir that already holds other
+    without a word otherwise: --resume with nothing to resume (an empty --checkpoint-dir:
+    the run starts at step 0; one that does not exist is refused by the validation) and a
+    --logdir that already holds other
     files (this run writes beside them). Read once the input is known to be valid."""
     lines = []
     ck = cfg.checkpoint
     if ck.resume and ck.checkpoint_dir and not cfg.output.dry_run and not _ps(cfg):
         folder = Path(ck.checkpoint_dir)
-        if not _checkpoint_steps(folder):
-            what = "does not exist yet" if not folder.exists() else "holds no checkpoint"
+        if folder.is_dir() and not _checkpoint_steps(folder):
+            what = "holds no checkpoint"
             saves = ("" if ck.checkpoint_every else
                      "; it saves one there only if interrupted (add --checkpoint-every N to "
                      "save every N steps)")

@@ -448,6 +448,15 @@ def go2025_alias(args) -> int:
     return code
 
 
+def set_devices(cases) -> None:
+    """JAX on CPU with as many devices as the largest case's compile needs."""
+    import jax
+    from jaxdist.program.compiled import plan_cpu_devices
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", plan_cpu_devices(max(gpus(c) or 1 for c in cases)))
+
+
 def main(argv=None) -> int:
     parser = OneLineParser(prog="python -m experiments.predict")
     what = parser.add_mutually_exclusive_group(required=True)
@@ -456,7 +465,7 @@ def main(argv=None) -> int:
     what.add_argument("--go2025", action="store_true",
                       help="an alias of: python -m experiments.suite --preset go2025 --plan "
                            "--hardware H (Go et al.'s grid at full size, predicted, ranked)")
-    parser.add_argument("--hardware", default="h200", help="with --go2025 (default h200)")
+    parser.add_argument("--hardware", default=None, help="with --go2025 (default h200)")
     parser.add_argument("--quick", action="store_true", help="--validate: only the small records")
     parser.add_argument("--json", default="", type=path_arg,
                         help="also write the rows to this file")
@@ -469,23 +478,20 @@ def main(argv=None) -> int:
         for flag, path in (("--json", args.json), ("--plot", args.plot)):
             if path:
                 check_output_file(flag, Path(path))
+        other = ([f for f, given in (("--hardware", args.hardware is not None),
+                                     ("--plot", args.plot), ("--out", args.out)) if given]
+                 if args.validate else ["--quick"] if args.quick else [])
+        if other:
+            raise UsageError(f"{other[0]} applies only to "
+                             f"--{'go2025' if args.validate else 'validate'}; drop it")
     except UsageError as e:
         print(f"predict: error: {e}", file=sys.stderr)
         return 2
-    ignored = ([f for f, given in (("--hardware", args.hardware != "h200"),
-                                   ("--plot", args.plot), ("--out", args.out)) if given]
-               if args.validate else ["--quick"] if args.quick else [])
-    for flag in ignored:
-        print(f"notice: {flag} applies only to --{'go2025' if args.validate else 'validate'}; "
-              f"ignored", file=sys.stderr)
     if args.go2025:
+        args.hardware = args.hardware or "h200"
         return go2025_alias(args)
-    import jax
-    jax.config.update("jax_platforms", "cpu")
     cases = [c for c in CASES if c.small or not args.quick]
-    from jaxdist.program.compiled import plan_cpu_devices
-    jax.config.update("jax_num_cpu_devices",
-                      plan_cpu_devices(max(gpus(c) or 1 for c in cases)))
+    set_devices(cases)
     rows = validate(cases)
     print(format_rows(rows))
     if args.json:

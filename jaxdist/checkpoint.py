@@ -73,6 +73,10 @@ def check_directory(path: str, resume: bool, mine: dict) -> None:
     (`mine`: its identity). Fails fast where Orbax would retry for minutes. A refusal
     touches nothing (the write test puts back the folder's modification time)."""
     directory = Path(path)
+    if resume and not directory.exists():  # a mistyped path would train from step 0
+        raise UsageError(f"--resume: --checkpoint-dir {directory} does not exist, so there is "
+                         f"nothing to resume; give the folder the interrupted run saved its "
+                         f"checkpoints in, or drop --resume to start at step 0")
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent

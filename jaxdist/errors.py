@@ -22,13 +22,22 @@ def choices(names) -> str:
     return ", ".join(sorted(names))
 
 
-def unknown(what: str, name: str, names) -> str:
-    """"unknown WHAT 'x' (did you mean 'y'?); choose from ..." — the nearest names first."""
+def did_you_mean(name: str, names) -> str:
+    """" (did you mean 'y'?)" naming the two nearest of `names`: those that begin with
+    `name` (shortest first: h100 begins h100-sxm), then difflib's closest; "" where none is
+    near."""
     import difflib
 
-    near = difflib.get_close_matches(str(name), list(names), n=2, cutoff=0.75)
-    hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
-    return f"unknown {what} {name!r}{hint}; choose from {choices(names)}"
+    names, name = list(names), str(name)
+    begin = sorted((n for n in names if len(name) >= 3 and n.startswith(name)), key=len)
+    close = difflib.get_close_matches(name, names, n=2, cutoff=0.75)
+    near = list(dict.fromkeys(begin + close))[:2]
+    return f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+
+
+def unknown(what: str, name: str, names) -> str:
+    """"unknown WHAT 'x' (did you mean 'y'?); choose from ..." — the nearest names first."""
+    return f"unknown {what} {name!r}{did_you_mean(name, names)}; choose from {choices(names)}"
 
 
 def path_arg(text: str) -> str:
@@ -111,5 +120,12 @@ class OneLineParser(argparse.ArgumentParser):
             if value < low:
                 self.error(f"--{dest.replace('_', '-')} must be at least {low}, got {value}")
 
+    @property
+    def short_name(self) -> str:
+        """The name an entry point's errors start with, as its own checks print them:
+        `run` for `python -m experiments.run` (`run: error: ...`), `ps.server` for `python
+        -m ps.server`."""
+        return self.prog.split()[-1].removeprefix("experiments.")
+
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.short_name}: error: {message} (see --help)\n")

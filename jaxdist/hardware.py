@@ -156,7 +156,9 @@ def get_hardware(name: str, gpus_per_node: int = 0) -> Part:
     parts."""
     key = name.strip().lower()
     if key not in PREDICTABLE:
-        raise UsageError(f"unknown --hardware {name!r}; known: {', '.join(PREDICTABLE)}")
+        from jaxdist.errors import did_you_mean
+        raise UsageError(f"unknown --hardware {name!r}{did_you_mean(key, PREDICTABLE)}; "
+                         f"known: {', '.join(PREDICTABLE)}")
     hw = NAMED[key]
     if gpus_per_node < 0:
         raise UsageError(f"--gpus-per-node {gpus_per_node} is negative; 0 keeps {hw.name}'s "

@@ -77,13 +77,25 @@ def stack_size(model_cfg, dtype_name: str) -> tuple[int, int] | None:
     depth = getattr(model_cfg, "depth", None)
     if model_cfg.family not in ("gpt", "moe") or not isinstance(depth, int) or depth <= 2:
         return None
+    try:  # a suite's plan rows check the same few models again and again
+        return _STACK_SIZES[(model_cfg, dtype_name)]
+    except (KeyError, TypeError):
+        pass
     sizes = []
     for d in (1, 2):
         leaves = jax.tree.leaves(_abstract_split(dataclasses.replace(model_cfg, depth=d),
                                                  dtype_name))
         sizes.append((sum(x.size * x.dtype.itemsize for x in leaves), len(leaves)))
     (b1, l1), (b2, l2) = sizes
-    return b1 + (depth - 1) * (b2 - b1), l1 + (depth - 1) * (l2 - l1)
+    size = b1 + (depth - 1) * (b2 - b1), l1 + (depth - 1) * (l2 - l1)
+    try:
+        _STACK_SIZES[(model_cfg, dtype_name)] = size
+    except TypeError:  # a config that cannot be a key is counted each time
+        pass
+    return size
+
+
+_STACK_SIZES: dict = {}
 
 
 def _stack(state: nnx.State, depth: int) -> nnx.State:

@@ -152,6 +152,10 @@ class LlamaConfig(GPTConfig):
 # Go et al. 2025's models, full size (for --dry-run; far too large to run here).
 register("llama3-70b", LlamaConfig(vocab=128256, seq_len=8192, depth=80, width=8192, heads=64,
                                    kv_heads=8, mlp_hidden=28672))
+# Llama-2-7B, full size: MaxText's JAX-Toolbox run on 8 H100, the predictor's Hopper
+# calibration record (docs/predict.md; for --dry-run).
+register("llama2-7b", LlamaConfig(vocab=32000, seq_len=4096, depth=32, width=4096, heads=32,
+                                  kv_heads=32, mlp_hidden=11008, rope_theta=10000.0))
 register("gpt3-175b", GPTConfig(vocab=50257, seq_len=2048, depth=96, width=12288, heads=96))
 # ~1.1B parameters: the single-GPU speed check (scripts/gpu_perf.sh).
 register("llama-1b", LlamaConfig(vocab=32000, seq_len=2048, depth=20, width=2048, heads=16,

@@ -190,16 +190,18 @@ def test_resume_needs_a_directory(tmp_path, monkeypatch, capsys):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_resume_into_a_new_folder_that_gets_no_save_leaves_no_folder(tmp_path, capsys):
-    """--resume --checkpoint-dir NEW/sub with no save due: the run starts afresh and leaves
-    neither NEW/sub nor NEW (Orbax made both, empty); a folder that was there stays."""
+def test_resume_from_a_folder_that_does_not_exist_is_refused(tmp_path, capsys):
+    """--resume --checkpoint-dir NEW/sub (a mistyped path, say) has nothing to resume: one
+    line, exit 2, and neither NEW/sub, NEW nor the run's folder is made."""
     new = tmp_path / "new" / "sub"
     run = cli_main(capsys, *ARGS[:-1], "1", "--checkpoint-dir", str(new), "--resume",
                    "--logdir", str(tmp_path / "a"))
-    assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
-    record = RunRecord.load(tmp_path / "a").results
-    assert record["checkpoint"]["saved_steps"] == [] and record["steps_done"] == 2
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        f"run: error: --resume: --checkpoint-dir {new} does not exist, so there is nothing "
+        f"to resume; give the folder the interrupted run saved its checkpoints in, or drop "
+        f"--resume to start at step 0")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_full_disk_loses_nothing(tmp_path):

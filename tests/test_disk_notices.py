@@ -12,12 +12,12 @@ from jaxdist.record import RunRecord
 
 def test_resume_with_nothing_to_resume_says_the_run_starts_at_step_0(tmp_path):
     new = tmp_path / "new"
+    new.mkdir()
     cfg = RunConfig(checkpoint=CheckpointConfig(checkpoint_dir=str(new), resume=True))
     assert disk_notices(cfg) == [
-        f"notice: --resume: --checkpoint-dir {new} does not exist yet, so there is nothing "
+        f"notice: --resume: --checkpoint-dir {new} holds no checkpoint, so there is nothing "
         f"to resume: this run starts at step 0; it saves one there only if interrupted (add "
         f"--checkpoint-every N to save every N steps)"]
-    new.mkdir()
     cfg = RunConfig(checkpoint=CheckpointConfig(checkpoint_dir=str(new), resume=True,
                                                 checkpoint_every=5))
     assert disk_notices(cfg) == [
@@ -48,8 +48,9 @@ def test_a_logdir_holding_other_files_is_named_with_them(tmp_path):
 def test_both_notices_through_the_cli(tmp_path, capsys):
     from experiments.run import main
 
-    logdir, ckpt = tmp_path / "run", tmp_path / "ck-new"
+    logdir, ckpt = tmp_path / "run", tmp_path / "ck-empty"
     logdir.mkdir()
+    ckpt.mkdir()
     (logdir / "notes.txt").write_text("mine")
     code = main(["--model", "mlp-tiny", "--mesh", "2x4", "--batch-size", "8", "--warmup", "0",
                  "--steps", "1", "--no-progress", "--resume", "--checkpoint-dir", str(ckpt),
@@ -57,7 +58,7 @@ def test_both_notices_through_the_cli(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert [x for x in err.splitlines() if x.startswith("notice:")] == [
-        f"notice: --resume: --checkpoint-dir {ckpt} does not exist yet, so there is nothing "
+        f"notice: --resume: --checkpoint-dir {ckpt} holds no checkpoint, so there is nothing "
         f"to resume: this run starts at step 0; it saves one there only if interrupted (add "
         f"--checkpoint-every N to save every N steps)",
         f"notice: --logdir {logdir} already holds other files (notes.txt); this run writes "
@@ -65,3 +66,4 @@ def test_both_notices_through_the_cli(tmp_path, capsys):
     assert "starting afresh" not in out  # said once, before the compile
     assert RunRecord.load(logdir).results["start_step"] == 0
     assert (logdir / "notes.txt").read_text() == "mine"
+

@@ -95,11 +95,24 @@ def test_unknown_part_names_the_known_ones():
     assert str(e.value) == f"unknown --hardware 'tpu-v5'; known: {KNOWN}"
 
 
+@pytest.mark.parametrize("name, hint", [
+    ("h100", " (did you mean 'h100-sxm' or 'h100-pcie'?)"),
+    ("h20", " (did you mean 'h200'?)"),
+    ("a100-sxm-80", " (did you mean 'a100-sxm-80gb' or 'a100-sxm-40gb'?)"),
+    ("tpu-v5", ""),
+])
+def test_unknown_part_names_the_nearest(name, hint):
+    with pytest.raises(UsageError) as e:
+        get_hardware(name)
+    assert str(e.value) == f"unknown --hardware '{name}'{hint}; known: {KNOWN}"
+
+
 def test_cli_unknown_hardware_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     proc = cli_main(capsys, "--dry-run", "--hardware", "h900", "--mesh", "2x4")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
+    assert proc.stderr.strip() == (f"run: error: unknown --hardware 'h900' (did you mean "
+                                   f"'h200'?); known: {KNOWN}")
     assert list(tmp_path.iterdir()) == []  # nothing half-written
 
 
@@ -109,7 +122,8 @@ def test_cli_unknown_hardware_on_a_real_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     proc = cli_main(capsys, "--hardware", "h900", "--mesh", "2x4")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"run: error: unknown --hardware 'h900'; known: {KNOWN}"
+    assert proc.stderr.strip() == (f"run: error: unknown --hardware 'h900' (did you mean "
+                                   f"'h200'?); known: {KNOWN}")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -67,7 +67,7 @@ def resnet18_cifar_params(width=64, classes=10, blocks=(2, 2, 2, 2), stem_k=3):
 
 
 # Go et al.'s full-size decoders take ~20 s each to trace; tests/test_dry_run.py covers them.
-FULL_SIZE = {"gpt3-175b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b"}
+FULL_SIZE = {"gpt3-175b", "llama3-70b", "llama2-7b", "mixtral-8x7b", "mixtral-8x22b"}
 
 
 @pytest.mark.parametrize("name", sorted(set(model_names()) - FULL_SIZE))

@@ -131,7 +131,7 @@ def test_quick_plan_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--plan"], "--plan needs --hardware"),
-    (["--plan", "--hardware", "h900"], "unknown --hardware 'h900'; known: h100-sxm"),
+    (["--plan", "--hardware", "h900"], "unknown --hardware 'h900' (did you mean 'h200'?); known: h100-sxm"),
     (["--hardware", "h200"], "--hardware applies only with --plan"),
 ])
 def test_plan_bad_input_one_line_exit_2(tmp_path, args, message):
@@ -237,6 +237,23 @@ def test_ranking_cli_refuses_what_is_not_a_plan_folder(tmp_path, capsys):
     assert json.loads((other / "ranking.json").read_text())["models"]["m"][0]["name"] == "a"
 
 
+def test_ranking_cli_names_the_part_the_plans_record(tmp_path, capsys):
+    """`python -m analysis.plan_rank DIR` on plans alone (no ranking.json, so no suite's
+    meta) titles its table with the part every plan.json records, not "on ?"."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plan.json").write_text(json.dumps(
+            {**plan(1, 1, 0, 0, 0, 0), "hardware": {"name": "h200"}}))
+    assert plan_rank.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("PREDICTED (not measured) on h200: ranked")
+    assert (tmp_path / "ranking.md").read_text().startswith("PREDICTED (not measured) on h200")
+    (tmp_path / "ranking.json").unlink()
+    (tmp_path / "b" / "plan.json").write_text(json.dumps(
+        {**plan(1, 1, 0, 0, 0, 0), "hardware": {"name": "h100-sxm"}}))
+    assert plan_rank.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("PREDICTED (not measured) on h100-sxm, h200:")
+
+
 def test_side_by_side_keeps_order_and_stops_at_the_first_error():
     """The plan's entries run on two threads: results come back in task order, and after a
     task fails no task starts; its error is raised."""
@@ -263,3 +280,35 @@ def test_side_by_side_keeps_order_and_stops_at_the_first_error():
     with pytest.raises(UsageError, match="row 0 cannot"):
         side_by_side([lambda i=i: failing(i) for i in range(20)], 1)
     assert started == [0]
+
+
+def test_ctrl_c_after_two_rows_ranks_them(tmp_path):
+    """SIGINT once two rows are predicted: exit 130, and stderr ranks those two (it passes
+    through XLA's warning filter while the rows compile; the filter is left first)."""
+    import signal
+
+    preset = tmp_path / "p.toml"
+    preset.write_text('name = "p"\n[plan]\n[plan.settings]\nbatch_size = 8\n'
+                      + "".join(f'[[plan.variants]]\nname = "b{b}"\nbatch_size = {b}\n'
+                                for b in (8, 16, 32))
+                      + '[[plan.rows]]\nname = "a"\nlayout = "fsdp"\nmesh = "2x2"\n'
+                        'models = ["gpt-tiny"]\n')
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.suite", "--preset", str(preset), "--plan",
+         "--hardware", "h200", "--gpus-per-node", "2", "--out", str(out)],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    predicted = []
+    for line in proc.stdout:
+        if line.startswith("predicted "):
+            predicted.append(line.split()[1].rstrip(":"))
+            if len(predicted) == 2:
+                proc.send_signal(signal.SIGINT)
+                break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"suite: interrupted after 2 of 3 rows (their plan.json under {out}" in err
+    ranked = [line.split()[1] for line in err.splitlines() if line[:2] in ("1 ", "2 ")]
+    assert sorted(ranked) == sorted(predicted) == ["gpt-tiny-a-b16", "gpt-tiny-a-b8"]
+    assert not (out / "ranking.json").exists()

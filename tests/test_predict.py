@@ -814,7 +814,7 @@ def test_xla_plans_a_device_less_compile_for_the_parts_usable_hbm(capfd):
 def test_predict_output_paths_are_checked_before_predicting(tmp_path, capsys):
     """--json and --plot were written after minutes of predictions, a bad path then a
     traceback; now refused first, in one line, and flags the chosen mode does not read are
-    named as ignored."""
+    refused."""
     from experiments.predict import main
 
     for argv, message in (
@@ -829,7 +829,9 @@ def test_predict_output_paths_are_checked_before_predicting(tmp_path, capsys):
     (tmp_path / "mine.txt").write_text("mine")
     assert main(["--go2025", "--quick", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "notice: --quick applies only to --validate; ignored",
+        "predict: error: --quick applies only to --validate; drop it"]
+    assert main(["--go2025", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"suite: error: --out {tmp_path} is a folder no suite wrote (it has files but no "
         f"ranking.json or */plan.json); choose a new or empty folder, or an earlier suite's "
         f"to resume it"]

@@ -522,3 +522,30 @@ def test_cli_exit_status_is_2_with_one_line(tmp_path):
         assert message in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_report_sets_every_layout_against_ddp(tmp_path, capsys):
+    """zero1, fsdp and hsdp each get their ratios to ddp (step, throughput, memory, state),
+    in report.md and in what the command prints; runs on other devices are not paired."""
+    for name, layout, mesh, state, peak, sps in (
+            ("ddp", "ddp", {"data": 8}, 800, 1000, 200.0),
+            ("zero1", "zero1", {"data": 8}, 400, 600, 190.0),
+            ("fsdp", "fsdp", {"data": 1, "fsdp": 8}, 100, 250, 100.0),
+            ("hsdp", "hsdp", {"data": 2, "fsdp": 4}, 200, 400, 150.0),
+            ("fsdp4", "fsdp", {"data": 1, "fsdp": 4}, 200, 500, 120.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(_result(
+            layout, mesh, state=state, peak=peak, sps=sps, window=1.0, acc=0.5)))
+    rep = tmp_path / "rep"
+    assert report.main([str(tmp_path), "--out", str(rep)]) == 0
+    out = capsys.readouterr().out
+    text = (rep / "report.md").read_text()
+    section = text.split("## Every layout against DDP", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in section.splitlines()
+            if line.startswith("| m |")}
+    assert set(rows) == {"zero1", "fsdp", "hsdp"}  # fsdp4: no ddp run on 4 devices
+    assert rows["zero1"][4] == "0.950" and rows["zero1"][5].startswith("0.600 (measured")
+    assert rows["zero1"][6] == "0.500"
+    assert rows["fsdp"][4] == "0.500" and rows["hsdp"][5].startswith("0.400")
+    assert "zero1/ddp" in out and "samples/s 0.950; memory 0.600" in out
+    assert "hsdp/ddp" in out

@@ -45,21 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a run setting for every run: a RunConfig field as "
                         "section.field or field (train.batch_size=32, steps=10); repeatable")
     p.add_argument("--models", default=None,
-                   help="comma-separated models, replacing the preset's list")
+                   help="comma-separated models, replacing the preset's list; with --plan, "
+                        "only the plan rows of these models")
     p.add_argument("--layouts", default=None,
-                   help="comma-separated layout entry names of the preset to keep")
+                   help="comma-separated layout entry names of the preset to keep; with "
+                        "--plan, the [[plan.rows]] names to keep (e.g. ep8_dp4)")
     p.add_argument("--repeats", type=int, default=None,
                    help="rounds of the whole plan (each round starts at the next layout)")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="stop a run after this many seconds and record it as failed")
-    p.add_argument("--launcher", default="",
+    p.add_argument("--launcher", default=None,
                    help="command prefix for every run, e.g. 'srun -N4 --ntasks-per-node=1' "
                         "(multi-host runs; not for --layout ps)")
-    p.add_argument("--retry-failed", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--retry-failed", action=argparse.BooleanOptionalAction, default=None,
                    help="rerun runs that failed before (default); --no-retry-failed keeps "
                         "their failure")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the planned commands in order and start nothing")
+                   help="print the planned commands in order and start nothing; with "
+                        "--plan, list the rows it would plan, each with the command that "
+                        "plans it alone, and plan nothing")
     p.add_argument("--list-presets", action="store_true", help="list built-in presets")
     p.add_argument("--plan", action="store_true",
                    help="predict the preset's [plan] rows (full-size models) on --hardware "
@@ -67,17 +71,53 @@ def build_parser() -> argparse.ArgumentParser:
                         "(PREDICTED) in --out (default runs/plan-<preset>[-quick])")
     p.add_argument("--hardware", default="",
                    help="with --plan: the GPU part to predict for (jaxdist.parts, e.g. h200)")
-    p.add_argument("--gpus-per-node", type=int, default=0,
+    p.add_argument("--gpus-per-node", type=int, default=None,
                    help="with --plan: override the part's GPUs per node")
     return p
 
 
+# Flags that only a suite that runs reads, and flags only --plan reads: given in the other
+# mode, each is refused in one line (nothing is ignored without a word).
+RUN_ONLY = {"repeats": ("--repeats", "a plan row is predicted once"),
+            "timeout_s": ("--timeout-s", "nothing is run"),
+            "launcher": ("--launcher", "nothing is run"),
+            "retry_failed": ("--retry-failed/--no-retry-failed", "nothing is run")}
+PLAN_ONLY = {"hardware": "--hardware", "gpus_per_node": "--gpus-per-node"}
+
+
+def check_mode(args) -> None:
+    """Every flag given applies to the mode chosen (a UsageError naming the first that
+    does not)."""
+    given = [a for a, v in vars(args).items()
+             if a != "list_presets" and v not in (None, False, [], "")]
+    if args.list_presets and given:
+        raise UsageError(f"--list-presets takes no other flags (got --"
+                         f"{given[0].replace('_', '-')}); run it alone")
+    if args.plan:
+        for dest, (flag, why) in RUN_ONLY.items():
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{flag} applies only to a suite that runs, not to --plan "
+                                 f"({why}); drop it")
+    else:
+        for dest, flag in PLAN_ONLY.items():
+            if getattr(args, dest) not in (None, ""):
+                raise UsageError(f"{flag} applies only with --plan (predict the preset's plan "
+                                 f"rows); add --plan or drop {flag}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_mode(args)
+    except UsageError as e:
+        print(f"suite: error: {e}", file=sys.stderr)
+        return 2
     if args.list_presets:
         return _list_presets()
-    if args.plan or args.hardware:
+    if args.plan:
         return _main_plan(args)
+    args.launcher = args.launcher or ""
+    args.retry_failed = args.retry_failed is not False
     try:
         preset, runs, out = prepare(args)
     except UsageError as e:
@@ -93,6 +133,10 @@ def main(argv=None) -> int:
                   args.retry_failed)
     try:
         if args.dry_run:
+            print(f"each run: stopped after {suite.timeout_s:g} s" if suite.timeout_s else
+                  "each run: no time limit", end="")
+            print(f"; failed runs {'rerun' if suite.retry_failed else 'kept as failed'}; "
+                  f"launcher: {args.launcher or 'none'}")
             return suite.dry_run()
         # A scheduler's SIGTERM (or SIGHUP) exits through the runner's `finally`, which stops
         # the current run's process group too (it runs in a session of its own, so it would
@@ -108,9 +152,6 @@ def _main_plan(args) -> int:
     from experiments.suite.plan import main_plan
 
     try:
-        if not args.plan:
-            raise UsageError("--hardware applies only with --plan (predict the preset's plan "
-                             "rows); add --plan or drop --hardware")
         if not args.preset:
             raise UsageError(f"--preset is required; built-in presets: "
                              f"{', '.join(preset_names())}")
@@ -121,7 +162,11 @@ def _main_plan(args) -> int:
             raise UsageError(f"--out {out} is a file, not a directory")
         check_out(out, "ranking.json or */plan.json", lambda d: (
             (d / "ranking.json").is_file() or any(d.glob("*/plan.json"))))
-        return main_plan(args, path, run_keys(), out)
+        keys = run_keys()
+        overrides = parse_set(args.sets, keys)
+        if args.dataset is not None:
+            overrides["dataset"] = convert(keys["dataset"], args.dataset, "--dataset")
+        return main_plan(args, path, keys, out, overrides)
     except UsageError as e:
         print(f"suite: error: {e}", file=sys.stderr)
         return 2

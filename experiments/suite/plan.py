@@ -153,7 +153,8 @@ def row_job(row: PlanRow, hardware: str, gpus_per_node: int):
 PLAN_THREADS = 2  # entries predicted side by side: one lowers (Python) while one compiles
 
 
-def run_plan(configs: list[tuple], hardware: str, out: Path, log=print) -> dict:
+def run_plan(configs: list[tuple], hardware: str, out: Path,
+             log=lambda line, row=None: print(line)) -> dict:
     """Predict every (row, job) of `configs`, write OUT/NAME/plan.json and the ranking;
     returns the ranking. JAX must have as many CPU devices as the largest mesh (main sets
     it: devices_needed).
@@ -171,10 +172,8 @@ def run_plan(configs: list[tuple], hardware: str, out: Path, log=print) -> dict:
         entries.setdefault((item[0].model, item[0].row), []).append(item)
     started, compiles = time.perf_counter(), xla_compile.compiles_run()
     stop = threading.Event()  # set by an error or Ctrl-C: no row is written after it
-    from jaxdist.program.xla_log import explained_xla_warnings
-    with explained_xla_warnings():  # XLA:GPU's rematerialization warnings, said in one line
-        done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
-                             for items in entries.values()], PLAN_THREADS, stop)
+    done = side_by_side([functools.partial(predict_entry, items, out, log, stop)
+                         for items in entries.values()], PLAN_THREADS, stop)
     timings = [t for entry in done for t in entry]
     meta = {"hardware": hardware, "rows": len(configs), "wall_s": time.perf_counter() - started,
             "row_wall_s": timings, "compiles": xla_compile.compiles_run() - compiles,
@@ -240,9 +239,9 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         (out / row.name).mkdir(exist_ok=True)
         write_json(out / row.name / "plan.json", body)
         timings.append({"row": row.name, "wall_s": time.perf_counter() - t0,
-                        "compiler": plan.compiled.get("compiler")})
+                        "compiler": plan.compiled.compiler})
         log(f"predicted {row.name}: {plan.time.step_s:.3f} s/step "
-            f"({timings[-1]['wall_s']:.1f} s to predict)")
+            f"({timings[-1]['wall_s']:.1f} s to predict)", row.name)
     return timings
 
 
@@ -269,45 +268,148 @@ def devices_needed(configs: list[tuple]) -> int:
     return max(plan_cpu_devices(job.shape.size, job.compiler.compiler) for _, job in configs)
 
 
-def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path) -> int:
-    """The --plan branch of experiments.suite's main (its errors: one line, exit 2)."""
+def narrow_rows(rows: list[PlanRow], models: str | None, layouts: str | None,
+                label: str) -> list[PlanRow]:
+    """The rows of the models in `models` and the [[plan.rows]] entries in `layouts`
+    (comma-separated; None: all); a name no row has is one UsageError with the nearest."""
+    from jaxdist.errors import unknown
+
+    every = rows
+    for flag, text, attr in (("--models", models, "model"), ("--layouts", layouts, "row")):
+        if text is None:
+            continue
+        wanted = [w.strip() for w in text.split(",") if w.strip()]
+        names = list(dict.fromkeys(getattr(r, attr) for r in every))
+        if not wanted:
+            raise UsageError(f"{flag}: give at least one name; {label}'s plan rows have "
+                             f"{', '.join(names)}")
+        for w in wanted:
+            if w not in names:
+                what = "model" if attr == "model" else "plan row entry"
+                raise UsageError(f"{flag}: {unknown(what, w, names)} (the plan rows of "
+                                 f"{label} on this part)")
+        rows = [r for r in rows if getattr(r, attr) in wanted]
+    if not rows:
+        raise UsageError(f"--models {models} --layouts {layouts}: no plan row of {label} has "
+                         f"both; drop one of them")
+    return rows
+
+
+def row_command(row: PlanRow, hardware: str, gpus_per_node: int | None) -> list[str]:
+    """The command that plans `row` alone (experiments.plan, the run's --dry-run)."""
+    from jaxdist import procs
+    from jaxdist.config import to_argv
+
+    extra = ["--gpus-per-node", str(gpus_per_node)] if gpus_per_node is not None else []
+    return procs.python_argv("experiments.plan", "--hardware", hardware, *extra,
+                             *to_argv(row.settings))
+
+
+def report_interrupted(done: list[str], total: int, out: Path, hardware: str) -> str:
+    """What an interrupted plan prints: the rows predicted so far (`done`, read back from
+    their plan.json), ranked; nothing is written."""
+    from analysis.plan_rank import format_ranking, rank, row
+
+    rows = []
+    for name in done:
+        try:
+            rows.append(row(name, load_json(out / name / "plan.json")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written as the signal came: not counted
+    head = (f"suite: interrupted after {len(rows)} of {total} rows (their plan.json under "
+            f"{out}; rerun the command to predict them all)")
+    if not rows:
+        return head
+    ranking = {"label": "predicted", "meta": {"hardware": hardware},
+               "models": rank(rows)}
+    return f"{head}; the rows done, ranked:\n\n{format_ranking(ranking)}"
+
+
+def set_devices(configs: list[tuple]) -> None:
+    """JAX on CPU with as many devices as the largest row's mesh needs."""
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices_needed(configs))
+
+
+def main_plan(args, preset_path: Path, keys: dict[str, Key], out: Path,
+              overrides: dict | None = None) -> int:
+    """The --plan branch of experiments.suite's main (its errors: one line, exit 2):
+    the preset's rows on --hardware, narrowed by --models and --layouts, with --set's
+    `overrides` over every row; --dry-run lists them with their commands."""
+    import shlex
     import tomllib
 
     from analysis.plan_rank import format_ranking
 
     if not args.hardware:
         raise UsageError("--plan needs --hardware PART (e.g. --hardware h200)")
+    for name in overrides or {}:
+        if name in ("hardware", "gpus_per_node", "dry_run"):
+            flag = f"--{name.replace('_', '-')}"
+            raise UsageError(f"--set {name}: give {flag} to the suite itself"
+                             if name != "dry_run" else
+                             "--set dry_run: every plan row is a dry run already")
     data = tomllib.loads(preset_path.read_text())
-    rows = plan_rows(data, args.quick, keys, f"preset {preset_path}", args.hardware)
+    label = f"preset {preset_path}"
+    rows = plan_rows(data, args.quick, keys, label, args.hardware)
     if not rows:
         raise UsageError(f"preset {preset_path}: no plan rows left")
+    every = len(rows)
+    rows = narrow_rows(rows, args.models, args.layouts, label)
+    for row in rows:
+        row.settings = {**row.settings, **(overrides or {})}
     # Every row's job, each checked (one line) before JAX's devices are set for the largest
     configs = [(row, row_job(row, args.hardware, args.gpus_per_node)) for row in rows]
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices_needed(configs))
-    print(f"suite plan {data.get('name', preset_path.stem)}{' (quick)' if args.quick else ''}: "
-          f"{len(rows)} rows on {args.hardware} -> {out} (PREDICTED, nothing is run)",
-          flush=True)
+    name = data.get("name", preset_path.stem)
+    head = (f"suite plan {name}{' (quick)' if args.quick else ''}: "
+            f"{len(rows)}{f' of {every}' if len(rows) < every else ''} rows on {args.hardware}")
+    if args.dry_run:
+        print(f"{head} (dry run: the command that plans each row alone; nothing planned, "
+              f"nothing written)")
+        width = max(len(r.name) for r in rows)
+        for row in rows:
+            print(f"{row.name:<{width}}  "
+                  f"{shlex.join(row_command(row, args.hardware, args.gpus_per_node))}")
+        print(f"{len(rows)} rows; drop --dry-run to plan them all into {out}")
+        return 0
+    set_devices(configs)
+    print(f"{head} -> {out} (PREDICTED, nothing is run)", flush=True)
     from jaxdist.stop import EXIT_CODES, StopRequest, StoppedInSetup, run_abandonable
 
     # The rows compile in a thread a signal can leave (XLA's compile holds the main thread in
     # C++ for minutes): SIGINT or SIGTERM ends the suite at once; each plan.json is written
     # whole, so what was planned stays and nothing is half-written.
+    done: list[str] = []
+
+    def log(line: str, row: str | None = None) -> None:
+        if row is not None:
+            done.append(row)
+        print(line, flush=True)
+
+    from jaxdist.program.xla_log import explained_xla_warnings
+
     stop = StopRequest().install()
+    stopped = None
     try:
-        ranking = run_abandonable(lambda: run_plan(configs, args.hardware, out,
-                                                   log=lambda s: print(s, flush=True)), stop)
-    except (StoppedInSetup, KeyboardInterrupt) as e:
-        done = len(list(out.glob("*/plan.json")))
-        print(f"\nsuite: interrupted after {done} of {len(rows)} rows (their plan.json under "
-              f"{out}; no ranking: rerun the command to predict them all)", file=sys.stderr)
-        if isinstance(e, StoppedInSetup):
-            sys.stderr.flush()
-            os._exit(EXIT_CODES[e.signal])  # the row's compile still runs in its thread
-        return 130
+        # XLA:GPU's rematerialization warnings, said in one line. Left before anything is
+        # said about a stop: it passes file descriptor 2 through a thread, which the
+        # process's end after a stop would not wait for.
+        with explained_xla_warnings():
+            try:
+                ranking = run_abandonable(
+                    lambda: run_plan(configs, args.hardware, out, log=log), stop)
+            except (StoppedInSetup, KeyboardInterrupt) as e:
+                stopped = e
     finally:
         stop.restore()
+    if stopped is not None:
+        print(f"\n{report_interrupted(list(done), len(rows), out, args.hardware)}",
+              file=sys.stderr)
+        if isinstance(stopped, StoppedInSetup):
+            sys.stderr.flush()
+            os._exit(EXIT_CODES[stopped.signal])  # the row's compile still runs in its thread
+        return 130
     print(format_ranking(ranking))
     print(f"\nranking: {out / 'ranking.md'}; wall time {ranking['meta']['wall_s']:.0f} s")
     return 0
