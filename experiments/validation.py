@@ -38,6 +38,9 @@ def validate(cfg: RunConfig) -> job.Job:
     if shape.size is None and cfg.output.dry_run:
         raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
     kind = job.kind_of(cfg)  # the layout registry (jax): a misspelled --layout stops here
+    # a PS run resumes from its shards' snapshots in --logdir (ps.resume)
+    if cfg.checkpoint.resume and not cfg.checkpoint.checkpoint_dir and kind != job.PS:
+        raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if shape.size is None and kind == job.PS:
         raise UsageError("--layout ps needs an explicit mesh WORKERSxDEVICES (e.g. 4x1)")
     resolved = check_layout_and_model(cfg, kind, shape, part)
@@ -92,9 +95,7 @@ def check_values(cfg: RunConfig) -> None:
     ck = cfg.checkpoint
     if ck.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be 0 or more, got {ck.checkpoint_every}")
-    # a PS run resumes from its shards' snapshots in --logdir (ps.resume)
-    if ((ck.resume and cfg.train.layout != "ps") or ck.checkpoint_every) and \
-            not ck.checkpoint_dir:
+    if ck.checkpoint_every and not ck.checkpoint_dir:
         raise UsageError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     cfg.power.validate()
     profile = parse_profile_steps(cfg.output.profile_steps)

@@ -42,13 +42,13 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     psdir = Path(logdir) / "ps"
     psdir.mkdir(parents=True, exist_ok=True)
     shard_map = shard_map_for(job)
-    if job.cfg.checkpoint.resume:  # checked already (validation): what it continues from
+    if job.checkpoint.resume:  # checked already (validation): what it continues from
         from ps.resume import plan
 
         resume = plan(job)
     (psdir / "shard_map.json").write_text(json.dumps(shard_map.to_dict(), indent=1))
     # the run's settings, which a --resume of it must repeat (ps.resume)
-    (psdir / "config.json").write_text(json.dumps(job.cfg.to_dict(), indent=1))
+    (psdir / "config.json").write_text(json.dumps(job.to_dict(), indent=1))
     log(f"ps: {shard_map.describe()}")
     if job.platform == "cpu" or gpu_count() < shape.size:
         log(f"No accelerator in use: each of the {shape.data} workers simulates "
@@ -58,7 +58,7 @@ def run_ps(job, logdir: Path, log=print) -> dict:
     if notice:
         log(notice)
     launch = Launch(job, psdir, log, token)
-    if job.cfg.checkpoint.resume:
+    if job.checkpoint.resume:
         launch.resume = resume
         log(f"ps: resuming from the shards' snapshots of version(s) "
             f"{sorted(set(launch.resume['versions']))}: worker(s) start at step(s) "
