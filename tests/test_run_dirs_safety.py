@@ -131,7 +131,8 @@ def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_at_once(tmp_path, monkey
 def test_resume_checks_who_wrote_the_folder(tmp_path, state):
     _save(tmp_path / "same", [2], state)
     check_directory(str(tmp_path / "same"), True, META)  # continues its own run line
-    check_directory(str(tmp_path / "new" / "ck"), True, META)  # nothing there: starts afresh
+    with pytest.raises(UsageError, match=r"--checkpoint-dir .*/new/ck does not exist"):
+        check_directory(str(tmp_path / "new" / "ck"), True, META)  # nothing to resume
     assert not (tmp_path / "new").exists()
     with pytest.raises(UsageError, match=r"--checkpoint-dir .*/same is from an incompatible "
                                          r"run \(model 'mlp-tiny' vs 'gpt-tiny'\)"):
