@@ -259,6 +259,10 @@ class RunRecord:
     def _block(self, key: str) -> dict:
         return self.results.get(key) or {}
 
+    def block(self, key: str) -> dict:
+        """results.json's block `key` as recorded ({} where the run has none)."""
+        return self._block(key)
+
     # -- what a run is
     @property
     def status(self) -> str:

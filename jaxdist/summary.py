@@ -3,7 +3,9 @@ row per figure, "n/a" with the reason where the run does not have it."""
 
 from __future__ import annotations
 
-from jaxdist.record import mesh_spec
+from pathlib import Path
+
+from jaxdist.record import RunRecord, mesh_spec
 
 
 def human_bytes(n: int | None) -> str:
@@ -34,50 +36,47 @@ def replicated_text(sharding: dict) -> str:
 
 
 def summary_rows(results: dict) -> list[tuple[str, str]]:
-    """(label, value) rows of the summary; a value the run does not have reads 'n/a'."""
-    t = results.get("step_time_s") or {}
-    mem = results.get("memory") or {}
-    env = results.get("env") or {}
-    throughput = results.get("throughput") or {}
-    compiled = mem.get("compiled") or {}
-    loss = results.get("loss") or []
+    """(label, value) rows of the summary, read through RunRecord; a value the run does not
+    have reads 'n/a'."""
+    rec = RunRecord(Path(""), results)
+    t, mem, thr = rec.block("step_time_s"), rec.block("memory"), rec.block("throughput")
+    loss = rec.loss or []
     rows = [
-        ("layout / mesh", f"{results['layout']}{dist_opt_text(results)} on "
-                          f"{mesh_text(results['mesh'])}"),
-        ("model", f"{results['model']['name']} ({_num(results['model'].get('params'), '{:,}')}"
-                  f" params)"),
-        ("devices", f"{env.get('num_devices', 'n/a')} x {env.get('device_kind', 'n/a')} "
-                    f"({env.get('backend', 'n/a')}"
-                    f"{', simulated' if env.get('simulated') else ''})"),
+        ("layout / mesh", f"{rec.layout}{dist_opt_text(results)} on "
+                          f"{mesh_text(results.get('mesh') or {})}"),
+        ("model", f"{rec.model_name} ({_num(rec.params, '{:,}')} params)"),
+        ("devices", f"{_num(rec.devices, '{}')} x {rec.device_kind or 'n/a'} "
+                    f"({rec.backend or 'n/a'}{', simulated' if rec.simulated else ''})"),
     ]
-    if results.get("status", "complete") != "complete":
-        rows.append(("status", str(results["status"])))
+    if rec.status != "complete":
+        rows.append(("status", rec.status))
+    compile_s = results.get("compile_s")
     rows += [
-        ("compile", _num(results.get("compile_s"), "{:.2f} s") + (
-            f" ({results['compile_note']})" if results.get("compile_s") is None
+        ("compile", _num(compile_s, "{:.2f} s") + (
+            f" ({results['compile_note']})" if compile_s is None
             and results.get("compile_note") else "")),
-        ("step time p50 / p90 / p99", " / ".join(_ms(t.get(k)) for k in ("p50", "p90", "p99"))),
+        ("step time p50 / p90 / p99", " / ".join(_ms(rec.step_p(k)) for k in
+                                                ("p50", "p90", "p99"))),
         ("step time mean ± ci95", _mean_line(t)),
-        ("throughput", _num(throughput.get("samples_per_s"), "{:.1f} samples/s",
-                            throughput.get("reason") or t.get("reason")) + (
-            f", {throughput['tokens_per_s']:.0f} tokens/s"
-            if throughput.get("tokens_per_s") is not None else "")),
-        ("MFU / HFU", _mfu_line(results.get("mfu") or {})),
-        ("state per device (shards)", human_bytes(mem.get("state_bytes_per_device")) +
+        ("throughput", _num(rec.samples_per_s, "{:.1f} samples/s",
+                            thr.get("reason") or t.get("reason")) + (
+            f", {rec.tokens_per_s:.0f} tokens/s" if rec.tokens_per_s is not None else "")),
+        ("MFU / HFU", _mfu_line(rec.block("mfu"))),
+        ("state per device (shards)", human_bytes(rec.state_bytes) +
          _parts_text(mem.get("state_bytes_by_part"))),
         ("compiler bound per device",
-         f"<= {human_bytes(compiled['peak_bytes'])} (argument + output - alias + temp: an "
-         f"allocation upper bound, not a measured peak)" if compiled.get("peak_bytes")
+         f"<= {human_bytes(rec.compiled_bound)} (argument + output - alias + temp: an "
+         f"allocation upper bound, not a measured peak)" if rec.compiled_bound
          is not None else _num(None, "", mem.get("compiled_reason"))),
-        ("measured peak per device", human_bytes(mem["measured_peak_bytes"]) if
-         mem.get("measured_peak_bytes") is not None else
+        ("measured peak per device", human_bytes(rec.measured_peak) if
+         rec.measured_peak is not None else
          f"n/a ({mem.get('measured_peak_reason') or 'not measured'})"),
     ]
-    shard = results.get("sharding")
+    shard = rec.block("sharding")
     if shard:
         rows.append(("state sharded / replicated (totals, all devices)",
                      f"{human_bytes(shard['sharded_bytes'])} / {replicated_text(shard)}"))
-    pp = results.get("pipeline")
+    pp = rec.block("pipeline")
     if pp:
         rows += [
             ("pipeline", f"{pp['schedule']}{' combined' * bool(pp.get('combined_f_back'))} "
@@ -97,11 +96,12 @@ def summary_rows(results: dict) -> list[tuple[str, str]]:
               if pp.get("residual_slots") else "")),
         ]
     rows += [
-        ("collectives per device/step", _comm_line(results.get("comm"), results.get("comm_reason"))),
+        ("collectives per device/step", _comm_line(rec.block("comm"),
+                                                   results.get("comm_reason"))),
         ("power / energy", _power_line(results.get("power"))),
         ("loss first -> last", f"{loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "n/a"),
     ]
-    if results.get("accuracy"):
+    if rec.final_accuracy is not None:
         last = results["accuracy"][-1]
         rows.append(("test accuracy", f"{last['accuracy']:.2%} at step {last['step']}"))
     return rows
