@@ -244,6 +244,9 @@ def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
             noticed = True
             with explained_xla_warnings():  # XLA:GPU's C++ warnings, said in one line
                 plan = run_abandonable(lambda: plans.plan(checked), stop)
+            if not stop.signal:  # what would fit, each lever checked (no compile)
+                from experiments.advice import with_advice
+                plan = with_advice(plan, checked)
         else:  # from shapes: one host device, nothing allocated
             configure_host_devices(MeshShape(1), "cpu")
             plan = run_abandonable(lambda: plans.plan(checked), stop)

@@ -601,29 +601,6 @@ def test_overlapped_communication_longer_than_compute_is_the_bottleneck():
     assert t.bottleneck == "inter-node"
 
 
-def test_plans_that_do_not_fit_say_what_would():
-    """An OOM or unknown plan names the levers, from its own settings."""
-    from jaxdist.plan.predicted import PlanSettings, next_steps
-
-    unknown = _estimate(10, 20).replace(upper_bound=True, upper_bound_why="no remat")
-    memory = verdict_of.memory_verdict(
-        unknown, 0, dataclasses.replace(get_hardware("h100-sxm"), hbm_bytes=15))
-    assert memory.fits is None
-    settings = PlanSettings(dtype="float32", remat="none", microbatches=1,
-                            attention="default", decoder=True)
-    hints = next_steps(memory, settings, pipelined=False)
-    assert hints[0].startswith("--dtype bfloat16") and "--remat full" in hints[1]
-    assert "attention=cudnn" in hints[2] and hints[3].startswith("--microbatches 2")
-    pipeline = dataclasses.replace(settings, dtype="bfloat16", remat="full", microbatches=8)
-    assert next_steps(memory, pipeline,
-                      pipelined=True)[-1].startswith("more micro-batches (--microbatches 16")
-    tiny = dataclasses.replace(get_hardware("h100-sxm"), hbm_bytes=5)
-    state = verdict_of.memory_verdict(_estimate(10, 20), 0, tiny)
-    assert "shards the state further" in next_steps(state, PlanSettings(), pipelined=False)[0]
-    fits = verdict_of.memory_verdict(_estimate(10, 20), 0, get_hardware("h100-sxm"))
-    assert next_steps(fits, PlanSettings(), pipelined=False) == []
-
-
 def test_a_plan_that_does_not_fit_leads_with_its_memory_verdict():
     """An OOM plan's result line is its memory verdict and what would fit;
     its throughput is kept, labelled "if it fit", in plan.json and in the printout. A GPT of

@@ -225,6 +225,7 @@ def side_by_side(tasks: list, threads: int, stop: threading.Event | None = None)
 def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> list[dict]:
     """Predict the rows of one entry in order with one cache; each row's plan.json (none
     once `stop` is set)."""
+    from experiments.advice import with_advice
     from jaxdist import plan as plans
 
     cache: dict = {}
@@ -234,6 +235,7 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         plan = plans.plan(job, cache=cache)
         if stop.is_set():
             break
+        plan = with_advice(plan, job)
         body = {**plan.to_json(),
                 "row": {"name": row.name, "entry": row.row, "settings": row.settings}}
         (out / row.name).mkdir(exist_ok=True)

@@ -16,7 +16,7 @@ from jaxdist.predict.prediction import LABEL, Prediction, predict
 
 @dataclasses.dataclass(frozen=True)
 class PlanSettings(Figures):
-    """The job's settings a plan's hints read (`next_steps`), plan.json's `settings`."""
+    """The job's settings a plan's readers compare by, plan.json's `settings`."""
     dtype: str | None = None
     remat: str | None = None
     fp8_scaling: str | None = None
@@ -25,6 +25,22 @@ class PlanSettings(Figures):
     tp_comm_chunks: int | None = None
     tp_comm_split: str | None = None
     decoder: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice(Figures):
+    """A lever that brings a plan under HBM, checked: the flags (which the validation
+    accepts for this job), the peak per device they would reach by the hand estimate, what
+    that saves, and whether it fits (experiments.advice makes them)."""
+    flags: str
+    memory_bytes: float
+    saves_bytes: float
+    fits: bool
+
+    def text(self) -> str:
+        from jaxdist.summary import human_bytes
+        return (f"{self.flags} ({human_bytes(self.memory_bytes)} per device, "
+                f"{'fits' if self.fits else 'still over'}; hand estimate)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +53,7 @@ class PredictedPlan(PlanBase):
     batch_size: int
     prediction: Prediction
     seq_len: int | None = None  # the header's; not in plan.json
+    advice: tuple[Advice, ...] = ()  # checked levers, where it does not fit
 
     file_name = "plan.json"
 
@@ -51,7 +68,8 @@ class PredictedPlan(PlanBase):
             "constants": p.constants, "compiled": p.compiled,
             **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             "memory": p.memory, "time": p.time, "throughput": p.throughput,
-            "verdict": p.verdict})
+            "verdict": p.verdict, **({"advice": list(self.advice)} if p.fits is not True
+                                     else {})})
 
     def text(self) -> str:
         return format_prediction(self)
@@ -86,7 +104,7 @@ def predict_plan(job, blocks: str = "auto", cache: dict | None = None) -> Predic
 
 
 def plan_settings(job) -> PlanSettings:
-    """The settings of `job` a plan's hints read (next_steps)."""
+    """The settings of `job` a plan records (plan.json `settings`)."""
     model_cfg = job.model
     return PlanSettings(dtype=job.dtype, remat=job.train.remat,
                         fp8_scaling=job.fp8_scaling if job.dtype == "float8" else None,
@@ -169,29 +187,16 @@ def host_line(mem, compiler_host_bytes: float | None = None) -> str:
             f"{human_bytes(hand)} per device")
 
 
-def next_steps(memory, settings: PlanSettings, pipelined: bool) -> list[str]:
-    """What would bring a plan that does not fit (OOM or unknown) under HBM, from its memory
-    verdict (a MemoryVerdict) and its own settings: the levers a user has, cheapest first."""
+def next_steps(memory, advice=()) -> list[str]:
+    """What would bring a plan that does not fit (OOM or unknown) under HBM: more devices
+    where the exact state alone is over, else the checked levers (`advice`, Advice records:
+    experiments.advice), those that fit first."""
     if memory.fits is True:
         return []
-    cfg = settings
     if (memory.fits_reason or "").startswith("the train state alone"):
         more = "more devices on fsdp or a layout that shards the state further (fsdp, fsdp_tp)"
         return [f"the state alone is over HBM: {more}"]
-    hints = []
-    if cfg.dtype == "float32":
-        hints.append("--dtype bfloat16 (half the activations)")
-    if cfg.remat == "none" and cfg.decoder:
-        hints.append("--remat full (keeps only block inputs)")
-    if cfg.attention == "default" and cfg.decoder:
-        hints.append("--model-opts attention=cudnn (flash attention: no L x L scores)")
-    if pipelined:
-        hints.append(f"more micro-batches (--microbatches {2 * cfg.microbatches}: "
-                     f"smaller activations per slot) or more stages")
-    else:
-        hints.append(f"--microbatches {2 * cfg.microbatches} (activations of one "
-                     f"slice at a time)")
-    return hints
+    return [a.text() for a in advice]
 
 
 def time_lines(p: PredictedPlan, indent: str) -> list[str]:
@@ -251,7 +256,7 @@ def format_prediction(p: PredictedPlan) -> str:
 
     hw, thr, comp = p.hardware, p.throughput, p.compiled
     mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
-    hints = next_steps(p.memory, p.settings, p.prediction.schedule is not None)
+    hints = next_steps(p.memory, p.advice)
     dist_opt = dist_opt_text({"distributed_optimizer": p.distributed_optimizer,
                               "layout": p.layout})
     lines = [
