@@ -67,8 +67,37 @@ def advise(job, most: int = 4) -> list:
         reach = hand_peak(derived)
         found.append(Advice(flags=flags, memory_bytes=reach, saves_bytes=now - reach,
                             fits=reach <= hbm))
-    found = [a for a in found if a.saves_bytes > 0]
-    return sorted(found, key=lambda a: (not a.fits, a.memory_bytes))[:most]
+    found = sorted((a for a in found if a.saves_bytes > 0),
+                   key=lambda a: (not a.fits, a.memory_bytes))
+    if found and not found[0].fits:  # no lever alone: the levers together, best first
+        together = combined(job, [a.flags for a in found], hbm, now)
+        if together is not None:
+            found.insert(0, together)
+    return found[:most]
+
+
+def combined(job, flags_in_order: list[str], hbm: float, now: float):
+    """The levers of `flags_in_order` pulled one after another (each kept where the
+    validation accepts it with the ones before), until the job fits; None where it never
+    does or where one lever alone is all there is."""
+    from experiments.validation import validate
+    from jaxdist.plan.predicted import Advice
+
+    change = dict(levers(job))
+    cfg, pulled, reach = job.cfg, [], now
+    for flags in flags_in_order:
+        try:
+            derived = validate(change[flags](cfg))
+        except UsageError:
+            continue
+        cfg, reach = derived.cfg, hand_peak(derived)
+        pulled.append(flags)
+        if reach <= hbm:
+            break
+    if len(pulled) < 2 or reach > hbm:
+        return None
+    return Advice(flags=" ".join(pulled), memory_bytes=reach, saves_bytes=now - reach,
+                  fits=True)
 
 
 def with_advice(plan, job):

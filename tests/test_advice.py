@@ -71,3 +71,13 @@ def test_the_plan_text_names_the_checked_levers():
     assert next_steps(dataclasses.replace(over, fits=True), (lever,)) == []
     alone = dataclasses.replace(over, fits_reason="the train state alone exceeds HBM")
     assert "shards the state further" in next_steps(alone, (lever,))[0]
+
+
+def test_levers_together_where_none_fits_alone():
+    """No lever alone brings the float32 fsdp step under 60% of its peak; pulled one after
+    another, best first, they do, and the plan names them together, first."""
+    job = job_of(FSDP, 0.6)
+    first = advise(job)[0]
+    assert first.fits and len(first.flags.split("--")) > 2, first
+    derived = validate(from_namespace(build_parser().parse_args(FSDP + first.flags.split())))
+    assert hand_peak(derived) == first.memory_bytes <= job.part.hbm_bytes
