@@ -71,9 +71,8 @@ class ScoreBytes(Figures):
 def figures(job, model_cfg, shape: MeshShape, target=None, hw=None,
             memo=None) -> StepFigures:
     """One compile of the step for `model_cfg` on the mesh of `target`'s devices
-    (jaxdist.program.compiled.Target): {flops, bytes_accessed, comm (aggregated), memory, kernels,
-    compile_s}, and with XLA:GPU and a part `hw`, `kernel_time`: the program's step timed
-    kernel by kernel (jaxdist.predict.kernels_time). No target: simulated CPU devices.
+    (jaxdist.program.compiled.Target): its StepFigures, with XLA:GPU and a part `hw` the
+    program's step timed kernel by kernel (`kernel_time`: jaxdist.predict.kernels_time). No target: simulated CPU devices.
     `memo` (a dict, optional: a suite plan's) keeps lowerings and readings for later calls."""
     return figures_of(job, [model_cfg], shape, target, hw, memo)[0]
 
