@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,3 +159,21 @@ def run_loop(cfg, platform, logdir, **kwargs) -> dict:
     from jaxdist import loop
 
     return loop.run(job_of(cfg, platform.shape), platform, logdir, **kwargs)
+
+
+class PeerThread(threading.Thread):
+    """A hostile peer a test runs beside a real run: `_run` does the attack; an exception it
+    raises is kept in `error` for the test to report, not lost in the thread."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.error = None
+
+    def run(self):
+        try:
+            self._run()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def _run(self):
+        raise NotImplementedError

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxdist.record import RunRecord
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, PeerThread, child_env
 from tests.test_ps_hostile import RUN, _open_fds
 from tests.test_ps_server import TOKEN
 
@@ -74,7 +74,7 @@ def refused_call(stream: int, authority: bytes) -> bytes:
     return _frame(1, 0x5, stream, block)  # HEADERS, END_STREAM | END_HEADERS
 
 
-class BusyPeer(threading.Thread):
+class BusyPeer(PeerThread):
     """`per_shard` HTTP/2 connections to each shard's gRPC port (from its ready file), each
     sending one refused call every `every_s` and answering the shard's SETTINGS and PINGs,
     so gRPC's idle timer never fires. A connection the shard closes is counted, not
@@ -82,19 +82,12 @@ class BusyPeer(threading.Thread):
 
     def __init__(self, psdir, shards: int, per_shard: int, every_s: float = 0.5,
                  calls: int = 40, limit_s: float = 90.0):
-        super().__init__(daemon=True)
+        super().__init__()
         self.psdir, self.shards, self.per_shard = psdir, shards, per_shard
         self.every_s, self.calls, self.limit_s = every_s, calls, limit_s
         self.stop_event = threading.Event()
         self.opened = self.closed_by_shard = self.sent = self.refusals = 0
         self.held_max = 0
-        self.error = None
-
-    def run(self):
-        try:
-            self._run()
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            self.error = e
 
     def _run(self):
         end = time.monotonic() + self.limit_s
@@ -227,7 +220,7 @@ def test_a_connection_past_its_budget_of_refused_calls_is_closed_by_the_shard(tm
 
 # -- a flood of raw connects on a TLS data port, snapshots on -----------------------------
 
-class ConnectFlood(threading.Thread):
+class ConnectFlood(PeerThread):
     """Once shard 0 has snapshotted its first step (training has started): worker 1 is
     stopped (SIGSTOP: the sync run waits, whatever the machine's load, so the flood falls
     inside it), `rate` raw TCP connects a second for `seconds` go to shard 0's data port,
@@ -237,19 +230,13 @@ class ConnectFlood(threading.Thread):
     while the snapshots are written."""
 
     def __init__(self, psdir, rate: int = 1000, seconds: float = 1.5):
-        super().__init__(daemon=True)
+        super().__init__()
         self.psdir, self.rate, self.seconds = psdir, rate, seconds
         self.stop_event = threading.Event()
         self.connects = self.failed = 0
         self.base = self.most = 0
         self.versions = (-1, -1)  # the snapshot version when the flood began, and ended
-        self.error = None
 
-    def run(self):
-        try:
-            self._run()
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            self.error = e
 
     def _latest(self) -> int:
         try:

@@ -24,7 +24,7 @@ from ps import security
 from ps.admission import NONCE_KEY
 from ps.shard_client import PSError
 from ps.tcp import HELLO, PULL_ONE, CallError, DataChannel
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, PeerThread, child_env
 from tests.test_ps_hostile import RUN, Shard, _data_pull, _open_fds
 from tests.test_ps_server import TOKEN, shard_client
 
@@ -229,7 +229,7 @@ def test_a_replayed_transcript_or_a_reflected_proof_opens_nothing(shard):
 H2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
 
 
-class Squatter(threading.Thread):
+class Squatter(PeerThread):
     """Takes shard 0's two ports the moment they are free (SO_REUSEADDR, spinning on
     bind, as the hostile peer did), then keeps every byte each connection sends. It plays
     along: HTTP/2 SETTINGS on the gRPC port (so a client sends its call's headers), and on
@@ -237,18 +237,11 @@ class Squatter(threading.Thread):
     would send its own)."""
 
     def __init__(self, ready_file, limit_s: float = 120.0):
-        super().__init__(daemon=True)
+        super().__init__()
         self.ready_file, self.limit_s = ready_file, limit_s
         self.ports: dict = {}
         self.captured: dict = {"grpc": [], "data": []}
         self.stop_event = threading.Event()
-        self.error = None
-
-    def run(self):
-        try:
-            self._run()
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            self.error = e
 
     def _run(self):
         end = time.monotonic() + self.limit_s

@@ -120,11 +120,11 @@ def read_program(compiled, seconds: float, target, sizes: dict, job, hw=None,
             kernel_time=kernels_time.step_time(hlo, reading.collectives, hw, sizes,
                                                job.matmul_precision, runs) if timed else None)
         if memo is not None:
-            memo[key] = out
-    else:
-        out = memo[key]
-    return copy.deepcopy(out).replace(memory=program_reading.memory_bytes(compiled),
-                                      liveness=liveness.of(compiled), compile_s=seconds)
+            memo[key] = copy.deepcopy(out)
+    else:  # a copy: the caller's figures never share lists with the memo's
+        out = copy.deepcopy(memo[key])
+    return out.replace(memory=program_reading.memory_bytes(compiled),
+                       liveness=liveness.of(compiled), compile_s=seconds)
 
 
 def is_stack(model_cfg) -> bool:
