@@ -347,17 +347,17 @@ def test_a_tls_connect_flood_during_a_run_with_snapshots_keeps_descriptors_cappe
 
 # -- a shard paused past --ps-timeout-s ---------------------------------------------------
 
-def test_a_shard_paused_past_the_step_timeout_is_named_not_a_worker(tmp_path):
-    """Shard 0 of a sync run is SIGSTOPped once the workers train, for --ps-timeout-s
-    (3 s here) + 0.5 s, then continued: the silence the launcher's deadline is measured
-    against is the same at 3 s as at 30 s. The run ended naming worker 0 ("made no
-    progress"); now it names the shard, and no process is left."""
+@pytest.mark.parametrize("timeout_s", [3.0, 30.0], ids=["3s", "30s"])
+def test_a_shard_paused_past_the_step_timeout_is_named_not_a_worker(tmp_path, timeout_s):
+    """Shard 0 of a sync run is SIGSTOPped once the workers train, for --ps-timeout-s + 0.5
+    s, then continued: at 3 s, and at the default 30 s (a real 30.5 s pause, where the run
+    ended naming worker 0, "made no progress"). It names the shard, and no process is
+    left."""
     from jaxdist.procs import pids_alive, pids_mentioning
     from tests.test_ps_hostile import SLOW
 
     logdir = tmp_path / "run"
     psdir = logdir / "ps"
-    timeout_s = 3.0
     paused = {}
 
     def pause():
