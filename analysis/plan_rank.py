@@ -20,22 +20,30 @@ from analysis.text import GiB, md_escape
 from jaxdist.errors import UsageError, path_arg
 
 LABEL = "PREDICTED"
-TERMS = ("device", "intra-node", "inter-node", "pipeline bubble")
 
 
-def bars(plan: dict) -> dict:
-    """The step's stacked terms in seconds (they add up to the predicted step): device time
-    (named compute or HBM), exposed communication by link, bubble."""
+def bars(plan: dict) -> dict[str, float]:
+    """The step's stacked terms in seconds, jaxdist.predict.time_model's TIME_TERMS in order
+    (they add up to the predicted step): plan.json's `time.terms`; a plan.json without them
+    (an older one) read as the roofline reads its device time, compute- or memory-bound."""
+    from jaxdist.predict.time_model import TIME_TERMS, TimeTerms, roofline_terms
+
     t = plan["time"]
-    device = t.get("device_s", max(t["compute_s"], t["hbm_s"]))
-    if "exposed_intra_node_s" in t:
-        intra, inter = t["exposed_intra_node_s"], t["exposed_inter_node_s"]
-    else:  # a plan.json written before the split: share the exposed part by link
-        total = t["intra_node_s"] + t["inter_node_s"]
-        share = t["comm_exposed_s"] / total if total else 0.0
-        intra, inter = t["intra_node_s"] * share, t["inter_node_s"] * share
-    return {"device": device, "device_name": "HBM" if t["hbm_s"] > t["compute_s"] else "compute",
-            "intra-node": intra, "inter-node": inter, "pipeline bubble": t.get("bubble_s", 0.0)}
+    if "terms" in t:
+        terms = TimeTerms(**t["terms"])
+    else:
+        device = t.get("device_s", max(t["compute_s"], t["hbm_s"]))
+        if "exposed_intra_node_s" in t:
+            exposed = {"intra-node": t["exposed_intra_node_s"],
+                       "inter-node": t["exposed_inter_node_s"]}
+        else:  # no split by link: share the exposed part by link
+            total = t["intra_node_s"] + t["inter_node_s"]
+            share = t["comm_exposed_s"] / total if total else 0.0
+            exposed = {"intra-node": t["intra_node_s"] * share,
+                       "inter-node": t["inter_node_s"] * share}
+        terms = roofline_terms(t["compute_s"], t["hbm_s"], device, exposed,
+                               t.get("bubble_s", 0.0))
+    return dict(zip(TIME_TERMS, (s for _, s in terms.seconds())))
 
 
 class PlanRow(TypedDict):
@@ -151,16 +159,16 @@ def _fits(f) -> str:
 
 def format_ranking(ranking: dict, markdown: bool = False) -> str:
     """One table per model, best first; every figure predicted."""
+    from jaxdist.predict.verdict import MEMORY_RULE
+
     meta = ranking.get("meta", {})
     hardware = meta.get("hardware") or parts_of(ranking["models"]) or "?"
     lines = [f"{LABEL} (not measured) on {hardware}: ranked by predicted "
-             f"tokens/s per GPU; the step split into device time (compute or HBM), exposed "
-             f"communication by link and the pipeline bubble (seconds). GiB/dev: the train state "
-             f"(exact) + gradients + saved activations + working set (jaxdist.predict.memory; "
-             f"fits '?' = unknown: an estimate without remat, an upper bound, over HBM) for "
-             f"non-pipeline rows; + activations estimated per stage for pipeline rows"]
+             f"tokens/s per GPU; the step split into compute, memory-bound kernels, launches, "
+             f"exposed communication by link (intra, inter) and the bubble (seconds). "
+             f"GiB/dev and fits: {MEMORY_RULE}"]
     head = ["rank", "run", "mesh", "schedule", "GiB/dev", "fits", "step s", "tok/s/GPU",
-            "MFU", "device", "intra", "inter", "bubble", "bottleneck"]
+            "MFU", "compute", "mem-bound", "launch", "intra", "inter", "bubble", "bottleneck"]
     for model, rows in ranking["models"].items():
         lines.append("")
         lines.append(f"{'### ' if markdown else ''}{model} ({LABEL})")
@@ -171,9 +179,7 @@ def format_ranking(ranking: dict, markdown: bool = False) -> str:
             table.append([str(i), r["name"], r["mesh"], sched, f"{r['memory_gib']:.1f}",
                           _fits(r["fits"]), f"{r['step_s']:.2f}",
                           f"{r['tokens_per_s_per_gpu'] or 0:,.0f}", f"{r['mfu']:.1%}",
-                          f"{b['device']:.2f} ({b['device_name']})", f"{b['intra-node']:.2f}",
-                          f"{b['inter-node']:.2f}", f"{b['pipeline bubble']:.2f}",
-                          r["bottleneck"]])
+                          *(f"{s:.2f}" for s in b.values()), r["bottleneck"]])
         if markdown:
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
@@ -201,15 +207,16 @@ def plot_ranking(ranked: dict[str, list[dict]], path: Path, hardware: str | None
     fig, axes = plt.subplots(len(ranked), 1, figsize=(9, 0.42 * n + 1.6 * len(ranked)),
                              squeeze=False, gridspec_kw={"height_ratios": [
                                  len(v) + 2 for v in ranked.values()]})
-    colours = {"device": "#4c72b0", "intra-node": "#dd8452", "inter-node": "#c44e52",
-               "pipeline bubble": "#8c8c8c"}
+    from jaxdist.predict.time_model import TIME_TERMS
+
+    colours = dict(zip(TIME_TERMS, ("#4c72b0", "#55a868", "#937860", "#dd8452", "#c44e52",
+                                    "#8c8c8c")))
     for ax, (model, rows) in zip(axes[:, 0], ranked.items()):
         names = [f"{r['name']} ({_fits(r['fits'])})" for r in rows][::-1]
         left = [0.0] * len(rows)
-        for term in TERMS:
+        for term in TIME_TERMS:
             widths = [r["bars"][term] for r in rows][::-1]
-            label = "compute / HBM" if term == "device" else (
-                f"exposed comm, {term}" if term != "pipeline bubble" else term)
+            label = f"exposed comm, {term}" if term.endswith("-node") else term
             ax.barh(names, widths, left=left, color=colours[term], label=label)
             left = [a + b for a, b in zip(left, widths)]
         ax.set_title(f"{model}: {LABEL} step time on {hardware or '?'} (not measured)",

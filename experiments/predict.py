@@ -296,9 +296,8 @@ def validate(cases) -> list[dict]:
             continue
         pred = plan.prediction
         tps = pred.throughput.tokens_per_s_per_gpu
-        # The plan's memory verdict, as it decided it: XLA:GPU's buffer assignment where it
-        # agrees with the hand estimate term by term, else the hand estimate (jaxdist.predict.
-        # verdict.gpu_memory_verdict); both are kept, with which one decided.
+        # The plan's memory verdict by jaxdist.predict.verdict.MEMORY_RULE; both figures are
+        # kept, with the one that decided.
         memory = pred.memory
         mem = memory.total_bytes / GIB
         compiled_memory = pred.memory_from == "compiled"

@@ -177,3 +177,32 @@ class PeerThread(threading.Thread):
 
     def _run(self):
         raise NotImplementedError
+
+
+def time_terms_read(stdout: str, plan: dict) -> dict[str, float]:
+    """The plan's time line parsed: jaxdist.predict.time_model.TIME_TERMS in their order, in
+    ms, checked to add up to the printed step and to agree with plan.json's `time.terms`
+    (every plan kind reads its time in this one vocabulary)."""
+    import re
+
+    from jaxdist.predict.time_model import TIME_TERMS
+
+    pattern = (r"\n\s+compute ([\d.]+) ms \+ memory-bound kernels ([\d.]+) ms \+ launches "
+               r"([\d.]+ ms|not modelled) \+ exposed communication intra-node ([\d.]+) ms "
+               r"\(of [\d.]+\), inter-node ([\d.]+) ms \(of [\d.]+\) \+ bubble ([\d.]+) ms = "
+               r"([\d.]+) ms\n")
+    found = re.findall(pattern, stdout)
+    assert len(found) == 1, stdout
+    *values, step = found[0]
+    read = {term: 0.0 if v == "not modelled" else float(v.removesuffix(" ms"))
+            for term, v in zip(TIME_TERMS, values)}
+    assert abs(sum(read.values()) - float(step)) <= 0.05 * len(read) + 1e-9
+    terms = plan["time"]["terms"]
+    json_ms = dict(zip(TIME_TERMS, (terms[k] * 1e3 for k in (
+        "compute_s", "memory_bound_s", "launch_s", "exposed_intra_node_s",
+        "exposed_inter_node_s", "bubble_s"))))
+    assert all(abs(read[k] - json_ms[k]) <= 0.05 for k in TIME_TERMS), (read, json_ms)
+    assert abs(sum(json_ms.values()) - plan["time"]["step_s"] * 1e3) <= 1e-6
+    assert f"bottleneck: {plan['time']['bottleneck']}\n" in stdout
+    assert plan["time"]["bottleneck"] == max(json_ms, key=json_ms.get)
+    return read

@@ -54,3 +54,20 @@ def test_the_link_check_sees_links(tmp_path):
                     "```\n[e](f.md)\n```\n[g](#h)\n")
     assert _relative_links(page) == ["b.md", "img/x.png", "#h"]
     assert _slug("What `make test` costs, and why") == "what-make-test-costs-and-why"
+
+
+def test_the_memory_rule_and_time_terms_are_stated_as_plans_state_them():
+    """The one memory rule (plans print it, plan.json carries it) is the glossary's and
+    docs/predict.md's word for word; the glossary names the time terms in their order."""
+    from jaxdist.predict.time_model import TIME_TERMS
+    from jaxdist.predict.verdict import MEMORY_RULE
+
+    def flat(page):
+        return " ".join((ROOT / "docs" / page).read_text().replace(">", " ").split())
+
+    for page in ("glossary.md", "predict.md"):
+        assert MEMORY_RULE in flat(page), page
+    glossary = flat("glossary.md")
+    where = [glossary.index(term, glossary.index("**Time terms**"))
+             for term in TIME_TERMS]
+    assert where == sorted(where)

@@ -15,6 +15,7 @@ from jaxdist.program import compiled
 from experiments.suite.plan import plan_rows
 from jaxdist.config import keys
 from jaxdist.errors import UsageError
+from jaxdist.predict.time_model import TIME_TERMS, TimeTerms
 from tests.helpers import ROOT, child_env
 
 
@@ -177,14 +178,22 @@ def plan(step, compute, hbm, intra, inter, exposed, bubble=0.0, tps=100.0, layou
 
 
 def test_ranking_bars_add_up_to_the_step():
-    # Overlap: 3 s of communication (1 intra, 2 inter) behind 2 s of compute -> 1 s exposed,
-    # shared by link 1/3, 2/3.
+    # A plan.json without time.terms is read as the roofline reads it. Overlap: 3 s of
+    # communication (1 intra, 2 inter) behind 2 s of compute -> 1 s exposed, by link 1/3, 2/3.
     b = plan_rank.bars(plan(3.0, 2.0, 1.0, 1.0, 2.0, 1.0))
-    assert b["device"] == 2.0 and b["device_name"] == "compute"
+    assert list(b) == list(TIME_TERMS)
+    assert (b["compute"], b["memory-bound kernels"], b["launches"]) == (2.0, 0.0, 0.0)
     assert b["intra-node"] == pytest.approx(1 / 3) and b["inter-node"] == pytest.approx(2 / 3)
     b = plan_rank.bars(plan(6.0, 1.0, 3.0, 1.0, 2.0, 3.0))
-    assert (b["device"], b["device_name"], b["intra-node"], b["inter-node"]) == \
-        (3.0, "HBM", 1.0, 2.0)
+    assert (b["compute"], b["memory-bound kernels"], b["intra-node"], b["inter-node"]) == \
+        (0.0, 3.0, 1.0, 2.0)
+    # a plan's own terms are read as written
+    terms = TimeTerms(1.0, 2.0, 0.5, 0.25, 0.125, 4.0, True)
+    with_terms = plan(7.875, 1.0, 2.0, 0.25, 0.125, 0.375)
+    with_terms["time"]["terms"] = terms.to_json()
+    b = plan_rank.bars(with_terms)
+    assert list(b.values()) == [1.0, 2.0, 0.5, 0.25, 0.125, 4.0]
+    assert sum(b.values()) == with_terms["time"]["step_s"]
 
 
 def test_ranking_orders_by_tokens_per_gpu(tmp_path):

@@ -13,8 +13,9 @@ from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
 from jaxdist.predict import memory, program
 from jaxdist.predict import verdict as verdict_of
+from jaxdist.predict.verdict import MEMORY_RULE
 from jaxdist.predict import time_model
-from tests.helpers import job_of, run_cli
+from tests.helpers import job_of, run_cli, time_terms_read
 
 H200 = get_hardware("h200")
 MESH = {"data": 4, "fsdp": 8}
@@ -204,7 +205,7 @@ def test_hbm_bound_step():
     t = time_model.step_time(0.1 * PEAK * EFF, bytes_accessed, [], H200, MESH, "bfloat16")
     assert t.hbm_s == pytest.approx(0.2)
     assert t.step_s == pytest.approx(0.2)
-    assert t.bottleneck == "HBM"
+    assert t.bottleneck == "memory-bound kernels"
 
 
 def test_pipeline_bubble():
@@ -214,7 +215,7 @@ def test_pipeline_bubble():
     assert t.step_s == pytest.approx(0.15)
     t = time_model.step_time(0.1 * PEAK * EFF, 0.0, [], H200, MESH, "bfloat16", stages=4,
                         microbatches=1)
-    assert t.bottleneck == "pipeline bubble"  # 300 ms of bubble beside 100 ms of work
+    assert t.bottleneck == "bubble"  # 300 ms of bubble beside 100 ms of work
 
 
 def test_throughput_and_mfu():
@@ -418,9 +419,16 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
     assert t["inter_node_s"] == 0.0  # 8 GPUs: one node
     assert plan["links"] == {"data": {"in_node": 2, "nodes": 1, "links": "2 in-node (NVLink)"},
                              "fsdp": {"in_node": 4, "nodes": 1, "links": "4 in-node (NVLink)"}}
-    assert "\n  links per axis: data: 2 in-node (NVLink); fsdp: 4 in-node (NVLink)\n" in \
-        proc.stdout
+    assert ("\n  links per axis (the link its collectives are timed on): data: 2 in-node "
+            "(NVLink) -> intra-node; fsdp: 4 in-node (NVLink) -> intra-node\n") in proc.stdout
     assert plan["memory"]["state_bytes"] == 202_756  # shapes.plan's per-device state
+    # XLA:CPU's program: the header says its time is no GPU prediction; the roofline's terms
+    assert "compiled by XLA:CPU" in proc.stdout.splitlines()[0] and \
+        "its time is not a GPU prediction" in proc.stdout.splitlines()[0]
+    read = time_terms_read(proc.stdout, plan)
+    assert not plan["time"]["terms"]["launches_modelled"] and read["launches"] == 0.0
+    assert f"  memory rule: {MEMORY_RULE}\n" in proc.stdout and \
+        plan["memory"]["rule"] == MEMORY_RULE
     assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
         16 * 32 / t["step_s"] / 8)
 
@@ -435,8 +443,9 @@ def test_a_plan_over_nodes_names_each_axis_links_and_times_each_collective_on_th
                    "--logdir", str(tmp_path / "p"), "--compiler", "cpu")
     assert proc.returncode == 0, proc.stderr
     net = "network, 50 GB/s per GPU"
-    assert f"\n  links per axis: data: 2 across nodes ({net}); fsdp: 2 in-node (NVLink) x 2 " \
-           f"across nodes ({net})\n" in proc.stdout
+    assert (f"\n  links per axis (the link its collectives are timed on): data: 2 across "
+            f"nodes ({net}) -> inter-node; fsdp: 2 in-node (NVLink) x 2 across nodes ({net}) "
+            f"-> inter-node\n") in proc.stdout
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["hardware"]["nodes"] == 4
     fsdp = [c for c in plan["time"]["collectives"] if c["axes"] == ["fsdp"]]
@@ -470,8 +479,15 @@ def test_dry_run_hardware_compiles_with_xla_gpu_and_times_kernel_by_kernel(tmp_p
     assert state["compiler_bytes"] == state["hand_bytes"] == 202_756 and state["agrees"]
     # gpt-tiny's activations are a few hundred KiB: the hand estimate's working set (a
     # block's recompute, two gathered blocks) is twice XLA's, so the figures disagree and
-    # the verdict is what both say (both fit)
-    assert not rest["agrees"] and mem["source"] == "hand estimate" and mem["fits"] is True
+    # the verdict is what both say (both fit); XLA's figure is the one quoted
+    assert not rest["agrees"] and mem["fits"] is True
+    assert mem["source"] == "XLA:GPU buffer assignment" and \
+        mem["total_bytes"] == c["peak_bytes"]
+    assert mem["rule"] == MEMORY_RULE and f"  memory rule: {MEMORY_RULE}\n" in proc.stdout
+    assert "not a GPU prediction" not in proc.stdout
+    read = time_terms_read(proc.stdout, plan)
+    assert t["terms"]["launches_modelled"] and t["terms"]["launch_s"] == t["launch_s"] > 0
+    assert read["launches"] > 0
     assert "term by term, XLA vs hand" in proc.stdout
     assert mem["hand_over_compiler"] == pytest.approx(mem["hand_estimate_bytes"] /
                                                       c["peak_bytes"])
@@ -726,10 +742,11 @@ def test_xla_flags_reach_the_plan_compile_and_a_rejection_is_one_line(capsys):
         "xla_a": False, "xla_b": 4, "xla_c": 0.5, "xla_d": "x", "xla_e": True}
 
 
-def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_term():
-    """XLA:GPU's buffer assignment decides where each term (state; the
-    rest: gradients, saved activations, working set) is within MEMORY_BAND of the hand
-    estimate's; else the verdict is what both figures say, and names the term."""
+def test_memory_verdict_by_the_one_rule():
+    """MEMORY_RULE: XLA:GPU's buffer assignment is the figure that decides and is shown;
+    where a term (state; the rest: gradients, saved activations, working set) is beyond
+    MEMORY_BAND of the hand estimate's, the verdict is what both figures say, and names the
+    term."""
     gib = 2 ** 30
     hw = get_hardware("h100-sxm")  # 80e9 B = 74.5 GiB
 
@@ -748,11 +765,12 @@ def test_memory_verdict_from_the_compiled_figure_only_where_it_agrees_term_by_te
     assert agree.xla_temp_limit_bytes == pytest.approx((80e9 - 11 * gib) * 0.95)
     both_fit = verdict(20 * gib, 55 * gib)
     assert (both_fit.source, both_fit.fits, both_fit.total_bytes) == \
-        ("hand estimate", True, 65 * gib)
+        ("XLA:GPU buffer assignment", True, 30 * gib)
+    assert both_fit.hand_estimate_bytes == 65 * gib
     assert "disagrees with the hand estimate beyond 0.8-1.25 on gradients + saved " \
         "activations + working set" in both_fit.source_note
     split = verdict(150 * gib, 55 * gib)
-    assert split.fits is None and split.fits_reason.startswith(
+    assert split.fits is None and split.total_bytes == 160 * gib and split.fits_reason.startswith(
         "XLA:GPU's buffer assignment exceeds HBM and the other does not")
     assert verdict(150 * gib, 100 * gib).fits is False
     # a hand estimate that is only an upper bound (no remat, tensor parallelism) says nothing

@@ -14,6 +14,7 @@ from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
 from jaxdist.predict.program import ScoreBytes, StepFigures
+from jaxdist.predict.time_model import TimeTerms
 from tests.helpers import job_of
 
 # A made-up part, so every figure below is simple arithmetic.
@@ -29,7 +30,8 @@ def op(seconds, comm=0.0):
     return ticks.OpTime(seconds=seconds, device_s=seconds, compute_s=seconds, hbm_s=0.0,
                         intra_node_s=comm, inter_node_s=0.0, exposed_intra_node_s=0.0,
                         exposed_inter_node_s=0.0, flops=0.0, bytes_accessed=0.0,
-                        collectives=[])
+                        collectives=[], terms=TimeTerms(seconds, 0.0, 0.0, 0.0, 0.0, 0.0,
+                                                        False))
 
 
 def test_sends_cross_nodes_from_the_device_order():
@@ -223,7 +225,7 @@ def test_bubble_can_be_the_bottleneck():
     t = ticks.tick_model(build_schedule("gpipe", 8, 2), unit_ops(), op(0.0), 0.0, HW,
                       {"stage": 8, "data": 1, "fsdp": 1})
     assert t.bubble_s == pytest.approx(21.0) and t.device_s == pytest.approx(6.0)
-    assert t.bottleneck == "pipeline bubble"
+    assert t.bottleneck == "bubble"
 
 
 def figs(flops, temp, comm_count, bytes_accessed=None):
@@ -348,7 +350,7 @@ def test_remat_variant_compiles_only_the_programs_recomputation_changes():
 
 
 def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
-    from tests.helpers import run_cli
+    from tests.helpers import run_cli, time_terms_read
     import json
 
     r = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "2", "--model",
@@ -362,6 +364,10 @@ def test_cli_dry_run_of_a_pipeline_layout_writes_plan(tmp_path):
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["label"] == "predicted" and plan["pipeline"]["ticks"] == 5
     assert plan["pipeline"]["schedule_bubble"] == pytest.approx(1 / 3)
+    # the same time terms as every plan kind; the bubble is the ticks' idle time
+    read = time_terms_read(r.stdout, plan)
+    assert read["bubble"] > 0 and \
+        read["bubble"] == pytest.approx(plan["time"]["bubble_s"] * 1e3, abs=0.05)
 
 
 def test_uneven_stages_time_each_chunk_at_its_own_blocks():

@@ -199,27 +199,49 @@ def next_steps(memory, advice=()) -> list[str]:
     return [a.text() for a in advice]
 
 
-def time_lines(p: PredictedPlan, indent: str) -> list[str]:
-    """The step time and its breakdown, the pipeline's ticks and the kernels."""
-    t, ms = p.time, 1e3
+def how_timed(p: PredictedPlan) -> str:
+    """What timed the step: the kernel model, the roofline, or a pipeline's ticks (whose
+    ops are timed by one of the two)."""
+    t = p.time
     if p.prediction.timing == "kernels":
-        lines = [
-            f"time per step, kernel by kernel from the program (published rates x the "
-            f"fitted kernel efficiency {t.kernel_efficiency or 0:.3f}): compute-bound "
-            f"kernels {t.compute_s * ms:.1f} ms, memory-bound {t.hbm_s * ms:.1f} ms, "
-            f"launches {t.launch_s * ms:.1f} ms; intra-node comm "
-            f"{t.intra_node_s * ms:.1f} ms, inter-node {t.inter_node_s * ms:.1f} ms, "
-            f"exposed {t.comm_exposed_s * ms:.1f} ms (where XLA's schedule leaves it "
-            f"uncovered)" + (
-                f"; host memory copies (remat offload, PCIe) {t.host_transfer_s * ms:.1f} "
-                f"ms, {t.exposed_host_transfer_s * ms:.1f} ms of it uncovered (in the step)"
-                if t.host_transfer_s else "")]
-    else:
-        lines = [f"time per step: compute {t.compute_s * ms:.1f} ms, HBM "
-                 f"{t.hbm_s * ms:.1f} ms, intra-node comm {t.intra_node_s * ms:.1f} ms, "
-                 f"inter-node comm {t.inter_node_s * ms:.1f} ms (exposed "
-                 f"{t.comm_exposed_s * ms:.1f} ms; overlap: {t.overlap}), bubble "
-                 f"{t.bubble_s * ms:.1f} ms"]
+        return (f"kernel by kernel from XLA:GPU's program (published rates x the fitted kernel "
+                f"efficiency {t.kernel_efficiency or 0:.3f})")
+    ops = "kernel by kernel" if t.terms.launches_modelled else "by the roofline"
+    if p.prediction.timing == "ticks":
+        return (f"tick by tick from the schedule table (the critical stage's ops, each timed "
+                f"{ops}; its sends; the gradient reduction and optimizer)")
+    return (f"by the roofline of the compiled program (the device time is the larger of "
+            f"compute {t.compute_s * 1e3:.1f} ms and memory traffic {t.hbm_s * 1e3:.1f} ms; "
+            f"no launches modelled)")
+
+
+def terms_line(t) -> str:
+    """The step as the sum of jaxdist.predict.time_model.TIME_TERMS, in their order: the one
+    way every plan's time reads."""
+    ms, terms = 1e3, t.terms
+    c = dict(terms.seconds())
+    launches = (f"{c['launches'] * ms:.1f} ms" if terms.launches_modelled else
+                "not modelled")
+    return (f"compute {c['compute'] * ms:.1f} ms + memory-bound kernels "
+            f"{c['memory-bound kernels'] * ms:.1f} ms + launches {launches} + exposed "
+            f"communication intra-node {c['intra-node'] * ms:.1f} ms (of "
+            f"{t.intra_node_s * ms:.1f}), inter-node {c['inter-node'] * ms:.1f} ms (of "
+            f"{t.inter_node_s * ms:.1f}) + bubble {c['bubble'] * ms:.1f} ms = "
+            f"{t.step_s * ms:.1f} ms")
+
+
+def time_lines(p: PredictedPlan, indent: str) -> list[str]:
+    """The step time as its terms, the pipeline's ticks and the kernels."""
+    t, ms = p.time, 1e3
+    hidden = (f" (--overlap, XLA's latency-hiding scheduler, may hide part of the "
+              f"{t.comm_exposed_s * ms:.1f} ms exposed: plan with it to see)"
+              if t.overlap == "none" and t.comm_exposed_s > 0 else "")
+    lines = [f"time per step, {how_timed(p)}:", f"  {terms_line(t)}",
+             f"  overlap of communication: {t.overlap}{hidden}" + (
+                 f"; host memory copies (remat offload, PCIe) {t.host_transfer_s * ms:.1f} "
+                 f"ms, {t.exposed_host_transfer_s * ms:.1f} ms of it uncovered (counted in "
+                 f"memory-bound kernels)" if t.has("host_transfer_s") and t.host_transfer_s
+                 else "")]
     sched, ticks = p.prediction.schedule, t.pipeline
     if sched is not None:  # the schedule's summary (Schedule.summary) and its ticks
         combined = " combined (F and BACK of a tick as one computation)" if sched.get(
@@ -262,18 +284,22 @@ def format_prediction(p: PredictedPlan) -> str:
     lines = [
         f"PREDICTED (not measured): {model_text(p)}, layout {p.layout}{dist_opt}, mesh {mesh} "
         f"on {hw['name']} ({hw['nodes']} node(s) of {hw['gpus_per_node']}), global batch "
-        f"{p.batch_size}",
+        f"{p.batch_size}" + ("" if comp.gpu else
+                             f"; compiled by {comp.compiler}, not XLA:GPU: its time is not a "
+                             f"GPU prediction (`make gpu-compiler` for one)"),
         verdict_line(p),
         *([f"  to fit: {'; '.join(hints) or 'a larger part or more devices'}"]
           if p.prediction.fits is not True else []),
         memory_line(p),
+        f"  memory rule: {p.memory.rule}",
         f"  compiler: {comp.compiler}; {comp.method}" +
         ("; L x L attention scores removed (flash attention on the GPU)"
          if comp.flash_attention else "") +
         (f"; Triton GEMMs off ({comp.fallback['xla_flags']}): XLA:GPU found no "
          f"Triton tiling for a dot" if comp.fallback else ""),
-        *(["  links per axis: " + "; ".join(f"{a}: {v.links}" for a, v in
-                                             p.prediction.links.items())]
+        *(["  links per axis (the link its collectives are timed on): " + "; ".join(
+            f"{a}: {v.links} -> {'inter-node' if v.nodes > 1 else 'intra-node'}"
+            for a, v in p.prediction.links.items() if v.in_node * v.nodes > 1)]
           if p.prediction.links else []),
     ]
     # an FP8 plan's MFU is against the bf16 peak, as NeMo and MaxText report it

@@ -15,7 +15,8 @@ from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, Schedule
 from jaxdist.pipeline.step import combined_sends, slot_pairs, overlapped_sends
-from jaxdist.predict.time_model import StepTime, kernel_step, ring_latency, step_time
+from jaxdist.predict.time_model import (StepTime, TimeTerms, kernel_step, ring_latency,
+                                        step_time)
 
 
 def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:
@@ -56,6 +57,7 @@ class OpTime(Figures):
     flops: float
     bytes_accessed: float
     collectives: list
+    terms: TimeTerms
 
 
 def op_row(fig, hw: Part, mesh: dict, dtype: str, overlap: bool,
@@ -71,7 +73,8 @@ def op_row(fig, hw: Part, mesh: dict, dtype: str, overlap: bool,
                   hbm_s=t.hbm_s, intra_node_s=t.intra_node_s, inter_node_s=t.inter_node_s,
                   exposed_intra_node_s=t.exposed_intra_node_s,
                   exposed_inter_node_s=t.exposed_inter_node_s, flops=fig.flops,
-                  bytes_accessed=fig.bytes_accessed, collectives=t.collectives)
+                  bytes_accessed=fig.bytes_accessed, collectives=t.collectives,
+                  terms=t.terms)
 
 
 def op_key(sched: Schedule, kind: int, s: int, v: int) -> tuple:
@@ -95,10 +98,11 @@ def stage_tick(sched: Schedule, ops: dict, s: int,
     f, v = ops[op_key(sched, FWD, s, kinds[FWD].v)], kinds[BACK].v
     pair, f_there = ops[op_key(sched, PAIR, s, v)], ops[op_key(sched, FWD, s, v)]
     row = pair.replace(**{k: getattr(pair, k) + getattr(f, k) - getattr(f_there, k)
-                          for k in TIMES})
+                          for k in TIMES}, terms=pair.terms + f.terms - f_there.terms)
     return [(row, {FWD: f.seconds, BACK: row.seconds - f.seconds})]
 
 
+ZERO_TERMS = TimeTerms(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False)
 TIMES = ("seconds", "device_s", "compute_s", "hbm_s", "intra_node_s", "inter_node_s",
          "exposed_intra_node_s", "exposed_inter_node_s")
 
@@ -167,6 +171,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     whose time beside the ticks leaves the tail."""
     S = sched.stages
     busy = [dict.fromkeys(TIMES, 0.0) for _ in range(S)]
+    busy_terms = [ZERO_TERMS] * S
     ticks_s = 0.0
     sends = {"intra-node": 0.0, "inter-node": 0.0}
     exposed = {"intra-node": 0.0, "inter-node": 0.0}  # the sends' time the ticks do not hide
@@ -181,6 +186,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
             for row, parts in stage_tick(sched, ops, s, ops_s):
                 for k in busy[s]:
                     busy[s][k] += getattr(row, k)
+                busy_terms[s] = busy_terms[s] + row.terms
                 stage_s += row.seconds
                 for k, seconds in parts.items():
                     longest_op[k] = max(longest_op[k], seconds)
@@ -218,29 +224,29 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     hidden = hidden_reductions(tick_ends, early, tail_exposed)
     tail = tail.replace(seconds=tail.seconds - sum(hidden.values()),
                         exposed_intra_node_s=tail_exposed["intra-node"] - hidden["intra-node"],
-                        exposed_inter_node_s=tail_exposed["inter-node"] - hidden["inter-node"])
+                        exposed_inter_node_s=tail_exposed["inter-node"] - hidden["inter-node"],
+                        terms=tail.terms.replace(
+                            exposed_intra_node_s=tail.terms.exposed_intra_node_s -
+                            hidden["intra-node"],
+                            exposed_inter_node_s=tail.terms.exposed_inter_node_s -
+                            hidden["inter-node"]))
     critical = max(range(S), key=lambda s: busy[s]["seconds"])
     work = busy[critical]
     bubble = ticks_s - work["seconds"]
-    terms = {"compute": work["device_s"] + tail.device_s,
-             "intra-node": work["exposed_intra_node_s"] + exposed["intra-node"] +
-             tail.exposed_intra_node_s,
-             "inter-node": work["exposed_inter_node_s"] + exposed["inter-node"] +
-             tail.exposed_inter_node_s,
-             "pipeline bubble": bubble}
-    compute_s, hbm_s = work["compute_s"] + tail.compute_s, work["hbm_s"] + tail.hbm_s
-    device_name = "HBM" if hbm_s > compute_s else "compute"
-    named = {device_name if k == "compute" else k: v for k, v in terms.items()}
+    terms = busy_terms[critical] + tail.terms + TimeTerms(
+        0.0, 0.0, 0.0, exposed["intra-node"], exposed["inter-node"], bubble, False)
     step = ticks_s + exposed["intra-node"] + exposed["inter-node"] + tail.seconds
     # intra/inter_node_s: all the link time of the critical stage's ops, the sends and the
     # tail (as jaxdist.predict.time_model reports it); exposed_*: what adds to the step.
     return StepTime(
-        step_s=step, compute_s=compute_s, hbm_s=hbm_s, device_s=terms["compute"],
+        step_s=step, compute_s=work["compute_s"] + tail.compute_s,
+        hbm_s=work["hbm_s"] + tail.hbm_s, device_s=work["device_s"] + tail.device_s,
         intra_node_s=work["intra_node_s"] + sends["intra-node"] + tail.intra_node_s,
         inter_node_s=work["inter_node_s"] + sends["inter-node"] + tail.inter_node_s,
-        exposed_intra_node_s=terms["intra-node"], exposed_inter_node_s=terms["inter-node"],
-        comm_exposed_s=terms["intra-node"] + terms["inter-node"],
-        bubble_s=bubble, bottleneck=max(named, key=named.get),
+        exposed_intra_node_s=terms.exposed_intra_node_s,
+        exposed_inter_node_s=terms.exposed_inter_node_s,
+        comm_exposed_s=terms.exposed_intra_node_s + terms.exposed_inter_node_s,
+        bubble_s=bubble, bottleneck=terms.bottleneck(), terms=terms,
         pipeline=PipelineTime(
             ticks=sched.ticks, ticks_s=ticks_s, critical_stage=critical,
             critical_stage_work_s=work["seconds"],

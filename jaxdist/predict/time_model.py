@@ -39,6 +39,64 @@ from jaxdist.program.hlo import ring_steps
 LABEL = "predicted"
 
 
+# The one vocabulary every plan's time is read in (plan text, plan.json's `time.terms`,
+# analysis.plan_rank), in this order; the terms add up to the predicted step.
+# The two link terms are the communication the schedule leaves exposed.
+TIME_TERMS = ("compute", "memory-bound kernels", "launches", "intra-node", "inter-node",
+              "bubble")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeTerms(Figures):
+    """A predicted step as the sum of TIME_TERMS (seconds per device): the device time split
+    into compute-bound kernels, memory-bound kernels (with host copies no kernel hid) and
+    launch overheads, the communication the schedule leaves exposed on each link, and the
+    pipeline bubble. The roofline times the whole program (or a pipeline op) as one kernel,
+    compute- or memory-bound, and models no launches."""
+    compute_s: float
+    memory_bound_s: float
+    launch_s: float
+    exposed_intra_node_s: float
+    exposed_inter_node_s: float
+    bubble_s: float
+    launches_modelled: bool
+
+    def seconds(self) -> list[tuple[str, float]]:
+        """(term, seconds) in TIME_TERMS order."""
+        return list(zip(TIME_TERMS, (self.compute_s, self.memory_bound_s, self.launch_s,
+                                     self.exposed_intra_node_s, self.exposed_inter_node_s,
+                                     self.bubble_s)))
+
+    @property
+    def step_s(self) -> float:
+        return sum(s for _, s in self.seconds())
+
+    def bottleneck(self) -> str:
+        """The largest term (a TIME_TERMS name)."""
+        return max(self.seconds(), key=lambda kv: kv[1])[0]
+
+    def __add__(self, other: "TimeTerms") -> "TimeTerms":
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: "TimeTerms") -> "TimeTerms":
+        return self._combine(other, -1.0)
+
+    def _combine(self, other: "TimeTerms", sign: float) -> "TimeTerms":
+        return TimeTerms(*(a + sign * b for (_, a), (_, b) in
+                           zip(self.seconds(), other.seconds())),
+                         launches_modelled=self.launches_modelled or other.launches_modelled)
+
+
+def roofline_terms(compute: float, hbm: float, device: float, exposed: dict[str, float],
+                   bubble: float = 0.0) -> TimeTerms:
+    """TimeTerms of a roofline: the device time is compute-bound or memory-bound."""
+    bound = {"compute_s": device, "memory_bound_s": 0.0} if compute >= hbm else \
+        {"compute_s": 0.0, "memory_bound_s": device}
+    return TimeTerms(**bound, launch_s=0.0, exposed_intra_node_s=exposed["intra-node"],
+                     exposed_inter_node_s=exposed["inter-node"], bubble_s=bubble,
+                     launches_modelled=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTime(Figures):
     """The predicted step (seconds per device) and its terms, plan.json's `time` block, from
@@ -71,6 +129,7 @@ class StepTime(Figures):
     kernel_efficiency: float | None = ABSENT
     device_s_exact: float = ABSENT
     pipeline: Figures = ABSENT                # ticks: jaxdist.predict.ticks.PipelineTime
+    terms: TimeTerms = ABSENT                 # the step in TIME_TERMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,21 +300,20 @@ def step_time(flops: float, bytes_accessed: float, comm: list[dict], hw: Part,
     exposed = max(0.0, comm_total - device) if overlap else comm_total
     share = exposed / comm_total if comm_total else 0.0
     bubble = device * (stages - 1) / microbatches if stages > 1 else 0.0
+    terms = roofline_terms(compute, hbm, device, {k: v * share for k, v in links.items()},
+                           bubble)
     # What dominates: the largest term; with overlap, communication longer than the device
-    # time bounds the step, so then the device time is not the bottleneck.
+    # time bounds the step (the device time hides under it): then the link with the most.
     bounded = overlap and comm_total > device
-    terms = {"compute": compute if compute >= hbm and not bounded else 0.0,
-             "HBM": hbm if hbm > compute and not bounded else 0.0,
-             "intra-node": links["intra-node"], "inter-node": links["inter-node"],
-             "pipeline bubble": bubble}
     return StepTime(
         step_s=device + exposed + bubble, compute_s=compute, hbm_s=hbm,
         intra_node_s=links["intra-node"], inter_node_s=links["inter-node"],
         comm_exposed_s=exposed, bubble_s=bubble,
         overlap="hidden behind compute up to its length" if overlap else "none",
-        bottleneck=max(terms, key=terms.get), collectives=rows, peak_flops_per_device=peak,
+        bottleneck=max(links, key=links.get) if bounded else terms.bottleneck(),
+        collectives=rows, peak_flops_per_device=peak,
         device_s=device, exposed_intra_node_s=links["intra-node"] * share,
-        exposed_inter_node_s=links["inter-node"] * share)
+        exposed_inter_node_s=links["inter-node"] * share, terms=terms)
 
 
 def kernel_step(kt, comm: list[dict], hw: Part, mesh: dict[str, int],
@@ -263,8 +321,11 @@ def kernel_step(kt, comm: list[dict], hw: Part, mesh: dict[str, int],
     """`step_time`'s record from the kernel-by-kernel model (jaxdist.predict.kernels_time's
     `KernelTime`) of an XLA:GPU program: device time is the sum of its kernels,
     communication is exposed where the program's schedule leaves it uncovered."""
-    exposed = {"intra-node": kt.exposed_intra_node_s, "inter-node": kt.exposed_inter_node_s}
-    terms = {"compute": kt.compute_s, "HBM": kt.hbm_s + kt.launch_s, **exposed}
+    terms = TimeTerms(compute_s=kt.compute_s,
+                      memory_bound_s=kt.device_s - kt.compute_s - kt.launch_s,
+                      launch_s=kt.launch_s, exposed_intra_node_s=kt.exposed_intra_node_s,
+                      exposed_inter_node_s=kt.exposed_inter_node_s, bubble_s=0.0,
+                      launches_modelled=True)
     return StepTime(
         model="kernel by kernel (XLA:GPU program, published rates)",
         step_s=kt.device_s + kt.comm_exposed_s, compute_s=kt.compute_s, hbm_s=kt.hbm_s,
@@ -275,11 +336,11 @@ def kernel_step(kt, comm: list[dict], hw: Part, mesh: dict[str, int],
         host_transfer_s=kt.host_transfer_s,
         exposed_host_transfer_s=kt.exposed_host_transfer_s,
         overlap="as XLA:GPU's schedule places each collective between its start and done",
-        bottleneck=max(terms, key=terms.get), upper_bound=kt.upper_bound,
+        bottleneck=terms.bottleneck(), upper_bound=kt.upper_bound,
         by_kind=kt.by_kind, rates=kt.rates, kernel_efficiency=kt.kernel_efficiency,
         collectives=[{**op, **collective_time(op, hw, mesh).to_json()} for op in comm],
         peak_flops_per_device=hw.peak_flops(dtype, matmul_precision),
-        device_s_exact=kt.device_s, device_s=kt.device_s)
+        device_s_exact=kt.device_s, device_s=kt.device_s, terms=terms)
 
 
 def throughput(step: StepTime, tokens_per_step: int | None, model_flops_per_step: float,

@@ -3,8 +3,8 @@
 
 - `memory_verdict`: one program compiled by XLA:CPU: jaxdist.predict.memory's hand estimate
   decides; XLA:CPU's temporaries ride along as an upper bound.
-- `gpu_memory_verdict`: one program compiled by XLA:GPU: its buffer assignment decides where
-  it agrees with the hand estimate term by term (`MEMORY_BAND`), else what both say.
+- `gpu_memory_verdict`: one program compiled by XLA:GPU: its buffer assignment decides, the
+  hand estimate beside it term by term (`MEMORY_BAND`).
 - `pipeline_verdict`: a pipeline's worst stage (jaxdist.predict.stage_memory), its working set
   from XLA:GPU's buffer assignment of one chunk's backward where compiled for a GPU.
 - `word` and `if_it_fit`: the verdict in one word, and a throughput labelled "if it fit"
@@ -19,6 +19,22 @@ from jaxdist.figures import ABSENT, Figures
 from jaxdist.parts import Part
 
 LABEL = "predicted"
+
+# Where XLA:GPU's buffer assignment decides the memory verdict: each of its terms within this
+# band of the hand estimate's (hand / compiler). The hand estimate is within 5% of every
+# published peak it is set beside (experiments.predict --validate); a compiled figure further
+# from it than this is a program the extrapolation or XLA's schedule may have made unlike
+# what runs (e.g. every block's gathered weights live at once).
+MEMORY_BAND = (0.8, 1.25)
+
+# The one rule for which memory figure decides, as every plan states it (the plan's text,
+# plan.json's `memory.rule`, docs/glossary.md and docs/predict.md).
+MEMORY_RULE = (
+    "XLA:GPU's buffer assignment decides where an XLA:GPU program was read (a pipeline: its "
+    "fullest stage, with XLA:GPU's working set of one chunk's backward), else the hand "
+    "estimate; where the two differ beyond "
+    f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} on a term and fall on either side of HBM, the "
+    "verdict is unknown (an upper-bound hand estimate over HBM does not count)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +66,7 @@ class MemoryVerdict(Figures):
     over_by_bytes: float
     headroom_bytes: float
     label: str = LABEL
+    rule: str = MEMORY_RULE
     # the hand estimate's terms (jaxdist.predict.memory.MemoryEstimate), one program
     residual_bytes: float = ABSENT
     transient_bytes: float = ABSENT
@@ -131,14 +148,6 @@ def memory_verdict(estimate, cpu_temp_bytes: float, hw: Part) -> MemoryVerdict:
         fits=fits, fits_reason=reason)
 
 
-# Where XLA:GPU's buffer assignment decides the memory verdict: each of its terms within this
-# band of the hand estimate's (hand / compiler). The hand estimate is within 5% of every
-# published peak it is set beside (experiments.predict --validate); a compiled figure further
-# from it than this is a program the extrapolation or XLA's schedule made unlike what runs
-# (e.g. every block's gathered weights live at once), and the hand estimate decides instead.
-MEMORY_BAND = (0.8, 1.25)
-
-
 def memory_terms(estimate, gpu: dict[str, float]) -> list[MemoryTerm]:
     """The compiled buffer assignment and the hand estimate, term by term: the train state
     (XLA: the donated arguments, updated in place; hand: the exact shards) and everything
@@ -156,12 +165,12 @@ def memory_terms(estimate, gpu: dict[str, float]) -> list[MemoryTerm]:
 
 
 def gpu_memory_verdict(estimate, gpu: dict[str, float], hw: Part) -> MemoryVerdict:
-    """Per-device bytes against the part's usable HBM. XLA:GPU's buffer assignment of the step
-    (argument + output - alias + temp: what the program allocates, before the allocator's
-    own pools and library workspaces) decides where it agrees with jaxdist.predict.memory's
-    hand estimate term by term within MEMORY_BAND; else the verdict is what both figures say
-    (unknown where they differ) and names the term that disagrees, and the hand estimate is
-    the figure shown. XLA planned the program (scheduler,
+    """Per-device bytes against the part's usable HBM, by MEMORY_RULE. XLA:GPU's buffer
+    assignment of the step (argument + output - alias + temp: what the program allocates,
+    before the allocator's own pools and library workspaces) is the figure shown and held to
+    HBM; jaxdist.predict.memory's hand estimate is set beside it term by term, and where a
+    term disagrees beyond MEMORY_BAND the verdict is what both figures say (unknown where
+    they differ) and names the term. XLA planned the program (scheduler,
     rematerialization) for the same usable HBM (jaxdist.program.gpu_targets XLA_BASE_FRACTION): its
     limit for temporaries is that less arguments and outputs, times its slop factor."""
     from jaxdist.program.gpu_targets import XLA_SLOP_FACTOR
@@ -171,8 +180,8 @@ def gpu_memory_verdict(estimate, gpu: dict[str, float], hw: Part) -> MemoryVerdi
     terms = memory_terms(estimate, gpu)
     disagree = [t for t in terms if not t.agrees]
     hand = estimate.total_bytes
+    need, source = compiled, "XLA:GPU buffer assignment"
     if not disagree:
-        need, source = compiled, "XLA:GPU buffer assignment"
         fits = need <= hw.hbm_bytes
         source_note = (f"XLA:GPU's buffer assignment agrees with the hand estimate term by term "
                        f"within {MEMORY_BAND[0]}-{MEMORY_BAND[1]}")
@@ -182,8 +191,6 @@ def gpu_memory_verdict(estimate, gpu: dict[str, float], hw: Part) -> MemoryVerdi
         # A hand estimate that is only an upper bound (no remat, tensor parallelism:
         # memory.py) says nothing when it is over HBM: the compiled figure alone decides.
         silent = bool(estimate.upper_bound) and hand > hw.hbm_bytes
-        need, source = (compiled, "XLA:GPU buffer assignment") if silent else \
-            (hand, "hand estimate")
         both = {compiled <= hw.hbm_bytes} | (set() if silent else {hand <= hw.hbm_bytes})
         fits = both.pop() if len(both) == 1 else None
         if estimate.state_bytes > hw.hbm_bytes:
