@@ -117,7 +117,9 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
         check_logdir(cfg)
         path = Path(cfg.output.logdir)
     else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        # What the run is first (TensorBoard's Trial ID column shows a folder name's first
+        # characters), then when it started, month to second: `fsdp-4x8-gpt-tiny-1207-144901`.
+        stamp = time.strftime("%m%d-%H%M%S")
         layout = cfg.train.layout
         # imported here, not at the top: sharding imports jax, which bad input must not wait for
         from sharding.registry import facts
@@ -127,11 +129,11 @@ def make_logdir(cfg: RunConfig, mesh_label: str) -> RunDir:
                                                "combined_f_back":
                                                    cfg.train.pp_combined_1f1b})
         what = f"{layout}-{mesh_label}-{cfg.model.model}"
-        path = Path("runs") / f"{stamp}-{what}"
+        path = Path("runs") / f"{what}-{stamp}"
         suffix = 1
         while path.exists():
             suffix += 1
-            path = path.with_name(f"{stamp}-{what}-{suffix}")
+            path = path.with_name(f"{what}-{stamp}-{suffix}")
     top = path.absolute()
     while not top.parent.exists():
         top = top.parent

@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and synthetic data")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (default: 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
-    p.add_argument("--logdir", default="", type=path_arg, help="run directory (default runs/<time>-"
-                   "<strategy>-torch<N>-<model>)")
+    p.add_argument("--logdir", default="", type=path_arg, help="run directory (default runs/"
+                   "<strategy>-torch<N>-<model>-<time>)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA if it has N GPUs, else CPU (default: auto)")
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads per process "

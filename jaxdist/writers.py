@@ -5,12 +5,16 @@ What a run shows in TensorBoard:
   (`train/warmup_step_time_s` for warm-up steps; ps runs add `train/worker<w>/step_time_s`),
   `eval/accuracy` and the power telemetry under `power/` (jaxdist/telemetry/outputs.py).
 - Custom Scalars: one chart of `train/loss` and one of `train/step_time_s` over every run,
-  and a category `step time (s) by layout` with one chart per layout (custom_scalars).
-- HParams: one row per run, named by the run's folder (its path under the folder
-  TensorBoard was given), with the settings that define the run, its `status` and `steps`
-  as columns and its run-level figures as metrics. TensorBoard reads metric values from
-  scalars, so each metric is also a one-point scalar under `trial/`.
-- Text: `summary` (the printed table, as markdown) and `config` (the run's whole config).
+  and per model a category `step time (s) by layout: <model>` with one chart per layout
+  (custom_scalars), so runs of one model share an axis and no other's.
+- HParams: one row per run, named by the run's folder (layout, mesh, model, then its start
+  time: experiments.run_dirs), with the settings that define the run, its `status` and
+  `steps` as columns and its run-level figures as metrics, 25 columns in all. TensorBoard
+  reads metric values from scalars, so each metric (and each run-level figure that is not
+  a column) is also a one-point scalar under `trial/`.
+- Text: `summary` (the printed table, as markdown), `config` (the run's whole config) and,
+  where the run's losses equal those of other layouts' runs beside it, `note` (their loss
+  curves are drawn one over the other).
 """
 
 from __future__ import annotations
@@ -35,83 +39,73 @@ METRIC_PREFIX = "trial/"
 SIM = "; functional only if simulated"
 # TensorBoard prints a metric as `value.toPrecision(5)`: fixed notation from 1e-6 to 1e5,
 # exponent notation outside it, so 50692 bytes and 1.6e6 bytes read `50692` and `1.6000e+6`
-# in one column. Each figure is written in a unit that keeps it inside that range, so a
-# column reads in one format: bytes in GiB (1.1 kB to 97 TiB), throughputs in thousands.
+# in one column. Each figure is written in a unit that reads 0.1-9,999: throughputs in
+# thousands, memory in the binary unit of the run's scale (memory_unit), named in the
+# column's title and tag (`state MiB/device`, trial/state_mib_per_device).
 GIB = 2.0 ** 30
-# (tag without the prefix, column title): the run-level figures, in HParams column order.
-# TensorBoard ticks the first five by default; at 1600 px the table shows the Trial ID, the
-# five default setting columns (IDENTITY) and the first metric, state per device (exact
-# even on simulated devices, where step times are functional only); then step time, the
-# compiler's bound, the measured peak and the pipeline's bubble.
+MEMORY_UNITS = (("TiB", 2.0 ** 40), ("GiB", GIB), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10))
+# (tag without the prefix, column title): the run-level figures shown as HParams columns,
+# in column order; `{unit}` is the run's memory unit. TensorBoard ticks the first five by
+# default: step time, then memory per device (the state's exact shards even on simulated
+# devices, where step times are functional only; the compiler's bound; the measured peak).
 METRICS = (
-    ("state_gib_per_device", "state GiB/device"),
     ("step_time_p50_s", f"step p50 (s{SIM})"),
-    ("compiler_bound_gib", "compiler bound GiB/device"),
-    ("measured_peak_gib", "measured peak GiB/device"),
-    ("pp_bubble", "pipeline bubble (counted)"),
-    ("step_time_p99_s", f"step p99 (s{SIM})"),
-    ("ksamples_per_s", f"k samples/s ({SIM[2:]})"),
+    ("state_{unit}_per_device", "state {unit}/device"),
+    ("compiler_bound_{unit}", "compiler bound {unit}/device"),
+    ("measured_peak_{unit}", "measured peak {unit}/device"),
     ("ktokens_per_s", f"k tokens/s ({SIM[2:]})"),
     ("mfu", "MFU"),
-    ("hfu", "HFU"),
-    ("comm_ring_gib", "ring GiB/device/step"),
-    ("pp_stage_gib", "pipeline stage GiB/step (a device per stage)"),
-    ("pp_bubble_analytic", "pipeline bubble (analytic)"),
-    ("pp_activation_stash_gib", "pipeline activation stash GiB"),
+    ("pp_bubble", "pipeline bubble (counted)"),
     ("energy_per_step_j", "energy/step (J)"),
-    ("energy_per_sample_j", "energy/sample (J)"),
     ("accuracy", "test accuracy"),
     ("final_loss", "final loss"),
-    ("ps_push_p50_s", "ps push p50 (s)"),
-    ("ps_pull_p50_s", "ps pull p50 (s)"),
-    ("ps_gib_per_step", "ps GiB/step"),
-    ("ps_staleness_mean", "ps staleness mean"),
-    ("ps_staleness_max", "ps staleness max"),
 )
-# name -> type of the settings that define a run. Left out on purpose: flags that do not
-# change what is measured (checkpointing, multi-process wiring, output paths, telemetry
-# knobs) and, for runs other than ps, the ps settings. Counts are strings: TensorBoard
-# prints every number to 5 significant digits (8 devices would read `8.0000`). `status`
-# (complete / interrupted) and `steps` (steps run; `18 of 303` when interrupted) say
-# whether the row's figures are those of the whole run.
+# The other run-level figures: one-point scalars under `trial/` (Time Series), not columns.
+FIGURES = ("step_time_p99_s", "ksamples_per_s", "hfu", "comm_ring_gib", "pp_stage_gib",
+           "pp_stage_gib_analytic", "pp_bubble_analytic", "pp_activation_stash_gib",
+           "energy_per_sample_j", "ps_push_p50_s", "ps_pull_p50_s", "ps_gib_per_step",
+           "ps_staleness_mean", "ps_staleness_max")
+# name -> type of the settings that define a run, the HParams columns (15; with METRICS,
+# 25). Left out: flags that do not change what is measured (checkpointing, multi-process
+# wiring, output paths, telemetry knobs) and settings a comparison rarely varies (the
+# config text holds them all: lr, seed, dataset, matmul precision, ...). Counts are
+# strings: TensorBoard prints every number to 5 significant digits (8 devices would read
+# `8.0000`). `status` (complete / interrupted) and `steps` (steps run; `18 of 303` when
+# interrupted) say whether the row's figures are those of the whole run.
 HPARAMS = {
-    "layout": str, "mesh": str, "schedule": str, "status": str, "steps": str,
-    "devices": int, "device_kind": str,
-    "model": str, "params": int, "batch": int, "dtype": str, "fp8_scaling": str,
-    "matmul_precision": str, "grad_reduce_dtype": str,
-    "optimizer": str, "lr": float, "microbatches": int, "remat": str, "overlap": bool,
-    "dataset": str, "seed": int, "framework": str, "backend": str, "simulated": bool,
-    "ps_mode": str, "ps_shards": int, "ps_staleness": int,
+    "layout": str, "mesh": str, "model": str, "dtype": str, "status": str, "steps": str,
+    "schedule": str, "devices": int, "batch": int, "microbatches": int, "remat": str,
+    "overlap": bool, "framework": str, "simulated": bool, "ps_mode": str,
 }
 # Marked as differing so TensorBoard shows these columns first (it shows 5 by default,
-# differing ones first, then by name). The row's name (the run folder: time, layout and
-# mesh, model, a pipeline's schedule) says which run it is; these five say what it is and
-# whether it finished; devices and schedule are one tick away in the column menu.
-IDENTITY = ("layout", "mesh", "model", "status", "steps")
+# differing ones first, then by name): what a user compares runs by and whether each
+# finished; the row's name (the run folder) says the same at a glance.
+IDENTITY = ("layout", "mesh", "model", "dtype", "status")
 CUSTOM_SCALARS = {"train": {"loss": ["Multiline", [r"^train/loss$"]],
                             "step time (s)": ["Multiline", [r"^train/step_time_s$"]]}}
-BY_LAYOUT = "step time (s) by layout"
+BY_LAYOUT = "step time (s) by layout: {model}"
 
 
-def custom_scalars(layout: str) -> dict:
+def custom_scalars(layout: str, model: str) -> dict:
     """This run's Custom Scalars layout. TensorBoard merges the runs' layouts (categories
-    by title, equal charts once), so the `BY_LAYOUT` category gets one chart per layout
-    present, titled by it, over `train/<layout>/step_time_s`, which only runs of that
-    layout write. What the layout proto cannot say is left to TensorBoard: colours are
+    by title, equal charts once), so each model's `BY_LAYOUT` category gets one chart per
+    layout present, titled by it, over `train/<model>/<layout>/step_time_s`, which only runs
+    of that model and layout write (models' steps differ by orders of magnitude). What the layout proto cannot say is left to TensorBoard: colours are
     given per run (by its order), the legend is the Runs list (and each chart's Matches),
     and "Ignore outliers in chart scaling" (on by default) scales each chart to the 5-95%
     of its points, which in the overlay can push a slower layout's runs (a pipeline) off
     the chart; in their own layout's chart they are the points it is scaled to (single
     steps above the 95th percentile are still clipped)."""
-    return {**CUSTOM_SCALARS, BY_LAYOUT: {layout: ["Multiline", [layout_step_tag(layout,
-                                                                              regex=True)]]}}
+    return {**CUSTOM_SCALARS, BY_LAYOUT.format(model=model): {
+        layout: ["Multiline", [layout_step_tag(layout, model, regex=True)]]}}
 
 
-def layout_step_tag(layout: str, regex: bool = False) -> str:
-    """`train/<layout>/step_time_s`: the timed steps again, under the run's layout."""
+def layout_step_tag(layout: str, model: str, regex: bool = False) -> str:
+    """`train/<model>/<layout>/step_time_s`: the timed steps again, under the run's model
+    and layout."""
     if regex:
-        return f"^train/{re.escape(layout)}/step_time_s$"
-    return f"train/{layout}/step_time_s"
+        return f"^train/{re.escape(model)}/{re.escape(layout)}/step_time_s$"
+    return f"train/{model}/{layout}/step_time_s"
 
 
 class RunWriter:
@@ -131,7 +125,8 @@ class RunWriter:
         self._guard_events()
         self.tb.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
         self.layout = (config.get("train") or {}).get("layout") or "run"
-        self.tb.add_custom_scalars(custom_scalars(self.layout))
+        self.model = (config.get("model") or {}).get("model") or "model"
+        self.tb.add_custom_scalars(custom_scalars(self.layout, self.model))
 
     def _guard_events(self) -> None:
         """tensorboardX writes the events file in a thread of its own; an OSError there (a
@@ -165,7 +160,7 @@ class RunWriter:
         self.tb.add_scalar("train/step_time_s" if timed else "train/warmup_step_time_s",
                            step_s, index)
         if timed:
-            self.tb.add_scalar(layout_step_tag(self.layout), step_s, index)
+            self.tb.add_scalar(layout_step_tag(self.layout, self.model), step_s, index)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self._check()
@@ -179,6 +174,9 @@ class RunWriter:
         for event in hparams_summaries(results, self.started):
             self.tb.file_writer.add_summary(event)
         self.tb.add_text("summary", format_markdown(results), 0)
+        note = same_losses_note(self.logdir, results)
+        if note:
+            self.tb.add_text("note", note, 0)
 
     def close(self) -> None:
         self.tb.close()
@@ -230,20 +228,33 @@ def run_hparams(results: dict) -> dict:
     reading, one default per field); absent ones left out."""
     rec = RunRecord(Path(""), results)
     hp = {
-        "layout": rec.layout, "mesh": rec.mesh, "schedule": rec.schedule,
-        "status": rec.status, "steps": rec.steps, "devices": rec.devices,
-        "device_kind": rec.device_kind, "model": rec.model_name, "params": rec.params,
-        "batch": rec.batch, "dtype": rec.dtype, "fp8_scaling": rec.fp8_scaling,
-        "matmul_precision": rec.matmul_precision, "grad_reduce_dtype": rec.grad_reduce_dtype,
-        "optimizer": rec.optimizer, "lr": rec.lr, "microbatches": rec.microbatches,
-        "remat": rec.remat, "overlap": rec.overlap, "dataset": rec.dataset, "seed": rec.seed,
-        "framework": results.get("framework"), "backend": rec.backend,
+        "layout": rec.layout, "mesh": rec.mesh, "model": rec.model_name, "dtype": rec.dtype,
+        "status": rec.status, "steps": rec.steps, "schedule": rec.schedule,
+        "devices": rec.devices, "batch": rec.batch, "microbatches": rec.microbatches,
+        "remat": rec.remat, "overlap": rec.overlap, "framework": results.get("framework"),
         "simulated": results.get("env", {}).get("simulated"),
+        "ps_mode": rec.ps_mode if rec.out_of_process else None,
     }
-    if rec.out_of_process:
-        hp.update(ps_mode=rec.ps_mode, ps_shards=rec.cfg("ps", "ps_shards"),
-                  ps_staleness=rec.cfg("ps", "staleness") if rec.ps_mode == "ssp" else None)
     return {k: v for k, v in hp.items() if v is not None}
+
+
+def memory_unit(results: dict) -> tuple[str, float]:
+    """(name, bytes) of the binary unit this run's memory columns are in: the smallest in
+    which its largest memory figure reads at most 9,999 (its smallest then reads at least
+    0.1 unless the two are 100,000x apart), so runs of one scale share it: a toy model's
+    in KiB up to 9.8 MiB, MiB up to 9.8 GiB, then GiB; GiB where it has none."""
+    rec = RunRecord(Path(""), results)
+    figures = [b for b in (rec.state_bytes, rec.compiled_bound, rec.measured_peak) if b]
+    if not figures:
+        return "GiB", GIB
+    return next(((name, size) for name, size in reversed(MEMORY_UNITS)
+                 if max(figures) / size <= 9_999), MEMORY_UNITS[0])
+
+
+def metric_columns(results: dict) -> list[tuple[str, str]]:
+    """METRICS as this run's (tag without the prefix, title), in its memory unit."""
+    unit = memory_unit(results)[0]
+    return [(tag.format(unit=unit.lower()), title.format(unit=unit)) for tag, title in METRICS]
 
 
 def hparams_summaries(results: dict, started: float) -> list:
@@ -264,7 +275,8 @@ def hparams_summaries(results: dict, started: float) -> list:
         hparam_infos=[api_pb2.HParamInfo(name=k, type=types[t], differs=k in IDENTITY)
                       for k, t in HPARAMS.items()],
         metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=METRIC_PREFIX + tag),
-                                         display_name=title) for tag, title in METRICS])
+                                         display_name=title)
+                      for tag, title in metric_columns(results)])
     start = plugin_data_pb2.SessionStartInfo(start_time_secs=started)
     for key, value in run_hparams(results).items():
         kind = HPARAMS[key]
@@ -294,17 +306,19 @@ def hparams_summaries(results: dict, started: float) -> list:
 
 
 def run_metrics(results: dict) -> dict[str, float]:
-    """METRICS of a run by tag (no prefix), read through RunRecord; a figure the run does not
-    have is absent."""
+    """METRICS and FIGURES of a run by tag (no prefix; memory columns in the run's unit),
+    read through RunRecord; a figure the run does not have is absent."""
     rec = RunRecord(Path(""), results)
+    unit, size = memory_unit(results)
+    unit = unit.lower()
     out = {
         "step_time_p50_s": rec.step_p50, "step_time_p99_s": rec.step_p99,
         "ksamples_per_s": _per(rec.samples_per_s, 1e3),
         "ktokens_per_s": _per(rec.tokens_per_s, 1e3),
         "mfu": rec.mfu, "hfu": rec.hfu,
-        "state_gib_per_device": _per(rec.state_bytes, GIB),
-        "compiler_bound_gib": _per(rec.compiled_bound, GIB),
-        "measured_peak_gib": _per(rec.measured_peak, GIB),
+        f"state_{unit}_per_device": _per(rec.state_bytes, size),
+        f"compiler_bound_{unit}": _per(rec.compiled_bound, size),
+        f"measured_peak_{unit}": _per(rec.measured_peak, size),
         "comm_ring_gib": _per(rec.comm_ring_bytes, GIB),
         "energy_per_step_j": rec.energy_per_step, "energy_per_sample_j": rec.energy_per_sample,
         "accuracy": rec.final_accuracy,
@@ -355,3 +369,40 @@ def predicted_scalars(results: dict) -> dict[str, float]:
                  for k, v in p["measured_over_predicted"].items()}}
     return {f"predicted/{k}": float(v) for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def same_losses_note(logdir: Path, results: dict) -> str | None:
+    """A note where this run's losses equal (to 1e-6, relative) those of other runs beside
+    it (the other run folders of its parent) of another layout, mesh or pipeline schedule
+    on the same model,
+    batch, seed and dataset: TensorBoard then draws their loss curves one over the other, a
+    single line. Layouts change where the math runs, not the math, so equal losses are the
+    expected result; the note says so where the chart cannot."""
+    import numpy as np
+
+    mine = RunRecord(logdir, results)
+    losses = np.asarray(results.get("loss") or [], dtype=float)
+    if not losses.size or not logdir.parent.is_dir():
+        return None
+    key = (mine.model, mine.batch, mine.seed, mine.dataset, mine.dtype)
+    same = []
+    for other in sorted(logdir.parent.iterdir()):
+        if other == logdir or not (other / "results.json").is_file():
+            continue
+        try:
+            rec = RunRecord.load(other)
+        except (OSError, ValueError):  # RecordError is a ValueError
+            continue
+        theirs = np.asarray(rec.results.get("loss") or [], dtype=float)
+        if ((rec.model, rec.batch, rec.seed, rec.dataset, rec.dtype) == key and
+                (rec.layout, rec.mesh, rec.schedule) != (mine.layout, mine.mesh,
+                                                         mine.schedule) and
+                theirs.shape == losses.shape and np.allclose(theirs, losses, rtol=1e-6,
+                                                             atol=0)):
+            same.append(f"{other.name} ({rec.layout}, mesh {rec.mesh})")
+    if not same:
+        return None
+    return (f"The losses of this run ({mine.layout}, mesh {mine.mesh}) equal those of "
+            f"{', '.join(same)} at every one of its {losses.size} steps (to 1e-6): the loss "
+            f"chart draws them as one line. A layout changes where the math runs, not the "
+            f"math, so equal losses are what a correct layout gives.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ from jaxdist.config import LoopConfig, MeshConfig, ModelConfig, OutputConfig, Ru
 from jaxdist.devices import select_devices
 from jaxdist.mesh import MeshShape, parse_mesh
 from jaxdist.record import RunRecord
-from jaxdist.writers import GIB, METRIC_PREFIX, run_hparams
+from jaxdist.writers import METRIC_PREFIX, memory_unit, run_hparams
 
 try:
     import tensorboard  # noqa: F401
@@ -132,15 +133,17 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
     experiment = _get(base, "/data/plugin/hparams/experiment",
                       request=json.dumps({"experimentName": ""}))
     columns = {h["name"] for h in experiment["hparamInfos"]}
-    assert {"layout", "mesh", "model", "devices", "params", "batch", "dtype",
-            "matmul_precision", "optimizer", "lr", "microbatches", "remat", "overlap",
-            "dataset", "seed", "backend", "simulated"} <= columns
+    assert {"layout", "mesh", "model", "dtype", "status", "steps", "devices", "batch",
+            "microbatches", "remat", "overlap", "simulated"} <= columns
     assert not any(c.startswith(("checkpoint", "dist", "compiler.", "output")) for c in columns)
-    metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
-    assert {METRIC_PREFIX + m for m in (
-        "step_time_p50_s", "step_time_p99_s", "ksamples_per_s", "mfu", "hfu",
-        "state_gib_per_device", "compiler_bound_gib", "measured_peak_gib",
-        "comm_ring_gib", "energy_per_step_j", "energy_per_sample_j", "accuracy")} <= metrics
+    # at most 25 columns in all; memory in the unit of the runs' scale, named in the title
+    assert len(columns) + len(experiment["metricInfos"]) <= 25
+    titles = {m["name"]["tag"]: m["displayName"] for m in experiment["metricInfos"]}
+    assert titles[METRIC_PREFIX + "state_kib_per_device"] == "state KiB/device"
+    assert titles[METRIC_PREFIX + "compiler_bound_kib"] == "compiler bound KiB/device"
+    assert {METRIC_PREFIX + m for m in ("step_time_p50_s", "ktokens_per_s", "mfu",
+                                        "measured_peak_kib", "energy_per_step_j", "accuracy",
+                                        "final_loss")} <= set(titles)
 
     request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
@@ -159,13 +162,15 @@ def test_hparams_table_has_identity_columns_and_run_metrics(server):
         assert group["hparams"]["mesh"] == "2x4"
         assert group["hparams"]["model"] == "mlp-tiny"
         assert group["hparams"]["devices"] == "8"  # a string: a number reads `8.0000`
-        assert group["hparams"]["params"] == "6922"
-        assert set(group["hparams"]) == set(run_hparams(results))  # ps_* absent
+        assert group["hparams"]["dtype"] == "float32"
+        assert set(group["hparams"]) == set(run_hparams(results))  # ps_mode absent
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
-        assert values[METRIC_PREFIX + "state_gib_per_device"] == pytest.approx(
-            results["memory"]["state_bytes_per_device"] / GIB, rel=1e-6)
-        assert values[METRIC_PREFIX + "comm_ring_gib"] == pytest.approx(
-            results["comm"]["total_ring_bytes"] / GIB, rel=1e-6)
+        assert memory_unit(results) == ("KiB", 1024.0)
+        state = values[METRIC_PREFIX + "state_kib_per_device"]
+        assert state == pytest.approx(results["memory"]["state_bytes_per_device"] / 1024,
+                                      rel=1e-6)
+        bound = values[METRIC_PREFIX + "compiler_bound_kib"]
+        assert 0.1 <= state <= 9_999 and 0.1 <= bound <= 9_999
         assert values[METRIC_PREFIX + "step_time_p50_s"] == pytest.approx(
             results["step_time_s"]["p50"], rel=1e-6)
         # Not measured on CPU: no value at all rather than a zero.
@@ -181,12 +186,11 @@ def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_sho
     # first, then by name) and the first five metrics. Every column is at least 10 em
     # (160 px) wide: at 1600 px the table shows the Trial ID, these five and one metric.
     shown = [h["name"] for h in experiment["hparamInfos"]][:5]
-    assert shown == ["layout", "mesh", "model", "status", "steps"]
+    assert shown == ["dtype", "layout", "mesh", "model", "status"]
     titles = {m["name"]["tag"]: m.get("displayName", "") for m in experiment["metricInfos"]}
-    first = [m["name"]["tag"] for m in experiment["metricInfos"]][:5]
-    assert first[0] == METRIC_PREFIX + "state_gib_per_device"
-    assert {METRIC_PREFIX + t for t in ("step_time_p50_s", "compiler_bound_gib",
-                                        "measured_peak_gib", "pp_bubble")} <= set(first)
+    first = [m["name"]["tag"] for m in experiment["metricInfos"]][:4]
+    assert first == [METRIC_PREFIX + t for t in ("step_time_p50_s", "state_kib_per_device",
+                                                 "compiler_bound_kib", "measured_peak_kib")]
     assert "functional only if simulated" in titles[METRIC_PREFIX + "step_time_p50_s"]
     request = {"experimentName": "", "startIndex": 0, "sliceSize": 10,
                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
@@ -202,10 +206,9 @@ def test_pipeline_runs_differ_by_schedule_with_bubble_stage_bytes_and_memory_sho
         values = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         pp = results["pipeline"]
         assert values[METRIC_PREFIX + "pp_bubble"] == pytest.approx(pp["bubble"])
-        assert values[METRIC_PREFIX + "pp_stage_gib"] == pytest.approx(
-            pp["stage_bytes"]["total"] / GIB, rel=1e-6)
-        assert values[METRIC_PREFIX + "compiler_bound_gib"] == pytest.approx(
-            results["memory"]["compiled"]["peak_bytes"] / GIB, rel=1e-6)
+        unit, size = memory_unit(results)
+        assert values[METRIC_PREFIX + f"compiler_bound_{unit.lower()}"] == pytest.approx(
+            results["memory"]["compiled"]["peak_bytes"] / size, rel=1e-6)
 
 
 def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(server):
@@ -216,7 +219,7 @@ def test_loss_has_one_point_per_step_and_no_one_point_charts_but_run_metrics(ser
         assert [step for _, step, _ in points] == list(range(WARMUP + STEPS))
         per_step = {t for t in tags[run] if not t.startswith(METRIC_PREFIX)}
         assert per_step == {"train/loss", "train/step_time_s", "train/warmup_step_time_s",
-                            f"train/{run}/step_time_s"}  # the layout's own chart
+                            f"train/mlp-tiny/{run}/step_time_s"}  # its model's, layout's chart
     # Time Series lays tag groups out alphabetically: the one-point run figures come after
     # the training curves, so the first thing TensorBoard shows is train/.
     groups = sorted({t.split("/")[0] for run in LAYOUTS for t in tags[run]})
@@ -230,25 +233,36 @@ def test_summary_table_and_custom_scalars(server):
     assert sorted(text_tags["ddp"]) == ["config/text_summary", "summary/text_summary"]
     summary = _get(base, "/data/plugin/text/text", run="ddp", tag="summary/text_summary")
     assert "state per device (shards)" in summary[0]["text"]
+    # fsdp ran after ddp beside it, with the same losses: it says so (one line on the chart)
+    assert "note/text_summary" in text_tags["fsdp"]
+    note = _get(base, "/data/plugin/text/text", run="fsdp", tag="note/text_summary")
+    assert "equal those of ddp (ddp, mesh 2x4) at every one of its 4 steps" in \
+        note[0]["text"]
+    assert "note/text_summary" not in text_tags[INTERRUPTED]  # 3 steps: not the same run
     layout = _get(base, "/data/plugin/custom_scalars/layout")
     charts = {(cat["title"], c["title"]): c["multiline"]["tag"] for cat in layout["category"]
               for c in cat["chart"]}
+    # one category per model: resnet18's seconds and gpt-tiny's milliseconds never share an axis
     assert charts == {("train", "loss"): ["^train/loss$"],
                       ("train", "step time (s)"): ["^train/step_time_s$"],
-                      **{("step time (s) by layout", layout): [f"^train/{layout}/step_time_s$"]
-                         for layout in ("ddp", "fsdp", "pp", "zero1")}}
+                      **{(f"step time (s) by layout: {model}", layout):
+                         [f"^train/{re.escape(model)}/{layout}/step_time_s$"]
+                         for model, layout in (("mlp-tiny", "ddp"), ("mlp-tiny", "fsdp"),
+                                               ("gpt-tiny", "pp"), ("mlp-tiny", "zero1"))}}
 
 
 def test_each_layouts_step_time_chart_shows_every_run_of_that_layout_whole(server):
     """The overlay's outlier scaling can cut a slower layout off; its own chart holds
     every timed step of each of its runs, and no other layout's."""
     base, _ = server
-    for layout, runs in (("pp", [f"pp-{s}" for s in SCHEDULES]), ("ddp", ["ddp"]),
-                         ("zero1", [INTERRUPTED])):
+    for model, layout, runs in (("gpt-tiny", "pp", [f"pp-{s}" for s in SCHEDULES]),
+                                ("mlp-tiny", "ddp", ["ddp"]),
+                                ("mlp-tiny", "zero1", [INTERRUPTED])):
         got = {}
         for run in RUNS:  # what the chart asks for, run by run
             payload = _get(base, "/data/plugin/custom_scalars/scalars", run=run,
-                           tag=f"^train/{layout}/step_time_s$")["tag_to_events"]
+                           tag=f"^train/{re.escape(model)}/{layout}/step_time_s$")[
+                               "tag_to_events"]
             for points in payload.values():
                 got[run] = [step for _, step, _ in points]
         timed = list(range(WARMUP, WARMUP + STEPS)) if layout != "zero1" else [1, 2]
@@ -283,6 +297,9 @@ def test_the_printed_tensorboard_command_runs_as_printed(tmp_path, monkeypatch, 
                  "16", "--warmup", "1", "--steps", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     (run,) = (tmp_path / "runs").iterdir()
+    # the Trial ID: what the run is first (a narrow column still tells layouts apart), then
+    # when it started, month to second
+    assert re.fullmatch(r"ddp-2x4-mlp-tiny-\d{4}-\d{6}", run.name), run.name
     line = next(x for x in out.splitlines() if x.startswith("TensorBoard: "))
     command = line.removeprefix("TensorBoard: ")
     assert command.endswith(" --logdir runs")  # the folder of runs, not this one run
@@ -319,6 +336,6 @@ def test_a_run_stopped_in_warmup_still_has_a_row_that_says_interrupted(tmp_path)
     assert (start.hparams["status"].string_value, start.hparams["steps"].string_value) == \
         ("interrupted", "2 of 10")
     tags = events.Tags()["scalars"]
-    assert METRIC_PREFIX + "state_gib_per_device" in tags
+    assert METRIC_PREFIX + "state_kib_per_device" in tags
     assert METRIC_PREFIX + "step_time_p50_s" not in tags  # blank, never a zero
     assert RunRecord.load(tmp_path).results["status"] == "interrupted"
