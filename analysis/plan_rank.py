@@ -26,7 +26,7 @@ def bars(plan: dict) -> dict[str, float]:
     """The step's stacked terms in seconds, jaxdist.predict.time_model's TIME_TERMS in order
     (they add up to the predicted step): plan.json's `time.terms`; a plan.json without them
     (an older one) read as the roofline reads its device time, compute- or memory-bound."""
-    from jaxdist.predict.time_model import TIME_TERMS, TimeTerms, roofline_terms
+    from jaxdist.plan_words import TIME_TERMS, TimeTerms, roofline_terms
 
     t = plan["time"]
     if "terms" in t:
@@ -159,7 +159,7 @@ def _fits(f) -> str:
 
 def format_ranking(ranking: dict, markdown: bool = False) -> str:
     """One table per model, best first; every figure predicted."""
-    from jaxdist.predict.verdict import MEMORY_RULE
+    from jaxdist.plan_words import MEMORY_RULE
 
     meta = ranking.get("meta", {})
     hardware = meta.get("hardware") or parts_of(ranking["models"]) or "?"
@@ -207,7 +207,7 @@ def plot_ranking(ranked: dict[str, list[dict]], path: Path, hardware: str | None
     fig, axes = plt.subplots(len(ranked), 1, figsize=(9, 0.42 * n + 1.6 * len(ranked)),
                              squeeze=False, gridspec_kw={"height_ratios": [
                                  len(v) + 2 for v in ranked.values()]})
-    from jaxdist.predict.time_model import TIME_TERMS
+    from jaxdist.plan_words import TIME_TERMS
 
     colours = dict(zip(TIME_TERMS, ("#4c72b0", "#55a868", "#937860", "#dd8452", "#c44e52",
                                     "#8c8c8c")))

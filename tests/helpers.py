@@ -185,7 +185,7 @@ def time_terms_read(stdout: str, plan: dict) -> dict[str, float]:
     (every plan kind reads its time in this one vocabulary)."""
     import re
 
-    from jaxdist.predict.time_model import TIME_TERMS
+    from jaxdist.plan_words import TIME_TERMS
 
     pattern = (r"\n\s+compute ([\d.]+) ms \+ memory-bound kernels ([\d.]+) ms \+ launches "
                r"([\d.]+ ms|not modelled) \+ exposed communication intra-node ([\d.]+) ms "

@@ -59,8 +59,8 @@ def test_the_link_check_sees_links(tmp_path):
 def test_the_memory_rule_and_time_terms_are_stated_as_plans_state_them():
     """The one memory rule (plans print it, plan.json carries it) is the glossary's and
     docs/predict.md's word for word; the glossary names the time terms in their order."""
-    from jaxdist.predict.time_model import TIME_TERMS
-    from jaxdist.predict.verdict import MEMORY_RULE
+    from jaxdist.plan_words import TIME_TERMS
+    from jaxdist.plan_words import MEMORY_RULE
 
     def flat(page):
         return " ".join((ROOT / "docs" / page).read_text().replace(">", " ").split())

@@ -15,7 +15,7 @@ from jaxdist.program import compiled
 from experiments.suite.plan import plan_rows
 from jaxdist.config import keys
 from jaxdist.errors import UsageError
-from jaxdist.predict.time_model import TIME_TERMS, TimeTerms
+from jaxdist.plan_words import TIME_TERMS, TimeTerms
 from tests.helpers import ROOT, child_env
 
 

@@ -13,7 +13,7 @@ from jaxdist.hardware import constant, get_hardware
 from jaxdist.mesh import parse_mesh
 from jaxdist.predict import memory, program
 from jaxdist.predict import verdict as verdict_of
-from jaxdist.predict.verdict import MEMORY_RULE
+from jaxdist.plan_words import MEMORY_RULE
 from jaxdist.predict import time_model
 from tests.helpers import job_of, run_cli, time_terms_read
 

@@ -14,7 +14,7 @@ from jaxdist.mesh import parse_mesh
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, WGT, build_schedule
 from jaxdist.predict import pipeline as pp, ticks
 from jaxdist.predict.program import ScoreBytes, StepFigures
-from jaxdist.predict.time_model import TimeTerms
+from jaxdist.plan_words import TimeTerms
 from tests.helpers import job_of
 
 # A made-up part, so every figure below is simple arithmetic.

@@ -219,13 +219,15 @@ def test_prediction_imports_no_plan():
     assert bad == [] and "jaxdist.predict.prediction" in modules
 
 
-ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors", "jaxdist.tbx"}
+ANALYSIS_MAY_IMPORT = {"jaxdist.record", "jaxdist.errors", "jaxdist.tbx", "jaxdist.plan_words",
+                       "jaxdist.figures"}
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "chex", "torch")
 
 
 def test_analysis_imports_no_jax_nor_anything_that_does():
     """Readers of runs start in well under a second: they import jaxdist.record,
-    jaxdist.errors and jaxdist.tbx from the project (none imports jax), never models, sharding, ps or
+    jaxdist.errors, jaxdist.tbx and the plan vocabulary (jaxdist.plan_words, jaxdist.figures)
+    from the project (none imports jax), never models, sharding, ps or
     the rest of the runtime, and no heavy framework."""
     modules = source_modules()
     known = set(modules)

@@ -15,8 +15,8 @@ from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, Schedule
 from jaxdist.pipeline.step import combined_sends, slot_pairs, overlapped_sends
-from jaxdist.predict.time_model import (StepTime, TimeTerms, kernel_step, ring_latency,
-                                        step_time)
+from jaxdist.plan_words import TimeTerms
+from jaxdist.predict.time_model import StepTime, kernel_step, ring_latency, step_time
 
 
 def node_of(mesh: dict[str, int], gpus_per_node: int) -> np.ndarray:

@@ -31,70 +31,13 @@ from typing import NotRequired, TypedDict
 import numpy as np
 
 from jaxdist.figures import ABSENT, Figures
+from jaxdist.plan_words import TimeTerms, roofline_terms
 from jaxdist.hardware import clock_factor, compute_efficiency, constant
 from jaxdist.parts import Part
 from jaxdist.program.comm import Collective
 from jaxdist.program.hlo import ring_steps
 
 LABEL = "predicted"
-
-
-# The one vocabulary every plan's time is read in (plan text, plan.json's `time.terms`,
-# analysis.plan_rank), in this order; the terms add up to the predicted step.
-# The two link terms are the communication the schedule leaves exposed.
-TIME_TERMS = ("compute", "memory-bound kernels", "launches", "intra-node", "inter-node",
-              "bubble")
-
-
-@dataclasses.dataclass(frozen=True)
-class TimeTerms(Figures):
-    """A predicted step as the sum of TIME_TERMS (seconds per device): the device time split
-    into compute-bound kernels, memory-bound kernels (with host copies no kernel hid) and
-    launch overheads, the communication the schedule leaves exposed on each link, and the
-    pipeline bubble. The roofline times the whole program (or a pipeline op) as one kernel,
-    compute- or memory-bound, and models no launches."""
-    compute_s: float
-    memory_bound_s: float
-    launch_s: float
-    exposed_intra_node_s: float
-    exposed_inter_node_s: float
-    bubble_s: float
-    launches_modelled: bool
-
-    def seconds(self) -> list[tuple[str, float]]:
-        """(term, seconds) in TIME_TERMS order."""
-        return list(zip(TIME_TERMS, (self.compute_s, self.memory_bound_s, self.launch_s,
-                                     self.exposed_intra_node_s, self.exposed_inter_node_s,
-                                     self.bubble_s)))
-
-    @property
-    def step_s(self) -> float:
-        return sum(s for _, s in self.seconds())
-
-    def bottleneck(self) -> str:
-        """The largest term (a TIME_TERMS name)."""
-        return max(self.seconds(), key=lambda kv: kv[1])[0]
-
-    def __add__(self, other: "TimeTerms") -> "TimeTerms":
-        return self._combine(other, 1.0)
-
-    def __sub__(self, other: "TimeTerms") -> "TimeTerms":
-        return self._combine(other, -1.0)
-
-    def _combine(self, other: "TimeTerms", sign: float) -> "TimeTerms":
-        return TimeTerms(*(a + sign * b for (_, a), (_, b) in
-                           zip(self.seconds(), other.seconds())),
-                         launches_modelled=self.launches_modelled or other.launches_modelled)
-
-
-def roofline_terms(compute: float, hbm: float, device: float, exposed: dict[str, float],
-                   bubble: float = 0.0) -> TimeTerms:
-    """TimeTerms of a roofline: the device time is compute-bound or memory-bound."""
-    bound = {"compute_s": device, "memory_bound_s": 0.0} if compute >= hbm else \
-        {"compute_s": 0.0, "memory_bound_s": device}
-    return TimeTerms(**bound, launch_s=0.0, exposed_intra_node_s=exposed["intra-node"],
-                     exposed_inter_node_s=exposed["inter-node"], bubble_s=bubble,
-                     launches_modelled=False)
 
 
 @dataclasses.dataclass(frozen=True)

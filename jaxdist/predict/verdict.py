@@ -17,25 +17,9 @@ import dataclasses
 
 from jaxdist.figures import ABSENT, Figures
 from jaxdist.parts import Part
+from jaxdist.plan_words import MEMORY_BAND, MEMORY_RULE
 
 LABEL = "predicted"
-
-# Where XLA:GPU's buffer assignment decides the memory verdict: each of its terms within this
-# band of the hand estimate's (hand / compiler). The hand estimate is within 5% of every
-# published peak it is set beside (experiments.predict --validate); a compiled figure further
-# from it than this is a program the extrapolation or XLA's schedule may have made unlike
-# what runs (e.g. every block's gathered weights live at once).
-MEMORY_BAND = (0.8, 1.25)
-
-# The one rule for which memory figure decides, as every plan states it (the plan's text,
-# plan.json's `memory.rule`, docs/glossary.md and docs/predict.md).
-MEMORY_RULE = (
-    "XLA:GPU's buffer assignment decides where an XLA:GPU program was read (a pipeline: its "
-    "fullest stage, with XLA:GPU's working set of one chunk's backward), else the hand "
-    "estimate; where the two differ beyond "
-    f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} on a term and fall on either side of HBM, the "
-    "verdict is unknown (an upper-bound hand estimate over HBM does not count)")
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryTerm(Figures):
