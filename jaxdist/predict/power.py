@@ -130,8 +130,8 @@ def check_settings(rec: PartPower | None, part: str, limit_w: float | None,
                    clock_mhz: float | None) -> None:
     """A limit the part accepts and a clock it has; a one-line UsageError otherwise."""
     if rec is None and (limit_w is not None or clock_mhz is not None):
-        from jaxdist.parts import PARTS
-        have = ", ".join(p.name for p in PARTS if p.power is not None)
+        from jaxdist.parts import NAMED, PREDICTABLE
+        have = ", ".join(n for n in PREDICTABLE if NAMED[n].power is not None)
         raise UsageError(f"{part} has no power record in jaxdist.parts; --power-limit and "
                          f"--sm-clock apply to {have}")
     if limit_w is not None and not rec.limit_min_w <= limit_w <= rec.limit_max_w:
@@ -261,3 +261,47 @@ def sweep_lines(rows: list[PowerFigures]) -> list[str]:
     lines.append(f"least energy per step: {best.limit_w:.0f} W "
                  f"({best.energy_per_step_j:,.0f} J, step {best.step_s:.4g} s)")
     return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPower(Figures):
+    """A plan's power: at the limit asked for (or the part's), and the sweep's rows where
+    --power-limit listed several (`sweep`, with the limit of least energy per step); or,
+    on a part without a power record, the reason there is none."""
+    power: PowerFigures | None
+    sweep: list = ABSENT
+    least_energy_limit_w: float = ABSENT
+    reason: str = ABSENT
+
+    def lines(self) -> list[str]:
+        if self.power is None:
+            return [f"power: none predicted ({self.reason})"]
+        out = [power_line(self.power)]
+        if self.has("sweep"):
+            out += ["power-limit sweep (predicted):", *("  " + ln for ln in
+                                                        sweep_lines(self.sweep))]
+        return out
+
+    def block(self) -> dict:
+        """plan.json's `power` block."""
+        if self.power is None:
+            return {"available": False, "reason": self.reason}
+        return {**self.power.to_json(), **({"sweep": [r.to_json() for r in self.sweep],
+                                            "least_energy_limit_w": self.least_energy_limit_w}
+                                           if self.has("sweep") else {})}
+
+
+def for_plan(plan, job) -> PlanPower:
+    """The power of a predicted plan (jaxdist.plan.predicted.PredictedPlan) of `job`, under
+    its --power-limit (one, or a sweep) and --sm-clock."""
+    part, out = job.part, job.cfg.output
+    if part.power is None:
+        return PlanPower(power=None, reason=no_power_reason(part))
+    limits = parse_limits(out.power_limit) if out.power_limit else [None]
+    tokens = plan.batch_size * plan.seq_len if plan.seq_len else None
+    rows = [plan_power(plan.prediction.time, part, job.shape.size, tokens, plan.batch_size,
+                       limit, out.sm_clock or None) for limit in limits]
+    if len(rows) == 1:
+        return PlanPower(power=rows[0])
+    best = min(rows, key=lambda r: r.energy_per_step_j)
+    return PlanPower(power=rows[0], sweep=rows, least_energy_limit_w=best.limit_w)
