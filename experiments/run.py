@@ -281,7 +281,7 @@ def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
     print(plans.format_plan(plan))
     if logdir is not None:
         write_json(logdir / plans.file_name(plan),
-                   plan if power is None else {**plan.to_json(), "power": power.block()})
+                   plan if power is None else {**plan.to_json(), "power": power.to_json()})
         print(f"\nplan: {logdir / plans.file_name(plan)}")
     return 0
 

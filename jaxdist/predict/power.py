@@ -282,7 +282,7 @@ class PlanPower(Figures):
                                                         sweep_lines(self.sweep))]
         return out
 
-    def block(self) -> dict:
+    def to_json(self) -> dict:
         """plan.json's `power` block."""
         if self.power is None:
             return {"available": False, "reason": self.reason}
