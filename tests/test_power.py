@@ -156,3 +156,26 @@ def test_plan_refuses_in_one_line_before_jax(tmp_path, argv, message):
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_plan_prints_and_writes_its_power(tmp_path):
+    """One compile: a two-stage plan on h200 with a two-limit sweep."""
+    import json
+
+    from tests.helpers import run_cli
+    r = run_cli("--dry-run", "--hardware", "h200", "--gpus-per-node", "2", "--model",
+                "gpt-tiny", "--layout", "pp", "--mesh", "stage:2", "--microbatches", "2",
+                "--pp-schedule", "gpipe", "--batch-size", "4", "--power-limit", "700,400",
+                "--logdir", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    power = plan["power"]
+    assert len(power["gpu_avg_w_by_stage"]) == 2 and power["limit_w"] == 700
+    assert power["gpu_avg_w"] == pytest.approx(sum(power["gpu_avg_w_by_stage"]) / 2)
+    assert [row["limit_w"] for row in power["sweep"]] == [700, 400]
+    assert power["least_energy_limit_w"] in (700, 400)
+    assert len(plan["pipeline"]["stage_busy"]) == 2
+    stage = max(range(2), key=power["gpu_avg_w_by_stage"].__getitem__)
+    assert (f"  power: {power['gpu_avg_w']:.0f} W/GPU (stage {stage}: "
+            f"{power['gpu_avg_w_by_stage'][stage]:.0f} W)") in r.stdout
+    assert "least energy per step: " in r.stdout

@@ -241,7 +241,7 @@ def power_line(p: PowerFigures) -> str:
         stages = f" (stage {top}: {p.gpu_avg_w_by_stage[top]:.0f} W)"
     energy = p.energy_per_step_j
     unit = (f"{energy / 1e6:.2f} MJ" if energy >= 1e6 else f"{energy / 1e3:.1f} kJ"
-            if energy >= 1e3 else f"{energy:.0f} J")
+            if energy >= 1e3 else f"{energy:.3g} J")
     tokens = f", {p.tokens_per_j:.3g} tokens/J" if p.tokens_per_j else ""
     node = f", node {p.node_avg_w / 1e3:.2f} kW" if p.node_avg_w else ""
     return f"power: {p.gpu_avg_w:.0f} W/GPU{stages}, {unit}/step{tokens}{node}"
@@ -257,9 +257,9 @@ def sweep_lines(rows: list[PowerFigures]) -> list[str]:
     best = min(rows, key=lambda r: r.energy_per_step_j)
     lines = [f"{'limit W':>8}{'step s':>10}{'W/GPU':>8}{'J/step':>12}"]
     lines += [f"{r.limit_w:>8.0f}{r.step_s:>10.4g}{r.gpu_avg_w:>8.0f}"
-              f"{r.energy_per_step_j:>12,.0f}" for r in rows]
+              f"{r.energy_per_step_j:>12.5g}" for r in rows]
     lines.append(f"least energy per step: {best.limit_w:.0f} W "
-                 f"({best.energy_per_step_j:,.0f} J, step {best.step_s:.4g} s)")
+                 f"({best.energy_per_step_j:.5g} J, step {best.step_s:.4g} s)")
     return lines
 
 
