@@ -7,10 +7,10 @@ changes in time and energy, and power against the SM clock. Also the power secti
 Each row's timeline is built from its own published per-phase times (no XLA plan of these
 PyTorch models is possible): a pipeline rank's forward and backward seconds are its
 compute-bound kernels, the rest of its iteration (data loading, bubble, waiting on the
-neighbouring stages) waiting, all at the row's power limit, and the model stretches them
-back to the maximum clock before predicting at the row's limit and at every other; the clock
-row's compute-bound share is read from its own published times at its two lowest listed
-clocks (what stretches with 1/f). `fit()` reruns the grid search behind the Ampere
+neighbouring stages) waiting, all at the row's power limit, the reference from which the
+model stretches them under every other limit; the clock
+row's compute-bound share is read from its own published times at its first and last
+listed clocks (what stretches with 1/f). `fit()` reruns the grid search behind the Ampere
 constants (jaxdist.hardware.POWER_CONSTANTS).
 """
 
@@ -34,25 +34,24 @@ def rows() -> dict:
     return json.loads(ROWS.read_text())
 
 
-def part_record(name: str, limit_max_w: float | None = None):
+def part_record(name: str, limit_w: float | None = None):
+    """The part's power record; at the row's own limit where it ran above the record's range
+    (the clock row: a 500 W variant)."""
     from jaxdist.parts import NAMED
     rec = NAMED[name].power
-    if limit_max_w and limit_max_w > rec.limit_max_w:
-        rec = dataclasses.replace(rec, limit_max_w=limit_max_w)
+    if limit_w and limit_w > rec.limit_max_w:
+        rec = dataclasses.replace(rec, limit_w=limit_w, limit_max_w=limit_w)
     return rec
 
 
-def pipeline_timeline(row: dict, rec):
-    """The row's ranks as a Timeline at the maximum clock: each rank's forward + backward its
-    compute-bound seconds and the iteration its step, both divided by the compute stretch the
-    model predicts at the row's limit (all of the step follows the kernels: fixed_s 0)."""
-    from jaxdist.predict.power import StageBusy, Timeline, draws, phase
-    w = draws(rec)
-    stretch = phase(w["compute"], min(w["waiting"], row["limit_w"]), row["limit_w"],
-                    rec.max_clock_mhz, rec).stretch
+def pipeline_timeline(row: dict):
+    """The row's ranks as a Timeline at its own limit: each rank's forward + backward its
+    compute-bound seconds, its iteration the step (all of it follows the kernels: fixed_s
+    0)."""
+    from jaxdist.predict.power import StageBusy, Timeline
     step = statistics.mean(r["iteration_s"] for r in row["ranks"])
-    return Timeline(step_s=step / stretch, stages=tuple(
-        StageBusy(compute_s=(r["forward_s"] + r["backward_s"]) / stretch, memory_s=0.0)
+    return Timeline(step_s=step, stages=tuple(
+        StageBusy(compute_s=r["forward_s"] + r["backward_s"], memory_s=0.0)
         for r in row["ranks"]))
 
 
@@ -78,7 +77,7 @@ def validate() -> dict:
     pipes = {}
     for row in data["pipelines"]:
         rec = part_record(row["part"])
-        tl = pipeline_timeline(row, rec)
+        tl = pipeline_timeline(row)
         pipes[row["id"]] = (row, rec, tl)
         p = predict_power(tl, rec, gpus=len(row["ranks"]), limit_w=row["limit_w"])
         for r, pred in zip(row["ranks"], p.gpu_avg_w_by_stage):

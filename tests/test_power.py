@@ -34,7 +34,11 @@ def test_all_compute_at_the_limit_draws_the_limit():
     assert p.gpu_avg_w == pytest.approx(300.0)
     assert p.energy_per_step_j == pytest.approx(300.0 * 4 * p.step_s)
     assert p.terms["compute_clock_mhz"] < A100.max_clock_mhz  # held there by lowering it
-    assert p.step_s == pytest.approx(A100.max_clock_mhz / p.terms["compute_clock_mhz"])
+    assert p.step_s == 1.0  # the timeline is the step at the part's own limit
+    low = predict_power(one(compute=1.0), A100, gpus=4, limit_w=200)
+    assert low.gpu_avg_w == pytest.approx(200.0)
+    assert low.step_s == pytest.approx(p.terms["compute_clock_mhz"] /
+                                       low.terms["compute_clock_mhz"])
 
 
 def test_all_waiting_draws_the_waiting_power():
@@ -71,7 +75,7 @@ def test_a_locked_clock_stretches_compute_and_lowers_power():
     tl = one(compute=0.5, memory=0.5)
     top = predict_power(tl, H100, gpus=8, limit_w=700)
     low = predict_power(tl, H100, gpus=8, limit_w=700, sm_clock_mhz=990)
-    assert low.step_s == pytest.approx(0.5 * H100.max_clock_mhz / 990 + 0.5)
+    assert low.step_s == pytest.approx(0.5 * top.terms["compute_clock_mhz"] / 990 + 0.5)
     assert low.gpu_avg_w < top.gpu_avg_w
 
 

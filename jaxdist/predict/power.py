@@ -3,8 +3,8 @@ record (jaxdist.part_figures.PartPower), under a board power limit and an SM clo
 `nvidia-smi -pl` and `-lgc` set them.
 
 The timeline (`Timeline`): per pipeline stage (one for a mesh step), the seconds of
-compute-bound and of memory-bound kernels at the part's maximum SM clock, and the step's
-length; the rest of each stage's step is waiting (exposed communication, the pipeline
+compute-bound and of memory-bound kernels at the part's own limit and clock (as the time
+model predicts them), and the step's length; the rest of each stage's step is waiting (exposed communication, the pipeline
 bubble, launch gaps). `fixed_s` is the part of the step that does not follow the device
 time (exposed communication, launches); the rest of the step (the kernels, and the bubble
 and the waits for other stages, which are made of other stages' kernels) stretches as the
@@ -18,8 +18,9 @@ the die's rated power):
   part's base clock (voltage rising with the clock: P ~ C V^2 f, MODEL_CONSTANTS
   power_cap_clock_exponent), falling in proportion to f below it (the voltage at its floor);
 - never above the limit: where a phase would draw more, the GPU lowers its clock until it
-  draws the limit (DVFS). A compute-bound kernel's time stretches by f_max / f; a memory-bound
-  kernel's and a collective's do not (HBM and links have their own clocks).
+  draws the limit (DVFS). A compute-bound kernel's time stretches by f_ref / f (f_ref: its
+  clock at the part's own limit); a memory-bound kernel's and a collective's do not (HBM and
+  links have their own clocks).
 
 Per GPU: the average over the step (per stage where the stages differ), energy per step
 (all GPUs), J/token, tokens/J and Go et al.'s samples/(s*MJ) (throughput over the step's
@@ -41,14 +42,14 @@ LABEL = "predicted"
 
 @dataclasses.dataclass(frozen=True)
 class StageBusy(Figures):
-    """One stage's kernels over a step, seconds at the maximum SM clock."""
+    """One stage's kernels over a step, seconds at the part's own limit and clock."""
     compute_s: float
     memory_s: float
 
 
 @dataclasses.dataclass(frozen=True)
 class Timeline(Figures):
-    """What each GPU does over one step at the maximum SM clock with no limit binding:
+    """What each GPU does over one step at the part's own board limit and clock:
     `stages` (one per pipeline stage; one for a mesh step), the step's length, and the part
     of it that does not stretch with the kernels (`fixed_s`)."""
     step_s: float
@@ -63,11 +64,9 @@ class Timeline(Figures):
 
 @dataclasses.dataclass(frozen=True)
 class PhaseDraw(Figures):
-    """One phase under the limit and clock: the SM clock it runs at, what it draws, the
-    factor its time is stretched by."""
+    """One phase under the limit and clock: the SM clock it runs at and what it draws."""
     clock_mhz: float
     watts: float
-    stretch: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +116,12 @@ def draws(rec: PartPower) -> dict[str, float]:
 def phase(full_w: float, wait_w: float, limit_w: float, clock: float,
           rec: PartPower) -> PhaseDraw:
     """A busy phase drawing `full_w` at the maximum clock, run with its clock locked at
-    `clock` (at most) under `limit_w`: the clock it runs at, its draw, its time's stretch
-    (f_max / f: the caller applies it to compute-bound time only)."""
+    `clock` (at most) under `limit_w`: the clock it runs at and its draw."""
     watts = wait_w + (full_w - wait_w) * dynamic_share(clock, rec)
     if watts > limit_w:
         clock = clock_for_share((limit_w - wait_w) / (full_w - wait_w), rec)
         watts = limit_w
-    return PhaseDraw(clock_mhz=clock, watts=watts, stretch=rec.max_clock_mhz / clock)
+    return PhaseDraw(clock_mhz=clock, watts=watts)
 
 
 def check_settings(rec: PartPower | None, part: str, limit_w: float | None,
@@ -161,14 +159,21 @@ def predict_power(timeline: Timeline, rec: PartPower, gpus: int,
                   node: NodePower | None = None) -> PowerFigures:
     """The step's power and energy on `gpus` GPUs of the part `rec` (split evenly over the
     timeline's stages) under `limit_w` (default: the part's) with the SM clock locked at
-    `sm_clock_mhz` (default: its maximum)."""
+    `sm_clock_mhz` (default: its maximum). The timeline is the step at the part's own limit
+    and clock (what the time model predicts: its kernel rates were published at the part's
+    limit, or carried to it, jaxdist.hardware.clock_factor); compute-bound time stretches by
+    the clock there over the clock here."""
     limit = rec.limit_w if limit_w is None else limit_w
     clock = rec.max_clock_mhz if sm_clock_mhz is None else sm_clock_mhz
     w = draws(rec)
     wait_w = min(w["waiting"], limit)
     comp = phase(w["compute"], wait_w, limit, clock, rec)
     mem = phase(w["memory"], wait_w, limit, clock, rec)
-    busy = [(s.compute_s * comp.stretch, s.memory_s) for s in timeline.stages]
+    # the timeline is at the part's own limit and clock: compute stretches from there
+    ref = phase(w["compute"], min(w["waiting"], rec.limit_w), rec.limit_w, rec.max_clock_mhz,
+                rec)
+    stretch = ref.clock_mhz / comp.clock_mhz
+    busy = [(s.compute_s * stretch, s.memory_s) for s in timeline.stages]
     crit = timeline.stages[timeline.critical]
     was = crit.compute_s + crit.memory_s
     ratio = sum(busy[timeline.critical]) / was if was else 1.0
@@ -194,7 +199,7 @@ def predict_power(timeline: Timeline, rec: PartPower, gpus: int,
         node=None if node is None else f"{node.name} ({node.gpus} GPUs, {node.metering})",
         terms={"compute_w": comp.watts, "memory_w": mem.watts, "waiting_w": wait_w,
                "compute_clock_mhz": comp.clock_mhz, "memory_clock_mhz": mem.clock_mhz,
-               "compute_stretch": comp.stretch,
+               "compute_stretch": stretch,
                "compute_s": sum(c for c, _ in busy) / len(busy),
                "memory_s": sum(m for _, m in busy) / len(busy),
                "fixed_s": timeline.fixed_s, "generation": rec.generation},
