@@ -401,6 +401,12 @@ NODES: dict[str, NodePower] = {n.name: n for n in (
     # not published apart from the GPUs; the idle floor stands for it.
     NodePower("hgx-h100", "h100-sxm", 8, non_gpu_idle_w=1454, non_gpu_training_w=1454,
               metering="DC", sources=(pf.SMC_NODE, pf.HOPPER_IDLE)),
+    # 8x H200 SXM HGX: the same baseboard, CPUs and NICs as the H100's (NVIDIA rates both
+    # DGX systems at 10.2 kW max); no published figure of its own: hgx-h100's non-GPU power
+    NodePower("hgx-h200", "h200", 8, non_gpu_idle_w=1454, non_gpu_training_w=1454,
+              metering="DC", sources=(pf.SMC_NODE, "carried over from hgx-h100: the same "
+                                      "HGX baseboard, CPUs and NICs; DGX H100 and DGX H200 "
+                                      "are both rated about 10.2 kW max")),
 )}
 NODE_OF_PART = {n.part: n.name for n in NODES.values()}
 # The parts a step can be predicted on, in --hardware order (jaxdist.config's help)

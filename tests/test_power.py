@@ -183,3 +183,22 @@ def test_a_pipeline_plan_prints_and_writes_its_power(tmp_path):
     assert (f"  power: {power['gpu_avg_w']:.0f} W/GPU (stage {stage}: "
             f"{power['gpu_avg_w_by_stage'][stage]:.0f} W)") in r.stdout
     assert "least energy per step: " in r.stdout
+
+
+def test_go2025_power_table_ranks_rows_by_energy(tmp_path):
+    import json
+
+    from analysis.go2025 import power_rows, power_table
+    for name, energy, stages in (("a", 3e5, [500.0, 560.0]), ("b", 2e5, None), ("c", None, None)):
+        (tmp_path / name).mkdir()
+        power = ({"available": False, "reason": "no record"} if energy is None else
+                 {"step_s": 10.0, "gpu_avg_w": 520.0, "energy_per_step_j": energy,
+                  "samples_per_s_per_mj": 1.0, "tokens_per_j": 0.5, "node_avg_w": None,
+                  **({"gpu_avg_w_by_stage": stages} if stages else {})})
+        (tmp_path / name / "plan.json").write_text(json.dumps(
+            {"verdict": {"fits": True}, "power": power}))
+    rows = power_rows(tmp_path)
+    assert [r["name"] for r in rows] == ["b", "a"]  # c has no power: left out
+    assert rows[1]["top_stage_w"] == 560.0
+    table = power_table(rows)
+    assert table[2] == "| b | yes | 10.00 | 520 | 520 | 200 | 1.00 | 0.500 | - |"
