@@ -202,3 +202,11 @@ def test_go2025_power_table_ranks_rows_by_energy(tmp_path):
     assert rows[1]["top_stage_w"] == 560.0
     table = power_table(rows)
     assert table[2] == "| b | yes | 10.00 | 520 | 520 | 200 | 1.00 | 0.500 | - |"
+
+
+def test_roofline_compute_and_memory_share_the_device_time():
+    from jaxdist.predict.power import busy_of
+    b = busy_of(3.0, 1.0, 3.0)  # the roofline: device time is the larger of the two
+    assert (b.compute_s, b.memory_s) == (2.25, 0.75)
+    b = busy_of(2.0, 1.0, 3.5)  # kernel by kernel: apart, launches beside them
+    assert (b.compute_s, b.memory_s) == (2.0, 1.0)

@@ -206,16 +206,23 @@ def predict_power(timeline: Timeline, rec: PartPower, gpus: int,
         gpu_avg_w_by_stage=by_stage if len(by_stage) > 1 else ABSENT)
 
 
+def busy_of(compute_s: float, memory_s: float, device_s: float) -> StageBusy:
+    """A stage's kernels within its device time: the roofline counts a program's compute and
+    HBM time side by side (its device time is the larger), so there they share the device
+    time in their proportion; kernel by kernel they are already apart."""
+    total = compute_s + memory_s
+    scale = device_s / total if total > device_s > 0 else 1.0
+    return StageBusy(compute_s=compute_s * scale, memory_s=memory_s * scale)
+
+
 def timeline_of(step) -> Timeline:
     """The timeline of a predicted step (jaxdist.predict.time_model.StepTime): per stage its
     compute-bound and memory-bound seconds (a pipeline's from its ticks' `stage_busy`); what
     does not follow the kernels is the exposed communication and the launches."""
     pipe = step.pipeline
-    if pipe and pipe.has("stage_busy"):
-        stages = tuple(StageBusy(compute_s=b["compute_s"], memory_s=b["hbm_s"])
-                       for b in pipe.stage_busy)
-    else:
-        stages = (StageBusy(compute_s=step.compute_s, memory_s=step.hbm_s),)
+    busy = pipe.stage_busy if pipe and pipe.has("stage_busy") else [
+        {"compute_s": step.compute_s, "hbm_s": step.hbm_s, "device_s": step.device_s}]
+    stages = tuple(busy_of(b["compute_s"], b["hbm_s"], b["device_s"]) for b in busy)
     fixed = step.comm_exposed_s + (step.launch_s or 0.0) + \
         (step.exposed_host_transfer_s or 0.0)
     return Timeline(step_s=step.step_s, stages=stages, fixed_s=min(fixed, step.step_s))
