@@ -212,8 +212,8 @@ def recorded_settings(directory: Path):
 
 def power_rows(directory: Path) -> list[dict]:
     """Each plan's predicted power (its plan.json `power` block, jaxdist.predict.power), with
-    its row name and verdict, least energy per step first; rows without a block are left
-    out."""
+    its row name and verdict, model by model, least energy per step first; rows without a
+    block are left out."""
     import json
 
     out = []
@@ -222,14 +222,15 @@ def power_rows(directory: Path) -> list[dict]:
         power = plan.get("power") or {}
         if "gpu_avg_w" not in power:
             continue
-        out.append({"name": path.parent.name, "fits": plan.get("verdict", {}).get("fits"),
+        out.append({"name": path.parent.name, "model": (plan.get("model") or {}).get("name", ""),
+                    "fits": (plan.get("memory") or {}).get("fits"),
                     "step_s": power["step_s"], "gpu_avg_w": power["gpu_avg_w"],
                     "top_stage_w": max(power.get("gpu_avg_w_by_stage") or
                                        [power["gpu_avg_w"]]),
                     "energy_per_step_j": power["energy_per_step_j"],
                     "samples_per_s_per_mj": power["samples_per_s_per_mj"],
                     "tokens_per_j": power["tokens_per_j"], "node_avg_w": power["node_avg_w"]})
-    return sorted(out, key=lambda r: r["energy_per_step_j"])
+    return sorted(out, key=lambda r: (r["model"], r["energy_per_step_j"]))
 
 
 def power_table(rows: list[dict]) -> list[str]:

@@ -196,12 +196,18 @@ def test_go2025_power_table_ranks_rows_by_energy(tmp_path):
                   "samples_per_s_per_mj": 1.0, "tokens_per_j": 0.5, "node_avg_w": None,
                   **({"gpu_avg_w_by_stage": stages} if stages else {})})
         (tmp_path / name / "plan.json").write_text(json.dumps(
-            {"verdict": {"fits": True}, "power": power}))
+            {"memory": {"fits": True}, "model": {"name": "m"}, "power": power}))
+    (tmp_path / "z").mkdir()  # another model ranks apart, whatever its energy
+    (tmp_path / "z" / "plan.json").write_text(json.dumps(
+        {"memory": {"fits": False}, "model": {"name": "k"}, "power": {
+            "step_s": 1.0, "gpu_avg_w": 100.0, "energy_per_step_j": 9e9,
+            "samples_per_s_per_mj": None, "tokens_per_j": None, "node_avg_w": 800.0}}))
     rows = power_rows(tmp_path)
-    assert [r["name"] for r in rows] == ["b", "a"]  # c has no power: left out
-    assert rows[1]["top_stage_w"] == 560.0
+    assert [r["name"] for r in rows] == ["z", "b", "a"]  # c has no power: left out
+    assert rows[2]["top_stage_w"] == 560.0
     table = power_table(rows)
-    assert table[2] == "| b | yes | 10.00 | 520 | 520 | 200 | 1.00 | 0.500 | - |"
+    assert table[2] == "| z | no | 1.00 | 100 | 100 | 9,000,000 | - | - | 0.80 |"
+    assert table[3] == "| b | yes | 10.00 | 520 | 520 | 200 | 1.00 | 0.500 | - |"
 
 
 def test_roofline_compute_and_memory_share_the_device_time():
