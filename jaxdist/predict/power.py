@@ -267,11 +267,11 @@ def sweep(timeline: Timeline, rec: PartPower, gpus: int, limits, **kw) -> list[P
 def sweep_lines(rows: list[PowerFigures]) -> list[str]:
     """A sweep as text: time, power and energy per limit, and the limit of least energy."""
     best = min(rows, key=lambda r: r.energy_per_step_j)
-    lines = [f"{'limit W':>8}{'step s':>10}{'W/GPU':>8}{'J/step':>12}"]
+    lines = [f"{'limit W':>8}{'step s':>10}{'W/GPU':>8}{'kJ/step':>12}"]
     lines += [f"{r.limit_w:>8.0f}{r.step_s:>10.4g}{r.gpu_avg_w:>8.0f}"
-              f"{r.energy_per_step_j:>12.5g}" for r in rows]
+              f"{r.energy_per_step_j / 1e3:>12.4g}" for r in rows]
     lines.append(f"least energy per step: {best.limit_w:.0f} W "
-                 f"({best.energy_per_step_j:.5g} J, step {best.step_s:.4g} s)")
+                 f"({best.energy_per_step_j / 1e3:.4g} kJ, step {best.step_s:.4g} s)")
     return lines
 
 
