@@ -1,5 +1,5 @@
 """`python -m experiments.predict --power`: the power model (jaxdist.predict.power) against
-the published power rows in analysis/baselines/power_rows.json, predicted beside published:
+the published power rows in experiments/power_rows.json, predicted beside published:
 per-rank GPU power and energy per iteration of named pipeline layouts, a power-limit sweep's
 changes in time and energy, and power against the SM clock. Also the power section of
 `python -m experiments.predict --validate`. No compiles: seconds.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jaxdist.errors import UsageError
 
-ROWS = Path(__file__).resolve().parents[1] / "analysis" / "baselines" / "power_rows.json"
+ROWS = Path(__file__).resolve().parent / "power_rows.json"
 # Done-when targets: per-rank power 8%, energy per iteration 10%, sweep changes 5 points
 # at 200-300 W, power against the SM clock 8%
 TARGETS = {"rank_power": 0.08, "energy": 0.10, "sweep_points": 5.0, "clock_power": 0.08}
@@ -129,7 +129,7 @@ def summary(out: dict) -> dict:
 
 def format_table(out: dict) -> str:
     from jaxdist.hardware import POWER_CONSTANTS
-    lines = ["power: predicted vs published (analysis/baselines/power_rows.json)",
+    lines = ["power: predicted vs published (experiments/power_rows.json)",
              f"{'row':<36}{'rank':>5}{'W pub':>8}{'W pred':>8}{'error':>8}"]
     lines += [f"{r['row']:<36}{r['stage']:>5}{r['published_w']:>8.1f}{r['predicted_w']:>8.1f}"
               f"{r['error']:>+8.1%}" for r in out["ranks"]]

@@ -1,7 +1,7 @@
 """`python -m experiments.predict --validate`: jaxdist's predictions (jaxdist.predict) beside
 the published measurements in analysis/baselines/published.json, with the ratio; then the
 power table (experiments.power_validation: the power model against
-analysis/baselines/power_rows.json), which `--power` prints alone.
+experiments/power_rows.json), which `--power` prints alone.
 
 Each case is a published run jaxdist can express: the model as a `llama3-70b` with size
 overrides and cuDNN flash attention (MaxText ran cudnn_flash_te, torchtitan SDPA's flash

@@ -181,7 +181,7 @@ def check_nodes(hw: Part, devices: int) -> None:
 
 # The power model's constants (jaxdist.predict.power): at most three per GPU generation,
 # each a fraction of the die's rated power (PartPower.die_rated_w), fitted on the rows they
-# name (experiments/power_validation.py `fit`; the rows: analysis/baselines/power_rows.json),
+# name (experiments/power_validation.py `fit`; the rows: experiments/power_rows.json),
 # by a grid search of the three together (steps 0.02, 0.04, 0.01) that keeps every per-rank
 # power within 8% and the sweep's 250 and 200 W changes within 5 points, then has the most
 # clock-row points within 8%; the clock law between them is not fitted
