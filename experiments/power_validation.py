@@ -159,14 +159,17 @@ def format_table(out: dict) -> str:
 
 
 def fit(generation: str = "ampere") -> tuple[float, float, float]:
-    """The grid search behind the generation's three constants: every per-rank power within
+    """The grid search behind the generation's three constants, a memory-bound draw no
+    more than a compute-bound one: every per-rank power within
     its target and the 250/200 W sweep changes within theirs, then the most clock-row
     points within theirs, then the least worst clock-row error."""
     from jaxdist import hardware
     best, saved = None, dict(hardware.POWER_CONSTANTS)
     try:
         for kc in [x / 100 for x in range(100, 181, 2)]:
-            for km in [x / 100 for x in range(30, 141, 4)]:
+            # a memory-bound kernel draws no more than a compute-bound one (its tensor
+            # cores idle)
+            for km in [x / 100 for x in range(30, int(round(kc * 100)) + 1, 4)]:
                 for kw in [x / 100 for x in range(10, 41, 1)]:
                     for phase, value in (("compute", kc), ("memory", km), ("waiting", kw)):
                         hardware.POWER_CONSTANTS[f"{phase}_{generation}"] = hardware.Constant(

@@ -142,8 +142,10 @@ NVIDIA_A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-dat
                          "nvidia-1758950-r4-web.pdf): max TDP 400 W SXM4, 300 W PCIe (80 GB)")
 TPU_A100_PCIE_80 = ("TechPowerUp GPU database, NVIDIA A100 PCIe 80 GB: base clock 1065 MHz, "
                     "boost 1410 MHz, 300 W")
-TPU_A100_SXM_80 = ("TechPowerUp GPU database, NVIDIA A100 SXM4 80 GB: base clock 1275 MHz, "
-                   "boost 1410 MHz, 400 W")
+TPU_A100_SXM = ("TechPowerUp GPU database, NVIDIA A100 SXM4 40 GB (gpu-specs/a100-sxm4-40-gb."
+                "c3506): base clock 1095 MHz, boost 1410 MHz, 400 W; the 80 GB SXM4 differs "
+                "only in its memory (Glenn K. Lockwood, glennklockwood.com/garden/processors/"
+                "A100: 'Everything else was the same (power, etc)')")
 TPU_A40 = "TechPowerUp GPU database, NVIDIA A40 PCIe: base clock 1305 MHz, boost 1740 MHz, 300 W"
 TPU_H100_SXM = "TechPowerUp GPU database, NVIDIA H100 SXM5 80 GB: base clock 1590 MHz, boost 1980 MHz"
 NVIDIA_A40_DATASHEET = "NVIDIA A40 datasheet: max power consumption 300 W, GA102, PCIe Gen4"

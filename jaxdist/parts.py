@@ -159,8 +159,8 @@ _A100_SXM_KERNELS = {
 # The power records (jaxdist.part_figures.PartPower): limits, idle and SM clocks
 _A100_SXM_80_POWER = PartPower(
     limit_w=400, limit_min_w=100, limit_max_w=400, die_rated_w=400, idle_w=None,
-    base_clock_mhz=1275, max_clock_mhz=1410, clock_min_mhz=210, clock_step_mhz=15,
-    generation="ampere", sources=(pf.NVIDIA_A100_DATASHEET, pf.TPU_A100_SXM_80, pf.NVML_CLOCKS,
+    base_clock_mhz=1095, max_clock_mhz=1410, clock_min_mhz=210, clock_step_mhz=15,
+    generation="ampere", sources=(pf.NVIDIA_A100_DATASHEET, pf.TPU_A100_SXM, pf.NVML_CLOCKS,
                                   "limit range 100-400 W: nvidia-smi -q -d POWER on A100 SXM4"))
 _HOPPER_CLOCKS = dict(base_clock_mhz=1590, max_clock_mhz=1980, clock_min_mhz=345,
                       clock_step_mhz=15, generation="hopper")

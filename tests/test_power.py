@@ -216,3 +216,30 @@ def test_roofline_compute_and_memory_share_the_device_time():
     assert (b.compute_s, b.memory_s) == (2.25, 0.75)
     b = busy_of(2.0, 1.0, 3.5)  # kernel by kernel: apart, launches beside them
     assert (b.compute_s, b.memory_s) == (2.0, 1.0)
+
+
+def test_a_run_records_predicted_power_beside_the_measured():
+    from types import SimpleNamespace
+
+    from jaxdist.predict.inrun import power_beside
+    step = SimpleNamespace(step_s=1.0, compute_s=1.0, hbm_s=0.0, device_s=1.0,
+                           comm_exposed_s=0.0, launch_s=0.0, exposed_host_transfer_s=0.0,
+                           pipeline=None)
+    measured = {"available": True, "avg_w": 1200.0, "gpus": [{}, {}]}
+    got = power_beside(step, NAMED["h200"], 2, measured)
+    assert got == {"predicted": pytest.approx(700.0), "measured": 600.0}
+    assert power_beside(step, NAMED["a10g"], 2, measured)["predicted"] is None
+    assert power_beside(step, NAMED["h200"], 2, {"available": False})["measured"] is None
+
+
+def test_a_written_plan_is_repowered_from_its_json():
+    from jaxdist.predict.power import timeline_of_plan
+    plan = {"time": {"step_s": 2.0, "compute_s": 1.0, "hbm_s": 0.5, "device_s": 1.6,
+                     "comm_exposed_s": 0.4, "launch_s": 0.1},
+            "pipeline": {"stage_busy": [{"compute_s": 1.0, "hbm_s": 0.5, "device_s": 1.6},
+                                        {"compute_s": 0.8, "hbm_s": 0.5, "device_s": 1.3}]}}
+    tl = timeline_of_plan(plan)
+    assert [(s.compute_s, s.memory_s) for s in tl.stages] == [(1.0, 0.5), (0.8, 0.5)]
+    assert (tl.step_s, tl.fixed_s) == (2.0, pytest.approx(0.5))
+    del plan["pipeline"]
+    assert len(timeline_of_plan(plan).stages) == 1

@@ -228,6 +228,22 @@ def timeline_of(step) -> Timeline:
     return Timeline(step_s=step.step_s, stages=stages, fixed_s=min(fixed, step.step_s))
 
 
+def timeline_of_plan(plan: dict) -> Timeline:
+    """`timeline_of` read back from a written plan.json (its `time` block, and a pipeline's
+    `stage_busy` in its `pipeline` block): a plan planned once is re-powered without a
+    compile."""
+    from types import SimpleNamespace
+    t = plan["time"]
+    busy = (plan.get("pipeline") or {}).get("stage_busy")
+    step = SimpleNamespace(
+        step_s=t["step_s"], compute_s=t["compute_s"], hbm_s=t["hbm_s"],
+        device_s=t["device_s"], comm_exposed_s=t["comm_exposed_s"],
+        launch_s=t.get("launch_s", 0.0),
+        exposed_host_transfer_s=t.get("exposed_host_transfer_s", 0.0),
+        pipeline=SimpleNamespace(stage_busy=busy, has=lambda name: True) if busy else None)
+    return timeline_of(step)
+
+
 def plan_power(step, part, gpus: int, tokens_per_step: int | None,
                samples_per_step: int | None, limit_w: float | None = None,
                sm_clock_mhz: float | None = None) -> PowerFigures | None:
