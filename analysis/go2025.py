@@ -130,12 +130,13 @@ def findings(h200: list[dict], h100: list[dict]) -> list[dict]:
                     "predicted": f"busiest link busy {a:.0%} of the step (median of the TPxPP "
                                  f"rows that fit) vs {b:.0%} (fsdp_tp and ep rows)",
                     "agrees": "yes" if a < b else "no"})
-    # 3. and 4. need power and temperature, which the plan does not predict.
+    # 3. and 4. need power bursts and temperature: the plan predicts average power only.
     for text in ("Micro-batch sizes past a threshold make power bursty and throttle more",
                  "Thermal imbalance across GPUs causes clock throttling"):
-        out.append({"finding": text, "predicted": "not predicted: the plan has no power or "
-                    "thermal model; runs measure them (NVML every 50 ms, the go2025 suite's "
-                    "mb2..mb8 variants)", "agrees": None})
+        out.append({"finding": text, "predicted": "not predicted: the plan predicts each "
+                    "stage's average power over the step, not its bursts or temperature; runs "
+                    "measure them (NVML every 50 ms, the go2025 suite's mb2..mb8 variants)",
+                    "agrees": None})
     return out
 
 

@@ -115,10 +115,11 @@ def test_the_published_rows_within_their_targets():
     assert s["energy"]["worst"] < 0.10
     assert len([r for r in out["sweeps"] if r["in_target"]]) == 4
     assert s["sweep_points"]["worst"] < 5.0
-    # power against the SM clock: the median within 8%; the worst point (1305 MHz, where
-    # the cube law falls faster than the published stage) is outside it
-    assert len(out["clocks"]) == 6 and s["clock_power"]["median"] < 0.08
-    assert s["clock_power"]["worst"] < 0.15
+    assert len(out["clocks"]) == 6 and s["clock_power"]["worst"] < 0.08
+    # the figures docs/power.md states
+    assert (round(s["rank_power"]["worst"], 3), round(s["energy"]["worst"], 3),
+            round(s["sweep_points"]["worst"], 1), round(s["clock_power"]["worst"], 3)) == \
+        (0.078, 0.048, 4.5, 0.069)
 
 
 @pytest.mark.parametrize("limit, clock, message", [
