@@ -244,3 +244,18 @@ def test_a_written_plan_is_repowered_from_its_json():
     assert (tl.step_s, tl.fixed_s) == (2.0, pytest.approx(0.5))
     del plan["pipeline"]
     assert len(timeline_of_plan(plan).stages) == 1
+
+
+def test_a_parameter_server_plan_on_a_part_without_a_record_says_why(tmp_path):
+    """One compile: the parameter server's workers planned on h100-pcie, which has no power
+    record: the plan says so in its power line and block."""
+    import json
+
+    from tests.helpers import run_cli
+    r = run_cli("--dry-run", "--hardware", "h100-pcie", "--model", "mlp-tiny", "--layout",
+                "ps", "--mesh", "2x1", "--batch-size", "16", "--logdir", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    reason = "h100-pcie has no power record (jaxdist.parts): no power is predicted"
+    assert f"  power: none predicted ({reason})\n" in r.stdout
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["power"] == {"available": False, "reason": reason}
