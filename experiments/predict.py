@@ -1,5 +1,7 @@
 """`python -m experiments.predict --validate`: jaxdist's predictions (jaxdist.predict) beside
-the published measurements in analysis/baselines/published.json, with the ratio.
+the published measurements in analysis/baselines/published.json, with the ratio; then the
+power table (experiments.power_validation: the power model against
+experiments/power_rows.json), which `--power` prints alone.
 
 Each case is a published run jaxdist can express: the model as a `llama3-70b` with size
 overrides and cuDNN flash attention (MaxText ran cudnn_flash_te, torchtitan SDPA's flash
@@ -485,6 +487,9 @@ def main(argv=None) -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--validate", action="store_true",
                       help="predict each published record jaxdist can express")
+    what.add_argument("--power", action="store_true",
+                      help="only the power table: the power model against the published "
+                           "power rows (seconds, no compiles; also the end of --validate)")
     what.add_argument("--go2025", action="store_true",
                       help="an alias of: python -m experiments.suite --preset go2025 --plan "
                            "--hardware H (Go et al.'s grid at full size, predicted, ranked)")
@@ -503,20 +508,30 @@ def main(argv=None) -> int:
                 check_output_file(flag, Path(path))
         other = ([f for f, given in (("--hardware", args.hardware is not None),
                                      ("--plot", args.plot), ("--out", args.out)) if given]
-                 if args.validate else ["--quick"] if args.quick else [])
+                 if not args.go2025 else ["--quick"] if args.quick else [])
+        if args.power and args.quick:
+            other = ["--quick", *other]
         if other:
             raise UsageError(f"{other[0]} applies only to "
-                             f"--{'go2025' if args.validate else 'validate'}; drop it")
+                             f"--{'validate' if other[0] == '--quick' else 'go2025'}; drop it")
     except UsageError as e:
         print(f"predict: error: {e}", file=sys.stderr)
         return 2
     if args.go2025:
         args.hardware = args.hardware or "h200"
         return go2025_alias(args)
+    from experiments import power_validation
+    if args.power:
+        power = power_validation.validate()
+        print(power_validation.format_table(power))
+        if args.json:
+            Path(args.json).write_text(json.dumps(power, indent=1))
+        return 0
     cases = [c for c in CASES if c.small or not args.quick]
     set_devices(cases)
     rows = validate(cases)
     print(format_rows(rows))
+    print("\n" + power_validation.format_table(power_validation.validate()))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -34,6 +34,7 @@ def validate(cfg: RunConfig) -> job.Job:
     if cfg.output.hardware:  # a named part (jaxdist.parts): no jax
         from jaxdist.hardware import get_hardware
         part = get_hardware(cfg.output.hardware, cfg.output.gpus_per_node)
+    check_power_settings(cfg, part)  # before jax: a limit or clock the part lacks
     shape = parse_mesh(cfg.mesh.mesh)
     if shape.size is None and cfg.output.dry_run:
         raise UsageError("--dry-run needs an explicit mesh (e.g. --mesh 4x8), not -1")
@@ -65,6 +66,25 @@ def validate(cfg: RunConfig) -> job.Job:
     check_checkpoint_dir(cfg, kind)
     from experiments.notices import disk_notices, notices
     return dataclasses.replace(resolved, notices=tuple(notices(cfg) + disk_notices(cfg)))
+
+
+def check_power_settings(cfg: RunConfig, part) -> None:
+    """--power-limit and --sm-clock: a plan on a part with a power record, a limit in the
+    part's range and a clock it has (jaxdist.predict.power.check_settings)."""
+    out = cfg.output
+    if not out.power_limit and not out.sm_clock:
+        return
+    flag = "--power-limit" if out.power_limit else "--sm-clock"
+    if not out.dry_run or part is None:
+        raise UsageError(f"{flag} applies to a plan on a part (--dry-run --hardware NAME); a "
+                         f"run does not set it")
+    from jaxdist.predict.power import check_settings, parse_limits
+    limits = parse_limits(out.power_limit) if out.power_limit else [None]
+    if out.sm_clock < 0:
+        raise UsageError(f"--sm-clock must be a clock in MHz (0: the part's maximum), got "
+                         f"{out.sm_clock}")
+    for limit in limits:
+        check_settings(part.power, part.name, limit, out.sm_clock or None)
 
 
 def check_fp8_rate(cfg: RunConfig, part) -> None:

@@ -242,6 +242,11 @@ class OutputConfig:
                            "each as long as its slowest stage's op) or as Megatron-LM runs it "
                            "(megatron: each stage starts its next op once its input arrived)",
                            choices=("jaxdist", "megatron"))
+    power_limit: str = _opt("", "with --dry-run --hardware: the board power limit in W, as "
+                            "nvidia-smi -pl sets it (default: the part's); a comma list "
+                            "(700,600,500) plans each and names the least energy per step")
+    sm_clock: int = _opt(0, "with --dry-run --hardware: the SM clock in MHz, locked as "
+                         "nvidia-smi -lgc locks it (0: the part's maximum)")
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,42 @@ def check_nodes(hw: Part, devices: int) -> None:
                          f"{hw.gpus_per_node} GPUs ({hw.name}); give --gpus-per-node a "
                          f"divisor of {devices}, or a mesh of a multiple of "
                          f"{hw.gpus_per_node} devices")
+
+
+# The power model's constants (jaxdist.predict.power): at most three per GPU generation,
+# each a fraction of the die's rated power (PartPower.die_rated_w), fitted on the rows they
+# name (experiments/power_validation.py `fit`; the rows: experiments/power_rows.json),
+# by a grid search of the three together (steps 0.02, 0.04, 0.01; memory-bound at most
+# compute-bound) that keeps every per-rank power within 8% and the sweep's 250 and 200 W
+# changes within 5 points, then has the most clock-row points within 8%, then the least
+# worst clock-row error; the clock law between them is not fitted
+# (power_cap_clock_exponent, and the part's base clock as the voltage floor's knee).
+_AMPERE_ROWS = ("Perseus's GPT-3 XL and Bloom-3B PP4 ranks on A100 PCIe at 300 W, Zeus's "
+                "power-limit sweep of the same jobs at 250 and 200 W, and Perseus's A100 SXM "
+                "GPT-3 175B stage at six SM clocks")
+POWER_CONSTANTS: dict[str, Constant] = {
+    "compute_ampere": Constant(
+        1.34, "what a compute-bound kernel draws at the maximum SM clock, as a fraction of "
+        "the die's rated power (GA100: 536 W of 400 W, so a 300 W PCIe card or a 400 W SXM "
+        "part running compute-bound kernels is held at its limit), fitted on " + _AMPERE_ROWS),
+    "memory_ampere": Constant(
+        1.34, "what a memory-bound kernel (and a collective's copy kernels) draws at the "
+        "maximum SM clock, over the die's rated power, fitted on the same rows with the "
+        "bound that it draw no more than a compute-bound kernel, which it reaches; only the "
+        "A100 SXM stage, whose 19% of time that does not stretch with the clock it is (its "
+        "TP8 all-reduces among it), constrains it"),
+    "waiting_ampere": Constant(
+        0.10, "what a GPU draws while it waits (exposed communication, pipeline bubble, "
+        "launch gaps), over the die's rated power (GA100: 40 W; Perseus models 83.64 W "
+        "blocking power on A100), fitted on the same rows"),
+    # No development row measures a Hopper GPU's own power in training: Ampere's fractions,
+    # of the GH100's 700 W, stand until one does.
+    "compute_hopper": Constant(1.34, "compute_ampere's fraction, carried over (no Hopper row)"),
+    "memory_hopper": Constant(1.34, "memory_ampere's fraction, carried over (no Hopper row)"),
+    "waiting_hopper": Constant(0.10, "waiting_ampere's fraction, carried over (no Hopper row): "
+                               "70 W of 700 W, the 69-78 W published for an idle Hopper GPU"),
+}
+
+
+def power_constant(phase: str, generation: str) -> float:
+    return POWER_CONSTANTS[f"{phase}_{generation}"].value

@@ -91,3 +91,77 @@ LAUNCH = ("pegainfer (3): From Launch Overhead to CUDA Graph (Part 1), susun-blo
 
 SAME_DIE = ("H100 SXM and H200 are the same GH100 die at 700 W; a compute-bound kernel runs at "
             "the same rate on both")
+
+
+@dataclass(frozen=True)
+class PartPower:
+    """What a GPU part draws and the clocks it runs at, as its datasheet (or a published
+    measurement, named in `sources`) gives them: the board power limit (`limit_w`, the
+    default, and the range `nvidia-smi -pl` accepts), the rated power of its die (the TDP of
+    the full-power part of the same die: the power model's per-generation fractions are of
+    it, so a lower-limit card of the die draws what the die draws), the power it draws idle,
+    and its SM clocks: base (guaranteed at the limit; below it the voltage stays at its
+    floor, jaxdist.predict.power), maximum (boost), and the clocks `nvidia-smi -lgc` accepts
+    (`clock_min_mhz` to the maximum in steps of `clock_step_mhz`). `generation` names the
+    fitted power constants that apply (jaxdist.hardware.POWER_CONSTANTS)."""
+    limit_w: float
+    limit_min_w: float
+    limit_max_w: float
+    die_rated_w: float
+    idle_w: float | None  # None: no published idle figure
+    base_clock_mhz: float
+    max_clock_mhz: float
+    clock_min_mhz: float
+    clock_step_mhz: float
+    generation: str
+    sources: tuple[str, ...] = ()
+
+    def clocks(self) -> tuple[int, ...]:
+        """Every SM clock (MHz) the part can be locked to."""
+        n = int(round((self.max_clock_mhz - self.clock_min_mhz) / self.clock_step_mhz))
+        return tuple(int(round(self.clock_min_mhz + i * self.clock_step_mhz))
+                     for i in range(n + 1))
+
+
+@dataclass(frozen=True)
+class NodePower:
+    """A server of `gpus` GPUs of one part: what the rest of it (CPUs, memory, NICs, fans,
+    power-supply losses) draws while its GPUs sit idle and while they train, and whether the
+    figures are DC (after the power supplies) or AC (at the wall)."""
+    name: str
+    part: str
+    gpus: int
+    non_gpu_idle_w: float
+    non_gpu_training_w: float
+    metering: str          # "DC" or "AC"
+    sources: tuple[str, ...] = ()
+
+
+# Sources of the power records
+NVIDIA_A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-"
+                         "nvidia-1758950-r4-web.pdf): max TDP 400 W SXM4, 300 W PCIe (80 GB)")
+TPU_A100_PCIE_80 = ("TechPowerUp GPU database, NVIDIA A100 PCIe 80 GB: base clock 1065 MHz, "
+                    "boost 1410 MHz, 300 W")
+TPU_A100_SXM = ("TechPowerUp GPU database, NVIDIA A100 SXM4 40 GB (gpu-specs/a100-sxm4-40-gb."
+                "c3506): base clock 1095 MHz, boost 1410 MHz, 400 W; the 80 GB SXM4 differs "
+                "only in its memory (Glenn K. Lockwood, glennklockwood.com/garden/processors/"
+                "A100: 'Everything else was the same (power, etc)')")
+TPU_A40 = "TechPowerUp GPU database, NVIDIA A40 PCIe: base clock 1305 MHz, boost 1740 MHz, 300 W"
+TPU_H100_SXM = "TechPowerUp GPU database, NVIDIA H100 SXM5 80 GB: base clock 1590 MHz, boost 1980 MHz"
+NVIDIA_A40_DATASHEET = "NVIDIA A40 datasheet: max power consumption 300 W, GA102, PCIe Gen4"
+NVIDIA_H100_DATASHEET = ("NVIDIA H100 datasheet, SXM column: max thermal design power (TDP) up "
+                         "to 700 W (configurable)")
+NVIDIA_H200_DATASHEET = ("NVIDIA H200 datasheet, H200 SXM column: max TDP up to 700 W "
+                         "(configurable)")
+POWER_ROWS = "shared notes power-rows.md, 'Hopper and node figures'"
+HOPPER_IDLE = ("idle with nothing resident: H100 SXM 69-75 W, H200 SXM 73-78 W (nvidia-smi "
+               "pastes in public issues, as " + POWER_ROWS + " quotes them)")
+PERSEUS_HW = ("ml-energy/zeus branch kronos @38cb3f9, sosp24_data README: 4x NVIDIA A100-80G "
+              "PCIe per node, 300 W board limit; the Zeus sweep (zeus_global.csv) sets "
+              "175-300 W")
+NVML_CLOCKS = ("nvidia-smi -q -d SUPPORTED_CLOCKS lists the SM clocks in 15 MHz steps on "
+               "Ampere and Hopper (Perseus's stage profile, sosp24_data/emulation/"
+               "stage_profile/gpt3-175b+a100_sxm_bf16.csv @38cb3f9, steps 1410..855 by 15)")
+SMC_NODE = ("mlcommons/training_results_v4.0 @6fe9543, smc-dc-power/results/1xSMC-H100-SXM-80GB/"
+            "bert/: 1.93-2.13 kW per node before training (non-GPU floor plus 8 idle GPUs), "
+            "6.70-6.86 kW median while training, DC metering (immersion cooled)")

@@ -29,6 +29,7 @@ part names before jax is imported).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from jaxdist.program.gpu_targets import ADDED, XLA_SPEC, GpuTarget, gpu_device_i
 from jaxdist.part_figures import (A100_BANDWIDTHTEST, ANY_DTYPE, CUDNN_NORMS, CUDNN_SDPA, FA2,
                                   FLASHMLA, KINDS, LAUNCH, MAMF, MAMF_FP8, MATMUL_PRECISIONS,
                                   SAME_DIE, Peak, Rate)
+from jaxdist import part_figures as pf
+from jaxdist.part_figures import NodePower, PartPower
 
 GB = 1e9
 
@@ -72,6 +75,9 @@ class Part:
     target: GpuTarget | None = field(default=None, hash=False)
     rates: dict = field(default_factory=dict, hash=False)
     attention_curves: dict = field(default_factory=dict, hash=False)
+    # --- what it draws and its clocks (jaxdist.part_figures.PartPower); None: no record, so
+    # no power is predicted on it
+    power: PartPower | None = field(default=None, hash=False)
 
     @property
     def predictable(self) -> bool:
@@ -150,6 +156,27 @@ _A100_SXM_KERNELS = {
 }
 
 
+# The power records (jaxdist.part_figures.PartPower): limits, idle and SM clocks
+_A100_SXM_80_POWER = PartPower(
+    limit_w=400, limit_min_w=100, limit_max_w=400, die_rated_w=400, idle_w=None,
+    base_clock_mhz=1095, max_clock_mhz=1410, clock_min_mhz=210, clock_step_mhz=15,
+    generation="ampere", sources=(pf.NVIDIA_A100_DATASHEET, pf.TPU_A100_SXM, pf.NVML_CLOCKS,
+                                  "limit range 100-400 W: nvidia-smi -q -d POWER on A100 SXM4"))
+_HOPPER_CLOCKS = dict(base_clock_mhz=1590, max_clock_mhz=1980, clock_min_mhz=345,
+                      clock_step_mhz=15, generation="hopper")
+_H100_SXM_POWER = PartPower(
+    limit_w=700, limit_min_w=200, limit_max_w=700, die_rated_w=700, idle_w=72,
+    sources=(pf.NVIDIA_H100_DATASHEET, pf.TPU_H100_SXM, pf.HOPPER_IDLE,
+             "limit range 200-700 W: nvidia-smi -q -d POWER on H100 SXM (" + pf.POWER_ROWS
+             + ": settable 200-700 W on the H200, the same board power design)"),
+    **_HOPPER_CLOCKS)
+_H200_POWER = PartPower(
+    limit_w=700, limit_min_w=200, limit_max_w=700, die_rated_w=700, idle_w=75,
+    sources=(pf.NVIDIA_H200_DATASHEET, pf.HOPPER_IDLE, pf.POWER_ROWS + ": settable 200-700 W "
+             "on H200", "clocks: the GH100 die's (" + pf.TPU_H100_SXM + ")"),
+    **_HOPPER_CLOCKS)
+
+
 # --------------------------------------------------------------------- the parts
 
 # The order is the device_kind match order (first match wins: GH200 before H200, NVL and
@@ -159,7 +186,23 @@ _A100_SXM_KERNELS = {
 PARTS: tuple[Part, ...] = (
     # NVIDIA A100 Tensor Core GPU datasheet (A100 40GB/80GB PCIe and SXM share these rates):
     # FP32 19.5 TF, TF32 156 | 312* TF, BF16 312 | 624* TF (* with sparsity).
-    Part("a100-pcie", patterns=(r"A100.*PCIE",), peak=Peak("A100 PCIe (40/80 GB)", **_A100)),
+    # The power record is the 80 GB card's (300 W); the 40 GB card (250 W) has none.
+    Part("a100-pcie", patterns=(r"A100.*PCIE",), peak=Peak("A100 PCIe (40/80 GB)", **_A100),
+         power=PartPower(limit_w=300, limit_min_w=150, limit_max_w=300, die_rated_w=400,
+                         idle_w=None, base_clock_mhz=1065, max_clock_mhz=1410,
+                         clock_min_mhz=210, clock_step_mhz=15, generation="ampere",
+                         sources=(pf.NVIDIA_A100_DATASHEET, pf.TPU_A100_PCIE_80,
+                                  pf.NVML_CLOCKS, pf.PERSEUS_HW,
+                                  "limit range 150-300 W: nvidia-smi -q -d POWER on A100 "
+                                  "PCIe 80 GB; die_rated_w: the GA100's SXM4 TDP"))),
+    # NVIDIA A40 datasheet: FP32 37.4 TF, TF32 74.8 | 149.6* TF, BF16 149.7 | 299.4* TF.
+    Part("a40", patterns=(r"\bA40\b",),
+         peak=Peak("A40", bf16=299.4e12 / 2, tf32=149.6e12 / 2, fp32=37.4e12),
+         power=PartPower(limit_w=300, limit_min_w=100, limit_max_w=300, die_rated_w=300,
+                         idle_w=None, base_clock_mhz=1305, max_clock_mhz=1740,
+                         clock_min_mhz=210, clock_step_mhz=15, generation="ampere",
+                         sources=(pf.NVIDIA_A40_DATASHEET, pf.TPU_A40, pf.NVML_CLOCKS,
+                                  "limit range 100-300 W: nvidia-smi -q -d POWER on A40"))),
     # NVIDIA Grace Hopper Superchip (GH200) datasheet: the H100-class GPU's rates, FP32 67 TF,
     # TF32 494 | 989* TF, BF16 990 | 1,979* TF.
     Part("gh200", patterns=(r"GH200",), peak=Peak("GH200 (Hopper GPU)", **_H100_SXM)),
@@ -184,7 +227,7 @@ PARTS: tuple[Part, ...] = (
                  3000e9, FLASHMLA,
                  "H800 SXM5 has the H100 SXM's HBM3 (3.35 TB/s); only NVLink differs"),
              ("launch", ANY_DTYPE): _LAUNCH},
-         attention_curves={"bfloat16": _H200_ATTENTION}),   # SAME_DIE
+         attention_curves={"bfloat16": _H200_ATTENTION}, power=_H100_SXM_POWER),  # SAME_DIE
     # Google Cloud's A3 VMs: 8 H100 SXM 80 GB over NVLink 4, and GPU-to-GPU traffic between VMs
     # over GPUDirect-TCPX(O) NICs, not InfiniBand (Google Cloud, "Networking and GPU machines",
     # compute/docs/gpus/gpu-network-bandwidth): A3 High 4 NICs x 200 Gbps for the GPUs
@@ -194,7 +237,8 @@ PARTS: tuple[Part, ...] = (
            ("NVIDIA H100 datasheet, SXM column: 80 GB HBM3, 3.35 TB/s, TDP up to 700 W",
             _NVLINK4, f"Google Cloud {vm}: {nics} x 200 Gbps GPUDirect-{tcpx} NICs for "
             f"GPU-to-GPU traffic -> {gbps:,} Gbps per VM, {gbps / 8 / 8:g} GB/s per GPU"),
-           rates_from="h100-sxm", target=GpuTarget(_H100_SXM_INFO, (_H100_SXM_SPEC, ADDED)))
+           rates_from="h100-sxm", target=GpuTarget(_H100_SXM_INFO, (_H100_SXM_SPEC, ADDED)),
+           power=_H100_SXM_POWER)
       for name, vm, nics, tcpx, gbps in (("h100-sxm-a3-high", "A3 High", 4, "TCPX", 800),
                                          ("h100-sxm-a3-mega", "A3 Mega", 8, "TCPXO", 1600))),
     Part("h100-pcie", "NVIDIA H100 PCIe", 80 * GB, 2.0e12, 64 * GB, 50 * GB, 8, 350,
@@ -234,7 +278,7 @@ PARTS: tuple[Part, ...] = (
              **_H200_ATTENTION_KERNELS,
              ("hbm_copy", ANY_DTYPE): Rate(3770.9e9, CUDNN_NORMS),
              ("launch", ANY_DTYPE): _LAUNCH},
-         attention_curves={"bfloat16": _H200_ATTENTION}),
+         attention_curves={"bfloat16": _H200_ATTENTION}, power=_H200_POWER),
     # The H100 that torchtitan's Llama 3.1 runs used (benchmarks/llama3_h100_202412_torchtitan.md:
     # "Meta Grand Teton, 96 GB HBM2e, 2.4 TB/s, lower-TDP SXM H100, default 500 W power
     # limit"): the GH100 die of h100-sxm, its HBM2e and its 500 W limit. Its peak is the
@@ -247,6 +291,7 @@ PARTS: tuple[Part, ...] = (
           "H100, default 500 W power limit, 400 Gb/s RDMA per GPU", _NVLINK4,
           "400 Gb/s RDMA per GPU (the same torchtitan page) -> 50 GB/s per GPU"),
          power_cap_w=500, rates_from="h100-sxm",
+         power=dataclasses.replace(_H100_SXM_POWER, limit_w=500, idle_w=None),
          target=GpuTarget(
              _memory(_H100_SXM_INFO, *_H100_96GB_HBM), (_H100_SXM_SPEC, ADDED),
              derived="XLA publishes no spec for the 96 GB HBM2e H100 (torchtitan's Grand Teton "
@@ -292,7 +337,8 @@ PARTS: tuple[Part, ...] = (
              ("hbm_copy", ANY_DTYPE): Rate(
                  1226.1e9 * 2039 / 1555, A100_BANDWIDTHTEST,
                  "the A100 40GB's measured fraction of its datasheet bandwidth (1226.1 / 1555) "
-                 "applied to the 80GB's 2,039 GB/s HBM2e")}),
+                 "applied to the 80GB's 2,039 GB/s HBM2e")},
+         power=_A100_SXM_80_POWER),
     # NVIDIA publishes no A10G figures (AWS's variant of the A10, clocked a little lower):
     # the A10 datasheet's FP32 31.2 TF, TF32 62.5 | 125* TF, BF16 125 | 250* TF stand in,
     # so an A10G's MFU is against an A10 proxy peak (slightly optimistic peak, low MFU).
@@ -345,6 +391,24 @@ PARTS: tuple[Part, ...] = (
 )
 
 NAMED: dict[str, Part] = {p.name: p for p in PARTS}
+
+# The servers the power model's node figures are for: one record per system kind. The
+# non-GPU overhead is the one figure per node record (jaxdist.predict.power); None where no
+# published figure separates it.
+NODES: dict[str, NodePower] = {n.name: n for n in (
+    # 8x H100 SXM HGX: before training, 1.93-2.13 kW = the non-GPU floor + 8 idle GPUs at
+    # 69-75 W: 2.03 - 8 x 0.072 = 1.45 kW (derived). While training the non-GPU share is
+    # not published apart from the GPUs; the idle floor stands for it.
+    NodePower("hgx-h100", "h100-sxm", 8, non_gpu_idle_w=1454, non_gpu_training_w=1454,
+              metering="DC", sources=(pf.SMC_NODE, pf.HOPPER_IDLE)),
+    # 8x H200 SXM HGX: the same baseboard, CPUs and NICs as the H100's (NVIDIA rates both
+    # DGX systems at 10.2 kW max); no published figure of its own: hgx-h100's non-GPU power
+    NodePower("hgx-h200", "h200", 8, non_gpu_idle_w=1454, non_gpu_training_w=1454,
+              metering="DC", sources=(pf.SMC_NODE, "carried over from hgx-h100: the same "
+                                      "HGX baseboard, CPUs and NICs; DGX H100 and DGX H200 "
+                                      "are both rated about 10.2 kW max")),
+)}
+NODE_OF_PART = {n.part: n.name for n in NODES.values()}
 # The parts a step can be predicted on, in --hardware order (jaxdist.config's help)
 PREDICTABLE: tuple[str, ...] = tuple(p.name for p in PARTS if p.predictable)
 

@@ -69,7 +69,8 @@ TEXT = {"mesh": "2x2", "coordinator": "host:1234", "xla_flags": "--xla_foo=1",
         "model": "llama-tiny", "model_opts": "depth=2", "layout": "ddp",
         "pp_stage_blocks": "1,1", "data_dir": "data", "ps_bind": "0.0.0.0",
         "ps_tls_cert": "c.pem", "ps_tls_key": "k.pem", "checkpoint_dir": "ck",
-        "logdir": "runs/x", "profile_steps": "2,3", "hardware": "h200"}
+        "logdir": "runs/x", "profile_steps": "2,3", "hardware": "h200",
+        "power_limit": "300"}
 
 
 def other_value(key) -> list[str]:
@@ -338,6 +339,7 @@ def test_predict_flags_act_or_are_refused(tmp_path, capsys, monkeypatch):
     v, g = ["--validate"], ["--go2025", "--out", str(work / "g")]
     cases = {
         "--validate": ([], v, ACTS),
+        "--power": ([], ["--power"], ACTS),
         "--go2025": ([], g, ACTS),
         "--quick": (v, [*v, "--quick"], ACTS),
         "--json": (v, [*v, "--json", str(work / "rows.json")], ACTS),
@@ -345,8 +347,8 @@ def test_predict_flags_act_or_are_refused(tmp_path, capsys, monkeypatch):
         "--plot": (g, [*g, "--plot", str(work / "r.png")], ACTS),
         "--out": (g, [*g, "--out", str(work / "h")], ACTS),
     }
-    parser_flags = {"--validate", "--go2025", "--quick", "--json", "--hardware", "--plot",
-                    "--out"}
+    parser_flags = {"--validate", "--power", "--go2025", "--quick", "--json", "--hardware",
+                    "--plot", "--out"}
     assert set(cases) == parser_flags
     for flag, (without, with_, expect) in cases.items():
         check(capsys, predict_mod.main, "predict", flag, without, with_, expect, folder=work)
@@ -354,7 +356,9 @@ def test_predict_flags_act_or_are_refused(tmp_path, capsys, monkeypatch):
     for flag, with_ in (("--hardware", [*v, "--hardware", "h200"]),
                         ("--plot", [*v, "--plot", str(work / "p.png")]),
                         ("--out", [*v, "--out", str(work / "o")]),
-                        ("--quick", [*g, "--quick"])):
+                        ("--quick", [*g, "--quick"]),
+                        ("--quick", ["--power", "--quick"]),
+                        ("--hardware", ["--power", "--hardware", "h200"])):
         check(capsys, predict_mod.main, "predict", flag, None, with_, REFUSED)
 
 
@@ -369,8 +373,8 @@ def test_predict_walk_covers_its_parser(monkeypatch):
     monkeypatch.setattr(predict_mod.OneLineParser, "parse_args", stop)
     with pytest.raises(SystemExit):
         predict_mod.main([])
-    assert seen["flags"] == {"--validate", "--go2025", "--quick", "--json", "--hardware",
-                             "--plot", "--out"}
+    assert seen["flags"] == {"--validate", "--power", "--go2025", "--quick", "--json",
+                             "--hardware", "--plot", "--out"}
 
 
 # ---- experiments.report, analysis.plan_rank, analysis.go2025 -----------------------------

@@ -114,6 +114,8 @@ def test_quick_plan_end_to_end(tmp_path):
     for name in plans:
         plan = json.loads((out / name / "plan.json").read_text())
         assert plan["label"] == "predicted" and plan["row"]["name"] == name
+        # h200 has a power record: each row's predicted power (jaxdist.predict.power)
+        assert 0 < plan["power"]["gpu_avg_w"] <= plan["power"]["limit_w"] == 700
     ranking = json.loads((out / "ranking.json").read_text())
     assert ranking["label"] == "predicted"
     assert [r["name"] for r in ranking["models"]["gpt-tiny"]] and \

@@ -431,6 +431,11 @@ def test_dry_run_hardware_writes_a_predicted_plan(tmp_path):
         plan["memory"]["rule"] == MEMORY_RULE
     assert plan["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(
         16 * 32 / t["step_s"] / 8)
+    # the roofline's compute and HBM seconds share its device time in the power model
+    power = plan["power"]
+    assert power["terms"]["compute_s"] + power["terms"]["memory_s"] == pytest.approx(
+        t["device_s"])
+    assert 0 < power["gpu_avg_w"] <= power["limit_w"] == 700
 
 
 def test_a_plan_over_nodes_names_each_axis_links_and_times_each_collective_on_them(

@@ -34,6 +34,19 @@ def _ratio(measured, predicted):
     return measured / predicted if measured and predicted else None
 
 
+def power_beside(step, part, gpus: int, measured: dict) -> dict[str, float | None]:
+    """{"predicted", "measured"}: the predicted average W per GPU of the step on `part`
+    (jaxdist.predict.power; None on a part without a power record) and the run's measured
+    one (its power block's total draw over its GPUs; None where it measured none)."""
+    from jaxdist.predict.power import plan_power
+    predicted = plan_power(step, part, gpus, None, None)
+    gpus_measured = len(measured.get("gpus") or ())
+    return {"predicted": predicted.gpu_avg_w if predicted else None,
+            "measured": (measured["avg_w"] / gpus_measured
+                         if measured.get("available") and measured.get("avg_w") and
+                         gpus_measured else None)}
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnPrediction:
     """A run's prediction of itself: the plan of its job on its part (`prediction`), or why
@@ -97,6 +110,7 @@ class OwnPrediction:
         measured_tps_gpu = measured_tps / n if measured_tps else None
         peak = results["memory"].get("measured_peak_bytes")
         simulated = platform.simulated or platform.backend == "cpu"
+        power = power_beside(step, hw, n, results.get("power") or {})
         return {
             "label": time_model.LABEL, "available": True, "hardware": hw.name,
             "source": self.source, "compiler": pred.compiler,
@@ -111,13 +125,15 @@ class OwnPrediction:
                           "compute_s": step.compute_s, "hbm_s": step.hbm_s,
                           "intra_node_s": step.intra_node_s,
                           "inter_node_s": step.inter_node_s,
-                          "comm_exposed_s": step.comm_exposed_s, "bubble_s": step.bubble_s},
+                          "comm_exposed_s": step.comm_exposed_s, "bubble_s": step.bubble_s,
+                          "gpu_avg_w": power["predicted"]},
             "measured": {"step_s": measured_step, "tokens_per_s_per_gpu": measured_tps_gpu,
-                         "peak_bytes_per_device": peak},
+                         "peak_bytes_per_device": peak, "gpu_avg_w": power["measured"]},
             "measured_over_predicted": {
                 "step_s": _ratio(measured_step, pred.step_s),
                 "tokens_per_s_per_gpu": _ratio(measured_tps_gpu, thr.tokens_per_s_per_gpu),
-                "memory": _ratio(peak, memory.total_bytes)},
+                "memory": _ratio(peak, memory.total_bytes),
+                "gpu_avg_w": _ratio(power["measured"], power["predicted"])},
             "note": (f"measured on {platform.backend} "
                      f"({'simulated devices' if platform.simulated else platform.device_kind}"
                      f"), predicted for {hw.name}: the ratios check the plumbing, not the "

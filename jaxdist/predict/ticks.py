@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxdist.figures import Figures
+from jaxdist.figures import ABSENT, Figures
 from jaxdist.hardware import constant
 from jaxdist.parts import Part
 from jaxdist.pipeline.schedule import BACK, BWD, FWD, PAIR, Schedule
@@ -256,7 +256,10 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
             send_exposed_s=exposed["intra-node"] + exposed["inter-node"],
             message_bytes=act_bytes, tail_s=tail.seconds,
             tail_beside_ticks_s=sum(hidden.values()), early_reductions=len(early),
-            runtime=runtime, lockstep_s=lockstep_s, dataflow_s=dataflow_s))
+            runtime=runtime, lockstep_s=lockstep_s, dataflow_s=dataflow_s,
+            stage_busy=[{"compute_s": b["compute_s"] + tail.compute_s,
+                         "hbm_s": b["hbm_s"] + tail.hbm_s,
+                         "device_s": b["device_s"] + tail.device_s} for b in busy]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,3 +290,6 @@ class PipelineTime(Figures):
                      "else follows the tick's ops")
     dataflow: str = ("megatron (what-if, not what jaxdist runs): each stage runs its next op "
                      "as soon as it is free and the op's input has arrived")
+    # each stage's compute-bound, memory-bound and device seconds (its ops and the tail),
+    # what the power model reads per stage (jaxdist.predict.power)
+    stage_busy: list = ABSENT
