@@ -215,16 +215,12 @@ def power_rows(directory: Path) -> list[dict]:
     """Each plan's predicted power (its plan.json `power` block, jaxdist.predict.power), with
     its row name and verdict, model by model, least energy per step first; rows without a
     block are left out."""
-    import json
-
     out = []
-    for path in sorted(Path(directory).glob("*/plan.json")):
-        plan = json.loads(path.read_text())
-        power = plan.get("power") or {}
-        if "gpu_avg_w" not in power:
+    for row in read_rows(Path(directory)):
+        power = row["power"]
+        if power is None:
             continue
-        out.append({"name": path.parent.name, "model": (plan.get("model") or {}).get("name", ""),
-                    "fits": (plan.get("memory") or {}).get("fits"),
+        out.append({"name": row["name"], "model": row["model"], "fits": row["fits"],
                     "step_s": power["step_s"], "gpu_avg_w": power["gpu_avg_w"],
                     "top_stage_w": max(power.get("gpu_avg_w_by_stage") or
                                        [power["gpu_avg_w"]]),

@@ -68,6 +68,8 @@ class PlanRow(TypedDict):
     runtime: str | None           # the pipeline runtime the step was predicted under
     step_by_runtime: dict | None  # {"jaxdist": s, "megatron": s}: the sends, tail included
     link_busy: float              # share of the step the busiest link carries traffic
+    power: dict | None            # plan.json's `power` block where it predicts power
+    energy_per_step_j: float | None  # per GPU, from `power`
 
 
 def row(name: str, plan: dict) -> PlanRow:
@@ -90,7 +92,9 @@ def row(name: str, plan: dict) -> PlanRow:
             "jaxdist": pp["lockstep_s"] + pp["tail_s"],
             "megatron": pp["dataflow_s"] + pp["tail_s"]},
         link_busy=max(t["intra_node_s"], t["inter_node_s"]) / t["step_s"]
-        if t["step_s"] else 0.0)
+        if t["step_s"] else 0.0,
+        power=plan["power"] if "gpu_avg_w" in (plan.get("power") or {}) else None,
+        energy_per_step_j=(plan.get("power") or {}).get("energy_per_step_j"))
 
 
 def read_rows(directory: Path) -> list[PlanRow]:
@@ -134,6 +138,14 @@ def rank(rows: list[PlanRow]) -> dict[str, list[PlanRow]]:
     return out
 
 
+def energy_ranks(rows: list[PlanRow]) -> dict[str, int]:
+    """Each row's rank by predicted energy per step (least first) among the rows of its
+    model that fit and predict power."""
+    ranked = sorted((r for r in rows if r["energy_per_step_j"] is not None and
+                     r["fits"] is not False), key=lambda r: r["energy_per_step_j"])
+    return {r["name"]: i for i, r in enumerate(ranked, 1)}
+
+
 def parts_of(ranked: dict[str, list[PlanRow]]) -> str | None:
     """The part(s) the rows were predicted for, as every plan.json records it."""
     parts = sorted({r["hardware"] for rows in ranked.values() for r in rows if r["hardware"]})
@@ -165,21 +177,27 @@ def format_ranking(ranking: dict, markdown: bool = False) -> str:
     hardware = meta.get("hardware") or parts_of(ranking["models"]) or "?"
     lines = [f"{LABEL} (not measured) on {hardware}: ranked by predicted "
              f"tokens/s per GPU; the step split into compute, memory-bound kernels, launches, "
-             f"exposed communication by link (intra, inter) and the bubble (seconds). "
+             f"exposed communication by link (intra, inter) and the bubble (seconds); "
+             f"predicted power per GPU, energy per step per GPU and the rank by energy. "
              f"GiB/dev and fits: {MEMORY_RULE}"]
     head = ["rank", "run", "mesh", "schedule", "GiB/dev", "fits", "step s", "tok/s/GPU",
-            "MFU", "compute", "mem-bound", "launch", "intra", "inter", "bubble", "bottleneck"]
+            "MFU", "compute", "mem-bound", "launch", "intra", "inter", "bubble", "bottleneck",
+            "W/GPU", "kJ/step", "energy rank"]
     for model, rows in ranking["models"].items():
         lines.append("")
         lines.append(f"{'### ' if markdown else ''}{model} ({LABEL})")
         table = []
+        energy = energy_ranks(rows)
         for i, r in enumerate(rows, 1):
-            b = r["bars"]
+            b, power = r["bars"], r["power"] or {}
             sched = f"{r['schedule']} M={r['microbatches']}" if r["schedule"] else "-"
             table.append([str(i), r["name"], r["mesh"], sched, f"{r['memory_gib']:.1f}",
                           _fits(r["fits"]), f"{r['step_s']:.2f}",
                           f"{r['tokens_per_s_per_gpu'] or 0:,.0f}", f"{r['mfu']:.1%}",
-                          *(f"{s:.2f}" for s in b.values()), r["bottleneck"]])
+                          *(f"{s:.2f}" for s in b.values()), r["bottleneck"],
+                          f"{power['gpu_avg_w']:.0f}" if power else "-",
+                          f"{power['energy_per_step_j'] / 1e3:,.1f}" if power else "-",
+                          str(energy.get(r["name"], "-"))])
         if markdown:
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))

@@ -274,14 +274,8 @@ def main_dry_run(checked: Job, stop: StopRequest, name: str = "run") -> int:
         print(f"notice: {gpu_compiler_missing()}; these figures come from XLA:CPU's program "
               f"(about 2x the bytes of XLA:GPU's for a bf16 step)", file=sys.stderr)
     print(plans.format_plan(plan))
-    power = None
-    if checked.part is not None:  # predicted power and energy (jaxdist.predict.power)
-        from jaxdist.predict.power import for_plan
-        power = for_plan(plan, checked)
-        print("  " + "\n  ".join(power.lines()))
     if logdir is not None:
-        write_json(logdir / plans.file_name(plan),
-                   plan if power is None else {**plan.to_json(), "power": power.to_json()})
+        write_json(logdir / plans.file_name(plan), plan)
         print(f"\nplan: {logdir / plans.file_name(plan)}")
     return 0
 

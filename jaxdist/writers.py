@@ -363,8 +363,8 @@ def predicted_scalars(results: dict) -> dict[str, float]:
     p = results.get("prediction") or {}
     if not p.get("available"):
         return {}
-    values = {**{k: v for k, v in p["predicted"].items() if k.endswith(("_s", "_gpu", "mfu",
-                                                                      "_device"))},
+    values = {**{k: v for k, v in p["predicted"].items()
+                 if k.endswith(("_s", "_gpu", "mfu", "_w", "_device"))},
               **{f"measured_over_predicted_{k}": v
                  for k, v in p["measured_over_predicted"].items()}}
     return {f"predicted/{k}": float(v) for k, v in values.items()

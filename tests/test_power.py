@@ -186,6 +186,17 @@ def test_a_pipeline_plan_prints_and_writes_its_power(tmp_path):
     assert "least energy per step: " in r.stdout
 
 
+def plan_json(model: str, fits: bool, power: dict) -> dict:
+    """A plan.json as analysis.plan_rank reads it, with its `power` block."""
+    time = {"step_s": 10.0, "compute_s": 10.0, "hbm_s": 0.0, "intra_node_s": 0.0,
+            "inter_node_s": 0.0, "comm_exposed_s": 0.0, "bubble_s": 0.0,
+            "bottleneck": "compute"}
+    return {"label": "predicted", "model": {"name": model}, "layout": "fsdp",
+            "mesh": {"fsdp": 8}, "batch_size": 8, "time": time,
+            "memory": {"total_bytes": 2 ** 30, "fits": fits},
+            "throughput": {"tokens_per_s_per_gpu": 1.0, "mfu": 0.5}, "power": power}
+
+
 def test_go2025_power_table_ranks_rows_by_energy(tmp_path):
     import json
 
@@ -196,13 +207,11 @@ def test_go2025_power_table_ranks_rows_by_energy(tmp_path):
                  {"step_s": 10.0, "gpu_avg_w": 520.0, "energy_per_step_j": energy,
                   "samples_per_s_per_mj": 1.0, "tokens_per_j": 0.5, "node_avg_w": None,
                   **({"gpu_avg_w_by_stage": stages} if stages else {})})
-        (tmp_path / name / "plan.json").write_text(json.dumps(
-            {"memory": {"fits": True}, "model": {"name": "m"}, "power": power}))
+        (tmp_path / name / "plan.json").write_text(json.dumps(plan_json("m", True, power)))
     (tmp_path / "z").mkdir()  # another model ranks apart, whatever its energy
-    (tmp_path / "z" / "plan.json").write_text(json.dumps(
-        {"memory": {"fits": False}, "model": {"name": "k"}, "power": {
-            "step_s": 1.0, "gpu_avg_w": 100.0, "energy_per_step_j": 9e9,
-            "samples_per_s_per_mj": None, "tokens_per_j": None, "node_avg_w": 800.0}}))
+    (tmp_path / "z" / "plan.json").write_text(json.dumps(plan_json("k", False, {
+        "step_s": 1.0, "gpu_avg_w": 100.0, "energy_per_step_j": 9e9,
+        "samples_per_s_per_mj": None, "tokens_per_j": None, "node_avg_w": 800.0})))
     rows = power_rows(tmp_path)
     assert [r["name"] for r in rows] == ["z", "b", "a"]  # c has no power: left out
     assert rows[2]["top_stage_w"] == 560.0
@@ -259,3 +268,24 @@ def test_a_parameter_server_plan_on_a_part_without_a_record_says_why(tmp_path):
     assert f"  power: none predicted ({reason})\n" in r.stdout
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["power"] == {"available": False, "reason": reason}
+
+
+def test_plan_rank_ranks_layouts_by_energy_beside_time(tmp_path):
+    import json
+
+    from analysis import plan_rank
+    for name, tps, energy in (("fast", 30.0, 4e5), ("frugal", 20.0, 1e5), ("none", 10.0, None)):
+        (tmp_path / name).mkdir()
+        power = ({"available": False, "reason": "no record"} if energy is None else
+                 {"step_s": 10.0, "gpu_avg_w": energy / 10.0, "energy_per_step_j": energy,
+                  "samples_per_s_per_mj": 1.0, "tokens_per_j": 0.5, "node_avg_w": None})
+        body = plan_json("m", True, power)
+        body["throughput"]["tokens_per_s_per_gpu"] = tps
+        (tmp_path / name / "plan.json").write_text(json.dumps(body))
+    ranking = plan_rank.write_ranking(tmp_path, {"hardware": "h200"})
+    assert [r["name"] for r in ranking["models"]["m"]] == ["fast", "frugal", "none"]
+    text = (tmp_path / "ranking.md").read_text()
+    assert "| W/GPU | kJ/step | energy rank |" in text
+    assert "| 40000 | 400.0 | 2 |" in text and "| 10000 | 100.0 | 1 |" in text
+    (none,) = [line for line in text.splitlines() if "| none |" in line]
+    assert none.endswith("| - | - | - |")  # no power record: no power, no energy rank

@@ -108,43 +108,51 @@ def test_interrupted_run_says_so():
 
 def test_hparams_are_the_settings_that_define_a_run():
     hp = run_hparams(results())
-    assert hp == {"layout": "fsdp", "mesh": "2x4", "status": "complete", "steps": "2",
-                  "devices": 8, "device_kind": "cpu",
-                  "model": "mlp-tiny", "params": 6922, "batch": 16, "dtype": "float32",
-                  "matmul_precision": "default", "optimizer": "adamw", "lr": 0.001,
-                  "microbatches": 1, "remat": "none", "overlap": False,
-                  "dataset": "synthetic", "seed": 0, "framework": "jax", "backend": "cpu",
+    assert hp == {"layout": "fsdp", "mesh": "2x4", "model": "mlp-tiny", "dtype": "float32",
+                  "status": "complete", "steps": "2", "devices": 8, "batch": 16,
+                  "microbatches": 1, "remat": "none", "overlap": False, "framework": "jax",
                   "simulated": True}
     r = results(layout="ps", mesh={"workers": 2, "devices_per_worker": 1})
     r["config"] = copy.deepcopy(r["config"])
-    r["config"]["model"]["matmul_precision"] = "highest"
     r["config"]["ps"]["ps_mode"] = "ssp"
     hp = run_hparams(r)
-    assert (hp["mesh"], hp["matmul_precision"]) == ("2x1", "highest")
-    assert (hp["ps_mode"], hp["ps_shards"], hp["ps_staleness"]) == ("ssp", 2, 2)
+    assert (hp["mesh"], hp["ps_mode"]) == ("2x1", "ssp")
+    # 25 columns in all, the settings a user compares by marked to show first
+    from jaxdist.writers import HPARAMS, IDENTITY, METRICS
+    assert len(HPARAMS) + len(METRICS) == 25
+    assert IDENTITY == ("layout", "mesh", "model", "dtype", "status")
 
 
 def test_metrics_leave_out_what_was_not_measured():
-    assert run_metrics(results()) == {
+    assert run_metrics(results()) == {  # memory in KiB: the largest figure is 26.8 KiB
         "step_time_p50_s": 0.002, "step_time_p99_s": 0.002, "ksamples_per_s": 8.0,
-        "state_gib_per_device": 10496 / GIB, "compiler_bound_gib": 27494 / GIB,
+        "state_kib_per_device": 10496 / 1024, "compiler_bound_kib": 27494 / 1024,
         "comm_ring_gib": 0.0, "final_loss": 2.4}
 
 
 def test_a_metric_column_reads_in_one_format():
     """TensorBoard prints a metric as toPrecision(5): fixed from 1e-6 to 1e5, exponent
-    notation outside; bytes from 1.1 kB to 97 TiB and throughputs up to 1e8/s stay fixed."""
+    notation outside; throughputs up to 1e8/s stay fixed, and memory is in the unit of the
+    run's scale, named in the tag and title, so it reads 0.1-9,999 from 1.1 kB to 97 TiB."""
+    from jaxdist.writers import memory_unit, metric_columns
+
     def fixed(x):
         return 1e-6 <= abs(x) < 1e5
-    for state, samples in ((1100, 1.0), (50692, 8000.0), (1.622e6, 2.5e5),
-                           (141e9, 1e6), (90 * 2 ** 40, 1e3)):
+    for state, samples, unit in ((1100, 1.0, "KiB"), (50692, 8000.0, "KiB"),
+                                 (1.622e6, 2.5e5, "KiB"), (141e9, 1e6, "GiB"),
+                                 (90 * 2 ** 40, 1e3, "TiB"), (9 * 2 ** 30, 1e3, "MiB")):
         r = results(memory={"state_bytes_per_device": state, "measured_peak_bytes": state,
                             "compiled": {"peak_bytes": state}},
                     throughput={"samples_per_s": samples, "tokens_per_s": samples * 64})
+        assert memory_unit(r)[0] == unit, (state, memory_unit(r))
         m = run_metrics(r)
-        for tag in ("state_gib_per_device", "compiler_bound_gib", "measured_peak_gib",
-                    "ksamples_per_s", "ktokens_per_s"):
+        u = unit.lower()
+        for tag in ("ksamples_per_s", "ktokens_per_s"):
             assert fixed(m[tag]), (tag, m[tag])
+        for tag in (f"state_{u}_per_device", f"compiler_bound_{u}", f"measured_peak_{u}"):
+            assert 0.1 <= m[tag] <= 9_999, (tag, m[tag])
+        titles = dict(metric_columns(r))
+        assert titles[f"state_{u}_per_device"] == f"state {unit}/device"
 
 
 def test_status_and_steps_columns():
@@ -188,20 +196,21 @@ def test_a_pipeline_run_has_its_schedule_as_a_column_and_bubble_and_stage_bytes_
     assert hp["schedule"] == "interleaved-v2"
     assert hp["mesh"] == "data:1,stage:2,tensor:2"  # what --mesh takes back
     from jaxdist.writers import METRICS
+    from jaxdist.writers import FIGURES
     m = run_metrics(r)
     assert (m["pp_bubble"], m["pp_stage_gib"]) == (0.2, 4096 / GIB)
     tags = [tag for tag, _ in METRICS]
-    assert {"pp_bubble", "pp_stage_gib"} <= set(tags)
+    assert "pp_bubble" in tags and "pp_stage_gib" in FIGURES  # a column; a trial/ scalar
     assert "schedule" not in run_hparams(results())  # absent, not empty, for others
 
 
 def test_memory_metrics_are_among_the_five_shown_by_default_and_times_say_functional():
     from jaxdist.writers import METRICS
-    first = [tag for tag, _ in METRICS[:5]]
-    assert first[0] == "state_gib_per_device"  # the one metric a 1600 px table shows
-    assert {"compiler_bound_gib", "measured_peak_gib", "step_time_p50_s"} <= set(first)
+    first = [tag for tag, _ in METRICS[:4]]
+    assert first == ["step_time_p50_s", "state_{unit}_per_device", "compiler_bound_{unit}",
+                     "measured_peak_{unit}"]
     titles = dict(METRICS)
-    for tag in ("step_time_p50_s", "step_time_p99_s", "ksamples_per_s", "ktokens_per_s"):
+    for tag in ("step_time_p50_s", "ktokens_per_s"):
         assert "functional only if simulated" in titles[tag]
 
 

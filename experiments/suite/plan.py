@@ -236,8 +236,7 @@ def predict_entry(items: list[tuple], out: Path, log, stop: threading.Event) -> 
         if stop.is_set():
             break
         plan = with_advice(plan, job)
-        from jaxdist.predict.power import for_plan
-        body = {**plan.to_json(), "power": for_plan(plan, job).to_json(),
+        body = {**plan.to_json(),
                 "row": {"name": row.name, "entry": row.row, "settings": row.settings}}
         (out / row.name).mkdir(exist_ok=True)
         write_json(out / row.name / "plan.json", body)

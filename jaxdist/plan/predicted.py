@@ -54,6 +54,7 @@ class PredictedPlan(PlanBase):
     prediction: Prediction
     seq_len: int | None = None  # the header's; not in plan.json
     advice: tuple[Advice, ...] = ()  # checked levers, where it does not fit
+    power: Figures | None = None  # jaxdist.predict.power.PlanPower: plan.json's `power`
 
     file_name = "plan.json"
 
@@ -68,6 +69,7 @@ class PredictedPlan(PlanBase):
             "constants": p.constants, "compiled": p.compiled,
             **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             "memory": p.memory, "time": p.time, "throughput": p.throughput,
+            **({"power": self.power} if self.power is not None else {}),
             "verdict": p.verdict, **({"advice": list(self.advice)} if p.fits is not True
                                      else {})})
 
@@ -97,10 +99,13 @@ class PredictedPlan(PlanBase):
 def predict_plan(job, blocks: str = "auto", cache: dict | None = None) -> PredictedPlan:
     """The plan of `job` (jaxdist.job) on its mesh and part; `cache` (a dict, optional) keeps
     compiles for later calls whose program is the same (a suite's rows)."""
-    return PredictedPlan(settings=plan_settings(job), layout=job.layout.name,
+    from jaxdist.predict.power import for_plan
+
+    plan = PredictedPlan(settings=plan_settings(job), layout=job.layout.name,
                          mesh=dict(job.shape.axis_sizes), batch_size=job.train.batch_size,
                          prediction=predict(job, blocks, cache),
                          seq_len=getattr(job.model, "seq_len", None))
+    return dataclasses.replace(plan, power=for_plan(plan, job))
 
 
 def plan_settings(job) -> PlanSettings:
@@ -290,6 +295,9 @@ def format_prediction(p: PredictedPlan) -> str:
         verdict_line(p),
         *([f"  to fit: {'; '.join(hints) or 'a larger part or more devices'}"]
           if p.prediction.fits is not True else []),
+        # predicted power and energy (jaxdist.predict.power), the third figure of a step
+        *([("  if it fit, " if thr.if_it_fit else "  ") + line for line in p.power.lines()]
+          if p.power is not None else []),
         memory_line(p),
         f"  memory rule: {p.memory.rule}",
         f"  compiler: {comp.compiler}; {comp.method}" +
