@@ -41,6 +41,7 @@ embeddings and the last chunk's the head; their gradients are summed over stages
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -139,12 +140,14 @@ def overlapped_sends(sched: Schedule, most: int = OVERLAP_SETS) -> OverlappedSen
     choice, exposed_choice = np.zeros((T, 2), np.int32), np.zeros((T, 2), np.int32)
     for k in range(2):
         every = [slot_pairs(sched, t, k) for t in range(T)]
-        counts = {p: every.count(p) for p in every if p}
+        counts = Counter(p for p in every if p)  # in one pass: tables run to 1e4 ticks
         chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
         rest = ((),) + tuple(sorted({p for p in every if p and p not in chosen}))
+        at_chosen = {p: i for i, p in enumerate(chosen)}
+        at_rest = {p: i for i, p in enumerate(rest)}
         for t, p in enumerate(every):
-            choice[t, k] = chosen.index(p) if p in chosen else len(chosen)
-            exposed_choice[t, k] = rest.index(p) if p not in chosen else 0
+            choice[t, k] = at_chosen.get(p, len(chosen))
+            exposed_choice[t, k] = at_rest[p] if p not in at_chosen else 0
         sets.append(chosen)
         exposed.append(rest)
     return OverlappedSends(tuple(sets), choice, tuple(exposed), exposed_choice)
@@ -170,15 +173,17 @@ def combined_sends(sched: Schedule, most: int = OVERLAP_SETS) -> CombinedSends:
     beside the operations, the rest exposed."""
     T = sched.ticks
     every = [(slot_pairs(sched, t, 0), slot_pairs(sched, t, 1)) for t in range(T)]
-    counts = {p: every.count(p) for p in every if p != ((), ())}
+    counts = Counter(p for p in every if p != ((), ()))
     chosen = tuple(sorted(counts, key=lambda p: (-counts[p], p))[:most])
-    rest = tuple(((),) + tuple(sorted({p[k] for p in every if p not in chosen and p[k]}))
+    at_chosen = {p: i for i, p in enumerate(chosen)}
+    rest = tuple(((),) + tuple(sorted({p[k] for p in every if p not in at_chosen and p[k]}))
                  for k in (0, 1))
+    at_rest = [{p: i for i, p in enumerate(r)} for r in rest]
     choice, exposed_choice = np.zeros(T, np.int32), np.zeros((T, 2), np.int32)
     for t, p in enumerate(every):
-        choice[t] = chosen.index(p) if p in chosen else len(chosen)
+        choice[t] = at_chosen.get(p, len(chosen))
         for k in (0, 1):
-            exposed_choice[t, k] = 0 if p in chosen else rest[k].index(p[k])
+            exposed_choice[t, k] = 0 if p in at_chosen else at_rest[k][p[k]]
     return CombinedSends(chosen, choice, rest, exposed_choice)
 
 

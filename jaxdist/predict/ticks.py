@@ -177,7 +177,8 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
     exposed = {"intra-node": 0.0, "inter-node": 0.0}  # the sends' time the ticks do not hide
     messages = 0
     tick_ends = []  # when each tick's operations end (the ticks' own time, sends apart)
-    beside = overlapped_sends(sched) if overlap else None
+    slotted = overlapped_sends(sched)  # once: the table's sends by slot (None: zb-h1's)
+    beside = slotted if overlap else None
     combined = combined_sends(sched) if overlap and sched.combined else None
     for t in range(sched.ticks):
         longest, longest_op = 0.0, dict.fromkeys(sched.kinds, 0.0)
@@ -198,7 +199,7 @@ def tick_model(sched: Schedule, ops: dict, tail: dict, act_bytes: float, hw: Par
         # before it, its done after: XLA:GPU's schedule), so only what outlasts the slot's
         # longest operation is exposed; the other sets, and zb-h1's, follow the tick's ops.
         for k, pairs in enumerate((slot_pairs(sched, t, 0), slot_pairs(sched, t, 1))
-                                  if overlapped_sends(sched) else sched.sends(t)):
+                                  if slotted else sched.sends(t)):
             if not pairs:
                 continue
             times = [(send_time(act_bytes, inter, hw), inter) for inter in
