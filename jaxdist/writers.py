@@ -228,7 +228,10 @@ def run_hparams(results: dict) -> dict:
     reading, one default per field); absent ones left out."""
     rec = RunRecord(Path(""), results)
     hp = {
-        "layout": rec.layout, "mesh": rec.mesh, "model": rec.model_name, "dtype": rec.dtype,
+        # an FP8 run's scaling with its dtype: two FP8 runs differ by it
+        "layout": rec.layout, "mesh": rec.mesh, "model": rec.model_name,
+        "dtype": (f"{rec.dtype} ({rec.fp8_scaling})" if rec.dtype == "float8" and
+                  rec.fp8_scaling else rec.dtype),
         "status": rec.status, "steps": rec.steps, "schedule": rec.schedule,
         "devices": rec.devices, "batch": rec.batch, "microbatches": rec.microbatches,
         "remat": rec.remat, "overlap": rec.overlap, "framework": results.get("framework"),

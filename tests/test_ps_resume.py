@@ -60,14 +60,17 @@ def runs(tmp_path_factory):
     # shard 0 dies at version 4 (a snapshot's) and restarts on its fixed port; once both
     # shards have snapshotted version 6 the launcher is SIGKILLed (its children follow it)
     killed = tmp / "killed"
-    proc = subprocess.Popen(_argv(killed, port), cwd=ROOT,
-                            env=_env(JAXDIST_PS_FAULT="slow-worker:1:0.5,kill-shard:0:4"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp / "killed.log"  # what the run said, for a run that ends before its kill
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_argv(killed, port), cwd=ROOT,
+                                env=_env(JAXDIST_PS_FAULT="slow-worker:1:0.5,kill-shard:0:4"),
+                                stdout=out, stderr=subprocess.STDOUT)
     snaps = killed / "ps" / "snapshots"
     try:
         end = time.monotonic() + 180
         while min(_latest(snaps / f"shard{k}" / "LATEST") for k in range(2)) < 6:
-            assert proc.poll() is None and time.monotonic() < end, "the run ended first"
+            assert proc.poll() is None and time.monotonic() < end, \
+                f"the run ended first (rc {proc.poll()}): {log.read_text()[-3000:]}"
             time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
